@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs Sigma's build and test dependencies from Debian 12 packages.
+# Idempotent and quiet: does nothing (and prints nothing) when everything is present.
+# Usage: scripts/install-deps.sh [--bench]   (--bench adds python3-torch, the benchmark peer)
+set -euo pipefail
+pkgs=(g++ cmake ninja-build pkg-config libdnnl-dev libomp-dev nlohmann-json3-dev libcli11-dev
+      libfmt-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev python3-numpy)
+[[ "${1:-}" == "--bench" ]] && pkgs+=(python3-torch)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+((${#missing[@]} == 0)) && exit 0
+echo "install-deps: installing ${missing[*]}"
+sudo_cmd=(); [[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

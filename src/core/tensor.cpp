@@ -1,0 +1,90 @@
+#include "core/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+namespace sigma {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::F32: return 4;
+    case DType::BF16: return 2;
+    case DType::I32: return 4;
+    case DType::I64: return 8;
+    case DType::U16: return 2;
+    case DType::U8: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "F32";
+    case DType::BF16: return "BF16";
+    case DType::I32: return "I32";
+    case DType::I64: return "I64";
+    case DType::U16: return "U16";
+    case DType::U8: return "U8";
+  }
+  return "?";
+}
+
+DType dtype_from_name(const std::string& n) {
+  for (DType t : {DType::F32, DType::BF16, DType::I32, DType::I64, DType::U16, DType::U8})
+    if (n == dtype_name(t)) return t;
+  fail("unsupported dtype '{}' (supported: F32, BF16, I32, I64, U16, U8)", n);
+}
+
+int64_t shape_numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) {
+    SIGMA_CHECK(d >= 0, "negative dimension in shape");
+    n *= d;
+  }
+  return n;
+}
+
+std::string shape_str(const Shape& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+void Tensor::Free::operator()(std::byte* p) const { std::free(p); }
+
+static std::byte* aligned_zeroed(size_t nbytes) {
+  size_t rounded = (nbytes + 63) / 64 * 64;
+  if (rounded == 0) rounded = 64;
+  void* p = std::aligned_alloc(64, rounded);
+  if (!p) throw std::bad_alloc();
+  std::memset(p, 0, rounded);
+  return static_cast<std::byte*>(p);
+}
+
+Tensor::Tensor(DType dtype, Shape shape)
+    : dtype_(dtype), shape_(std::move(shape)), numel_(shape_numel(shape_)),
+      buf_(aligned_zeroed(nbytes())) {}
+
+Tensor Tensor::clone() const {
+  Tensor t(dtype_, shape_);
+  if (nbytes()) std::memcpy(t.bytes(), bytes(), nbytes());
+  return t;
+}
+
+void Tensor::zero() {
+  if (nbytes()) std::memset(bytes(), 0, nbytes());
+}
+
+void Tensor::reshape(Shape shape) {
+  SIGMA_CHECK(shape_numel(shape) == numel_, "reshape {} -> {} changes the element count",
+              shape_str(shape_), shape_str(shape));
+  shape_ = std::move(shape);
+}
+
+std::unique_ptr<float[], void (*)(float*)> alloc_floats(size_t n) {
+  return {reinterpret_cast<float*>(aligned_zeroed(n * sizeof(float))),
+          [](float* p) { std::free(p); }};
+}
+
+}  // namespace sigma
