@@ -1,17 +1,28 @@
-// sigma: the one CLI. Subcommands are registered here; each calls into the library.
-#include <CLI/CLI.hpp>
+// sigma: the one CLI. Subcommands live in apps/cmd_*.cpp and register themselves.
 #include <fmt/core.h>
 
+#include "command.h"
 #include "core/error.h"
+
+namespace sigma::cli {
+std::vector<AddCommand>& commands() {
+  static std::vector<AddCommand> all;
+  return all;
+}
+}  // namespace sigma::cli
 
 int main(int argc, char** argv) {
   CLI::App app{"Sigma: sparse multi-domain language models (PanGu-Sigma)"};
   app.require_subcommand(1);
+  for (auto& add : sigma::cli::commands()) add(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const sigma::Error& e) {
+    fmt::print(stderr, "sigma: error: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
     fmt::print(stderr, "sigma: error: {}\n", e.what());
     return 1;
   }
