@@ -1,0 +1,31 @@
+// The one GEMM wrapper: every matrix product in Sigma goes through here (oneDNN's sgemm).
+// Row-major: C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C, op = transpose when t* is set.
+// Inside an OpenMP parallel region oneDNN runs single-threaded, so callers may parallelise
+// over independent products (attention heads) themselves.
+#pragma once
+#include <cstdint>
+
+namespace sigma::cpu {
+
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+          const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+          int64_t ldc);
+
+// y[N,out] (+)= x[N,in] @ w[in,out] + b   (b may be null; accumulate adds to y instead of
+// overwriting it). Row strides default to the logical widths; a column slice of a wider weight
+// (the query layer's K/V part of QKV) passes its own ldw/ldy.
+struct Strides {
+  int64_t x = 0, w = 0, y = 0;  // 0 = contiguous (in, out, out)
+};
+void linear_forward(float* y, const float* x, const float* w, const float* b, int64_t N,
+                    int64_t in, int64_t out, bool accumulate = false, Strides ld = {});
+
+// Gradients of linear_forward, all accumulated (+=): dx (may be null), dw, db (may be null).
+// dx has x's stride, dw has w's, dy has y's.
+void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
+                     const float* w, int64_t N, int64_t in, int64_t out, Strides ld = {});
+
+// db[C] += column sums of dy[N,C] with row stride ld (0 = C); each thread owns columns.
+void column_sum_accumulate(float* db, const float* dy, int64_t N, int64_t C, int64_t ld = 0);
+
+}  // namespace sigma::cpu

@@ -1,0 +1,71 @@
+#include "kernels/cpu/layernorm.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace sigma::cpu {
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,
+                       const float* b, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* xi = x + i * C;
+    float s = 0.0f;
+    for (int64_t j = 0; j < C; ++j) s += xi[j];
+    const float m = s / C;
+    float v = 0.0f;
+    for (int64_t j = 0; j < C; ++j) v += (xi[j] - m) * (xi[j] - m);
+    const float r = 1.0f / std::sqrt(v / C + kLayerNormEps);
+    float* oi = out + i * C;
+    for (int64_t j = 0; j < C; ++j) oi[j] = (xi[j] - m) * r * w[j] + b[j];
+    mean[i] = m;
+    rstd[i] = r;
+  }
+}
+
+// With n = (x-mean)*rstd and g = dout*w:  dx = rstd * (g - mean(g) - n * mean(g*n)).
+void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x,
+                        const float* mean, const float* rstd, const float* w, int64_t N,
+                        int64_t C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) {
+    const float* xi = x + i * C;
+    const float* di = dout + i * C;
+    const float m = mean[i], r = rstd[i];
+    float sum_g = 0.0f, sum_gn = 0.0f;
+    for (int64_t j = 0; j < C; ++j) {
+      const float g = di[j] * w[j];
+      sum_g += g;
+      sum_gn += g * (xi[j] - m) * r;
+    }
+    const float mg = sum_g / C, mgn = sum_gn / C;
+    float* dxi = dx + i * C;
+    for (int64_t j = 0; j < C; ++j) {
+      const float n = (xi[j] - m) * r;
+      dxi[j] += r * (di[j] * w[j] - mg - n * mgn);
+    }
+  }
+  // Parameter gradients: each thread owns a column range, rows summed in order.
+  constexpr int64_t kChunk = 64;
+  const int64_t chunks = (C + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t j0 = c * kChunk, j1 = std::min(C, j0 + kChunk);
+    float aw[kChunk] = {}, ab[kChunk] = {};
+    for (int64_t i = 0; i < N; ++i) {
+      const float* xi = x + i * C;
+      const float* di = dout + i * C;
+      const float m = mean[i], r = rstd[i];
+      for (int64_t j = j0; j < j1; ++j) {
+        aw[j - j0] += di[j] * (xi[j] - m) * r;
+        ab[j - j0] += di[j];
+      }
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      dw[j] += aw[j - j0];
+      db[j] += ab[j - j0];
+    }
+  }
+}
+
+}  // namespace sigma::cpu

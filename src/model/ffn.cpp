@@ -1,0 +1,28 @@
+#include "model/ffn.h"
+
+#include <algorithm>
+
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/gemm.h"
+
+namespace sigma {
+
+void ffn_forward(float* y, float* pre, float* act, const float* x, const FfnWeights& w, int64_t N,
+                 int64_t d, int64_t f) {
+  cpu::linear_forward(pre, x, w.w_in, w.b_in, N, d, f);
+  cpu::fast_gelu_forward(act, pre, N * f);
+  cpu::linear_forward(y, act, w.w_out, w.b_out, N, f, d, /*accumulate=*/true);
+}
+
+void ffn_backward(float* dx, const FfnGrads& g, float* scratch, const float* dy, const float* x,
+                  const float* pre, const float* act, const FfnWeights& w, int64_t N, int64_t d,
+                  int64_t f) {
+  float* d_act = scratch;
+  float* d_pre = scratch + N * f;
+  std::fill(scratch, scratch + 2 * N * f, 0.0f);
+  cpu::linear_backward(d_act, g.w_out, g.b_out, dy, act, w.w_out, N, f, d);
+  cpu::fast_gelu_backward(d_pre, d_act, pre, N * f);
+  cpu::linear_backward(dx, g.w_in, g.b_in, d_pre, x, w.w_in, N, d, f);
+}
+
+}  // namespace sigma

@@ -1,0 +1,343 @@
+#include "model/model.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/rng.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/xent.h"
+#include "model/ffn.h"
+
+namespace sigma {
+
+namespace {
+using Buf = std::vector<float>;
+
+// Value and gradient pointers of one parameter (tensor buffers never move).
+struct PV {
+  float* v = nullptr;
+  float* g = nullptr;
+};
+
+PV pv(ParamSet& ps, const std::string& name) {
+  Param& p = ps.at(name);
+  return {p.value.f(), p.grad.f()};
+}
+}  // namespace
+
+struct Model::Weights {
+  struct Block {
+    PV ln1_w, ln1_b, qkv_w, qkv_b, out_w, out_b, ln2_w, ln2_b, w_in, b_in, w_out, b_out;
+    PV query;  // query layer only: the learned query table [T, d]
+    FfnWeights ffn() const { return {w_in.v, b_in.v, w_out.v, b_out.v}; }
+    FfnGrads ffn_grad() const { return {w_in.g, b_in.g, w_out.g, b_out.g}; }
+  };
+  PV tokens, positions, lnf_w, lnf_b;
+  std::vector<Block> blocks;
+};
+
+// What backward needs, per block; N = B*T rows.
+struct Model::Acts {
+  struct Block {
+    Buf x;                   // [N,d] block input (residual stream)
+    Buf a1, mean1, rstd1;    // LN1 output [N,d], its row stats [N]
+    Buf qkv;                 // [N,3d] (query layer: the q third is unused)
+    Buf qtop;                // [T,d] query layer: query table projected by W_q
+    Buf probs;               // [B,H,T,T] attention probabilities
+    Buf att;                 // [N,d] attention output before the output projection
+    Buf mid;                 // [N,d] residual after attention
+    Buf a2, mean2, rstd2;    // LN2 output and stats
+    Buf pre, act;            // [N,f] FFN before and after FastGelu
+  };
+  int B = 0, T = 0;
+  std::vector<int32_t> rows;  // [N] embedding rows: slot*V + token
+  std::vector<Block> blocks;
+  Buf h_final;                // [N,d] output of the last block
+  Buf hf, meanf, rstdf;       // final LayerNorm
+  Buf logits;                 // [N,V], overwritten by its gradient when training
+  // backward scratch
+  Buf dh, da, datt, dqkv, dffn, dq_shared;
+};
+
+Model::Model(const ModelConfig& cfg, uint64_t seed) : cfg_(cfg), w_(new Weights), a_(new Acts) {
+  cfg_.validate();
+  const int64_t V = cfg_.vocab, d = cfg_.d_model, f = cfg_.ffn(), T = cfg_.context;
+  const int L = cfg_.layers;
+  params_.add("embed.tokens", {int64_t(cfg_.slots) * V, d}, false);
+  params_.add("embed.positions", {T, d}, false);
+  for (int l = 0; l < L; ++l) {
+    const std::string b = fmt::format("blocks.{}.", l);
+    params_.add(b + "ln1.w", {d}, false);
+    params_.add(b + "ln1.b", {d}, false);
+    params_.add(b + "attn.qkv.w", {d, 3 * d}, true);
+    params_.add(b + "attn.qkv.b", {3 * d}, false);
+    params_.add(b + "attn.out.w", {d, d}, true);
+    params_.add(b + "attn.out.b", {d}, false);
+    if (l == L - 1) params_.add(b + "attn.query_table", {T, d}, false);
+    params_.add(b + "ln2.w", {d}, false);
+    params_.add(b + "ln2.b", {d}, false);
+    params_.add(b + "ffn.w_in", {d, f}, true);
+    params_.add(b + "ffn.b_in", {f}, false);
+    params_.add(b + "ffn.w_out", {f, d}, true);
+    params_.add(b + "ffn.b_out", {d}, false);
+  }
+  params_.add("final_ln.w", {d}, false);
+  params_.add("final_ln.b", {d}, false);
+
+  // Initialisation: N(0, std) per tensor from its own RNG stream (so adding a tensor never
+  // shifts another's values); residual output projections scaled by 1/sqrt(2L) (GPT-2);
+  // LayerNorm gains 1, biases 0.
+  const float out_std = cfg_.init_std / std::sqrt(2.0f * L);
+  for (Param& p : params_.all()) {
+    const std::string& n = p.name;
+    float* v = p.value.f();
+    const int64_t count = p.value.numel();
+    auto ends_with = [&](const char* s) {
+      size_t k = std::strlen(s);
+      return n.size() >= k && n.compare(n.size() - k, k, s) == 0;
+    };
+    if (ends_with("ln1.w") || ends_with("ln2.w") || n == "final_ln.w") {
+      std::fill(v, v + count, 1.0f);
+    } else if (p.value.shape().size() >= 2) {
+      const float std = (ends_with("attn.out.w") || ends_with("ffn.w_out")) ? out_std
+                                                                           : cfg_.init_std;
+      const uint64_t stream = stream_of(n.c_str());
+      for (int64_t i = 0; i < count; ++i) v[i] = std * rng_normal(seed, stream, i);
+    }
+  }
+
+  w_->tokens = pv(params_, "embed.tokens");
+  w_->positions = pv(params_, "embed.positions");
+  w_->lnf_w = pv(params_, "final_ln.w");
+  w_->lnf_b = pv(params_, "final_ln.b");
+  for (int l = 0; l < L; ++l) {
+    const std::string b = fmt::format("blocks.{}.", l);
+    Weights::Block k;
+    k.ln1_w = pv(params_, b + "ln1.w");
+    k.ln1_b = pv(params_, b + "ln1.b");
+    k.qkv_w = pv(params_, b + "attn.qkv.w");
+    k.qkv_b = pv(params_, b + "attn.qkv.b");
+    k.out_w = pv(params_, b + "attn.out.w");
+    k.out_b = pv(params_, b + "attn.out.b");
+    if (l == L - 1) k.query = pv(params_, b + "attn.query_table");
+    k.ln2_w = pv(params_, b + "ln2.w");
+    k.ln2_b = pv(params_, b + "ln2.b");
+    k.w_in = pv(params_, b + "ffn.w_in");
+    k.b_in = pv(params_, b + "ffn.b_in");
+    k.w_out = pv(params_, b + "ffn.w_out");
+    k.b_out = pv(params_, b + "ffn.b_out");
+    w_->blocks.push_back(k);
+  }
+}
+
+Model::~Model() = default;
+
+const float* Model::logits() const { return a_->logits.data(); }
+
+double Model::train_flops_per_token() const {
+  const double d = cfg_.d_model, V = cfg_.vocab, T = cfg_.context, L = cfg_.layers;
+  const double per_block = 12.0 * d * d + 13.0 * d;  // qkv, out, ffn weights and biases
+  return 6.0 * L * per_block + 6.0 * V * d + 12.0 * L * T * d;
+}
+
+void Model::ensure_workspace(int B, int T) {
+  SIGMA_CHECK(T <= cfg_.context, "batch length {} exceeds model.context {}", T, cfg_.context);
+  if (a_->B == B && a_->T == T) return;
+  const size_t N = size_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), V = cfg_.vocab,
+               H = cfg_.heads;
+  Acts& a = *a_;
+  a.B = B;
+  a.T = T;
+  a.rows.assign(N, 0);
+  a.blocks.assign(cfg_.layers, {});
+  for (int l = 0; l < cfg_.layers; ++l) {
+    auto& k = a.blocks[l];
+    k.x.assign(N * d, 0);
+    k.a1.assign(N * d, 0);
+    k.mean1.assign(N, 0);
+    k.rstd1.assign(N, 0);
+    k.qkv.assign(N * 3 * d, 0);
+    if (l == cfg_.layers - 1) k.qtop.assign(size_t(T) * d, 0);
+    k.probs.assign(size_t(B) * H * T * T, 0);
+    k.att.assign(N * d, 0);
+    k.mid.assign(N * d, 0);
+    k.a2.assign(N * d, 0);
+    k.mean2.assign(N, 0);
+    k.rstd2.assign(N, 0);
+    k.pre.assign(N * f, 0);
+    k.act.assign(N * f, 0);
+  }
+  a.h_final.assign(N * d, 0);
+  a.hf.assign(N * d, 0);
+  a.meanf.assign(N, 0);
+  a.rstdf.assign(N, 0);
+  a.logits.assign(N * V, 0);
+  a.dh.assign(N * d, 0);
+  a.da.assign(N * d, 0);
+  a.datt.assign(N * d, 0);
+  a.dqkv.assign(N * 3 * d, 0);
+  a.dffn.assign(2 * N * f, 0);
+  a.dq_shared.assign(size_t(T) * d, 0);
+}
+
+void Model::forward(const Batch& batch, float* token_loss, const float* grad_scale) {
+  const int B = batch.B, T = batch.T;
+  SIGMA_CHECK(B > 0 && T > 0 && batch.tokens.size() == size_t(B) * T &&
+                  batch.targets.size() == size_t(B) * T && batch.domain.size() == size_t(B),
+              "malformed batch (B={}, T={})", B, T);
+  ensure_workspace(B, T);
+  const int64_t N = int64_t(B) * T, d = cfg_.d_model, V = cfg_.vocab;
+  Acts& a = *a_;
+  for (int b = 0; b < B; ++b) {
+    SIGMA_CHECK(batch.domain[b] >= 0 && size_t(batch.domain[b]) < cfg_.domains.size(),
+                "batch row {} has domain index {} (model has {} domains)", b, batch.domain[b],
+                cfg_.domains.size());
+    const int64_t base = int64_t(cfg_.domains[batch.domain[b]].slot) * V;
+    for (int t = 0; t < T; ++t) {
+      const int32_t x = batch.tokens[size_t(b) * T + t], y = batch.targets[size_t(b) * T + t];
+      SIGMA_CHECK(x >= 0 && x < V && y >= 0 && y < V,
+                  "token id out of range [0, {}) at batch row {} position {}", V, b, t);
+      a.rows[size_t(b) * T + t] = static_cast<int32_t>(base + x);
+    }
+  }
+  cpu::embedding_forward(a.blocks[0].x.data(), a.rows.data(), w_->tokens.v, w_->positions.v, B,
+                         T, d);
+  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch);
+  head(batch, token_loss, grad_scale);
+  if (!grad_scale) return;
+
+  // Backward: a.dh holds dL/dh of the current residual stream.
+  std::fill(a.dh.begin(), a.dh.end(), 0.0f);
+  cpu::layernorm_backward(a.dh.data(), w_->lnf_w.g, w_->lnf_b.g, a.da.data(), a.h_final.data(),
+                          a.meanf.data(), a.rstdf.data(), w_->lnf_w.v, N, d);
+  for (int l = cfg_.layers - 1; l >= 0; --l) block_backward(l, batch, a.dh.data());
+  cpu::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.data(), a.rows.data(), B, T, d);
+}
+
+void Model::block_forward(int l, const Batch& batch) {
+  const int B = batch.B, T = batch.T;
+  const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), H = cfg_.heads,
+                hd = cfg_.head_dim();
+  const bool query_layer = (l == cfg_.layers - 1);
+  const Weights::Block& w = w_->blocks[l];
+  Acts::Block& k = a_->blocks[l];
+
+  cpu::layernorm_forward(k.a1.data(), k.mean1.data(), k.rstd1.data(), k.x.data(), w.ln1_w.v,
+                         w.ln1_b.v, N, d);
+  cpu::AttnOperand q;
+  if (!query_layer) {
+    cpu::linear_forward(k.qkv.data(), k.a1.data(), w.qkv_w.v, w.qkv_b.v, N, d, 3 * d);
+    q = {k.qkv.data(), 3 * d, T * 3 * d};
+  } else {
+    // Keys and values from LN1(h): the K|V column slice of the QKV weight.
+    cpu::linear_forward(k.qkv.data() + d, k.a1.data(), w.qkv_w.v + d, w.qkv_b.v + d, N, d, 2 * d,
+                        false, {d, 3 * d, 3 * d});
+    // Queries from the learned position table (not normalised), shared by every row.
+    cpu::linear_forward(k.qtop.data(), w.query.v, w.qkv_w.v, w.qkv_b.v, T, d, d, false,
+                        {d, 3 * d, d});
+    q = {k.qtop.data(), d, 0};
+  }
+  const cpu::AttnOperand kk{k.qkv.data() + d, 3 * d, T * 3 * d};
+  const cpu::AttnOperand vv{k.qkv.data() + 2 * d, 3 * d, T * 3 * d};
+  cpu::attention_forward(k.att.data(), k.probs.data(), q, kk, vv, {B, T, H, hd},
+                         1.0f / std::sqrt(float(hd)));
+  std::copy(k.x.begin(), k.x.end(), k.mid.begin());
+  cpu::linear_forward(k.mid.data(), k.att.data(), w.out_w.v, w.out_b.v, N, d, d, true);
+  cpu::layernorm_forward(k.a2.data(), k.mean2.data(), k.rstd2.data(), k.mid.data(), w.ln2_w.v,
+                         w.ln2_b.v, N, d);
+  Buf& out = (l + 1 < cfg_.layers) ? a_->blocks[l + 1].x : a_->h_final;
+  std::copy(k.mid.begin(), k.mid.end(), out.begin());
+  ffn_forward(out.data(), k.pre.data(), k.act.data(), k.a2.data(), w.ffn(), N, d, f);
+}
+
+// Final LayerNorm, tied head over each row's slot, cross-entropy. With grad_scale, leaves
+// dL/d(LNf output) in a.da.
+void Model::head(const Batch& batch, float* token_loss, const float* grad_scale) {
+  const int B = batch.B, T = batch.T;
+  const int64_t N = int64_t(B) * T, d = cfg_.d_model, V = cfg_.vocab;
+  Acts& a = *a_;
+  cpu::layernorm_forward(a.hf.data(), a.meanf.data(), a.rstdf.data(), a.h_final.data(),
+                         w_->lnf_w.v, w_->lnf_b.v, N, d);
+  // Consecutive rows that share a slot form one GEMM against that slot's rows of E.
+  auto for_each_slot_run = [&](auto&& fn) {
+    for (int b0 = 0; b0 < B;) {
+      const int slot = cfg_.domains[batch.domain[b0]].slot;
+      int b1 = b0 + 1;
+      while (b1 < B && cfg_.domains[batch.domain[b1]].slot == slot) ++b1;
+      fn(int64_t(b0) * T, int64_t(b1 - b0) * T, int64_t(slot) * V * d);
+      b0 = b1;
+    }
+  };
+  for_each_slot_run([&](int64_t r0, int64_t rows, int64_t e0) {
+    cpu::gemm(false, true, rows, V, d, 1.0f, a.hf.data() + r0 * d, d, w_->tokens.v + e0, d, 0.0f,
+              a.logits.data() + r0 * V, V);
+  });
+  cpu::softmax_xent(a.logits.data(), token_loss, batch.targets.data(), grad_scale, N, V);
+  if (!grad_scale) return;
+  std::fill(a.da.begin(), a.da.end(), 0.0f);
+  for_each_slot_run([&](int64_t r0, int64_t rows, int64_t e0) {
+    const float* dlogits = a.logits.data() + r0 * V;
+    cpu::gemm(false, false, rows, d, V, 1.0f, dlogits, V, w_->tokens.v + e0, d, 1.0f,
+              a.da.data() + r0 * d, d);
+    cpu::gemm(true, false, V, d, rows, 1.0f, dlogits, V, a.hf.data() + r0 * d, d, 1.0f,
+              w_->tokens.g + e0, d);
+  });
+}
+
+void Model::block_backward(int l, const Batch& batch, float* dh) {
+  const int B = batch.B, T = batch.T;
+  const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), H = cfg_.heads,
+                hd = cfg_.head_dim();
+  const bool query_layer = (l == cfg_.layers - 1);
+  const Weights::Block& w = w_->blocks[l];
+  Acts::Block& k = a_->blocks[l];
+  Acts& a = *a_;
+
+  // FFN branch: dh is dL/d(block output); the residual passes it through unchanged.
+  std::fill(a.da.begin(), a.da.end(), 0.0f);
+  ffn_backward(a.da.data(), w.ffn_grad(), a.dffn.data(), dh, k.a2.data(), k.pre.data(),
+               k.act.data(), w.ffn(), N, d, f);
+  cpu::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.data(), k.mid.data(), k.mean2.data(),
+                          k.rstd2.data(), w.ln2_w.v, N, d);  // dh is now dL/d(mid)
+
+  // Attention branch.
+  std::fill(a.datt.begin(), a.datt.end(), 0.0f);
+  cpu::linear_backward(a.datt.data(), w.out_w.g, w.out_b.g, dh, k.att.data(), w.out_w.v, N, d, d);
+  std::fill(a.dqkv.begin(), a.dqkv.end(), 0.0f);
+  cpu::AttnOperand q{k.qkv.data(), 3 * d, T * 3 * d};
+  if (query_layer) q = {k.qtop.data(), d, 0};
+  const cpu::AttnOperand kk{k.qkv.data() + d, 3 * d, T * 3 * d};
+  const cpu::AttnOperand vv{k.qkv.data() + 2 * d, 3 * d, T * 3 * d};
+  // dq always gets per-row storage (the q third of dqkv), even when q is shared.
+  cpu::attention_backward({a.dqkv.data(), 3 * d, T * 3 * d}, {a.dqkv.data() + d, 3 * d, T * 3 * d},
+                          {a.dqkv.data() + 2 * d, 3 * d, T * 3 * d}, a.datt.data(), k.att.data(),
+                          k.probs.data(), q, kk, vv, {B, T, H, hd}, 1.0f / std::sqrt(float(hd)));
+  std::fill(a.da.begin(), a.da.end(), 0.0f);
+  if (!query_layer) {
+    cpu::linear_backward(a.da.data(), w.qkv_w.g, w.qkv_b.g, a.dqkv.data(), k.a1.data(), w.qkv_w.v,
+                         N, d, 3 * d);
+  } else {
+    cpu::linear_backward(a.da.data(), w.qkv_w.g + d, w.qkv_b.g + d, a.dqkv.data() + d,
+                         k.a1.data(), w.qkv_w.v + d, N, d, 2 * d, {d, 3 * d, 3 * d});
+    // The shared query: sum dq over the batch, then back through W_q to the query table.
+    std::fill(a.dq_shared.begin(), a.dq_shared.end(), 0.0f);
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < T; ++t) {
+        const float* src = a.dqkv.data() + (int64_t(b) * T + t) * 3 * d;
+        float* dst = a.dq_shared.data() + int64_t(t) * d;
+        for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
+      }
+    cpu::linear_backward(w.query.g, w.qkv_w.g, w.qkv_b.g, a.dq_shared.data(), w.query.v,
+                         w.qkv_w.v, T, d, d, {d, 3 * d, d});
+  }
+  cpu::layernorm_backward(dh, w.ln1_w.g, w.ln1_b.g, a.da.data(), k.x.data(), k.mean1.data(),
+                          k.rstd1.data(), w.ln1_w.v, N, d);  // dh is now dL/d(block input)
+}
+
+}  // namespace sigma

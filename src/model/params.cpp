@@ -1,0 +1,35 @@
+#include "model/params.h"
+
+namespace sigma {
+
+Param& ParamSet::add(const std::string& name, Shape shape, bool decay, bool expert) {
+  SIGMA_CHECK(!index_.count(name), "parameter '{}' registered twice", name);
+  // Reserve up front elsewhere is not needed: callers keep names, never Param references, across adds.
+  index_[name] = params_.size();
+  params_.push_back(Param{name, Tensor::f32(shape), Tensor::f32(shape), decay, expert});
+  return params_.back();
+}
+
+Param& ParamSet::at(const std::string& name) {
+  auto it = index_.find(name);
+  SIGMA_CHECK(it != index_.end(), "no parameter named '{}'", name);
+  return params_[it->second];
+}
+
+const Param& ParamSet::at(const std::string& name) const {
+  auto it = index_.find(name);
+  SIGMA_CHECK(it != index_.end(), "no parameter named '{}'", name);
+  return params_[it->second];
+}
+
+int64_t ParamSet::numel() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.value.numel();
+  return n;
+}
+
+void ParamSet::zero_grad() {
+  for (auto& p : params_) p.grad.zero();
+}
+
+}  // namespace sigma

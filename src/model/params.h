@@ -1,0 +1,37 @@
+// Parameter registry: every trainable tensor has a stable hierarchical name (DESIGN §4), a
+// gradient of the same shape, and the optimizer facts that depend on its role.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace sigma {
+
+struct Param {
+  std::string name;
+  Tensor value;  // fp32 master weights
+  Tensor grad;   // same shape, accumulated by backward
+  bool decay;    // weight decay applies (linear weights only; not biases, LayerNorm, embeddings)
+  bool expert;   // an RRE expert tensor (hybrid Adam uses eps_rre for these)
+};
+
+class ParamSet {
+ public:
+  // Registers a zero-initialised parameter; names must be unique.
+  Param& add(const std::string& name, Shape shape, bool decay, bool expert = false);
+  Param& at(const std::string& name);
+  const Param& at(const std::string& name) const;
+  bool contains(const std::string& name) const { return index_.count(name) != 0; }
+  std::vector<Param>& all() { return params_; }
+  const std::vector<Param>& all() const { return params_; }
+  int64_t numel() const;
+  void zero_grad();
+
+ private:
+  std::vector<Param> params_;  // registration order = a stable, documented order
+  std::map<std::string, size_t> index_;
+};
+
+}  // namespace sigma
