@@ -1,0 +1,288 @@
+#include "train/checkpoint_io.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+namespace sigma {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr int kManifestVersion = 1;
+
+std::string errno_str() { return std::strerror(errno); }
+
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f) : fd(f) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// A plain path component: no separators, so nothing can escape the checkpoint root.
+bool plain_name(const std::string& s) {
+  return !s.empty() && s != "." && s != ".." && s.find('/') == std::string::npos &&
+         s.find('\0') == std::string::npos;
+}
+
+// fsync on a directory makes the entries created or renamed in it durable.
+void fsync_path(const std::string& path, bool dir) {
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC | (dir ? O_DIRECTORY : 0)));
+  SIGMA_CHECK(f.fd >= 0, "cannot open '{}' to fsync it: {}", path, errno_str());
+  SIGMA_CHECK(::fsync(f.fd) == 0, "cannot fsync '{}': {}", path, errno_str());
+}
+
+void write_text_durably(const std::string& path, const std::string& text) {
+  Fd f(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  SIGMA_CHECK(f.fd >= 0, "cannot create '{}': {}", path, errno_str());
+  size_t done = 0;
+  while (done < text.size()) {
+    ssize_t w = ::write(f.fd, text.data() + done, text.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    SIGMA_CHECK(w >= 0, "cannot write '{}': {}", path, errno_str());
+    done += static_cast<size_t>(w);
+  }
+  SIGMA_CHECK(::fsync(f.fd) == 0, "cannot fsync '{}': {}", path, errno_str());
+  int fd = f.fd;
+  f.fd = -1;
+  SIGMA_CHECK(::close(fd) == 0, "cannot close '{}': {}", path, errno_str());
+}
+
+std::string read_small_file(const std::string& path, size_t limit) {
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  SIGMA_CHECK(f.fd >= 0, "cannot open '{}': {}", path, errno_str());
+  std::string s;
+  char buf[4096];
+  for (;;) {
+    ssize_t r = ::read(f.fd, buf, sizeof buf);
+    if (r < 0 && errno == EINTR) continue;
+    SIGMA_CHECK(r >= 0, "cannot read '{}': {}", path, errno_str());
+    if (r == 0) return s;
+    s.append(buf, static_cast<size_t>(r));
+    SIGMA_CHECK(s.size() <= limit, "'{}' is larger than {} bytes; it is not what it should be",
+                path, limit);
+  }
+}
+
+struct Sum {
+  uint64_t size = 0;
+  uint64_t xxh3 = 0;
+};
+
+Sum checksum_file(const std::string& path) {
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  SIGMA_CHECK(f.fd >= 0, "cannot open '{}': {}", path, errno_str());
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(),
+                                                              &XXH3_freeState);
+  SIGMA_CHECK(st && XXH3_64bits_reset(st.get()) == XXH_OK, "xxhash: cannot allocate state");
+  std::vector<char> buf(size_t{4} << 20);
+  Sum s;
+  for (;;) {
+    ssize_t r = ::read(f.fd, buf.data(), buf.size());
+    if (r < 0 && errno == EINTR) continue;
+    SIGMA_CHECK(r >= 0, "cannot read '{}': {}", path, errno_str());
+    if (r == 0) break;
+    XXH3_64bits_update(st.get(), buf.data(), static_cast<size_t>(r));
+    s.size += static_cast<uint64_t>(r);
+  }
+  s.xxh3 = XXH3_64bits_digest(st.get());
+  return s;
+}
+
+std::string hex16(uint64_t v) { return fmt::format("{:016x}", v); }
+
+// Puts the finished directory `src` at `dst`. An existing `dst` is swapped out atomically
+// (RENAME_EXCHANGE), so no crash can leave `dst` missing; where the filesystem lacks that,
+// the old one is renamed aside, the new one renamed in, and the old one deleted.
+void install_dir(const std::string& src, const std::string& dst) {
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(dst, ec))) {
+    SIGMA_CHECK(::rename(src.c_str(), dst.c_str()) == 0, "cannot rename '{}' to '{}': {}", src,
+                dst, errno_str());
+    return;
+  }
+  if (::renameat2(AT_FDCWD, src.c_str(), AT_FDCWD, dst.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(src, ec);  // now the old checkpoint; a leftover is harmless
+    return;
+  }
+  SIGMA_CHECK(errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP,
+              "cannot replace '{}' with '{}': {}", dst, src, errno_str());
+  const std::string aside = fmt::format("{}.old-{}", dst, ::getpid());
+  fs::remove_all(aside, ec);
+  SIGMA_CHECK(::rename(dst.c_str(), aside.c_str()) == 0, "cannot move '{}' aside: {}", dst,
+              errno_str());
+  if (::rename(src.c_str(), dst.c_str()) != 0) {
+    int err = errno;
+    ::rename(aside.c_str(), dst.c_str());  // put the previous checkpoint back
+    fail("cannot rename '{}' to '{}': {}", src, dst, std::strerror(err));
+  }
+  fs::remove_all(aside, ec);
+}
+
+}  // namespace
+
+CheckpointWriter::CheckpointWriter(std::string root, std::string name)
+    : root_(std::move(root)), name_(std::move(name)) {
+  SIGMA_CHECK(plain_name(name_) && name_ != kLatestFile &&
+                  name_.find(".tmp-") == std::string::npos &&
+                  name_.find(".old-") == std::string::npos,
+              "invalid checkpoint name '{}': use one path component such as 'step_001000'",
+              name_);
+  std::error_code ec;
+  fs::create_directories(root_, ec);
+  SIGMA_CHECK(!ec, "cannot create checkpoint root '{}': {}", root_, ec.message());
+  tmp_ = (fs::path(root_) / fmt::format("{}.tmp-{}", name_, ::getpid())).string();
+  fs::remove_all(tmp_, ec);  // a leftover from an earlier process that had our pid
+  SIGMA_CHECK(fs::create_directory(tmp_, ec) && !ec, "cannot create '{}': {}", tmp_,
+              ec ? ec.message() : "it already exists");
+}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (committed_) return;
+  std::error_code ec;
+  fs::remove_all(tmp_, ec);
+}
+
+std::string CheckpointWriter::start_file(const std::string& file) {
+  SIGMA_CHECK(!committed_, "checkpoint '{}' is already committed", name_);
+  SIGMA_CHECK(plain_name(file) && file != kManifestFile,
+              "invalid checkpoint file name '{}'", file);
+  SIGMA_CHECK(!files_.count(file), "checkpoint '{}': file '{}' added twice", name_, file);
+  return (fs::path(tmp_) / file).string();
+}
+
+// The checksum is taken from the file as written (back from the page cache), so the
+// manifest vouches for the bytes on disk rather than for what we meant to write.
+void CheckpointWriter::record(const std::string& file) {
+  Sum s = checksum_file((fs::path(tmp_) / file).string());
+  files_[file] = {s.size, s.xxh3};
+}
+
+void CheckpointWriter::add_safetensors(const std::string& file,
+                                       const std::vector<TensorRef>& tensors,
+                                       const Metadata& meta) {
+  write_safetensors(start_file(file), tensors, meta);
+  record(file);
+}
+
+void CheckpointWriter::add_json(const std::string& file, const json& j) {
+  const std::string path = start_file(file);
+  std::string text;
+  try {
+    text = j.dump(2) + "\n";
+  } catch (const json::exception& e) {
+    fail("cannot write '{}': {}", path, e.what());
+  }
+  write_text_durably(path, text);
+  record(file);
+}
+
+void CheckpointWriter::add_file_copy(const std::string& file, const std::string& src_path) {
+  const std::string path = start_file(file);
+  std::error_code ec;
+  fs::copy_file(src_path, path, fs::copy_options::overwrite_existing, ec);
+  SIGMA_CHECK(!ec, "cannot copy '{}' into checkpoint as '{}': {}", src_path, file,
+              ec.message());
+  fsync_path(path, false);
+  record(file);
+}
+
+std::string CheckpointWriter::commit() {
+  SIGMA_CHECK(!committed_, "checkpoint '{}' is already committed", name_);
+  json files = json::object();
+  for (const auto& [f, s] : files_) files[f] = {{"size", s.size}, {"xxh3_64", hex16(s.xxh3)}};
+  json manifest = {{"format", "sigma-checkpoint"},
+                   {"version", kManifestVersion},
+                   {"files", std::move(files)}};
+  write_text_durably((fs::path(tmp_) / kManifestFile).string(), manifest.dump(2) + "\n");
+  fsync_path(tmp_, true);
+
+  const std::string dir = (fs::path(root_) / name_).string();
+  install_dir(tmp_, dir);
+  fsync_path(root_, true);  // the rename must be durable before `latest` can name it
+
+  const std::string latest = (fs::path(root_) / kLatestFile).string();
+  const std::string latest_tmp = latest + ".tmp";
+  write_text_durably(latest_tmp, name_ + "\n");
+  SIGMA_CHECK(::rename(latest_tmp.c_str(), latest.c_str()) == 0, "cannot rename '{}' to '{}': {}",
+              latest_tmp, latest, errno_str());
+  fsync_path(root_, true);
+  committed_ = true;
+  return dir;
+}
+
+std::string resolve_checkpoint(const std::string& path) {
+  std::error_code ec;
+  const fs::path p(path);
+  SIGMA_CHECK(fs::is_directory(p, ec), "checkpoint path '{}' is not a directory", path);
+  if (fs::exists(p / kManifestFile, ec)) return path;
+  const fs::path latest = p / kLatestFile;
+  SIGMA_CHECK(fs::exists(latest, ec),
+              "'{}' is not a checkpoint: it has neither {} nor a '{}' file naming one", path,
+              kManifestFile, kLatestFile);
+  std::string name = read_small_file(latest.string(), 4096);
+  while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
+  SIGMA_CHECK(plain_name(name), "'{}' holds '{}', which is not a checkpoint name",
+              latest.string(), name);
+  const fs::path dir = p / name;
+  SIGMA_CHECK(fs::exists(dir / kManifestFile, ec),
+              "'{}' names checkpoint '{}', but '{}' is missing or has no {}", latest.string(),
+              name, dir.string(), kManifestFile);
+  return dir.string();
+}
+
+void verify_checkpoint(const std::string& dir) {
+  const std::string mpath = (fs::path(dir) / kManifestFile).string();
+  std::error_code ec;
+  SIGMA_CHECK(fs::exists(mpath, ec),
+              "checkpoint '{}': no {} (not a checkpoint, or its save was interrupted)", dir,
+              kManifestFile);
+  json m;
+  try {
+    m = json::parse(read_small_file(mpath, size_t{16} << 20));
+  } catch (const json::exception& e) {
+    fail("checkpoint '{}': {} is not valid JSON: {}", dir, kManifestFile, e.what());
+  }
+  SIGMA_CHECK(m.is_object() && m.value("format", json()) == "sigma-checkpoint" &&
+                  m.contains("files") && m["files"].is_object(),
+              "checkpoint '{}': {} is not a sigma checkpoint manifest", dir, kManifestFile);
+  SIGMA_CHECK(m.value("version", json()) == kManifestVersion,
+              "checkpoint '{}': {} has version {}, this build reads version {}", dir,
+              kManifestFile, m.value("version", json()).dump(), kManifestVersion);
+
+  for (const auto& [file, e] : m["files"].items()) {
+    SIGMA_CHECK(plain_name(file) && e.is_object() && e.contains("size") &&
+                    e["size"].is_number_unsigned() && e.contains("xxh3_64") &&
+                    e["xxh3_64"].is_string(),
+                "checkpoint '{}': {} has a malformed entry for '{}'", dir, kManifestFile, file);
+    const std::string path = (fs::path(dir) / file).string();
+    struct stat st;
+    SIGMA_CHECK(::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode),
+                "checkpoint '{}': file '{}' listed in {} is missing", dir, file, kManifestFile);
+    const uint64_t want_size = e["size"].get<uint64_t>();
+    SIGMA_CHECK(uint64_t(st.st_size) == want_size,
+                "checkpoint '{}': file '{}' is {} bytes but {} says {} (truncated or replaced)",
+                dir, file, uint64_t(st.st_size), kManifestFile, want_size);
+    const Sum s = checksum_file(path);
+    const std::string want = e["xxh3_64"].get<std::string>();
+    SIGMA_CHECK(s.size == want_size && hex16(s.xxh3) == want,
+                "checkpoint '{}': file '{}' is corrupted: xxh3_64 {} but {} says {}", dir, file,
+                hex16(s.xxh3), kManifestFile, want);
+  }
+}
+
+}  // namespace sigma

@@ -1,0 +1,71 @@
+// Checkpoint directories (DESIGN.md §6): crash-safe writing, resolving and verifying.
+//
+// ROOT/NAME/ holds model.safetensors, optimizer.safetensors, trainer.json, optionally the
+// tokenizer, and manifest.json with the size and xxh3_64 checksum (16 hex digits) of every
+// other file. ROOT/latest holds the NAME of the newest complete checkpoint.
+//
+// Crash safety: files are written into ROOT/NAME.tmp-<pid> and fsynced, the directory is
+// fsynced and renamed to ROOT/NAME, and only then does ROOT/latest move (written to
+// ROOT/latest.tmp, fsynced, renamed). A crash at any point leaves every earlier checkpoint
+// and `latest` as they were; at worst a NAME.tmp-<pid> directory is left behind.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "train/safetensors.h"
+
+namespace sigma {
+
+inline constexpr const char* kModelFile = "model.safetensors";
+inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
+inline constexpr const char* kTrainerFile = "trainer.json";
+inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kLatestFile = "latest";
+
+class CheckpointWriter {
+ public:
+  // Creates ROOT if needed and the temporary directory. NAME is one path component.
+  CheckpointWriter(std::string root, std::string name);
+  // Removes the temporary directory unless commit() completed: a failed save touches
+  // nothing that was saved before.
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  // Each adds one file (a plain name, not "manifest.json", not added before), fsynced.
+  void add_safetensors(const std::string& file, const std::vector<TensorRef>& tensors,
+                       const Metadata& meta);
+  void add_json(const std::string& file, const nlohmann::json& j);
+  void add_file_copy(const std::string& file, const std::string& src_path);
+
+  // Writes the manifest, moves the directory to ROOT/NAME and points ROOT/latest at it;
+  // returns ROOT/NAME. An existing ROOT/NAME is replaced only once the new one is complete.
+  std::string commit();
+
+  const std::string& temp_dir() const { return tmp_; }
+
+ private:
+  std::string start_file(const std::string& file);  // validated path inside tmp_
+  void record(const std::string& file);             // size + checksum for the manifest
+
+  struct FileSum {
+    uint64_t size;
+    uint64_t xxh3;
+  };
+  std::string root_, name_, tmp_;
+  std::map<std::string, FileSum> files_;
+  bool committed_ = false;
+};
+
+// `path` itself when it holds manifest.json, else the checkpoint named by `path`/latest.
+// Throws sigma::Error saying which of the two is wrong.
+std::string resolve_checkpoint(const std::string& path);
+
+// Checks that manifest.json is present and that every file it lists exists with the recorded
+// size and checksum; throws sigma::Error naming the first file that does not.
+void verify_checkpoint(const std::string& dir);
+
+}  // namespace sigma
