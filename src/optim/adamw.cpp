@@ -1,0 +1,82 @@
+#include "optim/adamw.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace sigma {
+
+void OptimConfig::describe(Options& o, const std::string& p) {
+  o.add(p + "lr", &lr, "peak learning rate", 0.0, 10.0);
+  o.add(p + "min_lr_ratio", &min_lr_ratio, "final lr as a fraction of the peak", 0.0, 1.0);
+  o.add(p + "warmup", &warmup, "linear warm-up steps", 0, int64_t(1) << 40);
+  o.add(p + "beta1", &beta1, "Adam beta1", 0.0, 0.99999);
+  o.add(p + "beta2", &beta2, "Adam beta2", 0.0, 0.99999999);
+  o.add(p + "eps", &eps, "Adam epsilon for shared parameters", 1e-30, 1.0);
+  o.add(p + "eps_rre", &eps_rre, "Adam epsilon for RRE expert parameters", 1e-30, 1.0);
+  o.add(p + "weight_decay", &weight_decay, "decoupled weight decay on linear weights", 0.0, 10.0);
+  o.add(p + "grad_clip", &grad_clip, "global gradient-norm clip (0 = off)", 0.0, 1e9);
+}
+
+float lr_at(const OptimConfig& c, int64_t step, int64_t total) {
+  if (c.warmup > 0 && step < c.warmup) return c.lr * float(step + 1) / float(c.warmup);
+  const int64_t span = std::max<int64_t>(1, total - c.warmup);
+  const double progress = std::min(1.0, double(step - c.warmup) / double(span));
+  const double floor = c.lr * c.min_lr_ratio;
+  return float(floor + (c.lr - floor) * 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
+void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, float lr, float beta1,
+                  float beta2, float eps, float weight_decay, float bc1, float bc2,
+                  float grad_scale) {
+  const float step_size = lr / bc1, inv_sqrt_bc2 = 1.0f / std::sqrt(bc2), decay = lr * weight_decay;
+  // -fno-math-errno (set project-wide) lets sqrtf vectorise here.
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * grad_scale;
+    m[i] = beta1 * m[i] + (1.0f - beta1) * gi;
+    v[i] = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+    const float denom = std::sqrt(v[i]) * inv_sqrt_bc2 + eps;
+    w[i] -= decay * w[i] + step_size * m[i] / denom;
+  }
+}
+
+AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params) : cfg_(cfg) {
+  for (const Param& p : params.all())
+    state_.push_back({Tensor::f32(p.value.shape()), Tensor::f32(p.value.shape()), 0});
+}
+
+double AdamW::grad_norm(const ParamSet& params) {
+  // Fixed-size chunks summed in order: the same bits for any thread count (an OpenMP reduction
+  // would combine partial sums in arrival order).
+  constexpr int64_t kChunk = 1 << 14;
+  double total = 0;
+  std::vector<double> partial;
+  for (const Param& p : params.all()) {
+    const float* g = p.grad.f();
+    const int64_t n = p.grad.numel(), chunks = (n + kChunk - 1) / kChunk;
+    partial.assign(size_t(chunks), 0.0);
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      double s = 0;
+      for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) s += double(g[i]) * g[i];
+      partial[size_t(c)] = s;
+    }
+    for (double s : partial) total += s;
+  }
+  return std::sqrt(total);
+}
+
+void AdamW::step(ParamSet& params, float lr, float grad_scale) {
+  auto& ps = params.all();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    State& s = state_[i];
+    s.step += 1;
+    const float bc1 = 1.0f - std::pow(cfg_.beta1, float(s.step));
+    const float bc2 = 1.0f - std::pow(cfg_.beta2, float(s.step));
+    adamw_update(ps[i].value.f(), s.m.f(), s.v.f(), ps[i].grad.f(), ps[i].value.numel(), lr,
+                 cfg_.beta1, cfg_.beta2, ps[i].expert ? cfg_.eps_rre : cfg_.eps,
+                 ps[i].decay ? cfg_.weight_decay : 0.0f, bc1, bc2, grad_scale);
+  }
+}
+
+}  // namespace sigma

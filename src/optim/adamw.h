@@ -1,0 +1,56 @@
+// AdamW with per-parameter step counts and per-group epsilon (hybrid Adam, DESIGN §3):
+// expert tensors use eps_rre, everything else eps; weight decay only on linear weights.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/options.h"
+#include "core/tensor.h"
+#include "model/params.h"
+
+namespace sigma {
+
+struct OptimConfig {
+  float lr = 3e-3f;
+  float min_lr_ratio = 0.1f;  // cosine decays to lr * min_lr_ratio
+  int64_t warmup = 100;       // linear warm-up steps
+  float beta1 = 0.9f, beta2 = 0.95f;
+  float eps = 1e-8f;
+  float eps_rre = 1e-10f;
+  float weight_decay = 0.1f;
+  float grad_clip = 1.0f;  // global-norm clipping; 0 disables
+  void describe(Options& o, const std::string& prefix);
+};
+
+// Learning rate at `step` (0-based) of `total`: linear warm-up, then cosine to the floor.
+float lr_at(const OptimConfig& c, int64_t step, int64_t total);
+
+// One fused AdamW update over n contiguous values (the kernel ECSS reuses for experts).
+// bc1 = 1 - beta1^t, bc2 = 1 - beta2^t; g is multiplied by grad_scale (clipping) first.
+void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, float lr, float beta1,
+                  float beta2, float eps, float weight_decay, float bc1, float bc2,
+                  float grad_scale);
+
+class AdamW {
+ public:
+  AdamW(const OptimConfig& cfg, const ParamSet& params);
+
+  // Global L2 norm of all gradients (double accumulation, deterministic).
+  static double grad_norm(const ParamSet& params);
+  // Updates every parameter with learning rate `lr`; gradients scaled by grad_scale first.
+  void step(ParamSet& params, float lr, float grad_scale);
+
+  struct State {
+    Tensor m, v;
+    int64_t step = 0;
+  };
+  std::vector<State>& state() { return state_; }  // parallel to params.all()
+  const std::vector<State>& state() const { return state_; }
+
+ private:
+  OptimConfig cfg_;
+  std::vector<State> state_;
+};
+
+}  // namespace sigma

@@ -1,0 +1,104 @@
+#include "train/checkpoint.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "train/checkpoint_io.h"
+#include "train/safetensors.h"
+
+namespace sigma {
+
+namespace {
+constexpr const char* kFormat = "sigma-model";
+constexpr const char* kTokenizerFile = "tokenizer.json";
+}  // namespace
+
+std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
+                            const AdamW* opt, const TrainerState& st,
+                            const std::string& tokenizer_path) {
+  CheckpointWriter w(root, fmt::format("step-{:08d}", st.step));
+  const nlohmann::json config = cfg.to_json();
+  std::vector<TensorRef> params;
+  for (const Param& p : model.params().all()) params.push_back(tensor_ref(p.name, p.value));
+  w.add_safetensors(kModelFile, params,
+                    {{"format", kFormat}, {"version", "1"}, {"config", config.dump()}});
+  if (opt) {
+    std::vector<TensorRef> state;
+    std::vector<Tensor> steps;  // keeps the I64 step scalars alive until written
+    const auto& ps = model.params().all();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const auto& s = opt->state()[i];
+      state.push_back(tensor_ref(ps[i].name + ".m", s.m));
+      state.push_back(tensor_ref(ps[i].name + ".v", s.v));
+      steps.emplace_back(DType::I64, Shape{});
+      *steps.back().data<int64_t>() = s.step;
+    }
+    for (size_t i = 0; i < ps.size(); ++i) state.push_back(tensor_ref(ps[i].name + ".step", steps[i]));
+    w.add_safetensors(kOptimizerFile, state, {{"format", "sigma-adamw"}, {"version", "1"}});
+  }
+  w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config}});
+  if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
+  return w.commit();
+}
+
+CheckpointInfo open_checkpoint(const std::string& path) {
+  CheckpointInfo info;
+  info.dir = resolve_checkpoint(path);
+  verify_checkpoint(info.dir);
+  const std::string tpath = info.dir + "/" + kTrainerFile;
+  std::ifstream in(tpath);
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  SIGMA_CHECK(!j.is_discarded() && j.is_object(), "{}: not a JSON object", tpath);
+  SIGMA_CHECK(j.contains("step") && j["step"].is_number_integer() && j.contains("config"),
+              "{}: missing 'step' or 'config'", tpath);
+  info.state.step = j["step"].get<int64_t>();
+  info.state.tokens = j.value("tokens", int64_t(0));
+  info.cfg.apply(j["config"], tpath);
+  return info;
+}
+
+void load_model(Model& model, const std::string& dir) {
+  const std::string path = dir + "/" + kModelFile;
+  Safetensors st = read_safetensors(path);
+  SIGMA_CHECK(st.metadata.count("format") && st.metadata["format"] == kFormat,
+              "{}: not a Sigma model file (metadata 'format' is not '{}')", path, kFormat);
+  for (Param& p : model.params().all()) {
+    auto it = st.tensors.find(p.name);
+    SIGMA_CHECK(it != st.tensors.end(), "{}: tensor '{}' is missing", path, p.name);
+    const Tensor& t = it->second;
+    SIGMA_CHECK(t.dtype() == DType::F32 && t.shape() == p.value.shape(),
+                "{}: tensor '{}' is {} {} but the model expects F32 {}", path, p.name,
+                dtype_name(t.dtype()), shape_str(t.shape()), shape_str(p.value.shape()));
+    std::memcpy(p.value.bytes(), t.bytes(), t.nbytes());
+  }
+  SIGMA_CHECK(st.tensors.size() == model.params().all().size(),
+              "{}: holds {} tensors but the model has {}", path, st.tensors.size(),
+              model.params().all().size());
+}
+
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) {
+  const std::string path = dir + "/" + kOptimizerFile;
+  Safetensors st = read_safetensors(path);
+  const auto& ps = params.all();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    auto& s = opt.state()[i];
+    for (auto [suffix, dst] : {std::pair{".m", &s.m}, std::pair{".v", &s.v}}) {
+      auto it = st.tensors.find(ps[i].name + suffix);
+      SIGMA_CHECK(it != st.tensors.end() && it->second.dtype() == DType::F32 &&
+                      it->second.shape() == dst->shape(),
+                  "{}: optimizer tensor '{}{}' is missing or has the wrong shape", path,
+                  ps[i].name, suffix);
+      std::memcpy(dst->bytes(), it->second.bytes(), dst->nbytes());
+    }
+    auto it = st.tensors.find(ps[i].name + ".step");
+    SIGMA_CHECK(it != st.tensors.end() && it->second.dtype() == DType::I64 &&
+                    it->second.numel() == 1,
+                "{}: optimizer step count '{}.step' is missing", path, ps[i].name);
+    s.step = *it->second.data<int64_t>();
+  }
+}
+
+}  // namespace sigma

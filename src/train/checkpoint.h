@@ -1,0 +1,38 @@
+// Training checkpoints (DESIGN §6) on top of checkpoint_io: which tensors go where, and
+// loading them back with every name and shape checked.
+#pragma once
+#include <nlohmann/json.hpp>
+
+#include <string>
+
+#include "model/model.h"
+#include "optim/adamw.h"
+#include "train/config.h"
+
+namespace sigma {
+
+struct TrainerState {
+  int64_t step = 0;    // optimizer steps completed
+  int64_t tokens = 0;  // tokens trained on so far
+};
+
+// Writes ROOT/step-NNNNNNNN atomically and moves ROOT/latest to it; returns its path.
+std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
+                            const AdamW* opt, const TrainerState& st,
+                            const std::string& tokenizer_path = "");
+
+// Resolves `path` (a checkpoint, or a root with `latest`), verifies its checksums and reads
+// its config and trainer state.
+struct CheckpointInfo {
+  std::string dir;
+  Config cfg;
+  TrainerState state;
+};
+CheckpointInfo open_checkpoint(const std::string& path);
+
+// Copies the checkpoint's tensors into `model` / `opt`; every tensor must exist with the
+// same shape (the error names the first that does not).
+void load_model(Model& model, const std::string& dir);
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir);
+
+}  // namespace sigma

@@ -1,0 +1,53 @@
+#include "train/config.h"
+
+#include <fstream>
+
+#include "core/error.h"
+
+namespace sigma {
+
+void TrainConfig::describe(Options& o, const std::string& p) {
+  o.add(p + "steps", &steps, "optimizer steps", 0, int64_t(1) << 40);
+  o.add(p + "batch", &batch, "rows per micro-batch", 1, 1 << 20);
+  o.add(p + "accum", &accum, "micro-batches per optimizer step (gradient accumulation)", 1, 1 << 16);
+  o.add(p + "seed", &seed, "seed of initialisation and data order");
+  o.add(p + "log_every", &log_every, "steps between progress lines and metrics records", 1, 1 << 30);
+  o.add(p + "eval_rows", &eval_rows, "held-out rows per domain for evaluation", 1, 1 << 24);
+  o.add(p + "ckpt_every", &ckpt_every, "steps between checkpoints (0 = only at the end)", 0,
+        int64_t(1) << 40);
+  o.add(p + "threads", &threads, "CPU threads (0 = every core)", 0, 4096);
+}
+
+void DataConfig::describe(Options& o, const std::string& p) {
+  o.add(p + "source", &source, "where training data comes from", {"synthetic", "shards"});
+  o.add(p + "path", &path, "directory of prepared shards (source = shards)");
+}
+
+Options Config::options() {
+  Options o;
+  model.describe(o, "model.");
+  optim.describe(o, "optim.");
+  train.describe(o, "train.");
+  data.describe(o, "data.");
+  return o;
+}
+
+nlohmann::json Config::to_json() { return options().to_json(); }
+
+void Config::apply(const nlohmann::json& j, const std::string& source) {
+  options().apply_json(j, source);
+}
+
+void Config::load(const std::string& path, const std::vector<std::string>& sets) {
+  Options o = options();
+  if (!path.empty()) {
+    std::ifstream in(path);
+    SIGMA_CHECK(in.good(), "cannot open config file '{}'", path);
+    nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    SIGMA_CHECK(!j.is_discarded(), "config file '{}' is not valid JSON", path);
+    o.apply_json(j, path);
+  }
+  for (const auto& s : sets) o.apply_set(s);
+}
+
+}  // namespace sigma

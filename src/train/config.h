@@ -1,0 +1,49 @@
+// The whole run's configuration: one typed struct per concern, registered in one Options
+// table (JSON file, --set, help and the copy stored in checkpoints all come from it).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "core/options.h"
+#include "model/config.h"
+#include "optim/adamw.h"
+
+namespace sigma {
+
+struct TrainConfig {
+  int64_t steps = 1200;
+  int batch = 24;          // rows per micro-batch
+  int accum = 1;           // micro-batches per optimizer step
+  uint64_t seed = 1;
+  int log_every = 50;
+  int eval_rows = 240;     // held-out rows per domain at evaluation
+  int64_t ckpt_every = 0;  // 0 = only at the end (when an output directory is given)
+  int threads = 0;         // 0 = every core
+  void describe(Options& o, const std::string& prefix);
+};
+
+struct DataConfig {
+  std::string source = "synthetic";  // "synthetic" (built in) or "shards"
+  std::string path;                  // shard directory for source = "shards"
+  void describe(Options& o, const std::string& prefix);
+};
+
+struct Config {
+  ModelConfig model;
+  OptimConfig optim;
+  TrainConfig train;
+  DataConfig data;
+
+  Config() = default;
+  Config(const Config&) = default;
+  Config& operator=(const Config&) = default;
+
+  // The option table over this object's fields (valid while this object lives, unmoved).
+  Options options();
+  nlohmann::json to_json();
+  // Applies a JSON config file (if path non-empty) then each key=value, in order.
+  void load(const std::string& path, const std::vector<std::string>& sets);
+  void apply(const nlohmann::json& j, const std::string& source);
+};
+
+}  // namespace sigma

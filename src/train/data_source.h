@@ -1,0 +1,36 @@
+// Where batches come from. A training batch is a pure function of its global micro-batch
+// index, so resuming at step k needs no cursor beyond k (and is exact).
+#pragma once
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/batch.h"
+#include "train/config.h"
+
+namespace sigma {
+
+class DataSource {
+ public:
+  virtual ~DataSource() = default;
+  virtual int vocab() const = 0;
+  virtual std::vector<std::string> domains() const = 0;
+  // Fills b (B rows of T) with training micro-batch number `index`.
+  virtual void train_batch(Batch& b, int B, int T, uint64_t index) const = 0;
+  // Calls fn on each held-out batch (rows of every domain).
+  virtual void eval_batches(int B, int T, int rows_per_domain,
+                            const std::function<void(const Batch&)>& fn) const = 0;
+  // The best achievable loss per token for a domain, when the source knows it.
+  virtual std::optional<double> optimum(int /*domain*/, int /*T*/) const { return std::nullopt; }
+};
+
+// The source named by cfg.data (throws naming the key on a bad choice).
+std::unique_ptr<DataSource> make_data_source(const Config& cfg);
+
+// Fills in what the data decides and the config left open: vocab and the domain list. A
+// domain list given in the config must name exactly the data's domains.
+void bind_model_to_data(ModelConfig& m, const DataSource& d);
+
+}  // namespace sigma

@@ -1,0 +1,185 @@
+#include "train/trainer.h"
+
+#include <fmt/format.h>
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "optim/adamw.h"
+#include "train/checkpoint.h"
+
+namespace sigma {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string fmt_duration(double s) {
+  const int64_t t = int64_t(s + 0.5);
+  return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, t / 60 % 60)
+                   : fmt::format("{}m{:02d}s", t / 60, t % 60);
+}
+
+// Per-domain sums of masked token losses.
+struct DomainSums {
+  std::vector<double> loss;
+  std::vector<int64_t> count;
+  explicit DomainSums(size_t n) : loss(n, 0.0), count(n, 0) {}
+  void add(const Batch& b, const std::vector<float>& token_loss) {
+    for (int r = 0; r < b.B; ++r)
+      for (int t = 0; t < b.T; ++t) {
+        const size_t i = size_t(r) * b.T + t;
+        if (b.mask[i] == 0.0f) continue;
+        loss[b.domain[r]] += token_loss[i];
+        count[b.domain[r]] += 1;
+      }
+  }
+  double total_mean() const {
+    double l = 0;
+    int64_t c = 0;
+    for (size_t i = 0; i < loss.size(); ++i) l += loss[i], c += count[i];
+    return c ? l / double(c) : 0.0;
+  }
+};
+
+void check_same_model(Config& a, Config& b) {
+  const auto ja = a.to_json()["model"], jb = b.to_json()["model"];
+  SIGMA_CHECK(ja == jb, "the model config differs from the checkpoint's (checkpoint: {}, now: {})",
+              jb.dump(), ja.dump());
+}
+
+}  // namespace
+
+std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
+                                 int rows_per_domain) {
+  const auto names = data.domains();
+  DomainSums sums(names.size());
+  std::vector<float> token_loss;
+  data.eval_batches(B, T, rows_per_domain, [&](const Batch& b) {
+    token_loss.resize(size_t(b.B) * b.T);
+    model.forward(b, token_loss.data());
+    sums.add(b, token_loss);
+  });
+  std::vector<DomainLoss> out;
+  for (size_t d = 0; d < names.size(); ++d)
+    out.push_back({names[d], sums.count[d] ? sums.loss[d] / double(sums.count[d]) : 0.0,
+                   sums.count[d], data.optimum(int(d), T)});
+  return out;
+}
+
+TrainSummary train(Config cfg, const RunOptions& run) {
+  if (cfg.train.threads > 0) omp_set_num_threads(cfg.train.threads);
+  std::unique_ptr<DataSource> data = make_data_source(cfg);
+  bind_model_to_data(cfg.model, *data);
+  cfg.model.validate();
+
+  Model model(cfg.model, cfg.train.seed);
+  AdamW opt(cfg.optim, model.params());
+  TrainerState state;
+  if (!run.resume.empty()) {
+    CheckpointInfo ck = open_checkpoint(run.resume);
+    check_same_model(cfg, ck.cfg);
+    load_model(model, ck.dir);
+    load_optimizer(opt, model.params(), ck.dir);
+    state = ck.state;
+  }
+  const int B = cfg.train.batch, T = cfg.model.context;
+  const int64_t last = run.stop_at >= 0 ? std::min(run.stop_at, cfg.train.steps) : cfg.train.steps;
+  const auto names = data->domains();
+
+  std::ofstream metrics;
+  std::string ckpt_root;
+  if (!run.out_dir.empty()) {
+    std::filesystem::create_directories(run.out_dir);
+    metrics.open(run.out_dir + "/metrics.jsonl", std::ios::app);
+    SIGMA_CHECK(metrics.good(), "cannot write {}/metrics.jsonl", run.out_dir);
+    ckpt_root = run.out_dir + "/checkpoints";
+  }
+  const bool tty = isatty(STDERR_FILENO);
+  if (run.progress)
+    fmt::print(stderr, "sigma train: {} parameters, {} domains, steps {}..{}, batch {}x{}x{}, {} threads\n",
+               model.params().numel(), names.size(), state.step, last, cfg.train.accum, B, T,
+               omp_get_max_threads());
+
+  std::vector<Batch> micro(size_t(cfg.train.accum));
+  std::vector<float> token_loss(size_t(B) * T), scale(size_t(B) * T);
+  DomainSums window(names.size());
+  const auto t_start = Clock::now();
+  int64_t tokens_this_run = 0, steps_this_run = 0;
+
+  for (int64_t step = state.step; step < last; ++step) {
+    double mask_total = 0;
+    for (int m = 0; m < cfg.train.accum; ++m) {
+      data->train_batch(micro[m], B, T, uint64_t(step) * cfg.train.accum + m);
+      for (float x : micro[m].mask) mask_total += x;
+    }
+    model.params().zero_grad();
+    for (auto& b : micro) {
+      for (size_t i = 0; i < scale.size(); ++i) scale[i] = mask_total > 0 ? float(b.mask[i] / mask_total) : 0.0f;
+      model.forward(b, token_loss.data(), scale.data());
+      window.add(b, token_loss);
+    }
+    const double norm = AdamW::grad_norm(model.params());
+    const float clip = (cfg.optim.grad_clip > 0 && norm > cfg.optim.grad_clip)
+                           ? float(cfg.optim.grad_clip / norm) : 1.0f;
+    const float lr = lr_at(cfg.optim, step, cfg.train.steps);
+    opt.step(model.params(), lr, clip);
+    state.step = step + 1;
+    state.tokens += int64_t(cfg.train.accum) * B * T;
+    tokens_this_run += int64_t(cfg.train.accum) * B * T;
+    steps_this_run += 1;
+
+    const bool log_now = state.step % cfg.train.log_every == 0 || state.step == last;
+    if (log_now) {
+      const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+      const double tps = tokens_this_run / std::max(elapsed, 1e-9);
+      const double eta = elapsed / steps_this_run * double(last - state.step);
+      if (run.progress)
+        fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}",
+                   tty ? "\r" : "", state.step, last, window.total_mean(), lr, norm, tps,
+                   fmt_duration(eta), tty && state.step != last ? "   " : "\n");
+      if (metrics.is_open()) {
+        nlohmann::json dom = nlohmann::json::object();
+        for (size_t d = 0; d < names.size(); ++d)
+          if (window.count[d]) dom[names[d]] = window.loss[d] / double(window.count[d]);
+        metrics << nlohmann::json{{"step", state.step}, {"loss", window.total_mean()},
+                                  {"lr", lr}, {"grad_norm", norm}, {"tokens", state.tokens},
+                                  {"tokens_per_s", tps}, {"domains", dom}}.dump()
+                << "\n";
+        metrics.flush();
+      }
+      window = DomainSums(names.size());
+    }
+    const bool ckpt_now = !ckpt_root.empty() &&
+                          ((cfg.train.ckpt_every > 0 && state.step % cfg.train.ckpt_every == 0) ||
+                           state.step == last);
+    if (ckpt_now) save_checkpoint(ckpt_root, cfg, model, &opt, state);
+  }
+  if (tty && run.progress) fmt::print(stderr, "\n");
+
+  TrainSummary sum;
+  sum.steps = state.step;
+  sum.tokens = state.tokens;
+  const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+  sum.tokens_per_s = steps_this_run ? tokens_this_run / std::max(elapsed, 1e-9) : 0.0;
+  sum.domains = evaluate(model, *data, B, T, cfg.train.eval_rows);
+  if (!run.out_dir.empty()) {
+    nlohmann::json dom = nlohmann::json::object();
+    for (const auto& d : sum.domains) {
+      dom[d.name] = {{"loss", d.loss}, {"tokens", d.tokens}};
+      dom[d.name]["optimum"] = d.optimum ? nlohmann::json(*d.optimum) : nlohmann::json(nullptr);
+    }
+    std::ofstream out(run.out_dir + "/summary.json");
+    out << nlohmann::json{{"steps", sum.steps}, {"tokens", sum.tokens},
+                          {"tokens_per_s", sum.tokens_per_s}, {"domains", dom}}.dump(2)
+        << "\n";
+    SIGMA_CHECK(out.good(), "cannot write {}/summary.json", run.out_dir);
+  }
+  return sum;
+}
+
+}  // namespace sigma

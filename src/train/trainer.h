@@ -1,0 +1,40 @@
+// The training loop: batches from a DataSource, forward/backward with gradient accumulation,
+// global-norm clipping, AdamW with warm-up + cosine, progress, metrics and checkpoints.
+#pragma once
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+#include "train/config.h"
+#include "train/data_source.h"
+
+namespace sigma {
+
+struct RunOptions {
+  std::string out_dir;      // metrics.jsonl, summary.json, checkpoints/ (empty = none)
+  std::string resume;       // checkpoint to continue from (empty = fresh start)
+  int64_t stop_at = -1;     // stop after this step (checkpointing it) instead of train.steps
+  bool progress = true;     // progress lines on stderr
+};
+
+struct DomainLoss {
+  std::string name;
+  double loss = 0;
+  int64_t tokens = 0;
+  std::optional<double> optimum;
+};
+
+struct TrainSummary {
+  int64_t steps = 0, tokens = 0;
+  double tokens_per_s = 0;
+  std::vector<DomainLoss> domains;  // held-out losses at the end
+};
+
+// Mean masked loss per domain over the source's held-out batches.
+std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
+                                 int rows_per_domain);
+
+TrainSummary train(Config cfg, const RunOptions& run);
+
+}  // namespace sigma
