@@ -9,6 +9,7 @@
 #include "command.h"
 #include "core/error.h"
 #include "data/jsonl.h"
+#include "data/prepare.h"
 #include "data/tokenizer.h"
 
 namespace sigma::cli {
@@ -112,7 +113,29 @@ void add_tokenizer(CLI::App& root) {
   });
 }
 
+void add_prepare(CLI::App& root) {
+  struct Args {
+    std::string config, out;
+    int threads = 0;
+  };
+  auto a = std::make_shared<Args>();
+  auto* p = root.add_subcommand("prepare", "Tokenize a corpus into per-domain token shards");
+  p->add_option("--config", a->config, "Data config (JSON: tokenizer, domains, corpus)")->required();
+  p->add_option("--out", a->out, "Output folder for the shards and manifest.json")->required();
+  p->add_option("--threads", a->threads, "Encoding threads (0 = all cores)")->capture_default_str();
+  p->callback([a] {
+    auto t0 = std::chrono::steady_clock::now();
+    auto report = data::prepare(data::PrepareConfig::load(a->config), a->out,
+                                {.threads = a->threads, .progress = true});
+    uint64_t tokens = 0;
+    for (auto& d : report.domains) tokens += d.tokens;
+    fmt::print(stderr, "prepare: {} tokens in {} domains -> {} in {:.1f} s\n", tokens,
+               report.domains.size(), a->out, seconds_since(t0));
+  });
+}
+
 RegisterCommand reg_tokenizer(add_tokenizer);
+RegisterCommand reg_prepare(add_prepare);
 
 }  // namespace
 }  // namespace sigma::cli

@@ -52,7 +52,9 @@ bool LineReader::next(std::string& line, bool& too_long) {
   for (;;) {
     if (auto* nl = static_cast<char*>(std::memchr(buf_.data() + scanned, '\n', end_ - scanned))) {
       size_t e = nl - buf_.data();
-      if (!too_long) line.assign(buf_.data() + pos_, e - pos_);
+      if (!too_long && e - pos_ > max_line_) too_long = true;
+      if (too_long) line.clear();
+      else line.assign(buf_.data() + pos_, e - pos_);
       pos_ = e + 1;
       ++line_no_;
       return true;
@@ -66,7 +68,9 @@ bool LineReader::next(std::string& line, bool& too_long) {
     size_t keep = scanned - pos_;
     if (!fill()) {
       if (end_ == pos_ && !too_long) return false;
-      if (!too_long) line.assign(buf_.data() + pos_, end_ - pos_);
+      if (!too_long && end_ - pos_ > max_line_) too_long = true;
+      if (too_long) line.clear();
+      else line.assign(buf_.data() + pos_, end_ - pos_);
       pos_ = end_;
       ++line_no_;
       return true;  // last line without '\n'

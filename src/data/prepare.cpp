@@ -1,0 +1,358 @@
+#include "data/prepare.h"
+
+#include <omp.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "core/error.h"
+#include "data/shards.h"
+
+namespace fs = std::filesystem;
+
+namespace sigma::data {
+
+using nlohmann::json;
+
+// ---------------------------------------------------------------------------------------------
+// Config
+
+PrepareConfig PrepareConfig::from_json(const json& j, const std::string& base_dir,
+                                       const std::string& origin) {
+  SIGMA_CHECK(j.is_object(), "{}: must be a JSON object", origin);
+  for (auto& [k, v] : j.items())
+    SIGMA_CHECK(k == "tokenizer" || k == "corpus" || k == "domains" || k == "max_line_bytes",
+                "{}: unknown key \"{}\" (known: tokenizer, corpus, domains, max_line_bytes)", origin, k);
+  auto resolve = [&](const std::string& p) {
+    return fs::path(p).is_absolute() ? p : (fs::path(base_dir) / p).lexically_normal().string();
+  };
+  PrepareConfig c;
+  SIGMA_CHECK(j.contains("tokenizer") && j["tokenizer"].is_string(),
+              "{}: key \"tokenizer\" (path of the tokenizer file) is missing or not a string", origin);
+  c.tokenizer = resolve(j["tokenizer"].get<std::string>());
+  SIGMA_CHECK(j.contains("corpus"), "{}: key \"corpus\" (files or folders) is missing", origin);
+  const json& corpus = j["corpus"];
+  SIGMA_CHECK(corpus.is_string() || (corpus.is_array() && !corpus.empty()),
+              "{}: key \"corpus\" must be a path or a non-empty array of paths", origin);
+  for (auto& p : corpus.is_string() ? json::array({corpus}) : corpus) {
+    SIGMA_CHECK(p.is_string(), "{}: key \"corpus\" must hold paths (strings)", origin);
+    c.corpus.push_back(resolve(p.get<std::string>()));
+  }
+  SIGMA_CHECK(j.contains("domains"), "{}: key \"domains\" is missing", origin);
+  c.domains = DomainRegistry::from_json(j["domains"], origin + ": domains");
+  if (j.contains("max_line_bytes")) {
+    SIGMA_CHECK(j["max_line_bytes"].is_number_unsigned() && j["max_line_bytes"].get<uint64_t>() > 0,
+                "{}: key \"max_line_bytes\" must be a positive integer", origin);
+    c.max_line_bytes = j["max_line_bytes"].get<uint64_t>();
+  }
+  return c;
+}
+
+PrepareConfig PrepareConfig::load(const std::string& path) {
+  std::ifstream f(path);
+  SIGMA_CHECK(f, "cannot open config {}", path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  auto j = json::parse(ss.str(), nullptr, false);
+  SIGMA_CHECK(!j.is_discarded(), "config {}: not valid JSON", path);
+  return from_json(j, fs::path(path).parent_path().string(), path);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Formatting
+
+bool looks_chinese(std::string_view line) {
+  size_t cjk = 0, latin = 0;
+  uint32_t cp;
+  for (size_t i = 0; i < line.size();) {
+    size_t len = utf8_next(line, i, cp);
+    if (len == 0) { ++i; continue; }
+    if ((cp >= 'a' && cp <= 'z') || (cp >= 'A' && cp <= 'Z')) ++latin;
+    else if ((cp >= 0x3400 && cp <= 0x9FFF) || (cp >= 0xF900 && cp <= 0xFAFF) || cp >= 0x20000) ++cjk;
+    i += len;
+  }
+  return cjk > 0 && 2 * cjk >= latin;
+}
+
+uint32_t format_sample(const Tokenizer& tok, const Domain& d, std::string_view prompt,
+                       std::string_view text, std::vector<uint32_t>& out) {
+  out.clear();
+  for (auto& p : d.prefix) out.push_back(tok.id_of_control(p));
+  tok.encode_append(prompt, out);
+  const auto prompt_len = static_cast<uint32_t>(out.size());
+  if (d.format == SampleFormat::Plain) {
+    tok.encode_append(text, out);
+  } else {
+    const uint32_t en = tok.id_of_control("<EN>"), cn = tok.id_of_control("<CN>");
+    for (size_t b = 0; b <= text.size();) {
+      size_t e = std::min(text.find('\n', b), text.size());
+      std::string_view line = text.substr(b, e - b);
+      if (!line.empty()) {
+        out.push_back(looks_chinese(line) ? cn : en);
+        tok.encode_append(line, out);
+      }
+      b = e + 1;
+    }
+  }
+  out.push_back(kEotId);
+  return prompt_len;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prepare
+
+namespace {
+
+uint64_t file_hash(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  SIGMA_CHECK(f, "cannot open {}", path);
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  std::vector<char> buf(1 << 20);
+  while (f.read(buf.data(), buf.size()) || f.gcount() > 0) XXH3_64bits_update(st, buf.data(), f.gcount());
+  uint64_t h = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return h;
+}
+
+// Progress on stderr: redrawn in place on a terminal, every ~10 % otherwise.
+struct Progress {
+  bool on, tty = ::isatty(2);
+  uint64_t total;
+  int last_decile = -1;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  void show(uint64_t done, const std::string& what) {
+    if (!on || total == 0) return;
+    double f = std::min(1.0, double(done) / total);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    int width = 30, fill = int(f * width);
+    std::string bar = std::string(fill, '#') + std::string(width - fill, '.');
+    if (tty) {
+      fmt::print(stderr, "\rprepare [{}] {:5.1f}% {:.1f}/{:.1f} MB {:.1f}s {:<12}", bar, 100 * f,
+                 done / 1e6, total / 1e6, s, what);
+    } else if (int(f * 10) != last_decile) {
+      last_decile = int(f * 10);
+      fmt::print(stderr, "prepare [{}] {:5.1f}% {:.1f}/{:.1f} MB {:.1f}s {}\n", bar, 100 * f,
+                 done / 1e6, total / 1e6, s, what);
+    }
+  }
+  void end() {
+    if (on && tty) fmt::print(stderr, "\n");
+  }
+};
+
+// A batch of records on its way from the reader thread to the encoders.
+struct Batch {
+  std::vector<Record> records;
+  size_t bytes = 0;
+  uint64_t done = 0;  // input bytes finished when this batch was cut (for progress)
+  std::string where;
+};
+
+// Single-producer queue holding at most two batches, so reading overlaps encoding.
+class BatchQueue {
+ public:
+  void push(Batch b) {
+    std::unique_lock lk(m_);
+    cv_.wait(lk, [&] { return q_.size() < 2 || stop_; });
+    q_.push_back(std::move(b));
+    cv_.notify_all();
+  }
+  std::optional<Batch> pop() {
+    std::unique_lock lk(m_);
+    cv_.wait(lk, [&] { return !q_.empty() || closed_; });
+    if (q_.empty()) return std::nullopt;
+    Batch b = std::move(q_.front());
+    q_.pop_front();
+    cv_.notify_all();
+    return b;
+  }
+  void close() {
+    std::lock_guard lk(m_);
+    closed_ = true;
+    cv_.notify_all();
+  }
+  void stop() {  // consumer failed: let the producer finish without blocking
+    std::lock_guard lk(m_);
+    stop_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<Batch> q_;
+  bool closed_ = false, stop_ = false;
+};
+
+}  // namespace
+
+PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, const PrepareOptions& opt) {
+  Tokenizer tok = Tokenizer::load(cfg.tokenizer);
+  for (size_t i = 0; i < cfg.domains.size(); ++i)
+    for (auto& p : cfg.domains.domains[i].prefix)
+      SIGMA_CHECK(tok.find_control(p), "domains[{}].prefix: '{}' is not a control token of "
+                  "tokenizer {} (it has: {})", i, p, cfg.tokenizer, fmt::join(tok.controls(), " "));
+  std::vector<Source> sources = expand_corpus(cfg.corpus);
+  fs::create_directories(out_dir);
+  ReadOptions ro;
+  ro.max_line_bytes = cfg.max_line_bytes;
+  ro.domains = cfg.domains.names();
+
+  // Which files feed which domain; a shard is current when the hash of all that matches.
+  std::vector<uint64_t> content(sources.size());
+  for (size_t s = 0; s < sources.size(); ++s) content[s] = file_hash(sources[s].path);
+  auto feeds = [&](const Source& s, const Domain& d) { return s.domain.empty() || s.domain == d.name; };
+  const size_t nd = cfg.domains.size();
+  PrepareReport report;
+  std::vector<std::unique_ptr<ShardWriter>> writers(nd);
+  std::vector<uint64_t> inputs_hash(nd);
+  for (size_t i = 0; i < nd; ++i) {
+    const Domain& d = cfg.domains.domains[i];
+    std::string key = fmt::format("sigma-prepare/1 {:016x} {} {}", tok.hash(), to_json(d).dump(),
+                                  cfg.max_line_bytes);
+    for (size_t s = 0; s < sources.size(); ++s)
+      if (feeds(sources[s], d)) key += fmt::format(" {:016x}", content[s]);
+    inputs_hash[i] = XXH3_64bits(key.data(), key.size());
+    std::string path = out_dir + "/" + d.name + ".shard";
+    DomainReport r{d.name};
+    try {
+      ShardHeader h = Shard::read_header(path);
+      r.reused = h.inputs_hash == inputs_hash[i] && h.tokenizer_hash == tok.hash() && h.domain_id == d.id;
+      r.tokens = h.n_tokens;
+      r.samples = h.n_samples;
+    } catch (const Error&) {  // absent or unreadable: make it again
+    }
+    if (!r.reused) writers[i] = std::make_unique<ShardWriter>(path, d, tok.vocab_size(), tok.hash(),
+                                                              inputs_hash[i]);
+    report.domains.push_back(r);
+  }
+  for (auto& s : sources)
+    if (!s.domain.empty() && !cfg.domains.find(s.domain) && opt.progress)
+      fmt::print(stderr, "prepare: note: folder domain '{}' ({}) is not declared; skipped\n", s.domain,
+                 s.path);
+
+  // Read the files of stale domains; encode batches of records on every thread, write in order.
+  std::vector<size_t> todo;
+  uint64_t total = 0;
+  bool any_stale = false;
+  for (auto& w : writers) any_stale |= w != nullptr;
+  for (size_t s = 0; s < sources.size(); ++s) {
+    const Domain* d = cfg.domains.find(sources[s].domain);
+    if (sources[s].domain.empty() ? any_stale : d && writers[d - cfg.domains.domains.data()]) {
+      todo.push_back(s);
+      total += fs::file_size(sources[s].path);
+    }
+  }
+  const int threads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
+  Progress progress{opt.progress, ::isatty(2) != 0, total};
+  BatchQueue queue;
+  std::exception_ptr read_error;
+  std::thread reader([&] {
+    try {
+      Batch b;
+      uint64_t done = 0;
+      for (size_t s : todo) {
+        b.where = sources[s].domain;
+        read_source(sources[s], ro, report.stats, [&](Record& r) {
+          size_t i = &cfg.domains.at(r.domain) - cfg.domains.domains.data();
+          if (!writers[i]) return;  // a mixed file also feeds domains that are up to date
+          b.bytes += r.text.size() + r.prompt.size();
+          b.records.push_back(std::move(r));
+          if (b.bytes >= (2u << 20) || b.records.size() >= 4096) {
+            b.done = done;
+            queue.push(std::exchange(b, Batch{.where = b.where}));
+          }
+        });
+        done += fs::file_size(sources[s].path);
+        b.done = done;
+        queue.push(std::exchange(b, Batch{}));
+      }
+    } catch (...) {
+      read_error = std::current_exception();
+    }
+    queue.close();
+  });
+  std::vector<std::vector<uint32_t>> toks;
+  std::vector<uint32_t> plen;
+  try {
+    while (auto b = queue.pop()) {
+      const size_t n = b->records.size();
+      toks.resize(n);
+      plen.resize(n);
+      std::vector<std::string> errors(n);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+      for (size_t k = 0; k < n; ++k) {
+        const Record& r = b->records[k];
+        try {
+          plen[k] = format_sample(tok, cfg.domains.at(r.domain), r.prompt, r.text, toks[k]);
+        } catch (const std::exception& e) {  // exceptions must not leave an OpenMP region
+          errors[k] = e.what();
+        }
+      }
+      for (size_t k = 0; k < n; ++k) {
+        const Record& r = b->records[k];
+        SIGMA_CHECK(errors[k].empty(), "{}:{}: {}", *r.file, r.line, errors[k]);
+        writers[&cfg.domains.at(r.domain) - cfg.domains.domains.data()]->add(toks[k], plen[k]);
+      }
+      progress.show(b->done, b->where);
+    }
+  } catch (...) {
+    queue.stop();
+    reader.join();
+    throw;
+  }
+  reader.join();
+  if (read_error) std::rethrow_exception(read_error);
+  progress.end();
+
+  for (size_t i = 0; i < nd; ++i) {
+    if (!writers[i]) continue;
+    writers[i]->finish();
+    report.domains[i].tokens = writers[i]->n_tokens();
+    report.domains[i].samples = writers[i]->n_samples();
+  }
+  json shards = json::array();
+  for (size_t i = 0; i < nd; ++i)
+    shards.push_back({{"domain", report.domains[i].name},
+                      {"file", report.domains[i].name + ".shard"},
+                      {"tokens", report.domains[i].tokens},
+                      {"samples", report.domains[i].samples},
+                      {"inputs_hash", fmt::format("{:016x}", inputs_hash[i])}});
+  json manifest = {{"format", "sigma-shards"},
+                   {"version", 1},
+                   {"tokenizer", cfg.tokenizer},
+                   {"tokenizer_hash", fmt::format("{:016x}", tok.hash())},
+                   {"vocab_size", tok.vocab_size()},
+                   {"domains", cfg.domains.to_json()},
+                   {"shards", std::move(shards)}};
+  {
+    std::ofstream f(out_dir + "/manifest.json.tmp");
+    f << manifest.dump(2) << '\n';
+    SIGMA_CHECK(f.good(), "cannot write {}/manifest.json.tmp", out_dir);
+  }
+  fs::rename(out_dir + "/manifest.json.tmp", out_dir + "/manifest.json");
+
+  if (opt.progress) {
+    for (auto& m : report.stats.messages) fmt::print(stderr, "prepare: skip: {}\n", m);
+    if (!todo.empty()) fmt::print(stderr, "prepare: read {}\n", report.stats.summary());
+    for (auto& d : report.domains)
+      fmt::print(stderr, "prepare: {:<12} {:>10} tokens {:>8} samples  {}\n", d.name, d.tokens,
+                 d.samples, d.reused ? "(up to date, kept)" : "(written)");
+  }
+  return report;
+}
+
+}  // namespace sigma::data

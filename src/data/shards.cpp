@@ -1,0 +1,210 @@
+#include "data/shards.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace sigma::data {
+
+uint64_t shard_file_size(const ShardHeader& h) {
+  uint64_t tok = (h.n_tokens * h.token_bytes + 7) / 8 * 8;
+  return sizeof(ShardHeader) + tok + (h.n_samples + 1) * 8 + h.n_samples * 4;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+
+ShardWriter::ShardWriter(std::string path, const Domain& d, uint32_t vocab_size,
+                         uint64_t tokenizer_hash, uint64_t inputs_hash)
+    : path_(std::move(path)), tmp_(path_ + ".tmp") {
+  std::memcpy(hdr_.magic, kShardMagic, 8);
+  hdr_.version = kShardVersion;
+  hdr_.token_bytes = vocab_size <= 65536 ? 2 : 4;
+  hdr_.tokenizer_hash = tokenizer_hash;
+  hdr_.inputs_hash = inputs_hash;
+  hdr_.domain_id = d.id;
+  hdr_.vocab_size = vocab_size;
+  SIGMA_CHECK(d.name.size() < sizeof(hdr_.domain), "shard: domain name '{}' is longer than {} bytes",
+              d.name, sizeof(hdr_.domain) - 1);
+  std::memcpy(hdr_.domain, d.name.data(), d.name.size());
+  f_ = std::fopen(tmp_.c_str(), "wb");
+  SIGMA_CHECK(f_, "shard: cannot create {}: {}", tmp_, std::strerror(errno));
+  write(&hdr_, sizeof(hdr_));  // placeholder; rewritten with the counts by finish()
+}
+
+ShardWriter::~ShardWriter() {
+  if (f_) {  // not finished: drop the partial file
+    std::fclose(f_);
+    std::remove(tmp_.c_str());
+  }
+}
+
+void ShardWriter::write(const void* p, size_t n) {
+  SIGMA_CHECK(std::fwrite(p, 1, n, f_) == n, "shard: write to {} failed: {}", tmp_, std::strerror(errno));
+}
+
+void ShardWriter::add(std::span<const uint32_t> tokens, uint32_t prompt_len) {
+  SIGMA_CHECK(prompt_len <= tokens.size(), "shard: prompt of {} tokens in a sample of {}", prompt_len,
+              tokens.size());
+  for (uint32_t t : tokens)
+    SIGMA_CHECK(t < hdr_.vocab_size, "shard: token {} is outside the vocabulary of {}", t, hdr_.vocab_size);
+  if (hdr_.token_bytes == 2) {
+    buf16_.assign(tokens.begin(), tokens.end());
+    write(buf16_.data(), buf16_.size() * 2);
+  } else {
+    write(tokens.data(), tokens.size() * 4);
+  }
+  hdr_.n_tokens += tokens.size();
+  hdr_.n_samples += 1;
+  offsets_.push_back(hdr_.n_tokens);
+  prompt_.push_back(prompt_len);
+}
+
+void ShardWriter::finish() {
+  static const char zeros[8] = {};
+  write(zeros, (8 - (hdr_.n_tokens * hdr_.token_bytes) % 8) % 8);
+  write(offsets_.data(), offsets_.size() * 8);
+  write(prompt_.data(), prompt_.size() * 4);
+  SIGMA_CHECK(std::fseek(f_, 0, SEEK_SET) == 0, "shard: seek in {} failed", tmp_);
+  write(&hdr_, sizeof(hdr_));
+  int rc = std::fclose(f_);
+  f_ = nullptr;
+  SIGMA_CHECK(rc == 0, "shard: closing {} failed: {}", tmp_, std::strerror(errno));
+  SIGMA_CHECK(std::rename(tmp_.c_str(), path_.c_str()) == 0, "shard: cannot rename {} to {}: {}", tmp_,
+              path_, std::strerror(errno));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+namespace {
+
+void check_header(const ShardHeader& h, uint64_t file_size, const std::string& path) {
+  SIGMA_CHECK(std::memcmp(h.magic, kShardMagic, 8) == 0,
+              "shard {}: not a Sigma token shard (bad magic)", path);
+  SIGMA_CHECK(h.version == kShardVersion, "shard {}: format version {}, this build reads {}; re-run "
+              "sigma prepare", path, h.version, kShardVersion);
+  SIGMA_CHECK(h.token_bytes == 2 || h.token_bytes == 4, "shard {}: token size {} is not 2 or 4", path,
+              h.token_bytes);
+  SIGMA_CHECK(std::memchr(h.domain, 0, sizeof(h.domain)), "shard {}: domain name is not terminated", path);
+  SIGMA_CHECK(h.n_tokens <= file_size && h.n_samples <= file_size && shard_file_size(h) == file_size,
+              "shard {}: {} bytes, but its header ({} tokens, {} samples) needs {}; the file is "
+              "truncated or corrupt, re-run sigma prepare", path, file_size, h.n_tokens, h.n_samples,
+              h.n_tokens <= file_size && h.n_samples <= file_size ? shard_file_size(h) : 0);
+}
+
+}  // namespace
+
+ShardHeader Shard::read_header(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  SIGMA_CHECK(f, "shard {}: cannot open", path);
+  ShardHeader h{};
+  f.read(reinterpret_cast<char*>(&h), sizeof(h));
+  std::error_code ec;
+  uint64_t size = std::filesystem::file_size(path, ec);
+  SIGMA_CHECK(f.gcount() == sizeof(h) && !ec, "shard {}: truncated ({} bytes; the header alone is {})",
+              path, ec ? 0 : size, sizeof(h));
+  check_header(h, size, path);
+  return h;
+}
+
+std::shared_ptr<const Shard> Shard::open(const std::string& path, uint64_t expect_tokenizer_hash) {
+  std::shared_ptr<Shard> s(new Shard());
+  s->path_ = path;
+  s->hdr_ = read_header(path);
+  const ShardHeader& h = s->hdr_;
+  SIGMA_CHECK(expect_tokenizer_hash == 0 || h.tokenizer_hash == expect_tokenizer_hash,
+              "shard {} was made by tokenizer {:016x}, but the tokenizer in use is {:016x}; re-run "
+              "sigma prepare with this tokenizer", path, h.tokenizer_hash, expect_tokenizer_hash);
+  int fd = ::open(path.c_str(), O_RDONLY);
+  SIGMA_CHECK(fd >= 0, "shard {}: cannot open: {}", path, std::strerror(errno));
+  s->map_size_ = shard_file_size(h);
+  s->map_ = ::mmap(nullptr, s->map_size_, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (s->map_ == MAP_FAILED) {
+    s->map_ = nullptr;
+    fail("shard {}: mmap failed: {}", path, std::strerror(errno));
+  }
+  const char* base = static_cast<const char*>(s->map_);
+  s->tokens_ = base + sizeof(ShardHeader);
+  uint64_t tok_bytes = (h.n_tokens * h.token_bytes + 7) / 8 * 8;
+  s->offsets_ = reinterpret_cast<const uint64_t*>(base + sizeof(ShardHeader) + tok_bytes);
+  s->prompt_ = reinterpret_cast<const uint32_t*>(s->offsets_ + h.n_samples + 1);
+  // The index must tile the tokens exactly; prompts fit inside their samples.
+  SIGMA_CHECK(s->offsets_[0] == 0 && s->offsets_[h.n_samples] == h.n_tokens,
+              "shard {}: sample index does not cover the {} tokens", path, h.n_tokens);
+  for (uint64_t i = 0; i < h.n_samples; ++i) {
+    SIGMA_CHECK(s->offsets_[i] <= s->offsets_[i + 1], "shard {}: sample index decreases at sample {}",
+                path, i);
+    SIGMA_CHECK(s->prompt_[i] <= s->offsets_[i + 1] - s->offsets_[i],
+                "shard {}: sample {} has a prompt longer than itself", path, i);
+  }
+  for (uint64_t i = 0; i < h.n_tokens; ++i)
+    SIGMA_CHECK(s->token(i) < h.vocab_size, "shard {}: token {} at position {} is outside the "
+                "vocabulary of {}", path, s->token(i), i, h.vocab_size);
+  return s;
+}
+
+Shard::~Shard() {
+  if (map_) ::munmap(map_, map_size_);
+}
+
+std::string Shard::domain() const { return std::string(hdr_.domain); }
+
+void Shard::read(uint64_t begin, uint64_t n, int32_t* out) const {
+  SIGMA_CHECK(begin + n <= hdr_.n_tokens, "shard {}: read of [{}, {}) past {} tokens", path_, begin,
+              begin + n, hdr_.n_tokens);
+  if (hdr_.token_bytes == 2) {
+    auto* p = static_cast<const uint16_t*>(tokens_) + begin;
+    for (uint64_t i = 0; i < n; ++i) out[i] = p[i];
+  } else {
+    auto* p = static_cast<const uint32_t*>(tokens_) + begin;
+    for (uint64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(p[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prepared folder
+
+ShardSet ShardSet::open(const std::string& dir, uint64_t expect_tokenizer_hash) {
+  std::string mpath = dir + "/manifest.json";
+  std::ifstream f(mpath);
+  SIGMA_CHECK(f, "{}: cannot open; is {} a folder made by sigma prepare?", mpath, dir);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  auto m = nlohmann::json::parse(ss.str(), nullptr, false);
+  SIGMA_CHECK(!m.is_discarded() && m.is_object(), "{}: not valid JSON", mpath);
+  SIGMA_CHECK(m.value("format", "") == "sigma-shards" && m.value("version", 0) == 1,
+              "{}: not a version-1 sigma-shards manifest", mpath);
+  ShardSet set;
+  SIGMA_CHECK(m.contains("domains"), "{}: missing key \"domains\"", mpath);
+  set.domains = DomainRegistry::from_json(m["domains"], mpath + ": domains");
+  SIGMA_CHECK(m.contains("tokenizer_hash") && m["tokenizer_hash"].is_string(),
+              "{}: missing key \"tokenizer_hash\"", mpath);
+  set.tokenizer_hash = std::stoull(m["tokenizer_hash"].get<std::string>(), nullptr, 16);
+  SIGMA_CHECK(expect_tokenizer_hash == 0 || set.tokenizer_hash == expect_tokenizer_hash,
+              "{}: shards were made by tokenizer {:016x}, but the tokenizer in use is {:016x}; "
+              "re-run sigma prepare with this tokenizer", mpath, set.tokenizer_hash,
+              expect_tokenizer_hash);
+  for (auto& d : set.domains.domains) {
+    auto shard = Shard::open(dir + "/" + d.name + ".shard", set.tokenizer_hash);
+    SIGMA_CHECK(shard->domain() == d.name && shard->domain_id() == d.id,
+                "shard {} holds domain '{}' (id {}), the manifest expects '{}' (id {})",
+                shard->path(), shard->domain(), shard->domain_id(), d.name, d.id);
+    if (set.vocab_size == 0) set.vocab_size = shard->header().vocab_size;
+    set.shards.push_back(std::move(shard));
+  }
+  return set;
+}
+
+}  // namespace sigma::data
