@@ -17,8 +17,13 @@ int main(int argc, char** argv) {
   for (auto& add : sigma::cli::commands()) add(app);
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {  // one line, like every other error
+    fmt::print(stderr, "sigma: error: {} (see --help)\n", e.what());
+    return e.get_exit_code() ? e.get_exit_code() : 2;
   } catch (const sigma::Error& e) {
     fmt::print(stderr, "sigma: error: {}\n", e.what());
     return 1;

@@ -18,29 +18,7 @@ namespace sigma {
 
 namespace {
 using Buf = std::vector<float>;
-
-// Value and gradient pointers of one parameter (tensor buffers never move).
-struct PV {
-  float* v = nullptr;
-  float* g = nullptr;
-};
-
-PV pv(ParamSet& ps, const std::string& name) {
-  Param& p = ps.at(name);
-  return {p.value.f(), p.grad.f()};
-}
 }  // namespace
-
-struct Model::Weights {
-  struct Block {
-    PV ln1_w, ln1_b, qkv_w, qkv_b, out_w, out_b, ln2_w, ln2_b, w_in, b_in, w_out, b_out;
-    PV query;  // query layer only: the learned query table [T, d]
-    FfnWeights ffn() const { return {w_in.v, b_in.v, w_out.v, b_out.v}; }
-    FfnGrads ffn_grad() const { return {w_in.g, b_in.g, w_out.g, b_out.g}; }
-  };
-  PV tokens, positions, lnf_w, lnf_b;
-  std::vector<Block> blocks;
-};
 
 // What backward needs, per block; N = B*T rows.
 struct Model::Acts {
@@ -65,30 +43,11 @@ struct Model::Acts {
   Buf dh, da, datt, dqkv, dffn, dq_shared;
 };
 
-Model::Model(const ModelConfig& cfg, uint64_t seed) : cfg_(cfg), w_(new Weights), a_(new Acts) {
+Model::Model(const ModelConfig& cfg, uint64_t seed)
+    : cfg_(cfg), w_(new ModelWeights), a_(new Acts) {
   cfg_.validate();
-  const int64_t V = cfg_.vocab, d = cfg_.d_model, f = cfg_.ffn(), T = cfg_.context;
   const int L = cfg_.layers;
-  params_.add("embed.tokens", {int64_t(cfg_.slots) * V, d}, false);
-  params_.add("embed.positions", {T, d}, false);
-  for (int l = 0; l < L; ++l) {
-    const std::string b = fmt::format("blocks.{}.", l);
-    params_.add(b + "ln1.w", {d}, false);
-    params_.add(b + "ln1.b", {d}, false);
-    params_.add(b + "attn.qkv.w", {d, 3 * d}, true);
-    params_.add(b + "attn.qkv.b", {3 * d}, false);
-    params_.add(b + "attn.out.w", {d, d}, true);
-    params_.add(b + "attn.out.b", {d}, false);
-    if (l == L - 1) params_.add(b + "attn.query_table", {T, d}, false);
-    params_.add(b + "ln2.w", {d}, false);
-    params_.add(b + "ln2.b", {d}, false);
-    params_.add(b + "ffn.w_in", {d, f}, true);
-    params_.add(b + "ffn.b_in", {f}, false);
-    params_.add(b + "ffn.w_out", {f, d}, true);
-    params_.add(b + "ffn.b_out", {d}, false);
-  }
-  params_.add("final_ln.w", {d}, false);
-  params_.add("final_ln.b", {d}, false);
+  register_params(params_, cfg_);
 
   // Initialisation: N(0, std) per tensor from its own RNG stream (so adding a tensor never
   // shifts another's values); residual output projections scaled by 1/sqrt(2L) (GPT-2);
@@ -112,28 +71,7 @@ Model::Model(const ModelConfig& cfg, uint64_t seed) : cfg_(cfg), w_(new Weights)
     }
   }
 
-  w_->tokens = pv(params_, "embed.tokens");
-  w_->positions = pv(params_, "embed.positions");
-  w_->lnf_w = pv(params_, "final_ln.w");
-  w_->lnf_b = pv(params_, "final_ln.b");
-  for (int l = 0; l < L; ++l) {
-    const std::string b = fmt::format("blocks.{}.", l);
-    Weights::Block k;
-    k.ln1_w = pv(params_, b + "ln1.w");
-    k.ln1_b = pv(params_, b + "ln1.b");
-    k.qkv_w = pv(params_, b + "attn.qkv.w");
-    k.qkv_b = pv(params_, b + "attn.qkv.b");
-    k.out_w = pv(params_, b + "attn.out.w");
-    k.out_b = pv(params_, b + "attn.out.b");
-    if (l == L - 1) k.query = pv(params_, b + "attn.query_table");
-    k.ln2_w = pv(params_, b + "ln2.w");
-    k.ln2_b = pv(params_, b + "ln2.b");
-    k.w_in = pv(params_, b + "ffn.w_in");
-    k.b_in = pv(params_, b + "ffn.b_in");
-    k.w_out = pv(params_, b + "ffn.w_out");
-    k.b_out = pv(params_, b + "ffn.b_out");
-    w_->blocks.push_back(k);
-  }
+  *w_ = ModelWeights::bind(params_, cfg_);
 }
 
 Model::~Model() = default;
@@ -225,7 +163,7 @@ void Model::block_forward(int l, const Batch& batch) {
   const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), H = cfg_.heads,
                 hd = cfg_.head_dim();
   const bool query_layer = (l == cfg_.layers - 1);
-  const Weights::Block& w = w_->blocks[l];
+  const BlockWeights& w = w_->blocks[l];
   Acts::Block& k = a_->blocks[l];
 
   cpu::layernorm_forward(k.a1.data(), k.mean1.data(), k.rstd1.data(), k.x.data(), w.ln1_w.v,
@@ -295,7 +233,7 @@ void Model::block_backward(int l, const Batch& batch, float* dh) {
   const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), H = cfg_.heads,
                 hd = cfg_.head_dim();
   const bool query_layer = (l == cfg_.layers - 1);
-  const Weights::Block& w = w_->blocks[l];
+  const BlockWeights& w = w_->blocks[l];
   Acts::Block& k = a_->blocks[l];
   Acts& a = *a_;
 

@@ -9,6 +9,7 @@
 #include "model/batch.h"
 #include "model/config.h"
 #include "model/params.h"
+#include "model/weights.h"
 
 namespace sigma {
 
@@ -21,6 +22,7 @@ class Model {
 
   const ModelConfig& config() const { return cfg_; }
   ParamSet& params() { return params_; }
+  const ModelWeights& weights() const { return *w_; }
   const ParamSet& params() const { return params_; }
 
   // Forward pass; token_loss[B*T] receives every position's cross-entropy (masked or not).
@@ -36,7 +38,6 @@ class Model {
   double train_flops_per_token() const;
 
  private:
-  struct Weights;
   struct Acts;
   void ensure_workspace(int B, int T);
   void block_forward(int l, const Batch& b);
@@ -45,7 +46,7 @@ class Model {
 
   ModelConfig cfg_;
   ParamSet params_;
-  std::unique_ptr<Weights> w_;
+  std::unique_ptr<ModelWeights> w_;
   std::unique_ptr<Acts> a_;
 };
 

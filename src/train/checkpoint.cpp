@@ -101,4 +101,17 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) 
   }
 }
 
+std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info) {
+  CheckpointInfo ck = open_checkpoint(path);
+  auto model = std::make_unique<Model>(ck.cfg.model, ck.cfg.train.seed);
+  load_model(*model, ck.dir);
+  if (info) *info = std::move(ck);
+  return model;
+}
+
+std::string checkpoint_tokenizer_path(const std::string& dir) {
+  const std::string p = dir + "/" + kTokenizerFile;
+  return std::filesystem::exists(p) ? p : "";
+}
+
 }  // namespace sigma

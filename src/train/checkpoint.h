@@ -3,6 +3,7 @@
 #pragma once
 #include <nlohmann/json.hpp>
 
+#include <memory>
 #include <string>
 
 #include "model/model.h"
@@ -34,5 +35,11 @@ CheckpointInfo open_checkpoint(const std::string& path);
 // same shape (the error names the first that does not).
 void load_model(Model& model, const std::string& dir);
 void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir);
+
+// The model of a checkpoint, ready for inference; `info` receives its config and state.
+std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info = nullptr);
+
+// The tokenizer file stored in checkpoint `dir`, or "" when it holds none.
+std::string checkpoint_tokenizer_path(const std::string& dir);
 
 }  // namespace sigma

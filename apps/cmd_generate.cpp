@@ -1,0 +1,85 @@
+// sigma generate: continues a prompt with a checkpoint's model (KV cache, seeded sampling).
+#include <fmt/format.h>
+
+#include <sstream>
+
+#include "command.h"
+#include "data/tokenizer.h"
+#include "infer/generate.h"
+#include "train/checkpoint.h"
+
+namespace sigma::cli {
+namespace {
+
+struct GenerateArgs {
+  std::string ckpt, prompt, domain;
+  SamplingConfig s;
+  bool no_cache = false;
+};
+
+// Without a tokenizer in the checkpoint (the synthetic data), prompts are token ids.
+std::vector<int32_t> parse_ids(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<int32_t> ids;
+  std::string word;
+  while (in >> word) {
+    size_t used = 0;
+    long v = -1;
+    try {
+      v = std::stol(word, &used);
+    } catch (...) {
+    }
+    SIGMA_CHECK(used == word.size() && v >= 0,
+                "this checkpoint has no tokenizer, so --prompt must be token ids separated by "
+                "spaces; '{}' is not one", word);
+    ids.push_back(int32_t(v));
+  }
+  return ids;
+}
+
+void run_generate(GenerateArgs a) {
+  CheckpointInfo info;
+  auto model = load_checkpoint_model(a.ckpt, &info);
+  const ModelConfig& c = model->config();
+  const int domain = a.domain.empty() ? 0 : c.domain_index(a.domain);
+  const std::string tok_path = checkpoint_tokenizer_path(info.dir);
+  std::vector<int32_t> prompt;
+  std::optional<data::Tokenizer> tok;
+  if (!tok_path.empty()) {
+    tok = data::Tokenizer::load(tok_path);
+    for (uint32_t id : tok->encode(a.prompt)) prompt.push_back(int32_t(id));
+    if (a.s.stop_token < 0) a.s.stop_token = int(data::kEotId);
+  } else {
+    prompt = parse_ids(a.prompt);
+  }
+  SIGMA_CHECK(!prompt.empty(), "--prompt is empty");
+  const auto out = generate(*model, domain, prompt, a.s, !a.no_cache);
+  if (tok) {
+    std::vector<uint32_t> ids(out.begin(), out.end());
+    fmt::print("{}{}\n", a.prompt, tok->decode(ids));
+  } else {
+    fmt::print("{}\n", fmt::join(out, " "));
+  }
+}
+
+const RegisterCommand reg([](CLI::App& root) {
+  auto a = std::make_shared<GenerateArgs>();
+  CLI::App* c = root.add_subcommand("generate", "Generate a continuation of a prompt");
+  c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root)")->required();
+  c->add_option("--prompt", a->prompt, "Prompt text (token ids if the checkpoint has no tokenizer)")
+      ->required();
+  c->add_option("--domain", a->domain, "Domain of the prompt (default: the first)");
+  c->add_option("--max-new", a->s.max_new_tokens, "Tokens to generate")->check(CLI::Range(1, 1 << 20));
+  c->add_option("--temperature", a->s.temperature, "0 = greedy")->check(CLI::Range(0.0, 100.0));
+  c->add_option("--top-k", a->s.top_k, "Keep the k most likely tokens (0 = off)")->check(CLI::NonNegativeNumber);
+  c->add_option("--top-p", a->s.top_p, "Nucleus mass (1 = off)")->check(CLI::Range(0.0, 1.0));
+  c->add_option("--repetition-penalty", a->s.repetition_penalty, "> 1 discourages repeats")
+      ->check(CLI::Range(0.01, 100.0));
+  c->add_option("--seed", a->s.seed, "Sampling seed");
+  c->add_option("--stop-token", a->s.stop_token, "Stop after this token id (default <EOT> with a tokenizer)");
+  c->add_flag("--no-cache", a->no_cache, "Recompute the whole prefix each step (reference path)");
+  c->callback([a] { run_generate(*a); });
+});
+
+}  // namespace
+}  // namespace sigma::cli

@@ -1,0 +1,47 @@
+// Autoregressive generation: a KV-cache decoder (one token at a time, keys and values of
+// earlier positions kept per block) and sampling (greedy, temperature, top-k, top-p,
+// repetition penalty), seeded through the counter RNG.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "model/model.h"
+
+namespace sigma {
+
+struct SamplingConfig {
+  float temperature = 0.0f;  // 0 = greedy
+  int top_k = 0;             // 0 = off
+  float top_p = 1.0f;        // 1 = off
+  float repetition_penalty = 1.0f;  // >1 discourages tokens already in the sequence (CTRL-style)
+  uint64_t seed = 0;
+  int max_new_tokens = 32;
+  int stop_token = -1;  // generation ends after emitting this id (-1 = never)
+};
+
+class KVCacheDecoder {
+ public:
+  KVCacheDecoder(const Model& model, int domain);
+  // Feeds `token` at the next position; returns the logits [V] for the position after it.
+  const float* step(int32_t token);
+  int position() const { return pos_; }
+
+ private:
+  const Model& model_;
+  int64_t slot_base_;  // slot * V
+  int pos_ = 0;
+  std::vector<std::vector<float>> k_, v_;  // per block: [T, d]
+  std::vector<float> x_, a_, qkv_, q_, att_, mid_, pre_, act_, hf_, logits_, probs_;
+  float mean_ = 0, rstd_ = 0;
+};
+
+// Picks the next token from logits (modified in place), given the tokens so far.
+int32_t sample_next(float* logits, int64_t V, const std::vector<int32_t>& history,
+                    const SamplingConfig& s, uint64_t draw_index);
+
+// Generates up to max_new_tokens after `prompt` (which must be non-empty). With use_cache =
+// false every step reruns the full forward pass on the prefix (the reference path).
+std::vector<int32_t> generate(Model& model, int domain, const std::vector<int32_t>& prompt,
+                              const SamplingConfig& s, bool use_cache = true);
+
+}  // namespace sigma

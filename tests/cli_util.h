@@ -1,0 +1,46 @@
+// Runs the sigma binary (or any shell command) and captures its exit code and output.
+#pragma once
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace sigma::testing {
+
+struct CmdResult {
+  int code;
+  std::string out;  // stdout and stderr together
+};
+
+inline CmdResult run_cmd(const std::string& cmd) {
+  CmdResult r{-1, ""};
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int st = pclose(p);
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+inline CmdResult sigma_cmd(const std::string& args) {
+  return run_cmd(std::string(SIGMA_BINARY) + " " + args);
+}
+
+// A fresh directory under the system temp dir, removed when the object dies.
+struct TempDir {
+  std::filesystem::path path;
+  explicit TempDir(const std::string& tag) {
+    path = std::filesystem::temp_directory_path() /
+           ("sigma-test-" + tag + "-" + std::to_string(getpid()));
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+  std::string operator/(const std::string& s) const { return (path / s).string(); }
+};
+
+}  // namespace sigma::testing
