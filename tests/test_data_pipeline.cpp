@@ -480,6 +480,12 @@ TEST(Sampler, DeterministicStagedAndEpochsCoverEveryItem) {
     std::set<uint64_t> epoch(a_items.begin() + e, a_items.begin() + e + 7);
     EXPECT_EQ(epoch.size(), 7u) << "epoch " << e / 7;
   }
+  // ...and each epoch is shuffled afresh.
+  std::vector<uint64_t> b_items;
+  for (auto& p : p1)
+    if (p.domain == 1) b_items.push_back(p.item);
+  ASSERT_GE(b_items.size(), 26u);
+  EXPECT_FALSE(std::equal(b_items.begin(), b_items.begin() + 13, b_items.begin() + 13));
 }
 
 TEST(Sampler, ResumeFromCursorContinuesExactly) {

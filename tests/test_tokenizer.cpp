@@ -190,6 +190,54 @@ TEST(Tokenizer, TrainingIsDeterministicAndCompresses) {
   EXPECT_THROW(Tokenizer::train(std::vector<std::string>{"x"}, tiny), Error);
 }
 
+// Reference trainer: recount every pair after every merge; pick the most frequent pair, ties to
+// the smaller (left, right). The incremental trainer must learn exactly the same merges.
+TEST(Tokenizer, IncrementalTrainerMatchesRecountingTrainer) {
+  std::vector<std::string> texts;
+  Rng r(21, 1);
+  for (int i = 0; i < 60; ++i) texts.push_back(random_text(r, 120));
+  texts.push_back("aaaa aaaaa abab ababab abba banana bananas 中文中文中文");
+  TrainOptions opt{.vocab_size = 420};
+  Tokenizer fast = Tokenizer::train(texts, opt);
+  Tokenizer base;
+  std::map<std::string, int64_t> words;
+  std::vector<Piece> pieces;
+  for (auto& t : texts) {
+    pieces.clear();
+    pretokenize(t, opt.max_space_run, pieces);
+    for (auto& p : pieces)
+      if (!p.space_run && p.text.size() >= 2) words[std::string(p.text)]++;
+  }
+  std::vector<std::pair<std::vector<uint32_t>, int64_t>> syms;
+  for (auto& [w, c] : words) {
+    syms.emplace_back();
+    for (char ch : w) syms.back().first.push_back(base.byte_id(static_cast<uint8_t>(ch)));
+    syms.back().second = c;
+  }
+  nlohmann::json expect = nlohmann::json::array();
+  for (uint32_t z = base.vocab_size(); z < opt.vocab_size; ++z) {
+    std::map<std::pair<uint32_t, uint32_t>, int64_t> count;
+    for (auto& [s, c] : syms)
+      for (size_t i = 0; i + 1 < s.size(); ++i) count[{s[i], s[i + 1]}] += c;
+    std::pair<uint32_t, uint32_t> best{};
+    int64_t best_c = 0;
+    for (auto& [p, c] : count)  // map order = ascending pair, so '>' keeps the smallest on ties
+      if (c > best_c) best = p, best_c = c;
+    if (best_c < 2) break;
+    expect.push_back({best.first, best.second});
+    for (auto& [s, c] : syms) {
+      std::vector<uint32_t> out;
+      for (size_t i = 0; i < s.size();) {
+        if (i + 1 < s.size() && s[i] == best.first && s[i + 1] == best.second) out.push_back(z), i += 2;
+        else out.push_back(s[i++]);
+      }
+      s = std::move(out);
+    }
+  }
+  ASSERT_GT(expect.size(), 50u);
+  EXPECT_EQ(fast.to_json()["merges"], expect);
+}
+
 TEST(Tokenizer, SaveLoadKeepsEverything) {
   Tokenizer a = small_trained();
   std::string path = tmp_path("tok.json");
