@@ -10,6 +10,7 @@
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/vexp.h"
 #include "kernels/cpu/xent.h"
 
 using namespace sigma;
@@ -204,4 +205,24 @@ TEST(Embedding, ForwardAndGradient) {
   expect_grad_matches("dtable", table.data(), table.size(), dt, run);
   expect_grad_matches("dpos", pos.data(), pos.size(), dp, run);
   for (int64_t c = 0; c < d; ++c) EXPECT_EQ(dt[2 * d + c], 0.0f);  // unused row stays zero
+}
+
+TEST(VectorExp, MatchesStdExpAcrossTheRangeIncludingTails) {
+  // 1003 values (not a multiple of 16) from deep underflow to e^80 (so the sum fits in fp32).
+  const int64_t n = 1003;
+  std::vector<float> x(n);
+  for (int64_t i = 0; i < n; ++i) x[i] = -100.0f + 180.0f * float(i) / float(n - 1);
+  auto y = x;
+  const float sum = cpu::exp_shift_sum(y.data(), n, 0.0f);
+  double ref_sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double e = std::exp(double(x[i]));
+    ref_sum += e;
+    ASSERT_NEAR(y[i], e, 4e-7 * e + 1e-38) << "x = " << x[i];
+  }
+  EXPECT_NEAR(sum, ref_sum, 1e-5 * ref_sum);
+  EXPECT_EQ(cpu::max_of(x.data(), n), x[n - 1]);
+  std::vector<float> s(n);
+  cpu::sigmoid_scaled(s.data(), x.data(), n, 0.05f);
+  for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(s[i], 1.0 / (1.0 + std::exp(-0.05 * x[i])), 1e-6);
 }

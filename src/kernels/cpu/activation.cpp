@@ -1,21 +1,35 @@
 #include "kernels/cpu/activation.h"
 
+#include <algorithm>
 #include <cmath>
+
+#include "kernels/cpu/vexp.h"
 
 namespace sigma::cpu {
 
 constexpr float kGeluAlpha = 1.702f;
+constexpr int64_t kChunk = 4096;  // sigmoid scratch per chunk stays in L1/L2
 
 void fast_gelu_forward(float* y, const float* x, int64_t n) {
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] / (1.0f + std::exp(-kGeluAlpha * x[i]));
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t m = std::min(kChunk, n - c);
+    float s[kChunk];
+    sigmoid_scaled(s, x + c, m, kGeluAlpha);
+    for (int64_t i = 0; i < m; ++i) y[c + i] = x[c + i] * s[i];
+  }
 }
 
 void fast_gelu_backward(float* dx, const float* dy, const float* x, int64_t n) {
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float s = 1.0f / (1.0f + std::exp(-kGeluAlpha * x[i]));
-    dx[i] += dy[i] * (s + kGeluAlpha * x[i] * s * (1.0f - s));
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t m = std::min(kChunk, n - c);
+    float s[kChunk];
+    sigmoid_scaled(s, x + c, m, kGeluAlpha);
+    for (int64_t i = 0; i < m; ++i) {
+      const float xi = x[c + i];
+      dx[c + i] += dy[c + i] * (s[i] + kGeluAlpha * xi * s[i] * (1.0f - s[i]));
+    }
   }
 }
 

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/vexp.h"
 
 namespace sigma::cpu {
 
@@ -29,15 +30,8 @@ void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, A
       gemm(false, true, i1 - i0, i1, hd, scale, qb + i0 * q.ld, q.ld, kb, k.ld, 0.0f, Pi, T);
       for (int64_t i = i0; i < i1; ++i) {
         float* row = P + i * T;
-        float mx = row[0];
-        for (int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-        float sum = 0.0f;
-        for (int64_t j = 0; j <= i; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+        const float sum = exp_shift_sum(row, i + 1, max_of(row, i + 1));
+        scale_into(row, row, i + 1, 1.0f / sum);
         for (int64_t j = i + 1; j < T; ++j) row[j] = 0.0f;
       }
       gemm(false, false, i1 - i0, hd, i1, 1.0f, Pi, T, vb, v.ld, 0.0f, ob + i0 * d, d);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/vexp.h"
+
 namespace sigma::cpu {
 
 void softmax_xent(float* logits, float* loss, const int32_t* targets, const float* grad_scale,
@@ -10,19 +12,18 @@ void softmax_xent(float* logits, float* loss, const int32_t* targets, const floa
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     float* row = logits + i * V;
-    float mx = row[0];
-    for (int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < V; ++j) sum += std::exp(row[j] - mx);
-    const float logz = mx + std::log(sum);
-    loss[i] = logz - row[targets[i]];
-    if (!grad_scale) continue;
-    const float g = grad_scale[i];
-    if (g == 0.0f) {
-      std::fill(row, row + V, 0.0f);
+    const float target_logit = row[targets[i]];
+    const float mx = max_of(row, V);
+    if (!grad_scale) {  // loss only: exponentiate a copy-free running sum
+      float sum = 0.0f;
+      for (int64_t j = 0; j < V; ++j) sum += std::exp(row[j] - mx);
+      loss[i] = mx + std::log(sum) - target_logit;
       continue;
     }
-    for (int64_t j = 0; j < V; ++j) row[j] = std::exp(row[j] - logz) * g;
+    const float sum = exp_shift_sum(row, V, mx);  // row now holds exp(logit - max)
+    loss[i] = mx + std::log(sum) - target_logit;
+    const float g = grad_scale[i];
+    scale_into(row, row, V, g / sum);  // softmax * g; zero rows when g = 0
     row[targets[i]] -= g;
   }
 }
