@@ -14,11 +14,11 @@ namespace sigma::data {
 enum class SampleFormat : uint8_t { Plain, Bilingual };
 
 struct Domain {
-  std::string name;
+  std::string name{};
   uint32_t id = 0;                  // stable id stored in shards and batches
-  std::string group;                // RRE domain group; defaults to the name
+  std::string group{};              // RRE domain group; defaults to the name
   uint32_t slot = 0;                // embedding slot; defaults to the id
-  std::vector<std::string> prefix;  // control tokens put before every sample, e.g. <Python>
+  std::vector<std::string> prefix{};  // control tokens put before every sample, e.g. <Python>
   SampleFormat format = SampleFormat::Plain;
 };
 

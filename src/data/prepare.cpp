@@ -164,11 +164,14 @@ struct Batch {
 // Single-producer queue holding at most two batches, so reading overlaps encoding.
 class BatchQueue {
  public:
-  void push(Batch b) {
+  // False once the consumer has stopped: the producer should give up.
+  bool push(Batch b) {
     std::unique_lock lk(m_);
     cv_.wait(lk, [&] { return q_.size() < 2 || stop_; });
+    if (stop_) return false;
     q_.push_back(std::move(b));
     cv_.notify_all();
+    return true;
   }
   std::optional<Batch> pop() {
     std::unique_lock lk(m_);
@@ -260,6 +263,7 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
   Progress progress{opt.progress, ::isatty(2) != 0, total};
   BatchQueue queue;
   std::exception_ptr read_error;
+  struct Stopped {};
   std::thread reader([&] {
     try {
       Batch b;
@@ -273,13 +277,16 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
           b.records.push_back(std::move(r));
           if (b.bytes >= (2u << 20) || b.records.size() >= 4096) {
             b.done = done;
-            queue.push(std::exchange(b, Batch{.where = b.where}));
+            Batch next;
+            next.where = b.where;
+            if (!queue.push(std::exchange(b, std::move(next)))) throw Stopped{};
           }
         });
         done += fs::file_size(sources[s].path);
         b.done = done;
-        queue.push(std::exchange(b, Batch{}));
+        if (!queue.push(std::exchange(b, Batch{}))) throw Stopped{};
       }
+    } catch (const Stopped&) {  // the consumer failed and reports its own error
     } catch (...) {
       read_error = std::current_exception();
     }

@@ -32,7 +32,7 @@ struct StringHash {
 
 struct TrainOptions {
   uint32_t vocab_size = 16384;        // total, including controls, bytes and space runs
-  std::vector<std::string> controls;  // user-defined, appended after kDefaultControls
+  std::vector<std::string> controls{};  // user-defined, appended after kDefaultControls
   uint32_t max_space_run = 16;        // K: runs of 2..K spaces get their own token
   uint64_t min_pair_count = 2;        // stop early when no pair occurs this often
 };

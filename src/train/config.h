@@ -11,7 +11,7 @@
 namespace sigma {
 
 struct TrainConfig {
-  int64_t steps = 1200;
+  int64_t steps = 3000;
   int batch = 24;          // rows per micro-batch
   int accum = 1;           // micro-batches per optimizer step
   uint64_t seed = 1;
