@@ -642,7 +642,9 @@ TEST(BatchSource, FillsBatchesWithDomainIdsAndResumesExactly) {
   for (uint32_t r = 0; r < 8; ++r) {
     EXPECT_EQ(b.mask[r * 32 + 31], 0.0f);            // every toy sample is shorter than 32
     EXPECT_EQ(b.inputs[r * 32 + 31], int32_t(kPadId));
-    if (b.domain[r] == 1) EXPECT_EQ(b.inputs[r * 32], 4);  // <Python> first
+    if (b.domain[r] == 1) {
+      EXPECT_EQ(b.inputs[r * 32], 4);  // <Python> first
+    }
   }
 }
 

@@ -278,7 +278,9 @@ void Tokenizer::bpe(std::string_view piece, std::vector<uint32_t>& out) const {
       std::push_heap(heap.begin(), heap.end(), std::greater<>());
     }
   };
-  for (uint32_t i = 0; i + 1 < n; ++i) push(i);
+  for (uint32_t i = 0; i + 1 < n; ++i)  // all initial pairs, then one O(n) heapify
+    if (uint32_t m = merge_of(ids[i], ids[i + 1])) heap.push_back({m, i, ids[i], ids[i + 1]});
+  std::make_heap(heap.begin(), heap.end(), std::greater<>());
   while (!heap.empty()) {
     std::pop_heap(heap.begin(), heap.end(), std::greater<>());
     Cand c = heap.back();
@@ -305,7 +307,7 @@ struct EncodeCache {
   std::unordered_map<std::string, std::vector<uint32_t>, StringHash, std::equal_to<>> map;
 };
 constexpr size_t kCacheMaxEntries = 1 << 18;
-constexpr size_t kCacheMaxPiece = 64;
+constexpr size_t kCacheMaxPiece = 16;
 }  // namespace
 
 void Tokenizer::encode_append(std::string_view text, std::vector<uint32_t>& out) const {
