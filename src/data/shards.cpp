@@ -191,7 +191,11 @@ ShardSet ShardSet::open(const std::string& dir, uint64_t expect_tokenizer_hash) 
   set.domains = DomainRegistry::from_json(m["domains"], mpath + ": domains");
   SIGMA_CHECK(m.contains("tokenizer_hash") && m["tokenizer_hash"].is_string(),
               "{}: missing key \"tokenizer_hash\"", mpath);
-  set.tokenizer_hash = std::stoull(m["tokenizer_hash"].get<std::string>(), nullptr, 16);
+  std::string hex = m["tokenizer_hash"].get<std::string>();
+  char* end = nullptr;
+  set.tokenizer_hash = std::strtoull(hex.c_str(), &end, 16);
+  SIGMA_CHECK(hex.size() == 16 && end == hex.c_str() + 16, "{}: \"tokenizer_hash\" '{}' is not 16 hex "
+              "digits", mpath, hex);
   SIGMA_CHECK(expect_tokenizer_hash == 0 || set.tokenizer_hash == expect_tokenizer_hash,
               "{}: shards were made by tokenizer {:016x}, but the tokenizer in use is {:016x}; "
               "re-run sigma prepare with this tokenizer", mpath, set.tokenizer_hash,
