@@ -1,0 +1,183 @@
+// The ECSS Adam kernel (src/optim/adam_kernel.h) against a scalar reference in double, element
+// by element, on sizes around the vector width (1, 15, 17) and one large, odd size that is split
+// over threads (1000003); both dispatch paths, fp32 and bf16 gradients.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/rng.h"
+#include "optim/adam_kernel.h"
+#include "optim/adamw.h"
+
+using namespace sigma;
+
+namespace {
+
+constexpr double kU = 1.0 / 16777216.0;  // fp32 unit roundoff, 2^-24
+
+uint16_t to_bf16(float f) {  // round to nearest even
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return uint16_t(b >> 16);
+}
+float from_bf16(uint16_t h) {
+  uint32_t b = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+struct State {
+  std::vector<float> w, m, v, g;
+  std::vector<uint16_t> gb;  // g rounded to bf16
+};
+
+State make_state(int64_t n, uint64_t seed) {
+  State s;
+  s.w.resize(n), s.m.resize(n), s.v.resize(n), s.g.resize(n), s.gb.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    s.w[i] = rng_normal(seed, 1, i);
+    s.m[i] = 0.01f * rng_normal(seed, 2, i);
+    s.v[i] = 1e-4f * rng_uniform(seed, 3, i) * rng_uniform(seed, 3, i + n);
+    float g = 0.1f * rng_normal(seed, 4, i);
+    if (i % 97 == 5) g = 0.0f;        // a zero gradient: m, v only decay
+    if (i % 89 == 7) g *= 1000.0f;    // an outlier
+    s.g[i] = g;
+    s.gb[i] = to_bf16(g);
+  }
+  if (n > 3) s.v[1] = 0.0f;  // v exactly zero before the step
+  return s;
+}
+
+// The update formula in double from the kernel's fp32 inputs and fp32-derived constants, with
+// a bound on the fp32 kernel's rounding error for each output; returns the mismatch count.
+int64_t check_step(const State& before, const std::vector<float>& gin, const float* w,
+                   const float* m, const float* v, const AdamStepArgs& a, const char* what) {
+  const AdamBiasCorrections bc = adam_bias_corrections(a.beta1, a.beta2, a.step);
+  const double ss = float(a.lr / bc.bc1), isb2 = float(1.0f / std::sqrt(bc.bc2));
+  const double dec = float(a.lr * a.weight_decay), omb1 = float(1.0f - a.beta1),
+               omb2 = float(1.0f - a.beta2);
+  int64_t bad = 0;
+  for (size_t i = 0; i < before.w.size(); ++i) {
+    const double g = double(gin[i]) * a.grad_scale;
+    const double m0 = before.m[i], v0 = before.v[i], w0 = before.w[i];
+    const double mr = a.beta1 * m0 + omb1 * g;
+    const double vr = a.beta2 * v0 + omb2 * g * g;
+    const double den = std::sqrt(vr) * isb2 + a.eps;
+    const double upd = ss * mr / den;
+    const double wr = w0 - (dec * w0 + upd);
+    // Each fp32 operation rounds by at most u (relative); cancellation in m is bounded by the
+    // magnitudes of its two terms and carried into the update through ss / den.
+    const double tol_m = 4 * kU * (std::fabs(a.beta1 * m0) + std::fabs(omb1 * g)) + 1e-37;
+    const double tol_v = 4 * kU * vr + 1e-37;
+    const double tol_w = 2 * kU * std::fabs(wr) + 8 * kU * (std::fabs(dec * w0) + std::fabs(upd)) +
+                         ss * tol_m / den + 1e-37;
+    const bool ok = std::fabs(m[i] - mr) <= tol_m && std::fabs(v[i] - vr) <= tol_v &&
+                    std::fabs(w[i] - wr) <= tol_w;
+    if (!ok && ++bad <= 5)
+      ADD_FAILURE() << what << " i=" << i << ": w " << w[i] << " vs " << wr << " (tol " << tol_w
+                    << "), m " << m[i] << " vs " << mr << ", v " << v[i] << " vs " << vr;
+  }
+  return bad;
+}
+
+const AdamStepArgs kSteps[] = {
+    {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 1},
+    {3e-3f, 0.9f, 0.95f, 1e-10f, 0.0f, 0.25f, 2},   // eps_rre, clipping, no decay
+    {2e-4f, 0.8f, 0.999f, 1e-6f, 0.01f, 1.0f, 37},  // other betas, a late step
+};
+
+std::vector<AdamPath> paths() {
+  std::vector<AdamPath> p{AdamPath::Scalar};
+  if (adam_path_available(AdamPath::Avx512)) p.push_back(AdamPath::Avx512);
+  return p;
+}
+
+// Runs the three steps on `s` with fp32 or bf16 gradients, checking each against the reference.
+void run_and_check(State& s, AdamPath path, bool bf16, const std::string& tag) {
+  std::vector<float> gin(s.g.size());
+  for (size_t i = 0; i < gin.size(); ++i) gin[i] = bf16 ? from_bf16(s.gb[i]) : s.g[i];
+  for (const AdamStepArgs& a : kSteps) {
+    State before = s;
+    if (bf16)
+      adam_step(s.w.data(), s.m.data(), s.v.data(), s.gb.data(), int64_t(s.w.size()), a, path);
+    else
+      adam_step(s.w.data(), s.m.data(), s.v.data(), s.g.data(), int64_t(s.w.size()), a, path);
+    const std::string what = tag + " step " + std::to_string(a.step);
+    EXPECT_EQ(check_step(before, gin, s.w.data(), s.m.data(), s.v.data(), a, what.c_str()), 0);
+  }
+}
+
+class AdamKernel : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(AdamKernel, MatchesDoubleReferenceOnBothPathsAndDtypes) {
+  const int64_t n = GetParam();
+  for (bool bf16 : {false, true}) {
+    std::vector<State> results;
+    for (AdamPath p : paths()) {
+      State s = make_state(n, 42);
+      run_and_check(s, p, bf16,
+                    std::string(adam_path_name(p)) + (bf16 ? " bf16" : " f32") + " n=" +
+                        std::to_string(n));
+      results.push_back(std::move(s));
+    }
+    // Every path performs the same fp32 operations: the results agree bit for bit.
+    for (size_t r = 1; r < results.size(); ++r) {
+      EXPECT_EQ(0, std::memcmp(results[0].w.data(), results[r].w.data(), n * 4)) << "w, bf16=" << bf16;
+      EXPECT_EQ(0, std::memcmp(results[0].m.data(), results[r].m.data(), n * 4)) << "m, bf16=" << bf16;
+      EXPECT_EQ(0, std::memcmp(results[0].v.data(), results[r].v.data(), n * 4)) << "v, bf16=" << bf16;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, AdamKernel, ::testing::Values(1, 15, 17, 1000003));
+
+// The trainer's adamw_update is the same formula; only FMA contraction may differ, so after one
+// step the two agree within a few units in the last place of each output.
+TEST(AdamKernelVsAdamw, SameFormulaAsTheTrainer) {
+  const int64_t n = 4099;
+  for (const AdamStepArgs& a : kSteps) {
+    State s = make_state(n, 7), t = make_state(n, 7);
+    adam_step(s.w.data(), s.m.data(), s.v.data(), s.g.data(), n, a);
+    const AdamBiasCorrections bc = adam_bias_corrections(a.beta1, a.beta2, a.step);
+    adamw_update(t.w.data(), t.m.data(), t.v.data(), t.g.data(), n, a.lr, a.beta1, a.beta2, a.eps,
+                 a.weight_decay, bc.bc1, bc.bc2, a.grad_scale);
+    State before = make_state(n, 7);
+    // Both are within the kernel's error bound of the exact result.
+    EXPECT_EQ(check_step(before, before.g, s.w.data(), s.m.data(), s.v.data(), a, "adam_step"), 0);
+    EXPECT_EQ(check_step(before, before.g, t.w.data(), t.m.data(), t.v.data(), a, "adamw_update"), 0);
+  }
+}
+
+TEST(AdamKernelThreads, SameBitsForAnyThreadCount) {
+  const int64_t n = 3 * kAdamParallelMin + 5;
+  State a = make_state(n, 9), b = make_state(n, 9);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  adam_step(a.w.data(), a.m.data(), a.v.data(), a.g.data(), n, kSteps[0]);
+  omp_set_num_threads(3);  // more threads than cores: uneven chunks, a tail in the last
+  adam_step(b.w.data(), b.m.data(), b.v.data(), b.g.data(), n, kSteps[0]);
+  omp_set_num_threads(saved);
+  EXPECT_EQ(0, std::memcmp(a.w.data(), b.w.data(), n * 4));
+  EXPECT_EQ(0, std::memcmp(a.m.data(), b.m.data(), n * 4));
+  EXPECT_EQ(0, std::memcmp(a.v.data(), b.v.data(), n * 4));
+}
+
+TEST(AdamKernelArgs, RejectsStepZeroAndAcceptsEmpty) {
+  float w = 1, m = 0, v = 0, g = 1;
+  AdamStepArgs a;
+  a.step = 0;
+  EXPECT_THROW(adam_step(&w, &m, &v, &g, 1, a), Error);
+  a.step = 1;
+  adam_step(&w, &m, &v, &g, 0, a);  // n = 0 touches nothing
+  EXPECT_EQ(w, 1.0f);
+  // First step with bias correction: m/bc1 = g and sqrt(v/bc2) = |g|, so w moves by ~lr.
+  adam_step(&w, &m, &v, &g, 1, a);
+  EXPECT_NEAR(w, 1.0f - a.lr, 1e-6f);
+}
+
+}  // namespace
