@@ -5,7 +5,7 @@
 // in-place read-modify-write with Adam's access pattern and no arithmetic to speak of
 // (w += a*g, m = b*m + g, v = c*v + g: w, m, v read and written, g read; 28 bytes per parameter
 // with fp32 g, 26 with bf16 g), split over the threads like the kernel. Variants run round-robin,
-// REPEATS rounds, and each reports its median, so a burst of load from other jobs hits all of
+// REPEATS rounds (each round starting with the next variant), and each reports its median, so a burst of load from other jobs hits all of
 // them alike; the load average is printed before and after.
 #include <fmt/core.h>
 #include <omp.h>
@@ -21,6 +21,12 @@
 
 #include "optim/adam_kernel.h"
 #include "optim/adamw.h"
+
+// GCC 12 flags its own _mm512_undefined_ps() in these headers (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
 
 using namespace sigma;
 
@@ -48,30 +54,55 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-inline float bf16_to_f32(uint16_t h) {
-  const uint32_t b = uint32_t(h) << 16;
+// The in-place bandwidth probe: Adam's loads and stores with three FMAs per element, split
+// over the threads exactly as adam_step splits (static chunks of whole 64-byte lines), written
+// with the same intrinsics, so the only difference from the kernel is the arithmetic.
+template <class Body>
+void split(int64_t n, Body body) {
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t chunk = ((n + nt - 1) / nt + 15) / 16 * 16;
+    const int64_t b = std::min(n, t * chunk), e = std::min(n, b + chunk);
+    if (b < e) body(b, e);
+  }
+}
+
+__attribute__((target("avx512f"))) inline __m512 load16(const float* g) {
+  return _mm512_loadu_ps(g);
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* g) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline float load1(const float* g) { return *g; }
+inline float load1(const uint16_t* g) {
+  const uint32_t b = uint32_t(*g) << 16;
   float f;
   std::memcpy(&f, &b, 4);
   return f;
 }
 
-// The in-place bandwidth probe: Adam's loads and stores with three FMAs per element.
-void probe_f32(float* w, float* m, float* v, const float* g, int64_t n) {
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    w[i] += 1e-3f * g[i];
-    m[i] = 0.5f * m[i] + g[i];
-    v[i] = 0.5f * v[i] + g[i];
+template <class G>
+__attribute__((target("avx512f"))) void probe_range(float* w, float* m, float* v, const G* g,
+                                                    int64_t b, int64_t e) {
+  const __m512 a = _mm512_set1_ps(1e-3f), h = _mm512_set1_ps(0.5f);
+  int64_t i = b;
+  for (; i + 16 <= e; i += 16) {
+    const __m512 gv = load16(g + i);
+    _mm512_storeu_ps(w + i, _mm512_fmadd_ps(a, gv, _mm512_loadu_ps(w + i)));
+    _mm512_storeu_ps(m + i, _mm512_fmadd_ps(h, _mm512_loadu_ps(m + i), gv));
+    _mm512_storeu_ps(v + i, _mm512_fmadd_ps(h, _mm512_loadu_ps(v + i), gv));
+  }
+  for (; i < e; ++i) {
+    const float gi = load1(g + i);
+    w[i] += 1e-3f * gi, m[i] = 0.5f * m[i] + gi, v[i] = 0.5f * v[i] + gi;
   }
 }
-void probe_bf16(float* w, float* m, float* v, const uint16_t* g, int64_t n) {
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = bf16_to_f32(g[i]);
-    w[i] += 1e-3f * gi;
-    m[i] = 0.5f * m[i] + gi;
-    v[i] = 0.5f * v[i] + gi;
-  }
+
+template <class G>
+void probe(float* w, float* m, float* v, const G* g, int64_t n) {
+  split(n, [&](int64_t b, int64_t e) { probe_range(w, m, v, g, b, e); });
 }
 
 // The textbook loop, one thread, compiled as the project compiles (-O3 -march=native
@@ -105,6 +136,10 @@ int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? std::atoll(argv[1]) : 100'000'000;
   const int repeats = argc > 2 ? std::max(1, std::atoi(argv[2])) : 15;
   const int threads = omp_get_max_threads();
+  if (!adam_path_available(AdamPath::Avx512)) {
+    fmt::print(stderr, "bench_adam: the bandwidth probe needs AVX-512F, which this CPU lacks\n");
+    return 1;
+  }
   fmt::print("bench_adam: n = {}, {} thread(s), {} rounds, best path {}, load average {}\n", n,
              threads, repeats, adam_path_name(adam_best_path()), loadavg());
 
@@ -138,8 +173,8 @@ int main(int argc, char** argv) {
   };
   const AdamPath best = adam_best_path();
   std::vector<Variant> vs = {
-      {"probe: in-place RMW, fp32 g", 28, [&] { probe_f32(w, m, v, g, n); }, {}},
-      {"probe: in-place RMW, bf16 g", 26, [&] { probe_bf16(w, m, v, gb, n); }, {}},
+      {"probe: in-place RMW, fp32 g", 28, [&] { probe(w, m, v, g, n); }, {}},
+      {"probe: in-place RMW, bf16 g", 26, [&] { probe(w, m, v, gb, n); }, {}},
       {fmt::format("adam_step {} fp32 g", adam_path_name(best)), 28,
        [&] { adam_step(w, m, v, g, n, next(), best); }, {}},
       {fmt::format("adam_step {} bf16 g", adam_path_name(best)), 26,
@@ -172,7 +207,8 @@ int main(int argc, char** argv) {
   };
   for (auto& x : vs) x.run();  // warm-up: page faults, frequency
   for (int r = 0; r < repeats; ++r)
-    for (auto& x : vs) {
+    for (size_t k = 0; k < vs.size(); ++k) {  // a different variant first in every round
+      auto& x = vs[(k + size_t(r)) % vs.size()];
       const auto t0 = std::chrono::steady_clock::now();
       x.run();
       x.secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
