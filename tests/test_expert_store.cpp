@@ -287,6 +287,32 @@ TEST_P(Backing, GatherCopiesTheWeights) {
   EXPECT_THROW(st.gather(ids, std::span<float* const>(dst.data(), 2)), Error);
 }
 
+TEST_P(Backing, BatchedUpdateGivesTheSameBitsAsOneByOne) {
+  TempDir dir;
+  ExpertStore a = make_store(GetParam(), dir, "a.store"), b = make_store(GetParam(), dir, "b.store");
+  init_weights(a), init_weights(b);
+  const auto ids = all_ids(a.spec());
+  std::vector<ExpertId> active_ids;
+  std::vector<std::vector<float>> g;
+  std::vector<const float*> gp;
+  for (size_t k = 0; k < ids.size(); k += 2) {
+    active_ids.push_back(ids[k]);
+    g.push_back(grads(1, k, a.params(ids[k])));
+  }
+  for (auto& x : g) gp.push_back(x.data());
+  for (int t = 1; t <= 2; ++t) {
+    a.apply_grads(active_ids, gp, hyper(t));
+    for (size_t i = 0; i < active_ids.size(); ++i) b.apply_grads(active_ids[i], gp[i], hyper(t));
+  }
+  EXPECT_TRUE(same_bits(a, b));
+  EXPECT_EQ(a.step(ids[0]), 2);
+  EXPECT_EQ(a.step(ids[1]), 0);
+  std::vector<ExpertId> dup = {ids[0], ids[0]};
+  std::vector<const float*> dup_g = {gp[0], gp[0]};
+  EXPECT_THROW(a.apply_grads(dup, dup_g, hyper(3)), Error);
+  EXPECT_EQ(a.step(ids[0]), 2);  // refused before any update
+}
+
 INSTANTIATE_TEST_SUITE_P(RamAndFile, Backing, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "File" : "Ram"; });
 

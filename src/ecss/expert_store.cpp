@@ -379,6 +379,27 @@ void ExpertStore::apply_grads(ExpertId id, const uint16_t* grad, const AdamStepA
   apply(id, grad, a, path);
 }
 
+void ExpertStore::apply_grads(std::span<const ExpertId> ids, std::span<const float* const> grads,
+                              const AdamStepArgs& a, AdamPath path) {
+  SIGMA_CHECK(ids.size() == grads.size(), "expert store apply_grads: {} experts but {} gradients",
+              ids.size(), grads.size());
+  std::vector<uint64_t> offsets;
+  int64_t largest = 0;
+  for (ExpertId id : ids) {  // validate, and refuse duplicates (two updates of one record race)
+    offsets.push_back(slot(id).offset);
+    largest = std::max(largest, params(id));
+  }
+  std::sort(offsets.begin(), offsets.end());
+  SIGMA_CHECK(std::adjacent_find(offsets.begin(), offsets.end()) == offsets.end(),
+              "expert store apply_grads: an expert appears twice in one batch");
+  mark_dirty();  // once, before the threads start
+  const int64_t n = int64_t(ids.size());
+  // Small experts: one thread per expert (adam_step stays on its thread inside the region).
+  // Large ones: each adam_step forks over all threads itself.
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && largest < kAdamParallelMin)
+  for (int64_t i = 0; i < n; ++i) apply(ids[size_t(i)], grads[size_t(i)], a, path);
+}
+
 void ExpertStore::flush() {
   if (fd_ < 0 || !dirty_->dirty.load()) return;
   std::lock_guard<std::mutex> lock(dirty_->mu);

@@ -117,6 +117,12 @@ class ExpertStore {
   void apply_grads(ExpertId id, const uint16_t* grad_bf16, const AdamStepArgs& a,
                    AdamPath path = AdamPath::Auto);
 
+  // Updates several distinct experts as above (grads[i] holds ids[i]'s P gradients): in
+  // parallel over experts when they are small, else one after another with each update split
+  // over the threads. The same bits as calling apply_grads on each in turn.
+  void apply_grads(std::span<const ExpertId> ids, std::span<const float* const> grads,
+                   const AdamStepArgs& a, AdamPath path = AdamPath::Auto);
+
   // File backing: writes every dirty page back (msync), then marks the header clean. Throws
   // sigma::Error naming the file on an I/O error. RAM: nothing.
   void flush();
