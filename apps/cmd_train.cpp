@@ -45,6 +45,16 @@ void run_train(const TrainArgs& a) {
     else
       fmt::print("{:<12} {:>10.4f} {:>10} {:>10}\n", d.name, d.loss, "-", "-");
   }
+  if (s.expert_load.empty()) return;
+  // Imbalance: most loaded expert over the mean of its group (1 = balanced), worst group.
+  fmt::print("expert load (training tokens per expert)\n{:<6} {:<12} {:>9}  {}\n", "block",
+             "group", "imbalance", "tokens per expert");
+  for (const BlockLoad& b : s.expert_load)
+    for (size_t g = 0; g < b.tokens.size(); ++g) {
+      BlockLoad one{b.block, {b.tokens[g]}};
+      fmt::print("{:<6} {:<12} {:>9.3f}  {}\n", b.block, cfg.model.groups[g].name,
+                 one.imbalance(), fmt::join(b.tokens[g], " "));
+    }
 }
 
 const RegisterCommand reg([](CLI::App& root) {

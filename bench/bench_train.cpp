@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   c.heads = heads;
   c.context = T;
   c.layers = layers;
-  c.domains = {{"bench", 0, 0}};
+  c.domains = {{"bench", "bench", 0}};
   Model m(c, 1);
   OptimConfig oc;
   AdamW opt(oc, m.params());

@@ -17,7 +17,7 @@ static ModelConfig gen_config() {
   c.layers = 3;
   c.slots = 2;
   c.init_std = 0.4f;  // sharp, varied logits: a stricter comparison than near-uniform ones
-  c.domains = {{"a", 0, 0}, {"b", 0, 1}};
+  c.domains = {{"a", "a", 0}, {"b", "b", 1}};
   return c;
 }
 

@@ -17,7 +17,7 @@ static ModelConfig tiny_config() {
   c.layers = 3;
   c.slots = 2;
   c.init_std = 0.3f;  // large enough that every path carries a visible gradient
-  c.domains = {{"a", 0, 0}, {"b", 0, 1}};
+  c.domains = {{"a", "a", 0}, {"b", "b", 1}};
   return c;
 }
 

@@ -16,6 +16,8 @@ KVCacheDecoder::KVCacheDecoder(const Model& model, int domain) : model_(model) {
   SIGMA_CHECK(domain >= 0 && size_t(domain) < c.domains.size(), "domain index {} out of range",
               domain);
   slot_base_ = int64_t(c.domains[domain].slot) * c.vocab;
+  group_ = model.domain_group(domain);
+  model.check_routing_ready();
   const size_t d = c.d_model, f = c.ffn();
   k_.assign(c.layers, std::vector<float>(size_t(c.context) * d));
   v_.assign(c.layers, std::vector<float>(size_t(c.context) * d));
@@ -65,7 +67,9 @@ const float* KVCacheDecoder::step(int32_t token) {
     cpu::linear_forward(mid_.data(), att_.data(), b.out_w.v, b.out_b.v, 1, d, d, true);
     cpu::layernorm_forward(a_.data(), &mean_, &rstd_, mid_.data(), b.ln2_w.v, b.ln2_b.v, 1, d);
     x_ = mid_;
-    ffn_forward(x_.data(), pre_.data(), act_.data(), a_.data(), b.ffn(), 1, d, f);
+    // RRE block: the token goes through the expert its (group, id) routes to (DESIGN §2).
+    const FfnWeights ffn = b.is_rre() ? b.rre.expert[size_t(b.rre.route(group_, token))] : b.ffn();
+    ffn_forward(x_.data(), pre_.data(), act_.data(), a_.data(), ffn, 1, d, f);
   }
   cpu::layernorm_forward(hf_.data(), &mean_, &rstd_, x_.data(), w.lnf_w.v, w.lnf_b.v, 1, d);
   cpu::gemm(false, true, 1, V, d, 1.0f, hf_.data(), d, w.tokens.v + slot_base_ * d, d, 0.0f,

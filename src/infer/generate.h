@@ -29,6 +29,7 @@ class KVCacheDecoder {
  private:
   const Model& model_;
   int64_t slot_base_;  // slot * V
+  int group_;          // the domain's expert group (RRE blocks)
   int pos_ = 0;
   std::vector<std::vector<float>> k_, v_;  // per block: [T, d]
   std::vector<float> x_, a_, qkv_, q_, att_, mid_, pre_, act_, hf_, logits_, probs_;

@@ -8,6 +8,23 @@
 
 namespace sigma {
 
+namespace {
+
+std::vector<std::string> group_names(const std::vector<GroupSpec>& groups) {
+  std::vector<std::string> n;
+  for (const auto& g : groups) n.push_back(g.name);
+  return n;
+}
+
+bool valid_group_name(const std::string& s) {
+  if (s.empty()) return false;
+  for (char c : s)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-')) return false;
+  return true;
+}
+
+}  // namespace
+
 int ModelConfig::domain_index(const std::string& name) const {
   std::vector<std::string> names;
   for (size_t i = 0; i < domains.size(); ++i) {
@@ -17,12 +34,41 @@ int ModelConfig::domain_index(const std::string& name) const {
   fail("unknown domain '{}' (known domains: {})", name, fmt::join(names, ", "));
 }
 
+int ModelConfig::group_index(const std::string& name) const {
+  for (size_t i = 0; i < groups.size(); ++i)
+    if (groups[i].name == name) return static_cast<int>(i);
+  fail("unknown expert group '{}' (model.groups declares: {})", name,
+       groups.empty() ? std::string("none") : fmt::format("{}", fmt::join(group_names(groups), ", ")));
+}
+
+int ModelConfig::total_experts() const {
+  int n = 0;
+  for (const auto& g : groups) n += g.experts;
+  return n;
+}
+
 void ModelConfig::validate() const {
   SIGMA_CHECK(vocab > 0, "model.vocab must be positive (got {})", vocab);
   SIGMA_CHECK(d_model % heads == 0, "model.d_model ({}) must be divisible by model.heads ({})",
               d_model, heads);
   SIGMA_CHECK(layers >= 1, "model.layers must be at least 1 (the query layer)");
+  SIGMA_CHECK(rre_layers >= 0 && rre_layers <= layers,
+              "model.rre_layers = {} must lie in 0..model.layers ({})", rre_layers, layers);
+  SIGMA_CHECK(rre_layers == 0 || !groups.empty(),
+              "model.rre_layers = {} needs expert groups, but model.groups is empty (add "
+              "{{\"name\": ..., \"experts\": K}} entries or set model.rre_layers = 0)", rre_layers);
+  SIGMA_CHECK(routing == "random" || routing == "frequency",
+              "model.routing = '{}' (allowed: random, frequency)", routing);
+  std::set<std::string> gseen;
+  for (const auto& g : groups) {
+    SIGMA_CHECK(valid_group_name(g.name), "model.groups: group name '{}' must be non-empty and "
+                "use only letters, digits, '_' and '-' (it becomes part of tensor names)", g.name);
+    SIGMA_CHECK(gseen.insert(g.name).second, "model.groups: group '{}' is declared twice", g.name);
+    SIGMA_CHECK(g.experts >= 1, "model.groups: group '{}' has {} experts (needs at least 1)",
+                g.name, g.experts);
+  }
   SIGMA_CHECK(!domains.empty(), "model.domains is empty: at least one domain is needed");
+  const bool need_groups = rre_layers > 0 || !groups.empty();
   std::set<std::string> seen;
   for (const auto& d : domains) {
     SIGMA_CHECK(!d.name.empty(), "model.domains: a domain has an empty name");
@@ -30,7 +76,11 @@ void ModelConfig::validate() const {
     SIGMA_CHECK(d.slot >= 0 && d.slot < slots,
                 "model.domains: domain '{}' has slot {} but model.slots = {} (allowed 0..{})",
                 d.name, d.slot, slots, slots - 1);
-    SIGMA_CHECK(d.group >= 0, "model.domains: domain '{}' has a negative group", d.name);
+    SIGMA_CHECK(!need_groups || gseen.count(d.group),
+                "model.domains: domain '{}' names group '{}', which model.groups does not declare "
+                "(declared: {})", d.name, d.group,
+                groups.empty() ? std::string("none")
+                               : fmt::format("{}", fmt::join(group_names(groups), ", ")));
   }
 }
 
@@ -42,23 +92,62 @@ void ModelConfig::describe(Options& o, const std::string& p) {
   o.add(p + "layers", &layers, "blocks L (the last is the query layer)", 1, 256);
   o.add(p + "slots", &slots, "embedding slots S", 1, 64);
   o.add(p + "init_std", &init_std, "std of the normal initialisation", 1e-6, 1.0);
+  o.add(p + "rre_layers", &rre_layers,
+        "top blocks with Random Routed Experts, query layer included (0 = dense)", 0, 256);
+  o.add(p + "routing_seed", &routing_seed, "seed of the routing tables");
+  o.add(p + "routing", &routing, "how routing tables are built", {"random", "frequency"});
   o.add_json(
-      p + "domains", "list of {name, group, slot}",
+      p + "groups", "list of {name, experts}: expert groups of the RRE blocks",
+      [this, p](const nlohmann::json& j) {
+        SIGMA_CHECK(j.is_array(), "config key '{}groups' must be a list of objects", p);
+        std::vector<GroupSpec> out;
+        for (const auto& e : j) {
+          SIGMA_CHECK(e.is_object() && e.contains("name") && e["name"].is_string(),
+                      "config key '{}groups': each entry needs a string 'name'", p);
+          GroupSpec g{e["name"].get<std::string>(), 1};
+          for (auto it = e.begin(); it != e.end(); ++it) {
+            if (it.key() == "name") continue;
+            SIGMA_CHECK(it.key() == "experts", "config key '{}groups' entry '{}': unknown field "
+                        "'{}' (allowed: name, experts)", p, g.name, it.key());
+            SIGMA_CHECK(it->is_number_integer(), "config key '{}groups' entry '{}': 'experts' "
+                        "must be an integer", p, g.name);
+            const int64_t k = it->get<int64_t>();
+            SIGMA_CHECK(k >= 1 && k <= (1 << 20), "config key '{}groups' entry '{}': 'experts' "
+                        "= {} (needs 1..{})", p, g.name, k, 1 << 20);
+            g.experts = int(k);
+          }
+          out.push_back(g);
+        }
+        groups = std::move(out);
+      },
+      [this] {
+        nlohmann::json j = nlohmann::json::array();
+        for (const auto& g : groups) j.push_back({{"name", g.name}, {"experts", g.experts}});
+        return j;
+      });
+  o.add_json(
+      p + "domains", "list of {name, group, slot}; group defaults to the domain's name",
       [this, p](const nlohmann::json& j) {
         SIGMA_CHECK(j.is_array(), "config key '{}domains' must be a list of objects", p);
         std::vector<DomainSpec> out;
         for (const auto& e : j) {
           SIGMA_CHECK(e.is_object() && e.contains("name") && e["name"].is_string(),
                       "config key '{}domains': each entry needs a string 'name'", p);
-          DomainSpec d{e["name"].get<std::string>(), 0, 0};
+          DomainSpec d = default_domain(e["name"].get<std::string>());
           for (auto it = e.begin(); it != e.end(); ++it) {
             if (it.key() == "name") continue;
-            SIGMA_CHECK(it.key() == "group" || it.key() == "slot",
-                        "config key '{}domains' entry '{}': unknown field '{}' (allowed: name, "
-                        "group, slot)", p, d.name, it.key());
-            SIGMA_CHECK(it->is_number_integer(), "config key '{}domains' entry '{}': '{}' must be "
-                        "an integer", p, d.name, it.key());
-            (it.key() == "group" ? d.group : d.slot) = it->get<int>();
+            if (it.key() == "group") {
+              SIGMA_CHECK(it->is_string(), "config key '{}domains' entry '{}': 'group' must be "
+                          "the name of an expert group (a string)", p, d.name);
+              d.group = it->get<std::string>();
+            } else if (it.key() == "slot") {
+              SIGMA_CHECK(it->is_number_integer(), "config key '{}domains' entry '{}': 'slot' "
+                          "must be an integer", p, d.name);
+              d.slot = it->get<int>();
+            } else {
+              fail("config key '{}domains' entry '{}': unknown field '{}' (allowed: name, group, "
+                   "slot)", p, d.name, it.key());
+            }
           }
           out.push_back(d);
         }

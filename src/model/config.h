@@ -1,4 +1,4 @@
-// Model shape and domain registry (DESIGN §1). One typed struct, validated once.
+// Model shape, expert groups and domain registry (DESIGN §1-§2). One typed struct, validated once.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -8,10 +8,22 @@
 
 namespace sigma {
 
+// An expert group (DESIGN §2): every RRE block holds `experts` FFN experts for it.
+struct GroupSpec {
+  std::string name;  // used in tensor names: letters, digits, '_' and '-'
+  int experts = 1;   // K_g
+};
+
 struct DomainSpec {
   std::string name;
-  int group = 0;  // expert group (RRE blocks); ignored by a dense model
-  int slot = 0;   // embedding slot: the domain's tokens read rows slot*V + id
+  std::string group;  // name of its expert group in ModelConfig::groups (RRE blocks)
+  int slot = 0;       // embedding slot: the domain's tokens read rows slot*V + id
+
+  DomainSpec() = default;
+  DomainSpec(std::string n, std::string g, int s)
+      : name(std::move(n)), group(std::move(g)), slot(s) {}
+  // Groups are named, not numbered: {"a", 0, 0} would turn 0 into a null string.
+  DomainSpec(std::string, int, int) = delete;
 };
 
 struct ModelConfig {
@@ -22,11 +34,23 @@ struct ModelConfig {
   int layers = 3;       // L blocks; the last one is the query layer
   int slots = 1;        // S embedding slots
   float init_std = 0.02f;
-  std::vector<DomainSpec> domains;  // empty = taken from the data, all in group 0, slot 0
+  std::vector<DomainSpec> domains;  // empty = taken from the data (group = the domain's name)
+  // Random Routed Experts: the top `rre_layers` blocks (query layer included) have one FFN
+  // expert per (group, expert); 0 = a dense model.
+  int rre_layers = 0;
+  std::vector<GroupSpec> groups;
+  uint64_t routing_seed = 1;        // seeds the routing tables (independent of train.seed)
+  std::string routing = "random";   // "random" | "frequency" (needs token counts per group)
 
   int ffn() const { return 4 * d_model; }
   int head_dim() const { return d_model / heads; }
+  int first_rre_block() const { return layers - rre_layers; }
+  bool is_rre_block(int l) const { return l >= first_rre_block(); }
   int domain_index(const std::string& name) const;  // throws naming the known domains
+  int group_index(const std::string& name) const;   // throws naming the declared groups
+  int total_experts() const;                        // sum of K_g over groups
+  // The domain a data source declares by name alone: its group is the group of the same name.
+  DomainSpec default_domain(const std::string& name) const { return {name, name, 0}; }
   void validate() const;                            // throws naming the offending key
   void describe(Options& o, const std::string& prefix);
 };

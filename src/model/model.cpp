@@ -13,6 +13,7 @@
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/xent.h"
 #include "model/ffn.h"
+#include "model/rre.h"
 
 namespace sigma {
 
@@ -31,26 +32,43 @@ struct Model::Acts {
     Buf att;                 // [N,d] attention output before the output projection
     Buf mid;                 // [N,d] residual after attention
     Buf a2, mean2, rstd2;    // LN2 output and stats
-    Buf pre, act;            // [N,f] FFN before and after FastGelu
+    Buf pre, act;            // [N,f] FFN before and after FastGelu (RRE: in plan order)
+    RrePlan plan;            // RRE block: rows grouped by expert
   };
   int B = 0, T = 0;
   std::vector<int32_t> rows;  // [N] embedding rows: slot*V + token
+  std::vector<int32_t> row_group;  // [N] expert group of each row (RRE blocks)
   std::vector<Block> blocks;
   Buf h_final;                // [N,d] output of the last block
   Buf hf, meanf, rstdf;       // final LayerNorm
   Buf logits;                 // [N,V], overwritten by its gradient when training
   // backward scratch
   Buf dh, da, datt, dqkv, dffn, dq_shared;
+  Buf gx, gy, gdx;            // [N,d] RRE gather scratch (forward and backward)
 };
 
-Model::Model(const ModelConfig& cfg, uint64_t seed)
+double BlockLoad::imbalance() const {
+  double worst = 0;
+  for (const auto& g : tokens) {
+    int64_t total = 0, most = 0;
+    for (int64_t n : g) total += n, most = std::max(most, n);
+    if (total > 0) worst = std::max(worst, double(most) * double(g.size()) / double(total));
+  }
+  return worst;
+}
+
+Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts)
     : cfg_(cfg), w_(new ModelWeights), a_(new Acts) {
   cfg_.validate();
   const int L = cfg_.layers;
   register_params(params_, cfg_);
+  register_buffers(buffers_, cfg_);
+  for (const DomainSpec& d : cfg_.domains)
+    domain_group_.push_back(cfg_.groups.empty() ? -1 : cfg_.group_index(d.group));
 
   // Initialisation: N(0, std) per tensor from its own RNG stream (so adding a tensor never
-  // shifts another's values); residual output projections scaled by 1/sqrt(2L) (GPT-2);
+  // shifts another's values), and per expert from its own stream (so resizing a group never
+  // shifts another expert); residual output projections scaled by 1/sqrt(2L) (GPT-2);
   // LayerNorm gains 1, biases 0.
   const float out_std = cfg_.init_std / std::sqrt(2.0f * L);
   for (Param& p : params_.all()) {
@@ -61,17 +79,77 @@ Model::Model(const ModelConfig& cfg, uint64_t seed)
       size_t k = std::strlen(s);
       return n.size() >= k && n.compare(n.size() - k, k, s) == 0;
     };
+    const float std = (ends_with("attn.out.w") || ends_with("w_out")) ? out_std : cfg_.init_std;
     if (ends_with("ln1.w") || ends_with("ln2.w") || n == "final_ln.w") {
       std::fill(v, v + count, 1.0f);
-    } else if (p.value.shape().size() >= 2) {
-      const float std = (ends_with("attn.out.w") || ends_with("ffn.w_out")) ? out_std
-                                                                           : cfg_.init_std;
+    } else if (p.expert && p.value.shape().size() == 3) {  // [K, in, out]: one stream per expert
+      const int64_t per = count / p.value.dim(0);
+      for (int64_t e = 0; e < p.value.dim(0); ++e) {
+        const uint64_t stream = stream_of(fmt::format("{}[{}]", n, e).c_str());
+        for (int64_t i = 0; i < per; ++i) v[e * per + i] = std * rng_normal(seed, stream, i);
+      }
+    } else if (!p.expert && p.value.shape().size() >= 2) {
       const uint64_t stream = stream_of(n.c_str());
       for (int64_t i = 0; i < count; ++i) v[i] = std * rng_normal(seed, stream, i);
     }
   }
 
-  *w_ = ModelWeights::bind(params_, cfg_);
+  // Routing tables R[l][g] (DESIGN §2), independent per (block, group).
+  for (int l = cfg_.first_rre_block(); l < L; ++l) {
+    BlockLoad bl;
+    bl.block = l;
+    for (const GroupSpec& g : cfg_.groups) {
+      const std::string name = routing_name(l, g.name);
+      int32_t* t = buffers_.at(name).value.data<int32_t>();
+      std::vector<int32_t> table;
+      if (cfg_.routing == "random") {
+        table = random_routing_table(cfg_.vocab, g.experts, cfg_.routing_seed, l, g.name);
+      } else if (counts) {
+        auto it = counts->find(g.name);
+        SIGMA_CHECK(it != counts->end() && int64_t(it->second.size()) == cfg_.vocab,
+                    "model.routing = 'frequency': no token counts of length {} for group '{}'",
+                    cfg_.vocab, g.name);
+        table = frequency_routing_table(it->second, g.experts, cfg_.routing_seed, l, g.name);
+      } else {
+        unset_tables_.push_back(name);
+      }
+      std::copy(table.begin(), table.end(), t);
+      bl.tokens.emplace_back(size_t(g.experts), 0);
+    }
+    load_.push_back(std::move(bl));
+  }
+
+  *w_ = ModelWeights::bind(params_, buffers_, cfg_);
+}
+
+void Model::load_buffer(const std::string& name, const Tensor& t) {
+  SIGMA_CHECK(buffers_.contains(name), "the model has no buffer named '{}'", name);
+  Buffer& b = buffers_.at(name);
+  SIGMA_CHECK(t.dtype() == DType::I32 && t.shape() == b.value.shape(),
+              "routing table '{}' is {} {} but the model needs I32 [{}] (one expert per token id "
+              "of model.vocab = {})", name, dtype_name(t.dtype()), shape_str(t.shape()),
+              cfg_.vocab, cfg_.vocab);
+  // routing.{l}.{group}: the group's expert count bounds the entries.
+  const std::string group = name.substr(name.find('.', std::strlen("routing.")) + 1);
+  const int K = cfg_.groups[size_t(cfg_.group_index(group))].experts;
+  const int32_t* src = t.data<int32_t>();
+  for (int64_t i = 0; i < t.numel(); ++i)
+    SIGMA_CHECK(src[i] >= 0 && src[i] < K,
+                "routing table '{}' sends token id {} to expert {}, but group '{}' has {} "
+                "experts", name, i, src[i], group, K);
+  std::memcpy(b.value.bytes(), t.bytes(), t.nbytes());
+  std::erase(unset_tables_, name);
+}
+
+void Model::check_routing_ready() const {
+  SIGMA_CHECK(unset_tables_.empty(), "routing table '{}' is not set: model.routing = "
+              "'frequency' needs token counts per group (or a checkpoint holding the tables)",
+              unset_tables_.empty() ? std::string() : unset_tables_.front());
+}
+
+void Model::reset_expert_load() {
+  for (auto& b : load_)
+    for (auto& g : b.tokens) std::fill(g.begin(), g.end(), 0);
 }
 
 Model::~Model() = default;
@@ -82,6 +160,16 @@ double Model::train_flops_per_token() const {
   const double d = cfg_.d_model, V = cfg_.vocab, T = cfg_.context, L = cfg_.layers;
   const double per_block = 12.0 * d * d + 13.0 * d;  // qkv, out, ffn weights and biases
   return 6.0 * L * per_block + 6.0 * V * d + 12.0 * L * T * d;
+}
+
+int64_t Model::active_params_per_token() const {
+  const int64_t V = cfg_.vocab, d = cfg_.d_model, f = cfg_.ffn();
+  int64_t n = 0;
+  for (const Param& p : params_.all())
+    if (!p.expert) n += p.value.numel();
+  n -= int64_t(cfg_.slots - 1) * V * d;                   // other slots' embedding rows
+  n += int64_t(cfg_.rre_layers) * (2 * d * f + f + d);    // one expert per RRE block
+  return n;
 }
 
 void Model::ensure_workspace(int B, int T) {
@@ -122,6 +210,12 @@ void Model::ensure_workspace(int B, int T) {
   a.dqkv.assign(N * 3 * d, 0);
   a.dffn.assign(2 * N * f, 0);
   a.dq_shared.assign(size_t(T) * d, 0);
+  a.row_group.assign(N, 0);
+  if (cfg_.rre_layers > 0) {
+    a.gx.assign(N * d, 0);
+    a.gy.assign(N * d, 0);
+    a.gdx.assign(N * d, 0);
+  }
 }
 
 void Model::forward(const Batch& batch, float* token_loss, const float* grad_scale) {
@@ -143,7 +237,9 @@ void Model::forward(const Batch& batch, float* token_loss, const float* grad_sca
                   "token id out of range [0, {}) at batch row {} position {}", V, b, t);
       a.rows[size_t(b) * T + t] = static_cast<int32_t>(base + x);
     }
+    std::fill_n(a.row_group.begin() + int64_t(b) * T, T, domain_group_[size_t(batch.domain[b])]);
   }
+  check_routing_ready();
   cpu::embedding_forward(a.blocks[0].x.data(), a.rows.data(), w_->tokens.v, w_->positions.v, B,
                          T, d);
   for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch);
@@ -191,7 +287,17 @@ void Model::block_forward(int l, const Batch& batch) {
                          w.ln2_b.v, N, d);
   Buf& out = (l + 1 < cfg_.layers) ? a_->blocks[l + 1].x : a_->h_final;
   std::copy(k.mid.begin(), k.mid.end(), out.begin());
-  ffn_forward(out.data(), k.pre.data(), k.act.data(), k.a2.data(), w.ffn(), N, d, f);
+  if (!w.is_rre()) {
+    ffn_forward(out.data(), k.pre.data(), k.act.data(), k.a2.data(), w.ffn(), N, d, f);
+    return;
+  }
+  rre_plan(k.plan, w.rre, batch.tokens.data(), a_->row_group.data(), N);
+  rre_forward(out.data(), k.pre.data(), k.act.data(), a_->gx.data(), a_->gy.data(), k.a2.data(),
+              w.rre, k.plan, N, d, f);
+  BlockLoad& load = load_[size_t(l - cfg_.first_rre_block())];
+  for (size_t g = 0; g < load.tokens.size(); ++g)
+    for (size_t e = 0; e < load.tokens[g].size(); ++e)
+      load.tokens[g][e] += k.plan.rows(w.rre.offset[g] + int(e));
 }
 
 // Final LayerNorm, tied head over each row's slot, cross-entropy. With grad_scale, leaves
@@ -239,8 +345,12 @@ void Model::block_backward(int l, const Batch& batch, float* dh) {
 
   // FFN branch: dh is dL/d(block output); the residual passes it through unchanged.
   std::fill(a.da.begin(), a.da.end(), 0.0f);
-  ffn_backward(a.da.data(), w.ffn_grad(), a.dffn.data(), dh, k.a2.data(), k.pre.data(),
-               k.act.data(), w.ffn(), N, d, f);
+  if (!w.is_rre())
+    ffn_backward(a.da.data(), w.ffn_grad(), a.dffn.data(), dh, k.a2.data(), k.pre.data(),
+                 k.act.data(), w.ffn(), N, d, f);
+  else
+    rre_backward(a.da.data(), a.dffn.data(), a.gx.data(), a.gy.data(), a.gdx.data(), dh,
+                 k.a2.data(), k.pre.data(), k.act.data(), w.rre, k.plan, N, d, f);
   cpu::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.data(), k.mid.data(), k.mean2.data(),
                           k.rstd2.data(), w.ln2_w.v, N, d);  // dh is now dL/d(mid)
 

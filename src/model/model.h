@@ -1,7 +1,8 @@
 // The PanGu-α decoder (DESIGN §1): slot embeddings + learned positions, L-1 pre-LN blocks,
 // the query layer (attention query = a learned table of positions), final LayerNorm, tied head.
-// Forward saves every activation backward needs in per-block structs; backward accumulates into
-// the ParamSet's gradients.
+// The top model.rre_layers blocks have a Random Routed Experts FFN (DESIGN §2) whose routing
+// tables are model buffers. Forward saves every activation backward needs in per-block
+// structs; backward accumulates into the ParamSet's gradients.
 #pragma once
 #include <memory>
 #include <vector>
@@ -9,13 +10,27 @@
 #include "model/batch.h"
 #include "model/config.h"
 #include "model/params.h"
+#include "model/routing.h"
 #include "model/weights.h"
 
 namespace sigma {
 
+// Tokens each expert of one RRE block received (rows of the forward passes since the reset).
+struct BlockLoad {
+  int block = 0;                             // absolute block index
+  std::vector<std::vector<int64_t>> tokens;  // [G][K_g], groups in config order
+  // Max over groups with tokens of (most loaded expert / mean over the group's experts);
+  // 1 = perfectly balanced, 0 when no group received tokens.
+  double imbalance() const;
+};
+
 class Model {
  public:
-  Model(const ModelConfig& cfg, uint64_t seed);
+  // Routing tables: model.routing = "random" builds them from model.routing_seed;
+  // "frequency" builds them from `counts` (token counts [V] per group name) when given, and
+  // otherwise leaves them unset until load_buffer() fills them (from a checkpoint): a forward
+  // pass before that is an error.
+  Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts = nullptr);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -24,6 +39,20 @@ class Model {
   ParamSet& params() { return params_; }
   const ModelWeights& weights() const { return *w_; }
   const ParamSet& params() const { return params_; }
+  const BufferSet& buffers() const { return buffers_; }
+
+  // Replaces buffer `name` (a routing table) with `t` after checking it: dtype I32, shape [V],
+  // every entry a valid expert of its group. Errors name the key.
+  void load_buffer(const std::string& name, const Tensor& t);
+  // Throws when a routing table is still unset (model.routing = "frequency" without counts).
+  void check_routing_ready() const;
+
+  // Expert group index of a domain (index into config().groups), -1 when the model has no groups.
+  int domain_group(int domain) const { return domain_group_[size_t(domain)]; }
+
+  // Expert load per RRE block (empty for a dense model), accumulated over forward passes.
+  const std::vector<BlockLoad>& expert_load() const { return load_; }
+  void reset_expert_load();
 
   // Forward pass; token_loss[B*T] receives every position's cross-entropy (masked or not).
   // With grad_scale (per token, [B*T]) it also runs backward, accumulating parameter gradients
@@ -37,6 +66,10 @@ class Model {
   // 12*L*T*d (attention scores and values, causal savings not discounted).
   double train_flops_per_token() const;
 
+  // Parameters one token's forward pass reads: every shared tensor, the V embedding rows of
+  // its slot (the tied head scores against all of them) and one expert per RRE block.
+  int64_t active_params_per_token() const;
+
  private:
   struct Acts;
   void ensure_workspace(int B, int T);
@@ -46,6 +79,10 @@ class Model {
 
   ModelConfig cfg_;
   ParamSet params_;
+  BufferSet buffers_;
+  std::vector<int> domain_group_;        // [domains]
+  std::vector<std::string> unset_tables_;  // routing tables still waiting for load_buffer
+  std::vector<BlockLoad> load_;
   std::unique_ptr<ModelWeights> w_;
   std::unique_ptr<Acts> a_;
 };

@@ -32,4 +32,23 @@ void ParamSet::zero_grad() {
   for (auto& p : params_) p.grad.zero();
 }
 
+Buffer& BufferSet::add(const std::string& name, DType dtype, Shape shape) {
+  SIGMA_CHECK(!index_.count(name), "buffer '{}' registered twice", name);
+  index_[name] = buffers_.size();
+  buffers_.push_back(Buffer{name, Tensor(dtype, std::move(shape))});
+  return buffers_.back();
+}
+
+Buffer& BufferSet::at(const std::string& name) {
+  auto it = index_.find(name);
+  SIGMA_CHECK(it != index_.end(), "no buffer named '{}'", name);
+  return buffers_[it->second];
+}
+
+const Buffer& BufferSet::at(const std::string& name) const {
+  auto it = index_.find(name);
+  SIGMA_CHECK(it != index_.end(), "no buffer named '{}'", name);
+  return buffers_[it->second];
+}
+
 }  // namespace sigma

@@ -34,4 +34,25 @@ class ParamSet {
   std::map<std::string, size_t> index_;
 };
 
+// Non-trainable named tensors of a model (the RRE routing tables): saved and loaded with the
+// parameters, never seen by the optimizer.
+struct Buffer {
+  std::string name;
+  Tensor value;
+};
+
+class BufferSet {
+ public:
+  Buffer& add(const std::string& name, DType dtype, Shape shape);  // zero-filled; unique names
+  Buffer& at(const std::string& name);
+  const Buffer& at(const std::string& name) const;
+  bool contains(const std::string& name) const { return index_.count(name) != 0; }
+  std::vector<Buffer>& all() { return buffers_; }
+  const std::vector<Buffer>& all() const { return buffers_; }
+
+ private:
+  std::vector<Buffer> buffers_;
+  std::map<std::string, size_t> index_;
+};
+
 }  // namespace sigma

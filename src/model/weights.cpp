@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "model/routing.h"
+
 namespace sigma {
 
 void register_params(ParamSet& ps, const ModelConfig& cfg) {
@@ -20,20 +22,38 @@ void register_params(ParamSet& ps, const ModelConfig& cfg) {
     if (l == L - 1) ps.add(b + "attn.query_table", {T, d}, false);
     ps.add(b + "ln2.w", {d}, false);
     ps.add(b + "ln2.b", {d}, false);
-    ps.add(b + "ffn.w_in", {d, f}, true);
-    ps.add(b + "ffn.b_in", {f}, false);
-    ps.add(b + "ffn.w_out", {f, d}, true);
-    ps.add(b + "ffn.b_out", {d}, false);
+    if (!cfg.is_rre_block(l)) {
+      ps.add(b + "ffn.w_in", {d, f}, true);
+      ps.add(b + "ffn.b_in", {f}, false);
+      ps.add(b + "ffn.w_out", {f, d}, true);
+      ps.add(b + "ffn.b_out", {d}, false);
+    } else {
+      for (const GroupSpec& g : cfg.groups) {
+        const std::string r = b + "rre." + g.name + ".";
+        const int64_t K = g.experts;
+        ps.add(r + "w_in", {K, d, f}, true, true);
+        ps.add(r + "b_in", {K, f}, false, true);
+        ps.add(r + "w_out", {K, f, d}, true, true);
+        ps.add(r + "b_out", {K, d}, false, true);
+      }
+    }
   }
   ps.add("final_ln.w", {d}, false);
   ps.add("final_ln.b", {d}, false);
 }
 
-ModelWeights ModelWeights::bind(ParamSet& ps, const ModelConfig& cfg) {
+void register_buffers(BufferSet& bs, const ModelConfig& cfg) {
+  for (int l = cfg.first_rre_block(); l < cfg.layers; ++l)
+    for (const GroupSpec& g : cfg.groups)
+      bs.add(routing_name(l, g.name), DType::I32, {int64_t(cfg.vocab)});
+}
+
+ModelWeights ModelWeights::bind(ParamSet& ps, const BufferSet& bs, const ModelConfig& cfg) {
   auto pv = [&](const std::string& name) {
     Param& p = ps.at(name);
     return PV{p.value.f(), p.grad.f()};
   };
+  const int64_t d = cfg.d_model, f = cfg.ffn();
   ModelWeights w;
   w.tokens = pv("embed.tokens");
   w.positions = pv("embed.positions");
@@ -51,10 +71,25 @@ ModelWeights ModelWeights::bind(ParamSet& ps, const ModelConfig& cfg) {
     if (l == cfg.layers - 1) k.query = pv(b + "attn.query_table");
     k.ln2_w = pv(b + "ln2.w");
     k.ln2_b = pv(b + "ln2.b");
-    k.w_in = pv(b + "ffn.w_in");
-    k.b_in = pv(b + "ffn.b_in");
-    k.w_out = pv(b + "ffn.w_out");
-    k.b_out = pv(b + "ffn.b_out");
+    if (!cfg.is_rre_block(l)) {
+      k.w_in = pv(b + "ffn.w_in");
+      k.b_in = pv(b + "ffn.b_in");
+      k.w_out = pv(b + "ffn.w_out");
+      k.b_out = pv(b + "ffn.b_out");
+    } else {
+      RreWeights& r = k.rre;
+      r.offset.push_back(0);
+      for (const GroupSpec& g : cfg.groups) {
+        const std::string n = b + "rre." + g.name + ".";
+        const PV wi = pv(n + "w_in"), bi = pv(n + "b_in"), wo = pv(n + "w_out"), bo = pv(n + "b_out");
+        for (int64_t e = 0; e < g.experts; ++e) {
+          r.expert.push_back({wi.v + e * d * f, bi.v + e * f, wo.v + e * f * d, bo.v + e * d});
+          r.expert_grad.push_back({wi.g + e * d * f, bi.g + e * f, wo.g + e * f * d, bo.g + e * d});
+        }
+        r.offset.push_back(r.offset.back() + g.experts);
+        r.table.push_back(bs.at(routing_name(l, g.name)).value.data<int32_t>());
+      }
+    }
     w.blocks.push_back(k);
   }
   return w;

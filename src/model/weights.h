@@ -1,5 +1,5 @@
-// The dense model's parameter names (DESIGN §4) in one place: registration and the typed
-// pointer view that the training model and the KV-cache decoder both read.
+// The model's tensor names (DESIGN §4) in one place: registration and the typed pointer view
+// that the training model and the KV-cache decoder both read.
 #pragma once
 #include <vector>
 
@@ -15,9 +15,24 @@ struct PV {
   float* g = nullptr;
 };
 
+// The RRE FFN of one block: the experts of every group, concatenated in group order, so group
+// g's expert e is expert[offset[g] + e]; table[g] is the routing table R[l][g], int32 [V].
+struct RreWeights {
+  std::vector<int> offset;            // [G+1], offset[G] = E
+  std::vector<const int32_t*> table;  // [G]
+  std::vector<FfnWeights> expert;     // [E] value pointers into blocks.l.rre.<group>.*
+  std::vector<FfnGrads> expert_grad;  // [E]
+  int experts() const { return offset.empty() ? 0 : offset.back(); }
+  // The expert that token `id` of a row in group g goes to.
+  int route(int g, int32_t id) const { return offset[size_t(g)] + table[size_t(g)][id]; }
+};
+
 struct BlockWeights {
-  PV ln1_w, ln1_b, qkv_w, qkv_b, out_w, out_b, ln2_w, ln2_b, w_in, b_in, w_out, b_out;
-  PV query;  // query layer only: the learned query table [T, d]
+  PV ln1_w, ln1_b, qkv_w, qkv_b, out_w, out_b, ln2_w, ln2_b;
+  PV w_in, b_in, w_out, b_out;  // dense FFN (null in an RRE block)
+  PV query;                     // query layer only: the learned query table [T, d]
+  RreWeights rre;               // RRE block only
+  bool is_rre() const { return !rre.expert.empty(); }
   FfnWeights ffn() const { return {w_in.v, b_in.v, w_out.v, b_out.v}; }
   FfnGrads ffn_grad() const { return {w_in.g, b_in.g, w_out.g, b_out.g}; }
 };
@@ -25,12 +40,18 @@ struct BlockWeights {
 struct ModelWeights {
   PV tokens, positions, lnf_w, lnf_b;
   std::vector<BlockWeights> blocks;
-  static ModelWeights bind(ParamSet& ps, const ModelConfig& cfg);
+  static ModelWeights bind(ParamSet& ps, const BufferSet& bs, const ModelConfig& cfg);
 };
 
 // Adds every parameter of the model to `ps` (zero-initialised), in a fixed order:
-// embed.tokens [S*V,d], embed.positions [T,d], blocks.L.{ln1,attn.qkv,attn.out,ln2,ffn}.*,
-// blocks.<last>.attn.query_table [T,d], final_ln.{w,b}.
+// embed.tokens [S*V,d], embed.positions [T,d], blocks.L.{ln1,attn.qkv,attn.out,ln2}.*,
+// blocks.<last>.attn.query_table [T,d], then per block either ffn.{w_in [d,f], b_in [f],
+// w_out [f,d], b_out [d]} (dense) or, per group g, rre.g.{w_in [K,d,f], b_in [K,f],
+// w_out [K,f,d], b_out [K,d]} (RRE, marked expert); final_ln.{w,b}.
 void register_params(ParamSet& ps, const ModelConfig& cfg);
+
+// Adds the routing tables routing.{l}.{g}, int32 [V], for every RRE block l and group g, in
+// that order (zero-filled: the model builds or loads them).
+void register_buffers(BufferSet& bs, const ModelConfig& cfg);
 
 }  // namespace sigma

@@ -23,6 +23,7 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   const nlohmann::json config = cfg.to_json();
   std::vector<TensorRef> params;
   for (const Param& p : model.params().all()) params.push_back(tensor_ref(p.name, p.value));
+  for (const Buffer& b : model.buffers().all()) params.push_back(tensor_ref(b.name, b.value));
   w.add_safetensors(kModelFile, params,
                     {{"format", kFormat}, {"version", "1"}, {"config", config.dump()}});
   if (opt) {
@@ -74,9 +75,19 @@ void load_model(Model& model, const std::string& dir) {
                 dtype_name(t.dtype()), shape_str(t.shape()), shape_str(p.value.shape()));
     std::memcpy(p.value.bytes(), t.bytes(), t.nbytes());
   }
-  SIGMA_CHECK(st.tensors.size() == model.params().all().size(),
-              "{}: holds {} tensors but the model has {}", path, st.tensors.size(),
-              model.params().all().size());
+  // Buffers (routing tables): checked against the model's vocabulary and expert counts.
+  for (const Buffer& b : model.buffers().all()) {
+    auto it = st.tensors.find(b.name);
+    SIGMA_CHECK(it != st.tensors.end(), "{}: tensor '{}' is missing", path, b.name);
+    try {
+      model.load_buffer(b.name, it->second);
+    } catch (const Error& e) {
+      fail("{}: {}", path, e.what());
+    }
+  }
+  const size_t expected = model.params().all().size() + model.buffers().all().size();
+  SIGMA_CHECK(st.tensors.size() == expected, "{}: holds {} tensors but the model has {}", path,
+              st.tensors.size(), expected);
 }
 
 void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) {

@@ -23,6 +23,11 @@ void DataConfig::describe(Options& o, const std::string& p) {
   o.add(p + "path", &path, "directory of prepared shards (source = shards)");
 }
 
+Config::Config() {
+  model.rre_layers = 2;
+  model.groups = {{"markov", 2}, {"copy", 3}, {"arith", 4}};
+}
+
 Options Config::options() {
   Options o;
   model.describe(o, "model.");

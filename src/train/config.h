@@ -34,7 +34,9 @@ struct Config {
   TrainConfig train;
   DataConfig data;
 
-  Config() = default;
+  // The defaults are the no-argument main job: a mixed PanGu-Σ model on the synthetic data,
+  // one shared block under two RRE blocks, one expert group per synthetic domain.
+  Config();
   Config(const Config&) = default;
   Config& operator=(const Config&) = default;
 

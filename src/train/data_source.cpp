@@ -50,7 +50,7 @@ void bind_model_to_data(ModelConfig& m, const DataSource& d) {
               m.vocab, d.vocab());
   const auto names = d.domains();
   if (m.domains.empty()) {
-    for (const auto& n : names) m.domains.push_back({n, 0, 0});
+    for (const auto& n : names) m.domains.push_back(m.default_domain(n));
     return;
   }
   SIGMA_CHECK(m.domains.size() == names.size(),

@@ -54,6 +54,22 @@ void check_same_model(Config& a, Config& b) {
 
 }  // namespace
 
+nlohmann::json expert_load_json(const std::vector<BlockLoad>& load, const ModelConfig& cfg) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const BlockLoad& b : load) {
+    nlohmann::json groups = nlohmann::json::object();
+    for (size_t g = 0; g < b.tokens.size(); ++g) groups[cfg.groups[g].name] = b.tokens[g];
+    j[std::to_string(b.block)] = groups;
+  }
+  return j;
+}
+
+nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const BlockLoad& b : load) j[std::to_string(b.block)] = b.imbalance();
+  return j;
+}
+
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
                                  int rows_per_domain) {
   const auto names = data.domains();
@@ -77,6 +93,10 @@ TrainSummary train(Config cfg, const RunOptions& run) {
   bind_model_to_data(cfg.model, *data);
   cfg.model.validate();
 
+  SIGMA_CHECK(cfg.model.rre_layers == 0 || cfg.model.routing == "random" || !run.resume.empty(),
+              "model.routing = '{}' needs token counts per expert group, which data.source = "
+              "'{}' does not provide yet; use model.routing = random", cfg.model.routing,
+              cfg.data.source);
   Model model(cfg.model, cfg.train.seed);
   AdamW opt(cfg.optim, model.params());
   TrainerState state;
@@ -110,6 +130,8 @@ TrainSummary train(Config cfg, const RunOptions& run) {
   DomainSums window(names.size());
   const auto t_start = Clock::now();
   int64_t tokens_this_run = 0, steps_this_run = 0;
+  std::vector<BlockLoad> run_load = model.expert_load();  // zero counts, summed at each log
+  model.reset_expert_load();
 
   for (int64_t step = state.step; step < last; ++step) {
     double mask_total = 0;
@@ -146,13 +168,22 @@ TrainSummary train(Config cfg, const RunOptions& run) {
         nlohmann::json dom = nlohmann::json::object();
         for (size_t d = 0; d < names.size(); ++d)
           if (window.count[d]) dom[names[d]] = window.loss[d] / double(window.count[d]);
-        metrics << nlohmann::json{{"step", state.step}, {"loss", window.total_mean()},
-                                  {"lr", lr}, {"grad_norm", norm}, {"tokens", state.tokens},
-                                  {"tokens_per_s", tps}, {"domains", dom}}.dump()
-                << "\n";
+        nlohmann::json rec{{"step", state.step}, {"loss", window.total_mean()},
+                           {"lr", lr}, {"grad_norm", norm}, {"tokens", state.tokens},
+                           {"tokens_per_s", tps}, {"domains", dom}};
+        if (!model.expert_load().empty()) {  // tokens per expert over the logging window
+          rec["expert_load"] = expert_load_json(model.expert_load(), cfg.model);
+          rec["load_imbalance"] = load_imbalance_json(model.expert_load());
+        }
+        metrics << rec.dump() << "\n";
         metrics.flush();
       }
       window = DomainSums(names.size());
+      for (size_t b = 0; b < run_load.size(); ++b)
+        for (size_t g = 0; g < run_load[b].tokens.size(); ++g)
+          for (size_t e = 0; e < run_load[b].tokens[g].size(); ++e)
+            run_load[b].tokens[g][e] += model.expert_load()[b].tokens[g][e];
+      model.reset_expert_load();
     }
     const bool ckpt_now = !ckpt_root.empty() &&
                           ((cfg.train.ckpt_every > 0 && state.step % cfg.train.ckpt_every == 0) ||
@@ -166,6 +197,7 @@ TrainSummary train(Config cfg, const RunOptions& run) {
   sum.tokens = state.tokens;
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
   sum.tokens_per_s = steps_this_run ? tokens_this_run / std::max(elapsed, 1e-9) : 0.0;
+  sum.expert_load = run_load;
   sum.domains = evaluate(model, *data, B, T, cfg.train.eval_rows);
   if (!run.out_dir.empty()) {
     nlohmann::json dom = nlohmann::json::object();
@@ -174,9 +206,13 @@ TrainSummary train(Config cfg, const RunOptions& run) {
       dom[d.name]["optimum"] = d.optimum ? nlohmann::json(*d.optimum) : nlohmann::json(nullptr);
     }
     std::ofstream out(run.out_dir + "/summary.json");
-    out << nlohmann::json{{"steps", sum.steps}, {"tokens", sum.tokens},
-                          {"tokens_per_s", sum.tokens_per_s}, {"domains", dom}}.dump(2)
-        << "\n";
+    nlohmann::json summary{{"steps", sum.steps}, {"tokens", sum.tokens},
+                           {"tokens_per_s", sum.tokens_per_s}, {"domains", dom}};
+    if (!sum.expert_load.empty()) {
+      summary["expert_load"] = expert_load_json(sum.expert_load, cfg.model);
+      summary["load_imbalance"] = load_imbalance_json(sum.expert_load);
+    }
+    out << summary.dump(2) << "\n";
     SIGMA_CHECK(out.good(), "cannot write {}/summary.json", run.out_dir);
   }
   return sum;

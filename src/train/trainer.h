@@ -29,7 +29,12 @@ struct TrainSummary {
   int64_t steps = 0, tokens = 0;
   double tokens_per_s = 0;
   std::vector<DomainLoss> domains;  // held-out losses at the end
+  std::vector<BlockLoad> expert_load;  // tokens per expert per RRE block over this run's steps
 };
+
+// {"<block>": {"<group>": [tokens per expert], ...}, ...} and {"<block>": imbalance, ...}.
+nlohmann::json expert_load_json(const std::vector<BlockLoad>& load, const ModelConfig& cfg);
+nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load);
 
 // Mean masked loss per domain over the source's held-out batches.
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,

@@ -1,0 +1,95 @@
+#include "model/rre.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace sigma {
+
+namespace {
+
+// dst[j] = src[order[j]] for rows of width d.
+void gather_rows(float* dst, const float* src, const int32_t* order, int64_t N, int64_t d) {
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < N; ++j)
+    std::memcpy(dst + j * d, src + int64_t(order[j]) * d, size_t(d) * sizeof(float));
+}
+
+// dst[order[j]] = src[j] (assign) or += src[j] (accumulate). order is a permutation, so
+// threads never write the same row.
+void scatter_rows(float* dst, const float* src, const int32_t* order, int64_t N, int64_t d,
+                  bool accumulate) {
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < N; ++j) {
+    float* out = dst + int64_t(order[j]) * d;
+    const float* in = src + j * d;
+    if (accumulate)
+      for (int64_t c = 0; c < d; ++c) out[c] += in[c];
+    else
+      std::memcpy(out, in, size_t(d) * sizeof(float));
+  }
+}
+
+}  // namespace
+
+void rre_plan(RrePlan& p, const RreWeights& w, const int32_t* tokens, const int32_t* row_group,
+              int64_t N) {
+  const int E = w.experts();
+  p.expert.resize(size_t(N));
+  p.order.resize(size_t(N));
+  p.start.assign(size_t(E) + 1, 0);
+  for (int64_t i = 0; i < N; ++i) {
+    const int e = w.route(row_group[i], tokens[i]);
+    p.expert[size_t(i)] = e;
+    ++p.start[size_t(e) + 1];
+  }
+  p.single = -1;
+  for (int e = 0; e < E; ++e) {
+    if (p.start[size_t(e) + 1] == N) p.single = e;
+    p.start[size_t(e) + 1] += p.start[size_t(e)];
+  }
+  // Counting sort, stable: rows of one expert keep their order (determinism).
+  std::vector<int64_t> next(p.start.begin(), p.start.end() - 1);
+  for (int64_t i = 0; i < N; ++i) p.order[size_t(next[size_t(p.expert[size_t(i)])]++)] = int32_t(i);
+}
+
+void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const float* x,
+                 const RreWeights& w, const RrePlan& p, int64_t N, int64_t d, int64_t f) {
+  if (p.single >= 0) {  // one expert takes every row: no gather (and exactly the dense FFN)
+    ffn_forward(y, pre, act, x, w.expert[size_t(p.single)], N, d, f);
+    return;
+  }
+  // gy starts as the rows of y, so each expert adds onto them in place and the scatter is a
+  // plain copy: every row gets y + FFN(x) in the same arithmetic as the dense block.
+  gather_rows(gx, x, p.order.data(), N, d);
+  gather_rows(gy, y, p.order.data(), N, d);
+  for (int e = 0; e < w.experts(); ++e) {
+    const int64_t s = p.start[size_t(e)], n = p.rows(e);
+    if (n == 0) continue;
+    ffn_forward(gy + s * d, pre + s * f, act + s * f, gx + s * d, w.expert[size_t(e)], n, d, f);
+  }
+  scatter_rows(y, gy, p.order.data(), N, d, /*accumulate=*/false);
+}
+
+void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, const float* dy,
+                  const float* x, const float* pre, const float* act, const RreWeights& w,
+                  const RrePlan& p, int64_t N, int64_t d, int64_t f) {
+  if (p.single >= 0) {
+    ffn_backward(dx, w.expert_grad[size_t(p.single)], scratch, dy, x, pre, act,
+                 w.expert[size_t(p.single)], N, d, f);
+    return;
+  }
+  gather_rows(gx, x, p.order.data(), N, d);
+  gather_rows(gdy, dy, p.order.data(), N, d);
+  std::fill(gdx, gdx + N * d, 0.0f);
+  for (int e = 0; e < w.experts(); ++e) {
+    const int64_t s = p.start[size_t(e)], n = p.rows(e);
+    if (n == 0) continue;
+    ffn_backward(gdx + s * d, w.expert_grad[size_t(e)], scratch, gdy + s * d, gx + s * d,
+                 pre + s * f, act + s * f, w.expert[size_t(e)], n, d, f);
+  }
+  scatter_rows(dx, gdx, p.order.data(), N, d, /*accumulate=*/true);
+}
+
+}  // namespace sigma

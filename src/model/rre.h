@@ -1,0 +1,39 @@
+// The Random Routed Experts FFN (DESIGN §2) over raw pointers: rows (tokens) are grouped by
+// the expert their (group, token id) routes to, gathered contiguously, run through that
+// expert's FFN (src/model/ffn.h: one GEMM per expert and layer), and scattered back. No gate,
+// no capacity: every row goes through exactly one expert. Experts without rows are not
+// touched, so their gradients stay exactly zero.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "model/weights.h"
+
+namespace sigma {
+
+// How one RRE block's N rows are grouped by expert; a pure function of (group, token id) per
+// row, known before the forward pass.
+struct RrePlan {
+  std::vector<int32_t> expert;  // [N] expert of each row (global index, RreWeights::expert)
+  std::vector<int32_t> order;   // [N] row indices by expert, rows in their original order
+  std::vector<int64_t> start;   // [E+1] expert e holds order[start[e] .. start[e+1])
+  int single = -1;              // the one expert holding every row (then order = identity)
+  int64_t rows(int e) const { return start[size_t(e) + 1] - start[size_t(e)]; }
+};
+
+// Fills `p` for N rows: row i has input token tokens[i] and belongs to group row_group[i].
+void rre_plan(RrePlan& p, const RreWeights& w, const int32_t* tokens, const int32_t* row_group,
+              int64_t N);
+
+// y[N,d] += FFN_{expert(i)}(x[i]) for every row i. pre and act [N,f] are saved in plan order
+// (row order when p.single >= 0). gx, gy: scratch [N,d].
+void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const float* x,
+                 const RreWeights& w, const RrePlan& p, int64_t N, int64_t d, int64_t f);
+
+// Accumulates dx[N,d] and the gradients of every expert that holds rows. scratch: 2*N*f
+// floats; gx, gdy, gdx: [N,d] (all overwritten).
+void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, const float* dy,
+                  const float* x, const float* pre, const float* act, const RreWeights& w,
+                  const RrePlan& p, int64_t N, int64_t d, int64_t f);
+
+}  // namespace sigma
