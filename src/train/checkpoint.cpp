@@ -40,7 +40,8 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
     for (size_t i = 0; i < ps.size(); ++i) state.push_back(tensor_ref(ps[i].name + ".step", steps[i]));
     w.add_safetensors(kOptimizerFile, state, {{"format", "sigma-adamw"}, {"version", "1"}});
   }
-  w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config}});
+  w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config},
+                            {"data_cursor", st.data_cursor}});
   if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
   return w.commit();
 }
@@ -57,6 +58,7 @@ CheckpointInfo open_checkpoint(const std::string& path) {
               "{}: missing 'step' or 'config'", tpath);
   info.state.step = j["step"].get<int64_t>();
   info.state.tokens = j.value("tokens", int64_t(0));
+  if (j.contains("data_cursor")) info.state.data_cursor = j["data_cursor"];
   info.cfg.apply(j["config"], tpath);
   return info;
 }

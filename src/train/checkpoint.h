@@ -15,6 +15,7 @@ namespace sigma {
 struct TrainerState {
   int64_t step = 0;    // optimizer steps completed
   int64_t tokens = 0;  // tokens trained on so far
+  nlohmann::json data_cursor;  // DataSource::cursor() (null for index-addressed data)
 };
 
 // Writes ROOT/step-NNNNNNNN atomically and moves ROOT/latest to it; returns its path.

@@ -20,7 +20,18 @@ void TrainConfig::describe(Options& o, const std::string& p) {
 
 void DataConfig::describe(Options& o, const std::string& p) {
   o.add(p + "source", &source, "where training data comes from", {"synthetic", "shards"});
-  o.add(p + "path", &path, "directory of prepared shards (source = shards)");
+  o.add(p + "path", &path, "directory made by sigma prepare (source = shards)");
+  o.add(p + "eval_path", &eval_path, "held-out directory made by sigma prepare (optional)");
+  o.add(p + "tokenizer", &tokenizer, "tokenizer file (default: the one the shards were made with)");
+  o.add(p + "finetune", &finetune, "one sample per row, padded with <Pad>, instead of packed windows");
+  o.add(p + "mask_prompt", &mask_prompt, "fine-tuning: no loss on prompt tokens");
+  o.add_json(
+      p + "sampler", "domain weights and stages: {\"stages\": [{\"steps\": N, \"weights\": {...}}, ...]}",
+      [this](const nlohmann::json& j) {
+        SIGMA_CHECK(j.is_object(), "config key 'data.sampler' must be an object");
+        sampler = j;
+      },
+      [this] { return sampler; });
 }
 
 Config::Config() {

@@ -24,7 +24,12 @@ struct TrainConfig {
 
 struct DataConfig {
   std::string source = "synthetic";  // "synthetic" (built in) or "shards"
-  std::string path;                  // shard directory for source = "shards"
+  std::string path;                  // directory made by `sigma prepare` (source = shards)
+  std::string eval_path;             // held-out directory made by `sigma prepare` (optional)
+  std::string tokenizer;             // tokenizer file; default: the one the shards name
+  bool finetune = false;             // one sample per row (padded) instead of packed windows
+  bool mask_prompt = false;          // fine-tuning: no loss on prompt tokens
+  nlohmann::json sampler = nlohmann::json::object();  // data::SamplerConfig (weights, stages)
   void describe(Options& o, const std::string& prefix);
 };
 

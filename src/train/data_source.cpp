@@ -2,8 +2,14 @@
 
 #include <fmt/format.h>
 
+#include <filesystem>
+#include <fstream>
+#include <map>
+
 #include "core/error.h"
 #include "data/synthetic.h"
+#include "data/tokenizer.h"
+#include "data/windows.h"
 
 namespace sigma {
 
@@ -37,11 +43,130 @@ class SyntheticSource : public DataSource {
   SyntheticData data_;
 };
 
+// The tokenizer a prepared directory was made with, as its manifest records it.
+std::string manifest_tokenizer(const std::string& dir) {
+  std::ifstream in(dir + "/manifest.json");
+  nlohmann::json m = nlohmann::json::parse(in, nullptr, false);
+  if (m.is_discarded() || !m.is_object() || !m.contains("tokenizer") || !m["tokenizer"].is_string())
+    return "";
+  return m["tokenizer"].get<std::string>();
+}
+
+// Held-out or training windows from a prepared directory. Model domain index = position in the
+// directory's registry; batch rows carry that index.
+class ShardsSource : public DataSource {
+ public:
+  ShardsSource(data::ShardSet set, std::string tokenizer) : set_(std::move(set)), tokenizer_(std::move(tokenizer)) {
+    for (size_t i = 0; i < set_.domains.domains.size(); ++i) index_of_id_[set_.domains.domains[i].id] = int(i);
+  }
+  int vocab() const override { return int(set_.vocab_size); }
+  std::vector<std::string> domains() const override { return set_.domains.names(); }
+  std::vector<DomainSpec> domain_specs() const override {
+    std::vector<DomainSpec> s;
+    for (const auto& d : set_.domains.domains) s.push_back({d.name, d.group, int(d.slot)});
+    return s;
+  }
+  std::string tokenizer_path() const override { return tokenizer_; }
+  uint64_t tokenizer_hash() const override { return set_.tokenizer_hash; }
+
+  void start_training(const Config& cfg) {
+    data::SamplerConfig sc = data::SamplerConfig::from_json(cfg.data.sampler, "data.sampler");
+    if (!cfg.data.sampler.contains("seed")) sc.seed = cfg.train.seed;
+    data::BatchConfig bc{uint32_t(cfg.train.batch), uint32_t(cfg.model.context), cfg.data.finetune,
+                         cfg.data.mask_prompt};
+    batches_ = std::make_unique<data::BatchSource>(set_, bc, sc);
+  }
+  void train_batch(Batch& b, int B, int T, uint64_t index) const override {
+    SIGMA_CHECK(batches_, "shards source: no training stream");
+    SIGMA_CHECK(index == next_index_, "shards source: batch {} requested, the stream is at {}",
+                index, next_index_);
+    batches_->next(scratch_);
+    SIGMA_CHECK(int(scratch_.B) == B && int(scratch_.T) == T, "shards source: batch shape mismatch");
+    convert(scratch_, b);
+    ++next_index_;
+  }
+  void eval_batches(int B, int T, int rows_per_domain,
+                    const std::function<void(const Batch&)>& fn) const override {
+    // Windows spread evenly through each domain's shard, the same ones every time.
+    Batch b;
+    b.resize(B, T);
+    int filled = 0;
+    auto flush = [&] {
+      if (!filled) return;
+      Batch part;
+      part.resize(filled, T);
+      std::copy_n(b.tokens.begin(), size_t(filled) * T, part.tokens.begin());
+      std::copy_n(b.targets.begin(), size_t(filled) * T, part.targets.begin());
+      std::copy_n(b.mask.begin(), size_t(filled) * T, part.mask.begin());
+      std::copy_n(b.domain.begin(), size_t(filled), part.domain.begin());
+      fn(filled == B ? b : part);
+      filled = 0;
+    };
+    for (size_t d = 0; d < set_.shards.size(); ++d) {
+      const uint64_t n = data::window_count(set_.shards[d]->n_tokens(), uint32_t(T));
+      const uint64_t take = std::min<uint64_t>(n, uint64_t(rows_per_domain));
+      for (uint64_t k = 0; k < take; ++k) {
+        const uint64_t w = k * n / take;
+        const size_t o = size_t(filled) * T;
+        data::fill_window(*set_.shards[d], w, uint32_t(T), &b.tokens[o], &b.targets[o], &b.mask[o]);
+        b.domain[filled] = int(d);
+        if (++filled == B) flush();
+      }
+    }
+    flush();
+  }
+  nlohmann::json cursor() const override {
+    return batches_ ? nlohmann::json{{"sampler", batches_->cursor()}, {"index", next_index_}}
+                    : nlohmann::json(nullptr);
+  }
+  void restore(const nlohmann::json& c) override {
+    SIGMA_CHECK(batches_ && c.is_object() && c.contains("sampler") && c.contains("index"),
+                "checkpoint has no data cursor for the shards source");
+    batches_->restore(c["sampler"]);
+    next_index_ = c["index"].get<uint64_t>();
+  }
+
+ private:
+  void convert(const data::Batch& in, Batch& out) const {
+    out.B = int(in.B);
+    out.T = int(in.T);
+    out.tokens = in.inputs;
+    out.targets = in.targets;
+    out.mask = in.mask;
+    out.domain.resize(in.B);
+    for (uint32_t r = 0; r < in.B; ++r) out.domain[r] = index_of_id_.at(uint32_t(in.domain[r]));
+  }
+  data::ShardSet set_;
+  std::string tokenizer_;
+  std::map<uint32_t, int> index_of_id_;
+  std::unique_ptr<data::BatchSource> batches_;
+  mutable data::Batch scratch_;
+  mutable uint64_t next_index_ = 0;
+};
+
+std::unique_ptr<ShardsSource> open_shards(const std::string& dir, std::string tokenizer) {
+  SIGMA_CHECK(!dir.empty(), "data.path is empty: set it to a directory made by sigma prepare");
+  if (tokenizer.empty()) tokenizer = manifest_tokenizer(dir);
+  uint64_t hash = 0;
+  if (!tokenizer.empty()) {
+    SIGMA_CHECK(std::filesystem::exists(tokenizer), "tokenizer file '{}' (named by {}/manifest.json or "
+                "data.tokenizer) does not exist", tokenizer, dir);
+    hash = data::Tokenizer::load(tokenizer).hash();
+  }
+  return std::make_unique<ShardsSource>(data::ShardSet::open(dir, hash), tokenizer);
+}
+
 }  // namespace
 
 std::unique_ptr<DataSource> make_data_source(const Config& cfg) {
   if (cfg.data.source == "synthetic") return std::make_unique<SyntheticSource>(cfg.train.seed);
-  fail("data.source = '{}' is not available yet (allowed: synthetic)", cfg.data.source);
+  auto s = open_shards(cfg.data.path, cfg.data.tokenizer);
+  s->start_training(cfg);
+  return s;
+}
+
+std::unique_ptr<DataSource> make_eval_source(const std::string& dir, uint64_t tokenizer_hash) {
+  return std::make_unique<ShardsSource>(data::ShardSet::open(dir, tokenizer_hash), "");
 }
 
 void bind_model_to_data(ModelConfig& m, const DataSource& d) {
@@ -49,8 +174,9 @@ void bind_model_to_data(ModelConfig& m, const DataSource& d) {
   SIGMA_CHECK(m.vocab >= d.vocab(), "model.vocab = {} is smaller than the data's vocabulary ({})",
               m.vocab, d.vocab());
   const auto names = d.domains();
-  if (m.domains.empty()) {
-    for (const auto& n : names) m.domains.push_back(m.default_domain(n));
+  if (m.domains.empty()) {  // the data's registry decides names, groups and slots
+    m.domains = d.domain_specs();
+    for (const auto& s : m.domains) m.slots = std::max(m.slots, s.slot + 1);
     return;
   }
   SIGMA_CHECK(m.domains.size() == names.size(),

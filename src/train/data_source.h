@@ -24,10 +24,28 @@ class DataSource {
                             const std::function<void(const Batch&)>& fn) const = 0;
   // The best achievable loss per token for a domain, when the source knows it.
   virtual std::optional<double> optimum(int /*domain*/, int /*T*/) const { return std::nullopt; }
+  // Group and embedding slot of each domain (same order as domains()); by default each domain
+  // is its own group, all on slot 0.
+  virtual std::vector<DomainSpec> domain_specs() const {
+    std::vector<DomainSpec> s;
+    for (const auto& n : domains()) s.push_back({n, n, 0});
+    return s;
+  }
+  // Tokenizer file behind the token ids ("" for the synthetic data) and its hash (0 = none).
+  virtual std::string tokenizer_path() const { return ""; }
+  virtual uint64_t tokenizer_hash() const { return 0; }
+  // Position in a stateful stream (saved in checkpoints; null when batches are pure functions
+  // of their index) and its restore.
+  virtual nlohmann::json cursor() const { return nullptr; }
+  virtual void restore(const nlohmann::json& /*cursor*/) {}
 };
 
 // The source named by cfg.data (throws naming the key on a bad choice).
 std::unique_ptr<DataSource> make_data_source(const Config& cfg);
+
+// Held-out windows of a directory made by `sigma prepare`, for evaluation only. `tokenizer_hash`
+// (0 = unchecked) must match the shards'.
+std::unique_ptr<DataSource> make_eval_source(const std::string& dir, uint64_t tokenizer_hash);
 
 // Fills in what the data decides and the config left open: vocab and the domain list. A
 // domain list given in the config must name exactly the data's domains.

@@ -72,12 +72,18 @@ nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load) {
 
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
                                  int rows_per_domain) {
+  // The source's domains are scored as the model's domains of the same names.
   const auto names = data.domains();
+  std::vector<int32_t> to_model;
+  for (const auto& n : names) to_model.push_back(model.config().domain_index(n));
   DomainSums sums(names.size());
   std::vector<float> token_loss;
+  Batch mb;
   data.eval_batches(B, T, rows_per_domain, [&](const Batch& b) {
+    mb = b;
+    for (auto& d : mb.domain) d = to_model[size_t(d)];
     token_loss.resize(size_t(b.B) * b.T);
-    model.forward(b, token_loss.data());
+    model.forward(mb, token_loss.data());
     sums.add(b, token_loss);
   });
   std::vector<DomainLoss> out;
@@ -106,6 +112,7 @@ TrainSummary train(Config cfg, const RunOptions& run) {
     load_model(model, ck.dir);
     load_optimizer(opt, model.params(), ck.dir);
     state = ck.state;
+    if (!state.data_cursor.is_null()) data->restore(state.data_cursor);
   }
   const int B = cfg.train.batch, T = cfg.model.context;
   const int64_t last = run.stop_at >= 0 ? std::min(run.stop_at, cfg.train.steps) : cfg.train.steps;
@@ -188,7 +195,10 @@ TrainSummary train(Config cfg, const RunOptions& run) {
     const bool ckpt_now = !ckpt_root.empty() &&
                           ((cfg.train.ckpt_every > 0 && state.step % cfg.train.ckpt_every == 0) ||
                            state.step == last);
-    if (ckpt_now) save_checkpoint(ckpt_root, cfg, model, &opt, state);
+    if (ckpt_now) {
+      state.data_cursor = data->cursor();
+      save_checkpoint(ckpt_root, cfg, model, &opt, state, data->tokenizer_path());
+    }
   }
   if (tty && run.progress) fmt::print(stderr, "\n");
 
@@ -198,7 +208,10 @@ TrainSummary train(Config cfg, const RunOptions& run) {
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
   sum.tokens_per_s = steps_this_run ? tokens_this_run / std::max(elapsed, 1e-9) : 0.0;
   sum.expert_load = run_load;
-  sum.domains = evaluate(model, *data, B, T, cfg.train.eval_rows);
+  std::unique_ptr<DataSource> held_out;
+  if (!cfg.data.eval_path.empty())
+    held_out = make_eval_source(cfg.data.eval_path, data->tokenizer_hash());
+  sum.domains = evaluate(model, held_out ? *held_out : *data, B, T, cfg.train.eval_rows);
   if (!run.out_dir.empty()) {
     nlohmann::json dom = nlohmann::json::object();
     for (const auto& d : sum.domains) {

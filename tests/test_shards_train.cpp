@@ -1,0 +1,90 @@
+// Training, resuming, evaluating and generating on prepared shards: the path from raw text.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "train/safetensors.h"
+
+using namespace sigma;
+using namespace sigma::testing;
+
+namespace {
+
+class ShardsTrain : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir = new TempDir("shards");
+    std::ofstream c(*dir / "corpus.jsonl");
+    for (int i = 0; i < 120; ++i) {
+      c << nlohmann::json{{"domain", "prose"},
+                          {"text", "the cat sat on the mat number " + std::to_string(i % 17) +
+                                       " and the dog ran."}}.dump() << "\n";
+      c << nlohmann::json{{"domain", "code"},
+                          {"text", "def f" + std::to_string(i % 13) + "(x):\n    return x + " +
+                                       std::to_string(i % 7) + "\n"}}.dump() << "\n";
+    }
+    c.close();
+    auto r = sigma_cmd("tokenizer train --corpus " + *dir / "corpus.jsonl" + " --vocab-size 320 --out " +
+                       *dir / "tok.json");
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::ofstream(*dir / "data.json") << nlohmann::json{
+        {"tokenizer", "tok.json"},
+        {"corpus", {"corpus.jsonl"}},
+        {"domains", {{{"name", "prose"}, {"slot", 0}}, {{"name", "code"}, {"slot", 1}, {"prefix", {"<Python>"}}}}}}.dump();
+    r = sigma_cmd("prepare --config " + *dir / "data.json" + " --out " + *dir / "shards");
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  static void TearDownTestSuite() { delete dir; }
+  static std::string train_args() {
+    return "train --quiet --set data.source=shards --set data.path=" + *dir / "shards" +
+           " --set model.d_model=32 --set model.heads=2 --set model.layers=2 --set model.context=24"
+           " --set train.batch=4 --set train.log_every=4 --set train.eval_rows=8 --set optim.warmup=2"
+           " --set model.rre_layers=1 --set 'model.groups=[{\"name\":\"prose\",\"experts\":2},"
+           "{\"name\":\"code\",\"experts\":3}]' ";
+  }
+  static TempDir* dir;
+};
+TempDir* ShardsTrain::dir = nullptr;
+
+TEST_F(ShardsTrain, ResumeRestoresTheSamplerCursorExactly) {
+  auto r = sigma_cmd(train_args() + "--set train.steps=12 --out " + *dir / "a");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd(train_args() + "--set train.steps=12 --stop-at 5 --out " + *dir / "b");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("train --quiet --resume " + *dir / "b/checkpoints --out " + *dir / "b");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto x = read_safetensors(*dir / "a/checkpoints/step-00000012/model.safetensors");
+  auto y = read_safetensors(*dir / "b/checkpoints/step-00000012/model.safetensors");
+  for (const auto& [name, t] : x.tensors)
+    EXPECT_EQ(0, std::memcmp(t.bytes(), y.tensors.at(name).bytes(), t.nbytes())) << name;
+  // The vocabulary and slots came from the shards: two slots of 320 rows.
+  EXPECT_EQ(x.tensors.at("embed.tokens").dim(0), 2 * 320);
+}
+
+TEST_F(ShardsTrain, EvalPrintsPerDomainLossWithFullPrecisionAndGenerateTakesText) {
+  auto r = sigma_cmd(train_args() + "--set train.steps=30 --out " + *dir / "e");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("eval --ckpt " + *dir / "e/checkpoints --data " + *dir / "shards --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  for (const char* d : {"prose", "code"}) {
+    const double loss = j["domains"][d]["loss"].get<double>();
+    EXPECT_TRUE(std::isfinite(loss) && loss > 0 && loss < std::log(320.0)) << d << " " << loss;
+    EXPECT_NEAR(j["domains"][d]["ppl"].get<double>(), std::exp(loss), 1e-9 * std::exp(loss));
+    EXPECT_GT(j["domains"][d]["tokens"].get<int64_t>(), 0);
+  }
+  EXPECT_NE(r.out.find(fmt::format("{:.17g}", j["domains"]["code"]["loss"].get<double>())),
+            std::string::npos) << r.out;
+  r = sigma_cmd("generate --ckpt " + *dir / "e/checkpoints --domain code --prompt 'def f' --max-new 6");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.rfind("def f", 0), 0u) << r.out;
+  r = sigma_cmd("eval --ckpt " + *dir / "e/checkpoints --data " + *dir / "nowhere");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("nowhere"), std::string::npos) << r.out;
+}
+
+}  // namespace
