@@ -13,6 +13,8 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "core/fd.h"
+
 namespace sigma {
 namespace {
 
@@ -23,15 +25,6 @@ constexpr int kManifestVersion = 1;
 
 std::string errno_str() { return std::strerror(errno); }
 
-struct Fd {
-  int fd = -1;
-  explicit Fd(int f) : fd(f) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 // A plain path component: no separators, so nothing can escape the checkpoint root.
 bool plain_name(const std::string& s) {

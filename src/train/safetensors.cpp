@@ -12,21 +12,13 @@
 #include <set>
 #include <tuple>
 
+#include "core/fd.h"
+
 namespace sigma {
 namespace {
 
 using nlohmann::json;
 
-// Owns a file descriptor so that every error path closes it.
-struct Fd {
-  int fd = -1;
-  explicit Fd(int f) : fd(f) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 std::string errno_str() { return std::strerror(errno); }
 
