@@ -55,6 +55,9 @@ void run_train(const TrainArgs& a) {
       fmt::print("{:<6} {:<12} {:>9.3f}  {}\n", b.block, cfg.model.groups[g].name,
                  one.imbalance(), fmt::join(b.tokens[g], " "));
     }
+  if (cfg.model.gated())
+    for (const BlockLoad& b : s.expert_load)
+      fmt::print("block {}: {} (token, choice) pairs dropped over capacity\n", b.block, b.dropped);
 }
 
 const RegisterCommand reg([](CLI::App& root) {

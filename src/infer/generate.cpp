@@ -67,15 +67,53 @@ const float* KVCacheDecoder::step(int32_t token) {
     cpu::linear_forward(mid_.data(), att_.data(), b.out_w.v, b.out_b.v, 1, d, d, true);
     cpu::layernorm_forward(a_.data(), &mean_, &rstd_, mid_.data(), b.ln2_w.v, b.ln2_b.v, 1, d);
     x_ = mid_;
-    // RRE block: the token goes through the expert its (group, id) routes to (DESIGN §2).
-    const FfnWeights ffn = b.is_rre() ? b.rre.expert[size_t(b.rre.route(group_, token))] : b.ffn();
-    ffn_forward(x_.data(), pre_.data(), act_.data(), a_.data(), ffn, 1, d, f);
+    if (!b.is_rre()) {
+      ffn_forward(x_.data(), pre_.data(), act_.data(), a_.data(), b.ffn(), 1, d, f);
+    } else if (b.gate.empty()) {
+      // RRE block: the token goes through the expert its (group, id) routes to (DESIGN §2).
+      ffn_forward(x_.data(), pre_.data(), act_.data(), a_.data(),
+                  b.rre.expert[size_t(b.rre.route(group_, token))], 1, d, f);
+    } else {
+      gated_ffn(b, f);
+    }
   }
   cpu::layernorm_forward(hf_.data(), &mean_, &rstd_, x_.data(), w.lnf_w.v, w.lnf_b.v, 1, d);
   cpu::gemm(false, true, 1, V, d, 1.0f, hf_.data(), d, w.tokens.v + slot_base_ * d, d, 0.0f,
             logits_.data(), V);
   ++pos_;
   return logits_.data();
+}
+
+// The learned-gate baseline for one token (no capacity limit for a single token): the same
+// softmax, top-k choice and combine weights as gate_forward.
+void KVCacheDecoder::gated_ffn(const BlockWeights& b, int64_t f) {
+  const int64_t d = model_.config().d_model;
+  const int o = b.rre.offset[size_t(group_)], K = b.rre.offset[size_t(group_) + 1] - o;
+  std::vector<float> z(static_cast<size_t>(K));
+  cpu::linear_forward(z.data(), a_.data(), b.gate[size_t(group_)].v, nullptr, 1, d, K);
+  const float mx = *std::max_element(z.begin(), z.end());
+  float sum = 0;
+  for (float& v : z) sum += v = std::exp(v - mx);
+  for (float& v : z) v /= sum;
+  int e1 = 0;
+  for (int e = 1; e < K; ++e)
+    if (z[size_t(e)] > z[size_t(e1)]) e1 = e;
+  std::vector<std::pair<int, float>> use;
+  if (model_.config().experts_per_token() == 1 || K == 1) {
+    use.push_back({e1, model_.config().experts_per_token() == 1 ? z[size_t(e1)] : 1.0f});
+  } else {
+    int e2 = e1 == 0 ? 1 : 0;
+    for (int e = 0; e < K; ++e)
+      if (e != e1 && z[size_t(e)] > z[size_t(e2)]) e2 = e;
+    const float s = z[size_t(e1)] + z[size_t(e2)];
+    use = {{e1, z[size_t(e1)] / s}, {e2, z[size_t(e2)] / s}};
+  }
+  std::vector<float> y(static_cast<size_t>(d));
+  for (auto [e, g] : use) {
+    std::fill(y.begin(), y.end(), 0.0f);
+    ffn_forward(y.data(), pre_.data(), act_.data(), a_.data(), b.rre.expert[size_t(o + e)], 1, d, f);
+    for (int64_t i = 0; i < d; ++i) x_[size_t(i)] += g * y[size_t(i)];
+  }
 }
 
 int32_t sample_next(float* logits, int64_t V, const std::vector<int32_t>& history,

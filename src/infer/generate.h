@@ -27,6 +27,8 @@ class KVCacheDecoder {
   int position() const { return pos_; }
 
  private:
+  void gated_ffn(const BlockWeights& b, int64_t f);  // x_ += learned-gate experts of a_
+
   const Model& model_;
   int64_t slot_base_;  // slot * V
   int group_;          // the domain's expert group (RRE blocks)

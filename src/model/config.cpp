@@ -59,6 +59,12 @@ void ModelConfig::validate() const {
               "{{\"name\": ..., \"experts\": K}} entries or set model.rre_layers = 0)", rre_layers);
   SIGMA_CHECK(routing == "random" || routing == "frequency",
               "model.routing = '{}' (allowed: random, frequency)", routing);
+  SIGMA_CHECK(router == "rre" || router == "top1" || router == "top2",
+              "model.router = '{}' (allowed: rre, top1, top2)", router);
+  SIGMA_CHECK(capacity_factor > 0, "model.capacity_factor must be positive (got {})",
+              capacity_factor);
+  SIGMA_CHECK(aux_loss_weight >= 0, "model.aux_loss_weight must not be negative (got {})",
+              aux_loss_weight);
   std::set<std::string> gseen;
   for (const auto& g : groups) {
     SIGMA_CHECK(valid_group_name(g.name), "model.groups: group name '{}' must be non-empty and "
@@ -96,6 +102,14 @@ void ModelConfig::describe(Options& o, const std::string& p) {
         "top blocks with Random Routed Experts, query layer included (0 = dense)", 0, 256);
   o.add(p + "routing_seed", &routing_seed, "seed of the routing tables");
   o.add(p + "routing", &routing, "how routing tables are built", {"random", "frequency"});
+  o.add(p + "router", &router,
+        "expert choice in the expert blocks: rre (routing tables) or the learned-gate baseline "
+        "top1 (Switch) / top2 (GShard)", {"rre", "top1", "top2"});
+  o.add(p + "capacity_factor", &capacity_factor,
+        "learned gate: an expert takes at most capacity_factor * k * rows / K rows of a batch",
+        1e-3, 1e6);
+  o.add(p + "aux_loss_weight", &aux_loss_weight,
+        "learned gate: weight of the load-balancing loss per block", 0.0, 1e6);
   o.add_json(
       p + "groups", "list of {name, experts}: expert groups of the RRE blocks",
       [this, p](const nlohmann::json& j) {

@@ -41,10 +41,18 @@ struct ModelConfig {
   std::vector<GroupSpec> groups;
   uint64_t routing_seed = 1;        // seeds the routing tables (independent of train.seed)
   std::string routing = "random";   // "random" | "frequency" (needs token counts per group)
+  // How an expert block picks experts inside the group: "rre" (the routing tables) or the
+  // learned-gate baseline "top1" (Switch) / "top2" (GShard), with a capacity limit and a
+  // load-balancing loss (src/model/gate.h).
+  std::string router = "rre";
+  float capacity_factor = 1.25f;    // gate: each expert takes <= cf * k * rows / K rows
+  float aux_loss_weight = 0.01f;    // gate: weight of the load-balancing loss per block
 
   int ffn() const { return 4 * d_model; }
   int head_dim() const { return d_model / heads; }
   int first_rre_block() const { return layers - rre_layers; }
+  bool gated() const { return router != "rre"; }
+  int experts_per_token() const { return router == "top2" ? 2 : 1; }
   bool is_rre_block(int l) const { return l >= first_rre_block(); }
   int domain_index(const std::string& name) const;  // throws naming the known domains
   int group_index(const std::string& name) const;   // throws naming the declared groups

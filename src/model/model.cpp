@@ -13,6 +13,7 @@
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/xent.h"
 #include "model/ffn.h"
+#include "model/gate.h"
 #include "model/rre.h"
 
 namespace sigma {
@@ -32,8 +33,10 @@ struct Model::Acts {
     Buf att;                 // [N,d] attention output before the output projection
     Buf mid;                 // [N,d] residual after attention
     Buf a2, mean2, rstd2;    // LN2 output and stats
-    Buf pre, act;            // [N,f] FFN before and after FastGelu (RRE: in plan order)
+    Buf pre, act;            // [N,f] FFN before and after FastGelu (experts: [k*N,f] in plan order)
     RrePlan plan;            // RRE block: rows grouped by expert
+    GatePlan gplan;          // learned-gate block: choices, gates, gathered layout
+    Buf yg;                  // [k*N,d] learned-gate block: each expert's output
   };
   int B = 0, T = 0;
   std::vector<int32_t> rows;  // [N] embedding rows: slot*V + token
@@ -44,7 +47,9 @@ struct Model::Acts {
   Buf logits;                 // [N,V], overwritten by its gradient when training
   // backward scratch
   Buf dh, da, datt, dqkv, dffn, dq_shared;
-  Buf gx, gy, gdx;            // [N,d] RRE gather scratch (forward and backward)
+  Buf gx, gy, gdx;            // [k*N,d] expert gather scratch (forward and backward)
+  Buf z;                      // [N,Kmax] learned gate: logits, then their gradient
+  double scale_sum = 0;       // sum of grad_scale: d(loss)/d(aux loss)
 };
 
 double BlockLoad::imbalance() const {
@@ -99,6 +104,8 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts)
     BlockLoad bl;
     bl.block = l;
     for (const GroupSpec& g : cfg_.groups) {
+      bl.tokens.emplace_back(size_t(g.experts), 0);
+      if (cfg_.gated()) continue;
       const std::string name = routing_name(l, g.name);
       int32_t* t = buffers_.at(name).value.data<int32_t>();
       std::vector<int32_t> table;
@@ -114,7 +121,6 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts)
         unset_tables_.push_back(name);
       }
       std::copy(table.begin(), table.end(), t);
-      bl.tokens.emplace_back(size_t(g.experts), 0);
     }
     load_.push_back(std::move(bl));
   }
@@ -148,8 +154,10 @@ void Model::check_routing_ready() const {
 }
 
 void Model::reset_expert_load() {
-  for (auto& b : load_)
+  for (auto& b : load_) {
     for (auto& g : b.tokens) std::fill(g.begin(), g.end(), 0);
+    b.dropped = 0;
+  }
 }
 
 Model::~Model() = default;
@@ -159,16 +167,22 @@ const float* Model::logits() const { return a_->logits.data(); }
 double Model::train_flops_per_token() const {
   const double d = cfg_.d_model, V = cfg_.vocab, T = cfg_.context, L = cfg_.layers;
   const double per_block = 12.0 * d * d + 13.0 * d;  // qkv, out, ffn weights and biases
-  return 6.0 * L * per_block + 6.0 * V * d + 12.0 * L * T * d;
+  // A top-2 gate runs two experts per token in each expert block.
+  const double extra = double(cfg_.rre_layers) * (cfg_.experts_per_token() - 1) * (8.0 * d * d + 5.0 * d);
+  return 6.0 * (L * per_block + extra) + 6.0 * V * d + 12.0 * L * T * d;
 }
 
 int64_t Model::active_params_per_token() const {
   const int64_t V = cfg_.vocab, d = cfg_.d_model, f = cfg_.ffn();
   int64_t n = 0;
+  int64_t Kmax = 1;
+  for (const auto& g : cfg_.groups) Kmax = std::max<int64_t>(Kmax, g.experts);
   for (const Param& p : params_.all())
-    if (!p.expert) n += p.value.numel();
-  n -= int64_t(cfg_.slots - 1) * V * d;                   // other slots' embedding rows
-  n += int64_t(cfg_.rre_layers) * (2 * d * f + f + d);    // one expert per RRE block
+    if (!p.expert && p.name.find(".gate.") == std::string::npos) n += p.value.numel();
+  n -= int64_t(cfg_.slots - 1) * V * d;  // other slots' embedding rows
+  // k experts per expert block (1 with RRE), and the gate of the widest group.
+  n += int64_t(cfg_.rre_layers) * (cfg_.experts_per_token() * (2 * d * f + f + d) +
+                                   (cfg_.gated() ? d * Kmax : 0));
   return n;
 }
 
@@ -196,8 +210,10 @@ void Model::ensure_workspace(int B, int T) {
     k.a2.assign(N * d, 0);
     k.mean2.assign(N, 0);
     k.rstd2.assign(N, 0);
-    k.pre.assign(N * f, 0);
-    k.act.assign(N * f, 0);
+    const size_t rows = cfg_.is_rre_block(l) ? N * cfg_.experts_per_token() : N;
+    k.pre.assign(rows * f, 0);
+    k.act.assign(rows * f, 0);
+    if (cfg_.is_rre_block(l) && cfg_.gated()) k.yg.assign(rows * d, 0);
   }
   a.h_final.assign(N * d, 0);
   a.hf.assign(N * d, 0);
@@ -208,13 +224,17 @@ void Model::ensure_workspace(int B, int T) {
   a.da.assign(N * d, 0);
   a.datt.assign(N * d, 0);
   a.dqkv.assign(N * 3 * d, 0);
-  a.dffn.assign(2 * N * f, 0);
+  a.dffn.assign(2 * N * (cfg_.rre_layers > 0 ? cfg_.experts_per_token() : 1) * f, 0);
   a.dq_shared.assign(size_t(T) * d, 0);
   a.row_group.assign(N, 0);
   if (cfg_.rre_layers > 0) {
-    a.gx.assign(N * d, 0);
-    a.gy.assign(N * d, 0);
-    a.gdx.assign(N * d, 0);
+    const size_t k = cfg_.experts_per_token();
+    a.gx.assign(k * N * d, 0);
+    a.gy.assign(k * N * d, 0);
+    a.gdx.assign(k * N * d, 0);
+    int Kmax = 1;
+    for (const auto& g : cfg_.groups) Kmax = std::max(Kmax, g.experts);
+    if (cfg_.gated()) a.z.assign(N * Kmax, 0);
   }
 }
 
@@ -240,6 +260,10 @@ void Model::forward(const Batch& batch, float* token_loss, const float* grad_sca
     std::fill_n(a.row_group.begin() + int64_t(b) * T, T, domain_group_[size_t(batch.domain[b])]);
   }
   check_routing_ready();
+  aux_loss_ = 0;
+  a.scale_sum = 0;
+  if (grad_scale)
+    for (int64_t i = 0; i < N; ++i) a.scale_sum += grad_scale[i];
   cpu::embedding_forward(a.blocks[0].x.data(), a.rows.data(), w_->tokens.v, w_->positions.v, B,
                          T, d);
   for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch);
@@ -291,13 +315,23 @@ void Model::block_forward(int l, const Batch& batch) {
     ffn_forward(out.data(), k.pre.data(), k.act.data(), k.a2.data(), w.ffn(), N, d, f);
     return;
   }
-  rre_plan(k.plan, w.rre, batch.tokens.data(), a_->row_group.data(), N);
-  rre_forward(out.data(), k.pre.data(), k.act.data(), a_->gx.data(), a_->gy.data(), k.a2.data(),
-              w.rre, k.plan, N, d, f);
   BlockLoad& load = load_[size_t(l - cfg_.first_rre_block())];
+  if (cfg_.gated()) {
+    gate_forward(out.data(), k.yg.data(), k.pre.data(), k.act.data(), a_->gx.data(),
+                 a_->z.data(), k.gplan, k.a2.data(), w.rre, w.gate, a_->row_group.data(),
+                 cfg_.experts_per_token(), cfg_.capacity_factor, N, d, f);
+    aux_loss_ += double(cfg_.aux_loss_weight) * k.gplan.aux;
+    load.dropped += k.gplan.dropped;
+  } else {
+    rre_plan(k.plan, w.rre, batch.tokens.data(), a_->row_group.data(), N);
+    rre_forward(out.data(), k.pre.data(), k.act.data(), a_->gx.data(), a_->gy.data(),
+                k.a2.data(), w.rre, k.plan, N, d, f);
+  }
   for (size_t g = 0; g < load.tokens.size(); ++g)
-    for (size_t e = 0; e < load.tokens[g].size(); ++e)
-      load.tokens[g][e] += k.plan.rows(w.rre.offset[g] + int(e));
+    for (size_t e = 0; e < load.tokens[g].size(); ++e) {
+      const int ge = w.rre.offset[g] + int(e);
+      load.tokens[g][e] += cfg_.gated() ? k.gplan.rows(ge) : k.plan.rows(ge);
+    }
 }
 
 // Final LayerNorm, tied head over each row's slot, cross-entropy. With grad_scale, leaves
@@ -348,9 +382,14 @@ void Model::block_backward(int l, const Batch& batch, float* dh) {
   if (!w.is_rre())
     ffn_backward(a.da.data(), w.ffn_grad(), a.dffn.data(), dh, k.a2.data(), k.pre.data(),
                  k.act.data(), w.ffn(), N, d, f);
-  else
+  else if (!cfg_.gated())
     rre_backward(a.da.data(), a.dffn.data(), a.gx.data(), a.gy.data(), a.gdx.data(), dh,
                  k.a2.data(), k.pre.data(), k.act.data(), w.rre, k.plan, N, d, f);
+  else
+    gate_backward(a.da.data(), a.dffn.data(), a.gx.data(), a.gy.data(), a.gdx.data(),
+                  a.z.data(), dh, k.a2.data(), k.yg.data(), k.pre.data(), k.act.data(), k.gplan,
+                  w.rre, w.gate, a.row_group.data(),
+                  float(a.scale_sum * cfg_.aux_loss_weight), N, d, f);
   cpu::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.data(), k.mid.data(), k.mean2.data(),
                           k.rstd2.data(), w.ln2_w.v, N, d);  // dh is now dL/d(mid)
 

@@ -19,6 +19,7 @@ namespace sigma {
 struct BlockLoad {
   int block = 0;                             // absolute block index
   std::vector<std::vector<int64_t>> tokens;  // [G][K_g], groups in config order
+  int64_t dropped = 0;                       // learned gate: (row, choice) pairs over capacity
   // Max over groups with tokens of (most loaded expert / mean over the group's experts);
   // 1 = perfectly balanced, 0 when no group received tokens.
   double imbalance() const;
@@ -56,8 +57,11 @@ class Model {
 
   // Forward pass; token_loss[B*T] receives every position's cross-entropy (masked or not).
   // With grad_scale (per token, [B*T]) it also runs backward, accumulating parameter gradients
-  // of sum_i grad_scale[i] * loss[i].
+  // of sum_i grad_scale[i] * loss[i] + (sum_i grad_scale[i]) * aux_loss().
   void forward(const Batch& batch, float* token_loss, const float* grad_scale = nullptr);
+
+  // The learned gate's weighted load-balancing loss of the last forward pass (0 with RRE).
+  double aux_loss() const { return aux_loss_; }
 
   // Logits of the last forward pass, [B*T, V]; only valid when it ran without grad_scale.
   const float* logits() const;
@@ -67,7 +71,8 @@ class Model {
   double train_flops_per_token() const;
 
   // Parameters one token's forward pass reads: every shared tensor, the V embedding rows of
-  // its slot (the tied head scores against all of them) and one expert per RRE block.
+  // its slot (the tied head scores against all of them) and one expert per RRE block (k with
+  // a learned top-k gate, plus the gate of the widest group).
   int64_t active_params_per_token() const;
 
  private:
@@ -83,6 +88,7 @@ class Model {
   std::vector<int> domain_group_;        // [domains]
   std::vector<std::string> unset_tables_;  // routing tables still waiting for load_buffer
   std::vector<BlockLoad> load_;
+  double aux_loss_ = 0;
   std::unique_ptr<ModelWeights> w_;
   std::unique_ptr<Acts> a_;
 };

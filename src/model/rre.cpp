@@ -9,9 +9,13 @@ namespace sigma {
 
 namespace {
 
+// Row copies are memory-bound and cheap: only a large batch is worth an OpenMP region (on a
+// busy machine, waking a second thread costs more than copying a megabyte).
+constexpr int64_t kParallelFloats = int64_t(1) << 18;
+
 // dst[j] = src[order[j]] for rows of width d.
 void gather_rows(float* dst, const float* src, const int32_t* order, int64_t N, int64_t d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
   for (int64_t j = 0; j < N; ++j)
     std::memcpy(dst + j * d, src + int64_t(order[j]) * d, size_t(d) * sizeof(float));
 }
@@ -20,7 +24,7 @@ void gather_rows(float* dst, const float* src, const int32_t* order, int64_t N, 
 // threads never write the same row.
 void scatter_rows(float* dst, const float* src, const int32_t* order, int64_t N, int64_t d,
                   bool accumulate) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
   for (int64_t j = 0; j < N; ++j) {
     float* out = dst + int64_t(order[j]) * d;
     const float* in = src + j * d;

@@ -35,6 +35,7 @@ void register_params(ParamSet& ps, const ModelConfig& cfg) {
         ps.add(r + "b_in", {K, f}, false, true);
         ps.add(r + "w_out", {K, f, d}, true, true);
         ps.add(r + "b_out", {K, d}, false, true);
+        if (cfg.gated()) ps.add(b + "gate." + g.name + ".w", {d, K}, true);
       }
     }
   }
@@ -43,6 +44,7 @@ void register_params(ParamSet& ps, const ModelConfig& cfg) {
 }
 
 void register_buffers(BufferSet& bs, const ModelConfig& cfg) {
+  if (cfg.gated()) return;
   for (int l = cfg.first_rre_block(); l < cfg.layers; ++l)
     for (const GroupSpec& g : cfg.groups)
       bs.add(routing_name(l, g.name), DType::I32, {int64_t(cfg.vocab)});
@@ -87,7 +89,10 @@ ModelWeights ModelWeights::bind(ParamSet& ps, const BufferSet& bs, const ModelCo
           r.expert_grad.push_back({wi.g + e * d * f, bi.g + e * f, wo.g + e * f * d, bo.g + e * d});
         }
         r.offset.push_back(r.offset.back() + g.experts);
-        r.table.push_back(bs.at(routing_name(l, g.name)).value.data<int32_t>());
+        if (cfg.gated())
+          k.gate.push_back(pv(b + "gate." + g.name + ".w"));
+        r.table.push_back(cfg.gated() ? nullptr
+                                      : bs.at(routing_name(l, g.name)).value.data<int32_t>());
       }
     }
     w.blocks.push_back(k);

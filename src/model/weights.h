@@ -19,7 +19,7 @@ struct PV {
 // g's expert e is expert[offset[g] + e]; table[g] is the routing table R[l][g], int32 [V].
 struct RreWeights {
   std::vector<int> offset;            // [G+1], offset[G] = E
-  std::vector<const int32_t*> table;  // [G]
+  std::vector<const int32_t*> table;  // [G] (null with a learned gate)
   std::vector<FfnWeights> expert;     // [E] value pointers into blocks.l.rre.<group>.*
   std::vector<FfnGrads> expert_grad;  // [E]
   int experts() const { return offset.empty() ? 0 : offset.back(); }
@@ -31,7 +31,8 @@ struct BlockWeights {
   PV ln1_w, ln1_b, qkv_w, qkv_b, out_w, out_b, ln2_w, ln2_b;
   PV w_in, b_in, w_out, b_out;  // dense FFN (null in an RRE block)
   PV query;                     // query layer only: the learned query table [T, d]
-  RreWeights rre;               // RRE block only
+  RreWeights rre;               // expert block only
+  std::vector<PV> gate;         // learned-gate baseline: per group, W_g [d, K_g]
   bool is_rre() const { return !rre.expert.empty(); }
   FfnWeights ffn() const { return {w_in.v, b_in.v, w_out.v, b_out.v}; }
   FfnGrads ffn_grad() const { return {w_in.g, b_in.g, w_out.g, b_out.g}; }
@@ -47,11 +48,12 @@ struct ModelWeights {
 // embed.tokens [S*V,d], embed.positions [T,d], blocks.L.{ln1,attn.qkv,attn.out,ln2}.*,
 // blocks.<last>.attn.query_table [T,d], then per block either ffn.{w_in [d,f], b_in [f],
 // w_out [f,d], b_out [d]} (dense) or, per group g, rre.g.{w_in [K,d,f], b_in [K,f],
-// w_out [K,f,d], b_out [K,d]} (RRE, marked expert); final_ln.{w,b}.
+// w_out [K,f,d], b_out [K,d]} (RRE, marked expert) and, with a learned gate,
+// gate.g.w [d,K]; final_ln.{w,b}.
 void register_params(ParamSet& ps, const ModelConfig& cfg);
 
 // Adds the routing tables routing.{l}.{g}, int32 [V], for every RRE block l and group g, in
-// that order (zero-filled: the model builds or loads them).
+// that order (zero-filled: the model builds or loads them); none with a learned gate.
 void register_buffers(BufferSet& bs, const ModelConfig& cfg);
 
 }  // namespace sigma

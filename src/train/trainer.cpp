@@ -135,8 +135,9 @@ TrainSummary train(Config cfg, const RunOptions& run) {
   std::vector<Batch> micro(size_t(cfg.train.accum));
   std::vector<float> token_loss(size_t(B) * T), scale(size_t(B) * T);
   DomainSums window(names.size());
+  double aux_window = 0;  // learned gate: sum of the weighted load-balancing loss per micro-batch
   const auto t_start = Clock::now();
-  int64_t tokens_this_run = 0, steps_this_run = 0;
+  int64_t tokens_this_run = 0, steps_this_run = 0, steps_in_window = 0;
   std::vector<BlockLoad> run_load = model.expert_load();  // zero counts, summed at each log
   model.reset_expert_load();
 
@@ -151,6 +152,7 @@ TrainSummary train(Config cfg, const RunOptions& run) {
       for (size_t i = 0; i < scale.size(); ++i) scale[i] = mask_total > 0 ? float(b.mask[i] / mask_total) : 0.0f;
       model.forward(b, token_loss.data(), scale.data());
       window.add(b, token_loss);
+      aux_window += model.aux_loss() / cfg.train.accum;
     }
     const double norm = AdamW::grad_norm(model.params());
     const float clip = (cfg.optim.grad_clip > 0 && norm > cfg.optim.grad_clip)
@@ -161,6 +163,7 @@ TrainSummary train(Config cfg, const RunOptions& run) {
     state.tokens += int64_t(cfg.train.accum) * B * T;
     tokens_this_run += int64_t(cfg.train.accum) * B * T;
     steps_this_run += 1;
+    steps_in_window += 1;
 
     const bool log_now = state.step % cfg.train.log_every == 0 || state.step == last;
     if (log_now) {
@@ -182,6 +185,12 @@ TrainSummary train(Config cfg, const RunOptions& run) {
           rec["expert_load"] = expert_load_json(model.expert_load(), cfg.model);
           rec["load_imbalance"] = load_imbalance_json(model.expert_load());
         }
+        if (cfg.model.gated()) {  // the baseline's extra loss and its capacity drops
+          rec["aux_loss"] = aux_window / double(steps_in_window);
+          nlohmann::json dropped = nlohmann::json::object();
+          for (const BlockLoad& b : model.expert_load()) dropped[std::to_string(b.block)] = b.dropped;
+          rec["dropped"] = dropped;
+        }
         metrics << rec.dump() << "\n";
         metrics.flush();
       }
@@ -190,6 +199,9 @@ TrainSummary train(Config cfg, const RunOptions& run) {
         for (size_t g = 0; g < run_load[b].tokens.size(); ++g)
           for (size_t e = 0; e < run_load[b].tokens[g].size(); ++e)
             run_load[b].tokens[g][e] += model.expert_load()[b].tokens[g][e];
+      for (size_t b = 0; b < run_load.size(); ++b) run_load[b].dropped += model.expert_load()[b].dropped;
+      aux_window = 0;
+      steps_in_window = 0;
       model.reset_expert_load();
     }
     const bool ckpt_now = !ckpt_root.empty() &&
