@@ -5,7 +5,9 @@
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libdnnl-dev libomp-dev nlohmann-json3-dev libcli11-dev
       libfmt-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev python3-numpy)
-[[ "${1:-}" == "--bench" ]] && pkgs+=(python3-torch)
+# The peer needs OpenBLAS: with --no-install-recommends torch falls back to the reference BLAS
+# (~5 GFLOP/s) and the comparison is meaningless.
+[[ "${1:-}" == "--bench" ]] && pkgs+=(python3-torch libopenblas0)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
