@@ -138,6 +138,7 @@ TEST(Inherit, SameTokenizerComputesTheDenseFunctionOnEveryDomain) {
     for (size_t i = 0; i < want.logits.size(); ++i)
       worst = std::max(worst, std::fabs(want.logits[i] - got.logits[i]));
     EXPECT_LE(worst, 1e-6f) << dom;
+    RecordProperty(std::string("max_abs_diff_") + dom, fmt::format("{:.3g}", worst));
   }
   // trainer.json at step 0 and a zero optimizer state: resume accepts it.
   CheckpointInfo info = open_checkpoint(tmp / "sparse");
