@@ -140,6 +140,17 @@ TEST(Inherit, SameTokenizerComputesTheDenseFunctionOnEveryDomain) {
     EXPECT_LE(worst, 1e-6f) << dom;
     RecordProperty(std::string("max_abs_diff_") + dom, fmt::format("{:.3g}", worst));
   }
+  // One batch mixing every domain, larger: rows of one expert now come from several domains.
+  Batch mixed = batch_of(sm->config(), "a", 12, 12);
+  for (int r = 0; r < mixed.B; ++r) mixed.domain[size_t(r)] = r % 3;
+  std::vector<float> l1(mixed.tokens.size()), l2(mixed.tokens.size());
+  dm->forward(mixed, l1.data());
+  std::vector<float> want(dm->logits(), dm->logits() + l1.size() * 13);
+  sm->forward(mixed, l2.data());
+  float worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(want[i] - sm->logits()[i]));
+  EXPECT_LE(worst, 1e-6f);
+  RecordProperty("max_abs_diff_mixed", fmt::format("{:.3g}", worst));
   // trainer.json at step 0 and a zero optimizer state: resume accepts it.
   CheckpointInfo info = open_checkpoint(tmp / "sparse");
   EXPECT_EQ(info.state.step, 0);
