@@ -87,4 +87,22 @@ TEST_F(ShardsTrain, EvalPrintsPerDomainLossWithFullPrecisionAndGenerateTakesText
   EXPECT_NE(r.out.find("nowhere"), std::string::npos) << r.out;
 }
 
+TEST_F(ShardsTrain, DataMayHoldASubsetOfTheModelsDomains) {
+  // The model also knows 'poems'; the data has only prose and code. Rows are routed by name.
+  const std::string domains =
+      " --set 'model.domains=[{\"name\":\"code\",\"group\":\"code\",\"slot\":1},"
+      "{\"name\":\"poems\",\"group\":\"prose\",\"slot\":0},"
+      "{\"name\":\"prose\",\"group\":\"prose\",\"slot\":0}]' --set model.slots=2 ";
+  auto r = sigma_cmd(train_args() + domains + "--set train.steps=3 --out " + *dir / "sub");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto s = nlohmann::json::parse(std::ifstream(*dir / "sub/summary.json"));
+  EXPECT_TRUE(s["domains"].contains("prose") && s["domains"].contains("code"));
+  EXPECT_FALSE(s["domains"].contains("poems"));
+  const std::string missing =
+      " --set 'model.domains=[{\"name\":\"prose\",\"group\":\"prose\",\"slot\":0}]' ";
+  r = sigma_cmd(train_args() + missing + "--set train.steps=3");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("unknown domain 'code'"), std::string::npos) << r.out;
+}
+
 }  // namespace

@@ -179,13 +179,7 @@ void bind_model_to_data(ModelConfig& m, const DataSource& d) {
     for (const auto& s : m.domains) m.slots = std::max(m.slots, s.slot + 1);
     return;
   }
-  SIGMA_CHECK(m.domains.size() == names.size(),
-              "model.domains lists {} domains but the data has {} ({})", m.domains.size(),
-              names.size(), fmt::join(names, ", "));
-  for (size_t i = 0; i < names.size(); ++i)
-    SIGMA_CHECK(m.domains[i].name == names[i],
-                "model.domains[{}] is '{}' but the data's domain {} is '{}'", i,
-                m.domains[i].name, i, names[i]);
+  for (const auto& n : names) m.domain_index(n);  // each data domain must be a model domain
 }
 
 }  // namespace sigma

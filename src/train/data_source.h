@@ -47,8 +47,9 @@ std::unique_ptr<DataSource> make_data_source(const Config& cfg);
 // (0 = unchecked) must match the shards'.
 std::unique_ptr<DataSource> make_eval_source(const std::string& dir, uint64_t tokenizer_hash);
 
-// Fills in what the data decides and the config left open: vocab and the domain list. A
-// domain list given in the config must name exactly the data's domains.
+// Fills in what the data decides and the config left open: vocab and the domain list. With a
+// domain list in the config, every domain of the data must be one of the model's (the model
+// may have more: an extract's parent data, or a new domain trained alone).
 void bind_model_to_data(ModelConfig& m, const DataSource& d);
 
 }  // namespace sigma

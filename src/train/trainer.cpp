@@ -116,7 +116,12 @@ TrainSummary train(Config cfg, const RunOptions& run) {
   }
   const int B = cfg.train.batch, T = cfg.model.context;
   const int64_t last = run.stop_at >= 0 ? std::min(run.stop_at, cfg.train.steps) : cfg.train.steps;
-  const auto names = data->domains();
+  // Training losses are kept per model domain; the data may hold a subset of them (an extract
+  // or a newly added domain trained alone).
+  std::vector<std::string> names;
+  for (const auto& d : cfg.model.domains) names.push_back(d.name);
+  std::vector<int32_t> data_to_model;
+  for (const auto& n : data->domains()) data_to_model.push_back(cfg.model.domain_index(n));
 
   std::ofstream metrics;
   std::string ckpt_root;
@@ -147,6 +152,8 @@ TrainSummary train(Config cfg, const RunOptions& run) {
       data->train_batch(micro[m], B, T, uint64_t(step) * cfg.train.accum + m);
       for (float x : micro[m].mask) mask_total += x;
     }
+    for (auto& b : micro)  // the data's domain indices become the model's
+      for (auto& d : b.domain) d = data_to_model[size_t(d)];
     model.params().zero_grad();
     for (auto& b : micro) {
       for (size_t i = 0; i < scale.size(); ++i) scale[i] = mask_total > 0 ? float(b.mask[i] / mask_total) : 0.0f;
