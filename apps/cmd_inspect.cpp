@@ -40,6 +40,7 @@ nlohmann::json describe(const Model& m, const CheckpointInfo& info) {
   std::vector<int> rre_blocks;
   for (int l = c.first_rre_block(); l < c.layers; ++l) rre_blocks.push_back(l);
   j["rre_blocks"] = rre_blocks;
+  j["router"] = c.router;  // rre, or the learned-gate baseline top1 / top2
   j["routing"] = c.routing;
   j["routing_seed"] = c.routing_seed;
   j["groups"] = nlohmann::json::array();
@@ -51,7 +52,7 @@ nlohmann::json describe(const Model& m, const CheckpointInfo& info) {
   }
   // Balance of each table: token ids per expert (a random table holds floor or ceil of V/K).
   j["tables"] = nlohmann::json::array();
-  for (int l = c.first_rre_block(); l < c.layers && c.rre_layers > 0; ++l)
+  for (int l = c.first_rre_block(); l < c.layers && c.rre_layers > 0 && !c.gated(); ++l)
     for (const GroupSpec& g : c.groups) {
       const Tensor& t = m.buffers().at(routing_name(l, g.name)).value;
       std::vector<int64_t> ids(size_t(g.experts), 0);
@@ -81,12 +82,16 @@ void print_text(const nlohmann::json& j) {
              j["rre_layers"].get<int>() ? fmt::format("{}", fmt::join(j["rre_blocks"].get<std::vector<int>>(), ", "))
                                         : std::string("none"));
   if (j["groups"].empty()) return;
-  fmt::print("routing     {} (seed {})\n", j["routing"].get<std::string>(),
-             j["routing_seed"].get<uint64_t>());
+  if (j["router"] == "rre")
+    fmt::print("routing     {} tables (seed {})\n", j["routing"].get<std::string>(),
+               j["routing_seed"].get<uint64_t>());
+  else
+    fmt::print("routing     learned {} gate\n", j["router"].get<std::string>());
   fmt::print("{:<12} {:>7}  {}\n", "group", "experts", "domains");
   for (const auto& g : j["groups"])
     fmt::print("{:<12} {:>7}  {}\n", g["name"].get<std::string>(), g["experts"].get<int>(),
                fmt::join(g["domains"].get<std::vector<std::string>>(), ", "));
+  if (j["tables"].empty()) return;
   fmt::print("{:<24} {:>6} {:>6} {:>9}\n", "routing table", "min", "max", "imbalance");
   for (const auto& t : j["tables"])
     fmt::print("{:<24} {:>6} {:>6} {:>9.3f}\n", t["name"].get<std::string>(),

@@ -216,4 +216,13 @@ TEST(Gate, TrainingLogsAuxLossAndDrops) {
     }
   }
   EXPECT_EQ(records, 2);
+  r = sigma_cmd("inspect --json --ckpt " + tmp / "o/checkpoints");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["router"], "top2");
+  EXPECT_TRUE(j["tables"].empty());  // a gated model has no routing tables
+  // Active per token: two experts per expert block.
+  const int64_t d = 16, f = 64;
+  EXPECT_GT(j["parameters"]["active_per_token"].get<int64_t>(),
+            j["parameters"]["shared"].get<int64_t>() + 2 * 2 * (2 * d * f) - 1);
 }

@@ -358,6 +358,20 @@ TEST(Rre, ExpertLoadCountsTokensPerExpert) {
     }
     EXPECT_EQ(bl.tokens, want) << "block " << bl.block;
   }
+  // The active set known before the forward pass is exactly the experts that got tokens.
+  const auto active = m.active_experts(b);
+  ASSERT_EQ(active.size(), 2u);
+  for (size_t i = 0; i < active.size(); ++i) {
+    std::vector<int> loaded;
+    int e = 0;
+    for (const auto& g : m.expert_load()[i].tokens)
+      for (int64_t n : g) {
+        if (n > 0) loaded.push_back(e);
+        ++e;
+      }
+    EXPECT_EQ(active[i], loaded) << "block " << m.expert_load()[i].block;
+  }
+  EXPECT_EQ(std::count(active[0].begin(), active[0].end(), 0), 0);  // g1's idle expert
   BlockLoad hand{1, {{3, 1}, {0, 0, 0}, {2, 2}}};
   EXPECT_DOUBLE_EQ(hand.imbalance(), 1.5);  // group 0: max 3, mean 2
   m.reset_expert_load();

@@ -153,6 +153,30 @@ void Model::check_routing_ready() const {
               unset_tables_.empty() ? std::string() : unset_tables_.front());
 }
 
+std::vector<std::vector<int>> Model::active_experts(const Batch& batch) const {
+  SIGMA_CHECK(!cfg_.gated(), "active_experts: model.router = '{}' chooses experts inside the "
+              "forward pass; only routing tables (router = rre) know them in advance", cfg_.router);
+  check_routing_ready();
+  std::vector<std::vector<int>> out;
+  for (int l = cfg_.first_rre_block(); l < cfg_.layers; ++l) {
+    const RreWeights& r = w_->blocks[size_t(l)].rre;
+    std::vector<uint8_t> used(size_t(r.experts()), 0);
+    for (int b = 0; b < batch.B; ++b) {
+      const int g = domain_group_.at(size_t(batch.domain.at(size_t(b))));
+      for (int t = 0; t < batch.T; ++t) {
+        const int32_t x = batch.tokens.at(size_t(b) * batch.T + t);
+        SIGMA_CHECK(x >= 0 && x < cfg_.vocab, "token id {} out of range [0, {})", x, cfg_.vocab);
+        used[size_t(r.route(g, x))] = 1;
+      }
+    }
+    std::vector<int> ids;
+    for (int e = 0; e < r.experts(); ++e)
+      if (used[size_t(e)]) ids.push_back(e);
+    out.push_back(std::move(ids));
+  }
+  return out;
+}
+
 void Model::reset_expert_load() {
   for (auto& b : load_) {
     for (auto& g : b.tokens) std::fill(g.begin(), g.end(), 0);

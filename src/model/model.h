@@ -51,6 +51,11 @@ class Model {
   // Expert group index of a domain (index into config().groups), -1 when the model has no groups.
   int domain_group(int domain) const { return domain_group_[size_t(domain)]; }
 
+  // The experts a batch will activate, known before the forward pass (DESIGN §2, what ECSS
+  // fetches ahead): per RRE block (in block order), the ascending global expert indices
+  // (RreWeights::expert) that receive at least one token. Routing-table models only.
+  std::vector<std::vector<int>> active_experts(const Batch& batch) const;
+
   // Expert load per RRE block (empty for a dense model), accumulated over forward passes.
   const std::vector<BlockLoad>& expert_load() const { return load_; }
   void reset_expert_load();
