@@ -2,7 +2,9 @@
 #pragma once
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -30,16 +32,22 @@ inline CmdResult sigma_cmd(const std::string& args) {
   return run_cmd(std::string(SIGMA_BINARY) + " " + args);
 }
 
-// A fresh directory under the system temp dir, removed when the object dies.
+// A fresh, uniquely named directory under the system temp dir, removed when the object dies.
 struct TempDir {
   std::filesystem::path path;
-  explicit TempDir(const std::string& tag) {
-    path = std::filesystem::temp_directory_path() /
-           ("sigma-test-" + tag + "-" + std::to_string(getpid()));
-    std::filesystem::remove_all(path);
-    std::filesystem::create_directories(path);
+  explicit TempDir(const std::string& tag = "t") {
+    std::string tmpl = (std::filesystem::temp_directory_path() / ("sigma-test-" + tag + "-XXXXXX")).string();
+    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed for " + tmpl);
+    path = tmpl;
   }
-  ~TempDir() { std::filesystem::remove_all(path); }
+  ~TempDir() {
+    std::error_code ec;  // a test may have made it read-only
+    std::filesystem::permissions(path, std::filesystem::perms::owner_all, ec);
+    std::filesystem::remove_all(path, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string str() const { return path.string(); }
   std::string operator/(const std::string& s) const { return (path / s).string(); }
 };
 

@@ -11,23 +11,14 @@
 
 #include "train/checkpoint_io.h"
 
+#include "cli_util.h"
+
 using namespace sigma;
 namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path = fs::temp_directory_path() /
-           fmt::format("sigma-ckpt-{}-{}-{}", ::getpid(), info->test_suite_name(), info->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string str() const { return path.string(); }
-};
+using sigma::testing::TempDir;
 
 std::string read_text(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);

@@ -16,24 +16,14 @@
 #include "ecss/expert_store.h"
 #include "train/safetensors.h"
 
+#include "cli_util.h"
+
 using namespace sigma;
 namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    char tmpl[] = "/tmp/sigma-ecss-XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::permissions(path, fs::perms::owner_all, ec);
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
+using sigma::testing::TempDir;
 
 // Three groups of RRE experts (d=4, f=6: P = 58, not a multiple of 16) and one smaller group.
 ExpertStoreSpec small_spec() {

@@ -13,24 +13,14 @@
 
 #include "train/safetensors.h"
 
+#include "cli_util.h"
+
 using namespace sigma;
 namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh directory per test, removed afterwards.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path = fs::temp_directory_path() /
-           fmt::format("sigma-st-{}-{}-{}", ::getpid(), info->test_suite_name(), info->name());
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& f) const { return (path / f).string(); }
-};
+using sigma::testing::TempDir;
 
 std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
