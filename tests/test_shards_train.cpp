@@ -105,4 +105,22 @@ TEST_F(ShardsTrain, DataMayHoldASubsetOfTheModelsDomains) {
   EXPECT_NE(r.out.find("unknown domain 'code'"), std::string::npos) << r.out;
 }
 
+TEST_F(ShardsTrain, FrequencyRoutingTablesComeFromTheShardsTokenCounts) {
+  auto r = sigma_cmd(train_args() + "--set model.routing=frequency --set train.steps=2 --out " +
+                     *dir / "freq");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd(train_args() + "--set train.steps=2 --out " + *dir / "rand");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto f = read_safetensors(*dir / "freq/checkpoints/step-00000002/model.safetensors");
+  auto a = read_safetensors(*dir / "rand/checkpoints/step-00000002/model.safetensors");
+  const Tensor& tf = f.tensors.at("routing.1.code");
+  const Tensor& ta = a.tensors.at("routing.1.code");
+  ASSERT_EQ(tf.numel(), ta.numel());
+  EXPECT_NE(0, std::memcmp(tf.bytes(), ta.bytes(), tf.nbytes()));
+  // The synthetic source cannot count tokens: a clear error, not random tables in disguise.
+  r = sigma_cmd("train --quiet --set model.routing=frequency");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("needs token counts"), std::string::npos) << r.out;
+}
+
 }  // namespace

@@ -115,6 +115,16 @@ class ShardsSource : public DataSource {
     }
     flush();
   }
+  std::map<std::string, std::vector<int64_t>> domain_token_counts(int vocab) const override {
+    std::map<std::string, std::vector<int64_t>> out;
+    for (size_t d = 0; d < set_.shards.size(); ++d) {
+      auto& c = out[set_.domains.domains[d].name];
+      c.assign(size_t(vocab), 0);
+      const data::Shard& s = *set_.shards[d];
+      for (uint64_t i = 0; i < s.n_tokens(); ++i) ++c[s.token(i)];
+    }
+    return out;
+  }
   nlohmann::json cursor() const override {
     return batches_ ? nlohmann::json{{"sampler", batches_->cursor()}, {"index", next_index_}}
                     : nlohmann::json(nullptr);

@@ -2,6 +2,7 @@
 // index, so resuming at step k needs no cursor beyond k (and is exact).
 #pragma once
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -37,6 +38,11 @@ class DataSource {
   // Position in a stateful stream (saved in checkpoints; null when batches are pure functions
   // of their index) and its restore.
   virtual nlohmann::json cursor() const { return nullptr; }
+  // Training token counts [vocab] per domain name, for frequency-balanced routing tables
+  // (empty when the source cannot count them).
+  virtual std::map<std::string, std::vector<int64_t>> domain_token_counts(int /*vocab*/) const {
+    return {};
+  }
   virtual void restore(const nlohmann::json& /*cursor*/) {}
 };
 

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "model/routing.h"
 #include "optim/adamw.h"
 #include "train/checkpoint.h"
 
@@ -99,11 +100,22 @@ TrainSummary train(Config cfg, const RunOptions& run) {
   bind_model_to_data(cfg.model, *data);
   cfg.model.validate();
 
-  SIGMA_CHECK(cfg.model.rre_layers == 0 || cfg.model.routing == "random" || !run.resume.empty(),
-              "model.routing = '{}' needs token counts per expert group, which data.source = "
-              "'{}' does not provide yet; use model.routing = random", cfg.model.routing,
-              cfg.data.source);
-  Model model(cfg.model, cfg.train.seed);
+  // Frequency-balanced routing tables come from the training data's token counts per group
+  // (a resumed run takes its tables from the checkpoint instead).
+  TokenCounts group_counts;
+  const bool need_counts =
+      cfg.model.rre_layers > 0 && cfg.model.routing == "frequency" && run.resume.empty();
+  if (need_counts) {
+    const auto per_domain = data->domain_token_counts(cfg.model.vocab);
+    SIGMA_CHECK(!per_domain.empty(), "model.routing = 'frequency' needs token counts, which "
+                "data.source = '{}' does not provide; use model.routing = random", cfg.data.source);
+    for (const auto& [name, counts] : per_domain) {
+      auto& g = group_counts[cfg.model.domains[cfg.model.domain_index(name)].group];
+      g.resize(counts.size(), 0);
+      for (size_t i = 0; i < counts.size(); ++i) g[i] += counts[i];
+    }
+  }
+  Model model(cfg.model, cfg.train.seed, need_counts ? &group_counts : nullptr);
   AdamW opt(cfg.optim, model.params());
   TrainerState state;
   if (!run.resume.empty()) {
