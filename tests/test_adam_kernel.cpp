@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/bf16.h"
 #include "core/rng.h"
 #include "optim/adam_kernel.h"
 #include "optim/adamw.h"
@@ -18,18 +19,6 @@ namespace {
 
 constexpr double kU = 1.0 / 16777216.0;  // fp32 unit roundoff, 2^-24
 
-uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  b += 0x7fffu + ((b >> 16) & 1u);
-  return uint16_t(b >> 16);
-}
-float from_bf16(uint16_t h) {
-  uint32_t b = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
 
 struct State {
   std::vector<float> w, m, v, g;

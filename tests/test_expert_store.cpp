@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/bf16.h"
 #include "core/rng.h"
 #include "ecss/expert_store.h"
 #include "train/safetensors.h"
@@ -40,18 +41,6 @@ std::vector<ExpertId> all_ids(const ExpertStoreSpec& s) {
   return ids;
 }
 
-uint16_t to_bf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  b += 0x7fffu + ((b >> 16) & 1u);
-  return uint16_t(b >> 16);
-}
-float from_bf16(uint16_t h) {
-  uint32_t b = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
 
 void init_weights(ExpertStore& st) {
   const auto ids = all_ids(st.spec());
