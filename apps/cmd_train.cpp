@@ -10,13 +10,14 @@ namespace sigma::cli {
 namespace {
 
 struct TrainArgs {
-  std::string config, out, resume;
+  std::string config, out, resume, expert_store;
   std::vector<std::string> sets;
   int64_t stop_at = -1;
   bool quiet = false, print_config = false, config_help = false;
 };
 
-void run_train(const TrainArgs& a) {
+void run_train(TrainArgs a) {
+  if (!a.expert_store.empty()) a.sets.push_back("train.expert_store=" + a.expert_store);
   Config cfg;
   if (a.config_help) {
     fmt::print("Config keys (JSON file via --config, or --set key=value):\n{}", cfg.options().help());
@@ -45,6 +46,13 @@ void run_train(const TrainArgs& a) {
     else
       fmt::print("{:<12} {:>10.4f} {:>10} {:>10}\n", d.name, d.loss, "-", "-");
   }
+  if (!s.expert_mode.empty()) {
+    const OffloadStats& o = s.offload;
+    fmt::print("experts ({}): {:.1f} per step; of {:.1f} s training, gather {:.2f} s, prefetch wait "
+               "{:.2f} s, Adam {:.2f} s\n", s.expert_mode,
+               o.steps ? double(o.experts_updated) / o.steps : 0.0, s.seconds, o.gather_s, o.wait_s,
+               o.update_s);
+  }
   if (s.expert_load.empty()) return;
   // Imbalance: most loaded expert over the mean of its group (1 = balanced), worst group.
   fmt::print("expert load (training tokens per expert)\n{:<6} {:<12} {:>9}  {}\n", "block",
@@ -68,6 +76,9 @@ const RegisterCommand reg([](CLI::App& root) {
   c->add_option("--out", args->out, "Output directory: metrics.jsonl, summary.json, checkpoints/");
   c->add_option("--resume", args->resume, "Continue from a checkpoint (or a checkpoints/ root)");
   c->add_option("--stop-at", args->stop_at, "Stop (and checkpoint) after this step");
+  c->add_option("--expert-store", args->expert_store,
+                "ECSS: keep experts and their Adam state in this memory-mapped file "
+                "(train.expert_store; default: RAM)");
   c->add_flag("--quiet", args->quiet, "No progress lines");
   c->add_flag("--print-config", args->print_config, "Print the resolved config and exit");
   c->add_flag("--config-help", args->config_help, "List every config key and exit");

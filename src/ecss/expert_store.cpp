@@ -324,7 +324,17 @@ void ExpertStore::set_weights(ExpertId id, const float* src) {
   std::memcpy(weights(id), src, size_t(params(id)) * 4);
 }
 
-void ExpertStore::prefetch(std::span<const ExpertId> ids) const {
+void ExpertStore::set_state(ExpertId id, const float* m, const float* v, int64_t step) {
+  mark_dirty();
+  const size_t P = size_t(params(id));
+  std::byte* r = record(id);
+  const int64_t Pp = groups_[slot(id).group].padded;
+  std::memcpy(r, &step, sizeof step);
+  std::memcpy(r + kRecordHead + 4 * Pp, m, P * 4);
+  std::memcpy(r + kRecordHead + 8 * Pp, v, P * 4);
+}
+
+void ExpertStore::prefetch(std::span<const ExpertId> ids, bool fault_in) const {
   if (fd_ < 0) return;
   const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
   for (ExpertId id : ids) {
@@ -333,6 +343,14 @@ void ExpertStore::prefetch(std::span<const ExpertId> ids) const {
     const uintptr_t e = uintptr_t(data_ + s.offset + groups_[s.group].record_bytes);
     ::madvise(reinterpret_cast<void*>(b), e - b, MADV_WILLNEED);  // a hint
   }
+  if (!fault_in) return;
+  uint8_t sink = 0;
+  for (ExpertId id : ids) {
+    const Slot& s = slot(id);
+    const volatile uint8_t* p = reinterpret_cast<const volatile uint8_t*>(data_ + s.offset);
+    for (uint64_t off = 0; off < groups_[s.group].record_bytes; off += page) sink ^= p[off];
+  }
+  (void)sink;
 }
 
 // ---- updates ---------------------------------------------------------------------------------

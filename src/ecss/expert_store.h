@@ -104,9 +104,13 @@ class ExpertStore {
   void gather(std::span<const ExpertId> ids, std::span<float* const> dst) const;
   // Sets an expert's weights (initialisation); moments and step are untouched.
   void set_weights(ExpertId id, const float* src);
+  // Sets an expert's Adam moments (P floats each) and step count (restoring a checkpoint).
+  void set_state(ExpertId id, const float* m, const float* v, int64_t step);
   // Hints the kernel to read these records ahead (file backing; RAM: nothing), for overlapping
-  // the next step's gather with this step's compute.
-  void prefetch(std::span<const ExpertId> ids) const;
+  // the next step's gather with this step's compute. With fault_in it also reads one byte of
+  // every page, so that the pages are resident and mapped when it returns (run it on a
+  // background thread; it must not overlap updates of the same experts).
+  void prefetch(std::span<const ExpertId> ids, bool fault_in = false) const;
 
   // One lazy Adam update of this expert from its P gradients: step += 1, then adam_step on each
   // tensor with a.step = the new step and a.weight_decay on decayed tensors only (0 on biases).

@@ -62,11 +62,33 @@ double BlockLoad::imbalance() const {
   return worst;
 }
 
-Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts)
-    : cfg_(cfg), w_(new ModelWeights), a_(new Acts) {
+namespace {
+bool ends_with(const std::string& n, const char* s) {
+  const size_t k = std::strlen(s);
+  return n.size() >= k && n.compare(n.size() - k, k, s) == 0;
+}
+// Initial std of a weight matrix: residual output projections get init_std / sqrt(2L).
+float init_std_of(const std::string& name, const ModelConfig& cfg) {
+  return (ends_with(name, "attn.out.w") || ends_with(name, "w_out"))
+             ? cfg.init_std / std::sqrt(2.0f * cfg.layers) : cfg.init_std;
+}
+// Expert e's slice of the stacked tensor `name` ([K, in, out]): its own random stream.
+void init_expert_matrix(float* v, const std::string& name, int64_t e, int64_t count, float std,
+                        uint64_t seed) {
+  const uint64_t stream = stream_of(fmt::format("{}[{}]", name, e).c_str());
+  for (int64_t i = 0; i < count; ++i) v[i] = std * rng_normal(seed, stream, i);
+}
+}  // namespace
+
+Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, bool external_experts)
+    : cfg_(cfg), seed_(seed), external_experts_(external_experts), w_(new ModelWeights),
+      a_(new Acts) {
   cfg_.validate();
+  SIGMA_CHECK(!external_experts || (cfg_.rre_layers > 0 && !cfg_.gated()),
+              "experts in a store need a sparse model routed by tables (model.rre_layers > 0, "
+              "model.router = rre)");
   const int L = cfg_.layers;
-  register_params(params_, cfg_);
+  register_params(params_, cfg_, !external_experts);
   register_buffers(buffers_, cfg_);
   for (const DomainSpec& d : cfg_.domains)
     domain_group_.push_back(cfg_.groups.empty() ? -1 : cfg_.group_index(d.group));
@@ -75,24 +97,16 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts)
   // shifts another's values), and per expert from its own stream (so resizing a group never
   // shifts another expert); residual output projections scaled by 1/sqrt(2L) (GPT-2);
   // LayerNorm gains 1, biases 0.
-  const float out_std = cfg_.init_std / std::sqrt(2.0f * L);
   for (Param& p : params_.all()) {
     const std::string& n = p.name;
     float* v = p.value.f();
     const int64_t count = p.value.numel();
-    auto ends_with = [&](const char* s) {
-      size_t k = std::strlen(s);
-      return n.size() >= k && n.compare(n.size() - k, k, s) == 0;
-    };
-    const float std = (ends_with("attn.out.w") || ends_with("w_out")) ? out_std : cfg_.init_std;
-    if (ends_with("ln1.w") || ends_with("ln2.w") || n == "final_ln.w") {
+    const float std = init_std_of(n, cfg_);
+    if (ends_with(n, "ln1.w") || ends_with(n, "ln2.w") || n == "final_ln.w") {
       std::fill(v, v + count, 1.0f);
     } else if (p.expert && p.value.shape().size() == 3) {  // [K, in, out]: one stream per expert
       const int64_t per = count / p.value.dim(0);
-      for (int64_t e = 0; e < p.value.dim(0); ++e) {
-        const uint64_t stream = stream_of(fmt::format("{}[{}]", n, e).c_str());
-        for (int64_t i = 0; i < per; ++i) v[e * per + i] = std * rng_normal(seed, stream, i);
-      }
+      for (int64_t e = 0; e < p.value.dim(0); ++e) init_expert_matrix(v + e * per, n, e, per, std, seed);
     } else if (!p.expert && p.value.shape().size() >= 2) {
       const uint64_t stream = stream_of(n.c_str());
       for (int64_t i = 0; i < count; ++i) v[i] = std * rng_normal(seed, stream, i);
@@ -126,6 +140,32 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts)
   }
 
   *w_ = ModelWeights::bind(params_, buffers_, cfg_);
+}
+
+void Model::bind_expert(int block, int e, const float* weights, float* grads) {
+  SIGMA_CHECK(external_experts_, "bind_expert: this model holds its experts itself");
+  SIGMA_CHECK(block >= cfg_.first_rre_block() && block < cfg_.layers, "bind_expert: block {} has no experts", block);
+  RreWeights& r = w_->blocks[size_t(block)].rre;
+  SIGMA_CHECK(e >= 0 && e < r.experts(), "bind_expert: block {} has no expert {}", block, e);
+  const int64_t d = cfg_.d_model, f = cfg_.ffn();
+  if (!weights) {
+    r.expert[size_t(e)] = {};
+    r.expert_grad[size_t(e)] = {};
+    return;
+  }
+  r.expert[size_t(e)] = {weights, weights + d * f, weights + d * f + f, weights + 2 * d * f + f};
+  r.expert_grad[size_t(e)] = {grads, grads + d * f, grads + d * f + f, grads + 2 * d * f + f};
+}
+
+void Model::init_expert(int block, int g, int k, float* dst) const {
+  const int64_t d = cfg_.d_model, f = cfg_.ffn();
+  const std::string& group = cfg_.groups.at(size_t(g)).name;
+  const std::string w_in = expert_tensor_name(block, group, "w_in"),
+                    w_out = expert_tensor_name(block, group, "w_out");
+  init_expert_matrix(dst, w_in, k, d * f, init_std_of(w_in, cfg_), seed_);
+  std::fill(dst + d * f, dst + d * f + f, 0.0f);
+  init_expert_matrix(dst + d * f + f, w_out, k, f * d, init_std_of(w_out, cfg_), seed_);
+  std::fill(dst + 2 * d * f + f, dst + 2 * d * f + f + d, 0.0f);
 }
 
 void Model::load_buffer(const std::string& name, const Tensor& t) {
@@ -348,6 +388,11 @@ void Model::block_forward(int l, const Batch& batch) {
     load.dropped += k.gplan.dropped;
   } else {
     rre_plan(k.plan, w.rre, batch.tokens.data(), a_->row_group.data(), N);
+    if (external_experts_)
+      for (int e = 0; e < w.rre.experts(); ++e)
+        SIGMA_CHECK(k.plan.rows(e) == 0 || w.rre.expert[size_t(e)].w_in,
+                    "block {}: expert {} receives tokens but is not bound (not in the step's "
+                    "active set)", l, e);
     rre_forward(out.data(), k.pre.data(), k.act.data(), a_->gx.data(), a_->gy.data(),
                 k.a2.data(), w.rre, k.plan, N, d, f);
   }

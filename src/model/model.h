@@ -31,7 +31,12 @@ class Model {
   // "frequency" builds them from `counts` (token counts [V] per group name) when given, and
   // otherwise leaves them unset until load_buffer() fills them (from a checkpoint): a forward
   // pass before that is an error.
-  Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts = nullptr);
+  //
+  // With external_experts the RRE experts are not model parameters: they live in an expert
+  // store (ECSS, src/train/expert_offload.h) and bind_expert() points the model at the copies
+  // of the experts a step uses; a forward pass that routes a row to an unbound expert throws.
+  Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts = nullptr,
+        bool external_experts = false);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -47,6 +52,15 @@ class Model {
   void load_buffer(const std::string& name, const Tensor& t);
   // Throws when a routing table is still unset (model.routing = "frequency" without counts).
   void check_routing_ready() const;
+
+  bool external_experts() const { return external_experts_; }
+  // External experts: points expert e (global index, RreWeights::expert) of RRE block `block`
+  // at `weights` and `grads`, each the expert's tensors concatenated: w_in [d,f] | b_in [f] |
+  // w_out [f,d] | b_out [d] (the expert store's record layout); nullptr unbinds it.
+  void bind_expert(int block, int e, const float* weights, float* grads);
+  // The initial weights of expert k of group g in RRE block `block`, in that layout: the
+  // values an in-model expert gets, from the same per-expert random streams.
+  void init_expert(int block, int g, int k, float* dst) const;
 
   // Expert group index of a domain (index into config().groups), -1 when the model has no groups.
   int domain_group(int domain) const { return domain_group_[size_t(domain)]; }
@@ -88,6 +102,8 @@ class Model {
   void head(const Batch& b, float* token_loss, const float* grad_scale);
 
   ModelConfig cfg_;
+  uint64_t seed_;
+  bool external_experts_;
   ParamSet params_;
   BufferSet buffers_;
   std::vector<int> domain_group_;        // [domains]

@@ -6,7 +6,11 @@
 
 namespace sigma {
 
-void register_params(ParamSet& ps, const ModelConfig& cfg) {
+std::string expert_tensor_name(int l, const std::string& group, const char* leaf) {
+  return fmt::format("blocks.{}.rre.{}.{}", l, group, leaf);
+}
+
+void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts) {
   const int64_t V = cfg.vocab, d = cfg.d_model, f = cfg.ffn(), T = cfg.context;
   const int L = cfg.layers;
   ps.add("embed.tokens", {int64_t(cfg.slots) * V, d}, false);
@@ -29,12 +33,13 @@ void register_params(ParamSet& ps, const ModelConfig& cfg) {
       ps.add(b + "ffn.b_out", {d}, false);
     } else {
       for (const GroupSpec& g : cfg.groups) {
-        const std::string r = b + "rre." + g.name + ".";
         const int64_t K = g.experts;
-        ps.add(r + "w_in", {K, d, f}, true, true);
-        ps.add(r + "b_in", {K, f}, false, true);
-        ps.add(r + "w_out", {K, f, d}, true, true);
-        ps.add(r + "b_out", {K, d}, false, true);
+        if (experts) {
+          ps.add(expert_tensor_name(l, g.name, "w_in"), {K, d, f}, true, true);
+          ps.add(expert_tensor_name(l, g.name, "b_in"), {K, f}, false, true);
+          ps.add(expert_tensor_name(l, g.name, "w_out"), {K, f, d}, true, true);
+          ps.add(expert_tensor_name(l, g.name, "b_out"), {K, d}, false, true);
+        }
         if (cfg.gated()) ps.add(b + "gate." + g.name + ".w", {d, K}, true);
       }
     }
@@ -83,10 +88,15 @@ ModelWeights ModelWeights::bind(ParamSet& ps, const BufferSet& bs, const ModelCo
       r.offset.push_back(0);
       for (const GroupSpec& g : cfg.groups) {
         const std::string n = b + "rre." + g.name + ".";
-        const PV wi = pv(n + "w_in"), bi = pv(n + "b_in"), wo = pv(n + "w_out"), bo = pv(n + "b_out");
-        for (int64_t e = 0; e < g.experts; ++e) {
-          r.expert.push_back({wi.v + e * d * f, bi.v + e * f, wo.v + e * f * d, bo.v + e * d});
-          r.expert_grad.push_back({wi.g + e * d * f, bi.g + e * f, wo.g + e * f * d, bo.g + e * d});
+        if (!ps.contains(n + "w_in")) {  // experts in a store: bound step by step
+          r.expert.resize(r.expert.size() + size_t(g.experts));
+          r.expert_grad.resize(r.expert_grad.size() + size_t(g.experts));
+        } else {
+          const PV wi = pv(n + "w_in"), bi = pv(n + "b_in"), wo = pv(n + "w_out"), bo = pv(n + "b_out");
+          for (int64_t e = 0; e < g.experts; ++e) {
+            r.expert.push_back({wi.v + e * d * f, bi.v + e * f, wo.v + e * f * d, bo.v + e * d});
+            r.expert_grad.push_back({wi.g + e * d * f, bi.g + e * f, wo.g + e * f * d, bo.g + e * d});
+          }
         }
         r.offset.push_back(r.offset.back() + g.experts);
         if (cfg.gated())

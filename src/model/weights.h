@@ -17,6 +17,7 @@ struct PV {
 
 // The RRE FFN of one block: the experts of every group, concatenated in group order, so group
 // g's expert e is expert[offset[g] + e]; table[g] is the routing table R[l][g], int32 [V].
+// With the experts in a store (ECSS) the pointers of experts not bound for the step are null.
 struct RreWeights {
   std::vector<int> offset;            // [G+1], offset[G] = E
   std::vector<const int32_t*> table;  // [G] (null with a learned gate)
@@ -49,8 +50,12 @@ struct ModelWeights {
 // blocks.<last>.attn.query_table [T,d], then per block either ffn.{w_in [d,f], b_in [f],
 // w_out [f,d], b_out [d]} (dense) or, per group g, rre.g.{w_in [K,d,f], b_in [K,f],
 // w_out [K,f,d], b_out [K,d]} (RRE, marked expert) and, with a learned gate,
-// gate.g.w [d,K]; final_ln.{w,b}.
-void register_params(ParamSet& ps, const ModelConfig& cfg);
+// gate.g.w [d,K]; final_ln.{w,b}. Without `experts` the rre.* tensors are left out: they live
+// in an expert store (ECSS) and the model sees only the ones bound for the current step.
+void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts = true);
+
+// Name of RRE block l's stacked expert tensor `leaf` (w_in, b_in, w_out, b_out) of group g.
+std::string expert_tensor_name(int l, const std::string& group, const char* leaf);
 
 // Adds the routing tables routing.{l}.{g}, int32 [V], for every RRE block l and group g, in
 // that order (zero-filled: the model builds or loads them); none with a learned gate.

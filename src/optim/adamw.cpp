@@ -45,7 +45,9 @@ AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params) : cfg_(cfg) {
     state_.push_back({Tensor::f32(p.value.shape()), Tensor::f32(p.value.shape()), 0});
 }
 
-double AdamW::grad_norm(const ParamSet& params) {
+double AdamW::grad_norm(const ParamSet& params) { return std::sqrt(grad_sq(params)); }
+
+double AdamW::grad_sq(const ParamSet& params) {
   // Fixed-size chunks summed in order: the same bits for any thread count (an OpenMP reduction
   // would combine partial sums in arrival order).
   constexpr int64_t kChunk = 1 << 14;
@@ -63,7 +65,7 @@ double AdamW::grad_norm(const ParamSet& params) {
     }
     for (double s : partial) total += s;
   }
-  return std::sqrt(total);
+  return total;
 }
 
 void AdamW::step(ParamSet& params, float lr, float grad_scale) {

@@ -18,12 +18,13 @@ constexpr const char* kTokenizerFile = "tokenizer.json";
 
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
-                            const std::string& tokenizer_path) {
+                            const std::string& tokenizer_path, const ExpertOffload* experts) {
   CheckpointWriter w(root, fmt::format("step-{:08d}", st.step));
   const nlohmann::json config = cfg.to_json();
   std::vector<TensorRef> params;
   for (const Param& p : model.params().all()) params.push_back(tensor_ref(p.name, p.value));
   for (const Buffer& b : model.buffers().all()) params.push_back(tensor_ref(b.name, b.value));
+  if (experts) experts->add_model_tensors(params);
   w.add_safetensors(kModelFile, params,
                     {{"format", kFormat}, {"version", "1"}, {"config", config.dump()}});
   if (opt) {
@@ -38,6 +39,7 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
       *steps.back().data<int64_t>() = s.step;
     }
     for (size_t i = 0; i < ps.size(); ++i) state.push_back(tensor_ref(ps[i].name + ".step", steps[i]));
+    if (experts) experts->add_optimizer_tensors(state, steps);
     w.add_safetensors(kOptimizerFile, state, {{"format", "sigma-adamw"}, {"version", "1"}});
   }
   w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config},
@@ -63,7 +65,7 @@ CheckpointInfo open_checkpoint(const std::string& path) {
   return info;
 }
 
-void load_model(Model& model, const std::string& dir) {
+void load_model(Model& model, const std::string& dir, TensorMap* rest) {
   const std::string path = dir + "/" + kModelFile;
   Safetensors st = read_safetensors(path);
   SIGMA_CHECK(st.metadata.count("format") && st.metadata["format"] == kFormat,
@@ -87,12 +89,25 @@ void load_model(Model& model, const std::string& dir) {
       fail("{}: {}", path, e.what());
     }
   }
-  const size_t expected = model.params().all().size() + model.buffers().all().size();
+  size_t expected = model.params().all().size() + model.buffers().all().size();
+  if (model.external_experts()) {
+    SIGMA_CHECK(rest, "load_model: a model with external experts needs somewhere to put them");
+    const ModelConfig& cfg = model.config();
+    for (int l = cfg.first_rre_block(); l < cfg.layers; ++l)
+      for (const GroupSpec& g : cfg.groups)
+        for (const char* leaf : {"w_in", "b_in", "w_out", "b_out"}) {
+          auto it = st.tensors.find(expert_tensor_name(l, g.name, leaf));
+          SIGMA_CHECK(it != st.tensors.end(), "{}: tensor '{}' is missing", path,
+                      expert_tensor_name(l, g.name, leaf));
+          (*rest)[it->first] = std::move(it->second);
+          ++expected;
+        }
+  }
   SIGMA_CHECK(st.tensors.size() == expected, "{}: holds {} tensors but the model has {}", path,
               st.tensors.size(), expected);
 }
 
-void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) {
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir, TensorMap* rest) {
   const std::string path = dir + "/" + kOptimizerFile;
   Safetensors st = read_safetensors(path);
   const auto& ps = params.all();
@@ -112,6 +127,8 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) 
                 "{}: optimizer step count '{}.step' is missing", path, ps[i].name);
     s.step = *it->second.data<int64_t>();
   }
+  if (rest)
+    for (auto& [name, t] : st.tensors) (*rest)[name] = std::move(t);
 }
 
 std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info) {

@@ -9,6 +9,7 @@
 #include "model/model.h"
 #include "optim/adamw.h"
 #include "train/config.h"
+#include "train/expert_offload.h"
 
 namespace sigma {
 
@@ -18,10 +19,13 @@ struct TrainerState {
   nlohmann::json data_cursor;  // DataSource::cursor() (null for index-addressed data)
 };
 
-// Writes ROOT/step-NNNNNNNN atomically and moves ROOT/latest to it; returns its path.
+// Writes ROOT/step-NNNNNNNN atomically and moves ROOT/latest to it; returns its path. With
+// `experts` (ECSS) the experts and their Adam state are streamed from the expert store under
+// the same tensor names an in-model checkpoint uses, plus per-expert step counts.
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
-                            const std::string& tokenizer_path = "");
+                            const std::string& tokenizer_path = "",
+                            const ExpertOffload* experts = nullptr);
 
 // Resolves `path` (a checkpoint, or a root with `latest`), verifies its checksums and reads
 // its config and trainer state.
@@ -33,9 +37,12 @@ struct CheckpointInfo {
 CheckpointInfo open_checkpoint(const std::string& path);
 
 // Copies the checkpoint's tensors into `model` / `opt`; every tensor must exist with the
-// same shape (the error names the first that does not).
-void load_model(Model& model, const std::string& dir);
-void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir);
+// same shape (the error names the first that does not). A model with external experts (ECSS)
+// leaves the expert tensors to ExpertOffload::load: they are moved into `rest`, as is every
+// optimizer tensor that load_optimizer does not consume.
+void load_model(Model& model, const std::string& dir, TensorMap* rest = nullptr);
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir,
+                    TensorMap* rest = nullptr);
 
 // The model of a checkpoint, ready for inference; `info` receives its config and state.
 std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info = nullptr);

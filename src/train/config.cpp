@@ -16,6 +16,13 @@ void TrainConfig::describe(Options& o, const std::string& p) {
   o.add(p + "ckpt_every", &ckpt_every, "steps between checkpoints (0 = only at the end)", 0,
         int64_t(1) << 40);
   o.add(p + "threads", &threads, "CPU threads (0 = every core)", 0, 4096);
+  o.add(p + "experts", &experts,
+        "where RRE experts train: ecss (store on the host, only a step's active experts fetched "
+        "and updated), vanilla (same store, every expert every step), model (in the model), "
+        "auto (ecss for routed sparse models, else model)",
+        {"auto", "ecss", "vanilla", "model"});
+  o.add(p + "expert_store", &expert_store,
+        "ECSS expert store file, memory-mapped so experts may exceed RAM (\"\" = in RAM)");
 }
 
 void DataConfig::describe(Options& o, const std::string& p) {

@@ -19,6 +19,8 @@ struct TrainConfig {
   int eval_rows = 240;     // held-out rows per domain at evaluation
   int64_t ckpt_every = 0;  // 0 = only at the end (when an output directory is given)
   int threads = 0;         // 0 = every core
+  std::string experts = "auto";  // where RRE experts train: auto, ecss, vanilla, model
+  std::string expert_store;      // ECSS store file ("" = RAM)
   void describe(Options& o, const std::string& prefix);
 };
 

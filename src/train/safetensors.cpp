@@ -236,7 +236,11 @@ void write_safetensors(const std::string& path, const std::vector<TensorRef>& te
     uint64_t nb;
     SIGMA_CHECK(byte_size(t.shape, t.dtype, &nb), "cannot write '{}': tensor '{}' has shape {}",
                 path, t.name, shape_str(t.shape));
-    SIGMA_CHECK(nb == 0 || t.data, "cannot write '{}': tensor '{}' has no data", path, t.name);
+    SIGMA_CHECK(nb == 0 || t.data || !t.parts.empty(), "cannot write '{}': tensor '{}' has no data",
+                path, t.name);
+    SIGMA_CHECK(t.parts.empty() || nb % t.parts.size() == 0,
+                "cannot write '{}': tensor '{}' of {} bytes cannot be split into {} equal parts",
+                path, t.name, nb, t.parts.size());
     header[t.name] = {{"dtype", dtype_name(t.dtype)},
                       {"shape", t.shape},
                       {"data_offsets", json::array({off, off + nb})}};
@@ -262,7 +266,11 @@ void write_safetensors(const std::string& path, const std::vector<TensorRef>& te
   SIGMA_CHECK(f.fd >= 0, "cannot create '{}': {}", path, errno_str());
   try {
     write_all(f.fd, head.data(), head.size(), path);
-    for (size_t i = 0; i < order.size(); ++i) write_all(f.fd, order[i]->data, sizes[i], path);
+    for (size_t i = 0; i < order.size(); ++i) {
+      const TensorRef& t = *order[i];
+      if (t.parts.empty()) write_all(f.fd, t.data, sizes[i], path);
+      for (const void* part : t.parts) write_all(f.fd, part, sizes[i] / t.parts.size(), path);
+    }
     SIGMA_CHECK(::fsync(f.fd) == 0, "cannot fsync '{}': {}", path, errno_str());
     int fd = f.fd;
     f.fd = -1;

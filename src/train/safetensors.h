@@ -16,11 +16,14 @@
 namespace sigma {
 
 // A tensor to write, viewed in place (no copy); `data` holds numel(shape) * dtype_size bytes.
+// A tensor stored in pieces (an expert-store tensor stacked over experts whose records are
+// apart) gives `parts` instead: equal-sized pieces whose concatenation is the tensor.
 struct TensorRef {
   std::string name;
   DType dtype;
   Shape shape;
   const void* data;
+  std::vector<const void*> parts = {};
 };
 inline TensorRef tensor_ref(std::string name, const Tensor& t) {
   return {std::move(name), t.dtype(), t.shape(), t.bytes()};

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
+#include <optional>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -72,7 +74,7 @@ nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load) {
 }
 
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
-                                 int rows_per_domain) {
+                                 int rows_per_domain, ExpertOffload* experts) {
   // The source's domains are scored as the model's domains of the same names.
   const auto names = data.domains();
   std::vector<int32_t> to_model;
@@ -83,6 +85,7 @@ std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, in
   data.eval_batches(B, T, rows_per_domain, [&](const Batch& b) {
     mb = b;
     for (auto& d : mb.domain) d = to_model[size_t(d)];
+    if (experts) experts->begin_step({&mb, 1});  // bind the experts this batch routes to
     token_loss.resize(size_t(b.B) * b.T);
     model.forward(mb, token_loss.data());
     sums.add(b, token_loss);
@@ -115,15 +118,27 @@ TrainSummary train(Config cfg, const RunOptions& run) {
       for (size_t i = 0; i < counts.size(); ++i) g[i] += counts[i];
     }
   }
-  Model model(cfg.model, cfg.train.seed, need_counts ? &group_counts : nullptr);
+  const ExpertMode mode = resolve_expert_mode(cfg.train.experts, cfg.model);
+  Model model(cfg.model, cfg.train.seed, need_counts ? &group_counts : nullptr,
+              mode != ExpertMode::InModel);
   AdamW opt(cfg.optim, model.params());
   TrainerState state;
-  if (!run.resume.empty()) {
-    CheckpointInfo ck = open_checkpoint(run.resume);
-    check_same_model(cfg, ck.cfg);
-    load_model(model, ck.dir);
-    load_optimizer(opt, model.params(), ck.dir);
-    state = ck.state;
+  std::optional<CheckpointInfo> ck;
+  if (!run.resume.empty()) {  // checked before the expert store is opened
+    ck = open_checkpoint(run.resume);
+    check_same_model(cfg, ck->cfg);
+  }
+  // ECSS: the experts and their Adam state live in the store, not in `model` and `opt`.
+  std::unique_ptr<ExpertOffload> experts;
+  if (mode != ExpertMode::InModel)
+    experts = std::make_unique<ExpertOffload>(model, mode, cfg.optim, cfg.train.expert_store,
+                                              ck.has_value());
+  if (ck) {
+    TensorMap model_rest, opt_rest;
+    load_model(model, ck->dir, &model_rest);
+    load_optimizer(opt, model.params(), ck->dir, experts ? &opt_rest : nullptr);
+    if (experts) experts->load(model_rest, opt_rest, ck->dir);
+    state = ck->state;
     if (!state.data_cursor.is_null()) data->restore(state.data_cursor);
   }
   const int B = cfg.train.batch, T = cfg.model.context;
@@ -144,12 +159,31 @@ TrainSummary train(Config cfg, const RunOptions& run) {
     ckpt_root = run.out_dir + "/checkpoints";
   }
   const bool tty = isatty(STDERR_FILENO);
-  if (run.progress)
+  if (run.progress) {
     fmt::print(stderr, "sigma train: {} parameters, {} domains, steps {}..{}, batch {}x{}x{}, {} threads\n",
-               model.params().numel(), names.size(), state.step, last, cfg.train.accum, B, T,
-               omp_get_max_threads());
+               model.params().numel() + (experts ? experts->params() : 0), names.size(), state.step,
+               last, cfg.train.accum, B, T, omp_get_max_threads());
+    if (experts)
+      fmt::print(stderr, "experts: {} ({} experts, {:.2f} GiB with Adam state, {})\n",
+                 expert_mode_name(mode), experts->store().num_experts(),
+                 double(experts->store().data_bytes()) / (1ull << 30),
+                 experts->store().file_backed() ? "file " + experts->store().path() : "in RAM");
+  }
 
-  std::vector<Batch> micro(size_t(cfg.train.accum));
+  // The micro-batches of a step, with the sum of their masks; the model's domain indices.
+  auto fetch = [&](std::vector<Batch>& mb, int64_t s) {
+    double mask_total = 0;
+    for (int m = 0; m < cfg.train.accum; ++m) {
+      data->train_batch(mb[size_t(m)], B, T, uint64_t(s) * cfg.train.accum + m);
+      for (float x : mb[size_t(m)].mask) mask_total += x;
+      for (auto& d : mb[size_t(m)].domain) d = data_to_model[size_t(d)];
+    }
+    return mask_total;
+  };
+  std::vector<Batch> micro(size_t(cfg.train.accum)), next(size_t(cfg.train.accum));
+  bool have_next = false;  // ECSS reads step t+1's batches during step t to prefetch experts
+  double next_mask = 0;
+  nlohmann::json cursor_after_step;  // the data cursor before step t+1's batches were read
   std::vector<float> token_loss(size_t(B) * T), scale(size_t(B) * T);
   DomainSums window(names.size());
   double aux_window = 0;  // learned gate: sum of the weighted load-balancing loss per micro-batch
@@ -159,13 +193,26 @@ TrainSummary train(Config cfg, const RunOptions& run) {
   model.reset_expert_load();
 
   for (int64_t step = state.step; step < last; ++step) {
-    double mask_total = 0;
-    for (int m = 0; m < cfg.train.accum; ++m) {
-      data->train_batch(micro[m], B, T, uint64_t(step) * cfg.train.accum + m);
-      for (float x : micro[m].mask) mask_total += x;
+    double mask_total;
+    if (have_next) {
+      std::swap(micro, next);
+      mask_total = next_mask;
+      have_next = false;
+    } else {
+      mask_total = fetch(micro, step);
     }
-    for (auto& b : micro)  // the data's domain indices become the model's
-      for (auto& d : b.domain) d = data_to_model[size_t(d)];
+    const bool ckpt_now = !ckpt_root.empty() &&
+                          ((cfg.train.ckpt_every > 0 && (step + 1) % cfg.train.ckpt_every == 0) ||
+                           step + 1 == last);
+    if (experts) {
+      experts->begin_step(micro);
+      if (step + 1 < last) {
+        if (ckpt_now) cursor_after_step = data->cursor();
+        next_mask = fetch(next, step + 1);
+        have_next = true;
+        experts->prefetch(next);
+      }
+    }
     model.params().zero_grad();
     for (auto& b : micro) {
       for (size_t i = 0; i < scale.size(); ++i) scale[i] = mask_total > 0 ? float(b.mask[i] / mask_total) : 0.0f;
@@ -173,11 +220,13 @@ TrainSummary train(Config cfg, const RunOptions& run) {
       window.add(b, token_loss);
       aux_window += model.aux_loss() / cfg.train.accum;
     }
-    const double norm = AdamW::grad_norm(model.params());
+    const double norm =
+        std::sqrt(AdamW::grad_sq(model.params()) + (experts ? experts->grad_sq() : 0.0));
     const float clip = (cfg.optim.grad_clip > 0 && norm > cfg.optim.grad_clip)
                            ? float(cfg.optim.grad_clip / norm) : 1.0f;
     const float lr = lr_at(cfg.optim, step, cfg.train.steps);
     opt.step(model.params(), lr, clip);
+    if (experts) experts->end_step(lr, clip);
     state.step = step + 1;
     state.tokens += int64_t(cfg.train.accum) * B * T;
     tokens_this_run += int64_t(cfg.train.accum) * B * T;
@@ -223,12 +272,9 @@ TrainSummary train(Config cfg, const RunOptions& run) {
       steps_in_window = 0;
       model.reset_expert_load();
     }
-    const bool ckpt_now = !ckpt_root.empty() &&
-                          ((cfg.train.ckpt_every > 0 && state.step % cfg.train.ckpt_every == 0) ||
-                           state.step == last);
-    if (ckpt_now) {
-      state.data_cursor = data->cursor();
-      save_checkpoint(ckpt_root, cfg, model, &opt, state, data->tokenizer_path());
+    if (ckpt_now) {  // between steps: the store holds exactly this step's experts
+      state.data_cursor = have_next ? cursor_after_step : data->cursor();
+      save_checkpoint(ckpt_root, cfg, model, &opt, state, data->tokenizer_path(), experts.get());
     }
   }
   if (tty && run.progress) fmt::print(stderr, "\n");
@@ -239,10 +285,16 @@ TrainSummary train(Config cfg, const RunOptions& run) {
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
   sum.tokens_per_s = steps_this_run ? tokens_this_run / std::max(elapsed, 1e-9) : 0.0;
   sum.expert_load = run_load;
+  if (experts) {
+    sum.expert_mode = expert_mode_name(mode);
+    sum.offload = experts->stats();
+  }
+  sum.seconds = elapsed;
   std::unique_ptr<DataSource> held_out;
   if (!cfg.data.eval_path.empty())
     held_out = make_eval_source(cfg.data.eval_path, data->tokenizer_hash());
-  sum.domains = evaluate(model, held_out ? *held_out : *data, B, T, cfg.train.eval_rows);
+  sum.domains = evaluate(model, held_out ? *held_out : *data, B, T, cfg.train.eval_rows,
+                         experts.get());
   if (!run.out_dir.empty()) {
     nlohmann::json dom = nlohmann::json::object();
     for (const auto& d : sum.domains) {
@@ -252,6 +304,13 @@ TrainSummary train(Config cfg, const RunOptions& run) {
     std::ofstream out(run.out_dir + "/summary.json");
     nlohmann::json summary{{"steps", sum.steps}, {"tokens", sum.tokens},
                            {"tokens_per_s", sum.tokens_per_s}, {"domains", dom}};
+    if (experts) {
+      const OffloadStats& o = sum.offload;
+      summary["ecss"] = {{"mode", sum.expert_mode}, {"store", cfg.train.expert_store},
+                         {"gather_s", o.gather_s}, {"prefetch_wait_s", o.wait_s},
+                         {"update_s", o.update_s}, {"train_s", sum.seconds},
+                         {"experts_per_step", o.steps ? double(o.experts_updated) / o.steps : 0.0}};
+    }
     if (!sum.expert_load.empty()) {
       summary["expert_load"] = expert_load_json(sum.expert_load, cfg.model);
       summary["load_imbalance"] = load_imbalance_json(sum.expert_load);

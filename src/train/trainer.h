@@ -8,6 +8,7 @@
 #include "model/model.h"
 #include "train/config.h"
 #include "train/data_source.h"
+#include "train/expert_offload.h"
 
 namespace sigma {
 
@@ -30,15 +31,19 @@ struct TrainSummary {
   double tokens_per_s = 0;
   std::vector<DomainLoss> domains;  // held-out losses at the end
   std::vector<BlockLoad> expert_load;  // tokens per expert per RRE block over this run's steps
+  double seconds = 0;                  // wall time of the training steps
+  std::string expert_mode;             // "ecss" / "vanilla", empty when experts are in the model
+  OffloadStats offload;                // ECSS time split (this run's steps)
 };
 
 // {"<block>": {"<group>": [tokens per expert], ...}, ...} and {"<block>": imbalance, ...}.
 nlohmann::json expert_load_json(const std::vector<BlockLoad>& load, const ModelConfig& cfg);
 nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load);
 
-// Mean masked loss per domain over the source's held-out batches.
+// Mean masked loss per domain over the source's held-out batches. A model with external
+// experts needs their offload, which binds each batch's experts.
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
-                                 int rows_per_domain);
+                                 int rows_per_domain, ExpertOffload* experts = nullptr);
 
 TrainSummary train(Config cfg, const RunOptions& run);
 

@@ -1,0 +1,288 @@
+#include "train/expert_offload.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "core/error.h"
+#include "model/weights.h"
+
+namespace sigma {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+constexpr const char* kLeaves[] = {"w_in", "b_in", "w_out", "b_out"};
+
+}  // namespace
+
+ExpertMode resolve_expert_mode(const std::string& setting, const ModelConfig& cfg) {
+  const bool routed = cfg.rre_layers > 0 && !cfg.gated();
+  if (setting == "model") return ExpertMode::InModel;
+  if (setting == "auto") return routed ? ExpertMode::Ecss : ExpertMode::InModel;
+  SIGMA_CHECK(setting == "ecss" || setting == "vanilla", "train.experts = '{}': expected auto, "
+              "ecss, vanilla or model", setting);
+  SIGMA_CHECK(routed, "train.experts = '{}' needs experts routed by tables (model.rre_layers > 0 "
+              "and model.router = rre); this model has rre_layers = {}, router = {}", setting,
+              cfg.rre_layers, cfg.router);
+  return setting == "ecss" ? ExpertMode::Ecss : ExpertMode::Vanilla;
+}
+
+const char* expert_mode_name(ExpertMode m) {
+  return m == ExpertMode::Ecss ? "ecss" : m == ExpertMode::Vanilla ? "vanilla" : "model";
+}
+
+ExpertStoreSpec expert_store_spec(const ModelConfig& cfg) {
+  ExpertStoreSpec spec;
+  for (int l = cfg.first_rre_block(); l < cfg.layers; ++l)
+    for (size_t g = 0; g < cfg.groups.size(); ++g)
+      spec.groups.push_back(rre_group_spec(l, int32_t(g), cfg.groups[g].experts, cfg.d_model, cfg.ffn()));
+  return spec;
+}
+
+ExpertOffload::ExpertOffload(Model& model, ExpertMode mode, const OptimConfig& optim,
+                             const std::string& store_path, bool resuming)
+    : model_(model), mode_(mode), optim_(optim),
+      store_(store_path.empty() ? ExpertStore::in_ram(expert_store_spec(model.config()))
+                                : ExpertStore::open(store_path, expert_store_spec(model.config()))) {
+  const ModelConfig& cfg = model.config();
+  SIGMA_CHECK(model.external_experts() && mode != ExpertMode::InModel,
+              "ExpertOffload needs a model built with external experts");
+  SIGMA_CHECK(!store_.file_backed() || store_.created() || resuming,
+              "expert store {} already exists and holds the experts of an earlier run; continue "
+              "that run with --resume CHECKPOINT, or remove the file (or choose another "
+              "train.expert_store) to start a new one", store_path);
+  first_.push_back(0);
+  for (const GroupSpec& g : cfg.groups) first_.push_back(first_.back() + g.experts);
+  P_ = store_.spec().groups.front().params();
+  stride_ = (P_ + 15) / 16 * 16;
+  if (resuming) return;  // load() fills the store
+  // Fresh run: the experts start where in-model training would start them.
+  const std::vector<ExpertId> all = [&] {
+    std::vector<ExpertId> v;
+    for (const ExpertGroupSpec& g : store_.spec().groups)
+      for (int32_t k = 0; k < g.experts; ++k) v.push_back({g.block, g.group, k});
+    return v;
+  }();
+#pragma omp parallel
+  {
+    std::vector<float> buf(static_cast<size_t>(P_));
+#pragma omp for schedule(dynamic, 1)
+    for (size_t i = 0; i < all.size(); ++i) {
+      model_.init_expert(all[i].block, all[i].group, all[i].expert, buf.data());
+      store_.set_weights(all[i], buf.data());
+    }
+  }
+}
+
+ExpertOffload::~ExpertOffload() { join_prefetch(); }
+
+int64_t ExpertOffload::params() const { return store_.num_experts() * P_; }
+
+std::vector<ExpertId> ExpertOffload::active_ids(std::span<const Batch> micro) const {
+  const ModelConfig& cfg = model_.config();
+  const int first = cfg.first_rre_block(), E = first_.back();
+  std::vector<std::vector<std::vector<int>>> active;  // [micro][RRE block] -> experts
+  if (mode_ == ExpertMode::Ecss)
+    for (const Batch& b : micro) active.push_back(model_.active_experts(b));
+  std::vector<ExpertId> ids;
+  std::vector<uint8_t> used;
+  for (int l = first; l < cfg.layers; ++l) {
+    used.assign(size_t(E), mode_ == ExpertMode::Vanilla ? 1 : 0);
+    for (const auto& a : active)
+      for (int e : a[size_t(l - first)]) used[size_t(e)] = 1;
+    for (size_t g = 0; g + 1 < first_.size(); ++g)
+      for (int e = first_[g]; e < first_[g + 1]; ++e)
+        if (used[size_t(e)]) ids.push_back({l, int32_t(g), e - first_[g]});
+  }
+  return ids;
+}
+
+void ExpertOffload::join_prefetch() {
+  if (!prefetcher_.joinable()) return;
+  const auto t = Clock::now();
+  prefetcher_.join();
+  stats_.wait_s += since(t);
+}
+
+void ExpertOffload::begin_step(std::span<const Batch> micro) {
+  join_prefetch();
+  for (ExpertId id : ids_) model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, nullptr, nullptr);
+  ids_ = active_ids(micro);
+  const int64_t n = int64_t(ids_.size());
+  if (w_.numel() < n * stride_) {  // grows to the largest active set seen
+    w_ = Tensor::f32({n, stride_});
+    g_ = Tensor::f32({n, stride_});
+  }
+  std::vector<float*> dst(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) dst[size_t(i)] = w_.f() + i * stride_;
+  const auto t = Clock::now();
+  store_.gather(ids_, dst);
+  stats_.gather_s += since(t);
+  float* g = g_.f();
+#pragma omp parallel for schedule(static) if (n * P_ > (int64_t(1) << 18))
+  for (int64_t i = 0; i < n; ++i) std::fill(g + i * stride_, g + i * stride_ + P_, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const ExpertId id = ids_[size_t(i)];
+    model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, dst[size_t(i)], g + i * stride_);
+  }
+}
+
+void ExpertOffload::prefetch(std::span<const Batch> next) {
+  if (!store_.file_backed()) return;
+  join_prefetch();
+  std::vector<ExpertId> ids = active_ids(next);
+  prefetcher_ = std::thread([this, ids = std::move(ids)] { store_.prefetch(ids, /*fault_in=*/true); });
+}
+
+double ExpertOffload::grad_sq() const {
+  const int64_t n = int64_t(ids_.size());
+  std::vector<double> per(size_t(n), 0.0);
+  const float* g = g_.f();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    double s = 0;
+    for (int64_t j = 0; j < P_; ++j) s += double(g[i * stride_ + j]) * g[i * stride_ + j];
+    per[size_t(i)] = s;
+  }
+  double total = 0;
+  for (double s : per) total += s;
+  return total;
+}
+
+void ExpertOffload::end_step(float lr, float grad_scale) {
+  join_prefetch();
+  AdamStepArgs a;
+  a.lr = lr;
+  a.beta1 = optim_.beta1;
+  a.beta2 = optim_.beta2;
+  a.eps = optim_.eps_rre;
+  a.weight_decay = optim_.weight_decay;
+  a.grad_scale = grad_scale;
+  std::vector<const float*> grads;
+  for (size_t i = 0; i < ids_.size(); ++i) grads.push_back(g_.f() + int64_t(i) * stride_);
+  const auto t = Clock::now();
+  store_.apply_grads(ids_, grads, a);
+  stats_.update_s += since(t);
+  stats_.steps += 1;
+  stats_.experts_updated += int64_t(ids_.size());
+}
+
+void ExpertOffload::add_model_tensors(std::vector<TensorRef>& out) const {
+  const ModelConfig& cfg = model_.config();
+  for (const ExpertGroupSpec& gs : store_.spec().groups) {
+    const std::string& name = cfg.groups[size_t(gs.group)].name;
+    for (size_t t = 0; t < gs.tensors.size(); ++t) {
+      TensorRef r{expert_tensor_name(gs.block, name, kLeaves[t]), DType::F32, {}, nullptr};
+      r.shape.push_back(gs.experts);
+      for (int64_t s : gs.tensors[t].shape) r.shape.push_back(s);
+      for (int32_t k = 0; k < gs.experts; ++k)
+        r.parts.push_back(store_.weights({gs.block, gs.group, k}) + gs.offset(t));
+      out.push_back(std::move(r));
+    }
+  }
+}
+
+void ExpertOffload::add_optimizer_tensors(std::vector<TensorRef>& out, std::vector<Tensor>& keep) const {
+  const ModelConfig& cfg = model_.config();
+  // keep must not reallocate while `out` points into it.
+  size_t scalars = 0;
+  for (const ExpertGroupSpec& gs : store_.spec().groups) scalars += gs.tensors.size() + 1;
+  keep.reserve(keep.size() + scalars);
+  for (const ExpertGroupSpec& gs : store_.spec().groups) {
+    const std::string& name = cfg.groups[size_t(gs.group)].name;
+    keep.emplace_back(DType::I64, Shape{gs.experts});
+    int64_t* steps = keep.back().data<int64_t>();
+    int64_t most = 0;
+    for (int32_t k = 0; k < gs.experts; ++k) {
+      steps[k] = store_.step({gs.block, gs.group, k});
+      most = std::max(most, steps[k]);
+    }
+    out.push_back(tensor_ref(fmt::format("blocks.{}.rre.{}.steps", gs.block, name), keep.back()));
+    for (size_t t = 0; t < gs.tensors.size(); ++t) {
+      const std::string base = expert_tensor_name(gs.block, name, kLeaves[t]);
+      for (const char* moment : {".m", ".v"}) {
+        TensorRef r{base + moment, DType::F32, {}, nullptr};
+        r.shape.push_back(gs.experts);
+        for (int64_t s : gs.tensors[t].shape) r.shape.push_back(s);
+        for (int32_t k = 0; k < gs.experts; ++k) {
+          const ExpertId id{gs.block, gs.group, k};
+          r.parts.push_back((moment[1] == 'm' ? store_.m(id) : store_.v(id)) + gs.offset(t));
+        }
+        out.push_back(std::move(r));
+      }
+      // An in-model run reading this checkpoint takes the group's most advanced step.
+      keep.emplace_back(DType::I64, Shape{});
+      *keep.back().data<int64_t>() = most;
+      out.push_back(tensor_ref(base + ".step", keep.back()));
+    }
+  }
+}
+
+void ExpertOffload::load(const TensorMap& model_tensors, const TensorMap& opt_tensors,
+                         const std::string& where) {
+  const ModelConfig& cfg = model_.config();
+  auto find = [&](const TensorMap& m, const std::string& name, DType dt, const Shape& shape,
+                  const char* file) -> const Tensor& {
+    auto it = m.find(name);
+    SIGMA_CHECK(it != m.end(), "{}/{}: expert tensor '{}' is missing", where, file, name);
+    SIGMA_CHECK(it->second.dtype() == dt && it->second.shape() == shape,
+                "{}/{}: expert tensor '{}' is {} {} but the store expects {} {}", where, file, name,
+                dtype_name(it->second.dtype()), shape_str(it->second.shape()), dtype_name(dt),
+                shape_str(shape));
+    return it->second;
+  };
+  struct Source {
+    const ExpertGroupSpec* gs;
+    std::vector<const float*> w, m, v;  // per tensor: stacked [K, ...]
+    std::vector<int64_t> steps;         // per expert
+  };
+  std::vector<Source> src;
+  for (const ExpertGroupSpec& gs : store_.spec().groups) {  // check everything first
+    const std::string& name = cfg.groups[size_t(gs.group)].name;
+    Source s{&gs, {}, {}, {}, {}};
+    for (size_t t = 0; t < gs.tensors.size(); ++t) {
+      const std::string base = expert_tensor_name(gs.block, name, kLeaves[t]);
+      Shape shape{gs.experts};
+      for (int64_t x : gs.tensors[t].shape) shape.push_back(x);
+      s.w.push_back(find(model_tensors, base, DType::F32, shape, "model.safetensors").f());
+      s.m.push_back(find(opt_tensors, base + ".m", DType::F32, shape, "optimizer.safetensors").f());
+      s.v.push_back(find(opt_tensors, base + ".v", DType::F32, shape, "optimizer.safetensors").f());
+    }
+    const std::string steps = fmt::format("blocks.{}.rre.{}.steps", gs.block, name);
+    if (opt_tensors.count(steps)) {
+      const Tensor& st = find(opt_tensors, steps, DType::I64, {gs.experts}, "optimizer.safetensors");
+      s.steps.assign(st.data<int64_t>(), st.data<int64_t>() + gs.experts);
+    } else {  // written by an in-model run or by surgery: one step per tensor
+      const Tensor& st = find(opt_tensors, expert_tensor_name(gs.block, name, "w_in") + ".step",
+                              DType::I64, {}, "optimizer.safetensors");
+      s.steps.assign(size_t(gs.experts), *st.data<int64_t>());
+    }
+    for (int64_t x : s.steps)
+      SIGMA_CHECK(x >= 0, "{}/optimizer.safetensors: negative step count {} in group '{}'", where, x, name);
+    src.push_back(std::move(s));
+  }
+  const size_t P = static_cast<size_t>(P_);
+  std::vector<float> w(P), m(P), v(P);
+  for (const Source& s : src) {
+    const ExpertGroupSpec& gs = *s.gs;
+    for (int32_t k = 0; k < gs.experts; ++k) {
+      for (size_t t = 0; t < gs.tensors.size(); ++t) {
+        const int64_t n = shape_numel(gs.tensors[t].shape), off = gs.offset(t);
+        std::memcpy(w.data() + off, s.w[t] + k * n, size_t(n) * 4);
+        std::memcpy(m.data() + off, s.m[t] + k * n, size_t(n) * 4);
+        std::memcpy(v.data() + off, s.v[t] + k * n, size_t(n) * 4);
+      }
+      const ExpertId id{gs.block, gs.group, k};
+      store_.set_weights(id, w.data());
+      store_.set_state(id, m.data(), v.data(), s.steps[size_t(k)]);
+    }
+  }
+  store_.flush();
+}
+
+}  // namespace sigma

@@ -1,0 +1,101 @@
+// ECSS in the trainer (DESIGN §3, issue 5; docs/ecss.md): the RRE experts and their Adam state
+// live in an ExpertStore (RAM or a memory-mapped file); each step only the experts its batch
+// activates are copied to compute buffers, bound to the model, and updated by the store's lazy
+// Adam with eps_rre. "vanilla" mode is the baseline: the same store, but every expert is
+// copied, bound and updated every step (dense Adam semantics over the experts).
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ecss/expert_store.h"
+#include "model/batch.h"
+#include "model/model.h"
+#include "optim/adamw.h"
+#include "train/safetensors.h"
+
+namespace sigma {
+
+enum class ExpertMode { InModel, Ecss, Vanilla };
+
+// train.experts: "auto" is ECSS for models routed by tables and in-model otherwise (dense
+// models, learned gates); "ecss" and "vanilla" refuse models they cannot serve.
+ExpertMode resolve_expert_mode(const std::string& setting, const ModelConfig& cfg);
+const char* expert_mode_name(ExpertMode m);
+
+// Seconds and counts since construction (or the last reset).
+struct OffloadStats {
+  double gather_s = 0;    // copying active experts from the store (page faults included)
+  double wait_s = 0;      // waiting for the background prefetch to finish
+  double update_s = 0;    // the store's Adam over the active experts
+  int64_t steps = 0, experts_updated = 0;
+};
+
+// The store's spec for a model config: one group per (RRE block, expert group).
+ExpertStoreSpec expert_store_spec(const ModelConfig& cfg);
+
+class ExpertOffload {
+ public:
+  // Opens the store (store_path empty: RAM). A new store gets the model's initial expert
+  // weights. An existing store file is refused unless `resuming` (its contents are then
+  // replaced by the checkpoint's through load()), so a fresh run never silently continues
+  // from, or overwrites, another run's experts.
+  ExpertOffload(Model& model, ExpertMode mode, const OptimConfig& optim,
+                const std::string& store_path, bool resuming);
+  ~ExpertOffload();
+  ExpertOffload(const ExpertOffload&) = delete;
+  ExpertOffload& operator=(const ExpertOffload&) = delete;
+
+  const ExpertStore& store() const { return store_; }
+  int64_t params() const;  // every expert's parameters
+
+  // Step start: the experts the micro-batches route to (every expert in vanilla mode) are
+  // copied into compute buffers and bound to the model; their gradients are zeroed; every
+  // other expert is unbound. Waits for a running prefetch first.
+  void begin_step(std::span<const Batch> micro);
+  // Pages in the next step's experts on a background thread (file-backed store only), to
+  // overlap with this step's forward and backward.
+  void prefetch(std::span<const Batch> next);
+  // Sum of squares of the bound experts' gradients (fixed order and chunks: deterministic).
+  double grad_sq() const;
+  // Lazy Adam on the bound experts: lr, the clipping scale, eps_rre, and weight decay on
+  // w_in / w_out. Waits for a running prefetch first.
+  void end_step(float lr, float grad_scale);
+  const OffloadStats& stats() const { return stats_; }
+  int64_t active() const { return int64_t(ids_.size()); }
+
+  // Checkpoints, in the in-model tensor names so that every other command reads them: the
+  // stacked weights blocks.l.rre.g.{w_in,b_in,w_out,b_out} [K,...] for model.safetensors and
+  // their .m / .v / .step plus the per-expert step counts blocks.l.rre.g.steps I64 [K] for
+  // optimizer.safetensors, all as views into the store (no copy). `keep` holds the step
+  // scalars until written. Call between steps.
+  void add_model_tensors(std::vector<TensorRef>& out) const;
+  void add_optimizer_tensors(std::vector<TensorRef>& out, std::vector<Tensor>& keep) const;
+  // Restores every expert from a checkpoint's model and optimizer tensors (read from `where`,
+  // named in errors), checking all of them before changing the store, then flushes it. An
+  // optimizer file without per-expert steps (an in-model checkpoint, a surgery output) gives
+  // every expert of a group its tensors' step.
+  void load(const TensorMap& model_tensors, const TensorMap& optimizer_tensors,
+            const std::string& where);
+  // Makes a file-backed store durable and marks it clean.
+  void flush() { store_.flush(); }
+
+ private:
+  void join_prefetch();
+  std::vector<ExpertId> active_ids(std::span<const Batch> micro) const;
+
+  Model& model_;
+  ExpertMode mode_;
+  OptimConfig optim_;
+  ExpertStore store_;
+  std::vector<int> first_;         // [RRE blocks]: global expert index of each group's expert 0
+  int64_t P_ = 0, stride_ = 0;     // floats per expert, and per compute slot (64-byte lines)
+  std::vector<ExpertId> ids_;      // bound this step, in (block, group, expert) order
+  Tensor w_, g_;                   // compute buffers [slots, stride_]: slot i = ids_[i]
+  std::thread prefetcher_;
+  OffloadStats stats_;
+};
+
+}  // namespace sigma

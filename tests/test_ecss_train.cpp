@@ -1,0 +1,331 @@
+// ECSS in the trainer (issue 5): experts trained from an expert store, RAM or file, against
+// the in-model path; resume and crash recovery; bad store files.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "cli_util.h"
+#include "core/error.h"
+#include "train/checkpoint.h"
+#include "train/checkpoint_io.h"
+#include "train/safetensors.h"
+#include "train/trainer.h"
+
+namespace sigma {
+namespace {
+
+using testing::TempDir;
+namespace fs = std::filesystem;
+
+// The main job's model, small and fast; batch 2 so that most steps leave some groups idle.
+Config small_config(const std::string& experts, int steps = 24) {
+  Config c;
+  c.model.d_model = 32;
+  c.model.heads = 2;
+  c.model.context = 32;
+  c.train.steps = steps;
+  c.train.batch = 2;
+  c.train.log_every = 1000;
+  c.train.eval_rows = 8;
+  c.optim.warmup = 4;
+  c.train.experts = experts;
+  return c;
+}
+
+// The main job's domains plus "extra", a domain with its own group that the synthetic data
+// never has: its experts are never active.
+Config with_extra_domain(Config c) {
+  c.model.groups.push_back({"extra", 3});
+  c.model.domains = {{"markov", "markov", 0}, {"copy", "copy", 0}, {"arith", "arith", 0},
+                     {"extra", "extra", 0}};
+  return c;
+}
+
+TrainSummary run(Config c, const std::string& out, const std::string& resume = "",
+                 int64_t stop_at = -1) {
+  RunOptions r;
+  r.out_dir = out;
+  r.resume = resume;
+  r.stop_at = stop_at;
+  r.progress = false;
+  return train(c, r);
+}
+
+TensorMap model_tensors(const std::string& out) {
+  return read_safetensors(resolve_checkpoint(out + "/checkpoints") + "/model.safetensors").tensors;
+}
+TensorMap optimizer_tensors(const std::string& out) {
+  return read_safetensors(resolve_checkpoint(out + "/checkpoints") + "/optimizer.safetensors").tensors;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         std::memcmp(a.bytes(), b.bytes(), a.nbytes()) == 0;
+}
+
+// Every tensor of `a` is in `b` with the same bits.
+void expect_same_tensors(const TensorMap& a, const TensorMap& b, const std::string& what) {
+  EXPECT_EQ(a.size(), b.size()) << what;
+  for (const auto& [name, t] : a) {
+    auto it = b.find(name);
+    ASSERT_NE(it, b.end()) << what << ": " << name;
+    EXPECT_TRUE(same_bits(t, it->second)) << what << ": " << name;
+  }
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(EcssTrain, ModeResolution) {
+  Config c;
+  EXPECT_EQ(resolve_expert_mode("auto", c.model), ExpertMode::Ecss);
+  EXPECT_EQ(resolve_expert_mode("model", c.model), ExpertMode::InModel);
+  c.model.rre_layers = 0;
+  EXPECT_EQ(resolve_expert_mode("auto", c.model), ExpertMode::InModel);
+  try {
+    resolve_expert_mode("ecss", c.model);
+    FAIL() << "a dense model cannot train its experts from a store";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rre_layers"), std::string::npos) << e.what();
+  }
+  Config g;
+  g.model.router = "top1";
+  EXPECT_EQ(resolve_expert_mode("auto", g.model), ExpertMode::InModel);
+  EXPECT_THROW(resolve_expert_mode("vanilla", g.model), Error);
+}
+
+// Vanilla offload updates every expert every step: the same math as the in-model AdamW.
+TEST(EcssTrain, VanillaMatchesInModelTraining) {
+  TempDir dir("ecss");
+  const TrainSummary a = run(small_config("vanilla"), dir / "vanilla");
+  const TrainSummary b = run(small_config("model"), dir / "model");
+  const TensorMap va = model_tensors(dir / "vanilla"), mb = model_tensors(dir / "model");
+  ASSERT_EQ(va.size(), mb.size());
+  for (const auto& [name, t] : mb) {
+    const Tensor& u = va.at(name);
+    ASSERT_EQ(u.shape(), t.shape()) << name;
+    if (t.dtype() != DType::F32) continue;
+    for (int64_t i = 0; i < t.numel(); ++i)
+      ASSERT_NEAR(u.f()[i], t.f()[i], 1e-6f * (1 + std::fabs(t.f()[i]))) << name << "[" << i << "]";
+  }
+  for (size_t d = 0; d < a.domains.size(); ++d)
+    EXPECT_NEAR(a.domains[d].loss, b.domains[d].loss, 1e-5) << a.domains[d].name;
+  EXPECT_EQ(a.offload.experts_updated, a.offload.steps * 18);  // 2 blocks x (2 + 3 + 4) experts
+}
+
+// Experts of a domain that never appears are never read or written by ECSS (lazy Adam): bit
+// for bit their initial values, with zero moments and steps, in RAM and in a file store. The
+// in-model optimizer moves them (weight decay on zero gradients), which this test tells apart.
+TEST(EcssTrain, InactiveExpertsStayBitIdentical) {
+  TempDir dir("ecss");
+  const Config cfg = with_extra_domain(small_config("ecss"));
+  run(cfg, dir / "ram");
+  // The in-model initial values, from the run's own (data-bound) config.
+  const Config bound = open_checkpoint(dir / "ram/checkpoints").cfg;
+  Model init(bound.model, bound.train.seed);
+  auto check = [&](const std::string& out, bool expect_untouched) {
+    const TensorMap m = model_tensors(out), o = optimizer_tensors(out);
+    for (int l : {1, 2})
+      for (const char* leaf : {"w_in", "b_in", "w_out", "b_out"}) {
+        const std::string name = expert_tensor_name(l, "extra", leaf);
+        const bool same = same_bits(m.at(name), init.params().at(name).value);
+        if (!expect_untouched) {
+          if (leaf[0] == 'w') EXPECT_FALSE(same) << out << ": " << name;
+          continue;
+        }
+        EXPECT_TRUE(same) << out << ": " << name;
+        for (const char* s : {".m", ".v"}) {
+          const Tensor& t = o.at(name + s);
+          for (int64_t i = 0; i < t.numel(); ++i) ASSERT_EQ(t.f()[i], 0.0f) << name << s;
+        }
+      }
+    if (!expect_untouched) return;
+    for (int l : {1, 2}) {
+      const Tensor& steps = o.at(fmt::format("blocks.{}.rre.extra.steps", l));
+      for (int k = 0; k < 3; ++k) EXPECT_EQ(steps.data<int64_t>()[k], 0);
+      const Tensor& active = o.at(fmt::format("blocks.{}.rre.markov.steps", l));
+      EXPECT_GT(active.data<int64_t>()[0], 0);
+      EXPECT_LE(active.data<int64_t>()[0], cfg.train.steps);
+    }
+  };
+  check(dir / "ram", true);
+  Config file = cfg;
+  file.train.expert_store = dir / "experts.bin";
+  run(file, dir / "file");
+  check(dir / "file", true);
+  Config model = cfg;
+  model.train.experts = "model";
+  run(model, dir / "model");
+  check(dir / "model", false);
+}
+
+// RAM- and file-backed stores train bit-identically (batches of 2 rows: lazy updates matter).
+TEST(EcssTrain, RamAndFileStoresTrainBitIdentically) {
+  TempDir dir("ecss");
+  Config ram = small_config("ecss");
+  Config file = ram;
+  file.train.expert_store = dir / "experts.bin";
+  const TrainSummary a = run(ram, dir / "ram"), b = run(file, dir / "file");
+  expect_same_tensors(model_tensors(dir / "ram"), model_tensors(dir / "file"), "model");
+  expect_same_tensors(optimizer_tensors(dir / "ram"), optimizer_tensors(dir / "file"), "optimizer");
+  for (size_t d = 0; d < a.domains.size(); ++d) EXPECT_EQ(a.domains[d].loss, b.domains[d].loss);
+  // Lazy updates: some steps left some experts idle.
+  EXPECT_LT(a.offload.experts_updated, a.offload.steps * 18);
+  EXPECT_TRUE(fs::exists(dir / "experts.bin"));
+}
+
+// A file-backed run stopped and resumed in a new process equals the uninterrupted run.
+TEST(EcssTrain, FileStoreResumeIsExact) {
+  TempDir dir("ecss");
+  Config c = small_config("ecss");
+  c.train.expert_store = dir / "straight.bin";
+  const TrainSummary straight = run(c, dir / "straight");
+  Config p = small_config("ecss");
+  p.train.expert_store = dir / "parts.bin";
+  const std::string cmd = fmt::format(
+      "train --quiet --set train.steps=24 --set train.batch=2 --set model.d_model=32 "
+      "--set model.heads=2 --set model.context=32 --set optim.warmup=4 --set train.eval_rows=8 "
+      "--set train.log_every=1000 --expert-store {} --out {}",
+      dir / "parts.bin", dir / "parts");
+  auto r = testing::sigma_cmd(cmd + " --stop-at 11");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = testing::sigma_cmd(fmt::format("train --quiet --resume {} --out {}", dir / "parts/checkpoints",
+                                     dir / "parts"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  expect_same_tensors(model_tensors(dir / "straight"), model_tensors(dir / "parts"), "model");
+  expect_same_tensors(optimizer_tensors(dir / "straight"), optimizer_tensors(dir / "parts"),
+                      "optimizer");
+}
+
+// A process killed mid-run leaves its store unclean and its checkpoints intact; resuming
+// from the last checkpoint restores the store and continues exactly.
+TEST(EcssTrain, KilledRunResumesExactly) {
+  TempDir dir("ecss");
+  const std::string common =
+      "--quiet --set train.steps=600 --set train.batch=4 --set model.d_model=32 --set model.heads=2 "
+      "--set model.context=32 --set train.eval_rows=8 --set train.ckpt_every=20 ";
+  auto r = testing::sigma_cmd("train " + common + "--out " + dir / "straight");
+  ASSERT_EQ(r.code, 0) << r.out;
+
+  const std::string store = dir / "experts.bin";
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const std::string cmd = std::string("exec ") + SIGMA_BINARY + " train " + common +
+                            "--expert-store " + store + " --out " + dir / "killed" + " >/dev/null 2>&1";
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
+    _exit(127);
+  }
+  // Kill it once it has written a checkpoint and trained on (mid-step, or mid-checkpoint).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(dir / "killed/checkpoints/step-00000040") &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  kill(pid, SIGKILL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(fs::exists(dir / "killed/checkpoints/step-00000040")) << "the run never checkpointed";
+  if (WIFEXITED(status)) GTEST_SKIP() << "the run finished before it could be killed";
+  EXPECT_FALSE(ExpertStore::open(store, expert_store_spec(small_config("ecss").model)).clean_on_open())
+      << "a store killed mid-run must say it may mix steps";
+
+  r = testing::sigma_cmd(fmt::format("train --quiet --resume {} --out {}", dir / "killed/checkpoints",
+                                     dir / "killed"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  const TensorMap a = model_tensors(dir / "straight"), b = model_tensors(dir / "killed");
+  expect_same_tensors(a, b, "model after kill and resume");
+}
+
+TEST(EcssTrain, BadStoreIsRefusedAndCheckpointsSurvive) {
+  TempDir dir("ecss");
+  Config c = small_config("ecss", 6);
+  c.train.expert_store = dir / "experts.bin";
+  run(c, dir / "first");
+  const std::string before = slurp(dir / "experts.bin");
+  const std::string ckpt = resolve_checkpoint(dir / "first/checkpoints");
+
+  // A fresh run must not continue from, or overwrite, another run's store.
+  try {
+    run(c, dir / "second");
+    FAIL() << "a fresh run reused an existing store";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("experts.bin"), std::string::npos) << m;
+    EXPECT_NE(m.find("--resume"), std::string::npos) << m;
+  }
+  EXPECT_EQ(slurp(dir / "experts.bin"), before);
+
+  // The store of another model config: resuming with it names the file; nothing changes.
+  Config other = small_config("ecss", 6);
+  other.model.groups[0].experts = 5;
+  other.train.expert_store = dir / "other.bin";
+  run(other, dir / "other");
+  const std::string other_bytes = slurp(dir / "other.bin");
+  auto r = testing::sigma_cmd(fmt::format("train --quiet --resume {} --set train.steps=8 "
+                                          "--expert-store {} --out {}",
+                                          ckpt, dir / "other.bin", dir / "first"));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("other.bin"), std::string::npos) << r.out;
+  EXPECT_EQ(slurp(dir / "other.bin"), other_bytes);
+  EXPECT_NO_THROW(open_checkpoint(ckpt));  // the last good checkpoint is intact
+  EXPECT_EQ(resolve_checkpoint(dir / "first/checkpoints"), ckpt);
+
+  // A store in a directory that cannot be written (not as root: root writes anywhere).
+  if (geteuid() != 0) {
+    fs::create_directories(dir / "ro");
+    fs::permissions(dir / "ro", fs::perms::owner_read | fs::perms::owner_exec);
+    Config ro = small_config("ecss", 6);
+    ro.train.expert_store = dir / "ro/experts.bin";
+    try {
+      run(ro, dir / "ro-run");
+      FAIL() << "a read-only store path was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("ro/experts.bin"), std::string::npos) << e.what();
+    }
+  }
+  // A missing directory.
+  Config missing = small_config("ecss", 6);
+  missing.train.expert_store = dir / "no/such/dir/experts.bin";
+  EXPECT_THROW(run(missing, dir / "missing"), Error);
+}
+
+// An ECSS checkpoint is an ordinary checkpoint: loaded in-model it scores the held-out data
+// exactly as the ECSS run did, and an in-model run resumes from it (and an ECSS run from an
+// in-model one).
+TEST(EcssTrain, CheckpointsCrossBetweenModes) {
+  TempDir dir("ecss");
+  Config c = small_config("ecss", 8);
+  const TrainSummary s = run(c, dir / "ecss");
+  CheckpointInfo info;
+  auto model = load_checkpoint_model(dir / "ecss/checkpoints", &info);
+  ASSERT_FALSE(model->external_experts());
+  auto data = make_data_source(info.cfg);
+  const auto losses = evaluate(*model, *data, info.cfg.train.batch, info.cfg.model.context,
+                               info.cfg.train.eval_rows);
+  ASSERT_EQ(losses.size(), s.domains.size());
+  for (size_t d = 0; d < losses.size(); ++d) EXPECT_EQ(losses[d].loss, s.domains[d].loss);
+  testing::CmdResult r;
+  r = testing::sigma_cmd(fmt::format("train --quiet --resume {} --set train.steps=10 "
+                                     "--set train.experts=model --out {}",
+                                     dir / "ecss/checkpoints", dir / "ecss"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = testing::sigma_cmd(fmt::format("train --quiet --resume {} --set train.steps=12 "
+                                     "--set train.experts=ecss --out {}",
+                                     dir / "ecss/checkpoints", dir / "ecss"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  const TensorMap o = optimizer_tensors(dir / "ecss");
+  EXPECT_EQ(o.at("blocks.1.rre.markov.steps").data<int64_t>()[0] > 0, true);
+}
+
+}  // namespace
+}  // namespace sigma
