@@ -10,7 +10,7 @@ namespace sigma::cli {
 namespace {
 
 struct TrainArgs {
-  std::string config, out, resume, expert_store;
+  std::string config, out, resume, expert_store, freeze;
   std::vector<std::string> sets;
   int64_t stop_at = -1;
   bool quiet = false, print_config = false, config_help = false;
@@ -18,6 +18,7 @@ struct TrainArgs {
 
 void run_train(TrainArgs a) {
   if (!a.expert_store.empty()) a.sets.push_back("train.expert_store=" + a.expert_store);
+  if (!a.freeze.empty()) a.sets.push_back("train.freeze=" + nlohmann::json(a.freeze).dump());
   Config cfg;
   if (a.config_help) {
     fmt::print("Config keys (JSON file via --config, or --set key=value):\n{}", cfg.options().help());
@@ -79,6 +80,9 @@ const RegisterCommand reg([](CLI::App& root) {
   c->add_option("--expert-store", args->expert_store,
                 "ECSS: keep experts and their Adam state in this memory-mapped file "
                 "(train.expert_store; default: RAM)");
+  c->add_option("--freeze", args->freeze,
+                "Parameter sets not to update, comma-separated: shared, embeddings, experts or a "
+                "tensor-name prefix (train.freeze)");
   c->add_flag("--quiet", args->quiet, "No progress lines");
   c->add_flag("--print-config", args->print_config, "Print the resolved config and exit");
   c->add_flag("--config-help", args->config_help, "List every config key and exit");

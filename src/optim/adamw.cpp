@@ -68,16 +68,46 @@ double AdamW::grad_sq(const ParamSet& params) {
   return total;
 }
 
-void AdamW::step(ParamSet& params, float lr, float grad_scale) {
+void UpdateMask::mask_grads(ParamSet& params) const {
   auto& ps = params.all();
   for (size_t i = 0; i < ps.size(); ++i) {
+    float* g = ps[i].grad.f();
+    const int64_t n = ps[i].grad.numel();
+    if (!frozen.empty() && frozen[i]) {
+      std::fill(g, g + n, 0.0f);
+    } else if (!rows.empty() && !rows[i].empty()) {
+      const int64_t width = n / ps[i].grad.dim(0);
+      int64_t next = 0;  // zero the gaps between the kept row ranges (sorted)
+      for (auto [b, e] : rows[i]) {
+        std::fill(g + next * width, g + b * width, 0.0f);
+        next = e;
+      }
+      std::fill(g + next * width, g + n, 0.0f);
+    }
+  }
+}
+
+void AdamW::step(ParamSet& params, float lr, float grad_scale, const UpdateMask* mask) {
+  auto& ps = params.all();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (mask && !mask->frozen.empty() && mask->frozen[i]) continue;
     State& s = state_[i];
     s.step += 1;
     const float bc1 = 1.0f - std::pow(cfg_.beta1, float(s.step));
     const float bc2 = 1.0f - std::pow(cfg_.beta2, float(s.step));
-    adamw_update(ps[i].value.f(), s.m.f(), s.v.f(), ps[i].grad.f(), ps[i].value.numel(), lr,
-                 cfg_.beta1, cfg_.beta2, ps[i].expert ? cfg_.eps_rre : cfg_.eps,
-                 ps[i].decay ? cfg_.weight_decay : 0.0f, bc1, bc2, grad_scale);
+    const float eps = ps[i].expert ? cfg_.eps_rre : cfg_.eps;
+    const float wd = ps[i].decay ? cfg_.weight_decay : 0.0f;
+    float *w = ps[i].value.f(), *m = s.m.f(), *v = s.v.f();
+    const float* g = ps[i].grad.f();
+    if (mask && !mask->rows.empty() && !mask->rows[i].empty()) {
+      const int64_t width = ps[i].value.numel() / ps[i].value.dim(0);
+      for (auto [b, e] : mask->rows[i])
+        adamw_update(w + b * width, m + b * width, v + b * width, g + b * width, (e - b) * width,
+                     lr, cfg_.beta1, cfg_.beta2, eps, wd, bc1, bc2, grad_scale);
+      continue;
+    }
+    adamw_update(w, m, v, g, ps[i].value.numel(), lr, cfg_.beta1, cfg_.beta2, eps, wd, bc1, bc2,
+                 grad_scale);
   }
 }
 

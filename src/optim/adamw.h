@@ -32,6 +32,18 @@ void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, float
                   float beta2, float eps, float weight_decay, float bc1, float bc2,
                   float grad_scale);
 
+// Which parameters a step updates (train.freeze): by default all. A frozen parameter keeps its
+// values, moments and step; a parameter limited to row ranges (an embedding table's slots)
+// updates only those rows, with the tensor's step count.
+struct UpdateMask {
+  std::vector<uint8_t> frozen;  // [params]; empty = none
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> rows;  // [params]; empty = every row
+  bool all() const { return frozen.empty() && rows.empty(); }
+  // Zeroes the gradients that will not be applied, so that the norm (and clipping) sees only
+  // what trains.
+  void mask_grads(ParamSet& params) const;
+};
+
 class AdamW {
  public:
   AdamW(const OptimConfig& cfg, const ParamSet& params);
@@ -39,8 +51,9 @@ class AdamW {
   // Global L2 norm of all gradients (double accumulation, deterministic), and its square.
   static double grad_norm(const ParamSet& params);
   static double grad_sq(const ParamSet& params);
-  // Updates every parameter with learning rate `lr`; gradients scaled by grad_scale first.
-  void step(ParamSet& params, float lr, float grad_scale);
+  // Updates every parameter (those `mask` allows) with learning rate `lr`; gradients scaled
+  // by grad_scale first.
+  void step(ParamSet& params, float lr, float grad_scale, const UpdateMask* mask = nullptr);
 
   struct State {
     Tensor m, v;

@@ -1,10 +1,40 @@
 #include "train/config.h"
 
+#include <algorithm>
+
 #include <fstream>
 
 #include "core/error.h"
 
 namespace sigma {
+
+namespace {
+// A list of names: a JSON array of strings (--set 'key=["a","b"]') or one comma-separated string.
+void add_name_list(Options& o, const std::string& key, std::vector<std::string>* v, std::string help) {
+  o.add_json(
+      key, std::move(help),
+      [key, v](const nlohmann::json& j) {
+        std::vector<std::string> out;
+        if (j.is_string()) {
+          std::string s = j.get<std::string>();
+          for (size_t b = 0; b <= s.size();) {
+            const size_t e = std::min(s.find(',', b), s.size());
+            if (e > b) out.push_back(s.substr(b, e - b));
+            b = e + 1;
+          }
+        } else {
+          SIGMA_CHECK(j.is_array(), "config key '{}' must be a list of names", key);
+          for (const auto& x : j) {
+            SIGMA_CHECK(x.is_string() && !x.get<std::string>().empty(),
+                        "config key '{}' must be a list of non-empty names, got {}", key, x.dump());
+            out.push_back(x.get<std::string>());
+          }
+        }
+        *v = std::move(out);
+      },
+      [v] { return nlohmann::json(*v); });
+}
+}  // namespace
 
 void TrainConfig::describe(Options& o, const std::string& p) {
   o.add(p + "steps", &steps, "optimizer steps", 0, int64_t(1) << 40);
@@ -23,6 +53,9 @@ void TrainConfig::describe(Options& o, const std::string& p) {
         {"auto", "ecss", "vanilla", "model"});
   o.add(p + "expert_store", &expert_store,
         "ECSS expert store file, memory-mapped so experts may exceed RAM (\"\" = in RAM)");
+  add_name_list(o, p + "freeze", &freeze,
+                "parameter sets not to update: shared (all but the trained domains' experts and "
+                "embedding slots), embeddings, experts, or a tensor-name prefix");
 }
 
 void DataConfig::describe(Options& o, const std::string& p) {
@@ -32,6 +65,7 @@ void DataConfig::describe(Options& o, const std::string& p) {
   o.add(p + "tokenizer", &tokenizer, "tokenizer file (default: the one the shards were made with)");
   o.add(p + "finetune", &finetune, "one sample per row, padded with <Pad>, instead of packed windows");
   o.add(p + "mask_prompt", &mask_prompt, "fine-tuning: no loss on prompt tokens");
+  add_name_list(o, p + "domains", &domains, "synthetic data: train on these domains only (empty = all)");
   o.add_json(
       p + "sampler", "domain weights and stages: {\"stages\": [{\"steps\": N, \"weights\": {...}}, ...]}",
       [this](const nlohmann::json& j) {

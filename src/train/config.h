@@ -21,6 +21,7 @@ struct TrainConfig {
   int threads = 0;         // 0 = every core
   std::string experts = "auto";  // where RRE experts train: auto, ecss, vanilla, model
   std::string expert_store;      // ECSS store file ("" = RAM)
+  std::vector<std::string> freeze;  // parameter sets not to update (src/train/freeze.h)
   void describe(Options& o, const std::string& prefix);
 };
 
@@ -31,6 +32,7 @@ struct DataConfig {
   std::string tokenizer;             // tokenizer file; default: the one the shards name
   bool finetune = false;             // one sample per row (padded) instead of packed windows
   bool mask_prompt = false;          // fine-tuning: no loss on prompt tokens
+  std::vector<std::string> domains;  // synthetic source: train on these domains only (empty = all)
   nlohmann::json sampler = nlohmann::json::object();  // data::SamplerConfig (weights, stages)
   void describe(Options& o, const std::string& prefix);
 };

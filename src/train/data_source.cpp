@@ -1,5 +1,7 @@
 #include "train/data_source.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -17,30 +19,54 @@ namespace {
 
 class SyntheticSource : public DataSource {
  public:
-  explicit SyntheticSource(uint64_t seed) : data_(seed) {}
+  // `only`: the domains to keep (empty = all three), e.g. to train one domain alone.
+  SyntheticSource(uint64_t seed, const std::vector<std::string>& only) : data_(seed) {
+    const auto all = data_.domains();
+    for (size_t d = 0; d < all.size(); ++d)
+      if (only.empty() || std::find(only.begin(), only.end(), all[d]) != only.end())
+        keep_.push_back(int(d));
+    for (const auto& n : only)
+      SIGMA_CHECK(std::find(all.begin(), all.end(), n) != all.end(),
+                  "data.domains: the synthetic data has no domain '{}' (it has {})", n,
+                  fmt::join(all, ", "));
+  }
   int vocab() const override { return data_.vocab(); }
-  std::vector<std::string> domains() const override { return data_.domains(); }
+  std::vector<std::string> domains() const override {
+    std::vector<std::string> names;
+    for (int d : keep_) names.push_back(data_.domains()[size_t(d)]);
+    return names;
+  }
   void train_batch(Batch& b, int B, int T, uint64_t index) const override {
-    b.B = B;
-    data_.fill_batch(b, T, kTrainStream, index * uint64_t(B));
+    fill(b, B, T, kTrainStream, index * uint64_t(B));
   }
   void eval_batches(int B, int T, int rows_per_domain,
                     const std::function<void(const Batch&)>& fn) const override {
-    const uint64_t total = uint64_t(rows_per_domain) * data_.domains().size();
+    const uint64_t total = uint64_t(rows_per_domain) * keep_.size();
     Batch b;
     for (uint64_t row = 0; row < total; row += B) {
-      b.B = int(std::min<uint64_t>(B, total - row));
-      data_.fill_batch(b, T, kEvalStream, row);
+      fill(b, int(std::min<uint64_t>(B, total - row)), T, kEvalStream, row);
       fn(b);
     }
   }
   std::optional<double> optimum(int domain, int T) const override {
-    return data_.optimum(domain, T);
+    return data_.optimum(keep_[size_t(domain)], T);
   }
 
  private:
+  // Rows dealt round-robin over the kept domains; sample index = row number, so batches from
+  // distinct offsets never repeat a sample (with every domain kept: SyntheticData::fill_batch).
+  void fill(Batch& b, int B, int T, uint64_t stream, uint64_t row0) const {
+    b.resize(B, T);
+    for (int i = 0; i < B; ++i) {
+      const int local = int((row0 + i) % keep_.size());
+      b.domain[size_t(i)] = local;
+      data_.sample(keep_[size_t(local)], stream, row0 + i, T, &b.tokens[size_t(i) * T],
+                   &b.targets[size_t(i) * T]);
+    }
+  }
   static constexpr uint64_t kTrainStream = 1, kEvalStream = 2;  // disjoint samples
   SyntheticData data_;
+  std::vector<int> keep_;  // SyntheticData domain of each of this source's domains
 };
 
 // The tokenizer a prepared directory was made with, as its manifest records it.
@@ -169,7 +195,11 @@ std::unique_ptr<ShardsSource> open_shards(const std::string& dir, std::string to
 }  // namespace
 
 std::unique_ptr<DataSource> make_data_source(const Config& cfg) {
-  if (cfg.data.source == "synthetic") return std::make_unique<SyntheticSource>(cfg.train.seed);
+  if (cfg.data.source == "synthetic")
+    return std::make_unique<SyntheticSource>(cfg.train.seed, cfg.data.domains);
+  SIGMA_CHECK(cfg.data.domains.empty(), "data.domains selects synthetic domains; for prepared "
+              "shards, prepare a directory holding only the domains to train (or weight them "
+              "with data.sampler stages)");
   auto s = open_shards(cfg.data.path, cfg.data.tokenizer);
   s->start_training(cfg);
   return s;

@@ -139,6 +139,12 @@ void ExpertOffload::prefetch(std::span<const Batch> next) {
   prefetcher_ = std::thread([this, ids = std::move(ids)] { store_.prefetch(ids, /*fault_in=*/true); });
 }
 
+bool ExpertOffload::is_frozen(ExpertId id) const {
+  if (frozen_.empty()) return false;
+  const ModelConfig& cfg = model_.config();
+  return frozen_[size_t(id.block - cfg.first_rre_block()) * cfg.groups.size() + size_t(id.group)] != 0;
+}
+
 double ExpertOffload::grad_sq() const {
   const int64_t n = int64_t(ids_.size());
   std::vector<double> per(size_t(n), 0.0);
@@ -158,7 +164,8 @@ double ExpertOffload::grad_sq() const {
     per[size_t(i)] = s;
   }
   double total = 0;
-  for (double s : per) total += s;
+  for (int64_t i = 0; i < n; ++i)
+    if (!is_frozen(ids_[size_t(i)])) total += per[size_t(i)];
   return total;
 }
 
@@ -171,13 +178,18 @@ void ExpertOffload::end_step(float lr, float grad_scale) {
   a.eps = optim_.eps_rre;
   a.weight_decay = optim_.weight_decay;
   a.grad_scale = grad_scale;
+  std::vector<ExpertId> update;
   std::vector<const float*> grads;
-  for (size_t i = 0; i < ids_.size(); ++i) grads.push_back(g_.f() + int64_t(i) * stride_);
+  for (size_t i = 0; i < ids_.size(); ++i)
+    if (!is_frozen(ids_[i])) {
+      update.push_back(ids_[i]);
+      grads.push_back(g_.f() + int64_t(i) * stride_);
+    }
   const auto t = Clock::now();
-  store_.apply_grads(ids_, grads, a);
+  store_.apply_grads(update, grads, a);
   stats_.update_s += since(t);
   stats_.steps += 1;
-  stats_.experts_updated += int64_t(ids_.size());
+  stats_.experts_updated += int64_t(update.size());
 }
 
 void ExpertOffload::add_model_tensors(std::vector<TensorRef>& out) const {

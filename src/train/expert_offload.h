@@ -63,6 +63,9 @@ class ExpertOffload {
   // Lazy Adam on the bound experts: lr, the clipping scale, eps_rre, and weight decay on
   // w_in / w_out. Waits for a running prefetch first.
   void end_step(float lr, float grad_scale);
+  // Experts not to update (train.freeze): frozen[(l - first_rre_block) * groups + g]. They are
+  // still fetched for the forward pass; their gradients are left out of the norm.
+  void set_frozen(std::vector<uint8_t> frozen) { frozen_ = std::move(frozen); }
   const OffloadStats& stats() const { return stats_; }
   int64_t active() const { return int64_t(ids_.size()); }
 
@@ -92,6 +95,8 @@ class ExpertOffload {
   ExpertStore store_;
   std::vector<int> first_;         // [RRE blocks]: global expert index of each group's expert 0
   int64_t P_ = 0, stride_ = 0;     // floats per expert, and per compute slot (64-byte lines)
+  bool is_frozen(ExpertId id) const;
+  std::vector<uint8_t> frozen_;    // [(RRE block, group)]; empty = none
   std::vector<ExpertId> ids_;      // bound this step, in (block, group, expert) order
   Tensor w_, g_;                   // compute buffers [slots, stride_]: slot i = ids_[i]
   std::thread prefetcher_;

@@ -14,6 +14,7 @@
 #include "model/routing.h"
 #include "optim/adamw.h"
 #include "train/checkpoint.h"
+#include "train/freeze.h"
 
 namespace sigma {
 
@@ -141,6 +142,9 @@ TrainSummary train(Config cfg, const RunOptions& run) {
     state = ck->state;
     if (!state.data_cursor.is_null()) data->restore(state.data_cursor);
   }
+  const FreezePlan freeze = plan_freeze(cfg.train.freeze, cfg.model, model.params(),
+                                       model.external_experts(), data->domains());
+  if (experts) experts->set_frozen(freeze.frozen_experts);
   const int B = cfg.train.batch, T = cfg.model.context;
   const int64_t last = run.stop_at >= 0 ? std::min(run.stop_at, cfg.train.steps) : cfg.train.steps;
   // Training losses are kept per model domain; the data may hold a subset of them (an extract
@@ -168,6 +172,7 @@ TrainSummary train(Config cfg, const RunOptions& run) {
                  expert_mode_name(mode), experts->store().num_experts(),
                  double(experts->store().data_bytes()) / (1ull << 30),
                  experts->store().file_backed() ? "file " + experts->store().path() : "in RAM");
+    if (!cfg.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze.summary);
   }
 
   // The micro-batches of a step, with the sum of their masks; the model's domain indices.
@@ -220,12 +225,13 @@ TrainSummary train(Config cfg, const RunOptions& run) {
       window.add(b, token_loss);
       aux_window += model.aux_loss() / cfg.train.accum;
     }
+    if (!freeze.mask.all()) freeze.mask.mask_grads(model.params());
     const double norm =
         std::sqrt(AdamW::grad_sq(model.params()) + (experts ? experts->grad_sq() : 0.0));
     const float clip = (cfg.optim.grad_clip > 0 && norm > cfg.optim.grad_clip)
                            ? float(cfg.optim.grad_clip / norm) : 1.0f;
     const float lr = lr_at(cfg.optim, step, cfg.train.steps);
-    opt.step(model.params(), lr, clip);
+    opt.step(model.params(), lr, clip, &freeze.mask);
     if (experts) experts->end_step(lr, clip);
     state.step = step + 1;
     state.tokens += int64_t(cfg.train.accum) * B * T;

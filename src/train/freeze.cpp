@@ -1,0 +1,131 @@
+#include "train/freeze.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <set>
+
+#include "core/error.h"
+#include "model/weights.h"
+
+namespace sigma {
+
+namespace {
+constexpr const char* kLeaves[] = {"w_in", "b_in", "w_out", "b_out"};
+bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
+}  // namespace
+
+FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelConfig& cfg,
+                       const ParamSet& ps, bool external_experts,
+                       const std::vector<std::string>& trained) {
+  FreezePlan plan;
+  if (selectors.empty()) {
+    plan.summary = "every parameter trains";
+    return plan;
+  }
+  const auto& params = ps.all();
+  const int first = cfg.first_rre_block(), G = int(cfg.groups.size());
+  const int rre_blocks = cfg.rre_layers > 0 ? cfg.layers - first : 0;
+  std::vector<uint8_t> frozen(params.size(), 0);
+  std::vector<uint8_t> frozen_experts(size_t(rre_blocks) * G, 0);
+  std::set<int> trained_slots;  // "shared": only these slots' rows of embed.tokens train
+  bool limit_slots = false;
+
+  // Expert tensors by in-model name, whether they are params or in a store.
+  auto expert_index = [&](int l, int g) { return size_t(l - first) * G + size_t(g); };
+  for (const std::string& sel : selectors) {
+    if (sel == "shared") {
+      std::set<std::string> trained_groups;
+      for (const auto& n : trained) {
+        const DomainSpec& d = cfg.domains[size_t(cfg.domain_index(n))];
+        trained_slots.insert(d.slot);
+        if (!cfg.groups.empty()) trained_groups.insert(d.group);
+      }
+      for (const DomainSpec& d : cfg.domains) {
+        if (std::find(trained.begin(), trained.end(), d.name) != trained.end()) continue;
+        SIGMA_CHECK(!trained_slots.count(d.slot) && !trained_groups.count(d.group),
+                    "train.freeze = shared: domain '{}' is not in the training data but shares "
+                    "its {} with a trained domain, so it would change; give the trained "
+                    "domains their own slot and group (sigma domains add does)", d.name,
+                    trained_slots.count(d.slot) ? fmt::format("embedding slot {}", d.slot)
+                                                : fmt::format("expert group '{}'", d.group));
+      }
+      limit_slots = true;
+      for (size_t i = 0; i < params.size(); ++i) {
+        const std::string& n = params[i].name;
+        if (n == "embed.tokens") continue;  // limited to the trained slots below
+        bool own = false;
+        for (int l = first; l < cfg.layers && rre_blocks > 0; ++l)
+          for (const auto& g : trained_groups)
+            own = own || starts_with(n, expert_tensor_name(l, g, "")) ||
+                  starts_with(n, fmt::format("blocks.{}.gate.{}.", l, g));
+        if (!own) frozen[i] = 1;
+      }
+      for (int l = first; l < cfg.layers && rre_blocks > 0; ++l)
+        for (int g = 0; g < G; ++g)
+          if (!trained_groups.count(cfg.groups[size_t(g)].name)) frozen_experts[expert_index(l, g)] = 1;
+      continue;
+    }
+    int matched = 0;
+    auto match = [&](const std::string& n) {
+      if (sel == "embeddings") return n == "embed.tokens" || n == "embed.positions";
+      if (sel == "experts") return false;  // below, by group
+      return starts_with(n, sel);
+    };
+    for (size_t i = 0; i < params.size(); ++i)
+      if (match(params[i].name) || (sel == "experts" && params[i].expert)) frozen[i] = 1, ++matched;
+    if (external_experts)
+      for (int l = first; l < cfg.layers && rre_blocks > 0; ++l)
+        for (int g = 0; g < G; ++g) {
+          int leaves = 0;
+          for (const char* leaf : kLeaves)
+            leaves += sel == "experts" || match(expert_tensor_name(l, cfg.groups[size_t(g)].name, leaf));
+          SIGMA_CHECK(leaves == 0 || leaves == 4, "train.freeze: '{}' names only some tensors of "
+                      "block {}'s '{}' experts; an expert store freezes whole experts", sel, l,
+                      cfg.groups[size_t(g)].name);
+          if (leaves) frozen_experts[expert_index(l, g)] = 1, ++matched;
+        }
+    SIGMA_CHECK(matched > 0, "train.freeze: '{}' is not shared, embeddings or experts and no "
+                "parameter name starts with it", sel);
+  }
+
+  plan.mask.frozen = frozen;
+  const auto tok = std::find_if(params.begin(), params.end(),
+                                [](const Param& p) { return p.name == "embed.tokens"; });
+  const size_t tok_i = size_t(tok - params.begin());
+  if (limit_slots && tok != params.end() && !frozen[tok_i]) {
+    if (trained_slots.empty()) {
+      plan.mask.frozen[tok_i] = 1;
+    } else {
+      plan.mask.rows.assign(params.size(), {});
+      for (int s : trained_slots)  // std::set: ascending, as mask_grads needs
+        plan.mask.rows[tok_i].push_back({int64_t(s) * cfg.vocab, int64_t(s + 1) * cfg.vocab});
+    }
+  }
+  plan.frozen_experts = frozen_experts;
+
+  int64_t trains = 0, total = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t n = params[i].value.numel();
+    total += n;
+    if (plan.mask.frozen[i]) continue;
+    if (!plan.mask.rows.empty() && !plan.mask.rows[i].empty()) {
+      for (auto [b, e] : plan.mask.rows[i]) trains += (e - b) * (n / params[i].value.dim(0));
+    } else {
+      trains += n;
+    }
+  }
+  const int64_t per_expert = 2 * int64_t(cfg.d_model) * cfg.ffn() + cfg.ffn() + cfg.d_model;
+  if (external_experts)
+    for (int l = first; l < cfg.layers && rre_blocks > 0; ++l)
+      for (int g = 0; g < G; ++g) {
+        const int64_t n = per_expert * cfg.groups[size_t(g)].experts;
+        total += n;
+        if (!frozen_experts[expert_index(l, g)]) trains += n;
+      }
+  plan.summary = fmt::format("train.freeze = [{}]: {} of {} parameters train", fmt::join(selectors, ", "),
+                             trains, total);
+  return plan;
+}
+
+}  // namespace sigma
