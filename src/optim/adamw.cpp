@@ -1,5 +1,7 @@
 #include "optim/adamw.h"
 
+#include "optim/adam_kernel.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -15,6 +17,9 @@ void OptimConfig::describe(Options& o, const std::string& p) {
   o.add(p + "eps_rre", &eps_rre, "Adam epsilon for RRE expert parameters", 1e-30, 1.0);
   o.add(p + "weight_decay", &weight_decay, "decoupled weight decay on linear weights", 0.0, 10.0);
   o.add(p + "grad_clip", &grad_clip, "global gradient-norm clip (0 = off)", 0.0, 1e9);
+  o.add(p + "sparse_embeddings", &sparse_embeddings,
+        "update only the embedding rows of the batch's tokens (inputs and targets), each with "
+        "its own Adam step; drops the tied head's gradient on the other rows");
 }
 
 float lr_at(const OptimConfig& c, int64_t step, int64_t total) {
@@ -87,15 +92,46 @@ void UpdateMask::mask_grads(ParamSet& params) const {
   }
 }
 
+void AdamW::lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                          float lr, float eps, float grad_scale) {
+  const int64_t rows = p.value.dim(0), width = p.value.numel() / rows;
+  if (s.row_step.empty()) s.row_step.assign(size_t(rows), s.step);  // rows so far moved together
+  s.step += 1;  // counts the steps that updated any row
+  std::vector<int64_t> list;
+  for (auto [b, e] : ranges)
+    for (int64_t r = b; r < e; ++r) list.push_back(r);
+  AdamStepArgs a;
+  a.lr = lr;
+  a.beta1 = cfg_.beta1;
+  a.beta2 = cfg_.beta2;
+  a.eps = eps;
+  a.weight_decay = p.decay ? cfg_.weight_decay : 0.0f;
+  a.grad_scale = grad_scale;
+  float *w = p.value.f(), *m = s.m.f(), *v = s.v.f();
+  const float* g = p.grad.f();
+  const int64_t n = int64_t(list.size());
+#pragma omp parallel for schedule(static) firstprivate(a) if (n * width > (int64_t(1) << 16))
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t r = list[size_t(k)];
+    a.step = ++s.row_step[size_t(r)];
+    adam_step(w + r * width, m + r * width, v + r * width, g + r * width, width, a);
+  }
+}
+
 void AdamW::step(ParamSet& params, float lr, float grad_scale, const UpdateMask* mask) {
   auto& ps = params.all();
   for (size_t i = 0; i < ps.size(); ++i) {
     if (mask && !mask->frozen.empty() && mask->frozen[i]) continue;
     State& s = state_[i];
+    const float eps0 = ps[i].expert ? cfg_.eps_rre : cfg_.eps;
+    if (mask && !mask->lazy_rows.empty() && mask->lazy_rows[i]) {
+      lazy_row_step(ps[i], s, mask->rows.at(i), lr, eps0, grad_scale);
+      continue;
+    }
     s.step += 1;
     const float bc1 = 1.0f - std::pow(cfg_.beta1, float(s.step));
     const float bc2 = 1.0f - std::pow(cfg_.beta2, float(s.step));
-    const float eps = ps[i].expert ? cfg_.eps_rre : cfg_.eps;
+    const float eps = eps0;
     const float wd = ps[i].decay ? cfg_.weight_decay : 0.0f;
     float *w = ps[i].value.f(), *m = s.m.f(), *v = s.v.f();
     const float* g = ps[i].grad.f();

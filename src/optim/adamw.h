@@ -20,6 +20,7 @@ struct OptimConfig {
   float eps_rre = 1e-10f;
   float weight_decay = 0.1f;
   float grad_clip = 1.0f;  // global-norm clipping; 0 disables
+  bool sparse_embeddings = false;  // update only the batch's embed.tokens rows (lazy, per row)
   void describe(Options& o, const std::string& prefix);
 };
 
@@ -38,6 +39,9 @@ void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, float
 struct UpdateMask {
   std::vector<uint8_t> frozen;  // [params]; empty = none
   std::vector<std::vector<std::pair<int64_t, int64_t>>> rows;  // [params]; empty = every row
+  // [params]; a row-limited parameter with lazy_rows keeps a step count per row, advanced only
+  // when the row is updated (sparse embedding updates: the rows of the batch's tokens).
+  std::vector<uint8_t> lazy_rows;
   bool all() const { return frozen.empty() && rows.empty(); }
   // Zeroes the gradients that will not be applied, so that the norm (and clipping) sees only
   // what trains.
@@ -58,11 +62,14 @@ class AdamW {
   struct State {
     Tensor m, v;
     int64_t step = 0;
+    std::vector<int64_t> row_step;  // lazy row updates only: per row (empty until first used)
   };
   std::vector<State>& state() { return state_; }  // parallel to params.all()
   const std::vector<State>& state() const { return state_; }
 
  private:
+  void lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                     float lr, float eps, float grad_scale);
   OptimConfig cfg_;
   std::vector<State> state_;
 };

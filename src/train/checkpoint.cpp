@@ -39,6 +39,13 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
       *steps.back().data<int64_t>() = s.step;
     }
     for (size_t i = 0; i < ps.size(); ++i) state.push_back(tensor_ref(ps[i].name + ".step", steps[i]));
+    for (size_t i = 0; i < ps.size(); ++i) {  // lazy row updates: a step count per row
+      const auto& rs = opt->state()[i].row_step;
+      if (rs.empty()) continue;
+      steps.emplace_back(DType::I64, Shape{int64_t(rs.size())});
+      std::copy(rs.begin(), rs.end(), steps.back().data<int64_t>());
+      state.push_back(tensor_ref(ps[i].name + ".row_steps", steps.back()));
+    }
     if (experts) experts->add_optimizer_tensors(state, steps);
     w.add_safetensors(kOptimizerFile, state, {{"format", "sigma-adamw"}, {"version", "1"}});
   }
@@ -126,6 +133,13 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir, 
                     it->second.numel() == 1,
                 "{}: optimizer step count '{}.step' is missing", path, ps[i].name);
     s.step = *it->second.data<int64_t>();
+    auto rs = st.tensors.find(ps[i].name + ".row_steps");
+    s.row_step.clear();
+    if (rs != st.tensors.end()) {
+      SIGMA_CHECK(rs->second.dtype() == DType::I64 && rs->second.numel() == ps[i].value.dim(0),
+                  "{}: '{}.row_steps' must be I64 [{}]", path, ps[i].name, ps[i].value.dim(0));
+      s.row_step.assign(rs->second.data<int64_t>(), rs->second.data<int64_t>() + rs->second.numel());
+    }
   }
   if (rest)
     for (auto& [name, t] : st.tensors) (*rest)[name] = std::move(t);

@@ -128,4 +128,47 @@ FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelCon
   return plan;
 }
 
+void limit_to_batch_rows(UpdateMask& mask, const ParamSet& ps, const ModelConfig& cfg,
+                         std::span<const Batch> micro) {
+  const auto& params = ps.all();
+  size_t tok = 0;
+  while (tok < params.size() && params[tok].name != "embed.tokens") ++tok;
+  SIGMA_CHECK(tok < params.size(), "sparse embeddings: the model has no embed.tokens");
+  if (!mask.frozen.empty() && mask.frozen[tok]) return;
+  std::vector<uint8_t> used(size_t(params[tok].value.dim(0)), 0);
+  for (const Batch& b : micro)
+    for (int r = 0; r < b.B; ++r) {
+      const int64_t base = int64_t(cfg.domains[size_t(b.domain[size_t(r)])].slot) * cfg.vocab;
+      for (int t = 0; t < b.T; ++t) {
+        const size_t i = size_t(r) * b.T + t;
+        used[size_t(base + b.tokens[i])] = 1;
+        used[size_t(base + b.targets[i])] = 1;
+      }
+    }
+  if (!mask.rows.empty() && !mask.rows[tok].empty()) {  // only inside the trainable slots
+    std::vector<uint8_t> allowed(used.size(), 0);
+    for (auto [b, e] : mask.rows[tok]) std::fill(allowed.begin() + b, allowed.begin() + e, 1);
+    for (size_t r = 0; r < used.size(); ++r) used[r] &= allowed[r];
+  }
+  if (mask.rows.empty()) mask.rows.assign(params.size(), {});
+  if (mask.lazy_rows.empty()) mask.lazy_rows.assign(params.size(), 0);
+  auto& ranges = mask.rows[tok];
+  ranges.clear();
+  for (int64_t r = 0; r < int64_t(used.size());) {
+    if (!used[size_t(r)]) {
+      ++r;
+      continue;
+    }
+    int64_t e = r;
+    while (e < int64_t(used.size()) && used[size_t(e)]) ++e;
+    ranges.push_back({r, e});
+    r = e;
+  }
+  if (ranges.empty()) {  // no row of the table trains this step
+    if (mask.frozen.empty()) mask.frozen.assign(params.size(), 0);
+    mask.frozen[tok] = 1;
+  }
+  mask.lazy_rows[tok] = 1;
+}
+
 }  // namespace sigma

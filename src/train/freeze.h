@@ -2,9 +2,11 @@
 // domain trained alone with everything else frozen, so that every other domain computes
 // exactly what it did before.
 #pragma once
+#include <span>
 #include <string>
 #include <vector>
 
+#include "model/batch.h"
 #include "model/config.h"
 #include "model/params.h"
 #include "optim/adamw.h"
@@ -31,5 +33,11 @@ struct FreezePlan {
 FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelConfig& cfg,
                        const ParamSet& ps, bool external_experts,
                        const std::vector<std::string>& trained);
+
+// optim.sparse_embeddings: limits embed.tokens in `mask` (the plan's, copied per step) to the
+// rows of the micro-batches' tokens, inputs and targets, in their domains' slots, updated
+// lazily (one Adam step count per row), and within the rows the plan lets train.
+void limit_to_batch_rows(UpdateMask& mask, const ParamSet& ps, const ModelConfig& cfg,
+                         std::span<const Batch> micro);
 
 }  // namespace sigma

@@ -225,13 +225,15 @@ TrainSummary train(Config cfg, const RunOptions& run) {
       window.add(b, token_loss);
       aux_window += model.aux_loss() / cfg.train.accum;
     }
-    if (!freeze.mask.all()) freeze.mask.mask_grads(model.params());
+    UpdateMask mask = freeze.mask;
+    if (cfg.optim.sparse_embeddings) limit_to_batch_rows(mask, model.params(), cfg.model, micro);
+    if (!mask.all()) mask.mask_grads(model.params());
     const double norm =
         std::sqrt(AdamW::grad_sq(model.params()) + (experts ? experts->grad_sq() : 0.0));
     const float clip = (cfg.optim.grad_clip > 0 && norm > cfg.optim.grad_clip)
                            ? float(cfg.optim.grad_clip / norm) : 1.0f;
     const float lr = lr_at(cfg.optim, step, cfg.train.steps);
-    opt.step(model.params(), lr, clip, &freeze.mask);
+    opt.step(model.params(), lr, clip, &mask);
     if (experts) experts->end_step(lr, clip);
     state.step = step + 1;
     state.tokens += int64_t(cfg.train.accum) * B * T;
