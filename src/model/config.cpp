@@ -74,7 +74,7 @@ void ModelConfig::validate() const {
                 g.name, g.experts);
   }
   SIGMA_CHECK(!domains.empty(), "model.domains is empty: at least one domain is needed");
-  const bool need_groups = rre_layers > 0 || !groups.empty();
+  const bool need_groups = rre_layers > 0;  // a dense model ignores groups
   std::set<std::string> seen;
   for (const auto& d : domains) {
     SIGMA_CHECK(!d.name.empty(), "model.domains: a domain has an empty name");

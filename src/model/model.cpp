@@ -91,7 +91,7 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, b
   register_params(params_, cfg_, !external_experts);
   register_buffers(buffers_, cfg_);
   for (const DomainSpec& d : cfg_.domains)
-    domain_group_.push_back(cfg_.groups.empty() ? -1 : cfg_.group_index(d.group));
+    domain_group_.push_back(cfg_.rre_layers == 0 ? -1 : cfg_.group_index(d.group));
 
   // Initialisation: N(0, std) per tensor from its own RNG stream (so adding a tensor never
   // shifts another's values), and per expert from its own stream (so resizing a group never

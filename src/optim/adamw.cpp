@@ -1,9 +1,9 @@
 #include "optim/adamw.h"
 
-#include "optim/adam_kernel.h"
-
 #include <algorithm>
 #include <cmath>
+
+#include "optim/adam_kernel.h"
 
 namespace sigma {
 
@@ -47,7 +47,7 @@ void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, float
 
 AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params) : cfg_(cfg) {
   for (const Param& p : params.all())
-    state_.push_back({Tensor::f32(p.value.shape()), Tensor::f32(p.value.shape()), 0});
+    state_.push_back({Tensor::f32(p.value.shape()), Tensor::f32(p.value.shape()), 0, {}});
 }
 
 double AdamW::grad_norm(const ParamSet& params) { return std::sqrt(grad_sq(params)); }

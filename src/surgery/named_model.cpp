@@ -84,7 +84,7 @@ Counts count_params(const NamedModel& m) {
   n.shared = n.total - experts - n.per_slot * c.slots;
   for (const DomainSpec& d : c.domains) {
     int64_t p = n.shared + n.per_slot;
-    if (!c.groups.empty()) p += n.groups[size_t(c.group_index(d.group))].params;
+    if (c.rre_layers > 0) p += n.groups[size_t(c.group_index(d.group))].params;
     n.domains.push_back({d.name, d.group, d.slot, p});
   }
   return n;

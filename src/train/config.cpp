@@ -1,7 +1,6 @@
 #include "train/config.h"
 
 #include <algorithm>
-
 #include <fstream>
 
 #include "core/error.h"

@@ -39,7 +39,7 @@ FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelCon
       for (const auto& n : trained) {
         const DomainSpec& d = cfg.domains[size_t(cfg.domain_index(n))];
         trained_slots.insert(d.slot);
-        if (!cfg.groups.empty()) trained_groups.insert(d.group);
+        if (cfg.rre_layers > 0) trained_groups.insert(d.group);
       }
       for (const DomainSpec& d : cfg.domains) {
         if (std::find(trained.begin(), trained.end(), d.name) != trained.end()) continue;
