@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <omp.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -412,9 +413,11 @@ void ExpertStore::apply_grads(std::span<const ExpertId> ids, std::span<const flo
               "expert store apply_grads: an expert appears twice in one batch");
   mark_dirty();  // once, before the threads start
   const int64_t n = int64_t(ids.size());
-  // Small experts: one thread per expert (adam_step stays on its thread inside the region).
-  // Large ones: each adam_step forks over all threads itself.
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && largest < kAdamParallelMin)
+  // Enough experts to share out: one thread per expert (adam_step stays on its thread inside
+  // the region), one fork for the batch. Few large ones: each adam_step forks over all threads
+  // itself. (Forking per tensor of many mid-sized experts cost more than the updates.)
+  const bool per_expert = n >= 2 * omp_get_max_threads() || largest < kAdamParallelMin;
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && per_expert)
   for (int64_t i = 0; i < n; ++i) apply(ids[size_t(i)], grads[size_t(i)], a, path);
 }
 
