@@ -139,7 +139,9 @@ TEST(EcssTrain, InactiveExpertsStayBitIdentical) {
         const std::string name = expert_tensor_name(l, "extra", leaf);
         const bool same = same_bits(m.at(name), init.params().at(name).value);
         if (!expect_untouched) {
-          if (leaf[0] == 'w') EXPECT_FALSE(same) << out << ": " << name;
+          if (leaf[0] == 'w') {
+            EXPECT_FALSE(same) << out << ": " << name;
+          }
           continue;
         }
         EXPECT_TRUE(same) << out << ": " << name;

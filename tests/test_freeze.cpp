@@ -75,7 +75,9 @@ void new_domain_trains_alone(const std::string& experts_mode) {
   for (const auto& [name, t] : before) {
     const Tensor& u = after.at(name);
     if (name.find(".rre.arith.") != std::string::npos) {
-      if (name.find(".w_") != std::string::npos) EXPECT_FALSE(same_bits(t, u)) << name << " did not train";
+      if (name.find(".w_") != std::string::npos) {
+        EXPECT_FALSE(same_bits(t, u)) << name << " did not train";
+      }
     } else if (name == "embed.tokens") {
       const size_t row = size_t(t.dim(1)) * 4;
       EXPECT_EQ(std::memcmp(t.bytes(), u.bytes(), size_t(V) * row), 0) << "slot 0 moved";

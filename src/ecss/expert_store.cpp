@@ -345,13 +345,14 @@ void ExpertStore::prefetch(std::span<const ExpertId> ids, bool fault_in) const {
     ::madvise(reinterpret_cast<void*>(b), e - b, MADV_WILLNEED);  // a hint
   }
   if (!fault_in) return;
-  uint8_t sink = 0;
+  // Rewrite one byte of every page with its own value: the page is read in and mapped writable
+  // (the write fault a shared file mapping takes on a clean page happens here, not in Adam).
+  // The bytes do not change, so a crash or a concurrent write-back sees the same record.
   for (ExpertId id : ids) {
     const Slot& s = slot(id);
-    const volatile uint8_t* p = reinterpret_cast<const volatile uint8_t*>(data_ + s.offset);
-    for (uint64_t off = 0; off < groups_[s.group].record_bytes; off += page) sink ^= p[off];
+    volatile uint8_t* p = reinterpret_cast<volatile uint8_t*>(data_ + s.offset);
+    for (uint64_t off = 0; off < groups_[s.group].record_bytes; off += page) p[off] = p[off];
   }
-  (void)sink;
 }
 
 // ---- updates ---------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ std::string expert_tensor_name(int l, const std::string& group, const char* leaf
   return fmt::format("blocks.{}.rre.{}.{}", l, group, leaf);
 }
 
+bool is_expert_tensor(const std::string& name) {
+  return name.rfind("blocks.", 0) == 0 && name.find(".rre.") != std::string::npos;
+}
+
 void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts) {
   const int64_t V = cfg.vocab, d = cfg.d_model, f = cfg.ffn(), T = cfg.context;
   const int L = cfg.layers;

@@ -56,6 +56,8 @@ void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts = true);
 
 // Name of RRE block l's stacked expert tensor `leaf` (w_in, b_in, w_out, b_out) of group g.
 std::string expert_tensor_name(int l, const std::string& group, const char* leaf);
+// Whether a checkpoint tensor belongs to RRE experts (blocks.L.rre.G.*, with any suffix).
+bool is_expert_tensor(const std::string& name);
 
 // Adds the routing tables routing.{l}.{g}, int32 [V], for every RRE block l and group g, in
 // that order (zero-filled: the model builds or loads them); none with a learned gate.

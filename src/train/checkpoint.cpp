@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -72,9 +73,11 @@ CheckpointInfo open_checkpoint(const std::string& path) {
   return info;
 }
 
-void load_model(Model& model, const std::string& dir, TensorMap* rest) {
+void load_model(Model& model, const std::string& dir) {
   const std::string path = dir + "/" + kModelFile;
-  Safetensors st = read_safetensors(path);
+  Safetensors st = read_safetensors(path, [&](const std::string& name) {
+    return !model.external_experts() || !is_expert_tensor(name);
+  });
   SIGMA_CHECK(st.metadata.count("format") && st.metadata["format"] == kFormat,
               "{}: not a Sigma model file (metadata 'format' is not '{}')", path, kFormat);
   for (Param& p : model.params().all()) {
@@ -97,26 +100,27 @@ void load_model(Model& model, const std::string& dir, TensorMap* rest) {
     }
   }
   size_t expected = model.params().all().size() + model.buffers().all().size();
-  if (model.external_experts()) {
-    SIGMA_CHECK(rest, "load_model: a model with external experts needs somewhere to put them");
+  if (model.external_experts()) {  // read later by ExpertOffload::load; here only counted
     const ModelConfig& cfg = model.config();
     for (int l = cfg.first_rre_block(); l < cfg.layers; ++l)
       for (const GroupSpec& g : cfg.groups)
         for (const char* leaf : {"w_in", "b_in", "w_out", "b_out"}) {
-          auto it = st.tensors.find(expert_tensor_name(l, g.name, leaf));
-          SIGMA_CHECK(it != st.tensors.end(), "{}: tensor '{}' is missing", path,
-                      expert_tensor_name(l, g.name, leaf));
-          (*rest)[it->first] = std::move(it->second);
+          SIGMA_CHECK(st.index.count(expert_tensor_name(l, g.name, leaf)),
+                      "{}: tensor '{}' is missing", path, expert_tensor_name(l, g.name, leaf));
           ++expected;
         }
   }
-  SIGMA_CHECK(st.tensors.size() == expected, "{}: holds {} tensors but the model has {}", path,
-              st.tensors.size(), expected);
+  SIGMA_CHECK(st.index.size() == expected, "{}: holds {} tensors but the model has {}", path,
+              st.index.size(), expected);
 }
 
-void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir, TensorMap* rest) {
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) {
   const std::string path = dir + "/" + kOptimizerFile;
-  Safetensors st = read_safetensors(path);
+  // Expert state that is not in `params` (an expert store's) is left for ExpertOffload::load.
+  const bool has_experts = std::any_of(params.all().begin(), params.all().end(),
+                                       [](const Param& p) { return p.expert; });
+  Safetensors st = read_safetensors(
+      path, [&](const std::string& name) { return has_experts || !is_expert_tensor(name); });
   const auto& ps = params.all();
   for (size_t i = 0; i < ps.size(); ++i) {
     auto& s = opt.state()[i];
@@ -141,8 +145,6 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir, 
       s.row_step.assign(rs->second.data<int64_t>(), rs->second.data<int64_t>() + rs->second.numel());
     }
   }
-  if (rest)
-    for (auto& [name, t] : st.tensors) (*rest)[name] = std::move(t);
 }
 
 std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info) {

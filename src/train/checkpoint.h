@@ -38,11 +38,9 @@ CheckpointInfo open_checkpoint(const std::string& path);
 
 // Copies the checkpoint's tensors into `model` / `opt`; every tensor must exist with the
 // same shape (the error names the first that does not). A model with external experts (ECSS)
-// leaves the expert tensors to ExpertOffload::load: they are moved into `rest`, as is every
-// optimizer tensor that load_optimizer does not consume.
-void load_model(Model& model, const std::string& dir, TensorMap* rest = nullptr);
-void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir,
-                    TensorMap* rest = nullptr);
+// leaves the expert tensors (blocks.*.rre.*) unread: ExpertOffload::load reads them.
+void load_model(Model& model, const std::string& dir);
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir);
 
 // The model of a checkpoint, ready for inference; `info` receives its config and state.
 std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info = nullptr);

@@ -243,63 +243,78 @@ void ExpertOffload::add_optimizer_tensors(std::vector<TensorRef>& out, std::vect
   }
 }
 
-void ExpertOffload::load(const TensorMap& model_tensors, const TensorMap& opt_tensors,
-                         const std::string& where) {
+void ExpertOffload::load(const std::string& dir) {
   const ModelConfig& cfg = model_.config();
-  auto find = [&](const TensorMap& m, const std::string& name, DType dt, const Shape& shape,
-                  const char* file) -> const Tensor& {
-    auto it = m.find(name);
-    SIGMA_CHECK(it != m.end(), "{}/{}: expert tensor '{}' is missing", where, file, name);
-    SIGMA_CHECK(it->second.dtype() == dt && it->second.shape() == shape,
-                "{}/{}: expert tensor '{}' is {} {} but the store expects {} {}", where, file, name,
-                dtype_name(it->second.dtype()), shape_str(it->second.shape()), dtype_name(dt),
+  const std::string model_path = dir + "/model.safetensors", opt_path = dir + "/optimizer.safetensors";
+  auto is_step = [](const std::string& n) {
+    return n.size() > 6 && (n.compare(n.size() - 6, 6, ".steps") == 0 || n.compare(n.size() - 5, 5, ".step") == 0);
+  };
+  // Pass 1: the files' indexes and every step count; nothing changes yet.
+  const Safetensors model_index = read_safetensors(model_path, [](const std::string&) { return false; });
+  const Safetensors steps_file = read_safetensors(opt_path, is_step);
+  auto check = [](const std::map<std::string, TensorInfo>& index, const std::string& path,
+                  const std::string& name, DType dt, const Shape& shape) {
+    auto it = index.find(name);
+    SIGMA_CHECK(it != index.end(), "{}: expert tensor '{}' is missing", path, name);
+    SIGMA_CHECK(it->second.dtype == dt && it->second.shape == shape,
+                "{}: expert tensor '{}' is {} {} but the store expects {} {}", path, name,
+                dtype_name(it->second.dtype), shape_str(it->second.shape), dtype_name(dt),
                 shape_str(shape));
-    return it->second;
   };
-  struct Source {
-    const ExpertGroupSpec* gs;
-    std::vector<const float*> w, m, v;  // per tensor: stacked [K, ...]
-    std::vector<int64_t> steps;         // per expert
-  };
-  std::vector<Source> src;
-  for (const ExpertGroupSpec& gs : store_.spec().groups) {  // check everything first
+  std::vector<std::vector<int64_t>> steps;  // per store group, per expert
+  for (const ExpertGroupSpec& gs : store_.spec().groups) {
     const std::string& name = cfg.groups[size_t(gs.group)].name;
-    Source s{&gs, {}, {}, {}, {}};
     for (size_t t = 0; t < gs.tensors.size(); ++t) {
       const std::string base = expert_tensor_name(gs.block, name, kLeaves[t]);
       Shape shape{gs.experts};
       for (int64_t x : gs.tensors[t].shape) shape.push_back(x);
-      s.w.push_back(find(model_tensors, base, DType::F32, shape, "model.safetensors").f());
-      s.m.push_back(find(opt_tensors, base + ".m", DType::F32, shape, "optimizer.safetensors").f());
-      s.v.push_back(find(opt_tensors, base + ".v", DType::F32, shape, "optimizer.safetensors").f());
+      check(model_index.index, model_path, base, DType::F32, shape);
+      check(steps_file.index, opt_path, base + ".m", DType::F32, shape);
+      check(steps_file.index, opt_path, base + ".v", DType::F32, shape);
     }
-    const std::string steps = fmt::format("blocks.{}.rre.{}.steps", gs.block, name);
-    if (opt_tensors.count(steps)) {
-      const Tensor& st = find(opt_tensors, steps, DType::I64, {gs.experts}, "optimizer.safetensors");
-      s.steps.assign(st.data<int64_t>(), st.data<int64_t>() + gs.experts);
+    const std::string per_expert = fmt::format("blocks.{}.rre.{}.steps", gs.block, name);
+    std::vector<int64_t> s;
+    if (steps_file.index.count(per_expert)) {
+      check(steps_file.index, opt_path, per_expert, DType::I64, {gs.experts});
+      const int64_t* v = steps_file.tensors.at(per_expert).data<int64_t>();
+      s.assign(v, v + gs.experts);
     } else {  // written by an in-model run or by surgery: one step per tensor
-      const Tensor& st = find(opt_tensors, expert_tensor_name(gs.block, name, "w_in") + ".step",
-                              DType::I64, {}, "optimizer.safetensors");
-      s.steps.assign(size_t(gs.experts), *st.data<int64_t>());
+      const std::string one = expert_tensor_name(gs.block, name, "w_in") + ".step";
+      check(steps_file.index, opt_path, one, DType::I64, {});
+      s.assign(size_t(gs.experts), *steps_file.tensors.at(one).data<int64_t>());
     }
-    for (int64_t x : s.steps)
-      SIGMA_CHECK(x >= 0, "{}/optimizer.safetensors: negative step count {} in group '{}'", where, x, name);
-    src.push_back(std::move(s));
+    for (int64_t x : s)
+      SIGMA_CHECK(x >= 0, "{}: negative step count {} in group '{}'", opt_path, x, name);
+    steps.push_back(std::move(s));
   }
+  // Pass 2: one group at a time.
   const size_t P = static_cast<size_t>(P_);
   std::vector<float> w(P), m(P), v(P);
-  for (const Source& s : src) {
-    const ExpertGroupSpec& gs = *s.gs;
+  for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
+    const ExpertGroupSpec& gs = store_.spec().groups[gi];
+    const std::string prefix = expert_tensor_name(gs.block, cfg.groups[size_t(gs.group)].name, "");
+    // Names under the group's prefix: "w_in" (weights), "w_in.m" / "w_in.v" (moments).
+    auto rest = [&](const std::string& n) {
+      return n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : std::string(".");
+    };
+    const Safetensors weights = read_safetensors(model_path, [&](const std::string& n) {
+      return rest(n).find('.') == std::string::npos;
+    });
+    const Safetensors moments = read_safetensors(opt_path, [&](const std::string& n) {
+      const std::string r = rest(n);
+      return r.find('.') == r.size() - 2 && (r.ends_with(".m") || r.ends_with(".v"));
+    });
     for (int32_t k = 0; k < gs.experts; ++k) {
       for (size_t t = 0; t < gs.tensors.size(); ++t) {
+        const std::string base = prefix + kLeaves[t];
         const int64_t n = shape_numel(gs.tensors[t].shape), off = gs.offset(t);
-        std::memcpy(w.data() + off, s.w[t] + k * n, size_t(n) * 4);
-        std::memcpy(m.data() + off, s.m[t] + k * n, size_t(n) * 4);
-        std::memcpy(v.data() + off, s.v[t] + k * n, size_t(n) * 4);
+        std::memcpy(w.data() + off, weights.tensors.at(base).f() + k * n, size_t(n) * 4);
+        std::memcpy(m.data() + off, moments.tensors.at(base + ".m").f() + k * n, size_t(n) * 4);
+        std::memcpy(v.data() + off, moments.tensors.at(base + ".v").f() + k * n, size_t(n) * 4);
       }
       const ExpertId id{gs.block, gs.group, k};
       store_.set_weights(id, w.data());
-      store_.set_state(id, m.data(), v.data(), s.steps[size_t(k)]);
+      store_.set_state(id, m.data(), v.data(), steps[gi][size_t(k)]);
     }
   }
   store_.flush();

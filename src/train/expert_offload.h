@@ -76,12 +76,12 @@ class ExpertOffload {
   // scalars until written. Call between steps.
   void add_model_tensors(std::vector<TensorRef>& out) const;
   void add_optimizer_tensors(std::vector<TensorRef>& out, std::vector<Tensor>& keep) const;
-  // Restores every expert from a checkpoint's model and optimizer tensors (read from `where`,
-  // named in errors), checking all of them before changing the store, then flushes it. An
-  // optimizer file without per-expert steps (an in-model checkpoint, a surgery output) gives
-  // every expert of a group its tensors' step.
-  void load(const TensorMap& model_tensors, const TensorMap& optimizer_tensors,
-            const std::string& where);
+  // Restores every expert from checkpoint directory `dir` (its model.safetensors and
+  // optimizer.safetensors): every name, dtype, shape and step count is checked before the store
+  // changes, then one group of experts at a time is read (a store larger than RAM resumes), and
+  // the store is flushed. An optimizer file without per-expert steps (an in-model run, a
+  // surgery output) gives every expert of a group its tensors' step.
+  void load(const std::string& dir);
   // Makes a file-backed store durable and marks it clean.
   void flush() { store_.flush(); }
 

@@ -282,7 +282,8 @@ void write_safetensors(const std::string& path, const std::vector<TensorRef>& te
   }
 }
 
-Safetensors read_safetensors(const std::string& path) {
+Safetensors read_safetensors(const std::string& path,
+                             const std::function<bool(const std::string&)>& want) {
   const std::string where = fmt::format("safetensors file '{}'", path);
   Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   SIGMA_CHECK(f.fd >= 0, "cannot open {}: {}", where, errno_str());
@@ -316,6 +317,8 @@ Safetensors read_safetensors(const std::string& path) {
   check_layout(entries, size - data_start, where);
 
   for (Entry& e : entries) {  // sorted by offset: one sequential pass over the file
+    out.index[e.name] = {e.dtype, e.shape};
+    if (want && !want(e.name)) continue;
     Tensor t(e.dtype, std::move(e.shape));
     read_at(f.fd, t.bytes(), t.nbytes(), data_start + e.begin, where);
     out.tensors.emplace(std::move(e.name), std::move(t));

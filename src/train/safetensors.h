@@ -7,6 +7,7 @@
 // order, back to back. The reader accepts any order but treats the file as hostile: every
 // inconsistency is a sigma::Error naming the file and the tensor or key.
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -40,14 +41,23 @@ std::vector<TensorRef> tensor_refs(const TensorMap& m);
 void write_safetensors(const std::string& path, const std::vector<TensorRef>& tensors,
                        const Metadata& meta);
 
+struct TensorInfo {
+  DType dtype;
+  Shape shape;
+};
+
 struct Safetensors {
-  TensorMap tensors;
+  TensorMap tensors;                        // the tensors read
   Metadata metadata;
+  std::map<std::string, TensorInfo> index;  // every tensor in the file, read or not
 };
 
 // Largest header we parse; a bigger length field means a corrupt or hostile file.
 inline constexpr uint64_t kSafetensorsMaxHeader = 100ull << 20;
 
-Safetensors read_safetensors(const std::string& path);
+// Reads the tensors `want` accepts (all without it); every entry is checked either way. With a
+// filter, parts of a file larger than RAM can be read one after another.
+Safetensors read_safetensors(const std::string& path,
+                             const std::function<bool(const std::string&)>& want = nullptr);
 
 }  // namespace sigma

@@ -135,10 +135,9 @@ TrainSummary train(Config cfg, const RunOptions& run) {
     experts = std::make_unique<ExpertOffload>(model, mode, cfg.optim, cfg.train.expert_store,
                                               ck.has_value());
   if (ck) {
-    TensorMap model_rest, opt_rest;
-    load_model(model, ck->dir, &model_rest);
-    load_optimizer(opt, model.params(), ck->dir, experts ? &opt_rest : nullptr);
-    if (experts) experts->load(model_rest, opt_rest, ck->dir);
+    load_model(model, ck->dir);
+    load_optimizer(opt, model.params(), ck->dir);
+    if (experts) experts->load(ck->dir);
     state = ck->state;
     if (!state.data_cursor.is_null()) data->restore(state.data_cursor);
   }
