@@ -107,10 +107,9 @@ class ExpertStore {
   // Sets an expert's Adam moments (P floats each) and step count (restoring a checkpoint).
   void set_state(ExpertId id, const float* m, const float* v, int64_t step);
   // Hints the kernel to read these records ahead (file backing; RAM: nothing), for overlapping
-  // the next step's gather with this step's compute. With fault_in it also rewrites one byte
-  // of every page with its own value, so that the pages are resident and mapped writable when
-  // it returns and the update takes no page faults (run it on a background thread; it must not
-  // overlap updates, imports or a flush).
+  // the next step's gather with this step's compute. With fault_in it also reads one byte of
+  // every page, so that the pages are resident and mapped when it returns (run it on a
+  // background thread; it must not overlap updates, imports or a flush).
   void prefetch(std::span<const ExpertId> ids, bool fault_in = false) const;
 
   // One lazy Adam update of this expert from its P gradients: step += 1, then adam_step on each
