@@ -129,6 +129,9 @@ TrainSummary train(Config cfg, const RunOptions& run) {
     ck = open_checkpoint(run.resume);
     check_same_model(cfg, ck->cfg);
   }
+  // Checked before the store is created: a bad selector leaves no store file behind.
+  const FreezePlan freeze = plan_freeze(cfg.train.freeze, cfg.model, model.params(),
+                                       model.external_experts(), data->domains());
   // ECSS: the experts and their Adam state live in the store, not in `model` and `opt`.
   std::unique_ptr<ExpertOffload> experts;
   if (mode != ExpertMode::InModel)
@@ -141,8 +144,6 @@ TrainSummary train(Config cfg, const RunOptions& run) {
     state = ck->state;
     if (!state.data_cursor.is_null()) data->restore(state.data_cursor);
   }
-  const FreezePlan freeze = plan_freeze(cfg.train.freeze, cfg.model, model.params(),
-                                       model.external_experts(), data->domains());
   if (experts) experts->set_frozen(freeze.frozen_experts);
   const int B = cfg.train.batch, T = cfg.model.context;
   const int64_t last = run.stop_at >= 0 ? std::min(run.stop_at, cfg.train.steps) : cfg.train.steps;
