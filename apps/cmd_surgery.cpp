@@ -8,6 +8,7 @@
 
 #include "command.h"
 #include "surgery/surgery.h"
+#include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
 
 namespace sigma::cli {
@@ -22,9 +23,6 @@ struct SurgeryArgs {
   bool json = false;
 };
 
-int64_t model_bytes(const std::string& dir) {
-  return int64_t(std::filesystem::file_size(dir + "/" + kModelFile));
-}
 
 int64_t param_total(const NamedModel& m) { return count_params(m).total; }
 
@@ -47,7 +45,7 @@ void print_size(const NamedModel& full, const NamedModel& sub, const std::string
                 const char* what) {
   const int64_t pf = param_total(full), ps = param_total(sub);
   fmt::print("{} -> {}: {} parameters of {} ({:.1f}%), model.safetensors {} of {} bytes\n", what,
-             dir, ps, pf, 100.0 * double(ps) / double(pf), model_bytes(dir), model_bytes(full.dir));
+             dir, ps, pf, 100.0 * double(ps) / double(pf), checkpoint_model_bytes(dir), checkpoint_model_bytes(full.dir));
 }
 
 void run_extract(const SurgeryArgs& a) {

@@ -59,10 +59,10 @@ TrainSummary run(Config c, const std::string& out, const std::string& resume = "
 }
 
 TensorMap model_tensors(const std::string& out) {
-  return read_safetensors(resolve_checkpoint(out + "/checkpoints") + "/model.safetensors").tensors;
+  return read_model_tensors(resolve_checkpoint(out + "/checkpoints"));
 }
 TensorMap optimizer_tensors(const std::string& out) {
-  return read_safetensors(resolve_checkpoint(out + "/checkpoints") + "/optimizer.safetensors").tensors;
+  return read_optimizer_tensors(resolve_checkpoint(out + "/checkpoints"));
 }
 
 bool same_bits(const Tensor& a, const Tensor& b) {
@@ -327,6 +327,40 @@ TEST(EcssTrain, CheckpointsCrossBetweenModes) {
   ASSERT_EQ(r.code, 0) << r.out;
   const TensorMap o = optimizer_tensors(dir / "ecss");
   EXPECT_EQ(o.at("blocks.1.rre.markov.steps").data<int64_t>()[0] > 0, true);
+}
+
+// A checkpoint writes only the expert groups updated since the previous one and hard-links the
+// others; deleting the older checkpoint leaves the newer one whole; resume is still exact.
+TEST(EcssTrain, CheckpointsLinkUnchangedExpertGroups) {
+  TempDir dir("ecss");
+  Config c = with_extra_domain(small_config("ecss", 16));
+  c.train.ckpt_every = 4;
+  run(c, dir / "run", "", /*stop_at=*/12);
+  auto inode = [](const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 ? std::pair{st.st_ino, st.st_nlink} : std::pair{ino_t(0), nlink_t(0)};
+  };
+  const std::string s4 = dir / "run/checkpoints/step-00000004", s8 = dir / "run/checkpoints/step-00000008",
+                    s12 = dir / "run/checkpoints/step-00000012";
+  for (const char* f : {"experts.1.extra.safetensors", "experts.2.extra.adam.safetensors"}) {
+    EXPECT_EQ(inode(s4 + "/" + f).first, inode(s8 + "/" + f).first) << f << " was written again";
+    EXPECT_EQ(inode(s8 + "/" + f).first, inode(s12 + "/" + f).first) << f;
+    EXPECT_GE(inode(s12 + "/" + f).second, 3u) << f;
+  }
+  for (const char* f : {"experts.1.markov.safetensors", "experts.1.markov.adam.safetensors"})
+    EXPECT_NE(inode(s4 + "/" + f).first, inode(s8 + "/" + f).first) << f << " changed but was linked";
+
+  // The older checkpoints can go; the newest verifies and resumes exactly.
+  fs::remove_all(s4);
+  fs::remove_all(s8);
+  EXPECT_NO_THROW(open_checkpoint(s12));
+  run(c, dir / "straight");
+  run(c, dir / "run", s12);
+  expect_same_tensors(model_tensors(dir / "straight"), model_tensors(dir / "run"), "model");
+  expect_same_tensors(optimizer_tensors(dir / "straight"), optimizer_tensors(dir / "run"), "optimizer");
+  // Resumed from s12, the next checkpoint links the idle group from it.
+  EXPECT_EQ(inode(s12 + "/experts.1.extra.safetensors").first,
+            inode(dir / "run/checkpoints/step-00000016/experts.1.extra.safetensors").first);
 }
 
 }  // namespace

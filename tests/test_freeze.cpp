@@ -25,7 +25,7 @@ const char* kSmall =
     "--set train.batch=6 --set train.eval_rows=8 ";
 
 TensorMap model_file(const std::string& root) {
-  return read_safetensors(resolve_checkpoint(root) + "/model.safetensors").tensors;
+  return read_model_tensors(resolve_checkpoint(root));
 }
 
 bool same_bits(const Tensor& a, const Tensor& b) {
@@ -228,8 +228,7 @@ TEST(SparseEmbeddings, OnlyTheBatchRowsMoveWithTheirOwnStepCounts) {
     }
     for (int64_t i = 0; i < rows; ++i) expect[size_t(i)] += seen[size_t(i)];
   }
-  const TensorMap opt = read_safetensors(resolve_checkpoint(dir / "straight/checkpoints") +
-                                         "/optimizer.safetensors").tensors;
+  const TensorMap opt = read_optimizer_tensors(resolve_checkpoint(dir / "straight/checkpoints"));
   const Tensor& row_steps = opt.at("embed.tokens.row_steps");
   ASSERT_EQ(row_steps.numel(), rows);
   Model init(c.model, c.train.seed);

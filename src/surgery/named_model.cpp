@@ -20,7 +20,7 @@ NamedModel read_model(const std::string& path) {
   NamedModel m;
   m.cfg = info.cfg;
   m.dir = info.dir;
-  m.tensors = read_safetensors(info.dir + "/" + kModelFile).tensors;
+  m.tensors = read_model_tensors(info.dir);  // model.safetensors and any expert group files
   m.tokenizer = checkpoint_tokenizer_path(info.dir);
   m.cfg.model.validate();
   return m;

@@ -19,13 +19,12 @@ constexpr const char* kTokenizerFile = "tokenizer.json";
 
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
-                            const std::string& tokenizer_path, const ExpertOffload* experts) {
+                            const std::string& tokenizer_path, ExpertOffload* experts) {
   CheckpointWriter w(root, fmt::format("step-{:08d}", st.step));
   const nlohmann::json config = cfg.to_json();
   std::vector<TensorRef> params;
   for (const Param& p : model.params().all()) params.push_back(tensor_ref(p.name, p.value));
   for (const Buffer& b : model.buffers().all()) params.push_back(tensor_ref(b.name, b.value));
-  if (experts) experts->add_model_tensors(params);
   w.add_safetensors(kModelFile, params,
                     {{"format", kFormat}, {"version", "1"}, {"config", config.dump()}});
   if (opt) {
@@ -47,13 +46,61 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
       std::copy(rs.begin(), rs.end(), steps.back().data<int64_t>());
       state.push_back(tensor_ref(ps[i].name + ".row_steps", steps.back()));
     }
-    if (experts) experts->add_optimizer_tensors(state, steps);
     w.add_safetensors(kOptimizerFile, state, {{"format", "sigma-adamw"}, {"version", "1"}});
   }
   w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config},
                             {"data_cursor", st.data_cursor}});
   if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
-  return w.commit();
+  if (experts) experts->add_checkpoint_files(w);
+  const std::string dir = w.commit();
+  if (experts) experts->checkpoint_written(dir);
+  return dir;
+}
+
+std::vector<std::string> expert_group_files(const std::string& dir, bool adam) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string file = entry.path().filename().string();
+    if (file.rfind("experts.", 0) != 0 || !file.ends_with(".safetensors")) continue;
+    if (file.ends_with(".adam.safetensors") == adam) out.push_back(file);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+namespace {
+// Adds the tensors of `dir`'s expert group files (weights or Adam state) to `st`: their index
+// always, their data when `want` accepts the name.
+void merge_group_files(Safetensors& st, const std::string& dir, bool adam,
+                       const std::function<bool(const std::string&)>& want) {
+  for (const std::string& f : expert_group_files(dir, adam)) {
+    Safetensors g = read_safetensors(dir + "/" + f, want);
+    for (auto& [name, info] : g.index)
+      SIGMA_CHECK(st.index.emplace(name, info).second, "{}/{}: tensor '{}' is also in another "
+                  "file of the checkpoint", dir, f, name);
+    for (auto& [name, t] : g.tensors) st.tensors.emplace(name, std::move(t));
+  }
+}
+}  // namespace
+
+TensorMap read_model_tensors(const std::string& dir) {
+  Safetensors st = read_safetensors(dir + "/" + kModelFile);
+  merge_group_files(st, dir, /*adam=*/false, nullptr);
+  return std::move(st.tensors);
+}
+
+TensorMap read_optimizer_tensors(const std::string& dir) {
+  Safetensors st = read_safetensors(dir + "/" + kOptimizerFile);
+  merge_group_files(st, dir, /*adam=*/true, nullptr);
+  return std::move(st.tensors);
+}
+
+int64_t checkpoint_model_bytes(const std::string& dir) {
+  int64_t n = int64_t(std::filesystem::file_size(dir + "/" + kModelFile));
+  for (const std::string& f : expert_group_files(dir, false))
+    n += int64_t(std::filesystem::file_size(dir + "/" + f));
+  return n;
 }
 
 CheckpointInfo open_checkpoint(const std::string& path) {
@@ -75,11 +122,13 @@ CheckpointInfo open_checkpoint(const std::string& path) {
 
 void load_model(Model& model, const std::string& dir) {
   const std::string path = dir + "/" + kModelFile;
-  Safetensors st = read_safetensors(path, [&](const std::string& name) {
+  auto want = [&](const std::string& name) {
     return !model.external_experts() || !is_expert_tensor(name);
-  });
+  };
+  Safetensors st = read_safetensors(path, want);
   SIGMA_CHECK(st.metadata.count("format") && st.metadata["format"] == kFormat,
               "{}: not a Sigma model file (metadata 'format' is not '{}')", path, kFormat);
+  merge_group_files(st, dir, /*adam=*/false, want);  // an ECSS run's expert groups
   for (Param& p : model.params().all()) {
     auto it = st.tensors.find(p.name);
     SIGMA_CHECK(it != st.tensors.end(), "{}: tensor '{}' is missing", path, p.name);
@@ -119,8 +168,9 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) 
   // Expert state that is not in `params` (an expert store's) is left for ExpertOffload::load.
   const bool has_experts = std::any_of(params.all().begin(), params.all().end(),
                                        [](const Param& p) { return p.expert; });
-  Safetensors st = read_safetensors(
-      path, [&](const std::string& name) { return has_experts || !is_expert_tensor(name); });
+  auto want = [&](const std::string& name) { return has_experts || !is_expert_tensor(name); };
+  Safetensors st = read_safetensors(path, want);
+  merge_group_files(st, dir, /*adam=*/true, want);
   const auto& ps = params.all();
   for (size_t i = 0; i < ps.size(); ++i) {
     auto& s = opt.state()[i];

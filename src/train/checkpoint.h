@@ -20,12 +20,27 @@ struct TrainerState {
 };
 
 // Writes ROOT/step-NNNNNNNN atomically and moves ROOT/latest to it; returns its path. With
-// `experts` (ECSS) the experts and their Adam state are streamed from the expert store under
-// the same tensor names an in-model checkpoint uses, plus per-expert step counts.
+// `experts` (ECSS) the experts and their Adam state are streamed from the expert store into
+// one pair of files per expert group (below), under the tensor names an in-model checkpoint
+// uses, plus per-expert step counts.
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
                             const std::string& tokenizer_path = "",
-                            const ExpertOffload* experts = nullptr);
+                            ExpertOffload* experts = nullptr);
+
+// An ECSS checkpoint keeps each expert group (RRE block l, group G) in its own files:
+// experts.l.G.safetensors (the stacked weights, named as in model.safetensors) and
+// experts.l.G.adam.safetensors (their Adam state); a group no step changed since the previous
+// checkpoint is hard-linked from it instead of written again. These list them (from the
+// directory; empty for other checkpoints).
+std::vector<std::string> expert_group_files(const std::string& dir, bool adam);
+// Every weight of a checkpoint under its in-model name: model.safetensors plus the expert
+// group files.
+TensorMap read_model_tensors(const std::string& dir);
+// Every optimizer tensor: optimizer.safetensors plus the expert groups' Adam files.
+TensorMap read_optimizer_tensors(const std::string& dir);
+// Bytes of a checkpoint's weights (model.safetensors and the expert groups' weight files).
+int64_t checkpoint_model_bytes(const std::string& dir);
 
 // Resolves `path` (a checkpoint, or a root with `latest`), verifies its checksums and reads
 // its config and trainer state.

@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -194,6 +195,24 @@ void CheckpointWriter::add_file_copy(const std::string& file, const std::string&
   record(file);
 }
 
+bool CheckpointWriter::add_link(const std::string& file, const std::string& src_dir) {
+  const std::string path = start_file(file);
+  std::map<std::string, ManifestEntry> src;
+  try {
+    src = read_manifest(src_dir);
+  } catch (const Error&) {
+    return false;  // gone or unreadable: the caller writes the file
+  }
+  auto it = src.find(file);
+  const std::string from = (fs::path(src_dir) / file).string();
+  struct stat st;
+  if (it == src.end() || ::stat(from.c_str(), &st) != 0 || uint64_t(st.st_size) != it->second.size ||
+      ::link(from.c_str(), path.c_str()) != 0)
+    return false;
+  files_[file] = {it->second.size, it->second.xxh3};
+  return true;
+}
+
 std::string CheckpointWriter::commit() {
   SIGMA_CHECK(!committed_, "checkpoint '{}' is already committed", name_);
   json files = json::object();
@@ -238,7 +257,7 @@ std::string resolve_checkpoint(const std::string& path) {
   return dir.string();
 }
 
-void verify_checkpoint(const std::string& dir) {
+std::map<std::string, ManifestEntry> read_manifest(const std::string& dir) {
   const std::string mpath = (fs::path(dir) / kManifestFile).string();
   std::error_code ec;
   SIGMA_CHECK(fs::exists(mpath, ec),
@@ -256,25 +275,35 @@ void verify_checkpoint(const std::string& dir) {
   SIGMA_CHECK(m.value("version", json()) == kManifestVersion,
               "checkpoint '{}': {} has version {}, this build reads version {}", dir,
               kManifestFile, m.value("version", json()).dump(), kManifestVersion);
-
+  std::map<std::string, ManifestEntry> out;
   for (const auto& [file, e] : m["files"].items()) {
     SIGMA_CHECK(plain_name(file) && e.is_object() && e.contains("size") &&
                     e["size"].is_number_unsigned() && e.contains("xxh3_64") &&
-                    e["xxh3_64"].is_string(),
+                    e["xxh3_64"].is_string() && e["xxh3_64"].get<std::string>().size() == 16,
                 "checkpoint '{}': {} has a malformed entry for '{}'", dir, kManifestFile, file);
+    const std::string hex = e["xxh3_64"].get<std::string>();
+    char* end = nullptr;
+    const uint64_t sum = std::strtoull(hex.c_str(), &end, 16);
+    SIGMA_CHECK(end == hex.c_str() + hex.size(), "checkpoint '{}': {} has a malformed checksum "
+                "for '{}'", dir, kManifestFile, file);
+    out[file] = {e["size"].get<uint64_t>(), sum};
+  }
+  return out;
+}
+
+void verify_checkpoint(const std::string& dir) {
+  for (const auto& [file, e] : read_manifest(dir)) {
     const std::string path = (fs::path(dir) / file).string();
     struct stat st;
     SIGMA_CHECK(::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode),
                 "checkpoint '{}': file '{}' listed in {} is missing", dir, file, kManifestFile);
-    const uint64_t want_size = e["size"].get<uint64_t>();
-    SIGMA_CHECK(uint64_t(st.st_size) == want_size,
+    SIGMA_CHECK(uint64_t(st.st_size) == e.size,
                 "checkpoint '{}': file '{}' is {} bytes but {} says {} (truncated or replaced)",
-                dir, file, uint64_t(st.st_size), kManifestFile, want_size);
+                dir, file, uint64_t(st.st_size), kManifestFile, e.size);
     const Sum s = checksum_file(path);
-    const std::string want = e["xxh3_64"].get<std::string>();
-    SIGMA_CHECK(s.size == want_size && hex16(s.xxh3) == want,
+    SIGMA_CHECK(s.size == e.size && s.xxh3 == e.xxh3,
                 "checkpoint '{}': file '{}' is corrupted: xxh3_64 {} but {} says {}", dir, file,
-                hex16(s.xxh3), kManifestFile, want);
+                hex16(s.xxh3), kManifestFile, hex16(e.xxh3));
   }
 }
 

@@ -40,6 +40,11 @@ class CheckpointWriter {
                        const Metadata& meta);
   void add_json(const std::string& file, const nlohmann::json& j);
   void add_file_copy(const std::string& file, const std::string& src_path);
+  // Adds `file` of the finished checkpoint `src_dir` without copying it: a hard link, with the
+  // size and checksum src_dir's manifest records (checked again whenever a checkpoint is
+  // opened). Returns false, adding nothing, when src_dir lacks the file or the link cannot be
+  // made (another filesystem): the caller then writes it.
+  bool add_link(const std::string& file, const std::string& src_dir);
 
   // Writes the manifest, moves the directory to ROOT/NAME and points ROOT/latest at it;
   // returns ROOT/NAME. An existing ROOT/NAME is replaced only once the new one is complete.
@@ -67,5 +72,12 @@ std::string resolve_checkpoint(const std::string& path);
 // Checks that manifest.json is present and that every file it lists exists with the recorded
 // size and checksum; throws sigma::Error naming the first file that does not.
 void verify_checkpoint(const std::string& dir);
+
+// The files manifest.json lists, with their sizes and checksums (validated, not re-hashed).
+struct ManifestEntry {
+  uint64_t size;
+  uint64_t xxh3;
+};
+std::map<std::string, ManifestEntry> read_manifest(const std::string& dir);
 
 }  // namespace sigma

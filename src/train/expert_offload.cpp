@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "model/weights.h"
+#include "train/checkpoint.h"
 
 namespace sigma {
 
@@ -60,6 +61,7 @@ ExpertOffload::ExpertOffload(Model& model, ExpertMode mode, const OptimConfig& o
   for (const GroupSpec& g : cfg.groups) first_.push_back(first_.back() + g.experts);
   P_ = store_.spec().groups.front().params();
   stride_ = (P_ + 15) / 16 * 16;
+  changed_.assign(store_.spec().groups.size(), 1);
   if (resuming) return;  // load() fills the store
   // Fresh run: the experts start where in-model training would start them.
   const std::vector<ExpertId> all = [&] {
@@ -139,10 +141,22 @@ void ExpertOffload::prefetch(std::span<const Batch> next) {
   prefetcher_ = std::thread([this, ids = std::move(ids)] { store_.prefetch(ids, /*fault_in=*/true); });
 }
 
+size_t ExpertOffload::group_slot(ExpertId id) const {
+  const ModelConfig& cfg = model_.config();
+  return size_t(id.block - cfg.first_rre_block()) * cfg.groups.size() + size_t(id.group);
+}
+
+std::string ExpertOffload::group_file(size_t gi, bool adam) const {
+  const ExpertGroupSpec& gs = store_.spec().groups[gi];
+  return fmt::format("experts.{}.{}{}.safetensors", gs.block,
+                     model_.config().groups[size_t(gs.group)].name, adam ? ".adam" : "");
+}
+
 bool ExpertOffload::is_frozen(ExpertId id) const {
   if (frozen_.empty()) return false;
   const ModelConfig& cfg = model_.config();
-  return frozen_[size_t(id.block - cfg.first_rre_block()) * cfg.groups.size() + size_t(id.group)] != 0;
+  (void)cfg;
+  return frozen_[group_slot(id)] != 0;
 }
 
 double ExpertOffload::grad_sq() const {
@@ -188,70 +202,74 @@ void ExpertOffload::end_step(float lr, float grad_scale) {
   const auto t = Clock::now();
   store_.apply_grads(update, grads, a);
   stats_.update_s += since(t);
+  for (ExpertId id : update) changed_[group_slot(id)] = 1;
   stats_.steps += 1;
   stats_.experts_updated += int64_t(update.size());
 }
 
-void ExpertOffload::add_model_tensors(std::vector<TensorRef>& out) const {
+void ExpertOffload::add_checkpoint_files(CheckpointWriter& w) const {
   const ModelConfig& cfg = model_.config();
-  for (const ExpertGroupSpec& gs : store_.spec().groups) {
-    const std::string& name = cfg.groups[size_t(gs.group)].name;
-    for (size_t t = 0; t < gs.tensors.size(); ++t) {
-      TensorRef r{expert_tensor_name(gs.block, name, kLeaves[t]), DType::F32, {}, nullptr};
-      r.shape.push_back(gs.experts);
+  groups_written_ = groups_linked_ = 0;
+  for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
+    const ExpertGroupSpec& gs = store_.spec().groups[gi];
+    const bool reuse = !changed_[gi] && !last_checkpoint_.empty();
+    const std::string name = cfg.groups[size_t(gs.group)].name;
+    auto stacked = [&](const std::string& tensor, size_t t, auto part_of) {
+      TensorRef r{tensor, DType::F32, {gs.experts}, nullptr};
       for (int64_t s : gs.tensors[t].shape) r.shape.push_back(s);
-      for (int32_t k = 0; k < gs.experts; ++k)
-        r.parts.push_back(store_.weights({gs.block, gs.group, k}) + gs.offset(t));
-      out.push_back(std::move(r));
+      for (int32_t k = 0; k < gs.experts; ++k) r.parts.push_back(part_of(ExpertId{gs.block, gs.group, k}) + gs.offset(t));
+      return r;
+    };
+    bool linked = true;
+    const std::string weights_file = group_file(gi, false), adam_file = group_file(gi, true);
+    if (!reuse || !w.add_link(weights_file, last_checkpoint_)) {
+      std::vector<TensorRef> refs;
+      for (size_t t = 0; t < gs.tensors.size(); ++t)
+        refs.push_back(stacked(expert_tensor_name(gs.block, name, kLeaves[t]), t,
+                               [&](ExpertId id) { return store_.weights(id); }));
+      w.add_safetensors(weights_file, refs, {{"format", "sigma-experts"}, {"version", "1"}});
+      linked = false;
     }
+    if (!reuse || !w.add_link(adam_file, last_checkpoint_)) {
+      std::vector<TensorRef> refs;
+      std::vector<Tensor> keep;  // step counts, alive until written
+      keep.emplace_back(DType::I64, Shape{gs.experts});
+      int64_t most = 0;
+      for (int32_t k = 0; k < gs.experts; ++k) {
+        keep.back().data<int64_t>()[k] = store_.step({gs.block, gs.group, k});
+        most = std::max(most, keep.back().data<int64_t>()[k]);
+      }
+      refs.push_back(tensor_ref(fmt::format("blocks.{}.rre.{}.steps", gs.block, name), keep.back()));
+      for (size_t t = 0; t < gs.tensors.size(); ++t) {
+        const std::string base = expert_tensor_name(gs.block, name, kLeaves[t]);
+        refs.push_back(stacked(base + ".m", t, [&](ExpertId id) { return store_.m(id); }));
+        refs.push_back(stacked(base + ".v", t, [&](ExpertId id) { return store_.v(id); }));
+        keep.emplace_back(DType::I64, Shape{});
+        *keep.back().data<int64_t>() = most;
+        refs.push_back(tensor_ref(base + ".step", keep.back()));
+      }
+      w.add_safetensors(adam_file, refs, {{"format", "sigma-experts-adam"}, {"version", "1"}});
+      linked = false;
+    }
+    (linked ? groups_linked_ : groups_written_) += 1;
   }
 }
 
-void ExpertOffload::add_optimizer_tensors(std::vector<TensorRef>& out, std::vector<Tensor>& keep) const {
-  const ModelConfig& cfg = model_.config();
-  // keep must not reallocate while `out` points into it.
-  size_t scalars = 0;
-  for (const ExpertGroupSpec& gs : store_.spec().groups) scalars += gs.tensors.size() + 1;
-  keep.reserve(keep.size() + scalars);
-  for (const ExpertGroupSpec& gs : store_.spec().groups) {
-    const std::string& name = cfg.groups[size_t(gs.group)].name;
-    keep.emplace_back(DType::I64, Shape{gs.experts});
-    int64_t* steps = keep.back().data<int64_t>();
-    int64_t most = 0;
-    for (int32_t k = 0; k < gs.experts; ++k) {
-      steps[k] = store_.step({gs.block, gs.group, k});
-      most = std::max(most, steps[k]);
-    }
-    out.push_back(tensor_ref(fmt::format("blocks.{}.rre.{}.steps", gs.block, name), keep.back()));
-    for (size_t t = 0; t < gs.tensors.size(); ++t) {
-      const std::string base = expert_tensor_name(gs.block, name, kLeaves[t]);
-      for (const char* moment : {".m", ".v"}) {
-        TensorRef r{base + moment, DType::F32, {}, nullptr};
-        r.shape.push_back(gs.experts);
-        for (int64_t s : gs.tensors[t].shape) r.shape.push_back(s);
-        for (int32_t k = 0; k < gs.experts; ++k) {
-          const ExpertId id{gs.block, gs.group, k};
-          r.parts.push_back((moment[1] == 'm' ? store_.m(id) : store_.v(id)) + gs.offset(t));
-        }
-        out.push_back(std::move(r));
-      }
-      // An in-model run reading this checkpoint takes the group's most advanced step.
-      keep.emplace_back(DType::I64, Shape{});
-      *keep.back().data<int64_t>() = most;
-      out.push_back(tensor_ref(base + ".step", keep.back()));
-    }
-  }
+void ExpertOffload::checkpoint_written(const std::string& dir) {
+  last_checkpoint_ = dir;
+  std::fill(changed_.begin(), changed_.end(), 0);
 }
 
 void ExpertOffload::load(const std::string& dir) {
   const ModelConfig& cfg = model_.config();
-  const std::string model_path = dir + "/model.safetensors", opt_path = dir + "/optimizer.safetensors";
-  auto is_step = [](const std::string& n) {
-    return n.size() > 6 && (n.compare(n.size() - 6, 6, ".steps") == 0 || n.compare(n.size() - 5, 5, ".step") == 0);
+  // An ECSS checkpoint has a pair of files per group; an in-model one (or a surgery output)
+  // keeps every expert in model.safetensors and optimizer.safetensors.
+  const bool per_group = !expert_group_files(dir, false).empty();
+  auto paths = [&](size_t gi) -> std::pair<std::string, std::string> {
+    if (per_group) return {dir + "/" + group_file(gi, false), dir + "/" + group_file(gi, true)};
+    return {dir + "/model.safetensors", dir + "/optimizer.safetensors"};
   };
-  // Pass 1: the files' indexes and every step count; nothing changes yet.
-  const Safetensors model_index = read_safetensors(model_path, [](const std::string&) { return false; });
-  const Safetensors steps_file = read_safetensors(opt_path, is_step);
+  auto is_step = [](const std::string& n) { return n.ends_with(".steps") || n.ends_with(".step"); };
   auto check = [](const std::map<std::string, TensorInfo>& index, const std::string& path,
                   const std::string& name, DType dt, const Shape& shape) {
     auto it = index.find(name);
@@ -261,8 +279,13 @@ void ExpertOffload::load(const std::string& dir) {
                 dtype_name(it->second.dtype), shape_str(it->second.shape), dtype_name(dt),
                 shape_str(shape));
   };
+  // Pass 1: the files' indexes and every step count; nothing changes yet.
   std::vector<std::vector<int64_t>> steps;  // per store group, per expert
-  for (const ExpertGroupSpec& gs : store_.spec().groups) {
+  for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
+    const ExpertGroupSpec& gs = store_.spec().groups[gi];
+    const auto [model_path, opt_path] = paths(gi);
+    const Safetensors model_index = read_safetensors(model_path, [](const std::string&) { return false; });
+    const Safetensors steps_file = read_safetensors(opt_path, is_step);
     const std::string& name = cfg.groups[size_t(gs.group)].name;
     for (size_t t = 0; t < gs.tensors.size(); ++t) {
       const std::string base = expert_tensor_name(gs.block, name, kLeaves[t]);
@@ -297,6 +320,7 @@ void ExpertOffload::load(const std::string& dir) {
     auto rest = [&](const std::string& n) {
       return n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : std::string(".");
     };
+    const auto [model_path, opt_path] = paths(gi);
     const Safetensors weights = read_safetensors(model_path, [&](const std::string& n) {
       return rest(n).find('.') == std::string::npos;
     });
@@ -318,6 +342,9 @@ void ExpertOffload::load(const std::string& dir) {
     }
   }
   store_.flush();
+  // The store now equals the checkpoint: unchanged groups can be linked from it.
+  last_checkpoint_ = per_group ? dir : "";
+  std::fill(changed_.begin(), changed_.end(), per_group ? 0 : 1);
 }
 
 }  // namespace sigma

@@ -14,6 +14,7 @@
 #include "model/batch.h"
 #include "model/model.h"
 #include "optim/adamw.h"
+#include "train/checkpoint_io.h"
 #include "train/safetensors.h"
 
 namespace sigma {
@@ -67,15 +68,22 @@ class ExpertOffload {
   // still fetched for the forward pass; their gradients are left out of the norm.
   void set_frozen(std::vector<uint8_t> frozen) { frozen_ = std::move(frozen); }
   const OffloadStats& stats() const { return stats_; }
+  // Expert groups the last checkpoint wrote and hard-linked.
+  int64_t groups_written() const { return groups_written_; }
+  int64_t groups_linked() const { return groups_linked_; }
   int64_t active() const { return int64_t(ids_.size()); }
 
-  // Checkpoints, in the in-model tensor names so that every other command reads them: the
-  // stacked weights blocks.l.rre.g.{w_in,b_in,w_out,b_out} [K,...] for model.safetensors and
-  // their .m / .v / .step plus the per-expert step counts blocks.l.rre.g.steps I64 [K] for
-  // optimizer.safetensors, all as views into the store (no copy). `keep` holds the step
-  // scalars until written. Call between steps.
-  void add_model_tensors(std::vector<TensorRef>& out) const;
-  void add_optimizer_tensors(std::vector<TensorRef>& out, std::vector<Tensor>& keep) const;
+  // Checkpoints: per expert group (RRE block l, group G) two files, streamed from the records
+  // (no copy), in the in-model tensor names so that every other command reads them:
+  //   experts.l.G.safetensors       blocks.l.rre.G.{w_in,b_in,w_out,b_out} stacked [K, ...]
+  //   experts.l.G.adam.safetensors  their .m and .v, the per-expert step counts
+  //                                 blocks.l.rre.G.steps I64 [K], and .step scalars (the
+  //                                 group's largest step) for an in-model run resuming from it
+  // A group none of whose experts was updated since the last checkpoint written or loaded is
+  // hard-linked from that checkpoint instead. Call between steps.
+  void add_checkpoint_files(CheckpointWriter& w) const;
+  // After the checkpoint `dir` is committed: the base for the next checkpoint's links.
+  void checkpoint_written(const std::string& dir);
   // Restores every expert from checkpoint directory `dir` (its model.safetensors and
   // optimizer.safetensors): every name, dtype, shape and step count is checked before the store
   // changes, then one group of experts at a time is read (a store larger than RAM resumes), and
@@ -96,11 +104,16 @@ class ExpertOffload {
   std::vector<int> first_;         // [RRE blocks]: global expert index of each group's expert 0
   int64_t P_ = 0, stride_ = 0;     // floats per expert, and per compute slot (64-byte lines)
   bool is_frozen(ExpertId id) const;
+  size_t group_slot(ExpertId id) const;  // index of id's group in store_.spec().groups
+  std::string group_file(size_t gi, bool adam) const;
   std::vector<uint8_t> frozen_;    // [(RRE block, group)]; empty = none
   std::vector<ExpertId> ids_;      // bound this step, in (block, group, expert) order
   Tensor w_, g_;                   // compute buffers [slots, stride_]: slot i = ids_[i]
   std::thread prefetcher_;
   OffloadStats stats_;
+  std::vector<uint8_t> changed_;   // [store group]: updated since last_checkpoint_
+  std::string last_checkpoint_;    // written or loaded; "" = none to link from
+  mutable int64_t groups_written_ = 0, groups_linked_ = 0;
 };
 
 }  // namespace sigma
