@@ -301,6 +301,38 @@ TEST(EcssTrain, BadStoreIsRefusedAndCheckpointsSurvive) {
   EXPECT_THROW(run(missing, dir / "missing"), Error);
 }
 
+// A disk that fills while a checkpoint is written (a file-size limit here): a clear error, no
+// temporary directory left, the previous checkpoint still `latest` and whole; resuming from it
+// once there is room again ends where an uninterrupted run does.
+TEST(EcssTrain, FullDiskDuringACheckpointKeepsTheLastOne) {
+  TempDir dir("ecss");
+  const std::string args = fmt::format(
+      "--quiet --set train.steps=12 --set train.batch=2 --set model.d_model=32 --set model.heads=2 "
+      "--set model.context=32 --set train.eval_rows=8 --set train.ckpt_every=6 --expert-store {} ",
+      dir / "experts.bin");
+  auto r = testing::sigma_cmd("train " + args + "--stop-at 6 --out " + dir / "run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string ckpt = resolve_checkpoint(dir / "run/checkpoints");
+  // SIGXFSZ ignored, so the write fails with EFBIG instead of killing the process.
+  r = testing::run_cmd(fmt::format("bash -c \"trap '' XFSZ; ulimit -f 24; exec {} train --quiet --resume {} "
+                                   "--out {}\"", SIGMA_BINARY, ckpt, dir / "run"));
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("sigma: error:"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("File too large"), std::string::npos) << r.out;
+  EXPECT_EQ(resolve_checkpoint(dir / "run/checkpoints"), ckpt);
+  EXPECT_NO_THROW(verify_checkpoint(ckpt));
+  for (const auto& e : fs::directory_iterator(dir / "run/checkpoints"))
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+
+  r = testing::sigma_cmd(fmt::format("train --quiet --resume {} --out {}", ckpt, dir / "run"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = testing::sigma_cmd("train " + fmt::format(
+      "--quiet --set train.steps=12 --set train.batch=2 --set model.d_model=32 --set model.heads=2 "
+      "--set model.context=32 --set train.eval_rows=8 --out {}", dir / "straight"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  expect_same_tensors(model_tensors(dir / "straight"), model_tensors(dir / "run"), "model");
+}
+
 // An ECSS checkpoint is an ordinary checkpoint: loaded in-model it scores the held-out data
 // exactly as the ECSS run did, and an in-model run resumes from it (and an ECSS run from an
 // in-model one).
