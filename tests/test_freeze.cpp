@@ -245,5 +245,43 @@ TEST(SparseEmbeddings, OnlyTheBatchRowsMoveWithTheirOwnStepCounts) {
   EXPECT_GT(unused, 0) << "every row was used: the test cannot tell sparse from dense";
 }
 
+// Lazy per-row bias correction: a row first used at the second step gets Adam's first-update
+// size, lr per element (m̂/sqrt(v̂) = ±1), not the damped one the tensor's step 2 would give
+// (0.74 lr with beta 0.9 / 0.95).
+TEST(SparseEmbeddings, ARowsFirstUpdateHasFullSize) {
+  TempDir dir("sparse");
+  auto r = sigma_cmd("train --quiet --set model.d_model=32 --set model.heads=2 "
+                     "--set model.context=32 --set train.batch=1 --set train.eval_rows=8 "
+                     "--set optim.sparse_embeddings=true --set train.steps=3 --set train.ckpt_every=1 "
+                     "--set optim.weight_decay=0 --out " + dir / "run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  CheckpointInfo info = open_checkpoint(dir / "run/checkpoints/step-00000002");
+  const Config& c = info.cfg;
+  auto data = make_data_source(c);
+  const int64_t V = c.model.vocab, d = c.model.d_model;
+  std::vector<std::vector<uint8_t>> used(2, std::vector<uint8_t>(size_t(c.model.slots * V), 0));
+  Batch b;
+  for (int step = 0; step < 2; ++step) {  // batch 1: one domain per step
+    data->train_batch(b, 1, c.model.context, uint64_t(step));
+    const int64_t base = int64_t(c.model.domains[size_t(b.domain[0])].slot) * V;
+    for (int t = 0; t < b.T; ++t) {
+      used[size_t(step)][size_t(base + b.tokens[size_t(t)])] = 1;
+      used[size_t(step)][size_t(base + b.targets[size_t(t)])] = 1;
+    }
+  }
+  const TensorMap m1 = model_file(dir / "run/checkpoints/step-00000001"),
+                  m2 = model_file(dir / "run/checkpoints/step-00000002");
+  const Tensor &w1 = m1.at("embed.tokens"), &w2 = m2.at("embed.tokens");
+  const double lr = lr_at(c.optim, 1, c.train.steps);
+  std::vector<double> ratios;
+  for (int64_t row = 0; row < c.model.slots * V; ++row)
+    if (used[1][size_t(row)] && !used[0][size_t(row)])
+      for (int64_t j = 0; j < d; ++j)
+        ratios.push_back(std::fabs(double(w2.f()[row * d + j]) - w1.f()[row * d + j]) / lr);
+  ASSERT_FALSE(ratios.empty()) << "no row is first used at the second step";
+  std::sort(ratios.begin(), ratios.end());
+  EXPECT_NEAR(ratios[ratios.size() / 2], 1.0, 0.05);
+}
+
 }  // namespace
 }  // namespace sigma

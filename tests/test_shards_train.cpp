@@ -54,9 +54,12 @@ TempDir* ShardsTrain::dir = nullptr;
 TEST_F(ShardsTrain, ResumeRestoresTheSamplerCursorExactly) {
   auto r = sigma_cmd(train_args() + "--set train.steps=12 --out " + *dir / "a");
   ASSERT_EQ(r.code, 0) << r.out;
-  r = sigma_cmd(train_args() + "--set train.steps=12 --stop-at 5 --out " + *dir / "b");
+  // Resumed from a checkpoint taken mid-run (step 5 of a run stopped at 7): ECSS has already
+  // read step 6's batches ahead by then, and the cursor saved must be the one before them.
+  r = sigma_cmd(train_args() + "--set train.steps=12 --set train.ckpt_every=5 --stop-at 7 --out " +
+                *dir / "b");
   ASSERT_EQ(r.code, 0) << r.out;
-  r = sigma_cmd("train --quiet --resume " + *dir / "b/checkpoints --out " + *dir / "b");
+  r = sigma_cmd("train --quiet --resume " + *dir / "b/checkpoints/step-00000005 --out " + *dir / "b");
   ASSERT_EQ(r.code, 0) << r.out;
   const TensorMap x = read_model_tensors(*dir / "a/checkpoints/step-00000012");
   const TensorMap y = read_model_tensors(*dir / "b/checkpoints/step-00000012");
