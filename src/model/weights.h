@@ -54,7 +54,10 @@ struct ModelWeights {
 // in an expert store (ECSS) and the model sees only the ones bound for the current step.
 void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts = true);
 
-// Name of RRE block l's stacked expert tensor `leaf` (w_in, b_in, w_out, b_out) of group g.
+// An expert's tensors, in registration order (also the expert store's record order).
+inline constexpr const char* kExpertLeaves[] = {"w_in", "b_in", "w_out", "b_out"};
+
+// Name of RRE block l's stacked expert tensor `leaf` (one of kExpertLeaves) of group g.
 std::string expert_tensor_name(int l, const std::string& group, const char* leaf);
 // Whether a checkpoint tensor belongs to RRE experts (blocks.L.rre.G.*, with any suffix).
 bool is_expert_tensor(const std::string& name);

@@ -153,7 +153,7 @@ void load_model(Model& model, const std::string& dir) {
     const ModelConfig& cfg = model.config();
     for (int l = cfg.first_rre_block(); l < cfg.layers; ++l)
       for (const GroupSpec& g : cfg.groups)
-        for (const char* leaf : {"w_in", "b_in", "w_out", "b_out"}) {
+        for (const char* leaf : kExpertLeaves) {
           SIGMA_CHECK(st.index.count(expert_tensor_name(l, g.name, leaf)),
                       "{}: tensor '{}' is missing", path, expert_tensor_name(l, g.name, leaf));
           ++expected;

@@ -17,7 +17,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-constexpr const char* kLeaves[] = {"w_in", "b_in", "w_out", "b_out"};
 
 }  // namespace
 
@@ -153,10 +152,7 @@ std::string ExpertOffload::group_file(size_t gi, bool adam) const {
 }
 
 bool ExpertOffload::is_frozen(ExpertId id) const {
-  if (frozen_.empty()) return false;
-  const ModelConfig& cfg = model_.config();
-  (void)cfg;
-  return frozen_[group_slot(id)] != 0;
+  return !frozen_.empty() && frozen_[group_slot(id)] != 0;
 }
 
 double ExpertOffload::grad_sq() const {
@@ -225,7 +221,7 @@ void ExpertOffload::add_checkpoint_files(CheckpointWriter& w) const {
     if (!reuse || !w.add_link(weights_file, last_checkpoint_)) {
       std::vector<TensorRef> refs;
       for (size_t t = 0; t < gs.tensors.size(); ++t)
-        refs.push_back(stacked(expert_tensor_name(gs.block, name, kLeaves[t]), t,
+        refs.push_back(stacked(expert_tensor_name(gs.block, name, kExpertLeaves[t]), t,
                                [&](ExpertId id) { return store_.weights(id); }));
       w.add_safetensors(weights_file, refs, {{"format", "sigma-experts"}, {"version", "1"}});
       linked = false;
@@ -241,7 +237,7 @@ void ExpertOffload::add_checkpoint_files(CheckpointWriter& w) const {
       }
       refs.push_back(tensor_ref(fmt::format("blocks.{}.rre.{}.steps", gs.block, name), keep.back()));
       for (size_t t = 0; t < gs.tensors.size(); ++t) {
-        const std::string base = expert_tensor_name(gs.block, name, kLeaves[t]);
+        const std::string base = expert_tensor_name(gs.block, name, kExpertLeaves[t]);
         refs.push_back(stacked(base + ".m", t, [&](ExpertId id) { return store_.m(id); }));
         refs.push_back(stacked(base + ".v", t, [&](ExpertId id) { return store_.v(id); }));
         keep.emplace_back(DType::I64, Shape{});
@@ -288,7 +284,7 @@ void ExpertOffload::load(const std::string& dir) {
     const Safetensors steps_file = read_safetensors(opt_path, is_step);
     const std::string& name = cfg.groups[size_t(gs.group)].name;
     for (size_t t = 0; t < gs.tensors.size(); ++t) {
-      const std::string base = expert_tensor_name(gs.block, name, kLeaves[t]);
+      const std::string base = expert_tensor_name(gs.block, name, kExpertLeaves[t]);
       Shape shape{gs.experts};
       for (int64_t x : gs.tensors[t].shape) shape.push_back(x);
       check(model_index.index, model_path, base, DType::F32, shape);
@@ -318,7 +314,7 @@ void ExpertOffload::load(const std::string& dir) {
     const std::string prefix = expert_tensor_name(gs.block, cfg.groups[size_t(gs.group)].name, "");
     // Names under the group's prefix: "w_in" (weights), "w_in.m" / "w_in.v" (moments).
     auto rest = [&](const std::string& n) {
-      return n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : std::string(".");
+      return n.starts_with(prefix) ? n.substr(prefix.size()) : std::string(".");
     };
     const auto [model_path, opt_path] = paths(gi);
     const Safetensors weights = read_safetensors(model_path, [&](const std::string& n) {
@@ -330,7 +326,7 @@ void ExpertOffload::load(const std::string& dir) {
     });
     for (int32_t k = 0; k < gs.experts; ++k) {
       for (size_t t = 0; t < gs.tensors.size(); ++t) {
-        const std::string base = prefix + kLeaves[t];
+        const std::string base = prefix + kExpertLeaves[t];
         const int64_t n = shape_numel(gs.tensors[t].shape), off = gs.offset(t);
         std::memcpy(w.data() + off, weights.tensors.at(base).f() + k * n, size_t(n) * 4);
         std::memcpy(m.data() + off, moments.tensors.at(base + ".m").f() + k * n, size_t(n) * 4);

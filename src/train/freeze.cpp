@@ -10,11 +10,6 @@
 
 namespace sigma {
 
-namespace {
-constexpr const char* kLeaves[] = {"w_in", "b_in", "w_out", "b_out"};
-bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
-}  // namespace
-
 FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelConfig& cfg,
                        const ParamSet& ps, bool external_experts,
                        const std::vector<std::string>& trained) {
@@ -57,8 +52,8 @@ FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelCon
         bool own = false;
         for (int l = first; l < cfg.layers && rre_blocks > 0; ++l)
           for (const auto& g : trained_groups)
-            own = own || starts_with(n, expert_tensor_name(l, g, "")) ||
-                  starts_with(n, fmt::format("blocks.{}.gate.{}.", l, g));
+            own = own || n.starts_with(expert_tensor_name(l, g, "")) ||
+                  n.starts_with(fmt::format("blocks.{}.gate.{}.", l, g));
         if (!own) frozen[i] = 1;
       }
       for (int l = first; l < cfg.layers && rre_blocks > 0; ++l)
@@ -70,7 +65,7 @@ FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelCon
     auto match = [&](const std::string& n) {
       if (sel == "embeddings") return n == "embed.tokens" || n == "embed.positions";
       if (sel == "experts") return false;  // below, by group
-      return starts_with(n, sel);
+      return n.starts_with(sel);
     };
     for (size_t i = 0; i < params.size(); ++i)
       if (match(params[i].name) || (sel == "experts" && params[i].expert)) frozen[i] = 1, ++matched;
@@ -78,7 +73,7 @@ FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelCon
       for (int l = first; l < cfg.layers && rre_blocks > 0; ++l)
         for (int g = 0; g < G; ++g) {
           int leaves = 0;
-          for (const char* leaf : kLeaves)
+          for (const char* leaf : kExpertLeaves)
             leaves += sel == "experts" || match(expert_tensor_name(l, cfg.groups[size_t(g)].name, leaf));
           SIGMA_CHECK(leaves == 0 || leaves == 4, "train.freeze: '{}' names only some tensors of "
                       "block {}'s '{}' experts; an expert store freezes whole experts", sel, l,
