@@ -9,7 +9,7 @@
 #include "command.h"
 #include "surgery/surgery.h"
 #include "train/checkpoint.h"
-#include "train/checkpoint_io.h"
+#include "io/checkpoint_dir.h"
 
 namespace sigma::cli {
 namespace {

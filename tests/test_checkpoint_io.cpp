@@ -9,7 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "train/checkpoint_io.h"
+#include "io/checkpoint_dir.h"
 
 #include "cli_util.h"
 

@@ -14,8 +14,8 @@
 #include "cli_util.h"
 #include "core/error.h"
 #include "train/checkpoint.h"
-#include "train/checkpoint_io.h"
-#include "train/safetensors.h"
+#include "io/checkpoint_dir.h"
+#include "io/safetensors.h"
 #include "train/trainer.h"
 
 namespace sigma {

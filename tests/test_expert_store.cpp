@@ -15,7 +15,7 @@
 #include "core/bf16.h"
 #include "core/rng.h"
 #include "ecss/expert_store.h"
-#include "train/safetensors.h"
+#include "io/safetensors.h"
 
 #include "cli_util.h"
 

@@ -9,9 +9,9 @@
 #include "core/error.h"
 #include "model/weights.h"
 #include "train/checkpoint.h"
-#include "train/checkpoint_io.h"
+#include "io/checkpoint_dir.h"
 #include "train/freeze.h"
-#include "train/safetensors.h"
+#include "io/safetensors.h"
 #include "train/trainer.h"
 
 namespace sigma {

@@ -15,7 +15,7 @@
 #include "model/routing.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
-#include "train/safetensors.h"
+#include "io/safetensors.h"
 
 using namespace sigma;
 using namespace sigma::testing;

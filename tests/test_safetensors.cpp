@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "train/safetensors.h"
+#include "io/safetensors.h"
 
 #include "cli_util.h"
 

@@ -8,7 +8,7 @@
 
 #include "cli_util.h"
 #include "train/checkpoint.h"
-#include "train/safetensors.h"
+#include "io/safetensors.h"
 
 using namespace sigma;
 using namespace sigma::testing;

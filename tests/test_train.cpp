@@ -7,7 +7,7 @@
 
 #include "cli_util.h"
 #include "train/checkpoint.h"
-#include "train/safetensors.h"
+#include "io/safetensors.h"
 #include "train/trainer.h"
 
 using namespace sigma;

@@ -19,6 +19,7 @@
 
 #include "core/error.h"
 #include "data/shards.h"
+#include "io/file.h"
 
 namespace fs = std::filesystem;
 
@@ -345,12 +346,7 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
                    {"vocab_size", tok.vocab_size()},
                    {"domains", cfg.domains.to_json()},
                    {"shards", std::move(shards)}};
-  {
-    std::ofstream f(out_dir + "/manifest.json.tmp");
-    f << manifest.dump(2) << '\n';
-    SIGMA_CHECK(f.good(), "cannot write {}/manifest.json.tmp", out_dir);
-  }
-  fs::rename(out_dir + "/manifest.json.tmp", out_dir + "/manifest.json");
+  write_file_atomic(out_dir + "/manifest.json", manifest.dump(2) + "\n");
 
   if (opt.progress) {
     for (auto& m : report.stats.messages) fmt::print(stderr, "prepare: skip: {}\n", m);

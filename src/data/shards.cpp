@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "io/file.h"
 
 namespace sigma::data {
 
@@ -79,9 +80,11 @@ void ShardWriter::finish() {
   write(&hdr_, sizeof(hdr_));
   int rc = std::fclose(f_);
   f_ = nullptr;
-  SIGMA_CHECK(rc == 0, "shard: closing {} failed: {}", tmp_, std::strerror(errno));
+  SIGMA_CHECK(rc == 0, "shard: closing {} failed: {}", tmp_, errno_str());
+  fsync_path(tmp_, false);  // durable before it gets its name
   SIGMA_CHECK(std::rename(tmp_.c_str(), path_.c_str()) == 0, "shard: cannot rename {} to {}: {}", tmp_,
-              path_, std::strerror(errno));
+              path_, errno_str());
+  fsync_parent(path_);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "io/file.h"
 
 namespace sigma::data {
 
@@ -370,15 +371,7 @@ nlohmann::json Tokenizer::to_json() const {
 }
 
 void Tokenizer::save(const std::string& path) const {
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    SIGMA_CHECK(f, "tokenizer: cannot write {}", tmp);
-    f << to_json().dump() << '\n';
-    SIGMA_CHECK(f.good(), "tokenizer: write to {} failed", tmp);
-  }
-  SIGMA_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "tokenizer: cannot rename {} to {}",
-              tmp, path);
+  write_file_atomic(path, to_json().dump() + "\n");
 }
 
 Tokenizer Tokenizer::from_json(const nlohmann::json& j, const std::string& origin) {

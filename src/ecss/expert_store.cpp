@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "io/file.h"
 
 namespace sigma {
 
@@ -42,19 +43,9 @@ struct FileHeader {
 };
 static_assert(sizeof(FileHeader) <= kHeaderBytes);
 
-std::string errno_str(int e) { return std::strerror(e); }
 std::string gib(uint64_t bytes) { return fmt::format("{:.2f} GiB", double(bytes) / (1ull << 30)); }
 uint64_t group_key(int32_t block, int32_t group) {
   return (uint64_t(uint32_t(block)) << 32) | uint32_t(group);
-}
-
-void fsync_parent(const std::string& path) {
-  const std::string dir = std::filesystem::path(path).parent_path().string();
-  int d = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (d >= 0) {
-    ::fsync(d);
-    ::close(d);
-  }
 }
 
 }  // namespace

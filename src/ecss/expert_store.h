@@ -26,7 +26,7 @@
 
 #include "core/tensor.h"
 #include "optim/adam_kernel.h"
-#include "train/safetensors.h"
+#include "io/safetensors.h"
 
 namespace sigma {
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "train/config.h"
-#include "train/safetensors.h"
+#include "io/safetensors.h"
 
 namespace sigma::surgery {
 

@@ -7,8 +7,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "train/checkpoint_io.h"
-#include "train/safetensors.h"
+#include "io/checkpoint_dir.h"
+#include "io/safetensors.h"
 
 namespace sigma {
 

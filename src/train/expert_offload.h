@@ -14,8 +14,8 @@
 #include "model/batch.h"
 #include "model/model.h"
 #include "optim/adamw.h"
-#include "train/checkpoint_io.h"
-#include "train/safetensors.h"
+#include "io/checkpoint_dir.h"
+#include "io/safetensors.h"
 
 namespace sigma {
 

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "train/safetensors.h"
+#include "io/safetensors.h"
 
 namespace sigma {
 

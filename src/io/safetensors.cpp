@@ -1,4 +1,4 @@
-#include "train/safetensors.h"
+#include "io/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -12,45 +12,13 @@
 #include <set>
 #include <tuple>
 
-#include "core/fd.h"
+#include "io/file.h"
 
 namespace sigma {
 namespace {
 
 using nlohmann::json;
 
-
-std::string errno_str() { return std::strerror(errno); }
-
-// write(2) may write less than asked, and Linux caps one call just under 2 GiB.
-void write_all(int fd, const void* p, size_t n, const std::string& path) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    ssize_t w = ::write(fd, c, std::min<size_t>(n, size_t{1} << 30));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      fail("cannot write '{}': {}", path, errno_str());
-    }
-    c += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-// Reads exactly n bytes at `off`; running out early means the file shrank or lied.
-void read_at(int fd, void* p, size_t n, uint64_t off, const std::string& where) {
-  char* c = static_cast<char*>(p);
-  while (n > 0) {
-    ssize_t r = ::pread(fd, c, std::min<size_t>(n, size_t{1} << 30), static_cast<off_t>(off));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      fail("{}: read error: {}", where, errno_str());
-    }
-    if (r == 0) fail("{}: truncated: unexpected end of file at byte {}", where, off);
-    c += r;
-    n -= static_cast<size_t>(r);
-    off += static_cast<uint64_t>(r);
-  }
-}
 
 // numel * dtype_size, or false when a dimension is negative or the size overflows. Zero
 // dimensions are skipped while multiplying so that [2^62, 2^62, 0] cannot overflow either.
@@ -272,10 +240,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorRef>& te
       for (const void* part : t.parts) write_all(f.fd, part, sizes[i] / t.parts.size(), path);
     }
     SIGMA_CHECK(::fsync(f.fd) == 0, "cannot fsync '{}': {}", path, errno_str());
-    int fd = f.fd;
-    f.fd = -1;
-    // close() can report a deferred write error (e.g. on NFS); treat it as a failed write.
-    SIGMA_CHECK(::close(fd) == 0, "cannot close '{}': {}", path, errno_str());
+    f.close_checked(path);
   } catch (...) {
     ::unlink(path.c_str());
     throw;

@@ -1,4 +1,4 @@
-#include "train/checkpoint_io.h"
+#include "io/checkpoint_dir.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -14,7 +14,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
-#include "core/fd.h"
+#include "io/file.h"
 
 namespace sigma {
 namespace {
@@ -24,52 +24,10 @@ using nlohmann::json;
 
 constexpr int kManifestVersion = 1;
 
-std::string errno_str() { return std::strerror(errno); }
-
-
 // A plain path component: no separators, so nothing can escape the checkpoint root.
 bool plain_name(const std::string& s) {
   return !s.empty() && s != "." && s != ".." && s.find('/') == std::string::npos &&
          s.find('\0') == std::string::npos;
-}
-
-// fsync on a directory makes the entries created or renamed in it durable.
-void fsync_path(const std::string& path, bool dir) {
-  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC | (dir ? O_DIRECTORY : 0)));
-  SIGMA_CHECK(f.fd >= 0, "cannot open '{}' to fsync it: {}", path, errno_str());
-  SIGMA_CHECK(::fsync(f.fd) == 0, "cannot fsync '{}': {}", path, errno_str());
-}
-
-void write_text_durably(const std::string& path, const std::string& text) {
-  Fd f(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  SIGMA_CHECK(f.fd >= 0, "cannot create '{}': {}", path, errno_str());
-  size_t done = 0;
-  while (done < text.size()) {
-    ssize_t w = ::write(f.fd, text.data() + done, text.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    SIGMA_CHECK(w >= 0, "cannot write '{}': {}", path, errno_str());
-    done += static_cast<size_t>(w);
-  }
-  SIGMA_CHECK(::fsync(f.fd) == 0, "cannot fsync '{}': {}", path, errno_str());
-  int fd = f.fd;
-  f.fd = -1;
-  SIGMA_CHECK(::close(fd) == 0, "cannot close '{}': {}", path, errno_str());
-}
-
-std::string read_small_file(const std::string& path, size_t limit) {
-  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  SIGMA_CHECK(f.fd >= 0, "cannot open '{}': {}", path, errno_str());
-  std::string s;
-  char buf[4096];
-  for (;;) {
-    ssize_t r = ::read(f.fd, buf, sizeof buf);
-    if (r < 0 && errno == EINTR) continue;
-    SIGMA_CHECK(r >= 0, "cannot read '{}': {}", path, errno_str());
-    if (r == 0) return s;
-    s.append(buf, static_cast<size_t>(r));
-    SIGMA_CHECK(s.size() <= limit, "'{}' is larger than {} bytes; it is not what it should be",
-                path, limit);
-  }
 }
 
 struct Sum {
@@ -181,7 +139,7 @@ void CheckpointWriter::add_json(const std::string& file, const json& j) {
   } catch (const json::exception& e) {
     fail("cannot write '{}': {}", path, e.what());
   }
-  write_text_durably(path, text);
+  write_file_synced(path, text);
   record(file);
 }
 
@@ -220,7 +178,7 @@ std::string CheckpointWriter::commit() {
   json manifest = {{"format", "sigma-checkpoint"},
                    {"version", kManifestVersion},
                    {"files", std::move(files)}};
-  write_text_durably((fs::path(tmp_) / kManifestFile).string(), manifest.dump(2) + "\n");
+  write_file_synced((fs::path(tmp_) / kManifestFile).string(), manifest.dump(2) + "\n");
   fsync_path(tmp_, true);
 
   const std::string dir = (fs::path(root_) / name_).string();
@@ -228,11 +186,7 @@ std::string CheckpointWriter::commit() {
   fsync_path(root_, true);  // the rename must be durable before `latest` can name it
 
   const std::string latest = (fs::path(root_) / kLatestFile).string();
-  const std::string latest_tmp = latest + ".tmp";
-  write_text_durably(latest_tmp, name_ + "\n");
-  SIGMA_CHECK(::rename(latest_tmp.c_str(), latest.c_str()) == 0, "cannot rename '{}' to '{}': {}",
-              latest_tmp, latest, errno_str());
-  fsync_path(root_, true);
+  write_file_atomic(latest, name_ + "\n");
   committed_ = true;
   return dir;
 }
