@@ -5,7 +5,7 @@
 // The model has G domains, each with its own expert group of K experts; each step's batch is
 // one domain's (round robin), as when domain data is sharded by step, so a step activates at
 // most K experts per RRE block (those its token ids route to) of the G*K. Both modes use the
-// same ExpertStore and the same trainer pieces (src/train/expert_offload.h): "ecss" gathers
+// same ExpertStore and the same trainer pieces (src/ecss/ecss_experts.h): "ecss" gathers
 // and updates the active experts, "vanilla" every expert every step.
 //
 // Per step it times: forward+backward, the expert gather (store -> compute buffers, grads
@@ -34,7 +34,7 @@
 #include "core/rng.h"
 #include "model/model.h"
 #include "optim/adamw.h"
-#include "train/expert_offload.h"
+#include "ecss/ecss_experts.h"
 
 using namespace sigma;
 
@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
       AdamW opt(oc, model.params());
       if (!store.empty()) std::filesystem::remove(store);
       const auto t_init = Clock::now();
-      ExpertOffload experts(model, mode, oc, store, /*resuming=*/false);
+      EcssExperts experts(model, mode, oc, store, /*resuming=*/false);
       const double init_s = since(t_init);
       const double store_gb = double(experts.store().data_bytes()) / 1e9;
 
@@ -158,6 +158,7 @@ int main(int argc, char** argv) {
         t = Clock::now();
         model.params().zero_grad();
         model.forward(cur, token_loss.data(), scale.data());
+        model.backward(cur);
         const double fb = since(t);
         t = Clock::now();
         const double norm = std::sqrt(AdamW::grad_sq(model.params()) + experts.grad_sq());
@@ -168,7 +169,7 @@ int main(int argc, char** argv) {
         const double ta = since(t);
         const double wait1 = experts.stats().wait_s;
         t = Clock::now();
-        experts.end_step(1e-4f, clip);
+        experts.update(1e-4f, clip);
         const double te = since(t) - (experts.stats().wait_s - wait1);
         const double total = since(t0);
         if (s >= warmup) {

@@ -75,6 +75,7 @@ int main(int argc, char** argv) {
       const auto t0 = std::chrono::steady_clock::now();
       models[v]->params().zero_grad();
       models[v]->forward(b, loss.data(), scale.data());
+      models[v]->backward(b);
       const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
       if (round >= 0) ms[v].push_back(t);
     }

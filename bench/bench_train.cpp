@@ -59,6 +59,7 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     m.params().zero_grad();
     m.forward(b, loss.data(), scale.data());
+    m.backward(b);
     const auto t1 = std::chrono::steady_clock::now();
     const double norm = AdamW::grad_norm(m.params());
     opt.step(m.params(), 1e-4f, norm > 1.0 ? float(1.0 / norm) : 1.0f);

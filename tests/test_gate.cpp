@@ -69,6 +69,7 @@ TEST_P(GateGradient, MatchesFiniteDifferencesThroughGateAndAuxLoss) {
   };
   m.params().zero_grad();
   m.forward(b, loss.data(), scale.data());
+  m.backward(b);
   EXPECT_GT(m.aux_loss(), 0.0);
   for (const BlockLoad& l : m.expert_load()) EXPECT_EQ(l.dropped, 0);
   for (Param& p : m.params().all()) {

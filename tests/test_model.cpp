@@ -49,6 +49,7 @@ TEST(Model, LossGradientMatchesFiniteDifferencesForEveryTensor) {
   };
   m.params().zero_grad();
   m.forward(b, loss.data(), scale.data());
+  m.backward(b);
   for (Param& p : m.params().all()) {
     std::vector<float> an(p.grad.f(), p.grad.f() + p.grad.numel());
     std::vector<size_t> idx;
@@ -66,6 +67,7 @@ TEST(Model, RowsOfUnusedSlotsAndPositionsGetNoGradient) {
   std::vector<float> loss(b.tokens.size()), scale(b.tokens.size(), 1.0f);
   m.params().zero_grad();
   m.forward(b, loss.data(), scale.data());
+  m.backward(b);
   const Param& e = m.params().at("embed.tokens");
   for (int64_t i = c.vocab * c.d_model; i < e.grad.numel(); ++i) ASSERT_EQ(e.grad.f()[i], 0.0f);
   const Param& p = m.params().at("embed.positions");

@@ -173,6 +173,7 @@ TEST(Rre, LossGradientMatchesFiniteDifferencesAndAnIdleExpertGetsExactlyZero) {
   };
   m.params().zero_grad();
   m.forward(b, loss.data(), scale.data());
+  m.backward(b);
   // Block 1, group g1, expert 0 received no token: every gradient of it is exactly zero, and
   // so is the finite difference (the loss does not depend on it at all).
   ASSERT_EQ(m.expert_load()[0].tokens[0][0], 0);
@@ -205,6 +206,7 @@ TEST(Rre, DomainIsolation) {
     std::vector<float> loss(b.tokens.size()), scale(b.tokens.size(), 0.1f);
     m.params().zero_grad();
     m.forward(b, loss.data(), scale.data());
+    m.backward(b);
     for (const Param& p : m.params().all()) {
       if (p.name.find(".rre.g2.") != std::string::npos) {
         EXPECT_TRUE(all_zero(p.grad)) << p.name;
@@ -245,6 +247,7 @@ static Pass run_pass(Model& m, const Batch& b) {
   std::vector<float> scale(b.mask), loss(N);
   m.params().zero_grad();
   m.forward(b, loss.data(), scale.data());
+  m.backward(b);
   return out;
 }
 

@@ -261,4 +261,17 @@ void verify_checkpoint(const std::string& dir) {
   }
 }
 
+std::vector<std::string> expert_group_files(const std::string& dir, bool adam) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string file = entry.path().filename().string();
+    if (file.rfind("experts.", 0) != 0 || !file.ends_with(".safetensors")) continue;
+    if (file.ends_with(".adam.safetensors") == adam) out.push_back(file);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+
 }  // namespace sigma

@@ -80,4 +80,11 @@ struct ManifestEntry {
 };
 std::map<std::string, ManifestEntry> read_manifest(const std::string& dir);
 
+// An ECSS checkpoint keeps each expert group (RRE block l, group G) in its own files:
+// experts.l.G.safetensors (the stacked weights, named as in model.safetensors) and
+// experts.l.G.adam.safetensors (their Adam state); a group no step changed since the previous
+// checkpoint is hard-linked from it instead of written again. This lists them (from the
+// directory; empty for other checkpoints).
+std::vector<std::string> expert_group_files(const std::string& dir, bool adam);
+
 }  // namespace sigma

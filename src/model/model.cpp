@@ -18,40 +18,6 @@
 
 namespace sigma {
 
-namespace {
-using Buf = std::vector<float>;
-}  // namespace
-
-// What backward needs, per block; N = B*T rows.
-struct Model::Acts {
-  struct Block {
-    Buf x;                   // [N,d] block input (residual stream)
-    Buf a1, mean1, rstd1;    // LN1 output [N,d], its row stats [N]
-    Buf qkv;                 // [N,3d] (query layer: the q third is unused)
-    Buf qtop;                // [T,d] query layer: query table projected by W_q
-    Buf probs;               // [B,H,T,T] attention probabilities
-    Buf att;                 // [N,d] attention output before the output projection
-    Buf mid;                 // [N,d] residual after attention
-    Buf a2, mean2, rstd2;    // LN2 output and stats
-    Buf pre, act;            // [N,f] FFN before and after FastGelu (experts: [k*N,f] in plan order)
-    RrePlan plan;            // RRE block: rows grouped by expert
-    GatePlan gplan;          // learned-gate block: choices, gates, gathered layout
-    Buf yg;                  // [k*N,d] learned-gate block: each expert's output
-  };
-  int B = 0, T = 0;
-  std::vector<int32_t> rows;  // [N] embedding rows: slot*V + token
-  std::vector<int32_t> row_group;  // [N] expert group of each row (RRE blocks)
-  std::vector<Block> blocks;
-  Buf h_final;                // [N,d] output of the last block
-  Buf hf, meanf, rstdf;       // final LayerNorm
-  Buf logits;                 // [N,V], overwritten by its gradient when training
-  // backward scratch
-  Buf dh, da, datt, dqkv, dffn, dq_shared;
-  Buf gx, gy, gdx;            // [k*N,d] expert gather scratch (forward and backward)
-  Buf z;                      // [N,Kmax] learned gate: logits, then their gradient
-  double scale_sum = 0;       // sum of grad_scale: d(loss)/d(aux loss)
-};
-
 double BlockLoad::imbalance() const {
   double worst = 0;
   for (const auto& g : tokens) {
@@ -82,7 +48,7 @@ void init_expert_matrix(float* v, const std::string& name, int64_t e, int64_t co
 
 Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, bool external_experts)
     : cfg_(cfg), seed_(seed), external_experts_(external_experts), w_(new ModelWeights),
-      a_(new Acts) {
+      own_(new Activations) {
   cfg_.validate();
   SIGMA_CHECK(!external_experts || (cfg_.rre_layers > 0 && !cfg_.gated()),
               "experts in a store need a sparse model routed by tables (model.rre_layers > 0, "
@@ -226,7 +192,7 @@ void Model::reset_expert_load() {
 
 Model::~Model() = default;
 
-const float* Model::logits() const { return a_->logits.data(); }
+const float* Model::logits() const { return own_->logits.f(); }
 
 double Model::train_flops_per_token() const {
   const double d = cfg_.d_model, V = cfg_.vocab, T = cfg_.context, L = cfg_.layers;
@@ -250,66 +216,47 @@ int64_t Model::active_params_per_token() const {
   return n;
 }
 
-void Model::ensure_workspace(int B, int T) {
-  SIGMA_CHECK(T <= cfg_.context, "batch length {} exceeds model.context {}", T, cfg_.context);
-  if (a_->B == B && a_->T == T) return;
-  const size_t N = size_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), V = cfg_.vocab,
-               H = cfg_.heads;
-  Acts& a = *a_;
-  a.B = B;
-  a.T = T;
-  a.rows.assign(N, 0);
-  a.blocks.assign(cfg_.layers, {});
-  for (int l = 0; l < cfg_.layers; ++l) {
-    auto& k = a.blocks[l];
-    k.x.assign(N * d, 0);
-    k.a1.assign(N * d, 0);
-    k.mean1.assign(N, 0);
-    k.rstd1.assign(N, 0);
-    k.qkv.assign(N * 3 * d, 0);
-    if (l == cfg_.layers - 1) k.qtop.assign(size_t(T) * d, 0);
-    k.probs.assign(size_t(B) * H * T * T, 0);
-    k.att.assign(N * d, 0);
-    k.mid.assign(N * d, 0);
-    k.a2.assign(N * d, 0);
-    k.mean2.assign(N, 0);
-    k.rstd2.assign(N, 0);
-    const size_t rows = cfg_.is_rre_block(l) ? N * cfg_.experts_per_token() : N;
-    k.pre.assign(rows * f, 0);
-    k.act.assign(rows * f, 0);
-    if (cfg_.is_rre_block(l) && cfg_.gated()) k.yg.assign(rows * d, 0);
+void Activations::ensure(const ModelConfig& cfg, int B_, int T_) {
+  SIGMA_CHECK(T_ <= cfg.context, "batch length {} exceeds model.context {}", T_, cfg.context);
+  if (B == B_ && T == T_) return;
+  B = B_;
+  T = T_;
+  const int64_t N = int64_t(B) * T, d = cfg.d_model, f = cfg.ffn(), V = cfg.vocab, H = cfg.heads;
+  const int64_t k = cfg.rre_layers > 0 ? cfg.experts_per_token() : 1;
+  auto t = [](Shape s) { return Tensor::f32(std::move(s)); };
+  rows.assign(size_t(N), 0);
+  row_group.assign(size_t(N), 0);
+  blocks.clear();
+  blocks.resize(size_t(cfg.layers));
+  for (int l = 0; l < cfg.layers; ++l) {
+    BlockActs& a = blocks[size_t(l)];
+    const int64_t rows_ffn = cfg.is_rre_block(l) ? k * N : N;
+    a.x = t({N, d}), a.a1 = t({N, d}), a.mean1 = t({N}), a.rstd1 = t({N});
+    a.qkv = t({N, 3 * d});
+    if (l == cfg.layers - 1) a.qtop = t({T, d});
+    a.probs = t({B, H, T, T});
+    a.att = t({N, d}), a.mid = t({N, d});
+    a.a2 = t({N, d}), a.mean2 = t({N}), a.rstd2 = t({N});
+    a.pre = t({rows_ffn, f}), a.act = t({rows_ffn, f});
+    if (cfg.is_rre_block(l) && cfg.gated()) a.yg = t({rows_ffn, d});
   }
-  a.h_final.assign(N * d, 0);
-  a.hf.assign(N * d, 0);
-  a.meanf.assign(N, 0);
-  a.rstdf.assign(N, 0);
-  a.logits.assign(N * V, 0);
-  a.dh.assign(N * d, 0);
-  a.da.assign(N * d, 0);
-  a.datt.assign(N * d, 0);
-  a.dqkv.assign(N * 3 * d, 0);
-  a.dffn.assign(2 * N * (cfg_.rre_layers > 0 ? cfg_.experts_per_token() : 1) * f, 0);
-  a.dq_shared.assign(size_t(T) * d, 0);
-  a.row_group.assign(N, 0);
-  if (cfg_.rre_layers > 0) {
-    const size_t k = cfg_.experts_per_token();
-    a.gx.assign(k * N * d, 0);
-    a.gy.assign(k * N * d, 0);
-    a.gdx.assign(k * N * d, 0);
+  h_final = t({N, d}), hf = t({N, d}), meanf = t({N}), rstdf = t({N});
+  logits = t({N, V});
+  dh = t({N, d}), da = t({N, d}), datt = t({N, d}), dqkv = t({N, 3 * d});
+  dffn = t({2 * k * N, f});
+  dq_shared = t({T, d});
+  if (cfg.rre_layers > 0) {
+    gx = t({k * N, d}), gy = t({k * N, d}), gdx = t({k * N, d});
     int Kmax = 1;
-    for (const auto& g : cfg_.groups) Kmax = std::max(Kmax, g.experts);
-    if (cfg_.gated()) a.z.assign(N * Kmax, 0);
+    for (const auto& g : cfg.groups) Kmax = std::max(Kmax, g.experts);
+    if (cfg.gated()) z = t({N, Kmax});
   }
 }
 
-void Model::forward(const Batch& batch, float* token_loss, const float* grad_scale) {
+// Embedding rows (slot * V + token) and expert groups of every row; h0 = E[rows] + P.
+void Model::embed(const Batch& batch, Activations& a) {
   const int B = batch.B, T = batch.T;
-  SIGMA_CHECK(B > 0 && T > 0 && batch.tokens.size() == size_t(B) * T &&
-                  batch.targets.size() == size_t(B) * T && batch.domain.size() == size_t(B),
-              "malformed batch (B={}, T={})", B, T);
-  ensure_workspace(B, T);
-  const int64_t N = int64_t(B) * T, d = cfg_.d_model, V = cfg_.vocab;
-  Acts& a = *a_;
+  const int64_t V = cfg_.vocab;
   for (int b = 0; b < B; ++b) {
     SIGMA_CHECK(batch.domain[b] >= 0 && size_t(batch.domain[b]) < cfg_.domains.size(),
                 "batch row {} has domain index {} (model has {} domains)", b, batch.domain[b],
@@ -323,78 +270,92 @@ void Model::forward(const Batch& batch, float* token_loss, const float* grad_sca
     }
     std::fill_n(a.row_group.begin() + int64_t(b) * T, T, domain_group_[size_t(batch.domain[b])]);
   }
-  check_routing_ready();
-  aux_loss_ = 0;
-  a.scale_sum = 0;
-  if (grad_scale)
-    for (int64_t i = 0; i < N; ++i) a.scale_sum += grad_scale[i];
-  cpu::embedding_forward(a.blocks[0].x.data(), a.rows.data(), w_->tokens.v, w_->positions.v, B,
-                         T, d);
-  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch);
-  head(batch, token_loss, grad_scale);
-  if (!grad_scale) return;
-
-  // Backward: a.dh holds dL/dh of the current residual stream.
-  std::fill(a.dh.begin(), a.dh.end(), 0.0f);
-  cpu::layernorm_backward(a.dh.data(), w_->lnf_w.g, w_->lnf_b.g, a.da.data(), a.h_final.data(),
-                          a.meanf.data(), a.rstdf.data(), w_->lnf_w.v, N, d);
-  for (int l = cfg_.layers - 1; l >= 0; --l) block_backward(l, batch, a.dh.data());
-  cpu::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.data(), a.rows.data(), B, T, d);
+  cpu::embedding_forward(a.blocks[0].x.f(), a.rows.data(), w_->tokens.v, w_->positions.v, B, T,
+                         cfg_.d_model);
 }
 
-void Model::block_forward(int l, const Batch& batch) {
+void Model::forward(const Batch& batch, Activations& a, float* token_loss,
+                    const float* loss_weight) {
+  const int B = batch.B, T = batch.T;
+  SIGMA_CHECK(B > 0 && T > 0 && batch.tokens.size() == size_t(B) * T &&
+                  batch.targets.size() == size_t(B) * T && batch.domain.size() == size_t(B),
+              "malformed batch (B={}, T={})", B, T);
+  a.ensure(cfg_, B, T);
+  check_routing_ready();
+  embed(batch, a);
+  aux_loss_ = 0;
+  a.weight_sum = 0;
+  if (loss_weight)
+    for (int64_t i = 0; i < int64_t(B) * T; ++i) a.weight_sum += loss_weight[i];
+  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a);
+  head(batch, a, token_loss, loss_weight);
+}
+
+void Model::backward(const Batch& batch, Activations& a) {
+  SIGMA_CHECK(a.has_grad && a.B == batch.B && a.T == batch.T,
+              "backward needs the forward pass of the same batch with loss weights first");
+  a.has_grad = false;  // the head's gradient is consumed
+  head_backward(batch, a);
+  for (int l = cfg_.layers - 1; l >= 0; --l) block_backward(l, batch, a, a.dh.f());
+  cpu::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.f(), a.rows.data(), batch.B,
+                          batch.T, cfg_.d_model);
+}
+
+void Model::block_forward(int l, const Batch& batch, Activations& acts) {
   const int B = batch.B, T = batch.T;
   const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), H = cfg_.heads,
                 hd = cfg_.head_dim();
   const bool query_layer = (l == cfg_.layers - 1);
   const BlockWeights& w = w_->blocks[l];
-  Acts::Block& k = a_->blocks[l];
+  BlockActs& k = acts.blocks[size_t(l)];
 
-  cpu::layernorm_forward(k.a1.data(), k.mean1.data(), k.rstd1.data(), k.x.data(), w.ln1_w.v,
-                         w.ln1_b.v, N, d);
+  cpu::layernorm_forward(k.a1.f(), k.mean1.f(), k.rstd1.f(), k.x.f(), w.ln1_w.v, w.ln1_b.v, N, d);
   cpu::AttnOperand q;
   if (!query_layer) {
-    cpu::linear_forward(k.qkv.data(), k.a1.data(), w.qkv_w.v, w.qkv_b.v, N, d, 3 * d);
-    q = {k.qkv.data(), 3 * d, T * 3 * d};
+    cpu::linear_forward(k.qkv.f(), k.a1.f(), w.qkv_w.v, w.qkv_b.v, N, d, 3 * d);
+    q = {k.qkv.f(), 3 * d, T * 3 * d};
   } else {
     // Keys and values from LN1(h): the K|V column slice of the QKV weight.
-    cpu::linear_forward(k.qkv.data() + d, k.a1.data(), w.qkv_w.v + d, w.qkv_b.v + d, N, d, 2 * d,
+    cpu::linear_forward(k.qkv.f() + d, k.a1.f(), w.qkv_w.v + d, w.qkv_b.v + d, N, d, 2 * d,
                         false, {d, 3 * d, 3 * d});
     // Queries from the learned position table (not normalised), shared by every row.
-    cpu::linear_forward(k.qtop.data(), w.query.v, w.qkv_w.v, w.qkv_b.v, T, d, d, false,
+    cpu::linear_forward(k.qtop.f(), w.query.v, w.qkv_w.v, w.qkv_b.v, T, d, d, false,
                         {d, 3 * d, d});
-    q = {k.qtop.data(), d, 0};
+    q = {k.qtop.f(), d, 0};
   }
-  const cpu::AttnOperand kk{k.qkv.data() + d, 3 * d, T * 3 * d};
-  const cpu::AttnOperand vv{k.qkv.data() + 2 * d, 3 * d, T * 3 * d};
-  cpu::attention_forward(k.att.data(), k.probs.data(), q, kk, vv, {B, T, H, hd},
+  const cpu::AttnOperand kk{k.qkv.f() + d, 3 * d, T * 3 * d};
+  const cpu::AttnOperand vv{k.qkv.f() + 2 * d, 3 * d, T * 3 * d};
+  cpu::attention_forward(k.att.f(), k.probs.f(), q, kk, vv, {B, T, H, hd},
                          1.0f / std::sqrt(float(hd)));
-  std::copy(k.x.begin(), k.x.end(), k.mid.begin());
-  cpu::linear_forward(k.mid.data(), k.att.data(), w.out_w.v, w.out_b.v, N, d, d, true);
-  cpu::layernorm_forward(k.a2.data(), k.mean2.data(), k.rstd2.data(), k.mid.data(), w.ln2_w.v,
-                         w.ln2_b.v, N, d);
-  Buf& out = (l + 1 < cfg_.layers) ? a_->blocks[l + 1].x : a_->h_final;
-  std::copy(k.mid.begin(), k.mid.end(), out.begin());
-  if (!w.is_rre()) {
-    ffn_forward(out.data(), k.pre.data(), k.act.data(), k.a2.data(), w.ffn(), N, d, f);
-    return;
-  }
+  std::copy_n(k.x.f(), N * d, k.mid.f());
+  cpu::linear_forward(k.mid.f(), k.att.f(), w.out_w.v, w.out_b.v, N, d, d, true);
+  cpu::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,
+                         d);
+  float* out = (l + 1 < cfg_.layers) ? acts.blocks[size_t(l) + 1].x.f() : acts.h_final.f();
+  std::copy_n(k.mid.f(), N * d, out);
+  if (!w.is_rre())
+    ffn_forward(out, k.pre.f(), k.act.f(), k.a2.f(), w.ffn(), N, d, f);
+  else
+    expert_forward(l, batch, acts, out);
+}
+
+// An expert block: the learned-gate baseline, or RRE through the executor; counts the load.
+void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* out) {
+  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, f = cfg_.ffn();
+  const BlockWeights& w = w_->blocks[l];
+  BlockActs& k = acts.blocks[size_t(l)];
   BlockLoad& load = load_[size_t(l - cfg_.first_rre_block())];
   if (cfg_.gated()) {
-    gate_forward(out.data(), k.yg.data(), k.pre.data(), k.act.data(), a_->gx.data(),
-                 a_->z.data(), k.gplan, k.a2.data(), w.rre, w.gate, a_->row_group.data(),
-                 cfg_.experts_per_token(), cfg_.capacity_factor, N, d, f);
+    gate_forward(out, k.yg.f(), k.pre.f(), k.act.f(), acts.gx.f(), acts.z.f(), k.gplan, k.a2.f(),
+                 w.rre, w.gate, acts.row_group.data(), cfg_.experts_per_token(),
+                 cfg_.capacity_factor, N, d, f);
     aux_loss_ += double(cfg_.aux_loss_weight) * k.gplan.aux;
     load.dropped += k.gplan.dropped;
   } else {
-    rre_plan(k.plan, w.rre, batch.tokens.data(), a_->row_group.data(), N);
-    if (external_experts_)
-      for (int e = 0; e < w.rre.experts(); ++e)
-        SIGMA_CHECK(k.plan.rows(e) == 0 || w.rre.expert[size_t(e)].w_in,
-                    "block {}: expert {} receives tokens but is not bound (not in the step's "
-                    "active set)", l, e);
-    rre_forward(out.data(), k.pre.data(), k.act.data(), a_->gx.data(), a_->gy.data(),
-                k.a2.data(), w.rre, k.plan, N, d, f);
+    rre_plan(k.plan, w.rre, batch.tokens.data(), acts.row_group.data(), N);
+    executor_->forward(l, w.rre, k.plan, {k.pre.f(), k.act.f(), acts.gx.f(), acts.gy.f(),
+                                          acts.gdx.f(), acts.dffn.f()},
+                       out, k.a2.f(), N, d, f);
   }
   for (size_t g = 0; g < load.tokens.size(); ++g)
     for (size_t e = 0; e < load.tokens[g].size(); ++e) {
@@ -403,97 +364,112 @@ void Model::block_forward(int l, const Batch& batch) {
     }
 }
 
-// Final LayerNorm, tied head over each row's slot, cross-entropy. With grad_scale, leaves
-// dL/d(LNf output) in a.da.
-void Model::head(const Batch& batch, float* token_loss, const float* grad_scale) {
-  const int B = batch.B, T = batch.T;
-  const int64_t N = int64_t(B) * T, d = cfg_.d_model, V = cfg_.vocab;
-  Acts& a = *a_;
-  cpu::layernorm_forward(a.hf.data(), a.meanf.data(), a.rstdf.data(), a.h_final.data(),
-                         w_->lnf_w.v, w_->lnf_b.v, N, d);
-  // Consecutive rows that share a slot form one GEMM against that slot's rows of E.
-  auto for_each_slot_run = [&](auto&& fn) {
-    for (int b0 = 0; b0 < B;) {
-      const int slot = cfg_.domains[batch.domain[b0]].slot;
-      int b1 = b0 + 1;
-      while (b1 < B && cfg_.domains[batch.domain[b1]].slot == slot) ++b1;
-      fn(int64_t(b0) * T, int64_t(b1 - b0) * T, int64_t(slot) * V * d);
-      b0 = b1;
-    }
-  };
-  for_each_slot_run([&](int64_t r0, int64_t rows, int64_t e0) {
-    cpu::gemm(false, true, rows, V, d, 1.0f, a.hf.data() + r0 * d, d, w_->tokens.v + e0, d, 0.0f,
-              a.logits.data() + r0 * V, V);
-  });
-  cpu::softmax_xent(a.logits.data(), token_loss, batch.targets.data(), grad_scale, N, V);
-  if (!grad_scale) return;
-  std::fill(a.da.begin(), a.da.end(), 0.0f);
-  for_each_slot_run([&](int64_t r0, int64_t rows, int64_t e0) {
-    const float* dlogits = a.logits.data() + r0 * V;
-    cpu::gemm(false, false, rows, d, V, 1.0f, dlogits, V, w_->tokens.v + e0, d, 1.0f,
-              a.da.data() + r0 * d, d);
-    cpu::gemm(true, false, V, d, rows, 1.0f, dlogits, V, a.hf.data() + r0 * d, d, 1.0f,
-              w_->tokens.g + e0, d);
-  });
+// Calls fn(first row, rows, offset of the slot's rows in E) for each run of consecutive batch
+// rows that share an embedding slot: one GEMM against that slot's rows of the tied head.
+template <class Fn>
+static void for_each_slot_run(const ModelConfig& cfg, const Batch& batch, Fn&& fn) {
+  const int64_t T = batch.T, V = cfg.vocab, d = cfg.d_model;
+  for (int b0 = 0; b0 < batch.B;) {
+    const int slot = cfg.domains[batch.domain[b0]].slot;
+    int b1 = b0 + 1;
+    while (b1 < batch.B && cfg.domains[batch.domain[b1]].slot == slot) ++b1;
+    fn(int64_t(b0) * T, int64_t(b1 - b0) * T, int64_t(slot) * V * d);
+    b0 = b1;
+  }
 }
 
-void Model::block_backward(int l, const Batch& batch, float* dh) {
+// Final LayerNorm, tied head over each row's slot, cross-entropy. With loss weights the
+// logits are overwritten by their gradient.
+void Model::head(const Batch& batch, Activations& a, float* token_loss,
+                 const float* loss_weight) {
+  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab;
+  cpu::layernorm_forward(a.hf.f(), a.meanf.f(), a.rstdf.f(), a.h_final.f(), w_->lnf_w.v,
+                         w_->lnf_b.v, N, d);
+  for_each_slot_run(cfg_, batch, [&](int64_t r0, int64_t rows, int64_t e0) {
+    cpu::gemm(false, true, rows, V, d, 1.0f, a.hf.f() + r0 * d, d, w_->tokens.v + e0, d, 0.0f,
+              a.logits.f() + r0 * V, V);
+  });
+  cpu::softmax_xent(a.logits.f(), token_loss, batch.targets.data(), loss_weight, N, V);
+  a.has_grad = loss_weight != nullptr;
+}
+
+// From dL/dlogits to dL/dh of the last block's output, in a.dh.
+void Model::head_backward(const Batch& batch, Activations& a) {
+  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab;
+  a.da.zero();
+  for_each_slot_run(cfg_, batch, [&](int64_t r0, int64_t rows, int64_t e0) {
+    const float* dlogits = a.logits.f() + r0 * V;
+    cpu::gemm(false, false, rows, d, V, 1.0f, dlogits, V, w_->tokens.v + e0, d, 1.0f,
+              a.da.f() + r0 * d, d);
+    cpu::gemm(true, false, V, d, rows, 1.0f, dlogits, V, a.hf.f() + r0 * d, d, 1.0f,
+              w_->tokens.g + e0, d);
+  });
+  a.dh.zero();
+  cpu::layernorm_backward(a.dh.f(), w_->lnf_w.g, w_->lnf_b.g, a.da.f(), a.h_final.f(),
+                          a.meanf.f(), a.rstdf.f(), w_->lnf_w.v, N, d);
+}
+
+// dh: dL/d(block output) on entry, dL/d(block input) on return.
+void Model::block_backward(int l, const Batch& batch, Activations& a, float* dh) {
+  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, f = cfg_.ffn();
+  const BlockWeights& w = w_->blocks[l];
+  BlockActs& k = a.blocks[size_t(l)];
+  // FFN branch; the residual passes dh through unchanged.
+  a.da.zero();
+  if (!w.is_rre())
+    ffn_backward(a.da.f(), w.ffn_grad(), a.dffn.f(), dh, k.a2.f(), k.pre.f(), k.act.f(), w.ffn(),
+                 N, d, f);
+  else if (!cfg_.gated())
+    executor_->backward(l, w.rre, k.plan, {k.pre.f(), k.act.f(), a.gx.f(), a.gy.f(), a.gdx.f(),
+                                           a.dffn.f()},
+                        a.da.f(), dh, k.a2.f(), N, d, f);
+  else
+    gate_backward(a.da.f(), a.dffn.f(), a.gx.f(), a.gy.f(), a.gdx.f(), a.z.f(), dh, k.a2.f(),
+                  k.yg.f(), k.pre.f(), k.act.f(), k.gplan, w.rre, w.gate, a.row_group.data(),
+                  float(a.weight_sum * cfg_.aux_loss_weight), N, d, f);
+  cpu::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.f(), k.mid.f(), k.mean2.f(),
+                          k.rstd2.f(), w.ln2_w.v, N, d);  // dh is now dL/d(mid)
+  attention_backward(l, batch, a, dh);
+}
+
+// The attention branch of block l; dh: dL/d(mid) on entry, dL/d(block input) on return.
+void Model::attention_backward(int l, const Batch& batch, Activations& a, float* dh) {
   const int B = batch.B, T = batch.T;
-  const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), H = cfg_.heads,
-                hd = cfg_.head_dim();
+  const int64_t N = int64_t(B) * T, d = cfg_.d_model, H = cfg_.heads, hd = cfg_.head_dim();
   const bool query_layer = (l == cfg_.layers - 1);
   const BlockWeights& w = w_->blocks[l];
-  Acts::Block& k = a_->blocks[l];
-  Acts& a = *a_;
-
-  // FFN branch: dh is dL/d(block output); the residual passes it through unchanged.
-  std::fill(a.da.begin(), a.da.end(), 0.0f);
-  if (!w.is_rre())
-    ffn_backward(a.da.data(), w.ffn_grad(), a.dffn.data(), dh, k.a2.data(), k.pre.data(),
-                 k.act.data(), w.ffn(), N, d, f);
-  else if (!cfg_.gated())
-    rre_backward(a.da.data(), a.dffn.data(), a.gx.data(), a.gy.data(), a.gdx.data(), dh,
-                 k.a2.data(), k.pre.data(), k.act.data(), w.rre, k.plan, N, d, f);
-  else
-    gate_backward(a.da.data(), a.dffn.data(), a.gx.data(), a.gy.data(), a.gdx.data(),
-                  a.z.data(), dh, k.a2.data(), k.yg.data(), k.pre.data(), k.act.data(), k.gplan,
-                  w.rre, w.gate, a.row_group.data(),
-                  float(a.scale_sum * cfg_.aux_loss_weight), N, d, f);
-  cpu::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.data(), k.mid.data(), k.mean2.data(),
-                          k.rstd2.data(), w.ln2_w.v, N, d);  // dh is now dL/d(mid)
-
-  // Attention branch.
-  std::fill(a.datt.begin(), a.datt.end(), 0.0f);
-  cpu::linear_backward(a.datt.data(), w.out_w.g, w.out_b.g, dh, k.att.data(), w.out_w.v, N, d, d);
-  std::fill(a.dqkv.begin(), a.dqkv.end(), 0.0f);
-  cpu::AttnOperand q{k.qkv.data(), 3 * d, T * 3 * d};
-  if (query_layer) q = {k.qtop.data(), d, 0};
-  const cpu::AttnOperand kk{k.qkv.data() + d, 3 * d, T * 3 * d};
-  const cpu::AttnOperand vv{k.qkv.data() + 2 * d, 3 * d, T * 3 * d};
+  BlockActs& k = a.blocks[size_t(l)];
+  a.datt.zero();
+  cpu::linear_backward(a.datt.f(), w.out_w.g, w.out_b.g, dh, k.att.f(), w.out_w.v, N, d, d);
+  a.dqkv.zero();
+  cpu::AttnOperand q{k.qkv.f(), 3 * d, T * 3 * d};
+  if (query_layer) q = {k.qtop.f(), d, 0};
+  const cpu::AttnOperand kk{k.qkv.f() + d, 3 * d, T * 3 * d};
+  const cpu::AttnOperand vv{k.qkv.f() + 2 * d, 3 * d, T * 3 * d};
   // dq always gets per-row storage (the q third of dqkv), even when q is shared.
-  cpu::attention_backward({a.dqkv.data(), 3 * d, T * 3 * d}, {a.dqkv.data() + d, 3 * d, T * 3 * d},
-                          {a.dqkv.data() + 2 * d, 3 * d, T * 3 * d}, a.datt.data(), k.att.data(),
-                          k.probs.data(), q, kk, vv, {B, T, H, hd}, 1.0f / std::sqrt(float(hd)));
-  std::fill(a.da.begin(), a.da.end(), 0.0f);
+  float* dqkv = a.dqkv.f();
+  cpu::attention_backward({dqkv, 3 * d, T * 3 * d}, {dqkv + d, 3 * d, T * 3 * d},
+                          {dqkv + 2 * d, 3 * d, T * 3 * d}, a.datt.f(), k.att.f(), k.probs.f(), q,
+                          kk, vv, {B, T, H, hd}, 1.0f / std::sqrt(float(hd)));
+  a.da.zero();
   if (!query_layer) {
-    cpu::linear_backward(a.da.data(), w.qkv_w.g, w.qkv_b.g, a.dqkv.data(), k.a1.data(), w.qkv_w.v,
-                         N, d, 3 * d);
+    cpu::linear_backward(a.da.f(), w.qkv_w.g, w.qkv_b.g, dqkv, k.a1.f(), w.qkv_w.v, N, d, 3 * d);
   } else {
-    cpu::linear_backward(a.da.data(), w.qkv_w.g + d, w.qkv_b.g + d, a.dqkv.data() + d,
-                         k.a1.data(), w.qkv_w.v + d, N, d, 2 * d, {d, 3 * d, 3 * d});
+    cpu::linear_backward(a.da.f(), w.qkv_w.g + d, w.qkv_b.g + d, dqkv + d, k.a1.f(),
+                         w.qkv_w.v + d, N, d, 2 * d, {d, 3 * d, 3 * d});
     // The shared query: sum dq over the batch, then back through W_q to the query table.
-    std::fill(a.dq_shared.begin(), a.dq_shared.end(), 0.0f);
+    a.dq_shared.zero();
+    float* dq = a.dq_shared.f();
     for (int b = 0; b < B; ++b)
       for (int t = 0; t < T; ++t) {
-        const float* src = a.dqkv.data() + (int64_t(b) * T + t) * 3 * d;
-        float* dst = a.dq_shared.data() + int64_t(t) * d;
-        for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
+        const float* src = dqkv + (int64_t(b) * T + t) * 3 * d;
+        for (int64_t c = 0; c < d; ++c) dq[int64_t(t) * d + c] += src[c];
       }
-    cpu::linear_backward(w.query.g, w.qkv_w.g, w.qkv_b.g, a.dq_shared.data(), w.query.v,
-                         w.qkv_w.v, T, d, d, {d, 3 * d, d});
+    cpu::linear_backward(w.query.g, w.qkv_w.g, w.qkv_b.g, dq, w.query.v, w.qkv_w.v, T, d, d,
+                         {d, 3 * d, d});
   }
-  cpu::layernorm_backward(dh, w.ln1_w.g, w.ln1_b.g, a.da.data(), k.x.data(), k.mean1.data(),
-                          k.rstd1.data(), w.ln1_w.v, N, d);  // dh is now dL/d(block input)
+  cpu::layernorm_backward(dh, w.ln1_w.g, w.ln1_b.g, a.da.f(), k.x.f(), k.mean1.f(), k.rstd1.f(),
+                          w.ln1_w.v, N, d);  // dh is now dL/d(block input)
 }
 
 }  // namespace sigma

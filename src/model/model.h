@@ -1,14 +1,17 @@
 // The PanGu-α decoder (DESIGN §1): slot embeddings + learned positions, L-1 pre-LN blocks,
 // the query layer (attention query = a learned table of positions), final LayerNorm, tied head.
 // The top model.rre_layers blocks have a Random Routed Experts FFN (DESIGN §2) whose routing
-// tables are model buffers. Forward saves every activation backward needs in per-block
-// structs; backward accumulates into the ParamSet's gradients.
+// tables are model buffers. forward() saves every activation backward needs in an
+// Activations struct (model/activations.h); backward() accumulates into the ParamSet's
+// gradients. RRE blocks hand their rows to an ExpertExecutor (model/expert_executor.h).
 #pragma once
 #include <memory>
 #include <vector>
 
+#include "model/activations.h"
 #include "model/batch.h"
 #include "model/config.h"
+#include "model/expert_executor.h"
 #include "model/params.h"
 #include "model/routing.h"
 #include "model/weights.h"
@@ -33,7 +36,7 @@ class Model {
   // pass before that is an error.
   //
   // With external_experts the RRE experts are not model parameters: they live in an expert
-  // store (ECSS, src/train/expert_offload.h) and bind_expert() points the model at the copies
+  // store (ECSS, src/ecss/ecss_experts.h) and bind_expert() points the model at the copies
   // of the experts a step uses; a forward pass that routes a row to an unbound expert throws.
   Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts = nullptr,
         bool external_experts = false);
@@ -74,16 +77,32 @@ class Model {
   const std::vector<BlockLoad>& expert_load() const { return load_; }
   void reset_expert_load();
 
-  // Forward pass; token_loss[B*T] receives every position's cross-entropy (masked or not).
-  // With grad_scale (per token, [B*T]) it also runs backward, accumulating parameter gradients
-  // of sum_i grad_scale[i] * loss[i] + (sum_i grad_scale[i]) * aux_loss().
-  void forward(const Batch& batch, float* token_loss, const float* grad_scale = nullptr);
+  // Forward pass over `batch`, saving into `acts`; token_loss[B*T] receives every position's
+  // cross-entropy (masked or not). With loss_weight (per token, [B*T]) the objective is
+  // sum_i loss_weight[i] * loss[i] + (sum_i loss_weight[i]) * aux_loss(), and the head leaves
+  // its gradient dL/dlogits in acts instead of the logits (the fused softmax cross-entropy
+  // backward, as llm.c does: it saves a second pass over [N, V]), so backward() can follow.
+  void forward(const Batch& batch, Activations& acts, float* token_loss,
+               const float* loss_weight = nullptr);
+  // Backward pass of the last forward(batch, acts, ..., loss_weight): accumulates (+=) the
+  // parameter gradients, and the experts' through the executor.
+  void backward(const Batch& batch, Activations& acts);
+  // The same on the model's own activations (evaluation, tests, generation).
+  void forward(const Batch& batch, float* token_loss, const float* loss_weight = nullptr) {
+    forward(batch, *own_, token_loss, loss_weight);
+  }
+  void backward(const Batch& batch) { backward(batch, *own_); }
+  // Logits of the last forward pass on the model's own activations, [B*T, V]; only valid when
+  // it ran without loss weights.
+  const float* logits() const;
 
   // The learned gate's weighted load-balancing loss of the last forward pass (0 with RRE).
   double aux_loss() const { return aux_loss_; }
 
-  // Logits of the last forward pass, [B*T, V]; only valid when it ran without grad_scale.
-  const float* logits() const;
+  // Where RRE blocks run their experts; nullptr = on this process (LocalExperts). The
+  // executor must outlive its use by the model.
+  void set_expert_executor(ExpertExecutor* e) { executor_ = e ? e : &local_; }
+  ExpertExecutor& expert_executor() { return *executor_; }
 
   // FLOPs of one forward+backward per token, by 6*(non-embedding params) + 6*V*d (head) +
   // 12*L*T*d (attention scores and values, causal savings not discounted).
@@ -95,11 +114,13 @@ class Model {
   int64_t active_params_per_token() const;
 
  private:
-  struct Acts;
-  void ensure_workspace(int B, int T);
-  void block_forward(int l, const Batch& b);
-  void block_backward(int l, const Batch& b, float* dh);
-  void head(const Batch& b, float* token_loss, const float* grad_scale);
+  void embed(const Batch& b, Activations& a);
+  void block_forward(int l, const Batch& b, Activations& a);
+  void expert_forward(int l, const Batch& b, Activations& a, float* out);
+  void head(const Batch& b, Activations& a, float* token_loss, const float* loss_weight);
+  void head_backward(const Batch& b, Activations& a);
+  void block_backward(int l, const Batch& b, Activations& a, float* dh);
+  void attention_backward(int l, const Batch& b, Activations& a, float* dh);
 
   ModelConfig cfg_;
   uint64_t seed_;
@@ -111,7 +132,9 @@ class Model {
   std::vector<BlockLoad> load_;
   double aux_loss_ = 0;
   std::unique_ptr<ModelWeights> w_;
-  std::unique_ptr<Acts> a_;
+  std::unique_ptr<Activations> own_;
+  LocalExperts local_;
+  ExpertExecutor* executor_ = &local_;
 };
 
 }  // namespace sigma

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "model/expert_executor.h"
 
 namespace sigma {
 
@@ -117,6 +118,26 @@ void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, 
                  gx + s * d, pre + s * f, act + s * f, w.expert[size_t(e)], n, d, f);
   }
   scatter_rows(dx, gdx, p.order.data(), N, d, /*accumulate=*/true);
+}
+
+}  // namespace sigma
+
+namespace sigma {
+
+void LocalExperts::forward(int block, const RreWeights& w, const RrePlan& p,
+                           const ExpertBuffers& b, float* y, const float* x, int64_t N, int64_t d,
+                           int64_t f) {
+  for (int e = 0; e < w.experts(); ++e)
+    SIGMA_CHECK(p.rows(e) == 0 || w.expert[size_t(e)].w_in,
+                "block {}: expert {} receives tokens but is not bound (not in the step's active "
+                "set)", block, e);
+  rre_forward(y, b.pre, b.act, b.gx, b.gy, x, w, p, N, d, f);
+}
+
+void LocalExperts::backward(int, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
+                            float* dx, const float* dy, const float* x, int64_t N, int64_t d,
+                            int64_t f) {
+  rre_backward(dx, b.scratch, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, N, d, f);
 }
 
 }  // namespace sigma

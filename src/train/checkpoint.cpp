@@ -19,7 +19,7 @@ constexpr const char* kTokenizerFile = "tokenizer.json";
 
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
-                            const std::string& tokenizer_path, ExpertOffload* experts) {
+                            const std::string& tokenizer_path, EcssExperts* experts) {
   CheckpointWriter w(root, fmt::format("step-{:08d}", st.step));
   const nlohmann::json config = cfg.to_json();
   std::vector<TensorRef> params;
@@ -55,18 +55,6 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   const std::string dir = w.commit();
   if (experts) experts->checkpoint_written(dir);
   return dir;
-}
-
-std::vector<std::string> expert_group_files(const std::string& dir, bool adam) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string file = entry.path().filename().string();
-    if (file.rfind("experts.", 0) != 0 || !file.ends_with(".safetensors")) continue;
-    if (file.ends_with(".adam.safetensors") == adam) out.push_back(file);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
 }
 
 namespace {
@@ -149,7 +137,7 @@ void load_model(Model& model, const std::string& dir) {
     }
   }
   size_t expected = model.params().all().size() + model.buffers().all().size();
-  if (model.external_experts()) {  // read later by ExpertOffload::load; here only counted
+  if (model.external_experts()) {  // read later by EcssExperts::load; here only counted
     const ModelConfig& cfg = model.config();
     for (int l = cfg.first_rre_block(); l < cfg.layers; ++l)
       for (const GroupSpec& g : cfg.groups)
@@ -165,7 +153,7 @@ void load_model(Model& model, const std::string& dir) {
 
 void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) {
   const std::string path = dir + "/" + kOptimizerFile;
-  // Expert state that is not in `params` (an expert store's) is left for ExpertOffload::load.
+  // Expert state that is not in `params` (an expert store's) is left for EcssExperts::load.
   const bool has_experts = std::any_of(params.all().begin(), params.all().end(),
                                        [](const Param& p) { return p.expert; });
   auto want = [&](const std::string& name) { return has_experts || !is_expert_tensor(name); };

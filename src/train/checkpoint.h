@@ -9,7 +9,7 @@
 #include "model/model.h"
 #include "optim/adamw.h"
 #include "train/config.h"
-#include "train/expert_offload.h"
+#include "ecss/ecss_experts.h"
 
 namespace sigma {
 
@@ -26,14 +26,8 @@ struct TrainerState {
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
                             const std::string& tokenizer_path = "",
-                            ExpertOffload* experts = nullptr);
+                            EcssExperts* experts = nullptr);
 
-// An ECSS checkpoint keeps each expert group (RRE block l, group G) in its own files:
-// experts.l.G.safetensors (the stacked weights, named as in model.safetensors) and
-// experts.l.G.adam.safetensors (their Adam state); a group no step changed since the previous
-// checkpoint is hard-linked from it instead of written again. These list them (from the
-// directory; empty for other checkpoints).
-std::vector<std::string> expert_group_files(const std::string& dir, bool adam);
 // Every weight of a checkpoint under its in-model name: model.safetensors plus the expert
 // group files.
 TensorMap read_model_tensors(const std::string& dir);
@@ -53,7 +47,7 @@ CheckpointInfo open_checkpoint(const std::string& path);
 
 // Copies the checkpoint's tensors into `model` / `opt`; every tensor must exist with the
 // same shape (the error names the first that does not). A model with external experts (ECSS)
-// leaves the expert tensors (blocks.*.rre.*) unread: ExpertOffload::load reads them.
+// leaves the expert tensors (blocks.*.rre.*) unread: EcssExperts::load reads them.
 void load_model(Model& model, const std::string& dir);
 void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir);
 

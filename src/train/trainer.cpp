@@ -11,10 +11,12 @@
 #include <filesystem>
 #include <fstream>
 
+#include "dist/communicator.h"
 #include "model/routing.h"
 #include "optim/adamw.h"
 #include "train/checkpoint.h"
 #include "train/freeze.h"
+#include "train/train_step.h"
 
 namespace sigma {
 
@@ -75,7 +77,7 @@ nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load) {
 }
 
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
-                                 int rows_per_domain, ExpertOffload* experts) {
+                                 int rows_per_domain) {
   // The source's domains are scored as the model's domains of the same names.
   const auto names = data.domains();
   std::vector<int32_t> to_model;
@@ -86,7 +88,7 @@ std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, in
   data.eval_batches(B, T, rows_per_domain, [&](const Batch& b) {
     mb = b;
     for (auto& d : mb.domain) d = to_model[size_t(d)];
-    if (experts) experts->begin_step({&mb, 1});  // bind the experts this batch routes to
+    model.expert_executor().begin_step({&mb, 1});  // ECSS: bind the experts it routes to
     token_loss.resize(size_t(b.B) * b.T);
     model.forward(mb, token_loss.data());
     sums.add(b, token_loss);
@@ -98,235 +100,290 @@ std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, in
   return out;
 }
 
-TrainSummary train(Config cfg, const RunOptions& run) {
-  if (cfg.train.threads > 0) omp_set_num_threads(cfg.train.threads);
-  std::unique_ptr<DataSource> data = make_data_source(cfg);
-  bind_model_to_data(cfg.model, *data);
-  cfg.model.validate();
+namespace {
 
-  // Frequency-balanced routing tables come from the training data's token counts per group
-  // (a resumed run takes its tables from the checkpoint instead).
+// Frequency-balanced routing tables come from the training data's token counts per group (a
+// resumed run takes its tables from the checkpoint instead). Empty when not needed.
+TokenCounts routing_counts(const Config& cfg, const DataSource& data, bool resuming) {
   TokenCounts group_counts;
-  const bool need_counts =
-      cfg.model.rre_layers > 0 && cfg.model.routing == "frequency" && run.resume.empty();
-  if (need_counts) {
-    const auto per_domain = data->domain_token_counts(cfg.model.vocab);
-    SIGMA_CHECK(!per_domain.empty(), "model.routing = 'frequency' needs token counts, which "
-                "data.source = '{}' does not provide; use model.routing = random", cfg.data.source);
-    for (const auto& [name, counts] : per_domain) {
-      auto& g = group_counts[cfg.model.domains[cfg.model.domain_index(name)].group];
-      g.resize(counts.size(), 0);
-      for (size_t i = 0; i < counts.size(); ++i) g[i] += counts[i];
-    }
+  if (cfg.model.rre_layers == 0 || cfg.model.routing != "frequency" || resuming) return group_counts;
+  const auto per_domain = data.domain_token_counts(cfg.model.vocab);
+  SIGMA_CHECK(!per_domain.empty(), "model.routing = 'frequency' needs token counts, which "
+              "data.source = '{}' does not provide; use model.routing = random", cfg.data.source);
+  for (const auto& [name, counts] : per_domain) {
+    auto& g = group_counts[cfg.model.domains[cfg.model.domain_index(name)].group];
+    g.resize(counts.size(), 0);
+    for (size_t i = 0; i < counts.size(); ++i) g[i] += counts[i];
   }
-  const ExpertMode mode = resolve_expert_mode(cfg.train.experts, cfg.model);
-  Model model(cfg.model, cfg.train.seed, need_counts ? &group_counts : nullptr,
-              mode != ExpertMode::InModel);
-  AdamW opt(cfg.optim, model.params());
-  TrainerState state;
-  std::optional<CheckpointInfo> ck;
-  if (!run.resume.empty()) {  // checked before the expert store is opened
-    ck = open_checkpoint(run.resume);
-    check_same_model(cfg, ck->cfg);
+  return group_counts;
+}
+
+// One training run: set-up, the loop of TrainSteps, metrics, checkpoints, final evaluation.
+class RunLoop {
+ public:
+  RunLoop(Config cfg, const RunOptions& run);
+  TrainSummary run();
+
+ private:
+  void build();
+  void restore();
+  void open_outputs();
+  void fetch(std::vector<Batch>& micro, int64_t step);
+  void one_step(int64_t step);
+  void log(double grad_norm, float lr);
+  void checkpoint();
+  TrainSummary finish();
+  void write_summary(const TrainSummary& sum);
+
+  Config cfg_;
+  RunOptions run_;
+  std::unique_ptr<DataSource> data_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<AdamW> opt_;
+  std::unique_ptr<EcssExperts> experts_;  // ECSS / vanilla offload; null: experts in the model
+  ExpertMode mode_ = ExpertMode::InModel;
+  SingleProcess comm_;
+  std::unique_ptr<TrainStep> step_;
+  std::optional<CheckpointInfo> ck_;
+  FreezePlan freeze_;
+  TrainerState state_;
+  int64_t last_ = 0;
+  std::vector<std::string> names_;      // model domains (training losses are kept per these)
+  std::vector<int32_t> data_to_model_;  // data domain index -> model domain index
+  std::ofstream metrics_;
+  std::string ckpt_root_;
+  bool tty_ = false;
+  // ECSS reads step t+1's batches during step t to prefetch its experts.
+  std::vector<Batch> micro_, next_;
+  bool have_next_ = false;
+  nlohmann::json cursor_after_step_;  // the data cursor before step t+1's batches were read
+  // The logging window and this run's totals.
+  DomainSums window_{0};
+  double aux_window_ = 0;
+  int64_t tokens_this_run_ = 0, steps_this_run_ = 0, steps_in_window_ = 0;
+  std::vector<BlockLoad> run_load_;
+  Clock::time_point t_start_;
+};
+
+RunLoop::RunLoop(Config cfg, const RunOptions& run) : cfg_(std::move(cfg)), run_(run) {
+  if (cfg_.train.threads > 0) omp_set_num_threads(cfg_.train.threads);
+  build();
+  restore();
+  open_outputs();
+}
+
+// Data, model, optimizer, expert executor and the step; nothing written yet.
+void RunLoop::build() {
+  data_ = make_data_source(cfg_);
+  bind_model_to_data(cfg_.model, *data_);
+  cfg_.model.validate();
+  if (!run_.resume.empty()) {  // checked before the expert store is opened
+    ck_ = open_checkpoint(run_.resume);
+    check_same_model(cfg_, ck_->cfg);
   }
+  const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
+  mode_ = resolve_expert_mode(cfg_.train.experts, cfg_.model);
+  model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
+                                   mode_ != ExpertMode::InModel);
+  opt_ = std::make_unique<AdamW>(cfg_.optim, model_->params());
   // Checked before the store is created: a bad selector leaves no store file behind.
-  const FreezePlan freeze = plan_freeze(cfg.train.freeze, cfg.model, model.params(),
-                                       model.external_experts(), data->domains());
-  // ECSS: the experts and their Adam state live in the store, not in `model` and `opt`.
-  std::unique_ptr<ExpertOffload> experts;
-  if (mode != ExpertMode::InModel)
-    experts = std::make_unique<ExpertOffload>(model, mode, cfg.optim, cfg.train.expert_store,
-                                              ck.has_value());
-  if (ck) {
-    load_model(model, ck->dir);
-    load_optimizer(opt, model.params(), ck->dir);
-    if (experts) experts->load(ck->dir);
-    state = ck->state;
-    if (!state.data_cursor.is_null()) data->restore(state.data_cursor);
+  freeze_ = plan_freeze(cfg_.train.freeze, cfg_.model, model_->params(),
+                        model_->external_experts(), data_->domains());
+  // ECSS: the experts and their Adam state live in the store, not in the model and optimizer.
+  if (mode_ != ExpertMode::InModel)
+    experts_ = std::make_unique<EcssExperts>(*model_, mode_, cfg_.optim, cfg_.train.expert_store,
+                                             ck_.has_value());
+  step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim);
+  for (const auto& d : cfg_.model.domains) names_.push_back(d.name);
+  for (const auto& n : data_->domains()) data_to_model_.push_back(cfg_.model.domain_index(n));
+  micro_.resize(size_t(cfg_.train.accum));
+  next_.resize(size_t(cfg_.train.accum));
+}
+
+void RunLoop::restore() {
+  if (ck_) {
+    load_model(*model_, ck_->dir);
+    load_optimizer(*opt_, model_->params(), ck_->dir);
+    if (experts_) experts_->load(ck_->dir);
+    state_ = ck_->state;
+    if (!state_.data_cursor.is_null()) data_->restore(state_.data_cursor);
   }
-  if (experts) experts->set_frozen(freeze.frozen_experts);
-  const int B = cfg.train.batch, T = cfg.model.context;
-  const int64_t last = run.stop_at >= 0 ? std::min(run.stop_at, cfg.train.steps) : cfg.train.steps;
-  // Training losses are kept per model domain; the data may hold a subset of them (an extract
-  // or a newly added domain trained alone).
-  std::vector<std::string> names;
-  for (const auto& d : cfg.model.domains) names.push_back(d.name);
-  std::vector<int32_t> data_to_model;
-  for (const auto& n : data->domains()) data_to_model.push_back(cfg.model.domain_index(n));
+  if (experts_) experts_->set_frozen(freeze_.frozen_experts);
+  last_ = run_.stop_at >= 0 ? std::min(run_.stop_at, cfg_.train.steps) : cfg_.train.steps;
+}
 
-  std::ofstream metrics;
-  std::string ckpt_root;
-  if (!run.out_dir.empty()) {
-    std::filesystem::create_directories(run.out_dir);
-    metrics.open(run.out_dir + "/metrics.jsonl", std::ios::app);
-    SIGMA_CHECK(metrics.good(), "cannot write {}/metrics.jsonl", run.out_dir);
-    ckpt_root = run.out_dir + "/checkpoints";
+// metrics.jsonl, the checkpoint root and the banner.
+void RunLoop::open_outputs() {
+  if (!run_.out_dir.empty()) {
+    std::filesystem::create_directories(run_.out_dir);
+    metrics_.open(run_.out_dir + "/metrics.jsonl", std::ios::app);
+    SIGMA_CHECK(metrics_.good(), "cannot write {}/metrics.jsonl", run_.out_dir);
+    ckpt_root_ = run_.out_dir + "/checkpoints";
   }
-  const bool tty = isatty(STDERR_FILENO);
-  if (run.progress) {
-    fmt::print(stderr, "sigma train: {} parameters, {} domains, steps {}..{}, batch {}x{}x{}, {} threads\n",
-               model.params().numel() + (experts ? experts->params() : 0), names.size(), state.step,
-               last, cfg.train.accum, B, T, omp_get_max_threads());
-    if (experts)
-      fmt::print(stderr, "experts: {} ({} experts, {:.2f} GiB with Adam state, {})\n",
-                 expert_mode_name(mode), experts->store().num_experts(),
-                 double(experts->store().data_bytes()) / (1ull << 30),
-                 experts->store().file_backed() ? "file " + experts->store().path() : "in RAM");
-    if (!cfg.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze.summary);
+  tty_ = isatty(STDERR_FILENO);
+  if (!run_.progress) return;
+  fmt::print(stderr, "sigma train: {} parameters, {} domains, steps {}..{}, batch {}x{}x{}, {} threads\n",
+             model_->params().numel() + (experts_ ? experts_->params() : 0), names_.size(),
+             state_.step, last_, cfg_.train.accum, cfg_.train.batch, cfg_.model.context,
+             omp_get_max_threads());
+  if (experts_) {
+    const ExpertStore& st = experts_->store();
+    fmt::print(stderr, "experts: {} ({} experts, {:.2f} GiB with Adam state, {})\n",
+               expert_mode_name(mode_), st.num_experts(), double(st.data_bytes()) / (1ull << 30),
+               st.file_backed() ? "file " + st.path() : "in RAM");
   }
+  if (!cfg_.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze_.summary);
+}
 
-  // The micro-batches of a step, with the sum of their masks; the model's domain indices.
-  auto fetch = [&](std::vector<Batch>& mb, int64_t s) {
-    double mask_total = 0;
-    for (int m = 0; m < cfg.train.accum; ++m) {
-      data->train_batch(mb[size_t(m)], B, T, uint64_t(s) * cfg.train.accum + m);
-      for (float x : mb[size_t(m)].mask) mask_total += x;
-      for (auto& d : mb[size_t(m)].domain) d = data_to_model[size_t(d)];
-    }
-    return mask_total;
-  };
-  std::vector<Batch> micro(size_t(cfg.train.accum)), next(size_t(cfg.train.accum));
-  bool have_next = false;  // ECSS reads step t+1's batches during step t to prefetch experts
-  double next_mask = 0;
-  nlohmann::json cursor_after_step;  // the data cursor before step t+1's batches were read
-  std::vector<float> token_loss(size_t(B) * T), scale(size_t(B) * T);
-  DomainSums window(names.size());
-  double aux_window = 0;  // learned gate: sum of the weighted load-balancing loss per micro-batch
-  const auto t_start = Clock::now();
-  int64_t tokens_this_run = 0, steps_this_run = 0, steps_in_window = 0;
-  std::vector<BlockLoad> run_load = model.expert_load();  // zero counts, summed at each log
-  model.reset_expert_load();
-
-  for (int64_t step = state.step; step < last; ++step) {
-    double mask_total;
-    if (have_next) {
-      std::swap(micro, next);
-      mask_total = next_mask;
-      have_next = false;
-    } else {
-      mask_total = fetch(micro, step);
-    }
-    const bool ckpt_now = !ckpt_root.empty() &&
-                          ((cfg.train.ckpt_every > 0 && (step + 1) % cfg.train.ckpt_every == 0) ||
-                           step + 1 == last);
-    if (experts) {
-      experts->begin_step(micro);
-      if (step + 1 < last) {
-        if (ckpt_now) cursor_after_step = data->cursor();
-        next_mask = fetch(next, step + 1);
-        have_next = true;
-        experts->prefetch(next);
-      }
-    }
-    model.params().zero_grad();
-    for (auto& b : micro) {
-      for (size_t i = 0; i < scale.size(); ++i) scale[i] = mask_total > 0 ? float(b.mask[i] / mask_total) : 0.0f;
-      model.forward(b, token_loss.data(), scale.data());
-      window.add(b, token_loss);
-      aux_window += model.aux_loss() / cfg.train.accum;
-    }
-    UpdateMask mask = freeze.mask;
-    if (cfg.optim.sparse_embeddings) limit_to_batch_rows(mask, model.params(), cfg.model, micro);
-    if (!mask.all()) mask.mask_grads(model.params());
-    const double norm =
-        std::sqrt(AdamW::grad_sq(model.params()) + (experts ? experts->grad_sq() : 0.0));
-    const float clip = (cfg.optim.grad_clip > 0 && norm > cfg.optim.grad_clip)
-                           ? float(cfg.optim.grad_clip / norm) : 1.0f;
-    const float lr = lr_at(cfg.optim, step, cfg.train.steps);
-    opt.step(model.params(), lr, clip, &mask);
-    if (experts) experts->end_step(lr, clip);
-    state.step = step + 1;
-    state.tokens += int64_t(cfg.train.accum) * B * T;
-    tokens_this_run += int64_t(cfg.train.accum) * B * T;
-    steps_this_run += 1;
-    steps_in_window += 1;
-
-    const bool log_now = state.step % cfg.train.log_every == 0 || state.step == last;
-    if (log_now) {
-      const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
-      const double tps = tokens_this_run / std::max(elapsed, 1e-9);
-      const double eta = elapsed / steps_this_run * double(last - state.step);
-      if (run.progress)
-        fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}",
-                   tty ? "\r" : "", state.step, last, window.total_mean(), lr, norm, tps,
-                   fmt_duration(eta), tty && state.step != last ? "   " : "\n");
-      if (metrics.is_open()) {
-        nlohmann::json dom = nlohmann::json::object();
-        for (size_t d = 0; d < names.size(); ++d)
-          if (window.count[d]) dom[names[d]] = window.loss[d] / double(window.count[d]);
-        nlohmann::json rec{{"step", state.step}, {"loss", window.total_mean()},
-                           {"lr", lr}, {"grad_norm", norm}, {"tokens", state.tokens},
-                           {"tokens_per_s", tps}, {"domains", dom}};
-        if (!model.expert_load().empty()) {  // tokens per expert over the logging window
-          rec["expert_load"] = expert_load_json(model.expert_load(), cfg.model);
-          rec["load_imbalance"] = load_imbalance_json(model.expert_load());
-        }
-        if (cfg.model.gated()) {  // the baseline's extra loss and its capacity drops
-          rec["aux_loss"] = aux_window / double(steps_in_window);
-          nlohmann::json dropped = nlohmann::json::object();
-          for (const BlockLoad& b : model.expert_load()) dropped[std::to_string(b.block)] = b.dropped;
-          rec["dropped"] = dropped;
-        }
-        metrics << rec.dump() << "\n";
-        metrics.flush();
-      }
-      window = DomainSums(names.size());
-      for (size_t b = 0; b < run_load.size(); ++b)
-        for (size_t g = 0; g < run_load[b].tokens.size(); ++g)
-          for (size_t e = 0; e < run_load[b].tokens[g].size(); ++e)
-            run_load[b].tokens[g][e] += model.expert_load()[b].tokens[g][e];
-      for (size_t b = 0; b < run_load.size(); ++b) run_load[b].dropped += model.expert_load()[b].dropped;
-      aux_window = 0;
-      steps_in_window = 0;
-      model.reset_expert_load();
-    }
-    if (ckpt_now) {  // between steps: the store holds exactly this step's experts
-      state.data_cursor = have_next ? cursor_after_step : data->cursor();
-      save_checkpoint(ckpt_root, cfg, model, &opt, state, data->tokenizer_path(), experts.get());
-    }
+// The micro-batches of `step` in the model's domain indices.
+void RunLoop::fetch(std::vector<Batch>& micro, int64_t step) {
+  for (int m = 0; m < cfg_.train.accum; ++m) {
+    data_->train_batch(micro[size_t(m)], cfg_.train.batch, cfg_.model.context,
+                       uint64_t(step) * cfg_.train.accum + m);
+    for (auto& d : micro[size_t(m)].domain) d = data_to_model_[size_t(d)];
   }
-  if (tty && run.progress) fmt::print(stderr, "\n");
+}
 
+TrainSummary RunLoop::run() {
+  window_ = DomainSums(names_.size());
+  run_load_ = model_->expert_load();  // zero counts, summed at each log
+  model_->reset_expert_load();
+  t_start_ = Clock::now();
+  for (int64_t step = state_.step; step < last_; ++step) one_step(step);
+  if (tty_ && run_.progress) fmt::print(stderr, "\n");
+  return finish();
+}
+
+void RunLoop::one_step(int64_t step) {
+  if (have_next_) {
+    std::swap(micro_, next_);
+    have_next_ = false;
+  } else {
+    fetch(micro_, step);
+  }
+  const bool ckpt_now = !ckpt_root_.empty() &&
+                        ((cfg_.train.ckpt_every > 0 && (step + 1) % cfg_.train.ckpt_every == 0) ||
+                         step + 1 == last_);
+  step_->prepare(micro_);
+  if (experts_ && step + 1 < last_) {  // overlap the next step's expert prefetch with this one
+    if (ckpt_now) cursor_after_step_ = data_->cursor();
+    fetch(next_, step + 1);
+    have_next_ = true;
+    experts_->prefetch(next_);
+  }
+  UpdateMask mask = freeze_.mask;
+  if (cfg_.optim.sparse_embeddings) limit_to_batch_rows(mask, model_->params(), cfg_.model, micro_);
+  const float lr = lr_at(cfg_.optim, step, cfg_.train.steps);
+  const StepResult r = step_->run(micro_, lr, mask, [&](const Batch& b, const std::vector<float>& loss) {
+    window_.add(b, loss);
+  });
+  aux_window_ += r.aux_loss;
+  const int64_t tokens = int64_t(cfg_.train.accum) * cfg_.train.batch * cfg_.model.context;
+  state_.step = step + 1;
+  state_.tokens += tokens;
+  tokens_this_run_ += tokens;
+  steps_this_run_ += 1;
+  steps_in_window_ += 1;
+  if (state_.step % cfg_.train.log_every == 0 || state_.step == last_) log(r.grad_norm, lr);
+  if (ckpt_now) checkpoint();
+}
+
+// A progress line, a metrics.jsonl record, and the window's expert load into the run's.
+void RunLoop::log(double grad_norm, float lr) {
+  const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
+  const double tps = tokens_this_run_ / std::max(elapsed, 1e-9);
+  const double eta = elapsed / steps_this_run_ * double(last_ - state_.step);
+  if (run_.progress)
+    fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}",
+               tty_ ? "\r" : "", state_.step, last_, window_.total_mean(), lr, grad_norm, tps,
+               fmt_duration(eta), tty_ && state_.step != last_ ? "   " : "\n");
+  const std::vector<BlockLoad>& load = model_->expert_load();
+  if (metrics_.is_open()) {
+    nlohmann::json dom = nlohmann::json::object();
+    for (size_t d = 0; d < names_.size(); ++d)
+      if (window_.count[d]) dom[names_[d]] = window_.loss[d] / double(window_.count[d]);
+    nlohmann::json rec{{"step", state_.step}, {"loss", window_.total_mean()}, {"lr", lr},
+                       {"grad_norm", grad_norm}, {"tokens", state_.tokens},
+                       {"tokens_per_s", tps}, {"domains", dom}};
+    if (!load.empty()) {  // tokens per expert over the logging window
+      rec["expert_load"] = expert_load_json(load, cfg_.model);
+      rec["load_imbalance"] = load_imbalance_json(load);
+    }
+    if (cfg_.model.gated()) {  // the baseline's extra loss and its capacity drops
+      rec["aux_loss"] = aux_window_ / double(steps_in_window_);
+      nlohmann::json dropped = nlohmann::json::object();
+      for (const BlockLoad& b : load) dropped[std::to_string(b.block)] = b.dropped;
+      rec["dropped"] = dropped;
+    }
+    metrics_ << rec.dump() << "\n";
+    metrics_.flush();
+  }
+  window_ = DomainSums(names_.size());
+  for (size_t b = 0; b < run_load_.size(); ++b) {
+    for (size_t g = 0; g < run_load_[b].tokens.size(); ++g)
+      for (size_t e = 0; e < run_load_[b].tokens[g].size(); ++e)
+        run_load_[b].tokens[g][e] += load[b].tokens[g][e];
+    run_load_[b].dropped += load[b].dropped;
+  }
+  aux_window_ = 0;
+  steps_in_window_ = 0;
+  model_->reset_expert_load();
+}
+
+// Between steps: the store holds exactly this step's experts.
+void RunLoop::checkpoint() {
+  state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
+  save_checkpoint(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
+                  experts_.get());
+}
+
+TrainSummary RunLoop::finish() {
   TrainSummary sum;
-  sum.steps = state.step;
-  sum.tokens = state.tokens;
-  const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
-  sum.tokens_per_s = steps_this_run ? tokens_this_run / std::max(elapsed, 1e-9) : 0.0;
-  sum.expert_load = run_load;
-  if (experts) {
-    sum.expert_mode = expert_mode_name(mode);
-    sum.offload = experts->stats();
+  sum.steps = state_.step;
+  sum.tokens = state_.tokens;
+  const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
+  sum.tokens_per_s = steps_this_run_ ? tokens_this_run_ / std::max(elapsed, 1e-9) : 0.0;
+  sum.expert_load = run_load_;
+  if (experts_) {
+    sum.expert_mode = expert_mode_name(mode_);
+    sum.offload = experts_->stats();
   }
   sum.seconds = elapsed;
   std::unique_ptr<DataSource> held_out;
-  if (!cfg.data.eval_path.empty())
-    held_out = make_eval_source(cfg.data.eval_path, data->tokenizer_hash());
-  sum.domains = evaluate(model, held_out ? *held_out : *data, B, T, cfg.train.eval_rows,
-                         experts.get());
-  if (!run.out_dir.empty()) {
-    nlohmann::json dom = nlohmann::json::object();
-    for (const auto& d : sum.domains) {
-      dom[d.name] = {{"loss", d.loss}, {"tokens", d.tokens}};
-      dom[d.name]["optimum"] = d.optimum ? nlohmann::json(*d.optimum) : nlohmann::json(nullptr);
-    }
-    std::ofstream out(run.out_dir + "/summary.json");
-    nlohmann::json summary{{"steps", sum.steps}, {"tokens", sum.tokens},
-                           {"tokens_per_s", sum.tokens_per_s}, {"domains", dom}};
-    if (experts) {
-      const OffloadStats& o = sum.offload;
-      summary["ecss"] = {{"mode", sum.expert_mode}, {"store", cfg.train.expert_store},
-                         {"gather_s", o.gather_s}, {"prefetch_wait_s", o.wait_s},
-                         {"update_s", o.update_s}, {"train_s", sum.seconds},
-                         {"experts_per_step", o.steps ? double(o.experts_updated) / o.steps : 0.0}};
-    }
-    if (!sum.expert_load.empty()) {
-      summary["expert_load"] = expert_load_json(sum.expert_load, cfg.model);
-      summary["load_imbalance"] = load_imbalance_json(sum.expert_load);
-    }
-    out << summary.dump(2) << "\n";
-    SIGMA_CHECK(out.good(), "cannot write {}/summary.json", run.out_dir);
-  }
+  if (!cfg_.data.eval_path.empty())
+    held_out = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
+  sum.domains = evaluate(*model_, held_out ? *held_out : *data_, cfg_.train.batch,
+                         cfg_.model.context, cfg_.train.eval_rows);
+  if (!run_.out_dir.empty()) write_summary(sum);
   return sum;
 }
+
+void RunLoop::write_summary(const TrainSummary& sum) {
+  nlohmann::json dom = nlohmann::json::object();
+  for (const auto& d : sum.domains) {
+    dom[d.name] = {{"loss", d.loss}, {"tokens", d.tokens}};
+    dom[d.name]["optimum"] = d.optimum ? nlohmann::json(*d.optimum) : nlohmann::json(nullptr);
+  }
+  nlohmann::json summary{{"steps", sum.steps}, {"tokens", sum.tokens},
+                         {"tokens_per_s", sum.tokens_per_s}, {"domains", dom}};
+  if (experts_) {
+    const OffloadStats& o = sum.offload;
+    summary["ecss"] = {{"mode", sum.expert_mode}, {"store", cfg_.train.expert_store},
+                       {"gather_s", o.gather_s}, {"prefetch_wait_s", o.wait_s},
+                       {"update_s", o.update_s}, {"train_s", sum.seconds},
+                       {"experts_per_step", o.steps ? double(o.experts_updated) / o.steps : 0.0}};
+  }
+  if (!sum.expert_load.empty()) {
+    summary["expert_load"] = expert_load_json(sum.expert_load, cfg_.model);
+    summary["load_imbalance"] = load_imbalance_json(sum.expert_load);
+  }
+  std::ofstream out(run_.out_dir + "/summary.json");
+  out << summary.dump(2) << "\n";
+  SIGMA_CHECK(out.good(), "cannot write {}/summary.json", run_.out_dir);
+}
+
+}  // namespace
+
+TrainSummary train(Config cfg, const RunOptions& run) { return RunLoop(std::move(cfg), run).run(); }
 
 }  // namespace sigma

@@ -8,7 +8,7 @@
 #include "model/model.h"
 #include "train/config.h"
 #include "train/data_source.h"
-#include "train/expert_offload.h"
+#include "ecss/ecss_experts.h"
 
 namespace sigma {
 
@@ -40,10 +40,10 @@ struct TrainSummary {
 nlohmann::json expert_load_json(const std::vector<BlockLoad>& load, const ModelConfig& cfg);
 nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load);
 
-// Mean masked loss per domain over the source's held-out batches. A model with external
-// experts needs their offload, which binds each batch's experts.
+// Mean masked loss per domain over the source's held-out batches (the model's expert
+// executor makes each batch's experts usable first: ECSS binds them from its store).
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
-                                 int rows_per_domain, ExpertOffload* experts = nullptr);
+                                 int rows_per_domain);
 
 TrainSummary train(Config cfg, const RunOptions& run);
 

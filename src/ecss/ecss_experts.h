@@ -1,8 +1,8 @@
-// ECSS in the trainer (DESIGN §3, issue 5; docs/ecss.md): the RRE experts and their Adam state
+// ECSS's expert executor (DESIGN §3, §8; docs/ecss.md): the RRE experts and their Adam state
 // live in an ExpertStore (RAM or a memory-mapped file); each step only the experts its batch
-// activates are copied to compute buffers, bound to the model, and updated by the store's lazy
-// Adam with eps_rre. "vanilla" mode is the baseline: the same store, but every expert is
-// copied, bound and updated every step (dense Adam semantics over the experts).
+// activates are gathered into compute buffers, bound to the model (Model::bind_expert), run by
+// the local expert code, and updated by the store's lazy Adam with eps_rre. "vanilla" mode is
+// the baseline: the same store, but every expert is gathered, bound and updated every step.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -11,11 +11,12 @@
 #include <vector>
 
 #include "ecss/expert_store.h"
-#include "model/batch.h"
-#include "model/model.h"
-#include "optim/adamw.h"
 #include "io/checkpoint_dir.h"
 #include "io/safetensors.h"
+#include "model/batch.h"
+#include "model/expert_executor.h"
+#include "model/model.h"
+#include "optim/adamw.h"
 
 namespace sigma {
 
@@ -37,17 +38,17 @@ struct OffloadStats {
 // The store's spec for a model config: one group per (RRE block, expert group).
 ExpertStoreSpec expert_store_spec(const ModelConfig& cfg);
 
-class ExpertOffload {
+class EcssExperts : public LocalExperts {
  public:
   // Opens the store (store_path empty: RAM). A new store gets the model's initial expert
   // weights. An existing store file is refused unless `resuming` (its contents are then
   // replaced by the checkpoint's through load()), so a fresh run never silently continues
   // from, or overwrites, another run's experts.
-  ExpertOffload(Model& model, ExpertMode mode, const OptimConfig& optim,
+  EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim,
                 const std::string& store_path, bool resuming);
-  ~ExpertOffload();
-  ExpertOffload(const ExpertOffload&) = delete;
-  ExpertOffload& operator=(const ExpertOffload&) = delete;
+  ~EcssExperts();
+  EcssExperts(const EcssExperts&) = delete;
+  EcssExperts& operator=(const EcssExperts&) = delete;
 
   const ExpertStore& store() const { return store_; }
   int64_t params() const;  // every expert's parameters
@@ -55,15 +56,15 @@ class ExpertOffload {
   // Step start: the experts the micro-batches route to (every expert in vanilla mode) are
   // copied into compute buffers and bound to the model; their gradients are zeroed; every
   // other expert is unbound. Waits for a running prefetch first.
-  void begin_step(std::span<const Batch> micro);
+  void begin_step(std::span<const Batch> micro) override;
   // Pages in the next step's experts on a background thread (file-backed store only), to
   // overlap with this step's forward and backward.
   void prefetch(std::span<const Batch> next);
   // Sum of squares of the bound experts' gradients (fixed order and chunks: deterministic).
-  double grad_sq() const;
+  double grad_sq() const override;
   // Lazy Adam on the bound experts: lr, the clipping scale, eps_rre, and weight decay on
   // w_in / w_out. Waits for a running prefetch first.
-  void end_step(float lr, float grad_scale);
+  void update(float lr, float grad_scale) override;
   // Experts not to update (train.freeze): frozen[(l - first_rre_block) * groups + g]. They are
   // still fetched for the forward pass; their gradients are left out of the norm.
   void set_frozen(std::vector<uint8_t> frozen) { frozen_ = std::move(frozen); }

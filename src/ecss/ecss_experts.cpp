@@ -1,4 +1,4 @@
-#include "train/expert_offload.h"
+#include "ecss/ecss_experts.h"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 
 #include "core/error.h"
 #include "model/weights.h"
-#include "train/checkpoint.h"
+#include "io/checkpoint_dir.h"
 
 namespace sigma {
 
@@ -44,14 +44,14 @@ ExpertStoreSpec expert_store_spec(const ModelConfig& cfg) {
   return spec;
 }
 
-ExpertOffload::ExpertOffload(Model& model, ExpertMode mode, const OptimConfig& optim,
+EcssExperts::EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim,
                              const std::string& store_path, bool resuming)
     : model_(model), mode_(mode), optim_(optim),
       store_(store_path.empty() ? ExpertStore::in_ram(expert_store_spec(model.config()))
                                 : ExpertStore::open(store_path, expert_store_spec(model.config()))) {
   const ModelConfig& cfg = model.config();
   SIGMA_CHECK(model.external_experts() && mode != ExpertMode::InModel,
-              "ExpertOffload needs a model built with external experts");
+              "EcssExperts needs a model built with external experts");
   SIGMA_CHECK(!store_.file_backed() || store_.created() || resuming,
               "expert store {} already exists and holds the experts of an earlier run; continue "
               "that run with --resume CHECKPOINT, or remove the file (or choose another "
@@ -61,6 +61,7 @@ ExpertOffload::ExpertOffload(Model& model, ExpertMode mode, const OptimConfig& o
   P_ = store_.spec().groups.front().params();
   stride_ = (P_ + 15) / 16 * 16;
   changed_.assign(store_.spec().groups.size(), 1);
+  model_.set_expert_executor(this);
   if (resuming) return;  // load() fills the store
   // Fresh run: the experts start where in-model training would start them.
   const std::vector<ExpertId> all = [&] {
@@ -80,11 +81,14 @@ ExpertOffload::ExpertOffload(Model& model, ExpertMode mode, const OptimConfig& o
   }
 }
 
-ExpertOffload::~ExpertOffload() { join_prefetch(); }
+EcssExperts::~EcssExperts() {
+  join_prefetch();
+  model_.set_expert_executor(nullptr);
+}
 
-int64_t ExpertOffload::params() const { return store_.num_experts() * P_; }
+int64_t EcssExperts::params() const { return store_.num_experts() * P_; }
 
-std::vector<ExpertId> ExpertOffload::active_ids(std::span<const Batch> micro) const {
+std::vector<ExpertId> EcssExperts::active_ids(std::span<const Batch> micro) const {
   const ModelConfig& cfg = model_.config();
   const int first = cfg.first_rre_block(), E = first_.back();
   std::vector<std::vector<std::vector<int>>> active;  // [micro][RRE block] -> experts
@@ -103,14 +107,14 @@ std::vector<ExpertId> ExpertOffload::active_ids(std::span<const Batch> micro) co
   return ids;
 }
 
-void ExpertOffload::join_prefetch() {
+void EcssExperts::join_prefetch() {
   if (!prefetcher_.joinable()) return;
   const auto t = Clock::now();
   prefetcher_.join();
   stats_.wait_s += since(t);
 }
 
-void ExpertOffload::begin_step(std::span<const Batch> micro) {
+void EcssExperts::begin_step(std::span<const Batch> micro) {
   join_prefetch();
   for (ExpertId id : ids_) model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, nullptr, nullptr);
   ids_ = active_ids(micro);
@@ -133,29 +137,29 @@ void ExpertOffload::begin_step(std::span<const Batch> micro) {
   }
 }
 
-void ExpertOffload::prefetch(std::span<const Batch> next) {
+void EcssExperts::prefetch(std::span<const Batch> next) {
   if (!store_.file_backed()) return;
   join_prefetch();
   std::vector<ExpertId> ids = active_ids(next);
   prefetcher_ = std::thread([this, ids = std::move(ids)] { store_.prefetch(ids, /*fault_in=*/true); });
 }
 
-size_t ExpertOffload::group_slot(ExpertId id) const {
+size_t EcssExperts::group_slot(ExpertId id) const {
   const ModelConfig& cfg = model_.config();
   return size_t(id.block - cfg.first_rre_block()) * cfg.groups.size() + size_t(id.group);
 }
 
-std::string ExpertOffload::group_file(size_t gi, bool adam) const {
+std::string EcssExperts::group_file(size_t gi, bool adam) const {
   const ExpertGroupSpec& gs = store_.spec().groups[gi];
   return fmt::format("experts.{}.{}{}.safetensors", gs.block,
                      model_.config().groups[size_t(gs.group)].name, adam ? ".adam" : "");
 }
 
-bool ExpertOffload::is_frozen(ExpertId id) const {
+bool EcssExperts::is_frozen(ExpertId id) const {
   return !frozen_.empty() && frozen_[group_slot(id)] != 0;
 }
 
-double ExpertOffload::grad_sq() const {
+double EcssExperts::grad_sq() const {
   const int64_t n = int64_t(ids_.size());
   std::vector<double> per(size_t(n), 0.0);
   const float* g = g_.f();
@@ -179,7 +183,7 @@ double ExpertOffload::grad_sq() const {
   return total;
 }
 
-void ExpertOffload::end_step(float lr, float grad_scale) {
+void EcssExperts::update(float lr, float grad_scale) {
   join_prefetch();
   AdamStepArgs a;
   a.lr = lr;
@@ -203,7 +207,7 @@ void ExpertOffload::end_step(float lr, float grad_scale) {
   stats_.experts_updated += int64_t(update.size());
 }
 
-void ExpertOffload::add_checkpoint_files(CheckpointWriter& w) const {
+void EcssExperts::add_checkpoint_files(CheckpointWriter& w) const {
   const ModelConfig& cfg = model_.config();
   groups_written_ = groups_linked_ = 0;
   for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
@@ -251,12 +255,12 @@ void ExpertOffload::add_checkpoint_files(CheckpointWriter& w) const {
   }
 }
 
-void ExpertOffload::checkpoint_written(const std::string& dir) {
+void EcssExperts::checkpoint_written(const std::string& dir) {
   last_checkpoint_ = dir;
   std::fill(changed_.begin(), changed_.end(), 0);
 }
 
-void ExpertOffload::load(const std::string& dir) {
+void EcssExperts::load(const std::string& dir) {
   const ModelConfig& cfg = model_.config();
   // An ECSS checkpoint has a pair of files per group; an in-model one (or a surgery output)
   // keeps every expert in model.safetensors and optimizer.safetensors.

@@ -1,0 +1,52 @@
+// What backward needs, filled by Model::forward (llm.c's activations struct): one record per
+// block plus the head's. Shapes use N = B*T rows, d = model width, f = FFN width, H heads,
+// k = experts per row (1 with RRE, 2 with a top-2 gate), Kmax = the widest expert group.
+// Buffers are Tensors allocated by the backend; Activations::ensure sizes them for (B, T).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/config.h"
+#include "model/gate.h"
+#include "model/rre.h"
+
+namespace sigma {
+
+struct BlockActs {
+  Tensor x;                    // [N,d] block input (residual stream)
+  Tensor a1, mean1, rstd1;     // LN1 output [N,d], its row stats [N]
+  Tensor qkv;                  // [N,3d] (query layer: the q third is unused)
+  Tensor qtop;                 // [T,d] query layer: query table projected by W_q
+  Tensor probs;                // [B,H,T,T] attention probabilities
+  Tensor att;                  // [N,d] attention output before the output projection
+  Tensor mid;                  // [N,d] residual after attention
+  Tensor a2, mean2, rstd2;     // LN2 output and stats
+  Tensor pre, act;             // [k*N,f] FFN before and after FastGelu (experts: in plan order)
+  Tensor yg;                   // [k*N,d] learned-gate block: each expert's output
+  RrePlan plan;                // RRE block: rows grouped by expert
+  GatePlan gplan;              // learned-gate block: choices, gates, gathered layout
+};
+
+struct Activations {
+  int B = 0, T = 0;
+  std::vector<int32_t> rows;       // [N] embedding rows: slot*V + token
+  std::vector<int32_t> row_group;  // [N] expert group of each row (expert blocks)
+  std::vector<BlockActs> blocks;   // [L]
+  Tensor h_final;                  // [N,d] output of the last block
+  Tensor hf, meanf, rstdf;         // final LayerNorm output [N,d] and stats [N]
+  Tensor logits;                   // [N,V]; dL/dlogits after a forward with loss weights
+  bool has_grad = false;           // logits hold dL/dlogits: backward may run
+  double weight_sum = 0;           // sum of the loss weights: d(loss)/d(aux loss)
+  // Backward and expert scratch (overwritten by every call that uses it).
+  Tensor dh, da, datt, dqkv;       // [N,d], [N,d], [N,d], [N,3d]
+  Tensor dffn;                     // [2*k*N,f]
+  Tensor dq_shared;                // [T,d] query layer: dq summed over the batch
+  Tensor gx, gy, gdx;              // [k*N,d] expert gather buffers
+  Tensor z;                        // [N,Kmax] learned gate: logits, then their gradient
+
+  // Sizes every buffer for B rows of T positions (no-op when unchanged).
+  void ensure(const ModelConfig& cfg, int B, int T);
+};
+
+}  // namespace sigma

@@ -1,0 +1,56 @@
+// The seam between an RRE block and wherever its experts live (DESIGN §8). The block computes
+// its plan (expert -> rows, a pure function of (group, token id)) and hands it, with the rows,
+// to an executor:
+//   LocalExperts  the experts are model tensors, or store copies bound by Model::bind_expert;
+//   EcssExperts   (src/ecss/) gathers the step's active experts from the expert store, binds
+//                 them, and updates them with the store's lazy Adam;
+//   an all-to-all executor (src/dist/, next) sends each row to the rank holding its expert.
+// Step hooks let a training step drive the executor without knowing which one it is.
+#pragma once
+#include <cstdint>
+#include <span>
+
+#include "model/batch.h"
+#include "model/rre.h"
+#include "model/weights.h"
+
+namespace sigma {
+
+// Buffers of one RRE block's expert pass. pre, act: [N,f] saved for backward, in plan order;
+// gx, gy, gdx: [N,d] scratch; scratch: [2N,f].
+struct ExpertBuffers {
+  float *pre, *act, *gx, *gy, *gdx, *scratch;
+};
+
+class ExpertExecutor {
+ public:
+  virtual ~ExpertExecutor() = default;
+
+  // y[N,d] += FFN_{expert(i)}(x[i]) for each row i of RRE block `block` (plan p).
+  virtual void forward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
+                       float* y, const float* x, int64_t N, int64_t d, int64_t f) = 0;
+  // Accumulates dx[N,d] and the gradients of every expert that holds rows.
+  virtual void backward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
+                        float* dx, const float* dy, const float* x, int64_t N, int64_t d,
+                        int64_t f) = 0;
+
+  // Training-step hooks (defaults: experts are ordinary model parameters).
+  // Before the step's first forward pass: make every expert the micro-batches route to usable.
+  virtual void begin_step(std::span<const Batch> /*micro*/) {}
+  // Sum of squares of expert gradients the model's ParamSet does not hold.
+  virtual double grad_sq() const { return 0.0; }
+  // Updates those experts (after the dense optimizer step), gradients scaled by grad_scale.
+  virtual void update(float /*lr*/, float /*grad_scale*/) {}
+};
+
+// Runs each expert on this process over the weights RreWeights points at.
+class LocalExperts : public ExpertExecutor {
+ public:
+  void forward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b, float* y,
+               const float* x, int64_t N, int64_t d, int64_t f) override;
+  void backward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
+                float* dx, const float* dy, const float* x, int64_t N, int64_t d,
+                int64_t f) override;
+};
+
+}  // namespace sigma
