@@ -367,7 +367,7 @@ void Model::block_forward(int l, const Batch& batch) {
   }
   const cpu::AttnOperand kk{k.qkv.data() + d, 3 * d, T * 3 * d};
   const cpu::AttnOperand vv{k.qkv.data() + 2 * d, 3 * d, T * 3 * d};
-  cpu::attention_forward(k.att.data(), k.probs.data(), q, kk, vv, {B, T, H, hd},
+  cpu::attention_forward(k.att.data(), k.probs.data(), q, kk, vv, {B, T, T, H, hd},
                          1.0f / std::sqrt(float(hd)));
   std::copy(k.x.begin(), k.x.end(), k.mid.begin());
   cpu::linear_forward(k.mid.data(), k.att.data(), w.out_w.v, w.out_b.v, N, d, d, true);
@@ -473,7 +473,7 @@ void Model::block_backward(int l, const Batch& batch, float* dh) {
   // dq always gets per-row storage (the q third of dqkv), even when q is shared.
   cpu::attention_backward({a.dqkv.data(), 3 * d, T * 3 * d}, {a.dqkv.data() + d, 3 * d, T * 3 * d},
                           {a.dqkv.data() + 2 * d, 3 * d, T * 3 * d}, a.datt.data(), k.att.data(),
-                          k.probs.data(), q, kk, vv, {B, T, H, hd}, 1.0f / std::sqrt(float(hd)));
+                          k.probs.data(), q, kk, vv, {B, T, T, H, hd}, 1.0f / std::sqrt(float(hd)));
   std::fill(a.da.begin(), a.da.end(), 0.0f);
   if (!query_layer) {
     cpu::linear_backward(a.da.data(), w.qkv_w.g, w.qkv_b.g, a.dqkv.data(), k.a1.data(), w.qkv_w.v,
