@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "optim/adam_kernel.h"
+#include "kernels/cpu/adam.h"
 #include "optim/adamw.h"
 
 // GCC 12 flags its own _mm512_undefined_ps() in these headers (GCC bug 105593).
@@ -29,6 +29,11 @@
 #pragma GCC diagnostic pop
 
 using namespace sigma;
+using cpu::adam_best_path;
+using cpu::adam_path_available;
+using cpu::adam_path_name;
+using cpu::adam_step;
+using cpu::AdamPath;
 
 namespace {
 

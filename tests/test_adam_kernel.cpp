@@ -1,4 +1,4 @@
-// The ECSS Adam kernel (src/optim/adam_kernel.h) against a scalar reference in double, element
+// The ECSS Adam kernel (src/kernels/cpu/adam.h) against a scalar reference in double, element
 // by element, on sizes around the vector width (1, 15, 17) and one large, odd size that is split
 // over threads (1000003); both dispatch paths, fp32 and bf16 gradients.
 #include <gtest/gtest.h>
@@ -10,10 +10,15 @@
 
 #include "core/bf16.h"
 #include "core/rng.h"
-#include "optim/adam_kernel.h"
+#include "kernels/cpu/adam.h"
 #include "optim/adamw.h"
 
 using namespace sigma;
+using cpu::adam_path_available;
+using cpu::adam_path_name;
+using cpu::adam_step;
+using cpu::AdamPath;
+using cpu::kAdamParallelMin;
 
 namespace {
 

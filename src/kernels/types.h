@@ -41,4 +41,28 @@ constexpr float kLayerNormEps = 1e-5f;
 
 }  // namespace kernels
 
+// One Adam(W) update (ops::adam_step). Per element i, with g = g_in[i] * grad_scale:
+//   m = beta1 * m + (1 - beta1) * g
+//   v = beta2 * v + (1 - beta2) * g * g
+//   w = w - (lr * weight_decay * w + (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps))
+// with the bias corrections bc1 = 1 - beta1^step, bc2 = 1 - beta2^step (step 1-based, counted
+// per parameter, or per row for lazy rows).
+struct AdamStepArgs {
+  float lr = 1e-3f;
+  float beta1 = 0.9f, beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;  // decoupled: w -= lr * weight_decay * w
+  float grad_scale = 1.0f;    // gradients are multiplied by this first (global-norm clipping)
+  int64_t step = 1;           // 1-based count of updates of this parameter, this one included
+};
+
+// bc1 = 1 - beta1^step, bc2 = 1 - beta2^step, in fp32 (powf of a float exponent). Every
+// backend derives its constants through this one function.
+struct AdamBiasCorrections {
+  float bc1, bc2;
+};
+inline AdamBiasCorrections adam_bias_corrections(float beta1, float beta2, int64_t step) {
+  return {1.0f - std::pow(beta1, float(step)), 1.0f - std::pow(beta2, float(step))};
+}
+
 }  // namespace sigma

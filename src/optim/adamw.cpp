@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "optim/adam_kernel.h"
+#include "kernels/cpu/adam.h"
 
 namespace sigma {
 
@@ -114,7 +114,7 @@ void AdamW::lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_
   for (int64_t k = 0; k < n; ++k) {
     const int64_t r = list[size_t(k)];
     a.step = ++s.row_step[size_t(r)];
-    adam_step(w + r * width, m + r * width, v + r * width, g + r * width, width, a);
+    cpu::adam_step(w + r * width, m + r * width, v + r * width, g + r * width, width, a);
   }
 }
 
