@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "kernels/cpu/adam.h"
+#include "kernels/ops.h"
 
 namespace sigma {
 
@@ -28,21 +28,6 @@ float lr_at(const OptimConfig& c, int64_t step, int64_t total) {
   const double progress = std::min(1.0, double(step - c.warmup) / double(span));
   const double floor = c.lr * c.min_lr_ratio;
   return float(floor + (c.lr - floor) * 0.5 * (1.0 + std::cos(M_PI * progress)));
-}
-
-void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, float lr, float beta1,
-                  float beta2, float eps, float weight_decay, float bc1, float bc2,
-                  float grad_scale) {
-  const float step_size = lr / bc1, inv_sqrt_bc2 = 1.0f / std::sqrt(bc2), decay = lr * weight_decay;
-  // -fno-math-errno (set project-wide) lets sqrtf vectorise here.
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * grad_scale;
-    m[i] = beta1 * m[i] + (1.0f - beta1) * gi;
-    v[i] = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-    const float denom = std::sqrt(v[i]) * inv_sqrt_bc2 + eps;
-    w[i] -= decay * w[i] + step_size * m[i] / denom;
-  }
 }
 
 AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params) : cfg_(cfg) {
@@ -100,13 +85,7 @@ void AdamW::lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_
   std::vector<int64_t> list;
   for (auto [b, e] : ranges)
     for (int64_t r = b; r < e; ++r) list.push_back(r);
-  AdamStepArgs a;
-  a.lr = lr;
-  a.beta1 = cfg_.beta1;
-  a.beta2 = cfg_.beta2;
-  a.eps = eps;
-  a.weight_decay = p.decay ? cfg_.weight_decay : 0.0f;
-  a.grad_scale = grad_scale;
+  AdamStepArgs a = args(p, lr, eps, grad_scale, 0);
   float *w = p.value.f(), *m = s.m.f(), *v = s.v.f();
   const float* g = p.grad.f();
   const int64_t n = int64_t(list.size());
@@ -114,8 +93,21 @@ void AdamW::lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_
   for (int64_t k = 0; k < n; ++k) {
     const int64_t r = list[size_t(k)];
     a.step = ++s.row_step[size_t(r)];
-    cpu::adam_step(w + r * width, m + r * width, v + r * width, g + r * width, width, a);
+    ops::adam_step(w + r * width, m + r * width, v + r * width, g + r * width, width, a);
   }
+}
+
+AdamStepArgs AdamW::args(const Param& p, float lr, float eps, float grad_scale,
+                         int64_t step) const {
+  AdamStepArgs a;
+  a.lr = lr;
+  a.beta1 = cfg_.beta1;
+  a.beta2 = cfg_.beta2;
+  a.eps = eps;
+  a.weight_decay = p.decay ? cfg_.weight_decay : 0.0f;
+  a.grad_scale = grad_scale;
+  a.step = step;
+  return a;
 }
 
 void AdamW::step(ParamSet& params, float lr, float grad_scale, const UpdateMask* mask) {
@@ -129,21 +121,17 @@ void AdamW::step(ParamSet& params, float lr, float grad_scale, const UpdateMask*
       continue;
     }
     s.step += 1;
-    const float bc1 = 1.0f - std::pow(cfg_.beta1, float(s.step));
-    const float bc2 = 1.0f - std::pow(cfg_.beta2, float(s.step));
-    const float eps = eps0;
-    const float wd = ps[i].decay ? cfg_.weight_decay : 0.0f;
+    const AdamStepArgs a = args(ps[i], lr, eps0, grad_scale, s.step);
     float *w = ps[i].value.f(), *m = s.m.f(), *v = s.v.f();
     const float* g = ps[i].grad.f();
     if (mask && !mask->rows.empty() && !mask->rows[i].empty()) {
       const int64_t width = ps[i].value.numel() / ps[i].value.dim(0);
       for (auto [b, e] : mask->rows[i])
-        adamw_update(w + b * width, m + b * width, v + b * width, g + b * width, (e - b) * width,
-                     lr, cfg_.beta1, cfg_.beta2, eps, wd, bc1, bc2, grad_scale);
+        ops::adam_step(w + b * width, m + b * width, v + b * width, g + b * width,
+                       (e - b) * width, a);
       continue;
     }
-    adamw_update(w, m, v, g, ps[i].value.numel(), lr, cfg_.beta1, cfg_.beta2, eps, wd, bc1, bc2,
-                 grad_scale);
+    ops::adam_step(w, m, v, g, ps[i].value.numel(), a);
   }
 }
 
