@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include "model/routing.h"
+#include "kernels/ops.h"
 #include "optim/adamw.h"
 #include "train/checkpoint.h"
 #include "train/freeze.h"
@@ -99,6 +100,7 @@ std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, in
 }
 
 TrainSummary train(Config cfg, const RunOptions& run) {
+  ops::use_backend(cfg.train.backend);
   if (cfg.train.threads > 0) omp_set_num_threads(cfg.train.threads);
   std::unique_ptr<DataSource> data = make_data_source(cfg);
   bind_model_to_data(cfg.model, *data);
