@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "optim/adam_kernel.h"
-#include "optim/adamw.h"
+#include "kernels/cpu/adam.h"
+#include "kernels/ops.h"
 
 // GCC 12 flags its own _mm512_undefined_ps() in these headers (GCC bug 105593).
 #pragma GCC diagnostic push
@@ -29,6 +29,11 @@
 #pragma GCC diagnostic pop
 
 using namespace sigma;
+using cpu::adam_best_path;
+using cpu::adam_path_available;
+using cpu::adam_path_name;
+using cpu::adam_step;
+using cpu::AdamPath;
 
 namespace {
 
@@ -181,14 +186,8 @@ int main(int argc, char** argv) {
        [&] { adam_step(w, m, v, gb, n, next(), best); }, {}},
       {"adam_step scalar path, fp32 g", 28,
        [&] { adam_step(w, m, v, g, n, next(), AdamPath::Scalar); }, {}},
-      {"adamw_update (trainer, omp simd)", 28,
-       [&] {
-         const AdamStepArgs s = next();
-         const AdamBiasCorrections bc = adam_bias_corrections(s.beta1, s.beta2, s.step);
-         adamw_update(w, m, v, g, n, s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, bc.bc1, bc.bc2,
-                      1.0f);
-       },
-       {}},
+      {"ops::adam_step (front, cpu backend)", 28,
+       [&] { ops::adam_step(w, m, v, g, n, next()); }, {}},
       {"plain loop, 1 thread", 28,
        [&] {
          const AdamStepArgs s = next();

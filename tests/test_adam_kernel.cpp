@@ -1,6 +1,8 @@
-// The ECSS Adam kernel (src/optim/adam_kernel.h) against a scalar reference in double, element
-// by element, on sizes around the vector width (1, 15, 17) and one large, odd size that is split
-// over threads (1000003); both dispatch paths, fp32 and bf16 gradients.
+// The one Adam kernel (cpu::adam_step, src/kernels/cpu/adam.h; ops::adam_step on the cpu
+// backend) against a scalar reference in double, element by element, on sizes around the vector
+// width (1, 15, 17) and one large, odd size that is split over threads (1000003); both dispatch
+// paths, fp32 and bf16 gradients. And: AdamW, the ref backend and the expert store's direct call
+// all update bit for bit alike.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -10,10 +12,16 @@
 
 #include "core/bf16.h"
 #include "core/rng.h"
-#include "optim/adam_kernel.h"
+#include "kernels/cpu/adam.h"
+#include "kernels/ops.h"
 #include "optim/adamw.h"
 
 using namespace sigma;
+using cpu::adam_path_available;
+using cpu::adam_path_name;
+using cpu::adam_step;
+using cpu::AdamPath;
+using cpu::kAdamParallelMin;
 
 namespace {
 
@@ -125,21 +133,51 @@ TEST_P(AdamKernel, MatchesDoubleReferenceOnBothPathsAndDtypes) {
 
 INSTANTIATE_TEST_SUITE_P(Sizes, AdamKernel, ::testing::Values(1, 15, 17, 1000003));
 
-// The trainer's adamw_update is the same formula; only FMA contraction may differ, so after one
-// step the two agree within a few units in the last place of each output.
-TEST(AdamKernelVsAdamw, SameFormulaAsTheTrainer) {
+bool same_bits(const State& a, const State& b) {
+  const size_t n = a.w.size() * 4;
+  return std::memcmp(a.w.data(), b.w.data(), n) == 0 && std::memcmp(a.m.data(), b.m.data(), n) == 0 &&
+         std::memcmp(a.v.data(), b.v.data(), n) == 0;
+}
+
+// One kernel: the expert store's direct call (cpu::adam_step), the front on either backend, and
+// AdamW::step for a dense parameter (its weight decay on, its own step count) give the same bits.
+TEST(AdamKernelIsTheOnlyKernel, AdamwAndBothBackendsMatchTheStoresCallBitForBit) {
   const int64_t n = 4099;
-  for (const AdamStepArgs& a : kSteps) {
-    State s = make_state(n, 7), t = make_state(n, 7);
-    adam_step(s.w.data(), s.m.data(), s.v.data(), s.g.data(), n, a);
-    const AdamBiasCorrections bc = adam_bias_corrections(a.beta1, a.beta2, a.step);
-    adamw_update(t.w.data(), t.m.data(), t.v.data(), t.g.data(), n, a.lr, a.beta1, a.beta2, a.eps,
-                 a.weight_decay, bc.bc1, bc.bc2, a.grad_scale);
-    State before = make_state(n, 7);
-    // Both are within the kernel's error bound of the exact result.
-    EXPECT_EQ(check_step(before, before.g, s.w.data(), s.m.data(), s.v.data(), a, "adam_step"), 0);
-    EXPECT_EQ(check_step(before, before.g, t.w.data(), t.m.data(), t.v.data(), a, "adamw_update"), 0);
+  OptimConfig cfg;
+  cfg.beta1 = 0.9f, cfg.beta2 = 0.95f, cfg.eps = 1e-8f, cfg.weight_decay = 0.1f;
+  ParamSet ps;
+  Param& p = ps.add("w", {n}, /*decay=*/true);
+  State init = make_state(n, 7);
+  std::memcpy(p.value.f(), init.w.data(), n * 4);
+  std::memcpy(p.grad.f(), init.g.data(), n * 4);
+  AdamW opt(cfg, ps);
+  State direct = make_state(n, 7), viaref = make_state(n, 7);
+  std::fill(direct.m.begin(), direct.m.end(), 0.0f);  // AdamW's moments start at zero
+  std::fill(direct.v.begin(), direct.v.end(), 0.0f);
+  viaref.m = direct.m, viaref.v = direct.v;
+  for (int64_t step = 1; step <= 3; ++step) {
+    const float lr = 1e-3f * float(step), scale = step == 2 ? 0.5f : 1.0f;
+    opt.step(ps, lr, scale);
+    AdamStepArgs a{lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, scale, step};
+    adam_step(direct.w.data(), direct.m.data(), direct.v.data(), direct.g.data(), n, a);
+    ops::use_backend(ops::BackendKind::Ref);
+    ops::adam_step(viaref.w.data(), viaref.m.data(), viaref.v.data(), viaref.g.data(), n, a);
+    ops::use_backend(ops::BackendKind::Cpu);
   }
+  State viaadamw = direct;
+  std::memcpy(viaadamw.w.data(), p.value.f(), n * 4);
+  std::memcpy(viaadamw.m.data(), opt.state()[0].m.f(), n * 4);
+  std::memcpy(viaadamw.v.data(), opt.state()[0].v.f(), n * 4);
+  EXPECT_TRUE(same_bits(direct, viaadamw)) << "AdamW::step differs from cpu::adam_step";
+  EXPECT_TRUE(same_bits(direct, viaref)) << "the ref backend's adam_step differs from the cpu's";
+  // And the result is the formula's, within the rounding bound.
+  State before = make_state(n, 7);
+  std::fill(before.m.begin(), before.m.end(), 0.0f);
+  std::fill(before.v.begin(), before.v.end(), 0.0f);
+  State one = before;
+  const AdamStepArgs a1{1e-3f, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, 1.0f, 1};
+  adam_step(one.w.data(), one.m.data(), one.v.data(), one.g.data(), n, a1);
+  EXPECT_EQ(check_step(before, before.g, one.w.data(), one.m.data(), one.v.data(), a1, "step 1"), 0);
 }
 
 TEST(AdamKernelThreads, SameBitsForAnyThreadCount) {

@@ -135,7 +135,7 @@ TEST_P(AttentionTest, ForwardMatchesReferenceAndGradientsMatch) {
   auto kv = random_vec(B * T * 2 * d, 2);  // rows of [k | v]
   auto r = random_vec(B * T * d, 3);
   std::vector<float> out(B * T * d), probs(B * H * T * T);
-  const cpu::AttnShape s{B, T, H, hd};
+  const cpu::AttnShape s{B, T, T, H, hd};
   auto run = [&] {
     cpu::attention_forward(out.data(), probs.data(), {q.data(), d, qbs}, {kv.data(), 2 * d, T * 2 * d},
                            {kv.data() + d, 2 * d, T * 2 * d}, s, scale);

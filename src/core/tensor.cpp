@@ -51,28 +51,63 @@ std::string shape_str(const Shape& s) {
   return r + "]";
 }
 
-void Tensor::Free::operator()(std::byte* p) const { std::free(p); }
+const char* device_name(Device d) {
+  switch (d) {
+    case Device::Host: return "host";
+  }
+  return "?";
+}
 
-static std::byte* aligned_zeroed(size_t nbytes) {
+void* host_alloc(size_t nbytes) {
   size_t rounded = (nbytes + 63) / 64 * 64;
   if (rounded == 0) rounded = 64;
   void* p = std::aligned_alloc(64, rounded);
   if (!p) throw std::bad_alloc();
   std::memset(p, 0, rounded);
-  return static_cast<std::byte*>(p);
+  return p;
 }
 
-Tensor::Tensor(DType dtype, Shape shape)
-    : dtype_(dtype), shape_(std::move(shape)), numel_(shape_numel(shape_)),
-      buf_(aligned_zeroed(nbytes())) {}
+void host_free(void* p) { std::free(p); }
+
+namespace {
+constexpr size_t kDevices = 1;  // the values of Device
+DeviceAllocator g_allocators[kDevices] = {{&host_alloc, &host_free}};
+}  // namespace
+
+void set_device_allocator(Device d, DeviceAllocator a) {
+  SIGMA_CHECK(d != Device::Host, "the host allocator belongs to core and cannot be replaced");
+  SIGMA_CHECK(a.alloc && a.free, "device {}: an allocator needs alloc and free", device_name(d));
+  const size_t i = size_t(d);
+  SIGMA_CHECK(i < kDevices, "device {} is unknown to core/tensor.cpp", i);
+  g_allocators[i] = a;
+}
+
+const DeviceAllocator& device_allocator(Device d) {
+  SIGMA_CHECK(size_t(d) < kDevices, "device {} is unknown to core/tensor.cpp", size_t(d));
+  const DeviceAllocator& a = g_allocators[size_t(d)];
+  SIGMA_CHECK(a.alloc, "no allocator for device {}: choose its backend first (ops::use_backend)",
+              device_name(d));
+  return a;
+}
+
+Tensor::Tensor(DType dtype, Shape shape, Device device)
+    : dtype_(dtype), device_(device), shape_(std::move(shape)), numel_(shape_numel(shape_)) {
+  const DeviceAllocator& a = device_allocator(device_);
+  buf_ = std::unique_ptr<std::byte[], TensorFree>(static_cast<std::byte*>(a.alloc(nbytes())),
+                                                  TensorFree{a.free});
+}
 
 Tensor Tensor::clone() const {
-  Tensor t(dtype_, shape_);
+  SIGMA_CHECK(device_ == Device::Host, "Tensor::clone: {} memory is not host-addressable",
+              device_name(device_));
+  Tensor t(dtype_, shape_, device_);
   if (nbytes()) std::memcpy(t.bytes(), bytes(), nbytes());
   return t;
 }
 
 void Tensor::zero() {
+  SIGMA_CHECK(device_ == Device::Host, "Tensor::zero: {} memory is not host-addressable",
+              device_name(device_));
   if (nbytes()) std::memset(bytes(), 0, nbytes());
 }
 
@@ -83,8 +118,7 @@ void Tensor::reshape(Shape shape) {
 }
 
 std::unique_ptr<float[], void (*)(float*)> alloc_floats(size_t n) {
-  return {reinterpret_cast<float*>(aligned_zeroed(n * sizeof(float))),
-          [](float* p) { std::free(p); }};
+  return {static_cast<float*>(host_alloc(n * sizeof(float))), [](float* p) { host_free(p); }};
 }
 
 }  // namespace sigma

@@ -1,5 +1,6 @@
-// Tensor: an owned, 64-byte aligned, contiguous buffer with a dtype and a shape.
-// Kernels never see this type; they take raw pointers and sizes (STYLE.md rule 1).
+// Tensor: an owned, 64-byte aligned, contiguous buffer with a dtype, a shape and the device
+// its memory lives on. Kernels never see this type; they take raw pointers and sizes (STYLE.md
+// rule 1).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -17,23 +18,45 @@ size_t dtype_size(DType t);
 const char* dtype_name(DType t);  // safetensors spelling: "F32", "BF16", "I32", ...
 DType dtype_from_name(const std::string& name);  // throws Error on unknown names
 
+// Where a buffer lives. Core owns host memory; a device backend (kernels/ops.h) installs its
+// device's allocator at start-up, so core needs nothing from kernels.
+enum class Device : uint8_t { Host /*, Cuda later */ };
+const char* device_name(Device d);
+
+// A device's allocator: alloc returns zeroed, 64-byte aligned memory and never null (it throws
+// std::bad_alloc). Host's is host_alloc/host_free and cannot be replaced.
+struct DeviceAllocator {
+  void* (*alloc)(size_t bytes);
+  void (*free)(void* p);
+};
+void set_device_allocator(Device d, DeviceAllocator a);  // throws Error for Host
+const DeviceAllocator& device_allocator(Device d);        // throws Error if none installed
+void* host_alloc(size_t bytes);
+void host_free(void* p);
+
 using Shape = std::vector<int64_t>;
 int64_t shape_numel(const Shape& s);
 std::string shape_str(const Shape& s);  // "[2, 3]"
 
+struct TensorFree {  // the allocator's free, kept with the buffer it frees
+  void (*fn)(void*) = nullptr;
+  void operator()(std::byte* p) const { fn(p); }
+};
+
 class Tensor {
  public:
   Tensor() = default;
-  Tensor(DType dtype, Shape shape);  // zero-filled
+  Tensor(DType dtype, Shape shape, Device device = Device::Host);  // zero-filled
   static Tensor f32(Shape shape) { return Tensor(DType::F32, std::move(shape)); }
 
   Tensor(Tensor&&) noexcept = default;
   Tensor& operator=(Tensor&&) noexcept = default;
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
-  Tensor clone() const;
+  Tensor clone() const;  // host tensors only (as zero())
 
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
   const Shape& shape() const { return shape_; }
   int64_t dim(size_t i) const { return shape_.at(i); }
   int64_t numel() const { return numel_; }
@@ -52,11 +75,11 @@ class Tensor {
   void reshape(Shape shape);
 
  private:
-  struct Free { void operator()(std::byte* p) const; };
   DType dtype_ = DType::F32;
+  Device device_ = Device::Host;
   Shape shape_;
   int64_t numel_ = 0;
-  std::unique_ptr<std::byte[], Free> buf_;
+  std::unique_ptr<std::byte[], TensorFree> buf_;
 };
 
 // Aligned float scratch buffer for activations (owned, zero-initialised on resize).

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "model/weights.h"
 #include "io/checkpoint_dir.h"
+#include "optim/grad_norm.h"
 
 namespace sigma {
 
@@ -160,21 +161,18 @@ bool EcssExperts::is_frozen(ExpertId id) const {
 }
 
 double EcssExperts::grad_sq() const {
+  // The canonical order of optim/grad_norm.h: experts in (block, group, expert) order (ids_),
+  // each expert's tensors in record order, each summed by sum_sq exactly as in the model.
   const int64_t n = int64_t(ids_.size());
+  const std::vector<ExpertTensorSpec>& leaves = store_.spec().groups.front().tensors;
   std::vector<double> per(size_t(n), 0.0);
   const float* g = g_.f();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) {
-    // 16 running sums, one per lane, added in a fixed order: vectorises without reassociating.
-    constexpr int kLanes = 16;
-    double lane[kLanes] = {};
-    const float* x = g + i * stride_;
-    int64_t j = 0;
-    for (; j + kLanes <= P_; j += kLanes)
-      for (int k = 0; k < kLanes; ++k) lane[k] += double(x[j + k]) * x[j + k];
-    for (; j < P_; ++j) lane[0] += double(x[j]) * x[j];
+    const ExpertGroupSpec& gs = store_.spec().groups.front();
     double s = 0;
-    for (double v : lane) s += v;
+    for (size_t t = 0; t < leaves.size(); ++t)
+      s += sum_sq(g + i * stride_ + gs.offset(t), shape_numel(leaves[t].shape));
     per[size_t(i)] = s;
   }
   double total = 0;

@@ -362,7 +362,7 @@ void ExpertStore::mark_dirty() {
 }
 
 template <class G>
-void ExpertStore::apply(ExpertId id, const G* grad, const AdamStepArgs& a, AdamPath path) {
+void ExpertStore::apply(ExpertId id, const G* grad, const AdamStepArgs& a, cpu::AdamPath path) {
   const Slot& s = slot(id);
   const ExpertGroupSpec& g = spec_.groups[s.group];
   const int64_t pp = groups_[s.group].padded;
@@ -378,22 +378,25 @@ void ExpertStore::apply(ExpertId id, const G* grad, const AdamStepArgs& a, AdamP
   for (const ExpertTensorSpec& t : g.tensors) {
     const int64_t n = shape_numel(t.shape);
     x.weight_decay = t.decay ? a.weight_decay : 0.0f;
-    adam_step(w + off, m + off, v + off, grad + off, n, x, path);
+    // The records are host memory whatever the compute backend: the cpu kernel, directly. It is
+    // the kernel behind ops::adam_step, so experts update as they would in the model.
+    cpu::adam_step(w + off, m + off, v + off, grad + off, n, x, path);
     off += n;
   }
   std::memcpy(rec, &x.step, 8);
 }
 
-void ExpertStore::apply_grads(ExpertId id, const float* grad, const AdamStepArgs& a, AdamPath path) {
+void ExpertStore::apply_grads(ExpertId id, const float* grad, const AdamStepArgs& a,
+                              cpu::AdamPath path) {
   apply(id, grad, a, path);
 }
 void ExpertStore::apply_grads(ExpertId id, const uint16_t* grad, const AdamStepArgs& a,
-                              AdamPath path) {
+                              cpu::AdamPath path) {
   apply(id, grad, a, path);
 }
 
 void ExpertStore::apply_grads(std::span<const ExpertId> ids, std::span<const float* const> grads,
-                              const AdamStepArgs& a, AdamPath path) {
+                              const AdamStepArgs& a, cpu::AdamPath path) {
   SIGMA_CHECK(ids.size() == grads.size(), "expert store apply_grads: {} experts but {} gradients",
               ids.size(), grads.size());
   std::vector<uint64_t> offsets;
@@ -410,7 +413,7 @@ void ExpertStore::apply_grads(std::span<const ExpertId> ids, std::span<const flo
   // Enough experts to share out: one thread per expert (adam_step stays on its thread inside
   // the region), one fork for the batch. Few large ones: each adam_step forks over all threads
   // itself. (Forking per tensor of many mid-sized experts cost more than the updates.)
-  const bool per_expert = n >= 2 * omp_get_max_threads() || largest < kAdamParallelMin;
+  const bool per_expert = n >= 2 * omp_get_max_threads() || largest < cpu::kAdamParallelMin;
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1 && per_expert)
   for (int64_t i = 0; i < n; ++i) apply(ids[size_t(i)], grads[size_t(i)], a, path);
 }

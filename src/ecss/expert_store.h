@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "optim/adam_kernel.h"
+#include "kernels/cpu/adam.h"
 #include "io/safetensors.h"
 
 namespace sigma {
@@ -117,15 +117,15 @@ class ExpertStore {
   // The caller passes the expert eps (eps_rre) in a.eps; a.step is ignored. Calls for different
   // experts may run concurrently.
   void apply_grads(ExpertId id, const float* grad, const AdamStepArgs& a,
-                   AdamPath path = AdamPath::Auto);
+                   cpu::AdamPath path = cpu::AdamPath::Auto);
   void apply_grads(ExpertId id, const uint16_t* grad_bf16, const AdamStepArgs& a,
-                   AdamPath path = AdamPath::Auto);
+                   cpu::AdamPath path = cpu::AdamPath::Auto);
 
   // Updates several distinct experts as above (grads[i] holds ids[i]'s P gradients): in
   // parallel over experts when they are small, else one after another with each update split
   // over the threads. The same bits as calling apply_grads on each in turn.
   void apply_grads(std::span<const ExpertId> ids, std::span<const float* const> grads,
-                   const AdamStepArgs& a, AdamPath path = AdamPath::Auto);
+                   const AdamStepArgs& a, cpu::AdamPath path = cpu::AdamPath::Auto);
 
   // File backing: writes every dirty page back (msync), then marks the header clean. Throws
   // sigma::Error naming the file on an I/O error. RAM: nothing.
@@ -152,7 +152,7 @@ class ExpertStore {
   std::byte* record(ExpertId id) const { return data_ + slot(id).offset; }
   void mark_dirty();
   template <class G>
-  void apply(ExpertId id, const G* grad, const AdamStepArgs& a, AdamPath path);
+  void apply(ExpertId id, const G* grad, const AdamStepArgs& a, cpu::AdamPath path);
   void release() noexcept;
 
   struct GroupInfo {

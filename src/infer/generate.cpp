@@ -5,115 +5,25 @@
 #include <numeric>
 
 #include "core/rng.h"
-#include "kernels/cpu/gemm.h"
-#include "kernels/cpu/layernorm.h"
-#include "model/ffn.h"
 
 namespace sigma {
 
-KVCacheDecoder::KVCacheDecoder(const Model& model, int domain) : model_(model) {
+KVCacheDecoder::KVCacheDecoder(Model& model, int domain) : model_(model) {
   const ModelConfig& c = model.config();
   SIGMA_CHECK(domain >= 0 && size_t(domain) < c.domains.size(), "domain index {} out of range",
               domain);
-  slot_base_ = int64_t(c.domains[domain].slot) * c.vocab;
-  group_ = model.domain_group(domain);
   model.check_routing_ready();
-  const size_t d = c.d_model, f = c.ffn();
-  k_.assign(c.layers, std::vector<float>(size_t(c.context) * d));
-  v_.assign(c.layers, std::vector<float>(size_t(c.context) * d));
-  x_.resize(d), a_.resize(d), qkv_.resize(3 * d), q_.resize(d), att_.resize(d), mid_.resize(d);
-  pre_.resize(f), act_.resize(f), hf_.resize(d), logits_.resize(c.vocab), probs_.resize(c.context);
+  batch_.resize(1, 1);
+  batch_.domain[0] = domain;
+  cache_.reset(c, 1);
 }
 
 const float* KVCacheDecoder::step(int32_t token) {
-  const ModelConfig& c = model_.config();
-  const ModelWeights& w = model_.weights();
-  const int64_t d = c.d_model, f = c.ffn(), V = c.vocab, H = c.heads, hd = c.head_dim();
-  SIGMA_CHECK(pos_ < c.context, "generation reached the model's context length ({})", c.context);
+  const int64_t V = model_.config().vocab;
   SIGMA_CHECK(token >= 0 && token < V, "token id {} out of range [0, {})", token, V);
-  const int p = pos_;
-  const float* e = w.tokens.v + (slot_base_ + token) * d;
-  for (int64_t i = 0; i < d; ++i) x_[i] = e[i] + w.positions.v[p * d + i];
-  const float scale = 1.0f / std::sqrt(float(hd));
-  for (int l = 0; l < c.layers; ++l) {
-    const BlockWeights& b = w.blocks[l];
-    cpu::layernorm_forward(a_.data(), &mean_, &rstd_, x_.data(), b.ln1_w.v, b.ln1_b.v, 1, d);
-    cpu::linear_forward(qkv_.data(), a_.data(), b.qkv_w.v, b.qkv_b.v, 1, d, 3 * d);
-    const float* q = qkv_.data();
-    if (l == c.layers - 1) {  // query layer: the query comes from the learned position table
-      cpu::linear_forward(q_.data(), b.query.v + p * d, b.qkv_w.v, b.qkv_b.v, 1, d, d, false,
-                          {d, 3 * d, d});
-      q = q_.data();
-    }
-    std::copy(qkv_.begin() + d, qkv_.begin() + 2 * d, k_[l].begin() + p * d);
-    std::copy(qkv_.begin() + 2 * d, qkv_.end(), v_[l].begin() + p * d);
-    for (int64_t h = 0; h < H; ++h) {
-      float mx = -INFINITY;
-      for (int j = 0; j <= p; ++j) {
-        float s = 0;
-        for (int64_t t = 0; t < hd; ++t) s += q[h * hd + t] * k_[l][j * d + h * hd + t];
-        probs_[j] = s * scale;
-        mx = std::max(mx, probs_[j]);
-      }
-      float z = 0;
-      for (int j = 0; j <= p; ++j) z += probs_[j] = std::exp(probs_[j] - mx);
-      for (int64_t t = 0; t < hd; ++t) {
-        float acc = 0;
-        for (int j = 0; j <= p; ++j) acc += probs_[j] * v_[l][j * d + h * hd + t];
-        att_[h * hd + t] = acc / z;
-      }
-    }
-    mid_ = x_;
-    cpu::linear_forward(mid_.data(), att_.data(), b.out_w.v, b.out_b.v, 1, d, d, true);
-    cpu::layernorm_forward(a_.data(), &mean_, &rstd_, mid_.data(), b.ln2_w.v, b.ln2_b.v, 1, d);
-    x_ = mid_;
-    if (!b.is_rre()) {
-      ffn_forward(x_.data(), pre_.data(), act_.data(), a_.data(), b.ffn(), 1, d, f);
-    } else if (b.gate.empty()) {
-      // RRE block: the token goes through the expert its (group, id) routes to (DESIGN §2).
-      ffn_forward(x_.data(), pre_.data(), act_.data(), a_.data(),
-                  b.rre.expert[size_t(b.rre.route(group_, token))], 1, d, f);
-    } else {
-      gated_ffn(b, f);
-    }
-  }
-  cpu::layernorm_forward(hf_.data(), &mean_, &rstd_, x_.data(), w.lnf_w.v, w.lnf_b.v, 1, d);
-  cpu::gemm(false, true, 1, V, d, 1.0f, hf_.data(), d, w.tokens.v + slot_base_ * d, d, 0.0f,
-            logits_.data(), V);
-  ++pos_;
-  return logits_.data();
-}
-
-// The learned-gate baseline for one token (no capacity limit for a single token): the same
-// softmax, top-k choice and combine weights as gate_forward.
-void KVCacheDecoder::gated_ffn(const BlockWeights& b, int64_t f) {
-  const int64_t d = model_.config().d_model;
-  const int o = b.rre.offset[size_t(group_)], K = b.rre.offset[size_t(group_) + 1] - o;
-  std::vector<float> z(static_cast<size_t>(K));
-  cpu::linear_forward(z.data(), a_.data(), b.gate[size_t(group_)].v, nullptr, 1, d, K);
-  const float mx = *std::max_element(z.begin(), z.end());
-  float sum = 0;
-  for (float& v : z) sum += v = std::exp(v - mx);
-  for (float& v : z) v /= sum;
-  int e1 = 0;
-  for (int e = 1; e < K; ++e)
-    if (z[size_t(e)] > z[size_t(e1)]) e1 = e;
-  std::vector<std::pair<int, float>> use;
-  if (model_.config().experts_per_token() == 1 || K == 1) {
-    use.push_back({e1, model_.config().experts_per_token() == 1 ? z[size_t(e1)] : 1.0f});
-  } else {
-    int e2 = e1 == 0 ? 1 : 0;
-    for (int e = 0; e < K; ++e)
-      if (e != e1 && z[size_t(e)] > z[size_t(e2)]) e2 = e;
-    const float s = z[size_t(e1)] + z[size_t(e2)];
-    use = {{e1, z[size_t(e1)] / s}, {e2, z[size_t(e2)] / s}};
-  }
-  std::vector<float> y(static_cast<size_t>(d));
-  for (auto [e, g] : use) {
-    std::fill(y.begin(), y.end(), 0.0f);
-    ffn_forward(y.data(), pre_.data(), act_.data(), a_.data(), b.rre.expert[size_t(o + e)], 1, d, f);
-    for (int64_t i = 0; i < d; ++i) x_[size_t(i)] += g * y[size_t(i)];
-  }
+  batch_.tokens[0] = token;
+  model_.forward_cached(batch_, cache_, acts_, &loss_);
+  return acts_.logits.f();
 }
 
 int32_t sample_next(float* logits, int64_t V, const std::vector<int32_t>& history,

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/activations.h"
 #include "model/model.h"
 
 namespace sigma {
@@ -19,23 +20,21 @@ struct SamplingConfig {
   int stop_token = -1;  // generation ends after emitting this id (-1 = never)
 };
 
+// One sequence decoded a token at a time through Model::forward_cached: the same attention,
+// expert and head code as training, with the keys and values of earlier positions cached.
 class KVCacheDecoder {
  public:
-  KVCacheDecoder(const Model& model, int domain);
+  KVCacheDecoder(Model& model, int domain);
   // Feeds `token` at the next position; returns the logits [V] for the position after it.
   const float* step(int32_t token);
-  int position() const { return pos_; }
+  int position() const { return cache_.length; }
 
  private:
-  void gated_ffn(const BlockWeights& b, int64_t f);  // x_ += learned-gate experts of a_
-
-  const Model& model_;
-  int64_t slot_base_;  // slot * V
-  int group_;          // the domain's expert group (RRE blocks)
-  int pos_ = 0;
-  std::vector<std::vector<float>> k_, v_;  // per block: [T, d]
-  std::vector<float> x_, a_, qkv_, q_, att_, mid_, pre_, act_, hf_, logits_, probs_;
-  float mean_ = 0, rstd_ = 0;
+  Model& model_;
+  Batch batch_;        // one row, one position
+  KvCache cache_;
+  Activations acts_;
+  float loss_ = 0;     // the head's cross-entropy against a dummy target (unused)
 };
 
 // Picks the next token from logits (modified in place), given the tokens so far.

@@ -2,16 +2,15 @@
 
 #include <algorithm>
 
-#include "kernels/cpu/activation.h"
-#include "kernels/cpu/gemm.h"
+#include "kernels/ops.h"
 
 namespace sigma {
 
 void ffn_forward(float* y, float* pre, float* act, const float* x, const FfnWeights& w, int64_t N,
                  int64_t d, int64_t f) {
-  cpu::linear_forward(pre, x, w.w_in, w.b_in, N, d, f);
-  cpu::fast_gelu_forward(act, pre, N * f);
-  cpu::linear_forward(y, act, w.w_out, w.b_out, N, f, d, /*accumulate=*/true);
+  ops::linear_forward(pre, x, w.w_in, w.b_in, N, d, f);
+  ops::fast_gelu_forward(act, pre, N * f);
+  ops::linear_forward(y, act, w.w_out, w.b_out, N, f, d, /*accumulate=*/true);
 }
 
 void ffn_backward(float* dx, const FfnGrads& g, float* scratch, const float* dy, const float* x,
@@ -20,9 +19,9 @@ void ffn_backward(float* dx, const FfnGrads& g, float* scratch, const float* dy,
   float* d_act = scratch;
   float* d_pre = scratch + N * f;
   std::fill(scratch, scratch + 2 * N * f, 0.0f);
-  cpu::linear_backward(d_act, g.w_out, g.b_out, dy, act, w.w_out, N, f, d);
-  cpu::fast_gelu_backward(d_pre, d_act, pre, N * f);
-  cpu::linear_backward(dx, g.w_in, g.b_in, d_pre, x, w.w_in, N, d, f);
+  ops::linear_backward(d_act, g.w_out, g.b_out, dy, act, w.w_out, N, f, d);
+  ops::fast_gelu_backward(d_pre, d_act, pre, N * f);
+  ops::linear_backward(dx, g.w_in, g.b_in, d_pre, x, w.w_in, N, d, f);
 }
 
 }  // namespace sigma

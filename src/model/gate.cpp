@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "kernels/cpu/gemm.h"
+#include "kernels/ops.h"
 #include "model/ffn.h"
 
 namespace sigma {
@@ -47,7 +47,7 @@ void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float*
   // Gate logits and softmax (fp32), per run of rows of one group.
   for_each_group_run(row_group, N, [&](int64_t r0, int64_t n, int g) {
     const int K = w.offset[size_t(g) + 1] - w.offset[size_t(g)];
-    cpu::linear_forward(z + r0 * Kmax, x + r0 * d, gate_w[size_t(g)].v, nullptr, n, d, K, false,
+    ops::linear_forward(z + r0 * Kmax, x + r0 * d, gate_w[size_t(g)].v, nullptr, n, d, K, false,
                         {d, K, Kmax});
     p.group_rows[size_t(g)] += n;
   });
@@ -219,7 +219,7 @@ void gate_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx,
   }
   for_each_group_run(row_group, N, [&](int64_t r0, int64_t n, int g) {
     const int K = w.offset[size_t(g) + 1] - w.offset[size_t(g)];
-    cpu::linear_backward(dx + r0 * d, gate_w[size_t(g)].g, nullptr, dz + r0 * Kmax, x + r0 * d,
+    ops::linear_backward(dx + r0 * d, gate_w[size_t(g)].g, nullptr, dz + r0 * Kmax, x + r0 * d,
                          gate_w[size_t(g)].v, n, d, K, {d, K, Kmax});
   });
 }

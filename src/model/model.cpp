@@ -7,16 +7,16 @@
 #include <cstring>
 
 #include "core/rng.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/embedding.h"
-#include "kernels/cpu/gemm.h"
-#include "kernels/cpu/layernorm.h"
-#include "kernels/cpu/xent.h"
+#include "kernels/ops.h"
 #include "model/ffn.h"
 #include "model/gate.h"
 #include "model/rre.h"
 
 namespace sigma {
+
+namespace {
+void zero(Tensor& t) { ops::fill(t.f(), 0.0f, t.numel()); }
+}  // namespace
 
 double BlockLoad::imbalance() const {
   double worst = 0;
@@ -253,8 +253,8 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_) {
   }
 }
 
-// Embedding rows (slot * V + token) and expert groups of every row; h0 = E[rows] + P.
-void Model::embed(const Batch& batch, Activations& a) {
+// Embedding rows (slot * V + token) and expert groups of every row; h0 = E[rows] + P[first_pos + t].
+void Model::embed(const Batch& batch, Activations& a, int first_pos) {
   const int B = batch.B, T = batch.T;
   const int64_t V = cfg_.vocab;
   for (int b = 0; b < B; ++b) {
@@ -270,8 +270,8 @@ void Model::embed(const Batch& batch, Activations& a) {
     }
     std::fill_n(a.row_group.begin() + int64_t(b) * T, T, domain_group_[size_t(batch.domain[b])]);
   }
-  cpu::embedding_forward(a.blocks[0].x.f(), a.rows.data(), w_->tokens.v, w_->positions.v, B, T,
-                         cfg_.d_model);
+  ops::embedding_forward(a.blocks[0].x.f(), a.rows.data(), w_->tokens.v,
+                         w_->positions.v + int64_t(first_pos) * cfg_.d_model, B, T, cfg_.d_model);
 }
 
 void Model::forward(const Batch& batch, Activations& a, float* token_loss,
@@ -282,13 +282,40 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
               "malformed batch (B={}, T={})", B, T);
   a.ensure(cfg_, B, T);
   check_routing_ready();
-  embed(batch, a);
+  embed(batch, a, 0);
   aux_loss_ = 0;
   a.weight_sum = 0;
   if (loss_weight)
     for (int64_t i = 0; i < int64_t(B) * T; ++i) a.weight_sum += loss_weight[i];
-  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a);
+  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a, nullptr);
   head(batch, a, token_loss, loss_weight);
+}
+
+void KvCache::reset(const ModelConfig& cfg, int rows) {
+  B = rows;
+  length = 0;
+  kv.clear();
+  for (int l = 0; l < cfg.layers; ++l)
+    kv.push_back(Tensor::f32({rows, cfg.context, 2 * int64_t(cfg.d_model)}));
+}
+
+void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, float* token_loss) {
+  const int B = batch.B, T = batch.T;
+  SIGMA_CHECK(B > 0 && T > 0 && batch.tokens.size() == size_t(B) * T &&
+                  batch.targets.size() == size_t(B) * T && batch.domain.size() == size_t(B),
+              "malformed batch (B={}, T={})", B, T);
+  if (cache.kv.empty()) cache.reset(cfg_, B);
+  SIGMA_CHECK(cache.B == B, "KV cache holds {} sequences, the batch {}", cache.B, B);
+  SIGMA_CHECK(cache.length + T <= cfg_.context, "generation reached the model's context length "
+              "({} positions)", cfg_.context);
+  a.ensure(cfg_, B, T);
+  check_routing_ready();
+  embed(batch, a, cache.length);
+  aux_loss_ = 0;
+  a.weight_sum = 0;
+  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a, &cache);
+  cache.length += T;
+  head(batch, a, token_loss, nullptr);
 }
 
 void Model::backward(const Batch& batch, Activations& a) {
@@ -297,42 +324,55 @@ void Model::backward(const Batch& batch, Activations& a) {
   a.has_grad = false;  // the head's gradient is consumed
   head_backward(batch, a);
   for (int l = cfg_.layers - 1; l >= 0; --l) block_backward(l, batch, a, a.dh.f());
-  cpu::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.f(), a.rows.data(), batch.B,
+  ops::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.f(), a.rows.data(), batch.B,
                           batch.T, cfg_.d_model);
 }
 
-void Model::block_forward(int l, const Batch& batch, Activations& acts) {
-  const int B = batch.B, T = batch.T;
+// With a cache, the batch's T rows are positions p0 .. p0+T-1 (p0 = cache->length): their keys
+// and values join the cache and attention runs over all p0+T cached positions.
+void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache* cache) {
+  const int B = batch.B, T = batch.T, p0 = cache ? cache->length : 0, Tk = p0 + T;
   const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), H = cfg_.heads,
                 hd = cfg_.head_dim();
   const bool query_layer = (l == cfg_.layers - 1);
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = acts.blocks[size_t(l)];
 
-  cpu::layernorm_forward(k.a1.f(), k.mean1.f(), k.rstd1.f(), k.x.f(), w.ln1_w.v, w.ln1_b.v, N, d);
-  cpu::AttnOperand q;
+  ops::layernorm_forward(k.a1.f(), k.mean1.f(), k.rstd1.f(), k.x.f(), w.ln1_w.v, w.ln1_b.v, N, d);
+  ops::AttnOperand q;
   if (!query_layer) {
-    cpu::linear_forward(k.qkv.f(), k.a1.f(), w.qkv_w.v, w.qkv_b.v, N, d, 3 * d);
+    ops::linear_forward(k.qkv.f(), k.a1.f(), w.qkv_w.v, w.qkv_b.v, N, d, 3 * d);
     q = {k.qkv.f(), 3 * d, T * 3 * d};
   } else {
     // Keys and values from LN1(h): the K|V column slice of the QKV weight.
-    cpu::linear_forward(k.qkv.f() + d, k.a1.f(), w.qkv_w.v + d, w.qkv_b.v + d, N, d, 2 * d,
+    ops::linear_forward(k.qkv.f() + d, k.a1.f(), w.qkv_w.v + d, w.qkv_b.v + d, N, d, 2 * d,
                         false, {d, 3 * d, 3 * d});
     // Queries from the learned position table (not normalised), shared by every row.
-    cpu::linear_forward(k.qtop.f(), w.query.v, w.qkv_w.v, w.qkv_b.v, T, d, d, false,
-                        {d, 3 * d, d});
+    ops::linear_forward(k.qtop.f(), w.query.v + int64_t(p0) * d, w.qkv_w.v, w.qkv_b.v, T, d, d,
+                        false, {d, 3 * d, d});
     q = {k.qtop.f(), d, 0};
   }
-  const cpu::AttnOperand kk{k.qkv.f() + d, 3 * d, T * 3 * d};
-  const cpu::AttnOperand vv{k.qkv.f() + 2 * d, 3 * d, T * 3 * d};
-  cpu::attention_forward(k.att.f(), k.probs.f(), q, kk, vv, {B, T, H, hd},
+  ops::AttnOperand kk{k.qkv.f() + d, 3 * d, T * 3 * d};
+  ops::AttnOperand vv{k.qkv.f() + 2 * d, 3 * d, T * 3 * d};
+  if (cache) {
+    float* kv = cache->kv[size_t(l)].f();
+    const int64_t bs = int64_t(cfg_.context) * 2 * d;
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < T; ++t)
+        ops::copy(kv + b * bs + int64_t(p0 + t) * 2 * d, k.qkv.f() + (int64_t(b) * T + t) * 3 * d + d,
+                  2 * d);
+    kk = {kv, 2 * d, bs};
+    vv = {kv + d, 2 * d, bs};
+    if (k.probs.numel() < int64_t(B) * H * T * Tk) k.probs = Tensor::f32({B, H, T, Tk});
+  }
+  ops::attention_forward(k.att.f(), k.probs.f(), q, kk, vv, {B, T, Tk, H, hd},
                          1.0f / std::sqrt(float(hd)));
-  std::copy_n(k.x.f(), N * d, k.mid.f());
-  cpu::linear_forward(k.mid.f(), k.att.f(), w.out_w.v, w.out_b.v, N, d, d, true);
-  cpu::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,
+  ops::copy(k.mid.f(), k.x.f(), N * d);
+  ops::linear_forward(k.mid.f(), k.att.f(), w.out_w.v, w.out_b.v, N, d, d, true);
+  ops::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,
                          d);
   float* out = (l + 1 < cfg_.layers) ? acts.blocks[size_t(l) + 1].x.f() : acts.h_final.f();
-  std::copy_n(k.mid.f(), N * d, out);
+  ops::copy(out, k.mid.f(), N * d);
   if (!w.is_rre())
     ffn_forward(out, k.pre.f(), k.act.f(), k.a2.f(), w.ffn(), N, d, f);
   else
@@ -383,29 +423,29 @@ static void for_each_slot_run(const ModelConfig& cfg, const Batch& batch, Fn&& f
 void Model::head(const Batch& batch, Activations& a, float* token_loss,
                  const float* loss_weight) {
   const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab;
-  cpu::layernorm_forward(a.hf.f(), a.meanf.f(), a.rstdf.f(), a.h_final.f(), w_->lnf_w.v,
+  ops::layernorm_forward(a.hf.f(), a.meanf.f(), a.rstdf.f(), a.h_final.f(), w_->lnf_w.v,
                          w_->lnf_b.v, N, d);
   for_each_slot_run(cfg_, batch, [&](int64_t r0, int64_t rows, int64_t e0) {
-    cpu::gemm(false, true, rows, V, d, 1.0f, a.hf.f() + r0 * d, d, w_->tokens.v + e0, d, 0.0f,
+    ops::gemm(false, true, rows, V, d, 1.0f, a.hf.f() + r0 * d, d, w_->tokens.v + e0, d, 0.0f,
               a.logits.f() + r0 * V, V);
   });
-  cpu::softmax_xent(a.logits.f(), token_loss, batch.targets.data(), loss_weight, N, V);
+  ops::softmax_xent(a.logits.f(), token_loss, batch.targets.data(), loss_weight, N, V);
   a.has_grad = loss_weight != nullptr;
 }
 
 // From dL/dlogits to dL/dh of the last block's output, in a.dh.
 void Model::head_backward(const Batch& batch, Activations& a) {
   const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab;
-  a.da.zero();
+  zero(a.da);
   for_each_slot_run(cfg_, batch, [&](int64_t r0, int64_t rows, int64_t e0) {
     const float* dlogits = a.logits.f() + r0 * V;
-    cpu::gemm(false, false, rows, d, V, 1.0f, dlogits, V, w_->tokens.v + e0, d, 1.0f,
+    ops::gemm(false, false, rows, d, V, 1.0f, dlogits, V, w_->tokens.v + e0, d, 1.0f,
               a.da.f() + r0 * d, d);
-    cpu::gemm(true, false, V, d, rows, 1.0f, dlogits, V, a.hf.f() + r0 * d, d, 1.0f,
+    ops::gemm(true, false, V, d, rows, 1.0f, dlogits, V, a.hf.f() + r0 * d, d, 1.0f,
               w_->tokens.g + e0, d);
   });
-  a.dh.zero();
-  cpu::layernorm_backward(a.dh.f(), w_->lnf_w.g, w_->lnf_b.g, a.da.f(), a.h_final.f(),
+  zero(a.dh);
+  ops::layernorm_backward(a.dh.f(), w_->lnf_w.g, w_->lnf_b.g, a.da.f(), a.h_final.f(),
                           a.meanf.f(), a.rstdf.f(), w_->lnf_w.v, N, d);
 }
 
@@ -415,7 +455,7 @@ void Model::block_backward(int l, const Batch& batch, Activations& a, float* dh)
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = a.blocks[size_t(l)];
   // FFN branch; the residual passes dh through unchanged.
-  a.da.zero();
+  zero(a.da);
   if (!w.is_rre())
     ffn_backward(a.da.f(), w.ffn_grad(), a.dffn.f(), dh, k.a2.f(), k.pre.f(), k.act.f(), w.ffn(),
                  N, d, f);
@@ -427,7 +467,7 @@ void Model::block_backward(int l, const Batch& batch, Activations& a, float* dh)
     gate_backward(a.da.f(), a.dffn.f(), a.gx.f(), a.gy.f(), a.gdx.f(), a.z.f(), dh, k.a2.f(),
                   k.yg.f(), k.pre.f(), k.act.f(), k.gplan, w.rre, w.gate, a.row_group.data(),
                   float(a.weight_sum * cfg_.aux_loss_weight), N, d, f);
-  cpu::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.f(), k.mid.f(), k.mean2.f(),
+  ops::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.f(), k.mid.f(), k.mean2.f(),
                           k.rstd2.f(), w.ln2_w.v, N, d);  // dh is now dL/d(mid)
   attention_backward(l, batch, a, dh);
 }
@@ -439,36 +479,33 @@ void Model::attention_backward(int l, const Batch& batch, Activations& a, float*
   const bool query_layer = (l == cfg_.layers - 1);
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = a.blocks[size_t(l)];
-  a.datt.zero();
-  cpu::linear_backward(a.datt.f(), w.out_w.g, w.out_b.g, dh, k.att.f(), w.out_w.v, N, d, d);
-  a.dqkv.zero();
-  cpu::AttnOperand q{k.qkv.f(), 3 * d, T * 3 * d};
+  zero(a.datt);
+  ops::linear_backward(a.datt.f(), w.out_w.g, w.out_b.g, dh, k.att.f(), w.out_w.v, N, d, d);
+  zero(a.dqkv);
+  ops::AttnOperand q{k.qkv.f(), 3 * d, T * 3 * d};
   if (query_layer) q = {k.qtop.f(), d, 0};
-  const cpu::AttnOperand kk{k.qkv.f() + d, 3 * d, T * 3 * d};
-  const cpu::AttnOperand vv{k.qkv.f() + 2 * d, 3 * d, T * 3 * d};
+  const ops::AttnOperand kk{k.qkv.f() + d, 3 * d, T * 3 * d};
+  const ops::AttnOperand vv{k.qkv.f() + 2 * d, 3 * d, T * 3 * d};
   // dq always gets per-row storage (the q third of dqkv), even when q is shared.
   float* dqkv = a.dqkv.f();
-  cpu::attention_backward({dqkv, 3 * d, T * 3 * d}, {dqkv + d, 3 * d, T * 3 * d},
+  ops::attention_backward({dqkv, 3 * d, T * 3 * d}, {dqkv + d, 3 * d, T * 3 * d},
                           {dqkv + 2 * d, 3 * d, T * 3 * d}, a.datt.f(), k.att.f(), k.probs.f(), q,
-                          kk, vv, {B, T, H, hd}, 1.0f / std::sqrt(float(hd)));
-  a.da.zero();
+                          kk, vv, {B, T, T, H, hd}, 1.0f / std::sqrt(float(hd)));
+  zero(a.da);
   if (!query_layer) {
-    cpu::linear_backward(a.da.f(), w.qkv_w.g, w.qkv_b.g, dqkv, k.a1.f(), w.qkv_w.v, N, d, 3 * d);
+    ops::linear_backward(a.da.f(), w.qkv_w.g, w.qkv_b.g, dqkv, k.a1.f(), w.qkv_w.v, N, d, 3 * d);
   } else {
-    cpu::linear_backward(a.da.f(), w.qkv_w.g + d, w.qkv_b.g + d, dqkv + d, k.a1.f(),
+    ops::linear_backward(a.da.f(), w.qkv_w.g + d, w.qkv_b.g + d, dqkv + d, k.a1.f(),
                          w.qkv_w.v + d, N, d, 2 * d, {d, 3 * d, 3 * d});
     // The shared query: sum dq over the batch, then back through W_q to the query table.
-    a.dq_shared.zero();
+    zero(a.dq_shared);
     float* dq = a.dq_shared.f();
     for (int b = 0; b < B; ++b)
-      for (int t = 0; t < T; ++t) {
-        const float* src = dqkv + (int64_t(b) * T + t) * 3 * d;
-        for (int64_t c = 0; c < d; ++c) dq[int64_t(t) * d + c] += src[c];
-      }
-    cpu::linear_backward(w.query.g, w.qkv_w.g, w.qkv_b.g, dq, w.query.v, w.qkv_w.v, T, d, d,
+      for (int t = 0; t < T; ++t) ops::add_into(dq + int64_t(t) * d, dqkv + (int64_t(b) * T + t) * 3 * d, d);
+    ops::linear_backward(w.query.g, w.qkv_w.g, w.qkv_b.g, dq, w.query.v, w.qkv_w.v, T, d, d,
                          {d, 3 * d, d});
   }
-  cpu::layernorm_backward(dh, w.ln1_w.g, w.ln1_b.g, a.da.f(), k.x.f(), k.mean1.f(), k.rstd1.f(),
+  ops::layernorm_backward(dh, w.ln1_w.g, w.ln1_b.g, a.da.f(), k.x.f(), k.mean1.f(), k.rstd1.f(),
                           w.ln1_w.v, N, d);  // dh is now dL/d(block input)
 }
 

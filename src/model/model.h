@@ -28,6 +28,14 @@ struct BlockLoad {
   double imbalance() const;
 };
 
+// Keys and values of the positions each sequence has seen, for generation: the KV cache is a
+// mode of Model::forward (same attention, expert and head code), not a second decoder.
+struct KvCache {
+  int B = 0, length = 0;   // sequences, and positions cached so far
+  std::vector<Tensor> kv;  // [L] of [B, context, 2d]: key | value of each position
+  void reset(const ModelConfig& cfg, int B);
+};
+
 class Model {
  public:
   // Routing tables: model.routing = "random" builds them from model.routing_seed;
@@ -87,6 +95,10 @@ class Model {
   // Backward pass of the last forward(batch, acts, ..., loss_weight): accumulates (+=) the
   // parameter gradients, and the experts' through the executor.
   void backward(const Batch& batch, Activations& acts);
+  // Forward of batch.T new positions per row after the cache's `length` (positions length ..
+  // length+T-1 attend to every cached position and to themselves); appends their keys and
+  // values. Logits of the new positions in acts.logits; token_loss against batch.targets.
+  void forward_cached(const Batch& batch, KvCache& cache, Activations& acts, float* token_loss);
   // The same on the model's own activations (evaluation, tests, generation).
   void forward(const Batch& batch, float* token_loss, const float* loss_weight = nullptr) {
     forward(batch, *own_, token_loss, loss_weight);
@@ -114,8 +126,8 @@ class Model {
   int64_t active_params_per_token() const;
 
  private:
-  void embed(const Batch& b, Activations& a);
-  void block_forward(int l, const Batch& b, Activations& a);
+  void embed(const Batch& b, Activations& a, int first_pos);
+  void block_forward(int l, const Batch& b, Activations& a, KvCache* cache);
   void expert_forward(int l, const Batch& b, Activations& a, float* out);
   void head(const Batch& b, Activations& a, float* token_loss, const float* loss_weight);
   void head_backward(const Batch& b, Activations& a);

@@ -6,37 +6,12 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "kernels/ops.h"
 #include "model/expert_executor.h"
 
 namespace sigma {
 
 namespace {
-
-// Row copies are memory-bound and cheap: only a large batch is worth an OpenMP region (on a
-// busy machine, waking a second thread costs more than copying a megabyte).
-constexpr int64_t kParallelFloats = int64_t(1) << 18;
-
-// dst[j] = src[order[j]] for rows of width d.
-void gather_rows(float* dst, const float* src, const int32_t* order, int64_t N, int64_t d) {
-#pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
-  for (int64_t j = 0; j < N; ++j)
-    std::memcpy(dst + j * d, src + int64_t(order[j]) * d, size_t(d) * sizeof(float));
-}
-
-// dst[order[j]] = src[j] (assign) or += src[j] (accumulate). order is a permutation, so
-// threads never write the same row.
-void scatter_rows(float* dst, const float* src, const int32_t* order, int64_t N, int64_t d,
-                  bool accumulate) {
-#pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
-  for (int64_t j = 0; j < N; ++j) {
-    float* out = dst + int64_t(order[j]) * d;
-    const float* in = src + j * d;
-    if (accumulate)
-      for (int64_t c = 0; c < d; ++c) out[c] += in[c];
-    else
-      std::memcpy(out, in, size_t(d) * sizeof(float));
-  }
-}
 
 // Experts with rows, and whether to run them side by side, one per thread. Many small experts
 // run better that way: each runs its GEMMs on one thread instead of forking every GEMM and
@@ -85,8 +60,8 @@ void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const f
   }
   // gy starts as the rows of y, so each expert adds onto them in place and the scatter is a
   // plain copy: every row gets y + FFN(x) in the same arithmetic as the dense block.
-  gather_rows(gx, x, p.order.data(), N, d);
-  gather_rows(gy, y, p.order.data(), N, d);
+  ops::gather_rows(gx, x, p.order.data(), N, d);
+  ops::gather_rows(gy, y, p.order.data(), N, d);
   const Busy busy = busy_experts(p, w.experts());
 #pragma omp parallel for schedule(dynamic, 1) if (busy.side_by_side)
   for (size_t i = 0; i < busy.experts.size(); ++i) {
@@ -94,7 +69,7 @@ void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const f
     const int64_t s = p.start[size_t(e)], n = p.rows(e);
     ffn_forward(gy + s * d, pre + s * f, act + s * f, gx + s * d, w.expert[size_t(e)], n, d, f);
   }
-  scatter_rows(y, gy, p.order.data(), N, d, /*accumulate=*/false);
+  ops::scatter_rows(y, gy, p.order.data(), N, d, /*accumulate=*/false);
 }
 
 void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, const float* dy,
@@ -105,9 +80,9 @@ void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, 
                  w.expert[size_t(p.single)], N, d, f);
     return;
   }
-  gather_rows(gx, x, p.order.data(), N, d);
-  gather_rows(gdy, dy, p.order.data(), N, d);
-  std::fill(gdx, gdx + N * d, 0.0f);
+  ops::gather_rows(gx, x, p.order.data(), N, d);
+  ops::gather_rows(gdy, dy, p.order.data(), N, d);
+  ops::fill(gdx, 0.0f, N * d);
   const Busy busy = busy_experts(p, w.experts());
 #pragma omp parallel for schedule(dynamic, 1) if (busy.side_by_side)
   for (size_t i = 0; i < busy.experts.size(); ++i) {
@@ -117,7 +92,7 @@ void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, 
     ffn_backward(gdx + s * d, w.expert_grad[size_t(e)], scratch + 2 * s * f, gdy + s * d,
                  gx + s * d, pre + s * f, act + s * f, w.expert[size_t(e)], n, d, f);
   }
-  scatter_rows(dx, gdx, p.order.data(), N, d, /*accumulate=*/true);
+  ops::scatter_rows(dx, gdx, p.order.data(), N, d, /*accumulate=*/true);
 }
 
 }  // namespace sigma

@@ -3,7 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "optim/adam_kernel.h"
+#include "kernels/ops.h"
+#include "optim/grad_norm.h"
 
 namespace sigma {
 
@@ -30,21 +31,6 @@ float lr_at(const OptimConfig& c, int64_t step, int64_t total) {
   return float(floor + (c.lr - floor) * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 
-void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, float lr, float beta1,
-                  float beta2, float eps, float weight_decay, float bc1, float bc2,
-                  float grad_scale) {
-  const float step_size = lr / bc1, inv_sqrt_bc2 = 1.0f / std::sqrt(bc2), decay = lr * weight_decay;
-  // -fno-math-errno (set project-wide) lets sqrtf vectorise here.
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * grad_scale;
-    m[i] = beta1 * m[i] + (1.0f - beta1) * gi;
-    v[i] = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-    const float denom = std::sqrt(v[i]) * inv_sqrt_bc2 + eps;
-    w[i] -= decay * w[i] + step_size * m[i] / denom;
-  }
-}
-
 AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params) : cfg_(cfg) {
   for (const Param& p : params.all())
     state_.push_back({Tensor::f32(p.value.shape()), Tensor::f32(p.value.shape()), 0, {}});
@@ -52,26 +38,7 @@ AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params) : cfg_(cfg) {
 
 double AdamW::grad_norm(const ParamSet& params) { return std::sqrt(grad_sq(params)); }
 
-double AdamW::grad_sq(const ParamSet& params) {
-  // Fixed-size chunks summed in order: the same bits for any thread count (an OpenMP reduction
-  // would combine partial sums in arrival order).
-  constexpr int64_t kChunk = 1 << 14;
-  double total = 0;
-  std::vector<double> partial;
-  for (const Param& p : params.all()) {
-    const float* g = p.grad.f();
-    const int64_t n = p.grad.numel(), chunks = (n + kChunk - 1) / kChunk;
-    partial.assign(size_t(chunks), 0.0);
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-      double s = 0;
-      for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) s += double(g[i]) * g[i];
-      partial[size_t(c)] = s;
-    }
-    for (double s : partial) total += s;
-  }
-  return total;
-}
+double AdamW::grad_sq(const ParamSet& params) { return sigma::grad_sq(params); }
 
 void UpdateMask::mask_grads(ParamSet& params) const {
   auto& ps = params.all();
@@ -100,13 +67,7 @@ void AdamW::lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_
   std::vector<int64_t> list;
   for (auto [b, e] : ranges)
     for (int64_t r = b; r < e; ++r) list.push_back(r);
-  AdamStepArgs a;
-  a.lr = lr;
-  a.beta1 = cfg_.beta1;
-  a.beta2 = cfg_.beta2;
-  a.eps = eps;
-  a.weight_decay = p.decay ? cfg_.weight_decay : 0.0f;
-  a.grad_scale = grad_scale;
+  AdamStepArgs a = args(p, lr, eps, grad_scale, 0);
   float *w = p.value.f(), *m = s.m.f(), *v = s.v.f();
   const float* g = p.grad.f();
   const int64_t n = int64_t(list.size());
@@ -114,8 +75,21 @@ void AdamW::lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_
   for (int64_t k = 0; k < n; ++k) {
     const int64_t r = list[size_t(k)];
     a.step = ++s.row_step[size_t(r)];
-    adam_step(w + r * width, m + r * width, v + r * width, g + r * width, width, a);
+    ops::adam_step(w + r * width, m + r * width, v + r * width, g + r * width, width, a);
   }
+}
+
+AdamStepArgs AdamW::args(const Param& p, float lr, float eps, float grad_scale,
+                         int64_t step) const {
+  AdamStepArgs a;
+  a.lr = lr;
+  a.beta1 = cfg_.beta1;
+  a.beta2 = cfg_.beta2;
+  a.eps = eps;
+  a.weight_decay = p.decay ? cfg_.weight_decay : 0.0f;
+  a.grad_scale = grad_scale;
+  a.step = step;
+  return a;
 }
 
 void AdamW::step(ParamSet& params, float lr, float grad_scale, const UpdateMask* mask) {
@@ -129,21 +103,17 @@ void AdamW::step(ParamSet& params, float lr, float grad_scale, const UpdateMask*
       continue;
     }
     s.step += 1;
-    const float bc1 = 1.0f - std::pow(cfg_.beta1, float(s.step));
-    const float bc2 = 1.0f - std::pow(cfg_.beta2, float(s.step));
-    const float eps = eps0;
-    const float wd = ps[i].decay ? cfg_.weight_decay : 0.0f;
+    const AdamStepArgs a = args(ps[i], lr, eps0, grad_scale, s.step);
     float *w = ps[i].value.f(), *m = s.m.f(), *v = s.v.f();
     const float* g = ps[i].grad.f();
     if (mask && !mask->rows.empty() && !mask->rows[i].empty()) {
       const int64_t width = ps[i].value.numel() / ps[i].value.dim(0);
       for (auto [b, e] : mask->rows[i])
-        adamw_update(w + b * width, m + b * width, v + b * width, g + b * width, (e - b) * width,
-                     lr, cfg_.beta1, cfg_.beta2, eps, wd, bc1, bc2, grad_scale);
+        ops::adam_step(w + b * width, m + b * width, v + b * width, g + b * width,
+                       (e - b) * width, a);
       continue;
     }
-    adamw_update(w, m, v, g, ps[i].value.numel(), lr, cfg_.beta1, cfg_.beta2, eps, wd, bc1, bc2,
-                 grad_scale);
+    ops::adam_step(w, m, v, g, ps[i].value.numel(), a);
   }
 }
 

@@ -1,5 +1,7 @@
 // AdamW with per-parameter step counts and per-group epsilon (hybrid Adam, DESIGN §3):
-// expert tensors use eps_rre, everything else eps; weight decay only on linear weights.
+// expert tensors use eps_rre, everything else eps; weight decay only on linear weights. The
+// update itself is ops::adam_step (kernels/ops.h), the one Adam kernel, which the ECSS expert
+// store also runs: experts train bit for bit alike in the model and in the store.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -7,6 +9,7 @@
 
 #include "core/options.h"
 #include "core/tensor.h"
+#include "kernels/types.h"
 #include "model/params.h"
 
 namespace sigma {
@@ -26,12 +29,6 @@ struct OptimConfig {
 
 // Learning rate at `step` (0-based) of `total`: linear warm-up, then cosine to the floor.
 float lr_at(const OptimConfig& c, int64_t step, int64_t total);
-
-// One fused AdamW update over n contiguous values (the kernel ECSS reuses for experts).
-// bc1 = 1 - beta1^t, bc2 = 1 - beta2^t; g is multiplied by grad_scale (clipping) first.
-void adamw_update(float* w, float* m, float* v, const float* g, int64_t n, float lr, float beta1,
-                  float beta2, float eps, float weight_decay, float bc1, float bc2,
-                  float grad_scale);
 
 // Which parameters a step updates (train.freeze): by default all. A frozen parameter keeps its
 // values, moments and step; a parameter limited to row ranges (an embedding table's slots)
@@ -54,7 +51,7 @@ class AdamW {
 
   // Global L2 norm of all gradients (double accumulation, deterministic), and its square.
   static double grad_norm(const ParamSet& params);
-  static double grad_sq(const ParamSet& params);
+  static double grad_sq(const ParamSet& params);  // optim/grad_norm.h's canonical order
   // Updates every parameter (those `mask` allows) with learning rate `lr`; gradients scaled
   // by grad_scale first.
   void step(ParamSet& params, float lr, float grad_scale, const UpdateMask* mask = nullptr);
@@ -70,6 +67,8 @@ class AdamW {
  private:
   void lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_t, int64_t>>& ranges,
                      float lr, float eps, float grad_scale);
+  // The kernel's arguments for parameter p at its update number `step`.
+  AdamStepArgs args(const Param& p, float lr, float eps, float grad_scale, int64_t step) const;
   OptimConfig cfg_;
   std::vector<State> state_;
 };

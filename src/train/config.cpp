@@ -52,6 +52,10 @@ void TrainConfig::describe(Options& o, const std::string& p) {
         {"auto", "ecss", "vanilla", "model"});
   o.add(p + "expert_store", &expert_store,
         "ECSS expert store file, memory-mapped so experts may exceed RAM (\"\" = in RAM)");
+  o.add(p + "backend", &backend,
+        "kernel backend of the ops front: cpu (the fast kernels) or ref (naive loops "
+        "accumulating in double, the tests' oracle; slow, for checking a run)",
+        {"cpu", "ref"});
   add_name_list(o, p + "freeze", &freeze,
                 "parameter sets not to update: shared (all but the trained domains' experts and "
                 "embedding slots), embeddings, experts, or a tensor-name prefix");

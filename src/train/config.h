@@ -22,6 +22,7 @@ struct TrainConfig {
   std::string experts = "auto";  // where RRE experts train: auto, ecss, vanilla, model
   std::string expert_store;      // ECSS store file ("" = RAM)
   std::vector<std::string> freeze;  // parameter sets not to update (src/train/freeze.h)
+  std::string backend = "cpu";   // ops backend (kernels/ops.h): cpu or ref
   void describe(Options& o, const std::string& prefix);
 };
 

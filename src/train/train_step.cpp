@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "optim/grad_norm.h"
+
 namespace sigma {
 
 void reduce_grads(Communicator& comm, ParamSet& params) {
@@ -42,7 +44,7 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   reduce_grads(comm_, model_.params());
   if (!mask.all()) mask.mask_grads(model_.params());
   ExpertExecutor& experts = model_.expert_executor();
-  r.grad_norm = std::sqrt(AdamW::grad_sq(model_.params()) + experts.grad_sq());
+  r.grad_norm = std::sqrt(grad_sq(model_.params()) + experts.grad_sq());
   r.clip = (cfg_.grad_clip > 0 && r.grad_norm > cfg_.grad_clip) ? float(cfg_.grad_clip / r.grad_norm)
                                                                  : 1.0f;
   opt_.step(model_.params(), lr, r.clip, &mask);

@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include "dist/communicator.h"
+#include "kernels/ops.h"
 #include "model/routing.h"
 #include "optim/adamw.h"
 #include "train/checkpoint.h"
@@ -166,6 +167,7 @@ class RunLoop {
 };
 
 RunLoop::RunLoop(Config cfg, const RunOptions& run) : cfg_(std::move(cfg)), run_(run) {
+  ops::use_backend(cfg_.train.backend);
   if (cfg_.train.threads > 0) omp_set_num_threads(cfg_.train.threads);
   build();
   restore();

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/error.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/vexp.h"
 
@@ -13,28 +14,40 @@ namespace sigma::cpu {
 // at T=512).
 constexpr int64_t kRowBlock = 128;
 
+namespace {
+void check_shape(const AttnShape& s) {
+  SIGMA_CHECK(s.Tq >= 0 && s.Tq <= s.Tk && s.hd > 0 && s.H > 0,
+              "attention: need 0 <= Tq <= Tk and H, hd > 0 (got B={} Tq={} Tk={} H={} hd={})",
+              s.B, s.Tq, s.Tk, s.H, s.hd);
+}
+}  // namespace
+
+// Query row i (of Tq) attends keys 0..off+i, off = Tk - Tq; a block of rows [i0, i1) needs keys
+// 0..off+i1-1.
 void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, AttnOperand v,
                        AttnShape s, float scale) {
-  const int64_t T = s.T, hd = s.hd, d = s.H * s.hd;
+  check_shape(s);
+  const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, hd = s.hd, d = s.H * s.hd;
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
     const int64_t b = bh / s.H, h = bh % s.H;
     const float* qb = q.p + b * q.bs + h * hd;
     const float* kb = k.p + b * k.bs + h * hd;
     const float* vb = v.p + b * v.bs + h * hd;
-    float* P = probs + bh * T * T;
-    float* ob = out + b * T * d + h * hd;
-    for (int64_t i0 = 0; i0 < T; i0 += kRowBlock) {
-      const int64_t i1 = std::min(T, i0 + kRowBlock);
-      float* Pi = P + i0 * T;
-      gemm(false, true, i1 - i0, i1, hd, scale, qb + i0 * q.ld, q.ld, kb, k.ld, 0.0f, Pi, T);
+    float* P = probs + bh * Tq * Tk;
+    float* ob = out + b * Tq * d + h * hd;
+    for (int64_t i0 = 0; i0 < Tq; i0 += kRowBlock) {
+      const int64_t i1 = std::min(Tq, i0 + kRowBlock), keys = off + i1;
+      float* Pi = P + i0 * Tk;
+      gemm(false, true, i1 - i0, keys, hd, scale, qb + i0 * q.ld, q.ld, kb, k.ld, 0.0f, Pi, Tk);
       for (int64_t i = i0; i < i1; ++i) {
-        float* row = P + i * T;
-        const float sum = exp_shift_sum(row, i + 1, max_of(row, i + 1));
-        scale_into(row, row, i + 1, 1.0f / sum);
-        for (int64_t j = i + 1; j < T; ++j) row[j] = 0.0f;
+        float* row = P + i * Tk;
+        const int64_t n = off + i + 1;  // keys this row sees
+        const float sum = exp_shift_sum(row, n, max_of(row, n));
+        scale_into(row, row, n, 1.0f / sum);
+        for (int64_t j = n; j < Tk; ++j) row[j] = 0.0f;
       }
-      gemm(false, false, i1 - i0, hd, i1, 1.0f, Pi, T, vb, v.ld, 0.0f, ob + i0 * d, d);
+      gemm(false, false, i1 - i0, hd, keys, 1.0f, Pi, Tk, vb, v.ld, 0.0f, ob + i0 * d, d);
     }
   }
 }
@@ -42,10 +55,13 @@ void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, A
 void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
                         const float* out, const float* probs, AttnOperand q, AttnOperand k,
                         AttnOperand v, AttnShape s, float scale) {
-  const int64_t T = s.T, hd = s.hd, d = s.H * s.hd;
+  check_shape(s);
+  SIGMA_CHECK(s.B == 1 || (dq.bs != 0 && dk.bs != 0 && dv.bs != 0),
+              "attention_backward: gradient views need a batch stride (they are accumulated)");
+  const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, hd = s.hd, d = s.H * s.hd;
 #pragma omp parallel
   {
-    std::vector<float> dS(static_cast<size_t>(kRowBlock * T));
+    std::vector<float> dS(static_cast<size_t>(kRowBlock * Tk));
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
       const int64_t b = bh / s.H, h = bh % s.H;
@@ -55,27 +71,29 @@ void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout
       float* dqb = dq.p + b * dq.bs + h * hd;
       float* dkb = dk.p + b * dk.bs + h * hd;
       float* dvb = dv.p + b * dv.bs + h * hd;
-      const float* P = probs + bh * T * T;
-      const float* dob = dout + b * T * d + h * hd;
-      const float* ob = out + b * T * d + h * hd;
-      for (int64_t i0 = 0; i0 < T; i0 += kRowBlock) {
-        const int64_t i1 = std::min(T, i0 + kRowBlock), m = i1 - i0;
-        const float* Pi = P + i0 * T;
+      const float* P = probs + bh * Tq * Tk;
+      const float* dob = dout + b * Tq * d + h * hd;
+      const float* ob = out + b * Tq * d + h * hd;
+      for (int64_t i0 = 0; i0 < Tq; i0 += kRowBlock) {
+        const int64_t i1 = std::min(Tq, i0 + kRowBlock), m = i1 - i0, keys = off + i1;
+        const float* Pi = P + i0 * Tk;
         // dP = dO V^T, then dS = scale * P * (dP - <dO_i, O_i>)
-        gemm(false, true, m, i1, hd, 1.0f, dob + i0 * d, d, vb, v.ld, 0.0f, dS.data(), T);
+        gemm(false, true, m, keys, hd, 1.0f, dob + i0 * d, d, vb, v.ld, 0.0f, dS.data(), Tk);
         for (int64_t i = i0; i < i1; ++i) {
           const float* doi = dob + i * d;
           const float* oi = ob + i * d;
           float dot = 0.0f;
           for (int64_t c = 0; c < hd; ++c) dot += doi[c] * oi[c];
-          float* row = dS.data() + (i - i0) * T;
-          const float* prow = P + i * T;
-          for (int64_t j = 0; j <= i; ++j) row[j] = scale * prow[j] * (row[j] - dot);
-          for (int64_t j = i + 1; j < i1; ++j) row[j] = 0.0f;
+          float* row = dS.data() + (i - i0) * Tk;
+          const float* prow = P + i * Tk;
+          const int64_t n = off + i + 1;
+          for (int64_t j = 0; j < n; ++j) row[j] = scale * prow[j] * (row[j] - dot);
+          for (int64_t j = n; j < keys; ++j) row[j] = 0.0f;
         }
-        gemm(false, false, m, hd, i1, 1.0f, dS.data(), T, kb, k.ld, 1.0f, dqb + i0 * dq.ld, dq.ld);
-        gemm(true, false, i1, hd, m, 1.0f, dS.data(), T, qb + i0 * q.ld, q.ld, 1.0f, dkb, dk.ld);
-        gemm(true, false, i1, hd, m, 1.0f, Pi, T, dob + i0 * d, d, 1.0f, dvb, dv.ld);
+        gemm(false, false, m, hd, keys, 1.0f, dS.data(), Tk, kb, k.ld, 1.0f, dqb + i0 * dq.ld,
+             dq.ld);
+        gemm(true, false, keys, hd, m, 1.0f, dS.data(), Tk, qb + i0 * q.ld, q.ld, 1.0f, dkb, dk.ld);
+        gemm(true, false, keys, hd, m, 1.0f, Pi, Tk, dob + i0 * d, d, 1.0f, dvb, dv.ld);
       }
     }
   }

@@ -1,34 +1,27 @@
-// Causal multi-head attention over B sequences of T positions, H heads of width hd.
-// q, k, v are row-major with row strides ld_* and batch strides bs_* (a batch stride of 0 lets
-// the query layer share one query table across the batch). Head h reads columns [h*hd, h*hd+hd).
+// Causal multi-head attention of Tq query rows over Tk key rows (AttnShape, kernels/types.h:
+// query row i sits at position Tk - Tq + i and attends keys 0..Tk-Tq+i; training passes
+// Tq == Tk), in B sequences, H heads of width hd. q, k, v are row-major views with row strides
+// ld and batch strides bs (a batch stride of 0 lets the query layer share one query table
+// across the batch). Head h reads columns [h*hd, h*hd+hd).
 #pragma once
 #include <cstdint>
 
 #include "kernels/cpu/contract.h"
+#include "kernels/types.h"
 
 namespace sigma::cpu {
 
-struct AttnShape {
-  int64_t B, T, H, hd;
-};
+using kernels::AttnGrad;
+using kernels::AttnOperand;
+using kernels::AttnShape;
 
-struct AttnOperand {  // a read-only [B, T, H*hd] view
-  const float* p;
-  int64_t ld, bs;
-};
-
-struct AttnGrad {  // a gradient [B, T, H*hd] view (accumulated)
-  float* p;
-  int64_t ld, bs;
-};
-
-// out[B,T,H*hd] (row stride H*hd) = softmax(scale * q k^T, causal) v; saves probs[B,H,T,T]
-// (zero above the diagonal). Softmax runs in fp32.
+// out[B,Tq,H*hd] (row stride H*hd) = softmax(scale * q k^T, causal) v; saves probs[B,H,Tq,Tk]
+// (zero beyond each row's last key). Softmax runs in fp32.
 void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, AttnOperand v,
                        AttnShape s, float scale);
 
 // Accumulates dq, dk, dv. `out` is the forward output (used for the softmax backward).
-// dq must not alias across batches (bs != 0).
+// Gradient views must not alias across batches (bs != 0 when B > 1).
 void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
                         const float* out, const float* probs, AttnOperand q, AttnOperand k,
                         AttnOperand v, AttnShape s, float scale);

@@ -5,18 +5,19 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/types.h"
+
 namespace sigma::cpu {
+
+using kernels::Strides;
 
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
           int64_t ldc);
 
 // y[N,out] (+)= x[N,in] @ w[in,out] + b   (b may be null; accumulate adds to y instead of
-// overwriting it). Row strides default to the logical widths; a column slice of a wider weight
-// (the query layer's K/V part of QKV) passes its own ldw/ldy.
-struct Strides {
-  int64_t x = 0, w = 0, y = 0;  // 0 = contiguous (in, out, out)
-};
+// overwriting it). Row strides (Strides, kernels/types.h) default to the logical widths; a
+// column slice of a wider weight (the query layer's K/V part of QKV) passes its own ldw/ldy.
 void linear_forward(float* y, const float* x, const float* w, const float* b, int64_t N,
                     int64_t in, int64_t out, bool accumulate = false, Strides ld = {});
 

@@ -2,10 +2,11 @@
 #include <cstdint>
 
 #include "kernels/cpu/contract.h"
+#include "kernels/types.h"
 
 namespace sigma::cpu {
 
-constexpr float kLayerNormEps = 1e-5f;
+using kernels::kLayerNormEps;
 
 // out[N,C] = (x - mean) * rstd * w + b per row; saves mean[N], rstd[N].
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,

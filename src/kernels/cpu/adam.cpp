@@ -1,4 +1,4 @@
-#include "optim/adam_kernel.h"
+#include "kernels/cpu/adam.h"
 
 #include <omp.h>
 
@@ -20,16 +20,11 @@
 #define SIGMA_ADAM_X86 0
 #endif
 
-namespace sigma {
-
-AdamBiasCorrections adam_bias_corrections(float beta1, float beta2, int64_t step) {
-  // fp32 pow of a float exponent, as AdamW::step (adamw.cpp) computes them.
-  return {1.0f - std::pow(beta1, float(step)), 1.0f - std::pow(beta2, float(step))};
-}
+namespace sigma::cpu {
 
 namespace {
 
-// Per-call constants, derived once in fp32 exactly as adamw_update derives them.
+// Per-call constants, derived once in fp32 (the ref backend derives the same ones).
 struct Consts {
   float b1, b2, omb1, omb2, eps, step_size, inv_sqrt_bc2, decay, gs;
 };
@@ -166,4 +161,4 @@ void adam_step(float* w, float* m, float* v, const uint16_t* g, int64_t n, const
   run(w, m, v, g, n, a, path);
 }
 
-}  // namespace sigma
+}  // namespace sigma::cpu

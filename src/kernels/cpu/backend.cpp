@@ -1,0 +1,50 @@
+// Registers today's cpu kernels as the "cpu" backend of the ops front (kernels/ops.h).
+#include "core/tensor.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/adam.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/layernorm.h"
+#include "kernels/cpu/movement.h"
+#include "kernels/cpu/xent.h"
+#include "kernels/ops.h"
+
+namespace sigma::cpu {
+
+namespace {
+// The front's adam_step has no path argument: the cpu backend takes the fastest path.
+void adam_step_auto(float* w, float* m, float* v, const float* g, int64_t n,
+                    const AdamStepArgs& a) {
+  adam_step(w, m, v, g, n, a, AdamPath::Auto);
+}
+}  // namespace
+
+extern const ops::Backend kBackend;
+const ops::Backend kBackend = {
+    .name = "cpu",
+    .device = Device::Host,
+    .alloc = &host_alloc,
+    .free = &host_free,
+    .gemm = &gemm,
+    .linear_forward = &linear_forward,
+    .linear_backward = &linear_backward,
+    .column_sum_accumulate = &column_sum_accumulate,
+    .layernorm_forward = &layernorm_forward,
+    .layernorm_backward = &layernorm_backward,
+    .attention_forward = &attention_forward,
+    .attention_backward = &attention_backward,
+    .fast_gelu_forward = &fast_gelu_forward,
+    .fast_gelu_backward = &fast_gelu_backward,
+    .softmax_xent = &softmax_xent,
+    .embedding_forward = &embedding_forward,
+    .embedding_backward = &embedding_backward,
+    .adam_step = &adam_step_auto,
+    .copy = &copy,
+    .fill = &fill,
+    .add_into = &add_into,
+    .gather_rows = &gather_rows,
+    .scatter_rows = &scatter_rows,
+};
+
+}  // namespace sigma::cpu

@@ -1,0 +1,181 @@
+// The ops front (DESIGN §8; docs/ops.md): the one dispatch point between the model and the
+// kernels. Every op the model runs on activations and parameters has a free function here with
+// exactly the signature of its cpu:: kernel (outputs, then saved values, then inputs, then
+// sizes), and each call goes through one function pointer of the active Backend. Backends live
+// in their own folders (kernels/cpu/: the fast kernels; kernels/ref/: naive loops with double
+// accumulation, the tests' oracle) and are chosen once, at start-up, with use_backend.
+//
+// Gradient contract, for every backend (kernels/cpu/contract.h states it for the cpu kernels):
+//   - forward functions overwrite their outputs and save what backward needs;
+//   - backward functions ACCUMULATE (+=) into every gradient they write, parameter and
+//     activation gradients alike; the caller zeroes gradient buffers once per step;
+//   - argument order: outputs, then saved values, then inputs, then sizes.
+// use_backend is not thread-safe: call it before any kernel runs (or between runs, in tests).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "core/tensor.h"
+#include "kernels/types.h"
+
+namespace sigma::ops {
+
+using kernels::AttnGrad;
+using kernels::AttnOperand;
+using kernels::AttnShape;
+using kernels::kLayerNormEps;
+using kernels::Strides;
+
+// One backend: a table of function pointers, one per op. A backend's memory is `device`'s;
+// alloc returns zeroed, 64-byte aligned memory (never null; throws std::bad_alloc).
+struct Backend {
+  const char* name;
+  Device device;
+  void* (*alloc)(size_t bytes);
+  void (*free)(void* p);
+
+  // ---- dense algebra (kernels/cpu/gemm.h) ----
+  // C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C (row-major; beta = 0 ignores C).
+  void (*gemm)(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+               const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+               int64_t ldc);
+  // y[N,out] (+)= x[N,in] @ w[in,out] + b (b may be null).
+  void (*linear_forward)(float* y, const float* x, const float* w, const float* b, int64_t N,
+                         int64_t in, int64_t out, bool accumulate, Strides ld);
+  // dx (may be null) += dy w^T, dw += x^T dy, db (may be null) += column sums of dy.
+  void (*linear_backward)(float* dx, float* dw, float* db, const float* dy, const float* x,
+                          const float* w, int64_t N, int64_t in, int64_t out, Strides ld);
+  // db[C] += column sums of dy[N,C] with row stride ld (0 = C).
+  void (*column_sum_accumulate)(float* db, const float* dy, int64_t N, int64_t C, int64_t ld);
+
+  // ---- layers (kernels/cpu/{layernorm,attention,activation,xent,embedding}.h) ----
+  void (*layernorm_forward)(float* out, float* mean, float* rstd, const float* x, const float* w,
+                            const float* b, int64_t N, int64_t C);
+  void (*layernorm_backward)(float* dx, float* dw, float* db, const float* dout, const float* x,
+                             const float* mean, const float* rstd, const float* w, int64_t N,
+                             int64_t C);
+  void (*attention_forward)(float* out, float* probs, AttnOperand q, AttnOperand k, AttnOperand v,
+                            AttnShape s, float scale);
+  void (*attention_backward)(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                             const float* out, const float* probs, AttnOperand q, AttnOperand k,
+                             AttnOperand v, AttnShape s, float scale);
+  void (*fast_gelu_forward)(float* y, const float* x, int64_t n);
+  void (*fast_gelu_backward)(float* dx, const float* dy, const float* x, int64_t n);
+  void (*softmax_xent)(float* logits, float* loss, const int32_t* targets,
+                       const float* grad_scale, int64_t N, int64_t V);
+  void (*embedding_forward)(float* out, const int32_t* rows, const float* table, const float* pos,
+                            int64_t B, int64_t T, int64_t d);
+  void (*embedding_backward)(float* dtable, float* dpos, const float* dout, const int32_t* rows,
+                             int64_t B, int64_t T, int64_t d);
+
+  // ---- optimizer (kernels/types.h states the formula) ----
+  void (*adam_step)(float* w, float* m, float* v, const float* g, int64_t n,
+                    const AdamStepArgs& a);
+
+  // ---- data movement on activations ----
+  void (*copy)(float* dst, const float* src, int64_t n);    // dst = src (no overlap)
+  void (*fill)(float* dst, float value, int64_t n);         // dst = value
+  void (*add_into)(float* dst, const float* src, int64_t n);  // dst += src
+  // dst[j] = src[order[j]] for N rows of width d.
+  void (*gather_rows)(float* dst, const float* src, const int32_t* order, int64_t N, int64_t d);
+  // dst[order[j]] = src[j] (or += with accumulate); order holds no repeats.
+  void (*scatter_rows)(float* dst, const float* src, const int32_t* order, int64_t N, int64_t d,
+                       bool accumulate);
+};
+
+enum class BackendKind : uint8_t { Cpu, Ref };
+
+const Backend& backend(BackendKind kind);  // the built-in tables
+const Backend& active_backend();
+const char* backend_names();  // "cpu, ref": for help texts and errors
+
+// Chooses the backend every ops:: call runs on. The name form throws sigma::Error for a name
+// that is not a backend, listing the known ones.
+void use_backend(BackendKind kind);
+void use_backend(std::string_view name);
+// Installs any table (tests: a cpu backend with one op perturbed). `b` must outlive its use.
+void use_backend(const Backend& b);
+
+namespace detail {
+extern const Backend* active;  // never null; the cpu backend until use_backend says otherwise
+}
+
+// ---- the front: one inline forwarding function per op, signatures as in kernels/cpu/ ----
+
+inline void* alloc(size_t bytes) { return detail::active->alloc(bytes); }
+inline void free(void* p) { detail::active->free(p); }
+
+inline void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                 const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                 int64_t ldc) {
+  detail::active->gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+inline void linear_forward(float* y, const float* x, const float* w, const float* b, int64_t N,
+                           int64_t in, int64_t out, bool accumulate = false, Strides ld = {}) {
+  detail::active->linear_forward(y, x, w, b, N, in, out, accumulate, ld);
+}
+inline void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
+                            const float* w, int64_t N, int64_t in, int64_t out, Strides ld = {}) {
+  detail::active->linear_backward(dx, dw, db, dy, x, w, N, in, out, ld);
+}
+inline void column_sum_accumulate(float* db, const float* dy, int64_t N, int64_t C,
+                                  int64_t ld = 0) {
+  detail::active->column_sum_accumulate(db, dy, N, C, ld);
+}
+inline void layernorm_forward(float* out, float* mean, float* rstd, const float* x,
+                              const float* w, const float* b, int64_t N, int64_t C) {
+  detail::active->layernorm_forward(out, mean, rstd, x, w, b, N, C);
+}
+inline void layernorm_backward(float* dx, float* dw, float* db, const float* dout,
+                               const float* x, const float* mean, const float* rstd,
+                               const float* w, int64_t N, int64_t C) {
+  detail::active->layernorm_backward(dx, dw, db, dout, x, mean, rstd, w, N, C);
+}
+inline void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k,
+                              AttnOperand v, AttnShape s, float scale) {
+  detail::active->attention_forward(out, probs, q, k, v, s, scale);
+}
+inline void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                               const float* out, const float* probs, AttnOperand q,
+                               AttnOperand k, AttnOperand v, AttnShape s, float scale) {
+  detail::active->attention_backward(dq, dk, dv, dout, out, probs, q, k, v, s, scale);
+}
+inline void fast_gelu_forward(float* y, const float* x, int64_t n) {
+  detail::active->fast_gelu_forward(y, x, n);
+}
+inline void fast_gelu_backward(float* dx, const float* dy, const float* x, int64_t n) {
+  detail::active->fast_gelu_backward(dx, dy, x, n);
+}
+inline void softmax_xent(float* logits, float* loss, const int32_t* targets,
+                         const float* grad_scale, int64_t N, int64_t V) {
+  detail::active->softmax_xent(logits, loss, targets, grad_scale, N, V);
+}
+inline void embedding_forward(float* out, const int32_t* rows, const float* table,
+                              const float* pos, int64_t B, int64_t T, int64_t d) {
+  detail::active->embedding_forward(out, rows, table, pos, B, T, d);
+}
+inline void embedding_backward(float* dtable, float* dpos, const float* dout,
+                               const int32_t* rows, int64_t B, int64_t T, int64_t d) {
+  detail::active->embedding_backward(dtable, dpos, dout, rows, B, T, d);
+}
+inline void adam_step(float* w, float* m, float* v, const float* g, int64_t n,
+                      const AdamStepArgs& a) {
+  detail::active->adam_step(w, m, v, g, n, a);
+}
+inline void copy(float* dst, const float* src, int64_t n) { detail::active->copy(dst, src, n); }
+inline void fill(float* dst, float value, int64_t n) { detail::active->fill(dst, value, n); }
+inline void add_into(float* dst, const float* src, int64_t n) {
+  detail::active->add_into(dst, src, n);
+}
+inline void gather_rows(float* dst, const float* src, const int32_t* order, int64_t N,
+                        int64_t d) {
+  detail::active->gather_rows(dst, src, order, N, d);
+}
+inline void scatter_rows(float* dst, const float* src, const int32_t* order, int64_t N,
+                         int64_t d, bool accumulate) {
+  detail::active->scatter_rows(dst, src, order, N, d, accumulate);
+}
+
+}  // namespace sigma::ops

@@ -1,0 +1,122 @@
+// ref: causal attention with a query offset (kernels/types.h, AttnShape), forward and backward
+// (see ref/io.h for the rules). Query row i sits at position p = Tk - Tq + i and attends keys
+// 0..p; probs are saved as [B,H,Tq,Tk], zero beyond p.
+#pragma once
+#include <algorithm>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/ref/io.h"
+
+namespace sigma::ref {
+
+inline void check_attention(const AttnShape& s) {
+  SIGMA_CHECK(s.Tq >= 0 && s.Tq <= s.Tk && s.hd > 0 && s.H > 0,
+              "attention: need 0 <= Tq <= Tk and H, hd > 0 (got B={} Tq={} Tk={} H={} hd={})",
+              s.B, s.Tq, s.Tk, s.H, s.hd);
+}
+
+// out[b,i,h] = sum_j P[i,j] v[j,h],  P[i,:] = softmax_j<=p(scale * q[i,h] . k[j,h]).
+template <class T>
+void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, AttnOperand v,
+                       AttnShape s, float scale) {
+  using std::exp;
+  check_attention(s);
+  const int64_t Tq = s.Tq, Tk = s.Tk, hd = s.hd, d = s.H * hd, off = Tk - Tq;
+  std::vector<T> S{};
+  S.resize(size_t(Tk));
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.H; ++h)
+      for (int64_t i = 0; i < Tq; ++i) {
+        const float* qi = q.p + b * q.bs + i * q.ld + h * hd;
+        const int64_t last = off + i;  // the last key this row sees
+        T mx = 0;
+        for (int64_t j = 0; j <= last; ++j) {
+          const float* kj = k.p + b * k.bs + j * k.ld + h * hd;
+          T dot = 0;
+          for (int64_t c = 0; c < hd; ++c) dot += T(qi[c]) * T(kj[c]);
+          S[size_t(j)] = T(scale) * dot;
+          if (j == 0 || S[size_t(j)] > mx) mx = S[size_t(j)];
+        }
+        T z = 0;
+        for (int64_t j = 0; j <= last; ++j) z += (S[size_t(j)] = exp(S[size_t(j)] - mx));
+        const T inv = T(1) / z;
+        float* P = probs + ((b * s.H + h) * Tq + i) * Tk;
+        for (int64_t j = 0; j <= last; ++j) {
+          S[size_t(j)] = S[size_t(j)] * inv;  // now the probability
+          store<T>(P + j, S[size_t(j)]);
+        }
+        for (int64_t j = last + 1; j < Tk; ++j) store<T>(P + j, T(0));
+        for (int64_t c = 0; c < hd; ++c) {
+          T o = 0;
+          for (int64_t j = 0; j <= last; ++j)
+            o += S[size_t(j)] * T(v.p[b * v.bs + j * v.ld + h * hd + c]);
+          store<T>(out + (b * Tq + i) * d + h * hd + c, o);
+        }
+      }
+}
+
+// With P the saved probs and O the saved output:
+//   dP = dO v^T,  dS = scale * P * (dP - <dO_i, O_i>),
+//   dq += dS k,  dk += dS^T q,  dv += P^T dO   (accumulated).
+// Gradient views must not alias across batches (bs != 0 when B > 1).
+template <class T>
+void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                        const float* out, const float* probs, AttnOperand q, AttnOperand k,
+                        AttnOperand v, AttnShape s, float scale) {
+  check_attention(s);
+  SIGMA_CHECK(s.B == 1 || (dq.bs != 0 && dk.bs != 0 && dv.bs != 0),
+              "attention_backward: gradient views need a batch stride (they are accumulated)");
+  const int64_t Tq = s.Tq, Tk = s.Tk, hd = s.hd, d = s.H * hd, off = Tk - Tq;
+  std::vector<T> dS(size_t(Tq * Tk)), gq(size_t(Tq * hd)), gk(size_t(Tk * hd)),
+      gv(size_t(Tk * hd));
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.H; ++h) {
+      auto at = [&](const AttnGrad& g, int64_t row, int64_t c) {
+        return g.p + b * g.bs + row * g.ld + h * hd + c;
+      };
+      const float* P = probs + (b * s.H + h) * Tq * Tk;
+      for (int64_t i = 0; i < Tq; ++i) {
+        const float* doi = dout + (b * Tq + i) * d + h * hd;
+        const float* oi = out + (b * Tq + i) * d + h * hd;
+        T dot = 0;
+        for (int64_t c = 0; c < hd; ++c) dot += T(doi[c]) * T(oi[c]);
+        for (int64_t j = 0; j < Tk; ++j) {
+          T ds = 0;
+          if (j <= off + i) {
+            T dp = 0;
+            for (int64_t c = 0; c < hd; ++c)
+              dp += T(doi[c]) * T(v.p[b * v.bs + j * v.ld + h * hd + c]);
+            ds = T(scale) * T(P[i * Tk + j]) * (dp - dot);
+          }
+          dS[size_t(i * Tk + j)] = ds;
+        }
+      }
+      for (int64_t i = 0; i < Tq; ++i)
+        for (int64_t c = 0; c < hd; ++c) {
+          T a = T(*at(dq, i, c));
+          for (int64_t j = 0; j <= off + i; ++j)
+            a += dS[size_t(i * Tk + j)] * T(k.p[b * k.bs + j * k.ld + h * hd + c]);
+          gq[size_t(i * hd + c)] = a;
+        }
+      for (int64_t j = 0; j < Tk; ++j)
+        for (int64_t c = 0; c < hd; ++c) {
+          T ak = T(*at(dk, j, c)), av = T(*at(dv, j, c));
+          for (int64_t i = std::max<int64_t>(0, j - off); i < Tq; ++i) {
+            ak += dS[size_t(i * Tk + j)] * T(q.p[b * q.bs + i * q.ld + h * hd + c]);
+            av += T(P[i * Tk + j]) * T(dout[(b * Tq + i) * d + h * hd + c]);
+          }
+          gk[size_t(j * hd + c)] = ak;
+          gv[size_t(j * hd + c)] = av;
+        }
+      for (int64_t i = 0; i < Tq; ++i)
+        for (int64_t c = 0; c < hd; ++c) store<T>(at(dq, i, c), gq[size_t(i * hd + c)]);
+      for (int64_t j = 0; j < Tk; ++j)
+        for (int64_t c = 0; c < hd; ++c) {
+          store<T>(at(dk, j, c), gk[size_t(j * hd + c)]);
+          store<T>(at(dv, j, c), gv[size_t(j * hd + c)]);
+        }
+    }
+}
+
+}  // namespace sigma::ref

@@ -1,0 +1,23 @@
+// The global gradient norm, in one canonical order that does not depend on where the experts
+// live (in the model, or in an expert store): every non-expert parameter in registration
+// order, then every RRE expert in (block, group, expert) order, each expert's tensors in
+// kExpertLeaves order (w_in, b_in, w_out, b_out). In-model, ECSS and vanilla-offload runs
+// therefore clip by bit-identical factors, and vanilla offload trains bit for bit like
+// in-model training.
+#pragma once
+#include <cstdint>
+
+#include "model/params.h"
+
+namespace sigma {
+
+// Sum of squares of x[0..n) in double: fixed chunks, each with 16 running sums (one per SIMD
+// lane) added in a fixed order; chunks run on the OpenMP threads and are added in order. The
+// same values give the same bits for any thread count.
+double sum_sq(const float* x, int64_t n);
+
+// Squared norm of the gradients of `ps` in the canonical order above (frozen or masked
+// gradients are zero and add nothing). Expert tensors are stacked [K, ...] per (block, group).
+double grad_sq(const ParamSet& ps);
+
+}  // namespace sigma
