@@ -103,17 +103,23 @@ TEST(EcssTrain, ModeResolution) {
   EXPECT_THROW(resolve_expert_mode("vanilla", g.model), Error);
 }
 
-// Vanilla offload updates every expert every step: the same math as the in-model AdamW, and
-// the same Adam kernel (ops::adam_step is the store's cpu::adam_step), so the same bits.
+// Vanilla offload updates every expert every step: the same math as the in-model AdamW, the
+// same Adam kernel (ops::adam_step is the store's cpu::adam_step) and the same gradient norm
+// (optim/grad_norm.h's canonical order), so the same bits — also when every step clips
+// (grad_clip 1e-3) and the clipping factor depends on the norm.
 TEST(EcssTrain, VanillaMatchesInModelTrainingBitForBit) {
-  TempDir dir("ecss");
-  const TrainSummary a = run(small_config("vanilla"), dir / "vanilla");
-  const TrainSummary b = run(small_config("model"), dir / "model");
-  expect_same_tensors(model_tensors(dir / "model"), model_tensors(dir / "vanilla"),
-                      "vanilla vs in-model");
-  for (size_t d = 0; d < a.domains.size(); ++d)
-    EXPECT_EQ(a.domains[d].loss, b.domains[d].loss) << a.domains[d].name;
-  EXPECT_EQ(a.offload.experts_updated, a.offload.steps * 18);  // 2 blocks x (2 + 3 + 4) experts
+  for (float clip : {1.0f, 1e-3f}) {
+    TempDir dir("ecss");
+    Config vanilla = small_config("vanilla"), in_model = small_config("model");
+    vanilla.optim.grad_clip = in_model.optim.grad_clip = clip;
+    const TrainSummary a = run(vanilla, dir / "vanilla");
+    const TrainSummary b = run(in_model, dir / "model");
+    const std::string what = "vanilla vs in-model, grad_clip " + std::to_string(clip);
+    expect_same_tensors(model_tensors(dir / "model"), model_tensors(dir / "vanilla"), what);
+    for (size_t d = 0; d < a.domains.size(); ++d)
+      EXPECT_EQ(a.domains[d].loss, b.domains[d].loss) << what << ": " << a.domains[d].name;
+    EXPECT_EQ(a.offload.experts_updated, a.offload.steps * 18);  // 2 blocks x (2 + 3 + 4) experts
+  }
 }
 
 // Experts of a domain that never appears are never read or written by ECSS (lazy Adam): bit
