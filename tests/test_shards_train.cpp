@@ -92,6 +92,22 @@ TEST_F(ShardsTrain, EvalPrintsPerDomainLossWithFullPrecisionAndGenerateTakesText
   EXPECT_NE(r.out.find("nowhere"), std::string::npos) << r.out;
 }
 
+TEST_F(ShardsTrain, EvalWithoutDataUsesTheRunsEvalPathOrAsksForIt) {
+  auto r = sigma_cmd(train_args() + "--set train.steps=3 --set data.eval_path=" + *dir / "shards" +
+                     " --out " + *dir / "with-eval");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("eval --ckpt " + *dir / "with-eval/checkpoints --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["data"], *dir / "shards");
+  EXPECT_TRUE(j["domains"].contains("prose") && j["domains"].contains("code")) << r.out;
+  r = sigma_cmd(train_args() + "--set train.steps=3 --out " + *dir / "no-eval");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("eval --ckpt " + *dir / "no-eval/checkpoints");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("pass --data"), std::string::npos) << r.out;
+}
+
 TEST_F(ShardsTrain, DataMayHoldASubsetOfTheModelsDomains) {
   // The model also knows 'poems'; the data has only prose and code. Rows are routed by name.
   const std::string domains =
