@@ -8,13 +8,14 @@
 #include "command.h"
 #include "data/tokenizer.h"
 #include "train/checkpoint.h"
+#include "train/eval_domains.h"
 #include "train/trainer.h"
 
 namespace sigma::cli {
 namespace {
 
 struct EvalArgs {
-  std::string ckpt, data;
+  std::string ckpt, data, domains;
   int rows = 256, batch = 8;
   bool rows_given = false, batch_given = false, json = false;
 };
@@ -37,18 +38,31 @@ HeldOut open_held_out(const EvalArgs& a, const CheckpointInfo& info) {
   return {make_eval_source(d.eval_path, hash), d.eval_path};
 }
 
+std::vector<std::string> split_names(const std::string& s) {
+  std::vector<std::string> out;
+  for (size_t b = 0; b <= s.size();) {
+    const size_t e = std::min(s.find(',', b), s.size());
+    if (e > b) out.push_back(s.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
+}
+
 // Losses with 17 significant digits, so they round-trip exactly.
 void print_json(const CheckpointInfo& info, const std::string& data,
-                const std::vector<DomainLoss>& result) {
-  std::string doms;
+                const std::vector<DomainLoss>& result, const EvalDomains& chosen) {
+  std::string doms, skipped;
   for (const DomainLoss& d : result) {
     doms += fmt::format("{}{}: {{\"loss\": {:.17g}, \"ppl\": {:.17g}, \"tokens\": {}", doms.empty() ? "" : ", ",
                         nlohmann::json(d.name).dump(), d.loss, std::exp(d.loss), d.tokens);
     if (d.optimum) doms += fmt::format(", \"optimum\": {:.17g}", *d.optimum);
     doms += "}";
   }
-  fmt::print("{{\"checkpoint\": {}, \"data\": {}, \"domains\": {{{}}}}}\n",
-             nlohmann::json(info.dir).dump(), nlohmann::json(data).dump(), doms);
+  for (const auto& [name, why] : chosen.skipped)
+    skipped += fmt::format("{}{}: {}", skipped.empty() ? "" : ", ", nlohmann::json(name).dump(),
+                           nlohmann::json(why).dump());
+  fmt::print("{{\"checkpoint\": {}, \"data\": {}, \"domains\": {{{}}}, \"skipped\": {{{}}}}}\n",
+             nlohmann::json(info.dir).dump(), nlohmann::json(data).dump(), doms, skipped);
 }
 
 void print_table(const std::vector<DomainLoss>& result) {
@@ -68,20 +82,29 @@ void print_table(const std::vector<DomainLoss>& result) {
 void run_eval(const EvalArgs& a) {
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
-  const HeldOut held = open_held_out(a, info);
+  HeldOut held = open_held_out(a, info);
   SIGMA_CHECK(held.source->vocab() <= model->config().vocab,
               "{}: the data uses a vocabulary of {} but the model has {}", held.name,
               held.source->vocab(), model->config().vocab);
+  const EvalDomains chosen = choose_eval_domains(held.source->domains(), model->config(),
+                                                 split_names(a.domains), held.name);
+  if (!chosen.skipped.empty() && a.domains.empty()) {
+    std::vector<std::string> parts;
+    for (const auto& [name, why] : chosen.skipped) parts.push_back(fmt::format("{} ({})", name, why));
+    fmt::print(stderr, "sigma eval: skipped {}; evaluating {} (choose with --domains)\n",
+               fmt::join(parts, ", "), fmt::join(chosen.keep, ", "));
+  }
+  auto source = keep_domains(std::move(held.source), chosen.keep);
   // Without --data the defaults are the training run's, so the losses are those its end printed.
   const TrainConfig& t = info.cfg.train;
   const int rows = a.rows_given || !a.data.empty() ? a.rows : t.eval_rows;
   const int batch = a.batch_given || !a.data.empty() ? a.batch : t.batch;
-  const auto result = evaluate(*model, *held.source, batch, model->config().context, rows);
+  const auto result = evaluate(*model, *source, batch, model->config().context, rows);
   for (const DomainLoss& d : result)
     SIGMA_CHECK(d.tokens > 0, "{}: domain '{}' has no complete window of {} tokens", held.name,
                 d.name, model->config().context + 1);
   if (a.json)
-    print_json(info, held.name, result);
+    print_json(info, held.name, result, chosen);
   else
     print_table(result);
 }
@@ -92,11 +115,14 @@ const RegisterCommand reg([](CLI::App& root) {
   c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root)")->required();
   c->add_option("--data", a->data, "Held-out directory made by sigma prepare (default: the "
                 "checkpoint's own data: the synthetic held-out stream, or data.eval_path)");
+  c->add_option("--domains", a->domains, "Evaluate only these domains, comma-separated "
+                "(default: every held-out domain the model knows)");
   c->add_option("--rows", a->rows, "Windows per domain (default 256 with --data, else the run's "
                 "train.eval_rows)")->check(CLI::Range(1, 1 << 24));
   c->add_option("--batch", a->batch, "Rows per forward pass (default 8 with --data, else the "
                 "run's train.batch)")->check(CLI::Range(1, 4096));
-  c->add_flag("--json", a->json, "Print {\"domains\": {NAME: {\"loss\", \"ppl\", \"tokens\"}}}");
+  c->add_flag("--json", a->json, "Print {\"domains\": {NAME: {\"loss\", \"ppl\", \"tokens\"}}, "
+              "\"skipped\": {NAME: WHY}}");
   c->callback([a, c] {
     a->rows_given = c->count("--rows") > 0;
     a->batch_given = c->count("--batch") > 0;

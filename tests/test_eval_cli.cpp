@@ -15,6 +15,14 @@ const std::string kTiny =
     "--set model.d_model=32 --set model.layers=2 --set model.heads=2 --set model.context=16 "
     "--set train.batch=6 --set train.log_every=5 --set train.eval_rows=12 --set optim.warmup=3 ";
 
+// sigma with its stderr dropped: stdout alone (e.g. --json, without the notes on stderr).
+CmdResult sigma_stdout(const std::string& args) {
+  std::string cmd = "(";
+  cmd += SIGMA_BINARY;
+  cmd += " " + args + " 2>/dev/null)";
+  return run_cmd(cmd);
+}
+
 nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);
   return nlohmann::json::parse(in);
@@ -47,6 +55,35 @@ TEST(EvalCli, WithoutDataScoresTheSyntheticHeldOutStreamAsTrainingEndedIt) {
   r = sigma_cmd("eval --ckpt " + tmp / "a/checkpoints --rows 5 --batch 4 --json");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(nlohmann::json::parse(r.out)["domains"]["copy"]["tokens"], 5 * 16);
+}
+
+// An extract of the synthetic model evaluated on its parent's data: the other two domains are
+// skipped with a reason, and --domains must name domains the extract knows.
+TEST(EvalCli, ExtractOnTheSyntheticDataSkipsTheDomainsItDoesNotKnow) {
+  TempDir tmp("eval");
+  auto r = sigma_cmd("train --quiet " + kTiny + "--set train.steps=4 --out " + tmp / "a");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("extract --ckpt " + tmp / "a/checkpoints --domain copy --out " + tmp / "copy");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_stdout("eval --ckpt " + tmp / "copy --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["domains"].size(), 1u) << r.out;
+  EXPECT_TRUE(j["domains"]["copy"]["optimum"].is_number()) << r.out;
+  EXPECT_EQ(j["skipped"].size(), 2u) << r.out;
+  EXPECT_TRUE(j["skipped"].contains("markov") && j["skipped"].contains("arith")) << r.out;
+  r = sigma_cmd("eval --ckpt " + tmp / "copy");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("skipped markov (not a domain of the model), arith (not a domain of the "
+                       "model); evaluating copy"), std::string::npos) << r.out;
+  r = sigma_cmd("eval --ckpt " + tmp / "copy --domains arith");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("no domain 'arith'"), std::string::npos) << r.out;
+  r = sigma_cmd("eval --ckpt " + tmp / "a/checkpoints --domains arith,copy --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto two = nlohmann::json::parse(r.out);
+  EXPECT_EQ(two["domains"].size(), 2u) << r.out;
+  EXPECT_FALSE(two["domains"].contains("markov")) << r.out;
 }
 
 }  // namespace

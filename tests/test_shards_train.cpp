@@ -1,6 +1,7 @@
 // Training, resuming, evaluating and generating on prepared shards: the path from raw text.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -14,6 +15,11 @@ using namespace sigma;
 using namespace sigma::testing;
 
 namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
 
 class ShardsTrain : public ::testing::Test {
  protected:
@@ -106,6 +112,41 @@ TEST_F(ShardsTrain, EvalWithoutDataUsesTheRunsEvalPathOrAsksForIt) {
   r = sigma_cmd("eval --ckpt " + *dir / "no-eval/checkpoints");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("pass --data"), std::string::npos) << r.out;
+}
+
+// An extract evaluated on a held-out folder that also holds other domains: those are skipped
+// with a note (stderr and --json), --domains picks, and an unknown request names the known ones.
+TEST_F(ShardsTrain, EvalOfAnExtractSkipsTheDomainsItDoesNotKnow) {
+  auto r = sigma_cmd(train_args() + "--set train.steps=4 --out " + *dir / "full");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("extract --ckpt " + *dir / "full/checkpoints --domain code --out " + *dir / "code");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string err = *dir / "eval-code.err";
+  r = run_cmd("(" + std::string(SIGMA_BINARY) + " eval --ckpt " + *dir / "code --data " +
+              *dir / "shards --json 2>" + err + ")");
+  ASSERT_EQ(r.code, 0) << r.out << slurp(err);
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["domains"].size(), 1u);
+  EXPECT_TRUE(j["domains"].contains("code")) << r.out;
+  EXPECT_EQ(j["skipped"]["prose"], "not a domain of the model") << r.out;
+  const std::string note = slurp(err);
+  EXPECT_NE(note.find("skipped prose (not a domain of the model)"), std::string::npos) << note;
+  EXPECT_EQ(std::count(note.begin(), note.end(), '\n'), 1) << note;
+  // The full model on the same rows of code computes bit for bit what the extract computes.
+  r = sigma_cmd("eval --ckpt " + *dir / "full/checkpoints --data " + *dir / "shards --domains code --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto f = nlohmann::json::parse(r.out);
+  EXPECT_EQ(f["domains"].size(), 1u) << r.out;
+  EXPECT_EQ(f["domains"]["code"]["loss"].get<double>(), j["domains"]["code"]["loss"].get<double>());
+  EXPECT_EQ(f["skipped"].size(), 0u) << r.out;
+  r = sigma_cmd("eval --ckpt " + *dir / "code --data " + *dir / "shards --domains prose");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("no domain 'prose'"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("code"), std::string::npos) << r.out;
+  r = sigma_cmd("eval --ckpt " + *dir / "full/checkpoints --data " + *dir / "shards --domains poems");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("no domain 'poems'"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("prose, code"), std::string::npos) << r.out;
 }
 
 TEST_F(ShardsTrain, DataMayHoldASubsetOfTheModelsDomains) {
