@@ -4,6 +4,7 @@
 
 #include "command.h"
 #include "train/checkpoint.h"
+#include "train/resume.h"
 #include "train/trainer.h"
 
 namespace sigma::cli {
@@ -27,8 +28,11 @@ void run_train(TrainArgs a) {
   if (!a.resume.empty()) {
     SIGMA_CHECK(a.config.empty(), "--config cannot be combined with --resume: the checkpoint "
                                   "holds the config (use --set to change training keys)");
-    cfg = open_checkpoint(a.resume).cfg;
+    const CheckpointInfo ck = open_checkpoint(a.resume);
+    cfg = ck.cfg;
     cfg.load("", a.sets);
+    const std::string change = schedule_change(ck.cfg, cfg, ck.state.step);
+    if (!change.empty()) fmt::print(stderr, "sigma train: warning: {}\n", change);
   } else {
     cfg.load(a.config, a.sets);
   }

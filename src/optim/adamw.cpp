@@ -12,6 +12,10 @@ void OptimConfig::describe(Options& o, const std::string& p) {
   o.add(p + "lr", &lr, "peak learning rate", 0.0, 10.0);
   o.add(p + "min_lr_ratio", &min_lr_ratio, "final lr as a fraction of the peak", 0.0, 1.0);
   o.add(p + "warmup", &warmup, "linear warm-up steps", 0, int64_t(1) << 40);
+  o.add(p + "schedule_steps", &schedule_steps,
+        "steps the warm-up + cosine schedule spans (0 = train.steps); set it to the original "
+        "train.steps to extend a resumed run without changing its schedule",
+        0, int64_t(1) << 40);
   o.add(p + "beta1", &beta1, "Adam beta1", 0.0, 0.99999);
   o.add(p + "beta2", &beta2, "Adam beta2", 0.0, 0.99999999);
   o.add(p + "eps", &eps, "Adam epsilon for shared parameters", 1e-30, 1.0);
@@ -24,6 +28,7 @@ void OptimConfig::describe(Options& o, const std::string& p) {
 }
 
 float lr_at(const OptimConfig& c, int64_t step, int64_t total) {
+  if (c.schedule_steps > 0) total = c.schedule_steps;
   if (c.warmup > 0 && step < c.warmup) return c.lr * float(step + 1) / float(c.warmup);
   const int64_t span = std::max<int64_t>(1, total - c.warmup);
   const double progress = std::min(1.0, double(step - c.warmup) / double(span));

@@ -18,6 +18,7 @@ struct OptimConfig {
   float lr = 3e-3f;
   float min_lr_ratio = 0.1f;  // cosine decays to lr * min_lr_ratio
   int64_t warmup = 100;       // linear warm-up steps
+  int64_t schedule_steps = 0;  // steps the warm-up + cosine spans (0 = train.steps)
   float beta1 = 0.9f, beta2 = 0.95f;
   float eps = 1e-8f;
   float eps_rre = 1e-10f;
@@ -27,7 +28,8 @@ struct OptimConfig {
   void describe(Options& o, const std::string& prefix);
 };
 
-// Learning rate at `step` (0-based) of `total`: linear warm-up, then cosine to the floor.
+// Learning rate at `step` (0-based) of `total` (c.schedule_steps instead when set): linear
+// warm-up, then cosine to the floor, which it keeps past the end.
 float lr_at(const OptimConfig& c, int64_t step, int64_t total);
 
 // Which parameters a step updates (train.freeze): by default all. A frozen parameter keeps its

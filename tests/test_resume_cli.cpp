@@ -1,0 +1,105 @@
+// `sigma train --resume` from the command line: what a changed config changes is said, and the
+// documented ways of continuing a run work.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "io/checkpoint_dir.h"
+#include "optim/adamw.h"
+#include "train/checkpoint.h"
+#include "train/resume.h"
+
+using namespace sigma;
+using namespace sigma::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kTiny =
+    "--set model.d_model=32 --set model.layers=2 --set model.heads=2 --set model.context=16 "
+    "--set train.batch=6 --set train.log_every=5 --set train.eval_rows=12 --set optim.warmup=3 ";
+
+// The lr metrics.jsonl recorded at `step` (1-based, as logged).
+double logged_lr(const std::string& out, int64_t step) {
+  std::ifstream in(out + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["step"] == step) return j["lr"].get<double>();
+  }
+  ADD_FAILURE() << "no metrics record of step " << step << " in " << out;
+  return -1;
+}
+
+void expect_same_model(const std::string& a, const std::string& b) {
+  const TensorMap x = read_model_tensors(resolve_checkpoint(a)), y = read_model_tensors(resolve_checkpoint(b));
+  ASSERT_EQ(x.size(), y.size());
+  for (const auto& [name, t] : x)
+    EXPECT_EQ(0, std::memcmp(t.bytes(), y.at(name).bytes(), t.nbytes())) << name;
+}
+
+Config tiny_config(int64_t steps) {
+  Config c;
+  c.optim.warmup = 3;
+  c.train.steps = steps;
+  return c;
+}
+
+TEST(ResumeCli, ScheduleChangeNamesWhatChanges) {
+  const Config a = tiny_config(20);
+  EXPECT_EQ(schedule_change(a, a, 10), "");
+  EXPECT_EQ(schedule_change(a, tiny_config(40), 0), "") << "nothing trained yet: no change";
+  const std::string longer = schedule_change(a, tiny_config(40), 20);
+  EXPECT_NE(longer.find("cosine over 40 steps instead of 20 (train.steps)"), std::string::npos) << longer;
+  EXPECT_NE(longer.find("optim.schedule_steps=20"), std::string::npos) << longer;
+  Config kept = tiny_config(40);
+  kept.optim.schedule_steps = 20;
+  EXPECT_EQ(schedule_change(a, kept, 20), "");
+  Config hotter = a;
+  hotter.optim.lr = 1e-2f;
+  const std::string lr = schedule_change(a, hotter, 10);
+  EXPECT_NE(lr.find("optim.lr"), std::string::npos) << lr;
+  EXPECT_EQ(lr.find("schedule_steps"), std::string::npos) << lr;
+}
+
+// Extending a finished run: by default the cosine stretches over the new train.steps (and the
+// run says so, with the lr before and after); optim.schedule_steps keeps the original schedule
+// exactly: the extension equals one run of that schedule from the start.
+TEST(ResumeCli, ExtendingARunWarnsOfTheNewScheduleOrKeepsTheOldOne) {
+  TempDir tmp("resume-lr");
+  auto r = sigma_cmd("train --quiet " + kTiny + "--set train.steps=20 --out " + tmp / "a");
+  ASSERT_EQ(r.code, 0) << r.out;
+  fs::copy(tmp / "a", tmp / "b", fs::copy_options::recursive);
+
+  r = sigma_cmd("train --quiet --resume " + tmp / "a/checkpoints --set train.steps=40 --out " + tmp / "a");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const float now = lr_at(tiny_config(40).optim, 20, 40), was = lr_at(tiny_config(20).optim, 20, 20);
+  EXPECT_NE(r.out.find("warning: resuming after step 20, the learning-rate schedule changes: "
+                       "cosine over 40 steps instead of 20 (train.steps)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(fmt::format("step 21 trains at lr {:.4g} instead of {:.4g}", now, was)),
+            std::string::npos) << r.out;
+  EXPECT_EQ(logged_lr(tmp / "a", 25), double(lr_at(tiny_config(40).optim, 24, 40)));
+
+  r = sigma_cmd("train --quiet --resume " + tmp / "b/checkpoints --set train.steps=40 "
+                "--set optim.schedule_steps=20 --out " + tmp / "b");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("warning"), std::string::npos) << r.out;
+  EXPECT_EQ(logged_lr(tmp / "b", 25), double(lr_at(tiny_config(20).optim, 24, 20)));  // the floor
+  r = sigma_cmd("train --quiet " + kTiny + "--set train.steps=40 --set optim.schedule_steps=20 --out " +
+                tmp / "straight");
+  ASSERT_EQ(r.code, 0) << r.out;
+  expect_same_model(tmp / "b/checkpoints", tmp / "straight/checkpoints");
+
+  // Stopping and resuming the same run changes nothing and says nothing.
+  r = sigma_cmd("train --quiet " + kTiny + "--set train.steps=20 --stop-at 10 --out " + tmp / "c");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("train --quiet --resume " + tmp / "c/checkpoints --out " + tmp / "c");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("warning"), std::string::npos) << r.out;
+}
+
+}  // namespace
