@@ -17,6 +17,31 @@ struct TrainArgs {
   bool quiet = false, print_config = false, config_help = false;
 };
 
+// The run's config: a fresh run's file and --set keys, or a resumed run's checkpoint config
+// and --set keys (with a warning when its learning-rate schedule changes). A relative expert
+// store path is made absolute here, so a resumed run opens the same file from any directory.
+Config load_config(const TrainArgs& a) {
+  Config cfg;
+  if (a.resume.empty()) {
+    cfg.load(a.config, a.sets);
+    make_store_path_absolute(cfg);
+    return cfg;
+  }
+  SIGMA_CHECK(a.config.empty(), "--config cannot be combined with --resume: the checkpoint "
+                                "holds the config (use --set to change training keys)");
+  const CheckpointInfo ck = open_checkpoint(a.resume);
+  cfg = ck.cfg;
+  cfg.load("", a.sets);
+  const std::string change = schedule_change(ck.cfg, cfg, ck.state.step);
+  if (!change.empty()) fmt::print(stderr, "sigma train: warning: {}\n", change);
+  const bool from_checkpoint = cfg.train.expert_store == ck.cfg.train.expert_store;
+  if (make_store_path_absolute(cfg) && from_checkpoint)  // a checkpoint of an older sigma
+    fmt::print(stderr, "sigma train: warning: the checkpoint names its expert store by the "
+               "relative path '{}'; using {} (pass --expert-store to choose)\n",
+               ck.cfg.train.expert_store, cfg.train.expert_store);
+  return cfg;
+}
+
 void run_train(TrainArgs a) {
   if (!a.expert_store.empty()) a.sets.push_back("train.expert_store=" + a.expert_store);
   if (!a.freeze.empty()) a.sets.push_back("train.freeze=" + nlohmann::json(a.freeze).dump());
@@ -25,17 +50,7 @@ void run_train(TrainArgs a) {
     fmt::print("Config keys (JSON file via --config, or --set key=value):\n{}", cfg.options().help());
     return;
   }
-  if (!a.resume.empty()) {
-    SIGMA_CHECK(a.config.empty(), "--config cannot be combined with --resume: the checkpoint "
-                                  "holds the config (use --set to change training keys)");
-    const CheckpointInfo ck = open_checkpoint(a.resume);
-    cfg = ck.cfg;
-    cfg.load("", a.sets);
-    const std::string change = schedule_change(ck.cfg, cfg, ck.state.step);
-    if (!change.empty()) fmt::print(stderr, "sigma train: warning: {}\n", change);
-  } else {
-    cfg.load(a.config, a.sets);
-  }
+  cfg = load_config(a);
   if (a.print_config) {
     fmt::print("{}\n", cfg.to_json().dump(2));
     return;

@@ -102,4 +102,26 @@ TEST(ResumeCli, ExtendingARunWarnsOfTheNewScheduleOrKeepsTheOldOne) {
   EXPECT_EQ(r.out.find("warning"), std::string::npos) << r.out;
 }
 
+// A relative --expert-store is fixed when the run starts: resuming from another directory opens
+// the same store file (it used to create a new one in the current directory).
+TEST(ResumeCli, RelativeExpertStoreIsTheSameFileFromAnotherDirectory) {
+  TempDir tmp("resume-store");
+  fs::create_directories(tmp / "A");
+  fs::create_directories(tmp / "B");
+  const std::string sigma = SIGMA_BINARY;
+  auto r = run_cmd("cd " + tmp / "A" + " && " + sigma + " train --quiet " + kTiny +
+                   "--set train.steps=12 --stop-at 6 --expert-store store.bin --out run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string saved = open_checkpoint(tmp / "A/run/checkpoints").cfg.train.expert_store;
+  EXPECT_TRUE(fs::path(saved).is_absolute()) << saved;
+  EXPECT_TRUE(fs::equivalent(saved, tmp / "A/store.bin")) << saved;
+  r = run_cmd("cd " + tmp / "B" + " && " + sigma + " train --quiet --resume ../A/run/checkpoints "
+              "--out ../A/run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(fs::is_empty(tmp / "B")) << "the resumed run made a store of its own";
+  r = sigma_cmd("train --quiet " + kTiny + "--set train.steps=12 --out " + tmp / "straight");
+  ASSERT_EQ(r.code, 0) << r.out;
+  expect_same_model(tmp / "A/run/checkpoints", tmp / "straight/checkpoints");
+}
+
 }  // namespace

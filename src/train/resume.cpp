@@ -2,11 +2,19 @@
 
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <vector>
 
 #include "optim/adamw.h"
 
 namespace sigma {
+
+bool make_store_path_absolute(Config& c) {
+  std::string& p = c.train.expert_store;
+  if (p.empty() || std::filesystem::path(p).is_absolute()) return false;
+  p = std::filesystem::absolute(p).lexically_normal().string();
+  return true;
+}
 
 int64_t schedule_total(const Config& c) {
   return c.optim.schedule_steps > 0 ? c.optim.schedule_steps : c.train.steps;

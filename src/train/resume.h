@@ -1,4 +1,5 @@
-// Continuing a run (`sigma train --resume`): what a changed config changes.
+// Starting and continuing a run (`sigma train`, `--resume`): paths fixed when a run starts, and
+// what a resumed run's changed config changes.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -6,6 +7,11 @@
 #include "train/config.h"
 
 namespace sigma {
+
+// Makes a relative train.expert_store absolute against the current directory (the config and
+// so every checkpoint store it that way, and a resumed run opens the same file from any
+// directory). Returns whether it was relative.
+bool make_store_path_absolute(Config& c);
 
 // Steps the learning-rate schedule spans: optim.schedule_steps, else train.steps.
 int64_t schedule_total(const Config& c);
