@@ -26,10 +26,25 @@ struct SurgeryArgs {
 
 int64_t param_total(const NamedModel& m) { return count_params(m).total; }
 
+// The sparse config: --config then --set over the defaults, or without --config the dense
+// checkpoint's own config (its domains, data and training keys) with the --set keys applied;
+// a new tokenizer then decides model.vocab unless --set does.
+Config sparse_config(const SurgeryArgs& a, const NamedModel& dense) {
+  SIGMA_CHECK(!a.config.empty() || !a.sets.empty(), "inherit needs the sparse model: "
+              "--config SPARSE.json and/or --set keys over the dense model's config, e.g. --set "
+              "model.rre_layers=2");
+  Config c;
+  if (a.config.empty()) {
+    c = dense.cfg;
+    if (!a.tokenizer.empty()) c.model.vocab = 0;
+  }
+  c.load(a.config, a.sets);
+  return c;
+}
+
 void run_inherit(const SurgeryArgs& a) {
   NamedModel dense = read_model(a.from);
-  Config sparse;
-  sparse.load(a.config, a.sets);
+  Config sparse = sparse_config(a, dense);
   InheritReport rep;
   NamedModel out = inherit(dense, sparse, {a.tokenizer}, &rep);
   const std::string dir = write_model(a.out, out);
@@ -114,8 +129,10 @@ const RegisterCommand reg([](CLI::App& root) {
   CLI::App* c = root.add_subcommand(
       "inherit", "A sparse (RRE) model from a dense checkpoint: experts start as the dense FFN");
   c->add_option("--from", a->from, "Dense checkpoint (or a checkpoints/ root)")->required();
-  c->add_option("--config", a->config, "Sparse model's JSON config")->required()->check(CLI::ExistingFile);
-  c->add_option("--set", a->sets, "Override a config key: key=value (repeatable)");
+  c->add_option("--config", a->config, "Sparse model's JSON config (default: the dense "
+                "checkpoint's config with the --set keys)")->check(CLI::ExistingFile);
+  c->add_option("--set", a->sets, "Override a config key: key=value (repeatable), e.g. "
+                "model.rre_layers=2");
   c->add_option("--out", a->out, "Output checkpoint root (new or empty)")->required();
   c->add_option("--tokenizer", a->tokenizer,
                 "Grown tokenizer: rows mapped by sub-word string, new ones drawn")

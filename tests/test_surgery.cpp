@@ -341,3 +341,32 @@ TEST(SurgeryCli, InheritTrainExtractListAndBadInputLeaveNoOutput) {
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("not empty"), std::string::npos) << r.out;
 }
+
+// Without --config, inherit starts from the dense checkpoint's own config and applies --set.
+TEST(SurgeryCli, InheritWithSetAloneStartsFromTheDenseConfig) {
+  TempDir tmp("surg-set");
+  auto r = sigma_cmd("train --quiet --set model.d_model=16 --set model.heads=2 --set model.context=8 "
+                     "--set train.batch=4 --set train.log_every=2 --set train.eval_rows=4 "
+                     "--set train.steps=2 --set model.rre_layers=0 --set 'model.groups=[]' --out " +
+                     tmp / "dense");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("inherit --from " + tmp / "dense/checkpoints --set model.rre_layers=1 --set "
+                "'model.groups=[{\"name\":\"markov\",\"experts\":2},{\"name\":\"copy\",\"experts\":3},"
+                "{\"name\":\"arith\",\"experts\":2}]' --out " + tmp / "sparse");
+  ASSERT_EQ(r.code, 0) << r.out;
+  Config dense = open_checkpoint(tmp / "dense/checkpoints").cfg;
+  Config sparse = open_checkpoint(tmp / "sparse").cfg;
+  EXPECT_EQ(sparse.model.rre_layers, 1);
+  ASSERT_EQ(sparse.model.groups.size(), 3u);
+  EXPECT_EQ(sparse.model.groups[1].experts, 3);
+  // Everything else is the dense model's: width, context, domains, training keys, data.
+  nlohmann::json d = dense.to_json(), s = sparse.to_json();
+  for (const char* k : {"rre_layers", "groups"}) d["model"].erase(k), s["model"].erase(k);
+  EXPECT_EQ(d, s);
+  r = sigma_cmd("train --quiet --resume " + tmp / "sparse --set train.steps=2 --out " + tmp / "run");
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("inherit --from " + tmp / "dense/checkpoints --out " + tmp / "nothing");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("--set"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(tmp / "nothing"));
+}
