@@ -54,6 +54,12 @@ void run_generate(GenerateArgs a) {
   }
   SIGMA_CHECK(!prompt.empty(), "--prompt is empty");
   const auto out = generate(*model, domain, prompt, a.s, !a.no_cache);
+  // generate() also ends when the sequence fills the context (there is no sliding window).
+  const bool stop_token = !out.empty() && out.back() == a.s.stop_token;
+  if (int(out.size()) < a.s.max_new_tokens && !stop_token)
+    fmt::print(stderr, "sigma generate: stopped at the context length {} after {} new tokens "
+               "(--max-new {}; the prompt has {} tokens)\n", c.context, out.size(),
+               a.s.max_new_tokens, prompt.size());
   if (tok) {
     std::vector<uint32_t> ids(out.begin(), out.end());
     fmt::print("{}{}\n", a.prompt, tok->decode(ids));

@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "cli_util.h"
 #include "infer/generate.h"
 
 using namespace sigma;
@@ -88,4 +89,22 @@ TEST(Generate, RepetitionPenaltyAndNucleusFollowTheirDefinitions) {
     auto l = peaked;
     EXPECT_EQ(sample_next(l.data(), 4, {}, p, i), 1);  // the top token alone holds > 50 %
   }
+}
+
+// The CLI says when generation ends at the model's context rather than at --max-new.
+TEST(GenerateCli, SaysWhenItStopsAtTheContextLength) {
+  sigma::testing::TempDir tmp("gen");
+  auto r = sigma::testing::sigma_cmd(
+      "train --quiet --set model.d_model=32 --set model.heads=2 --set model.context=16 "
+      "--set train.batch=4 --set train.steps=2 --set train.eval_rows=4 --out " + tmp / "a");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string gen = "generate --ckpt " + tmp / "a/checkpoints --prompt '1 5 6 7' --domain copy ";
+  r = sigma::testing::sigma_cmd(gen + "--max-new 40");
+  ASSERT_EQ(r.code, 0) << r.out;
+  // 4 prompt tokens + 13 new ones: the 13th is predicted at the 16th position, the last one.
+  EXPECT_NE(r.out.find("stopped at the context length 16 after 13 new tokens (--max-new 40"),
+            std::string::npos) << r.out;
+  r = sigma::testing::sigma_cmd(gen + "--max-new 13");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("stopped"), std::string::npos) << r.out;
 }
