@@ -17,9 +17,10 @@ struct TrainArgs {
   bool quiet = false, print_config = false, config_help = false;
 };
 
-// The run's config: a fresh run's file and --set keys, or a resumed run's checkpoint config
-// and --set keys (with a warning when its learning-rate schedule changes). A relative expert
-// store path is made absolute here, so a resumed run opens the same file from any directory.
+// The run's config: a fresh run's file and --set keys, or a resumed run's checkpoint config,
+// file (data and training keys) and --set keys, with a warning when its learning-rate schedule
+// changes. A relative expert store path is made absolute here, so a resumed run opens the same
+// file from any directory.
 Config load_config(const TrainArgs& a) {
   Config cfg;
   if (a.resume.empty()) {
@@ -27,11 +28,8 @@ Config load_config(const TrainArgs& a) {
     make_store_path_absolute(cfg);
     return cfg;
   }
-  SIGMA_CHECK(a.config.empty(), "--config cannot be combined with --resume: the checkpoint "
-                                "holds the config (use --set to change training keys)");
   const CheckpointInfo ck = open_checkpoint(a.resume);
-  cfg = ck.cfg;
-  cfg.load("", a.sets);
+  cfg = resume_config(ck.cfg, a.config, a.sets);
   const std::string change = schedule_change(ck.cfg, cfg, ck.state.step);
   if (!change.empty()) fmt::print(stderr, "sigma train: warning: {}\n", change);
   const bool from_checkpoint = cfg.train.expert_store == ck.cfg.train.expert_store;
@@ -91,7 +89,8 @@ void run_train(TrainArgs a) {
 const RegisterCommand reg([](CLI::App& root) {
   auto args = std::make_shared<TrainArgs>();
   CLI::App* c = root.add_subcommand("train", "Train a model (default: the built-in synthetic data)");
-  c->add_option("--config", args->config, "JSON config file")->check(CLI::ExistingFile);
+  c->add_option("--config", args->config, "JSON config file (with --resume: data and training "
+                "keys over the checkpoint's config)")->check(CLI::ExistingFile);
   c->add_option("--set", args->sets, "Override a config key: key=value (repeatable)");
   c->add_option("--out", args->out, "Output directory: metrics.jsonl, summary.json, checkpoints/");
   c->add_option("--resume", args->resume, "Continue from a checkpoint (or a checkpoints/ root)");

@@ -124,4 +124,42 @@ TEST(ResumeCli, RelativeExpertStoreIsTheSameFileFromAnotherDirectory) {
   expect_same_model(tmp / "A/run/checkpoints", tmp / "straight/checkpoints");
 }
 
+// docs/surgery.md's workflow as written: a new domain trained alone from a config file that
+// names its data, over the resumed checkpoint's config; a model key in the file must match.
+TEST(ResumeCli, ConfigFileOnResumeSetsDataAndTrainingKeys) {
+  TempDir tmp("resume-config");
+  auto r = sigma_cmd("train --quiet " + kTiny + "--set train.steps=6 --out " + tmp / "run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("domains remove --ckpt " + tmp / "run/checkpoints --name arith --out " + tmp / "removed");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("domains add --ckpt " + tmp / "removed --name arith --init-from markov --out " +
+                tmp / "added");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ofstream(tmp / "arith-only.json") << R"({"data": {"domains": ["arith"]}, "train": {"steps": 4}})";
+  r = sigma_cmd("train --quiet --resume " + tmp / "added --freeze shared --config " +
+                tmp / "arith-only.json --out " + tmp / "arith");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const CheckpointInfo ck = open_checkpoint(tmp / "arith/checkpoints");
+  EXPECT_EQ(ck.state.step, 4);
+  EXPECT_EQ(ck.cfg.data.domains, std::vector<std::string>{"arith"});
+  EXPECT_EQ(ck.cfg.train.freeze, std::vector<std::string>{"shared"});
+  const TensorMap before = read_model_tensors(resolve_checkpoint(tmp / "added"));
+  const TensorMap after = read_model_tensors(ck.dir);
+  const Tensor &q0 = before.at("blocks.0.attn.qkv.w"), &q1 = after.at("blocks.0.attn.qkv.w");
+  EXPECT_EQ(0, std::memcmp(q0.bytes(), q1.bytes(), q0.nbytes())) << "a frozen tensor moved";
+  const Tensor &e0 = before.at("blocks.1.rre.arith.w_in"), &e1 = after.at("blocks.1.rre.arith.w_in");
+  EXPECT_NE(0, std::memcmp(e0.bytes(), e1.bytes(), e0.nbytes())) << "the new domain did not train";
+
+  // Model keys equal to the checkpoint's are accepted; another value is refused by name.
+  std::ofstream(tmp / "same.json") << R"({"model": {"d_model": 32}, "train": {"steps": 9}})";
+  r = sigma_cmd("train --resume " + tmp / "added --config " + tmp / "same.json --print-config");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"steps\": 9"), std::string::npos) << r.out;
+  std::ofstream(tmp / "wide.json") << R"({"model": {"d_model": 64}})";
+  r = sigma_cmd("train --resume " + tmp / "added --config " + tmp / "wide.json --out " + tmp / "wide");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("sets model.d_model = 64 but the checkpoint has 32"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(tmp / "wide"));
+}
+
 }  // namespace

@@ -5,9 +5,26 @@
 #include <filesystem>
 #include <vector>
 
+#include "core/error.h"
 #include "optim/adamw.h"
 
 namespace sigma {
+
+Config resume_config(const Config& checkpoint, const std::string& config_file,
+                     const std::vector<std::string>& sets) {
+  Config cfg = checkpoint;
+  if (!config_file.empty()) {
+    cfg.load(config_file, {});
+    Config ck = checkpoint;
+    const nlohmann::json was = ck.to_json()["model"], now = cfg.to_json()["model"];
+    for (const auto& [key, value] : now.items())
+      SIGMA_CHECK(was[key] == value, "{} sets model.{} = {} but the checkpoint has {}: a resumed "
+                  "run keeps the checkpoint's model (drop the model keys from the file, or give "
+                  "them the checkpoint's values)", config_file, key, value.dump(), was[key].dump());
+  }
+  cfg.load("", sets);
+  return cfg;
+}
 
 bool make_store_path_absolute(Config& c) {
   std::string& p = c.train.expert_store;

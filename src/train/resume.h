@@ -3,10 +3,17 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "train/config.h"
 
 namespace sigma {
+
+// The config of `train --resume`: the checkpoint's, then the keys of `config_file` (if any:
+// data, train and optim keys; a model key must equal the checkpoint's, since the model comes
+// from it, and the error names the key), then each --set.
+Config resume_config(const Config& checkpoint, const std::string& config_file,
+                     const std::vector<std::string>& sets);
 
 // Makes a relative train.expert_store absolute against the current directory (the config and
 // so every checkpoint store it that way, and a resumed run opens the same file from any
