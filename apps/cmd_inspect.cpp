@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
-#include "model/routing.h"
+#include "model/names.h"
 #include "train/checkpoint.h"
 
 namespace sigma::cli {
@@ -54,11 +54,11 @@ nlohmann::json describe(const Model& m, const CheckpointInfo& info) {
   j["tables"] = nlohmann::json::array();
   for (int l = c.first_rre_block(); l < c.layers && c.rre_layers > 0 && !c.gated(); ++l)
     for (const GroupSpec& g : c.groups) {
-      const Tensor& t = m.buffers().at(routing_name(l, g.name)).value;
+      const Tensor& t = m.buffers().at(names::routing(l, g.name)).value;
       std::vector<int64_t> ids(size_t(g.experts), 0);
       for (int64_t i = 0; i < t.numel(); ++i) ++ids[size_t(t.data<int32_t>()[i])];
       const auto [lo, hi] = std::minmax_element(ids.begin(), ids.end());
-      j["tables"].push_back({{"name", routing_name(l, g.name)},
+      j["tables"].push_back({{"name", names::routing(l, g.name)},
                              {"block", l},
                              {"group", g.name},
                              {"ids_per_expert", ids},

@@ -20,7 +20,7 @@ namespace {
 std::map<std::string, std::vector<int64_t>> group_counts(const data::ShardSet& s, int64_t V) {
   std::map<std::string, std::vector<int64_t>> out;
   for (size_t i = 0; i < s.shards.size(); ++i) {
-    auto& c = out[s.domains.domains[i].group];
+    auto& c = out[s.domains[i].group];
     c.resize(size_t(V), 0);
     const auto& sh = *s.shards[i];
     for (uint64_t t = 0; t < sh.n_tokens(); ++t) ++c[sh.token(t)];

@@ -12,13 +12,13 @@
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "data/domains.h"
 #include "data/jsonl.h"
 #include "data/prepare.h"
 #include "data/sampler.h"
 #include "data/shards.h"
 #include "data/tokenizer.h"
 #include "data/windows.h"
+#include "model/domains.h"
 
 using namespace sigma;
 using namespace sigma::data;
@@ -66,12 +66,15 @@ std::string error_of(F&& f) {
   return "";
 }
 
-DomainRegistry registry(const std::string& text) { return DomainRegistry::from_json(json::parse(text), "cfg"); }
+DomainRegistry registry(const std::string& text) {
+  return DomainRegistry::from_json(json::parse(text), "cfg", DomainForm::Data);
+}
 
 // A shard written from explicit samples, for window and reader tests.
 std::string make_shard(const std::string& dir, const std::vector<std::vector<uint32_t>>& samples,
                        uint32_t vocab = 1000, uint64_t tok_hash = 42, std::vector<uint32_t> prompt = {}) {
-  Domain d{.name = "toy", .id = 3};
+  DomainSpec d("toy", "toy", 0);
+  d.id = 3;
   std::string path = dir + "/toy.shard";
   ShardWriter w(path, d, vocab, tok_hash, 7);
   for (size_t i = 0; i < samples.size(); ++i) w.add(samples[i], prompt.empty() ? 0 : prompt[i]);
@@ -90,12 +93,14 @@ TEST(Domains, ParsesWithDefaultsAndNamesTheKeyOnError) {
   ASSERT_EQ(r.size(), 3u);
   EXPECT_EQ(r.at("english").id, 0u);
   EXPECT_EQ(r.at("english").group, "english");
-  EXPECT_EQ(r.at("python").slot, 5u);
+  EXPECT_EQ(r.at("python").slot, 5);
   EXPECT_EQ(r.at("python").prefix, std::vector<std::string>{"<Python>"});
   EXPECT_EQ(r.at("bi").id, 9u);
-  EXPECT_EQ(r.at("bi").slot, 9u);
+  EXPECT_EQ(r.at("bi").slot, 9);
   EXPECT_EQ(r.at("bi").format, SampleFormat::Bilingual);
-  EXPECT_EQ(DomainRegistry::from_json(r.to_json(), "x").to_json(), r.to_json());
+  EXPECT_EQ(DomainRegistry::from_json(r.to_json(DomainForm::Data), "x", DomainForm::Data)
+                .to_json(DomainForm::Data),
+            r.to_json(DomainForm::Data));
   EXPECT_THROW(r.at("klingon"), Error);
   auto err = [](const char* text) { return error_of([&] { registry(text); }); };
   EXPECT_NE(err(R"([{"name": "a", "slot": -1}])").find("cfg[0].slot"), std::string::npos);

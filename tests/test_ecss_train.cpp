@@ -13,6 +13,7 @@
 
 #include "cli_util.h"
 #include "core/error.h"
+#include "model/names.h"
 #include "train/checkpoint.h"
 #include "io/checkpoint_dir.h"
 #include "io/safetensors.h"
@@ -136,7 +137,7 @@ TEST(EcssTrain, InactiveExpertsStayBitIdentical) {
     const TensorMap m = model_tensors(out), o = optimizer_tensors(out);
     for (int l : {1, 2})
       for (const char* leaf : {"w_in", "b_in", "w_out", "b_out"}) {
-        const std::string name = expert_tensor_name(l, "extra", leaf);
+        const std::string name = names::expert(l, "extra", leaf);
         const bool same = same_bits(m.at(name), init.params().at(name).value);
         if (!expect_untouched) {
           if (leaf[0] == 'w') {

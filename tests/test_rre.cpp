@@ -12,6 +12,7 @@
 #include "gradcheck.h"
 #include "infer/generate.h"
 #include "model/model.h"
+#include "model/names.h"
 #include "model/routing.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -41,7 +42,7 @@ ModelConfig mixed_config() {
 }
 
 const int32_t* table(const Model& m, int block, const std::string& group) {
-  return m.buffers().at(routing_name(block, group)).value.data<int32_t>();
+  return m.buffers().at(names::routing(block, group)).value.data<int32_t>();
 }
 
 // Random tokens; rows whose domain is in group g1 avoid the ids that block 1 routes to g1's
@@ -51,7 +52,7 @@ Batch batch_without_expert(const Model& m, const std::vector<int>& domains, int 
   Batch b;
   b.resize(int(domains.size()), T);
   Rng r(seed, 1);
-  const std::string idle = routing_name(1, "g1");
+  const std::string idle = names::routing(1, "g1");
   const int32_t* t1 = m.buffers().contains(idle) ? table(m, 1, "g1") : nullptr;
   for (int row = 0; row < b.B; ++row) {
     b.domain[row] = domains[size_t(row)];
@@ -101,7 +102,7 @@ TEST(Routing, TablesAreDeterministicFromTheSeed) {
     for (const auto& g : c.groups) {
       const auto want = random_routing_table(c.vocab, g.experts, c.routing_seed, l, g.name);
       EXPECT_EQ(std::vector<int32_t>(table(m, l, g.name), table(m, l, g.name) + c.vocab), want)
-          << routing_name(l, g.name);
+          << names::routing(l, g.name);
     }
   EXPECT_FALSE(m.buffers().contains("routing.0.g1"));  // block 0 is dense
 }

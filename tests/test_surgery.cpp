@@ -15,7 +15,7 @@
 #include "core/rng.h"
 #include "data/tokenizer.h"
 #include "model/model.h"
-#include "surgery/names.h"
+#include "model/names.h"
 #include "surgery/surgery.h"
 #include "train/checkpoint.h"
 
@@ -116,11 +116,12 @@ TEST(Inherit, SameTokenizerComputesTheDenseFunctionOnEveryDomain) {
   // Tensors: experts are the dense FFN, shared tensors copied, both slots dense slot 0.
   for (const auto& [name, t] : sp.tensors) {
     if (t.dtype() != DType::F32) continue;
-    const std::string g = group_of(name);
+    const std::string g = names::group_of(name);
     const Tensor& src = name == "embed.tokens" ? dense.tensors.at(name)
                         : g.empty()            ? dense.tensors.at(name)
                                                : dense.tensors.at(fmt::format(
-                                                     "blocks.{}.ffn.{}", block_of(name), leaf_of(name)));
+                                                     "blocks.{}.ffn.{}", names::block_of(name),
+                                                     names::leaf_of(name)));
     ASSERT_EQ(t.numel() % src.numel(), 0) << name;
     for (int64_t k = 0; k < t.numel() / src.numel(); ++k)
       EXPECT_EQ(0, std::memcmp(t.f() + k * src.numel(), src.f(), src.nbytes())) << name << " " << k;
@@ -212,7 +213,7 @@ TEST(Extract, SubModelLossesAreBitIdenticalAndHoldNoOtherDomain) {
     std::set<std::string> groups;
     for (const auto& n : names) groups.insert(full.cfg.model.domains[size_t(full.cfg.model.domain_index(n))].group);
     for (const auto& [name, t] : sub.tensors) {
-      const std::string g = group_of(name);
+      const std::string g = names::group_of(name);
       EXPECT_TRUE(g.empty() || groups.count(g)) << name;
     }
     EXPECT_EQ(sub.cfg.model.domains.size(), names.size());

@@ -52,7 +52,7 @@ PrepareConfig PrepareConfig::from_json(const json& j, const std::string& base_di
     c.corpus.push_back(resolve(p.get<std::string>()));
   }
   SIGMA_CHECK(j.contains("domains"), "{}: key \"domains\" is missing", origin);
-  c.domains = DomainRegistry::from_json(j["domains"], origin + ": domains");
+  c.domains = DomainRegistry::from_json(j["domains"], origin + ": domains", DomainForm::Data);
   if (j.contains("max_line_bytes")) {
     SIGMA_CHECK(j["max_line_bytes"].is_number_unsigned() && j["max_line_bytes"].get<uint64_t>() > 0,
                 "{}: key \"max_line_bytes\" must be a positive integer", origin);
@@ -87,7 +87,7 @@ bool looks_chinese(std::string_view line) {
   return cjk > 0 && 2 * cjk >= latin;
 }
 
-uint32_t format_sample(const Tokenizer& tok, const Domain& d, std::string_view prompt,
+uint32_t format_sample(const Tokenizer& tok, const DomainSpec& d, std::string_view prompt,
                        std::string_view text, std::vector<uint32_t>& out) {
   out.clear();
   for (auto& p : d.prefix) out.push_back(tok.id_of_control(p));
@@ -206,7 +206,7 @@ class BatchQueue {
 PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, const PrepareOptions& opt) {
   Tokenizer tok = Tokenizer::load(cfg.tokenizer);
   for (size_t i = 0; i < cfg.domains.size(); ++i)
-    for (auto& p : cfg.domains.domains[i].prefix)
+    for (auto& p : cfg.domains[i].prefix)
       SIGMA_CHECK(tok.find_control(p), "domains[{}].prefix: '{}' is not a control token of "
                   "tokenizer {} (it has: {})", i, p, cfg.tokenizer, fmt::join(tok.controls(), " "));
   std::vector<Source> sources = expand_corpus(cfg.corpus);
@@ -218,14 +218,17 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
   // Which files feed which domain; a shard is current when the hash of all that matches.
   std::vector<uint64_t> content(sources.size());
   for (size_t s = 0; s < sources.size(); ++s) content[s] = file_hash(sources[s].path);
-  auto feeds = [&](const Source& s, const Domain& d) { return s.domain.empty() || s.domain == d.name; };
+  auto feeds = [&](const Source& s, const DomainSpec& d) {
+    return s.domain.empty() || s.domain == d.name;
+  };
   const size_t nd = cfg.domains.size();
   PrepareReport report;
   std::vector<std::unique_ptr<ShardWriter>> writers(nd);
   std::vector<uint64_t> inputs_hash(nd);
   for (size_t i = 0; i < nd; ++i) {
-    const Domain& d = cfg.domains.domains[i];
-    std::string key = fmt::format("sigma-prepare/1 {:016x} {} {}", tok.hash(), to_json(d).dump(),
+    const DomainSpec& d = cfg.domains[i];
+    std::string key = fmt::format("sigma-prepare/1 {:016x} {} {}", tok.hash(),
+                                  to_json(d, DomainForm::Data).dump(),
                                   cfg.max_line_bytes);
     for (size_t s = 0; s < sources.size(); ++s)
       if (feeds(sources[s], d)) key += fmt::format(" {:016x}", content[s]);
@@ -254,8 +257,8 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
   bool any_stale = false;
   for (auto& w : writers) any_stale |= w != nullptr;
   for (size_t s = 0; s < sources.size(); ++s) {
-    const Domain* d = cfg.domains.find(sources[s].domain);
-    if (sources[s].domain.empty() ? any_stale : d && writers[d - cfg.domains.domains.data()]) {
+    const DomainSpec* d = cfg.domains.find(sources[s].domain);
+    if (sources[s].domain.empty() ? any_stale : d && writers[size_t(cfg.domains.index(d->name))]) {
       todo.push_back(s);
       total += fs::file_size(sources[s].path);
     }
@@ -272,7 +275,7 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
       for (size_t s : todo) {
         b.where = sources[s].domain;
         read_source(sources[s], ro, report.stats, [&](Record& r) {
-          size_t i = &cfg.domains.at(r.domain) - cfg.domains.domains.data();
+          const size_t i = size_t(cfg.domains.index(r.domain));
           if (!writers[i]) return;  // a mixed file also feeds domains that are up to date
           b.bytes += r.text.size() + r.prompt.size();
           b.records.push_back(std::move(r));
@@ -313,7 +316,7 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
       for (size_t k = 0; k < n; ++k) {
         const Record& r = b->records[k];
         SIGMA_CHECK(errors[k].empty(), "{}:{}: {}", *r.file, r.line, errors[k]);
-        writers[&cfg.domains.at(r.domain) - cfg.domains.domains.data()]->add(toks[k], plen[k]);
+        writers[size_t(cfg.domains.index(r.domain))]->add(toks[k], plen[k]);
       }
       progress.show(b->done, b->where);
     }
@@ -344,7 +347,7 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
                    {"tokenizer", cfg.tokenizer},
                    {"tokenizer_hash", fmt::format("{:016x}", tok.hash())},
                    {"vocab_size", tok.vocab_size()},
-                   {"domains", cfg.domains.to_json()},
+                   {"domains", cfg.domains.to_json(DomainForm::Data)},
                    {"shards", std::move(shards)}};
   write_file_atomic(out_dir + "/manifest.json", manifest.dump(2) + "\n");
 

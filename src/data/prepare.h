@@ -8,9 +8,9 @@
 #include <string_view>
 #include <vector>
 
-#include "data/domains.h"
 #include "data/jsonl.h"
 #include "data/tokenizer.h"
+#include "model/domains.h"
 
 namespace sigma::data {
 
@@ -47,7 +47,7 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
 // One sample as tokens: domain prefix controls, then the prompt, then the text, then <EOT>.
 // Bilingual domains tag each line of the text with <EN> or <CN> instead of keeping the '\n'.
 // Returns the prompt length in tokens (prefix included), for prompt masking.
-uint32_t format_sample(const Tokenizer& tok, const Domain& d, std::string_view prompt,
+uint32_t format_sample(const Tokenizer& tok, const DomainSpec& d, std::string_view prompt,
                        std::string_view text, std::vector<uint32_t>& out);
 
 // True when the line is mostly CJK script (CJK characters >= half the Latin letters).

@@ -25,7 +25,7 @@ uint64_t shard_file_size(const ShardHeader& h) {
 // ---------------------------------------------------------------------------------------------
 // Writer
 
-ShardWriter::ShardWriter(std::string path, const Domain& d, uint32_t vocab_size,
+ShardWriter::ShardWriter(std::string path, const DomainSpec& d, uint32_t vocab_size,
                          uint64_t tokenizer_hash, uint64_t inputs_hash)
     : path_(std::move(path)), tmp_(path_ + ".tmp") {
   std::memcpy(hdr_.magic, kShardMagic, 8);
@@ -191,7 +191,7 @@ ShardSet ShardSet::open(const std::string& dir, uint64_t expect_tokenizer_hash) 
               "{}: not a version-1 sigma-shards manifest", mpath);
   ShardSet set;
   SIGMA_CHECK(m.contains("domains"), "{}: missing key \"domains\"", mpath);
-  set.domains = DomainRegistry::from_json(m["domains"], mpath + ": domains");
+  set.domains = DomainRegistry::from_json(m["domains"], mpath + ": domains", DomainForm::Data);
   SIGMA_CHECK(m.contains("tokenizer_hash") && m["tokenizer_hash"].is_string(),
               "{}: missing key \"tokenizer_hash\"", mpath);
   std::string hex = m["tokenizer_hash"].get<std::string>();
@@ -203,7 +203,7 @@ ShardSet ShardSet::open(const std::string& dir, uint64_t expect_tokenizer_hash) 
               "{}: shards were made by tokenizer {:016x}, but the tokenizer in use is {:016x}; "
               "re-run sigma prepare with this tokenizer", mpath, set.tokenizer_hash,
               expect_tokenizer_hash);
-  for (auto& d : set.domains.domains) {
+  for (const DomainSpec& d : set.domains) {
     auto shard = Shard::open(dir + "/" + d.name + ".shard", set.tokenizer_hash);
     SIGMA_CHECK(shard->domain() == d.name && shard->domain_id() == d.id,
                 "shard {} holds domain '{}' (id {}), the manifest expects '{}' (id {})",

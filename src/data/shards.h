@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "data/domains.h"
+#include "model/domains.h"
 
 namespace sigma::data {
 
@@ -40,7 +40,7 @@ static_assert(sizeof(ShardHeader) == 128);
 // leaves a shard that looks complete.
 class ShardWriter {
  public:
-  ShardWriter(std::string path, const Domain& d, uint32_t vocab_size, uint64_t tokenizer_hash,
+  ShardWriter(std::string path, const DomainSpec& d, uint32_t vocab_size, uint64_t tokenizer_hash,
               uint64_t inputs_hash);
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
@@ -100,7 +100,7 @@ struct ShardSet {
   DomainRegistry domains;
   uint64_t tokenizer_hash = 0;
   uint32_t vocab_size = 0;
-  std::vector<std::shared_ptr<const Shard>> shards;  // shards[i] belongs to domains.domains[i]
+  std::vector<std::shared_ptr<const Shard>> shards;  // shards[i] belongs to domains[i]
 
   // Throws when the folder, manifest or any shard is missing, corrupt or from another tokenizer.
   static ShardSet open(const std::string& dir, uint64_t expect_tokenizer_hash);

@@ -57,7 +57,7 @@ void BatchSource::next(Batch& b) {
   for (uint32_t r = 0; r < B; ++r) {
     const Shard& s = *shards_.shards[picks_[r].domain];
     size_t o = size_t(r) * T;
-    b.domain[r] = static_cast<int32_t>(shards_.domains.domains[picks_[r].domain].id);
+    b.domain[r] = static_cast<int32_t>(shards_.domains[picks_[r].domain].id);
     if (!bc_.finetune) {
       fill_window(s, picks_[r].item, T, &b.inputs[o], &b.targets[o], &b.mask[o]);
       continue;

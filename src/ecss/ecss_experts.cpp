@@ -7,8 +7,8 @@
 #include <cstring>
 
 #include "core/error.h"
-#include "model/weights.h"
 #include "io/checkpoint_dir.h"
+#include "model/names.h"
 #include "optim/grad_norm.h"
 
 namespace sigma {
@@ -223,7 +223,7 @@ void EcssExperts::add_checkpoint_files(CheckpointWriter& w) const {
     if (!reuse || !w.add_link(weights_file, last_checkpoint_)) {
       std::vector<TensorRef> refs;
       for (size_t t = 0; t < gs.tensors.size(); ++t)
-        refs.push_back(stacked(expert_tensor_name(gs.block, name, kExpertLeaves[t]), t,
+        refs.push_back(stacked(names::expert(gs.block, name, names::kExpertLeaves[t]), t,
                                [&](ExpertId id) { return store_.weights(id); }));
       w.add_safetensors(weights_file, refs, {{"format", "sigma-experts"}, {"version", "1"}});
       linked = false;
@@ -237,9 +237,9 @@ void EcssExperts::add_checkpoint_files(CheckpointWriter& w) const {
         keep.back().data<int64_t>()[k] = store_.step({gs.block, gs.group, k});
         most = std::max(most, keep.back().data<int64_t>()[k]);
       }
-      refs.push_back(tensor_ref(fmt::format("blocks.{}.rre.{}.steps", gs.block, name), keep.back()));
+      refs.push_back(tensor_ref(names::expert(gs.block, name, "steps"), keep.back()));
       for (size_t t = 0; t < gs.tensors.size(); ++t) {
-        const std::string base = expert_tensor_name(gs.block, name, kExpertLeaves[t]);
+        const std::string base = names::expert(gs.block, name, names::kExpertLeaves[t]);
         refs.push_back(stacked(base + ".m", t, [&](ExpertId id) { return store_.m(id); }));
         refs.push_back(stacked(base + ".v", t, [&](ExpertId id) { return store_.v(id); }));
         keep.emplace_back(DType::I64, Shape{});
@@ -286,21 +286,21 @@ void EcssExperts::load(const std::string& dir) {
     const Safetensors steps_file = read_safetensors(opt_path, is_step);
     const std::string& name = cfg.groups[size_t(gs.group)].name;
     for (size_t t = 0; t < gs.tensors.size(); ++t) {
-      const std::string base = expert_tensor_name(gs.block, name, kExpertLeaves[t]);
+      const std::string base = names::expert(gs.block, name, names::kExpertLeaves[t]);
       Shape shape{gs.experts};
       for (int64_t x : gs.tensors[t].shape) shape.push_back(x);
       check(model_index.index, model_path, base, DType::F32, shape);
       check(steps_file.index, opt_path, base + ".m", DType::F32, shape);
       check(steps_file.index, opt_path, base + ".v", DType::F32, shape);
     }
-    const std::string per_expert = fmt::format("blocks.{}.rre.{}.steps", gs.block, name);
+    const std::string per_expert = names::expert(gs.block, name, "steps");
     std::vector<int64_t> s;
     if (steps_file.index.count(per_expert)) {
       check(steps_file.index, opt_path, per_expert, DType::I64, {gs.experts});
       const int64_t* v = steps_file.tensors.at(per_expert).data<int64_t>();
       s.assign(v, v + gs.experts);
     } else {  // written by an in-model run or by surgery: one step per tensor
-      const std::string one = expert_tensor_name(gs.block, name, "w_in") + ".step";
+      const std::string one = names::expert(gs.block, name, names::kWIn) + ".step";
       check(steps_file.index, opt_path, one, DType::I64, {});
       s.assign(size_t(gs.experts), *steps_file.tensors.at(one).data<int64_t>());
     }
@@ -313,7 +313,8 @@ void EcssExperts::load(const std::string& dir) {
   std::vector<float> w(P), m(P), v(P);
   for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
     const ExpertGroupSpec& gs = store_.spec().groups[gi];
-    const std::string prefix = expert_tensor_name(gs.block, cfg.groups[size_t(gs.group)].name, "");
+    const std::string prefix =
+        names::expert_prefix(gs.block, cfg.groups[size_t(gs.group)].name) + ".";
     // Names under the group's prefix: "w_in" (weights), "w_in.m" / "w_in.v" (moments).
     auto rest = [&](const std::string& n) {
       return n.starts_with(prefix) ? n.substr(prefix.size()) : std::string(".");
@@ -328,7 +329,7 @@ void EcssExperts::load(const std::string& dir) {
     });
     for (int32_t k = 0; k < gs.experts; ++k) {
       for (size_t t = 0; t < gs.tensors.size(); ++t) {
-        const std::string base = prefix + kExpertLeaves[t];
+        const std::string base = prefix + names::kExpertLeaves[t];
         const int64_t n = shape_numel(gs.tensors[t].shape), off = gs.offset(t);
         std::memcpy(w.data() + off, weights.tensors.at(base).f() + k * n, size_t(n) * 4);
         std::memcpy(m.data() + off, moments.tensors.at(base + ".m").f() + k * n, size_t(n) * 4);

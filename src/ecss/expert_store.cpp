@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "io/file.h"
+#include "model/names.h"
 
 namespace sigma {
 
@@ -64,13 +65,19 @@ int64_t ExpertGroupSpec::offset(size_t t) const {
   return p;
 }
 
-std::string ExpertGroupSpec::prefix() const { return fmt::format("blocks.{}.rre.{}", block, group); }
+// The store knows groups by index; the model's checkpoints name them (ExpertOffload).
+std::string ExpertGroupSpec::prefix() const {
+  return names::expert_prefix(block, std::to_string(group));
+}
 
 ExpertGroupSpec rre_group_spec(int32_t block, int32_t group, int32_t experts, int64_t d, int64_t f) {
   return {block,
           group,
           experts,
-          {{"w_in", {d, f}, true}, {"b_in", {f}, false}, {"w_out", {f, d}, true}, {"b_out", {d}, false}}};
+          {{names::kWIn, {d, f}, true},
+           {names::kBIn, {f}, false},
+           {names::kWOut, {f, d}, true},
+           {names::kBOut, {d}, false}}};
 }
 
 void ExpertStoreSpec::validate() const {

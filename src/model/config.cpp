@@ -25,14 +25,7 @@ bool valid_group_name(const std::string& s) {
 
 }  // namespace
 
-int ModelConfig::domain_index(const std::string& name) const {
-  std::vector<std::string> names;
-  for (size_t i = 0; i < domains.size(); ++i) {
-    if (domains[i].name == name) return static_cast<int>(i);
-    names.push_back(domains[i].name);
-  }
-  fail("unknown domain '{}' (known domains: {})", name, fmt::join(names, ", "));
-}
+int ModelConfig::domain_index(const std::string& name) const { return domains.index(name); }
 
 int ModelConfig::group_index(const std::string& name) const {
   for (size_t i = 0; i < groups.size(); ++i)
@@ -140,39 +133,13 @@ void ModelConfig::describe(Options& o, const std::string& p) {
         return j;
       });
   o.add_json(
-      p + "domains", "list of {name, group, slot}; group defaults to the domain's name",
+      p + "domains",
+      "list of {name, group, slot} (group defaults to the domain's name, slot to 0); the data "
+      "registry's id, prefix and format are accepted too",
       [this, p](const nlohmann::json& j) {
-        SIGMA_CHECK(j.is_array(), "config key '{}domains' must be a list of objects", p);
-        std::vector<DomainSpec> out;
-        for (const auto& e : j) {
-          SIGMA_CHECK(e.is_object() && e.contains("name") && e["name"].is_string(),
-                      "config key '{}domains': each entry needs a string 'name'", p);
-          DomainSpec d = default_domain(e["name"].get<std::string>());
-          for (auto it = e.begin(); it != e.end(); ++it) {
-            if (it.key() == "name") continue;
-            if (it.key() == "group") {
-              SIGMA_CHECK(it->is_string(), "config key '{}domains' entry '{}': 'group' must be "
-                          "the name of an expert group (a string)", p, d.name);
-              d.group = it->get<std::string>();
-            } else if (it.key() == "slot") {
-              SIGMA_CHECK(it->is_number_integer(), "config key '{}domains' entry '{}': 'slot' "
-                          "must be an integer", p, d.name);
-              d.slot = it->get<int>();
-            } else {
-              fail("config key '{}domains' entry '{}': unknown field '{}' (allowed: name, group, "
-                   "slot)", p, d.name, it.key());
-            }
-          }
-          out.push_back(d);
-        }
-        domains = std::move(out);
+        domains = DomainRegistry::from_json(j, p + "domains", DomainForm::Model);
       },
-      [this] {
-        nlohmann::json j = nlohmann::json::array();
-        for (const auto& d : domains)
-          j.push_back({{"name", d.name}, {"group", d.group}, {"slot", d.slot}});
-        return j;
-      });
+      [this] { return domains.to_json(DomainForm::Model); });
 }
 
 }  // namespace sigma

@@ -1,10 +1,11 @@
-// Model shape, expert groups and domain registry (DESIGN §1-§2). One typed struct, validated once.
+// Model shape, expert groups and domains (DESIGN §1-§2). One typed struct, validated once.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "core/options.h"
+#include "model/domains.h"
 
 namespace sigma {
 
@@ -12,18 +13,6 @@ namespace sigma {
 struct GroupSpec {
   std::string name;  // used in tensor names: letters, digits, '_' and '-'
   int experts = 1;   // K_g
-};
-
-struct DomainSpec {
-  std::string name;
-  std::string group;  // name of its expert group in ModelConfig::groups (RRE blocks)
-  int slot = 0;       // embedding slot: the domain's tokens read rows slot*V + id
-
-  DomainSpec() = default;
-  DomainSpec(std::string n, std::string g, int s)
-      : name(std::move(n)), group(std::move(g)), slot(s) {}
-  // Groups are named, not numbered: {"a", 0, 0} would turn 0 into a null string.
-  DomainSpec(std::string, int, int) = delete;
 };
 
 struct ModelConfig {
@@ -34,7 +23,7 @@ struct ModelConfig {
   int layers = 3;       // L blocks; the last one is the query layer
   int slots = 1;        // S embedding slots
   float init_std = 0.02f;
-  std::vector<DomainSpec> domains;  // empty = taken from the data (group = the domain's name)
+  DomainRegistry domains;  // empty = taken from the data (group = the domain's name)
   // Random Routed Experts: the top `rre_layers` blocks (query layer included) have one FFN
   // expert per (group, expert); 0 = a dense model.
   int rre_layers = 0;
@@ -57,8 +46,6 @@ struct ModelConfig {
   int domain_index(const std::string& name) const;  // throws naming the known domains
   int group_index(const std::string& name) const;   // throws naming the declared groups
   int total_experts() const;                        // sum of K_g over groups
-  // The domain a data source declares by name alone: its group is the group of the same name.
-  DomainSpec default_domain(const std::string& name) const { return {name, name, 0}; }
   void validate() const;                            // throws naming the offending key
   void describe(Options& o, const std::string& prefix);
 };

@@ -10,6 +10,7 @@
 #include "kernels/ops.h"
 #include "model/ffn.h"
 #include "model/gate.h"
+#include "model/names.h"
 #include "model/rre.h"
 
 namespace sigma {
@@ -29,19 +30,15 @@ double BlockLoad::imbalance() const {
 }
 
 namespace {
-bool ends_with(const std::string& n, const char* s) {
-  const size_t k = std::strlen(s);
-  return n.size() >= k && n.compare(n.size() - k, k, s) == 0;
-}
 // Initial std of a weight matrix: residual output projections get init_std / sqrt(2L).
 float init_std_of(const std::string& name, const ModelConfig& cfg) {
-  return (ends_with(name, "attn.out.w") || ends_with(name, "w_out"))
-             ? cfg.init_std / std::sqrt(2.0f * cfg.layers) : cfg.init_std;
+  return names::is_residual_projection(name) ? cfg.init_std / std::sqrt(2.0f * cfg.layers)
+                                             : cfg.init_std;
 }
 // Expert e's slice of the stacked tensor `name` ([K, in, out]): its own random stream.
 void init_expert_matrix(float* v, const std::string& name, int64_t e, int64_t count, float std,
                         uint64_t seed) {
-  const uint64_t stream = stream_of(fmt::format("{}[{}]", name, e).c_str());
+  const uint64_t stream = stream_of(names::expert_slice(name, e).c_str());
   for (int64_t i = 0; i < count; ++i) v[i] = std * rng_normal(seed, stream, i);
 }
 }  // namespace
@@ -68,7 +65,7 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, b
     float* v = p.value.f();
     const int64_t count = p.value.numel();
     const float std = init_std_of(n, cfg_);
-    if (ends_with(n, "ln1.w") || ends_with(n, "ln2.w") || n == "final_ln.w") {
+    if (names::is_ln_gain(n)) {
       std::fill(v, v + count, 1.0f);
     } else if (p.expert && p.value.shape().size() == 3) {  // [K, in, out]: one stream per expert
       const int64_t per = count / p.value.dim(0);
@@ -86,7 +83,7 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, b
     for (const GroupSpec& g : cfg_.groups) {
       bl.tokens.emplace_back(size_t(g.experts), 0);
       if (cfg_.gated()) continue;
-      const std::string name = routing_name(l, g.name);
+      const std::string name = names::routing(l, g.name);
       int32_t* t = buffers_.at(name).value.data<int32_t>();
       std::vector<int32_t> table;
       if (cfg_.routing == "random") {
@@ -126,8 +123,8 @@ void Model::bind_expert(int block, int e, const float* weights, float* grads) {
 void Model::init_expert(int block, int g, int k, float* dst) const {
   const int64_t d = cfg_.d_model, f = cfg_.ffn();
   const std::string& group = cfg_.groups.at(size_t(g)).name;
-  const std::string w_in = expert_tensor_name(block, group, "w_in"),
-                    w_out = expert_tensor_name(block, group, "w_out");
+  const std::string w_in = names::expert(block, group, names::kWIn),
+                    w_out = names::expert(block, group, names::kWOut);
   init_expert_matrix(dst, w_in, k, d * f, init_std_of(w_in, cfg_), seed_);
   std::fill(dst + d * f, dst + d * f + f, 0.0f);
   init_expert_matrix(dst + d * f + f, w_out, k, f * d, init_std_of(w_out, cfg_), seed_);
@@ -141,8 +138,8 @@ void Model::load_buffer(const std::string& name, const Tensor& t) {
               "routing table '{}' is {} {} but the model needs I32 [{}] (one expert per token id "
               "of model.vocab = {})", name, dtype_name(t.dtype()), shape_str(t.shape()),
               cfg_.vocab, cfg_.vocab);
-  // routing.{l}.{group}: the group's expert count bounds the entries.
-  const std::string group = name.substr(name.find('.', std::strlen("routing.")) + 1);
+  // The table's group's expert count bounds the entries.
+  const std::string group = names::group_of(name);
   const int K = cfg_.groups[size_t(cfg_.group_index(group))].experts;
   const int32_t* src = t.data<int32_t>();
   for (int64_t i = 0; i < t.numel(); ++i)
@@ -208,7 +205,7 @@ int64_t Model::active_params_per_token() const {
   int64_t Kmax = 1;
   for (const auto& g : cfg_.groups) Kmax = std::max<int64_t>(Kmax, g.experts);
   for (const Param& p : params_.all())
-    if (!p.expert && p.name.find(".gate.") == std::string::npos) n += p.value.numel();
+    if (!p.expert && !names::is_gate(p.name)) n += p.value.numel();
   n -= int64_t(cfg_.slots - 1) * V * d;  // other slots' embedding rows
   // k experts per expert block (1 with RRE), and the gate of the widest group.
   n += int64_t(cfg_.rre_layers) * (cfg_.experts_per_token() * (2 * d * f + f + d) +

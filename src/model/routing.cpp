@@ -1,7 +1,5 @@
 #include "model/routing.h"
 
-#include <fmt/format.h>
-
 #include <algorithm>
 #include <numeric>
 #include <queue>
@@ -9,18 +7,15 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "model/names.h"
 
 namespace sigma {
-
-std::string routing_name(int block, const std::string& group) {
-  return fmt::format("routing.{}.{}", block, group);
-}
 
 std::vector<int32_t> routing_permutation(int64_t V, uint64_t seed, int block,
                                          const std::string& group) {
   std::vector<int32_t> perm(static_cast<size_t>(V));
   std::iota(perm.begin(), perm.end(), 0);
-  Rng r(seed, stream_of(routing_name(block, group).c_str()));
+  Rng r(seed, stream_of(names::routing(block, group).c_str()));
   for (int64_t i = V - 1; i > 0; --i) {
     const auto j = static_cast<int64_t>(r.below(static_cast<uint32_t>(i + 1)));
     std::swap(perm[size_t(i)], perm[size_t(j)]);
@@ -30,7 +25,7 @@ std::vector<int32_t> routing_permutation(int64_t V, uint64_t seed, int block,
 
 std::vector<int32_t> random_routing_table(int64_t V, int K, uint64_t seed, int block,
                                           const std::string& group) {
-  SIGMA_CHECK(K >= 1, "routing table {} needs at least one expert", routing_name(block, group));
+  SIGMA_CHECK(K >= 1, "routing table {} needs at least one expert", names::routing(block, group));
   const auto perm = routing_permutation(V, seed, block, group);
   std::vector<int32_t> table(size_t(V), 0);
   for (int64_t i = 0; i < V; ++i) table[size_t(perm[size_t(i)])] = int32_t(i % K);
@@ -39,7 +34,7 @@ std::vector<int32_t> random_routing_table(int64_t V, int K, uint64_t seed, int b
 
 std::vector<int32_t> frequency_routing_table(const std::vector<int64_t>& counts, int K,
                                              uint64_t seed, int block, const std::string& group) {
-  SIGMA_CHECK(K >= 1, "routing table {} needs at least one expert", routing_name(block, group));
+  SIGMA_CHECK(K >= 1, "routing table {} needs at least one expert", names::routing(block, group));
   const int64_t V = int64_t(counts.size());
   // Order ids by decreasing count; equal counts keep the seeded permutation's order.
   std::vector<int32_t> ids = routing_permutation(V, seed, block, group);

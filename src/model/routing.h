@@ -1,6 +1,7 @@
 // Routing tables of Random Routed Experts (DESIGN §2): R[l][g] maps every token id of the
 // vocabulary to one of group g's K experts in RRE block l. Tables are data: built once from a
-// seed (or from corpus token counts), stored in checkpoints as int32 tensors `routing.{l}.{g}`.
+// seed (or from corpus token counts), stored in checkpoints as int32 tensors `routing.{l}.{g}`
+// (names::routing).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -11,9 +12,6 @@ namespace sigma {
 
 // Token counts [V] per group name, for frequency-balanced tables.
 using TokenCounts = std::map<std::string, std::vector<int64_t>>;
-
-// "routing.{block}.{group}"
-std::string routing_name(int block, const std::string& group);
 
 // A seeded random permutation of 0..V-1, independent per (block, group) through its own RNG
 // stream (Fisher-Yates on the counter RNG).

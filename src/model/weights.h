@@ -1,5 +1,5 @@
-// The model's tensor names (DESIGN §4) in one place: registration and the typed pointer view
-// that the training model and the KV-cache decoder both read.
+// The model's parameter registry (DESIGN §4; the names are built by model/names.h) and the typed
+// pointer view that the training model and the KV-cache decoder both read.
 #pragma once
 #include <vector>
 
@@ -45,7 +45,8 @@ struct ModelWeights {
   static ModelWeights bind(ParamSet& ps, const BufferSet& bs, const ModelConfig& cfg);
 };
 
-// Adds every parameter of the model to `ps` (zero-initialised), in a fixed order:
+// Adds every parameter of the model to `ps` (zero-initialised), in a fixed order (names from
+// model/names.h):
 // embed.tokens [S*V,d], embed.positions [T,d], blocks.L.{ln1,attn.qkv,attn.out,ln2}.*,
 // blocks.<last>.attn.query_table [T,d], then per block either ffn.{w_in [d,f], b_in [f],
 // w_out [f,d], b_out [d]} (dense) or, per group g, rre.g.{w_in [K,d,f], b_in [K,f],
@@ -53,14 +54,6 @@ struct ModelWeights {
 // gate.g.w [d,K]; final_ln.{w,b}. Without `experts` the rre.* tensors are left out: they live
 // in an expert store (ECSS) and the model sees only the ones bound for the current step.
 void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts = true);
-
-// An expert's tensors, in registration order (also the expert store's record order).
-inline constexpr const char* kExpertLeaves[] = {"w_in", "b_in", "w_out", "b_out"};
-
-// Name of RRE block l's stacked expert tensor `leaf` (one of kExpertLeaves) of group g.
-std::string expert_tensor_name(int l, const std::string& group, const char* leaf);
-// Whether a checkpoint tensor belongs to RRE experts (blocks.L.rre.G.*, with any suffix).
-bool is_expert_tensor(const std::string& name);
 
 // Adds the routing tables routing.{l}.{g}, int32 [V], for every RRE block l and group g, in
 // that order (zero-filled: the model builds or loads them); none with a learned gate.

@@ -1,8 +1,6 @@
 // Extract, remove and add domains (DESIGN §4) on named tensors. Extract keeps tensors bit for
 // bit: the sub-model reads the same rows, experts and tables as the full model does for its
 // domains, so on their inputs it computes the same bits.
-#include <fmt/format.h>
-
 #include <algorithm>
 #include <cmath>
 #include <tuple>
@@ -11,8 +9,8 @@
 #include <set>
 
 #include "core/rng.h"
+#include "model/names.h"
 #include "model/routing.h"
-#include "surgery/names.h"
 #include "surgery/surgery.h"
 
 namespace sigma::surgery {
@@ -47,14 +45,14 @@ NamedModel extract(const NamedModel& m, const std::vector<std::string>& names) {
 
   const int64_t V = c.vocab, d = c.d_model;
   for (const auto& [name, t] : m.tensors) {
-    if (name == "embed.tokens") {
+    if (name == names::kTokens) {
       Tensor e = Tensor::f32({nc.slots * V, d});
       for (auto [from, to] : new_slot)
         std::memcpy(e.f() + to * V * d, t.f() + from * V * d, size_t(V * d) * 4);
       out.tensors.emplace(name, std::move(e));
       continue;
     }
-    const std::string g = group_of(name);
+    const std::string g = names::group_of(name);
     if (g.empty() || groups.count(g)) out.tensors.emplace(name, t.clone());
   }
   nc.validate();
@@ -126,7 +124,7 @@ NamedModel add_domain(const NamedModel& m, const AddDomain& spec) {
   const int64_t V = c.vocab, dm = c.d_model, f = c.ffn();
   const uint64_t seed = m.cfg.train.seed;
   for (const auto& [name, t] : m.tensors) {
-    if (name != "embed.tokens") {
+    if (name != names::kTokens) {
       out.tensors.emplace(name, t.clone());
       continue;
     }
@@ -136,48 +134,48 @@ NamedModel add_domain(const NamedModel& m, const AddDomain& spec) {
     out.tensors.emplace(name, std::move(e));
   }
   for (int l = c.first_rre_block(); l < c.layers; ++l) {
-    const std::string b = fmt::format("blocks.{}.", l);
-    for (auto [leaf, rows, cols] : {std::tuple{"w_in", dm, f}, {"b_in", int64_t(1), f},
-                                    {"w_out", f, dm}, {"b_out", int64_t(1), dm}}) {
+    for (auto [leaf, rows, cols] : {std::tuple{names::kWIn, dm, f}, {names::kBIn, int64_t(1), f},
+                                    {names::kWOut, f, dm}, {names::kBOut, int64_t(1), dm}}) {
+      const std::string name = names::expert(l, spec.name, leaf);
       const int64_t per = rows * cols;
       Shape shape = rows == 1 ? Shape{K, cols} : Shape{K, rows, cols};
       Tensor t = Tensor::f32(shape);
       for (int64_t k = 0; k < K; ++k) {
         float* dst = t.f() + k * per;
         if (from_group) {
-          const Tensor& s = m.tensors.at(b + "rre." + spec.init_from + "." + leaf);
+          const Tensor& s = m.tensors.at(names::expert(l, spec.init_from, leaf));
           std::memcpy(dst, s.f() + (k % src_k) * per, size_t(per) * 4);
         } else if (spec.init_from == "dense") {
-          std::memcpy(dst, dense.tensors.at(b + "ffn." + leaf).f(), size_t(per) * 4);
+          std::memcpy(dst, dense.tensors.at(names::ffn(l, leaf)).f(), size_t(per) * 4);
         } else {  // random: as a fresh model initialises experts (biases zero)
           if (rows == 1) continue;
-          const float std = leaf == std::string("w_out") ? c.init_std / std::sqrt(2.0f * c.layers)
-                                                         : c.init_std;
-          const uint64_t stream = stream_of(fmt::format("{}rre.{}.{}[{}]", b, spec.name, leaf, k).c_str());
+          const float std = names::is_residual_projection(name)
+                                ? c.init_std / std::sqrt(2.0f * c.layers) : c.init_std;
+          const uint64_t stream = stream_of(names::expert_slice(name, k).c_str());
           for (int64_t i = 0; i < per; ++i) dst[i] = std * rng_normal(seed, stream, i);
         }
       }
-      out.tensors.emplace(b + "rre." + spec.name + "." + leaf, std::move(t));
+      out.tensors.emplace(name, std::move(t));
     }
     if (c.gated()) {  // gate columns follow their experts
       Tensor gw = Tensor::f32({dm, K});
-      const std::string gname = b + "gate." + spec.name + ".w";
+      const std::string gname = names::gate(l, spec.name);
       for (int64_t i = 0; i < dm; ++i)
         for (int64_t k = 0; k < K; ++k)
           gw.f()[i * K + k] =
-              from_group ? m.tensors.at(b + "gate." + spec.init_from + ".w").f()[i * src_k + k % src_k]
+              from_group ? m.tensors.at(names::gate(l, spec.init_from)).f()[i * src_k + k % src_k]
                          : c.init_std * rng_normal(seed, stream_of(gname.c_str()), i * K + k);
       out.tensors.emplace(gname, std::move(gw));
       continue;
     }
     Tensor table(DType::I32, {V});
     if (from_group && K == src_k) {
-      std::memcpy(table.bytes(), m.tensors.at(routing_name(l, spec.init_from)).bytes(), table.nbytes());
+      std::memcpy(table.bytes(), m.tensors.at(names::routing(l, spec.init_from)).bytes(), table.nbytes());
     } else {
       const auto r = random_routing_table(V, K, c.routing_seed, l, spec.name);
       std::memcpy(table.bytes(), r.data(), table.nbytes());
     }
-    out.tensors.emplace(routing_name(l, spec.name), std::move(table));
+    out.tensors.emplace(names::routing(l, spec.name), std::move(table));
   }
   return out;
 }

@@ -11,9 +11,9 @@
 #include "core/rng.h"
 #include "data/tokenizer.h"
 #include "model/params.h"
+#include "model/names.h"
 #include "model/routing.h"
 #include "model/weights.h"
-#include "surgery/names.h"
 #include "surgery/surgery.h"
 #include "train/data_source.h"
 
@@ -107,9 +107,9 @@ NamedModel inherit(const NamedModel& dense, Config sparse, const InheritOptions&
   for (Param& p : ps.all()) {
     Tensor t = Tensor::f32(p.value.shape());
     float* dst = t.f();
-    if (p.name == "embed.tokens") {
+    if (p.name == names::kTokens) {
       // sigma over the whole dense table (double sums, one pass).
-      const Tensor& e = dense.tensors.at("embed.tokens");
+      const Tensor& e = dense.tensors.at(names::kTokens);
       double s = 0, s2 = 0;
       for (int64_t i = 0; i < e.numel(); ++i) s += e.f()[i], s2 += double(e.f()[i]) * e.f()[i];
       const double mean = s / double(e.numel());
@@ -130,13 +130,13 @@ NamedModel inherit(const NamedModel& dense, Config sparse, const InheritOptions&
         }
       }
       if (report) *report = {V, kept, V - kept, sigma};
-    } else if (const std::string g = group_of(p.name); !g.empty() && p.name.find(".gate.") != std::string::npos) {
+    } else if (names::is_gate(p.name)) {
       // Learned-gate baseline: the gate has no dense counterpart; fresh N(0, init_std).
       const uint64_t stream = stream_of(p.name.c_str());
       for (int64_t i = 0; i < t.numel(); ++i) dst[i] = sm.init_std * rng_normal(seed, stream, i);
-    } else if (!g.empty()) {
+    } else if (names::is_expert(p.name)) {
       // blocks.l.rre.G.leaf [K, ...] <- K copies of blocks.l.ffn.leaf
-      const std::string src = fmt::format("blocks.{}.ffn.{}", block_of(p.name), leaf_of(p.name));
+      const std::string src = names::ffn(names::block_of(p.name), names::leaf_of(p.name));
       const Tensor& f = dense.tensors.at(src);
       const int64_t K = t.dim(0);
       SIGMA_CHECK(f.numel() * K == t.numel(), "{}: '{}' is {} but '{}' needs {} experts of it",
@@ -154,9 +154,9 @@ NamedModel inherit(const NamedModel& dense, Config sparse, const InheritOptions&
   BufferSet bs;
   register_buffers(bs, sm);
   for (const Buffer& b : bs.all()) {
-    const std::string g = group_of(b.name);
+    const std::string g = names::group_of(b.name);
     const auto table = random_routing_table(V, sm.groups[size_t(sm.group_index(g))].experts,
-                                            sm.routing_seed, block_of(b.name), g);
+                                            sm.routing_seed, names::block_of(b.name), g);
     Tensor t(DType::I32, {V});
     std::memcpy(t.bytes(), table.data(), t.nbytes());
     out.tensors.emplace(b.name, std::move(t));

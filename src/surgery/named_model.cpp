@@ -5,8 +5,8 @@
 #include <filesystem>
 
 #include "model/model.h"
+#include "model/names.h"
 #include "optim/adamw.h"
-#include "surgery/names.h"
 #include "surgery/surgery.h"
 #include "train/checkpoint.h"
 #include "io/checkpoint_dir.h"
@@ -75,7 +75,7 @@ Counts count_params(const NamedModel& m) {
   for (const auto& [name, t] : m.tensors) {
     if (t.dtype() != DType::F32) continue;  // routing tables are not parameters
     n.total += t.numel();
-    const std::string g = group_of(name);
+    const std::string g = names::group_of(name);
     if (g.empty()) continue;
     experts += t.numel();
     n.groups[size_t(c.group_index(g))].params += t.numel();

@@ -9,6 +9,7 @@
 
 #include "io/checkpoint_dir.h"
 #include "io/safetensors.h"
+#include "model/names.h"
 
 namespace sigma {
 
@@ -111,7 +112,7 @@ CheckpointInfo open_checkpoint(const std::string& path) {
 void load_model(Model& model, const std::string& dir) {
   const std::string path = dir + "/" + kModelFile;
   auto want = [&](const std::string& name) {
-    return !model.external_experts() || !is_expert_tensor(name);
+    return !model.external_experts() || !names::is_expert(name);
   };
   Safetensors st = read_safetensors(path, want);
   SIGMA_CHECK(st.metadata.count("format") && st.metadata["format"] == kFormat,
@@ -141,9 +142,9 @@ void load_model(Model& model, const std::string& dir) {
     const ModelConfig& cfg = model.config();
     for (int l = cfg.first_rre_block(); l < cfg.layers; ++l)
       for (const GroupSpec& g : cfg.groups)
-        for (const char* leaf : kExpertLeaves) {
-          SIGMA_CHECK(st.index.count(expert_tensor_name(l, g.name, leaf)),
-                      "{}: tensor '{}' is missing", path, expert_tensor_name(l, g.name, leaf));
+        for (const char* leaf : names::kExpertLeaves) {
+          SIGMA_CHECK(st.index.count(names::expert(l, g.name, leaf)),
+                      "{}: tensor '{}' is missing", path, names::expert(l, g.name, leaf));
           ++expected;
         }
   }
@@ -156,7 +157,7 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) 
   // Expert state that is not in `params` (an expert store's) is left for EcssExperts::load.
   const bool has_experts = std::any_of(params.all().begin(), params.all().end(),
                                        [](const Param& p) { return p.expert; });
-  auto want = [&](const std::string& name) { return has_experts || !is_expert_tensor(name); };
+  auto want = [&](const std::string& name) { return has_experts || !names::is_expert(name); };
   Safetensors st = read_safetensors(path, want);
   merge_group_files(st, dir, /*adam=*/true, want);
   const auto& ps = params.all();

@@ -82,15 +82,11 @@ std::string manifest_tokenizer(const std::string& dir) {
 class ShardsSource : public DataSource {
  public:
   ShardsSource(data::ShardSet set, std::string tokenizer) : set_(std::move(set)), tokenizer_(std::move(tokenizer)) {
-    for (size_t i = 0; i < set_.domains.domains.size(); ++i) index_of_id_[set_.domains.domains[i].id] = int(i);
+    for (size_t i = 0; i < set_.domains.size(); ++i) index_of_id_[set_.domains[i].id] = int(i);
   }
   int vocab() const override { return int(set_.vocab_size); }
   std::vector<std::string> domains() const override { return set_.domains.names(); }
-  std::vector<DomainSpec> domain_specs() const override {
-    std::vector<DomainSpec> s;
-    for (const auto& d : set_.domains.domains) s.push_back({d.name, d.group, int(d.slot)});
-    return s;
-  }
+  DomainRegistry domain_specs() const override { return set_.domains; }
   std::string tokenizer_path() const override { return tokenizer_; }
   uint64_t tokenizer_hash() const override { return set_.tokenizer_hash; }
 
@@ -143,7 +139,7 @@ class ShardsSource : public DataSource {
   std::map<std::string, std::vector<int64_t>> domain_token_counts(int vocab) const override {
     std::map<std::string, std::vector<int64_t>> out;
     for (size_t d = 0; d < set_.shards.size(); ++d) {
-      auto& c = out[set_.domains.domains[d].name];
+      auto& c = out[set_.domains[d].name];
       c.assign(size_t(vocab), 0);
       const data::Shard& s = *set_.shards[d];
       for (uint64_t i = 0; i < s.n_tokens(); ++i) ++c[s.token(i)];

@@ -25,10 +25,10 @@ class DataSource {
                             const std::function<void(const Batch&)>& fn) const = 0;
   // The best achievable loss per token for a domain, when the source knows it.
   virtual std::optional<double> optimum(int /*domain*/, int /*T*/) const { return std::nullopt; }
-  // Group and embedding slot of each domain (same order as domains()); by default each domain
-  // is its own group, all on slot 0.
-  virtual std::vector<DomainSpec> domain_specs() const {
-    std::vector<DomainSpec> s;
+  // The data's domain registry (same order as domains()): group and embedding slot of each
+  // domain; by default each domain is its own group, all on slot 0.
+  virtual DomainRegistry domain_specs() const {
+    DomainRegistry s;
     for (const auto& n : domains()) s.push_back({n, n, 0});
     return s;
   }

@@ -6,7 +6,7 @@
 #include <set>
 
 #include "core/error.h"
-#include "model/weights.h"
+#include "model/names.h"
 
 namespace sigma {
 
@@ -48,12 +48,12 @@ FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelCon
       limit_slots = true;
       for (size_t i = 0; i < params.size(); ++i) {
         const std::string& n = params[i].name;
-        if (n == "embed.tokens") continue;  // limited to the trained slots below
+        if (n == names::kTokens) continue;  // limited to the trained slots below
         bool own = false;
         for (int l = first; l < cfg.layers && rre_blocks > 0; ++l)
           for (const auto& g : trained_groups)
-            own = own || n.starts_with(expert_tensor_name(l, g, "")) ||
-                  n.starts_with(fmt::format("blocks.{}.gate.{}.", l, g));
+            own = own || n.starts_with(names::expert_prefix(l, g) + ".") ||
+                  n.starts_with(names::gate_prefix(l, g) + ".");
         if (!own) frozen[i] = 1;
       }
       for (int l = first; l < cfg.layers && rre_blocks > 0; ++l)
@@ -63,7 +63,7 @@ FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelCon
     }
     int matched = 0;
     auto match = [&](const std::string& n) {
-      if (sel == "embeddings") return n == "embed.tokens" || n == "embed.positions";
+      if (sel == "embeddings") return n == names::kTokens || n == names::kPositions;
       if (sel == "experts") return false;  // below, by group
       return n.starts_with(sel);
     };
@@ -73,8 +73,8 @@ FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelCon
       for (int l = first; l < cfg.layers && rre_blocks > 0; ++l)
         for (int g = 0; g < G; ++g) {
           int leaves = 0;
-          for (const char* leaf : kExpertLeaves)
-            leaves += sel == "experts" || match(expert_tensor_name(l, cfg.groups[size_t(g)].name, leaf));
+          for (const char* leaf : names::kExpertLeaves)
+            leaves += sel == "experts" || match(names::expert(l, cfg.groups[size_t(g)].name, leaf));
           SIGMA_CHECK(leaves == 0 || leaves == 4, "train.freeze: '{}' names only some tensors of "
                       "block {}'s '{}' experts; an expert store freezes whole experts", sel, l,
                       cfg.groups[size_t(g)].name);
@@ -86,7 +86,7 @@ FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelCon
 
   plan.mask.frozen = frozen;
   const auto tok = std::find_if(params.begin(), params.end(),
-                                [](const Param& p) { return p.name == "embed.tokens"; });
+                                [](const Param& p) { return p.name == names::kTokens; });
   const size_t tok_i = size_t(tok - params.begin());
   if (limit_slots && tok != params.end() && !frozen[tok_i]) {
     if (trained_slots.empty()) {
@@ -127,7 +127,7 @@ void limit_to_batch_rows(UpdateMask& mask, const ParamSet& ps, const ModelConfig
                          std::span<const Batch> micro) {
   const auto& params = ps.all();
   size_t tok = 0;
-  while (tok < params.size() && params[tok].name != "embed.tokens") ++tok;
+  while (tok < params.size() && params[tok].name != names::kTokens) ++tok;
   SIGMA_CHECK(tok < params.size(), "sparse embeddings: the model has no embed.tokens");
   if (!mask.frozen.empty() && mask.frozen[tok]) return;
   std::vector<uint8_t> used(size_t(params[tok].value.dim(0)), 0);
