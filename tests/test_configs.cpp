@@ -9,7 +9,7 @@
 #include <set>
 
 #include "cli_util.h"
-#include "data/domains.h"
+#include "model/domains.h"
 #include "data/prepare.h"
 
 using namespace sigma;
@@ -49,7 +49,7 @@ TEST(Configs, EveryShippedConfigLoads) {
       EXPECT_NO_THROW(data::PrepareConfig::from_json(j, e.path().parent_path().string(), path)) << path;
     } else {  // a registry that a script completes with paths (bench/surgery_workflow.sh)
       ASSERT_TRUE(j.contains("domains")) << path << " is neither a train nor a data config";
-      EXPECT_NO_THROW(data::DomainRegistry::from_json(j["domains"], path)) << path;
+      EXPECT_NO_THROW(DomainRegistry::from_json(j["domains"], path, DomainForm::Data)) << path;
     }
   }
   EXPECT_GT(n, 0);

@@ -37,9 +37,9 @@ class KeptDomains : public DataSource {
   }
   int vocab() const override { return inner_->vocab(); }
   std::vector<std::string> domains() const override { return keep_; }
-  std::vector<DomainSpec> domain_specs() const override {
-    const auto all = inner_->domain_specs();
-    std::vector<DomainSpec> out;
+  DomainRegistry domain_specs() const override {
+    const DomainRegistry all = inner_->domain_specs();
+    DomainRegistry out;
     for (int i : inner_index_) out.push_back(all[size_t(i)]);
     return out;
   }
