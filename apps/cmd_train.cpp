@@ -19,13 +19,14 @@ struct TrainArgs {
 
 // The run's config: a fresh run's file and --set keys, or a resumed run's checkpoint config,
 // file (data and training keys) and --set keys, with a warning when its learning-rate schedule
-// changes. A relative expert store path is made absolute here, so a resumed run opens the same
-// file from any directory.
+// changes. Relative expert store and data paths are made absolute here, so a resumed run opens
+// the same files from any directory.
 Config load_config(const TrainArgs& a) {
   Config cfg;
   if (a.resume.empty()) {
     cfg.load(a.config, a.sets);
     make_store_path_absolute(cfg);
+    make_data_paths_absolute(cfg);
     return cfg;
   }
   const CheckpointInfo ck = open_checkpoint(a.resume);
@@ -37,6 +38,7 @@ Config load_config(const TrainArgs& a) {
     fmt::print(stderr, "sigma train: warning: the checkpoint names its expert store by the "
                "relative path '{}'; using {} (pass --expert-store to choose)\n",
                ck.cfg.train.expert_store, cfg.train.expert_store);
+  make_data_paths_absolute(cfg);  // a checkpoint of an older sigma: against this directory
   return cfg;
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -186,3 +187,20 @@ TEST_F(ShardsTrain, FrequencyRoutingTablesComeFromTheShardsTokenCounts) {
 }
 
 }  // namespace
+
+// A relative data.path is made absolute when the run starts (like --expert-store): a resumed
+// run reads the same shards from any directory.
+TEST_F(ShardsTrain, RelativeDataPathResumesFromAnotherDirectory) {
+  std::filesystem::create_directories(*dir / "elsewhere");
+  std::string args = train_args();
+  const std::string abs_path = "data.path=" + *dir / "shards";
+  args.replace(args.find(abs_path), abs_path.size(), "data.path=shards");
+  auto r = run_cmd("cd " + dir->str() + " && " + SIGMA_BINARY + " " + args +
+                   "--set train.steps=6 --stop-at 3 --out rel");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(open_checkpoint(*dir / "rel/checkpoints").cfg.data.path, *dir / "shards");
+  r = run_cmd("cd " + *dir / "elsewhere" + " && " + SIGMA_BINARY +
+              " train --quiet --resume ../rel/checkpoints --out ../rel");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(open_checkpoint(*dir / "rel/checkpoints").state.step, 6);
+}

@@ -33,6 +33,12 @@ bool make_store_path_absolute(Config& c) {
   return true;
 }
 
+void make_data_paths_absolute(Config& c) {
+  for (std::string* p : {&c.data.path, &c.data.eval_path, &c.data.tokenizer})
+    if (!p->empty() && !std::filesystem::path(*p).is_absolute())
+      *p = std::filesystem::absolute(*p).lexically_normal().string();
+}
+
 int64_t schedule_total(const Config& c) {
   return c.optim.schedule_steps > 0 ? c.optim.schedule_steps : c.train.steps;
 }

@@ -19,6 +19,9 @@ Config resume_config(const Config& checkpoint, const std::string& config_file,
 // so every checkpoint store it that way, and a resumed run opens the same file from any
 // directory). Returns whether it was relative.
 bool make_store_path_absolute(Config& c);
+// The same for the data paths (data.path, data.eval_path, data.tokenizer), so that a resumed
+// run reads the same shards from any directory.
+void make_data_paths_absolute(Config& c);
 
 // Steps the learning-rate schedule spans: optim.schedule_steps, else train.steps.
 int64_t schedule_total(const Config& c);
