@@ -201,125 +201,177 @@ class BatchQueue {
   bool closed_ = false, stop_ = false;
 };
 
-}  // namespace
-
-PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, const PrepareOptions& opt) {
-  Tokenizer tok = Tokenizer::load(cfg.tokenizer);
+// Every prefix must be a control token of the tokenizer, or its samples could not be encoded.
+void check_prefixes(const PrepareConfig& cfg, const Tokenizer& tok) {
   for (size_t i = 0; i < cfg.domains.size(); ++i)
     for (auto& p : cfg.domains[i].prefix)
       SIGMA_CHECK(tok.find_control(p), "domains[{}].prefix: '{}' is not a control token of "
                   "tokenizer {} (it has: {})", i, p, cfg.tokenizer, fmt::join(tok.controls(), " "));
-  std::vector<Source> sources = expand_corpus(cfg.corpus);
-  fs::create_directories(out_dir);
-  ReadOptions ro;
-  ro.max_line_bytes = cfg.max_line_bytes;
-  ro.domains = cfg.domains.names();
+}
 
-  // Which files feed which domain; a shard is current when the hash of all that matches.
+// A file without a domain feeds every domain; a folder domain feeds only its own.
+bool feeds(const Source& s, const DomainSpec& d) {
+  return s.domain.empty() || s.domain == d.name;
+}
+
+// Hash of everything a domain's shard is made from: the tokenizer, the domain entry, the line
+// limit and the content of every file that feeds it.
+uint64_t domain_inputs_hash(const PrepareConfig& cfg, const Tokenizer& tok, const DomainSpec& d,
+                            const std::vector<Source>& sources, const std::vector<uint64_t>& content) {
+  std::string key = fmt::format("sigma-prepare/1 {:016x} {} {}", tok.hash(),
+                                to_json(d, DomainForm::Data).dump(),
+                                cfg.max_line_bytes);
+  for (size_t s = 0; s < sources.size(); ++s)
+    if (feeds(sources[s], d)) key += fmt::format(" {:016x}", content[s]);
+  return XXH3_64bits(key.data(), key.size());
+}
+
+// What the shard at `path` holds, and whether it was made from these inputs.
+DomainReport existing_shard(const std::string& path, const DomainSpec& d, const Tokenizer& tok,
+                            uint64_t inputs_hash) {
+  DomainReport r{d.name};
+  try {
+    ShardHeader h = Shard::read_header(path);
+    r.reused = h.inputs_hash == inputs_hash && h.tokenizer_hash == tok.hash() && h.domain_id == d.id;
+    r.tokens = h.n_tokens;
+    r.samples = h.n_samples;
+  } catch (const Error&) {  // absent or unreadable: make it again
+  }
+  return r;
+}
+
+// The shards of one run, per domain in registry order.
+struct ShardPlan {
+  std::vector<std::unique_ptr<ShardWriter>> writers;  // null: the shard on disk is current, kept
+  std::vector<uint64_t> inputs_hash;                  // see domain_inputs_hash
+};
+
+// Which files feed which domain; a shard is current when the hash of all that matches. Opens a
+// writer for every other shard and adds every domain to the report.
+ShardPlan plan_shards(const PrepareConfig& cfg, const Tokenizer& tok, const std::vector<Source>& sources,
+                      const std::string& out_dir, PrepareReport& report) {
   std::vector<uint64_t> content(sources.size());
   for (size_t s = 0; s < sources.size(); ++s) content[s] = file_hash(sources[s].path);
-  auto feeds = [&](const Source& s, const DomainSpec& d) {
-    return s.domain.empty() || s.domain == d.name;
-  };
   const size_t nd = cfg.domains.size();
-  PrepareReport report;
-  std::vector<std::unique_ptr<ShardWriter>> writers(nd);
-  std::vector<uint64_t> inputs_hash(nd);
+  ShardPlan plan;
+  plan.writers.resize(nd);
+  plan.inputs_hash.resize(nd);
   for (size_t i = 0; i < nd; ++i) {
     const DomainSpec& d = cfg.domains[i];
-    std::string key = fmt::format("sigma-prepare/1 {:016x} {} {}", tok.hash(),
-                                  to_json(d, DomainForm::Data).dump(),
-                                  cfg.max_line_bytes);
-    for (size_t s = 0; s < sources.size(); ++s)
-      if (feeds(sources[s], d)) key += fmt::format(" {:016x}", content[s]);
-    inputs_hash[i] = XXH3_64bits(key.data(), key.size());
+    plan.inputs_hash[i] = domain_inputs_hash(cfg, tok, d, sources, content);
     std::string path = out_dir + "/" + d.name + ".shard";
-    DomainReport r{d.name};
-    try {
-      ShardHeader h = Shard::read_header(path);
-      r.reused = h.inputs_hash == inputs_hash[i] && h.tokenizer_hash == tok.hash() && h.domain_id == d.id;
-      r.tokens = h.n_tokens;
-      r.samples = h.n_samples;
-    } catch (const Error&) {  // absent or unreadable: make it again
-    }
-    if (!r.reused) writers[i] = std::make_unique<ShardWriter>(path, d, tok.vocab_size(), tok.hash(),
-                                                              inputs_hash[i]);
+    DomainReport r = existing_shard(path, d, tok, plan.inputs_hash[i]);
+    if (!r.reused) plan.writers[i] = std::make_unique<ShardWriter>(path, d, tok.vocab_size(), tok.hash(),
+                                                                   plan.inputs_hash[i]);
     report.domains.push_back(r);
   }
+  return plan;
+}
+
+void note_undeclared_domains(const PrepareConfig& cfg, const std::vector<Source>& sources,
+                             const PrepareOptions& opt) {
   for (auto& s : sources)
     if (!s.domain.empty() && !cfg.domains.find(s.domain) && opt.progress)
       fmt::print(stderr, "prepare: note: folder domain '{}' ({}) is not declared; skipped\n", s.domain,
                  s.path);
+}
 
-  // Read the files of stale domains; encode batches of records on every thread, write in order.
+// The sources that feed a stale shard, and their total size in bytes (for progress).
+std::vector<size_t> sources_to_read(const PrepareConfig& cfg, const std::vector<Source>& sources,
+                                    const ShardPlan& plan, uint64_t& total) {
   std::vector<size_t> todo;
-  uint64_t total = 0;
   bool any_stale = false;
-  for (auto& w : writers) any_stale |= w != nullptr;
+  for (auto& w : plan.writers) any_stale |= w != nullptr;
   for (size_t s = 0; s < sources.size(); ++s) {
     const DomainSpec* d = cfg.domains.find(sources[s].domain);
-    if (sources[s].domain.empty() ? any_stale : d && writers[size_t(cfg.domains.index(d->name))]) {
+    if (sources[s].domain.empty() ? any_stale : d && plan.writers[size_t(cfg.domains.index(d->name))]) {
       todo.push_back(s);
       total += fs::file_size(sources[s].path);
     }
   }
+  return todo;
+}
+
+struct Stopped {};  // thrown by the reader when the consumer has stopped
+
+// Reader thread: the records of stale domains in `todo`, in batches of about 2 MB or 4096
+// records, one batch ending at each file's end. Throws Stopped once the consumer has stopped.
+void read_batches(const PrepareConfig& cfg, const std::vector<Source>& sources,
+                  const std::vector<size_t>& todo, const ShardPlan& plan, ReadStats& stats,
+                  BatchQueue& queue) {
+  ReadOptions ro;
+  ro.max_line_bytes = cfg.max_line_bytes;
+  ro.domains = cfg.domains.names();
+  Batch b;
+  uint64_t done = 0;
+  for (size_t s : todo) {
+    b.where = sources[s].domain;
+    read_source(sources[s], ro, stats, [&](Record& r) {
+      const size_t i = size_t(cfg.domains.index(r.domain));
+      if (!plan.writers[i]) return;  // a mixed file also feeds domains that are up to date
+      b.bytes += r.text.size() + r.prompt.size();
+      b.records.push_back(std::move(r));
+      if (b.bytes >= (2u << 20) || b.records.size() >= 4096) {
+        b.done = done;
+        Batch next;
+        next.where = b.where;
+        if (!queue.push(std::exchange(b, std::move(next)))) throw Stopped{};
+      }
+    });
+    done += fs::file_size(sources[s].path);
+    b.done = done;
+    if (!queue.push(std::exchange(b, Batch{}))) throw Stopped{};
+  }
+}
+
+// Encodes each batch on every thread, then adds its samples to their shards in input order.
+void encode_batches(const PrepareConfig& cfg, const Tokenizer& tok, int threads, BatchQueue& queue,
+                    ShardPlan& plan, Progress& progress) {
+  std::vector<std::vector<uint32_t>> toks;
+  std::vector<uint32_t> plen;
+  while (auto b = queue.pop()) {
+    const size_t n = b->records.size();
+    toks.resize(n);
+    plen.resize(n);
+    std::vector<std::string> errors(n);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+    for (size_t k = 0; k < n; ++k) {
+      const Record& r = b->records[k];
+      try {
+        plen[k] = format_sample(tok, cfg.domains.at(r.domain), r.prompt, r.text, toks[k]);
+      } catch (const std::exception& e) {  // exceptions must not leave an OpenMP region
+        errors[k] = e.what();
+      }
+    }
+    for (size_t k = 0; k < n; ++k) {
+      const Record& r = b->records[k];
+      SIGMA_CHECK(errors[k].empty(), "{}:{}: {}", *r.file, r.line, errors[k]);
+      plan.writers[size_t(cfg.domains.index(r.domain))]->add(toks[k], plen[k]);
+    }
+    progress.show(b->done, b->where);
+  }
+}
+
+// Read the files of stale domains; encode batches of records on every thread, write in order.
+// Reading overlaps encoding; whichever side fails stops the other before the error propagates.
+void write_stale_shards(const PrepareConfig& cfg, const Tokenizer& tok,
+                        const std::vector<Source>& sources, const std::vector<size_t>& todo,
+                        uint64_t total, const PrepareOptions& opt, ShardPlan& plan, ReadStats& stats) {
   const int threads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
   Progress progress{opt.progress, ::isatty(2) != 0, total};
   BatchQueue queue;
   std::exception_ptr read_error;
-  struct Stopped {};
   std::thread reader([&] {
     try {
-      Batch b;
-      uint64_t done = 0;
-      for (size_t s : todo) {
-        b.where = sources[s].domain;
-        read_source(sources[s], ro, report.stats, [&](Record& r) {
-          const size_t i = size_t(cfg.domains.index(r.domain));
-          if (!writers[i]) return;  // a mixed file also feeds domains that are up to date
-          b.bytes += r.text.size() + r.prompt.size();
-          b.records.push_back(std::move(r));
-          if (b.bytes >= (2u << 20) || b.records.size() >= 4096) {
-            b.done = done;
-            Batch next;
-            next.where = b.where;
-            if (!queue.push(std::exchange(b, std::move(next)))) throw Stopped{};
-          }
-        });
-        done += fs::file_size(sources[s].path);
-        b.done = done;
-        if (!queue.push(std::exchange(b, Batch{}))) throw Stopped{};
-      }
+      read_batches(cfg, sources, todo, plan, stats, queue);
     } catch (const Stopped&) {  // the consumer failed and reports its own error
     } catch (...) {
       read_error = std::current_exception();
     }
     queue.close();
   });
-  std::vector<std::vector<uint32_t>> toks;
-  std::vector<uint32_t> plen;
   try {
-    while (auto b = queue.pop()) {
-      const size_t n = b->records.size();
-      toks.resize(n);
-      plen.resize(n);
-      std::vector<std::string> errors(n);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
-      for (size_t k = 0; k < n; ++k) {
-        const Record& r = b->records[k];
-        try {
-          plen[k] = format_sample(tok, cfg.domains.at(r.domain), r.prompt, r.text, toks[k]);
-        } catch (const std::exception& e) {  // exceptions must not leave an OpenMP region
-          errors[k] = e.what();
-        }
-      }
-      for (size_t k = 0; k < n; ++k) {
-        const Record& r = b->records[k];
-        SIGMA_CHECK(errors[k].empty(), "{}:{}: {}", *r.file, r.line, errors[k]);
-        writers[size_t(cfg.domains.index(r.domain))]->add(toks[k], plen[k]);
-      }
-      progress.show(b->done, b->where);
-    }
+    encode_batches(cfg, tok, threads, queue, plan, progress);
   } catch (...) {
     queue.stop();
     reader.join();
@@ -328,20 +380,27 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
   reader.join();
   if (read_error) std::rethrow_exception(read_error);
   progress.end();
+}
 
-  for (size_t i = 0; i < nd; ++i) {
-    if (!writers[i]) continue;
-    writers[i]->finish();
-    report.domains[i].tokens = writers[i]->n_tokens();
-    report.domains[i].samples = writers[i]->n_samples();
+// Completes the new shards; their sizes replace those read from the stale ones.
+void finish_shards(ShardPlan& plan, PrepareReport& report) {
+  for (size_t i = 0; i < plan.writers.size(); ++i) {
+    if (!plan.writers[i]) continue;
+    plan.writers[i]->finish();
+    report.domains[i].tokens = plan.writers[i]->n_tokens();
+    report.domains[i].samples = plan.writers[i]->n_samples();
   }
+}
+
+void write_manifest(const PrepareConfig& cfg, const Tokenizer& tok, const std::string& out_dir,
+                    const PrepareReport& report, const ShardPlan& plan) {
   json shards = json::array();
-  for (size_t i = 0; i < nd; ++i)
+  for (size_t i = 0; i < report.domains.size(); ++i)
     shards.push_back({{"domain", report.domains[i].name},
                       {"file", report.domains[i].name + ".shard"},
                       {"tokens", report.domains[i].tokens},
                       {"samples", report.domains[i].samples},
-                      {"inputs_hash", fmt::format("{:016x}", inputs_hash[i])}});
+                      {"inputs_hash", fmt::format("{:016x}", plan.inputs_hash[i])}});
   json manifest = {{"format", "sigma-shards"},
                    {"version", 1},
                    {"tokenizer", cfg.tokenizer},
@@ -350,14 +409,32 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
                    {"domains", cfg.domains.to_json(DomainForm::Data)},
                    {"shards", std::move(shards)}};
   write_file_atomic(out_dir + "/manifest.json", manifest.dump(2) + "\n");
+}
 
-  if (opt.progress) {
-    for (auto& m : report.stats.messages) fmt::print(stderr, "prepare: skip: {}\n", m);
-    if (!todo.empty()) fmt::print(stderr, "prepare: read {}\n", report.stats.summary());
-    for (auto& d : report.domains)
-      fmt::print(stderr, "prepare: {:<12} {:>10} tokens {:>8} samples  {}\n", d.name, d.tokens,
-                 d.samples, d.reused ? "(up to date, kept)" : "(written)");
-  }
+void print_summary(const PrepareReport& report, bool read_any) {
+  for (auto& m : report.stats.messages) fmt::print(stderr, "prepare: skip: {}\n", m);
+  if (read_any) fmt::print(stderr, "prepare: read {}\n", report.stats.summary());
+  for (auto& d : report.domains)
+    fmt::print(stderr, "prepare: {:<12} {:>10} tokens {:>8} samples  {}\n", d.name, d.tokens,
+               d.samples, d.reused ? "(up to date, kept)" : "(written)");
+}
+
+}  // namespace
+
+PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, const PrepareOptions& opt) {
+  Tokenizer tok = Tokenizer::load(cfg.tokenizer);
+  check_prefixes(cfg, tok);
+  std::vector<Source> sources = expand_corpus(cfg.corpus);
+  fs::create_directories(out_dir);
+  PrepareReport report;
+  ShardPlan plan = plan_shards(cfg, tok, sources, out_dir, report);
+  note_undeclared_domains(cfg, sources, opt);
+  uint64_t total = 0;
+  const std::vector<size_t> todo = sources_to_read(cfg, sources, plan, total);
+  write_stale_shards(cfg, tok, sources, todo, total, opt, plan, report.stats);
+  finish_shards(plan, report);
+  write_manifest(cfg, tok, out_dir, report, plan);
+  if (opt.progress) print_summary(report, !todo.empty());
   return report;
 }
 

@@ -472,11 +472,108 @@ namespace {
 struct MixHash {
   size_t operator()(uint64_t k) const { return mix64(k); }
 };
-}  // namespace
 
 // Incremental pair counting: counts of every adjacent pair over the distinct words (weighted by
 // word frequency), an index pair -> words containing it, and a lazy max-heap. A merge touches
 // only the words that contain its pair and updates the counts of the neighbouring pairs.
+class PairCounts {
+ public:
+  // Every word as byte tokens; `words` (word, frequency) sorted, so that the merges do not
+  // depend on hash-map iteration order.
+  PairCounts(const Tokenizer& tok, std::span<const std::pair<std::string_view, uint64_t>> words)
+      : syms_(words.size()), freq_(words.size()), stamp_(words.size(), ~0u) {
+    for (size_t w = 0; w < words.size(); ++w) {
+      auto& s = syms_[w];
+      for (char c : words[w].first) s.push_back(tok.byte_id(static_cast<uint8_t>(c)));
+      freq_[w] = static_cast<int64_t>(words[w].second);
+      for (size_t i = 0; i + 1 < s.size(); ++i) {
+        uint64_t k = pair_key(s[i], s[i + 1]);
+        count_[k] += freq_[w];
+        auto& list = where_[k];
+        if (list.empty() || list.back() != w) list.push_back(static_cast<uint32_t>(w));
+      }
+    }
+    for (auto& [k, c] : count_) heap_.push({c, ~k});
+  }
+
+  // The most frequent pair and its count, stale heap entries skipped; nullopt when none is left.
+  std::optional<std::pair<uint64_t, int64_t>> pop_best() {
+    while (!heap_.empty()) {
+      auto [c, nk] = heap_.top();
+      heap_.pop();
+      auto it = count_.find(~nk);
+      int64_t cur = it == count_.end() ? 0 : it->second;
+      if (cur == c) return std::pair{~nk, c};
+      // Stale entry; an increase was pushed separately when it happened.
+      if (cur > 0 && cur < c) heap_.push({cur, nk});
+    }
+    return std::nullopt;
+  }
+
+  // Merge number `step`: pair `key` becomes token z in every word that holds it.
+  void merge(uint64_t key, uint32_t z, uint32_t step) {
+    const uint32_t a = static_cast<uint32_t>(key >> 32), b = static_cast<uint32_t>(key);
+    grown_.clear();
+    std::vector<uint32_t> list = std::move(where_[key]);
+    where_.erase(key);
+    for (uint32_t w : list) {
+      if (stamp_[w] == step) continue;
+      stamp_[w] = step;
+      merge_in_word(w, a, b, z);
+    }
+    count_.erase(key);  // every occurrence was merged
+    std::sort(grown_.begin(), grown_.end());
+    grown_.erase(std::unique(grown_.begin(), grown_.end()), grown_.end());
+    for (uint64_t k : grown_) heap_.push({count_[k], ~k});
+  }
+
+ private:
+  // Rewrites word w's tokens and moves the counts of the pairs around each (a, b) to (., z).
+  void merge_in_word(uint32_t w, uint32_t a, uint32_t b, uint32_t z) {
+    auto& s = syms_[w];
+    const int64_t f = freq_[w];
+    size_t out = 0;
+    for (size_t i = 0; i < s.size();) {
+      if (i + 1 < s.size() && s[i] == a && s[i + 1] == b) {
+        if (out > 0) {
+          add(w, s[out - 1], a, -f);
+          add(w, s[out - 1], z, f);
+        }
+        if (i + 2 < s.size()) {
+          add(w, b, s[i + 2], -f);
+          add(w, z, s[i + 2], f);
+        }
+        s[out++] = z;
+        i += 2;
+      } else {
+        s[out++] = s[i++];
+      }
+    }
+    s.resize(out);
+  }
+
+  // Pair (x, y) in word w: its count changes by d; a pair that grows is indexed and re-queued.
+  void add(uint32_t w, uint32_t x, uint32_t y, int64_t d) {
+    uint64_t k = pair_key(x, y);
+    count_[k] += d;
+    if (d > 0) {
+      auto& l = where_[k];
+      if (l.empty() || l.back() != w) l.push_back(w);
+      grown_.push_back(k);
+    }
+  }
+
+  std::vector<std::vector<uint32_t>> syms_;  // [word] its tokens so far
+  std::vector<int64_t> freq_;                // [word] its count in the text
+  std::unordered_map<uint64_t, int64_t, MixHash> count_;                // pair -> weighted count
+  std::unordered_map<uint64_t, std::vector<uint32_t>, MixHash> where_;  // pair -> words with it
+  // Max count first; ties go to the smaller pair key (~key is larger), deterministically.
+  std::priority_queue<std::pair<int64_t, uint64_t>> heap_;  // (count, ~key), some stale
+  std::vector<uint32_t> stamp_;  // [word] the last merge step that rewrote it
+  std::vector<uint64_t> grown_;  // pairs whose count grew during the current merge
+};
+}  // namespace
+
 Tokenizer BpeTrainer::finish() const {
   Tokenizer tok(opt_.controls, opt_.max_space_run);
   SIGMA_CHECK(opt_.vocab_size >= tok.vocab_size(),
@@ -487,83 +584,14 @@ Tokenizer BpeTrainer::finish() const {
   // Sorted, so the merges do not depend on hash-map iteration order.
   std::vector<std::pair<std::string_view, uint64_t>> sorted(words_.begin(), words_.end());
   std::sort(sorted.begin(), sorted.end());
-  const size_t nw = sorted.size();
-  std::vector<std::vector<uint32_t>> syms(nw);
-  std::vector<int64_t> freq(nw);
-  std::unordered_map<uint64_t, int64_t, MixHash> count;
-  std::unordered_map<uint64_t, std::vector<uint32_t>, MixHash> where;
-  for (size_t w = 0; w < nw; ++w) {
-    auto& s = syms[w];
-    for (char c : sorted[w].first) s.push_back(tok.byte_id(static_cast<uint8_t>(c)));
-    freq[w] = static_cast<int64_t>(sorted[w].second);
-    for (size_t i = 0; i + 1 < s.size(); ++i) {
-      uint64_t k = pair_key(s[i], s[i + 1]);
-      count[k] += freq[w];
-      auto& list = where[k];
-      if (list.empty() || list.back() != w) list.push_back(static_cast<uint32_t>(w));
-    }
-  }
-  // Max count first; ties go to the smaller pair key (~key is larger), deterministically.
-  std::priority_queue<std::pair<int64_t, uint64_t>> heap;
-  for (auto& [k, c] : count) heap.push({c, ~k});
-
-  std::vector<uint32_t> stamp(nw, ~0u);
-  std::vector<uint64_t> grown;
-  for (uint32_t step = 0; step < target && !heap.empty();) {
-    auto [c, nk] = heap.top();
-    heap.pop();
-    const uint64_t key = ~nk;
-    auto it = count.find(key);
-    int64_t cur = it == count.end() ? 0 : it->second;
-    if (cur != c) {  // stale entry; an increase was pushed separately when it happened
-      if (cur > 0 && cur < c) heap.push({cur, nk});
-      continue;
-    }
-    if (c < static_cast<int64_t>(opt_.min_pair_count)) break;
-    const uint32_t a = static_cast<uint32_t>(key >> 32), b = static_cast<uint32_t>(key);
+  PairCounts pairs(tok, sorted);
+  for (uint32_t step = 0; step < target; ++step) {
+    const auto best = pairs.pop_best();
+    if (!best || best->second < static_cast<int64_t>(opt_.min_pair_count)) break;
+    const uint64_t key = best->first;
     const uint32_t z = tok.vocab_size();
-    tok.add_merge(a, b);
-    grown.clear();
-    std::vector<uint32_t> list = std::move(where[key]);
-    where.erase(key);
-    for (uint32_t w : list) {
-      if (stamp[w] == step) continue;
-      stamp[w] = step;
-      auto& s = syms[w];
-      const int64_t f = freq[w];
-      auto add = [&](uint32_t x, uint32_t y, int64_t d) {
-        uint64_t k = pair_key(x, y);
-        count[k] += d;
-        if (d > 0) {
-          auto& l = where[k];
-          if (l.empty() || l.back() != w) l.push_back(w);
-          grown.push_back(k);
-        }
-      };
-      size_t out = 0;
-      for (size_t i = 0; i < s.size();) {
-        if (i + 1 < s.size() && s[i] == a && s[i + 1] == b) {
-          if (out > 0) {
-            add(s[out - 1], a, -f);
-            add(s[out - 1], z, f);
-          }
-          if (i + 2 < s.size()) {
-            add(b, s[i + 2], -f);
-            add(z, s[i + 2], f);
-          }
-          s[out++] = z;
-          i += 2;
-        } else {
-          s[out++] = s[i++];
-        }
-      }
-      s.resize(out);
-    }
-    count.erase(key);  // every occurrence was merged
-    std::sort(grown.begin(), grown.end());
-    grown.erase(std::unique(grown.begin(), grown.end()), grown.end());
-    for (uint64_t k : grown) heap.push({count[k], ~k});
-    ++step;
+    tok.add_merge(static_cast<uint32_t>(key >> 32), static_cast<uint32_t>(key));
+    pairs.merge(key, z, step);
   }
   tok.finalize();
   return tok;

@@ -18,6 +18,82 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Step counts in an optimizer file: per-expert "steps" (ECSS) or per-tensor "step" (in-model).
+bool is_step(const std::string& n) { return n.ends_with(".steps") || n.ends_with(".step"); }
+
+// The tensor `name` of file `path` (its index) must exist with this dtype and shape.
+void check_tensor(const std::map<std::string, TensorInfo>& index, const std::string& path,
+                  const std::string& name, DType dt, const Shape& shape) {
+  auto it = index.find(name);
+  SIGMA_CHECK(it != index.end(), "{}: expert tensor '{}' is missing", path, name);
+  SIGMA_CHECK(it->second.dtype == dt && it->second.shape == shape,
+              "{}: expert tensor '{}' is {} {} but the store expects {} {}", path, name,
+              dtype_name(it->second.dtype), shape_str(it->second.shape), dtype_name(dt),
+              shape_str(shape));
+}
+
+// load(), pass 1, for group gs (named `name` in the config): checks every expert tensor's name,
+// dtype and shape in both files and returns the experts' step counts. Takes no store, so it
+// cannot change it.
+std::vector<int64_t> check_group(const ExpertGroupSpec& gs, const std::string& name,
+                                 const std::string& model_path, const std::string& opt_path) {
+  const Safetensors model_index = read_safetensors(model_path, [](const std::string&) { return false; });
+  const Safetensors steps_file = read_safetensors(opt_path, is_step);
+  for (size_t t = 0; t < gs.tensors.size(); ++t) {
+    const std::string base = names::expert(gs.block, name, names::kExpertLeaves[t]);
+    Shape shape{gs.experts};
+    for (int64_t x : gs.tensors[t].shape) shape.push_back(x);
+    check_tensor(model_index.index, model_path, base, DType::F32, shape);
+    check_tensor(steps_file.index, opt_path, base + ".m", DType::F32, shape);
+    check_tensor(steps_file.index, opt_path, base + ".v", DType::F32, shape);
+  }
+  const std::string per_expert = names::expert(gs.block, name, "steps");
+  std::vector<int64_t> s;
+  if (steps_file.index.count(per_expert)) {
+    check_tensor(steps_file.index, opt_path, per_expert, DType::I64, {gs.experts});
+    const int64_t* v = steps_file.tensors.at(per_expert).data<int64_t>();
+    s.assign(v, v + gs.experts);
+  } else {  // written by an in-model run or by surgery: one step per tensor
+    const std::string one = names::expert(gs.block, name, names::kWIn) + ".step";
+    check_tensor(steps_file.index, opt_path, one, DType::I64, {});
+    s.assign(size_t(gs.experts), *steps_file.tensors.at(one).data<int64_t>());
+  }
+  for (int64_t x : s)
+    SIGMA_CHECK(x >= 0, "{}: negative step count {} in group '{}'", opt_path, x, name);
+  return s;
+}
+
+// load(), pass 2: reads group gs's weights and moments and stores every expert with its step
+// count. w, m and v are scratch of one expert's floats each, kept across groups.
+void load_group(ExpertStore& store, const ExpertGroupSpec& gs, const std::string& name,
+                const std::string& model_path, const std::string& opt_path,
+                const std::vector<int64_t>& steps, std::vector<float>& w, std::vector<float>& m,
+                std::vector<float>& v) {
+  const std::string prefix = names::expert_prefix(gs.block, name) + ".";
+  // Names under the group's prefix: "w_in" (weights), "w_in.m" / "w_in.v" (moments).
+  auto rest = [&](const std::string& n) {
+    return n.starts_with(prefix) ? n.substr(prefix.size()) : std::string(".");
+  };
+  const Safetensors weights = read_safetensors(model_path, [&](const std::string& n) {
+    return rest(n).find('.') == std::string::npos;
+  });
+  const Safetensors moments = read_safetensors(opt_path, [&](const std::string& n) {
+    const std::string r = rest(n);
+    return r.find('.') == r.size() - 2 && (r.ends_with(".m") || r.ends_with(".v"));
+  });
+  for (int32_t k = 0; k < gs.experts; ++k) {
+    for (size_t t = 0; t < gs.tensors.size(); ++t) {
+      const std::string base = prefix + names::kExpertLeaves[t];
+      const int64_t n = shape_numel(gs.tensors[t].shape), off = gs.offset(t);
+      std::memcpy(w.data() + off, weights.tensors.at(base).f() + k * n, size_t(n) * 4);
+      std::memcpy(m.data() + off, moments.tensors.at(base + ".m").f() + k * n, size_t(n) * 4);
+      std::memcpy(v.data() + off, moments.tensors.at(base + ".v").f() + k * n, size_t(n) * 4);
+    }
+    const ExpertId id{gs.block, gs.group, k};
+    store.set_weights(id, w.data());
+    store.set_state(id, m.data(), v.data(), steps[size_t(k)]);
+  }
+}
 
 }  // namespace
 
@@ -267,78 +343,20 @@ void EcssExperts::load(const std::string& dir) {
     if (per_group) return {dir + "/" + group_file(gi, false), dir + "/" + group_file(gi, true)};
     return {dir + "/model.safetensors", dir + "/optimizer.safetensors"};
   };
-  auto is_step = [](const std::string& n) { return n.ends_with(".steps") || n.ends_with(".step"); };
-  auto check = [](const std::map<std::string, TensorInfo>& index, const std::string& path,
-                  const std::string& name, DType dt, const Shape& shape) {
-    auto it = index.find(name);
-    SIGMA_CHECK(it != index.end(), "{}: expert tensor '{}' is missing", path, name);
-    SIGMA_CHECK(it->second.dtype == dt && it->second.shape == shape,
-                "{}: expert tensor '{}' is {} {} but the store expects {} {}", path, name,
-                dtype_name(it->second.dtype), shape_str(it->second.shape), dtype_name(dt),
-                shape_str(shape));
-  };
   // Pass 1: the files' indexes and every step count; nothing changes yet.
   std::vector<std::vector<int64_t>> steps;  // per store group, per expert
   for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
     const ExpertGroupSpec& gs = store_.spec().groups[gi];
     const auto [model_path, opt_path] = paths(gi);
-    const Safetensors model_index = read_safetensors(model_path, [](const std::string&) { return false; });
-    const Safetensors steps_file = read_safetensors(opt_path, is_step);
-    const std::string& name = cfg.groups[size_t(gs.group)].name;
-    for (size_t t = 0; t < gs.tensors.size(); ++t) {
-      const std::string base = names::expert(gs.block, name, names::kExpertLeaves[t]);
-      Shape shape{gs.experts};
-      for (int64_t x : gs.tensors[t].shape) shape.push_back(x);
-      check(model_index.index, model_path, base, DType::F32, shape);
-      check(steps_file.index, opt_path, base + ".m", DType::F32, shape);
-      check(steps_file.index, opt_path, base + ".v", DType::F32, shape);
-    }
-    const std::string per_expert = names::expert(gs.block, name, "steps");
-    std::vector<int64_t> s;
-    if (steps_file.index.count(per_expert)) {
-      check(steps_file.index, opt_path, per_expert, DType::I64, {gs.experts});
-      const int64_t* v = steps_file.tensors.at(per_expert).data<int64_t>();
-      s.assign(v, v + gs.experts);
-    } else {  // written by an in-model run or by surgery: one step per tensor
-      const std::string one = names::expert(gs.block, name, names::kWIn) + ".step";
-      check(steps_file.index, opt_path, one, DType::I64, {});
-      s.assign(size_t(gs.experts), *steps_file.tensors.at(one).data<int64_t>());
-    }
-    for (int64_t x : s)
-      SIGMA_CHECK(x >= 0, "{}: negative step count {} in group '{}'", opt_path, x, name);
-    steps.push_back(std::move(s));
+    steps.push_back(check_group(gs, cfg.groups[size_t(gs.group)].name, model_path, opt_path));
   }
   // Pass 2: one group at a time.
   const size_t P = static_cast<size_t>(P_);
   std::vector<float> w(P), m(P), v(P);
   for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
     const ExpertGroupSpec& gs = store_.spec().groups[gi];
-    const std::string prefix =
-        names::expert_prefix(gs.block, cfg.groups[size_t(gs.group)].name) + ".";
-    // Names under the group's prefix: "w_in" (weights), "w_in.m" / "w_in.v" (moments).
-    auto rest = [&](const std::string& n) {
-      return n.starts_with(prefix) ? n.substr(prefix.size()) : std::string(".");
-    };
     const auto [model_path, opt_path] = paths(gi);
-    const Safetensors weights = read_safetensors(model_path, [&](const std::string& n) {
-      return rest(n).find('.') == std::string::npos;
-    });
-    const Safetensors moments = read_safetensors(opt_path, [&](const std::string& n) {
-      const std::string r = rest(n);
-      return r.find('.') == r.size() - 2 && (r.ends_with(".m") || r.ends_with(".v"));
-    });
-    for (int32_t k = 0; k < gs.experts; ++k) {
-      for (size_t t = 0; t < gs.tensors.size(); ++t) {
-        const std::string base = prefix + names::kExpertLeaves[t];
-        const int64_t n = shape_numel(gs.tensors[t].shape), off = gs.offset(t);
-        std::memcpy(w.data() + off, weights.tensors.at(base).f() + k * n, size_t(n) * 4);
-        std::memcpy(m.data() + off, moments.tensors.at(base + ".m").f() + k * n, size_t(n) * 4);
-        std::memcpy(v.data() + off, moments.tensors.at(base + ".v").f() + k * n, size_t(n) * 4);
-      }
-      const ExpertId id{gs.block, gs.group, k};
-      store_.set_weights(id, w.data());
-      store_.set_state(id, m.data(), v.data(), steps[gi][size_t(k)]);
-    }
+    load_group(store_, gs, cfg.groups[size_t(gs.group)].name, model_path, opt_path, steps[gi], w, m, v);
   }
   store_.flush();
   // The store now equals the checkpoint: unchanged groups can be linked from it.
