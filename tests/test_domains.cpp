@@ -53,7 +53,8 @@ TEST(DomainRegistry, WritesTheModelFormAndTheWholeRecordForData) {
   DomainRegistry r{{"a", "g", 1}};
   r[0].id = 4;
   r[0].prefix = {"<Java>"};
-  EXPECT_EQ(r.to_json(DomainForm::Model), json::parse(R"([{"name": "a", "group": "g", "slot": 1}])"));
+  EXPECT_EQ(r.to_json(DomainForm::Model),
+            json::parse(R"([{"name": "a", "group": "g", "slot": 1}])"));
   // Prepare hashes this text to decide whether a shard is current: it must not change.
   EXPECT_EQ(to_json(r[0], DomainForm::Data).dump(),
             R"({"format":"plain","group":"g","id":4,"name":"a","prefix":["<Java>"],"slot":1})");
@@ -83,7 +84,7 @@ TEST(DomainRegistry, ModelConfigReadsAndWritesItsForm) {
   Options o;
   c.describe(o, "model.");
   o.apply_json(json::parse(R"({"model": {"domains": [{"name": "a", "slot": 1},
-                                                      {"name": "b", "id": 3, "prefix": ["<P>"]}]}})"),
+                                          {"name": "b", "id": 3, "prefix": ["<P>"]}]}})"),
                "test.json");
   ASSERT_EQ(c.domains.size(), 2u);
   EXPECT_EQ(c.domains[0].group, "a");

@@ -59,6 +59,7 @@ TEST(Names, EveryRegisteredNameParsesBack) {
       EXPECT_EQ(names::is_expert(p.name), p.expert) << p.name;
       if (p.expert) {
         EXPECT_EQ(names::expert(l, g, names::leaf_of(p.name)), p.name);
+        EXPECT_EQ(names::expert_prefix_of(p.name), names::expert_prefix(l, g));
         ++experts;
       } else if (names::is_gate(p.name)) {
         EXPECT_EQ(names::gate(l, g), p.name);

@@ -79,6 +79,10 @@ int block_of(std::string_view name) {
 
 std::string leaf_of(std::string_view name) { return std::string(name.substr(name.rfind('.') + 1)); }
 
+std::string expert_prefix_of(std::string_view name) {
+  return expert_prefix(block_of(name), group_of(name));
+}
+
 bool is_ln_gain(std::string_view name) {
   return name == kFinalLnW || (name.starts_with(kBlocks) &&
                                (name.ends_with(".ln1.w") || name.ends_with(".ln2.w")));

@@ -52,6 +52,8 @@ std::string group_of(std::string_view name);
 int block_of(std::string_view name);
 // The last component: w_in, b_in, w_out, b_out, w, ...
 std::string leaf_of(std::string_view name);
+// blocks.L.rre.G of an expert tensor: the (block, group) whose experts it stacks.
+std::string expert_prefix_of(std::string_view name);
 
 // Roles the initialisation reads from a name: LayerNorm gains start at 1; projections that add
 // into the residual stream (attn.out.w, an FFN's or expert's w_out) get init_std / sqrt(2L).

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "model/names.h"
+
 namespace sigma {
 
 namespace {
@@ -51,8 +53,8 @@ double grad_sq(const ParamSet& ps) {
   // one (block, group); within it, expert k's leaves in order.
   for (size_t first = 0; first < experts.size();) {
     size_t last = first;
-    while (last < experts.size() && experts[last]->name.substr(0, experts[last]->name.rfind('.')) ==
-                                        experts[first]->name.substr(0, experts[first]->name.rfind('.')))
+    const std::string group = names::expert_prefix_of(experts[first]->name);
+    while (last < experts.size() && names::expert_prefix_of(experts[last]->name) == group)
       ++last;
     const int64_t K = experts[first]->grad.dim(0);
     for (int64_t k = 0; k < K; ++k)

@@ -14,12 +14,6 @@ bool contains(const std::vector<std::string>& v, const std::string& x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
 
-std::vector<std::string> model_domains(const ModelConfig& m) {
-  std::vector<std::string> names;
-  for (const DomainSpec& d : m.domains) names.push_back(d.name);
-  return names;
-}
-
 // Evaluation over a subset of another source's domains (see keep_domains).
 class KeptDomains : public DataSource {
  public:
@@ -97,7 +91,7 @@ class KeptDomains : public DataSource {
 
 EvalDomains choose_eval_domains(const std::vector<std::string>& data, const ModelConfig& model,
                                 const std::vector<std::string>& requested, const std::string& what) {
-  const std::vector<std::string> known = model_domains(model);
+  const std::vector<std::string> known = model.domains.names();
   EvalDomains out;
   for (const auto& n : data) {
     if (contains(known, n))

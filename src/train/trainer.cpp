@@ -196,7 +196,7 @@ void RunLoop::build() {
     experts_ = std::make_unique<EcssExperts>(*model_, mode_, cfg_.optim, cfg_.train.expert_store,
                                              ck_.has_value());
   step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim);
-  for (const auto& d : cfg_.model.domains) names_.push_back(d.name);
+  names_ = cfg_.model.domains.names();
   for (const auto& n : data_->domains()) data_to_model_.push_back(cfg_.model.domain_index(n));
   micro_.resize(size_t(cfg_.train.accum));
   next_.resize(size_t(cfg_.train.accum));
