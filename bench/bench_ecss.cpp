@@ -34,6 +34,7 @@
 #include "core/rng.h"
 #include "model/model.h"
 #include "optim/adamw.h"
+#include "optim/grad_norm.h"
 #include "ecss/ecss_experts.h"
 
 using namespace sigma;
@@ -161,7 +162,7 @@ int main(int argc, char** argv) {
         model.backward(cur);
         const double fb = since(t);
         t = Clock::now();
-        const double norm = std::sqrt(AdamW::grad_sq(model.params()) + experts.grad_sq());
+        const double norm = std::sqrt(grad_sq(model.params()) + experts.grad_sq());
         const double tn = since(t);
         const float clip = norm > 1.0 ? float(1.0 / norm) : 1.0f;
         t = Clock::now();

@@ -7,12 +7,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <string>
 
 #include "core/rng.h"
 #include "model/model.h"
 #include "optim/adamw.h"
+#include "optim/grad_norm.h"
 
 using namespace sigma;
 
@@ -61,7 +63,7 @@ int main(int argc, char** argv) {
     m.forward(b, loss.data(), scale.data());
     m.backward(b);
     const auto t1 = std::chrono::steady_clock::now();
-    const double norm = AdamW::grad_norm(m.params());
+    const double norm = std::sqrt(grad_sq(m.params()));
     opt.step(m.params(), 1e-4f, norm > 1.0 ? float(1.0 / norm) : 1.0f);
     const auto t2 = std::chrono::steady_clock::now();
     double mean = 0;

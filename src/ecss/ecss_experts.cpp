@@ -240,15 +240,14 @@ double EcssExperts::grad_sq() const {
   // The canonical order of optim/grad_norm.h: experts in (block, group, expert) order (ids_),
   // each expert's tensors in record order, each summed by sum_sq exactly as in the model.
   const int64_t n = int64_t(ids_.size());
-  const std::vector<ExpertTensorSpec>& leaves = store_.spec().groups.front().tensors;
+  const ExpertGroupSpec& gs = store_.spec().groups.front();  // every group: the same layout
   std::vector<double> per(size_t(n), 0.0);
   const float* g = g_.f();
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) {
-    const ExpertGroupSpec& gs = store_.spec().groups.front();
     double s = 0;
-    for (size_t t = 0; t < leaves.size(); ++t)
-      s += sum_sq(g + i * stride_ + gs.offset(t), shape_numel(leaves[t].shape));
+    for (size_t t = 0; t < gs.tensors.size(); ++t)
+      s += sum_sq(g + i * stride_ + gs.offset(t), shape_numel(gs.tensors[t].shape));
     per[size_t(i)] = s;
   }
   double total = 0;

@@ -17,6 +17,12 @@ namespace sigma {
 
 namespace {
 void zero(Tensor& t) { ops::fill(t.f(), 0.0f, t.numel()); }
+
+void check_batch(const Batch& b) {
+  SIGMA_CHECK(b.B > 0 && b.T > 0 && b.tokens.size() == size_t(b.B) * b.T &&
+                  b.targets.size() == size_t(b.B) * b.T && b.domain.size() == size_t(b.B),
+              "malformed batch (B={}, T={})", b.B, b.T);
+}
 }  // namespace
 
 double BlockLoad::imbalance() const {
@@ -274,9 +280,7 @@ void Model::embed(const Batch& batch, Activations& a, int first_pos) {
 void Model::forward(const Batch& batch, Activations& a, float* token_loss,
                     const float* loss_weight) {
   const int B = batch.B, T = batch.T;
-  SIGMA_CHECK(B > 0 && T > 0 && batch.tokens.size() == size_t(B) * T &&
-                  batch.targets.size() == size_t(B) * T && batch.domain.size() == size_t(B),
-              "malformed batch (B={}, T={})", B, T);
+  check_batch(batch);
   a.ensure(cfg_, B, T);
   check_routing_ready();
   embed(batch, a, 0);
@@ -298,9 +302,7 @@ void KvCache::reset(const ModelConfig& cfg, int rows) {
 
 void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, float* token_loss) {
   const int B = batch.B, T = batch.T;
-  SIGMA_CHECK(B > 0 && T > 0 && batch.tokens.size() == size_t(B) * T &&
-                  batch.targets.size() == size_t(B) * T && batch.domain.size() == size_t(B),
-              "malformed batch (B={}, T={})", B, T);
+  check_batch(batch);
   if (cache.kv.empty()) cache.reset(cfg_, B);
   SIGMA_CHECK(cache.B == B, "KV cache holds {} sequences, the batch {}", cache.B, B);
   SIGMA_CHECK(cache.length + T <= cfg_.context, "generation reached the model's context length "

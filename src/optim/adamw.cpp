@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "kernels/ops.h"
-#include "optim/grad_norm.h"
 
 namespace sigma {
 
@@ -40,10 +39,6 @@ AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params) : cfg_(cfg) {
   for (const Param& p : params.all())
     state_.push_back({Tensor::f32(p.value.shape()), Tensor::f32(p.value.shape()), 0, {}});
 }
-
-double AdamW::grad_norm(const ParamSet& params) { return std::sqrt(grad_sq(params)); }
-
-double AdamW::grad_sq(const ParamSet& params) { return sigma::grad_sq(params); }
 
 void UpdateMask::mask_grads(ParamSet& params) const {
   auto& ps = params.all();

@@ -51,9 +51,6 @@ class AdamW {
  public:
   AdamW(const OptimConfig& cfg, const ParamSet& params);
 
-  // Global L2 norm of all gradients (double accumulation, deterministic), and its square.
-  static double grad_norm(const ParamSet& params);
-  static double grad_sq(const ParamSet& params);  // optim/grad_norm.h's canonical order
   // Updates every parameter (those `mask` allows) with learning rate `lr`; gradients scaled
   // by grad_scale first.
   void step(ParamSet& params, float lr, float grad_scale, const UpdateMask* mask = nullptr);
