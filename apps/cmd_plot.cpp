@@ -77,7 +77,8 @@ Figure loss_figure(const std::vector<json>& m, const json& summary, const std::s
   const std::vector<std::string> doms(names.begin(), names.end());
   for (const json& r : m) {
     f.data += cell(num(r, "step"));
-    for (const auto& d : doms) f.data += " " + cell(r.contains("domains") ? num(r["domains"], d.c_str()) : NAN);
+    for (const auto& d : doms)
+      f.data += fmt::format(" {}", cell(r.contains("domains") ? num(r["domains"], d.c_str()) : NAN));
     f.data += "\n";
   }
   const double last = num(m.back(), "step");
@@ -103,7 +104,7 @@ Figure loss_figure(const std::vector<json>& m, const json& summary, const std::s
 Figure series_figure(const std::vector<json>& m, const char* key, const std::string& title,
                      const std::string& ylabel, const std::string& dat) {
   Figure f;
-  for (const json& r : m) f.data += cell(num(r, "step")) + " " + cell(num(r, key)) + "\n";
+  for (const json& r : m) f.data += fmt::format("{} {}\n", cell(num(r, "step")), cell(num(r, key)));
   f.script = fmt::format("set title {}\nset xlabel 'step'\nset ylabel {}\nset key off\n"
                          "plot {} using 1:2 with linespoints lw 2 pt 7 ps 0.5\n",
                          quote(title), quote(ylabel), quote(dat));

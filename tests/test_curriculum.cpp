@@ -66,7 +66,7 @@ class Curriculum : public ::testing::Test {
     ASSERT_EQ(r.code, 0) << r.out;
     // The shipped stages, with stage 1 shortened to 6 steps for the test.
     sampler = read_json(kRoot + "/configs/curriculum.train.json")["data"]["sampler"];
-    sampler["stages"][0]["steps"] = 6;
+    sampler["stages"][0]["steps"] = 6u;
   }
   static void TearDownTestSuite() { delete dir; }
   static std::string train_args() {
