@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
@@ -83,9 +84,9 @@ class FineTune : public ::testing::Test {
 };
 TempDir* FineTune::dir = nullptr;
 
-json eval_task(const std::string& ckpt) {
+json eval_task(const std::string& ckpt, const std::string& extra = "") {
   const auto r = sigma_cmd("eval --ckpt " + ckpt + " --task " + *FineTune::dir / "tasks.jsonl" +
-                           " --max-new 24 --timeout 5 --json");
+                           " --max-new 24 --timeout 5 --json " + extra);
   EXPECT_EQ(r.code, 0) << r.out;
   return json::parse(r.out.substr(r.out.find('{')));
 }
@@ -98,6 +99,7 @@ TEST_F(FineTune, TaskScoresRiseFromTheStartOfFineTuningToItsEnd) {
   ASSERT_EQ(r.code, 0) << r.out;
   const json after = eval_task(*dir / "run/checkpoints/step-00000160");
   SCOPED_TRACE("before " + before.dump() + "\nafter " + after.dump());
+  std::cout << "scores after step 1: " << before.dump() << "\nafter step 160: " << after.dump() << "\n";
   EXPECT_EQ(after["items"], 20);
   EXPECT_GT(after["choice"]["acc"].get<double>(), before["choice"]["acc"].get<double>());
   EXPECT_GE(after["choice"]["acc"].get<double>(), 0.75);
@@ -105,6 +107,15 @@ TEST_F(FineTune, TaskScoresRiseFromTheStartOfFineTuningToItsEnd) {
   EXPECT_GT(after["generate"]["bleu"]["zh"]["score"].get<double>(),
             before["generate"]["bleu"]["zh"]["score"].get<double>());
   EXPECT_GT(after["code"]["pass@1"].get<double>(), before["code"]["pass@1"].get<double>());
+  // Sampled: n = 4 per problem, pass@k for k = 1, 2, 4 (non-decreasing in k by construction).
+  const json sampled = eval_task(*dir / "run/checkpoints", "--samples 4 --k 1,2,4 --temperature 1.5 --seed 3");
+  const json& code = sampled["code"];
+  EXPECT_EQ(code["samples"], 4);
+  EXPECT_LE(code["pass@1"].get<double>(), code["pass@2"].get<double>());
+  EXPECT_LE(code["pass@2"].get<double>(), code["pass@4"].get<double>());
+  r = sigma_cmd("eval --ckpt " + *dir / "run/checkpoints --task " + *dir / "tasks.jsonl --samples 2 --k 3");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("pass@3 needs at least 3 samples"), std::string::npos) << r.out;
 }
 
 TEST_F(FineTune, BadTaskFilesAndCheckpointsWithoutTokenizerAreClearErrors) {

@@ -84,6 +84,23 @@ TEST(Sandbox, WritingOutsideItsDirectoryFails) {
   EXPECT_TRUE(r.passed) << r.why;
 }
 
+// Reads are confined by Landlock only (the audit hook guards writes): the evaluator's files,
+// a world-readable one included, stay out of reach; the standard library does not.
+TEST(Sandbox, ReadingOutsideItsDirectoryAndTheSystemFails) {
+  if (sandbox_protections().find("landlock") == std::string::npos)
+    GTEST_SKIP() << "this kernel has no Landlock: reads are not confined (docs/evaluation.md)";
+  sigma::testing::TempDir outside("secret");
+  std::filesystem::permissions(outside.path, std::filesystem::perms::all);
+  std::ofstream(outside / "secret.txt") << "the answer";
+  std::filesystem::permissions(outside / "secret.txt", std::filesystem::perms::all);
+  SandboxResult r;
+  run_timed("print(open(" + nlohmann_quote(outside / "secret.txt") + ").read())\n", r);
+  EXPECT_FALSE(r.passed) << r.why;
+  EXPECT_NE(r.why.find("Permission denied"), std::string::npos) << r.why;
+  run_timed("import json, re, collections, itertools\nassert json.loads('[1]') == [1]\n", r);
+  EXPECT_TRUE(r.passed) << r.why;
+}
+
 TEST(Sandbox, ForkExecAndSignalsAreFailures) {
   SandboxResult r;
   run_timed("import os\nif os.fork() == 0:\n    os._exit(0)\n", r);

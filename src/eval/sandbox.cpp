@@ -56,6 +56,22 @@ uint64_t landlock_write_mask(int abi) {
   if (abi >= 3) m |= kFsTruncate;
   return m;
 }
+constexpr uint64_t kRead = LANDLOCK_ACCESS_FS_EXECUTE | LANDLOCK_ACCESS_FS_READ_FILE |
+                           LANDLOCK_ACCESS_FS_READ_DIR;
+
+// What the interpreter may read besides its own directory: the system and its own install
+// prefix (a python3 outside /usr). The evaluator's files, models and home stay unreadable.
+std::vector<std::string> read_roots(const std::string& python) {
+  std::vector<std::string> roots = {"/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc", "/dev"};
+  std::error_code ec;
+  std::string exe = python;
+  if (exe.find('/') == std::string::npos)  // resolve through PATH, as execvpe will
+    for (const char* dir : {"/usr/local/bin", "/usr/bin", "/bin"})
+      if (::access((fs::path(dir) / exe).c_str(), X_OK) == 0) { exe = (fs::path(dir) / exe).string(); break; }
+  const fs::path real = fs::canonical(exe, ec);
+  if (!ec) roots.push_back(real.parent_path().parent_path().string());
+  return roots;
+}
 
 // Installed before the sample runs; an audit hook cannot be removed from Python code.
 constexpr const char* kGuard = R"PY(import os, sys
@@ -109,7 +125,8 @@ void write_text(const fs::path& p, const std::string& s) {
 struct ChildPlan {
   std::string dir, out_path, python;
   std::vector<char*> argv, envp;
-  int dir_fd = -1;  // O_PATH of the sandbox directory, for the Landlock rule
+  int dir_fd = -1;            // O_PATH of the sandbox directory, for the Landlock rules
+  std::vector<int> read_fds;  // O_PATH of each read-only root
   int abi = 0;
   bool as_root = false;
   uint64_t memory = 0, file = 0;
@@ -121,16 +138,23 @@ void set_limit(int what, uint64_t v) {
   setrlimit(what, &r);
 }
 
+bool add_rule(int ruleset, int fd, uint64_t access) {
+  struct landlock_path_beneath_attr beneath{};
+  beneath.allowed_access = access;
+  beneath.parent_fd = fd;
+  return syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &beneath, 0) == 0;
+}
+
+// Writes only beneath the sandbox directory; reads only there and in the system roots.
 void restrict_with_landlock(const ChildPlan& p) {
   if (p.abi < 1) return;
-  LandlockAttr attr{landlock_write_mask(p.abi), p.abi >= 4 ? (kNetBindTcp | kNetConnectTcp) : 0};
+  const uint64_t write = landlock_write_mask(p.abi);
+  LandlockAttr attr{write | kRead, p.abi >= 4 ? (kNetBindTcp | kNetConnectTcp) : 0};
   const size_t size = p.abi >= 4 ? sizeof(attr) : sizeof(attr.handled_access_fs);
   const int rs = int(syscall(SYS_landlock_create_ruleset, &attr, size, 0));
-  if (rs < 0) _exit(125);
-  struct landlock_path_beneath_attr beneath{};
-  beneath.allowed_access = attr.handled_access_fs;
-  beneath.parent_fd = p.dir_fd;
-  if (syscall(SYS_landlock_add_rule, rs, LANDLOCK_RULE_PATH_BENEATH, &beneath, 0) != 0) _exit(125);
+  if (rs < 0 || !add_rule(rs, p.dir_fd, write | kRead)) _exit(125);
+  for (int fd : p.read_fds)  // a file root (none today) would refuse READ_DIR: read-only files
+    if (!add_rule(rs, fd, kRead)) _exit(125);
   if (syscall(SYS_landlock_restrict_self, rs, 0) != 0) _exit(125);
   close(rs);
 }
@@ -234,6 +258,12 @@ SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimi
   }
   p.dir_fd = open(p.dir.c_str(), O_PATH | O_CLOEXEC);
   SIGMA_CHECK(p.dir_fd >= 0, "sandbox: cannot open {}", p.dir);
+  for (const std::string& root : read_roots(p.python)) {
+    struct stat st{};
+    if (stat(root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+    const int fd = open(root.c_str(), O_PATH | O_CLOEXEC);
+    if (fd >= 0) p.read_fds.push_back(fd);
+  }
   std::string a0 = p.python, a1 = "-I", a2 = "-B", a3 = "guard.py";
   std::string e0 = "PATH=/usr/bin:/bin", e1 = "HOME=" + p.dir, e2 = "LANG=C.UTF-8";
   p.argv = {a0.data(), a1.data(), a2.data(), a3.data(), nullptr};
@@ -242,6 +272,7 @@ SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimi
   const pid_t pid = fork();
   if (pid == 0) child(p);
   close(p.dir_fd);
+  for (int fd : p.read_fds) close(fd);
   SIGMA_CHECK(pid > 0, "sandbox: fork failed: {}", std::strerror(errno));
   setpgid(pid, pid);  // also here, so the group exists before any kill
   SandboxResult r = wait_and_reap(pid, limits.seconds);

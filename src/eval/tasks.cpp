@@ -130,9 +130,6 @@ json score_generation(const TaskContext& ctx, const std::vector<const TaskItem*>
 
 json score_code(const TaskContext& ctx, const std::vector<const TaskItem*>& items,
                 const TaskOptions& opt) {
-  for (int k : opt.k)
-    SIGMA_CHECK(k >= 1 && k <= opt.samples, "pass@{} needs at least {} samples per problem "
-                "(--samples {})", k, k, opt.samples);
   std::vector<double> sums(opt.k.size(), 0.0);
   int64_t passed = 0;
   json failures = json::object();  // why samples failed, counted by reason's first word
@@ -176,6 +173,10 @@ int best_choice(const std::vector<double>& loglik, const std::vector<double>& di
 json run_tasks(const TaskContext& ctx, const std::vector<TaskItem>& items, const TaskOptions& opt) {
   std::vector<const TaskItem*> by_kind[3];
   for (const TaskItem& it : items) by_kind[int(it.kind)].push_back(&it);
+  if (!by_kind[2].empty())  // checked before any scoring: a bad k should not waste a run
+    for (int k : opt.k)
+      SIGMA_CHECK(k >= 1 && k <= opt.samples, "pass@{} needs at least {} samples per problem "
+                  "(--samples {})", k, k, opt.samples);
   json out = {{"items", items.size()}};
   if (!by_kind[0].empty()) out["choice"] = score_choices(ctx, by_kind[0]);
   if (!by_kind[1].empty()) out["generate"] = score_generation(ctx, by_kind[1], opt);
