@@ -86,7 +86,7 @@ TempDir* FineTune::dir = nullptr;
 
 json eval_task(const std::string& ckpt, const std::string& extra = "") {
   const auto r = sigma_cmd("eval --ckpt " + ckpt + " --task " + *FineTune::dir / "tasks.jsonl" +
-                           " --max-new 24 --timeout 5 --json " + extra);
+                           " --max-new 24 --timeout 30 --json " + extra);
   EXPECT_EQ(r.code, 0) << r.out;
   return json::parse(r.out.substr(r.out.find('{')));
 }

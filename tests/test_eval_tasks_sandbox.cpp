@@ -19,9 +19,11 @@ namespace {
 // A Python string literal for a path (JSON string syntax is valid Python for plain paths).
 std::string nlohmann_quote(const std::string& s) { return nlohmann::json(s).dump(); }
 
+// Generous: on a loaded machine starting python3 alone has taken 2 s. Only the tests of the
+// clock use a short limit.
 SandboxLimits limits() {
   SandboxLimits l;
-  l.seconds = 3;
+  l.seconds = 30;
   l.memory_bytes = 512ull << 20;
   return l;
 }
@@ -36,6 +38,7 @@ TEST(Sandbox, PassingAndFailingTests) {
   SandboxResult r;
   run_timed("def add(a, b):\n    return a + b\n\nassert add(2, 3) == 5\n", r);
   EXPECT_TRUE(r.passed) << r.why;
+  EXPECT_NE(r.protections.find("audit-hook"), std::string::npos) << r.protections;
   run_timed("def add(a, b):\n    return a - b\n\nassert add(2, 3) == 5\n", r);
   EXPECT_FALSE(r.passed);
   EXPECT_NE(r.why.find("AssertionError"), std::string::npos) << r.why;
@@ -52,11 +55,11 @@ TEST(Sandbox, AnEndlessLoopIsKilledAtTheTimeLimit) {
   EXPECT_FALSE(r.passed);
   EXPECT_TRUE(r.timed_out) << r.why;
   EXPECT_GE(s, 1.4);
-  EXPECT_LT(s, 4.0);
+  EXPECT_LT(s, 10.0);  // killed at the limit: the margin only absorbs a loaded machine
   // Sleeping burns no CPU time, so only the wall clock can stop it.
   const double s2 = run_timed("import time\ntime.sleep(1000)\n", r, l);
   EXPECT_TRUE(r.timed_out) << r.why;
-  EXPECT_LT(s2, 4.0);
+  EXPECT_LT(s2, 10.0);
 }
 
 TEST(Sandbox, UnboundedAllocationFailsWithinTheLimit) {
@@ -65,7 +68,7 @@ TEST(Sandbox, UnboundedAllocationFailsWithinTheLimit) {
   EXPECT_FALSE(r.passed);
   EXPECT_FALSE(r.timed_out) << r.why;  // the address-space limit stops it, not the clock
   EXPECT_NE(r.why.find("MemoryError"), std::string::npos) << r.why;
-  EXPECT_LT(s, 3.5);
+  EXPECT_LT(s, 25.0);
 }
 
 TEST(Sandbox, WritingOutsideItsDirectoryFails) {
@@ -87,13 +90,15 @@ TEST(Sandbox, WritingOutsideItsDirectoryFails) {
 // Reads are confined by Landlock only (the audit hook guards writes): the evaluator's files,
 // a world-readable one included, stay out of reach; the standard library does not.
 TEST(Sandbox, ReadingOutsideItsDirectoryAndTheSystemFails) {
-  if (sandbox_protections().find("landlock") == std::string::npos)
+  SandboxResult r;
+  run_timed("pass\n", r);
+  ASSERT_TRUE(r.passed) << r.why;
+  if (r.protections.find("landlock") == std::string::npos)
     GTEST_SKIP() << "this kernel has no Landlock: reads are not confined (docs/evaluation.md)";
   sigma::testing::TempDir outside("secret");
   std::filesystem::permissions(outside.path, std::filesystem::perms::all);
   std::ofstream(outside / "secret.txt") << "the answer";
   std::filesystem::permissions(outside / "secret.txt", std::filesystem::perms::all);
-  SandboxResult r;
   run_timed("print(open(" + nlohmann_quote(outside / "secret.txt") + ").read())\n", r);
   EXPECT_FALSE(r.passed) << r.why;
   EXPECT_NE(r.why.find("Permission denied"), std::string::npos) << r.why;

@@ -128,7 +128,8 @@ struct ChildPlan {
   int dir_fd = -1;            // O_PATH of the sandbox directory, for the Landlock rules
   std::vector<int> read_fds;  // O_PATH of each read-only root
   int abi = 0;
-  bool as_root = false;
+  bool as_root = false;  // and the directory was handed to nobody
+  int report_fd = -1;    // write end of the pipe the child reports its protections on
   uint64_t memory = 0, file = 0;
   double seconds = 0;
 };
@@ -145,9 +146,10 @@ bool add_rule(int ruleset, int fd, uint64_t access) {
   return syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &beneath, 0) == 0;
 }
 
-// Writes only beneath the sandbox directory; reads only there and in the system roots.
-void restrict_with_landlock(const ChildPlan& p) {
-  if (p.abi < 1) return;
+// Writes only beneath the sandbox directory; reads only there and in the system roots. False
+// when the kernel has no Landlock.
+bool restrict_with_landlock(const ChildPlan& p) {
+  if (p.abi < 1) return false;
   const uint64_t write = landlock_write_mask(p.abi);
   LandlockAttr attr{write | kRead, p.abi >= 4 ? (kNetBindTcp | kNetConnectTcp) : 0};
   const size_t size = p.abi >= 4 ? sizeof(attr) : sizeof(attr.handled_access_fs);
@@ -157,7 +159,11 @@ void restrict_with_landlock(const ChildPlan& p) {
     if (!add_rule(rs, fd, kRead)) _exit(125);
   if (syscall(SYS_landlock_restrict_self, rs, 0) != 0) _exit(125);
   close(rs);
+  return true;
 }
+
+// Bits the child reports before exec: which protections it actually got.
+enum : uint8_t { kNetns = 1, kNobodyUser = 2, kLandlock = 4 };
 
 [[noreturn]] void child(const ChildPlan& p) {
   setpgid(0, 0);  // its own process group: a timeout kills everything it started
@@ -165,9 +171,9 @@ void restrict_with_landlock(const ChildPlan& p) {
   const int out = open(p.out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   if (in < 0 || out < 0 || chdir(p.dir.c_str()) != 0) _exit(125);
   dup2(in, 0), dup2(out, 1), dup2(out, 2);
-  if (unshare(CLONE_NEWNET) != 0) unshare(CLONE_NEWUSER | CLONE_NEWNET);  // best effort
-  const uint64_t cpu = uint64_t(std::ceil(p.seconds)) + 1;
-  set_limit(RLIMIT_CPU, cpu);
+  uint8_t got = 0;
+  if (unshare(CLONE_NEWNET) == 0 || unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0) got |= kNetns;
+  set_limit(RLIMIT_CPU, uint64_t(std::ceil(p.seconds)) + 1);
   set_limit(RLIMIT_AS, p.memory);
   set_limit(RLIMIT_FSIZE, p.file);
   set_limit(RLIMIT_NOFILE, 64);
@@ -175,11 +181,21 @@ void restrict_with_landlock(const ChildPlan& p) {
   if (p.as_root) {  // RLIMIT_NPROC binds only below root; nobody owns nothing outside the dir
     set_limit(RLIMIT_NPROC, 64);
     if (setgroups(0, nullptr) != 0 || setgid(kNobody) != 0 || setuid(kNobody) != 0) _exit(125);
+    got |= kNobodyUser;
   }
   if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) _exit(125);
-  restrict_with_landlock(p);
+  if (restrict_with_landlock(p)) got |= kLandlock;
+  if (write(p.report_fd, &got, 1) != 1) _exit(125);
   execvpe(p.python.c_str(), p.argv.data(), p.envp.data());
   _exit(127);
+}
+
+std::string protections_text(uint8_t got) {
+  std::string s = "rlimits process-group-kill";
+  if (got & kNetns) s += " netns";
+  if (got & kNobodyUser) s += " nobody";
+  if (got & kLandlock) s += fmt::format(" landlock-abi{}", landlock_abi());
+  return s + " audit-hook";
 }
 
 // The last non-empty line of the captured output (at most 300 bytes), for the reason.
@@ -218,13 +234,6 @@ SandboxResult wait_and_reap(pid_t pid, double seconds) {
 
 }  // namespace
 
-std::string sandbox_protections() {
-  std::string s = "rlimits process-group-kill";
-  if (landlock_abi() >= 1) s += fmt::format(" landlock-abi{}", landlock_abi());
-  if (geteuid() == 0) s += " netns nobody";
-  return s + " audit-hook";
-}
-
 SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimits& limits) {
   std::string tmpl = (fs::temp_directory_path() / "sigma-sandbox-XXXXXX").string();
   SIGMA_CHECK(::mkdtemp(tmpl.data()), "sandbox: cannot create a temporary directory: {}",
@@ -247,15 +256,14 @@ SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimi
   p.out_path = (dir / "output.txt").string();
   p.python = python_path(limits);
   p.abi = landlock_abi();
-  p.as_root = geteuid() == 0;
+  // As root the child runs as nobody, in a directory nobody owns (where chown is not permitted,
+  // e.g. a container without CAP_CHOWN, it stays root: Landlock and the audit hook remain).
+  p.as_root = geteuid() == 0 && chown(box.c_str(), kNobody, kNobody) == 0 &&
+              chown(dir.c_str(), kNobody, kNobody) == 0;
   p.memory = limits.memory_bytes;
   p.file = limits.file_bytes;
   p.seconds = limits.seconds;
-  if (p.as_root) {
-    SIGMA_CHECK(chown(box.c_str(), kNobody, kNobody) == 0 && chown(dir.c_str(), kNobody, kNobody) == 0,
-                "sandbox: cannot hand {} to user nobody: {}", box.string(), std::strerror(errno));
-    chmod(dir.c_str(), 0700);
-  }
+  if (p.as_root) chmod(dir.c_str(), 0700);
   p.dir_fd = open(p.dir.c_str(), O_PATH | O_CLOEXEC);
   SIGMA_CHECK(p.dir_fd >= 0, "sandbox: cannot open {}", p.dir);
   for (const std::string& root : read_roots(p.python)) {
@@ -269,13 +277,21 @@ SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimi
   p.argv = {a0.data(), a1.data(), a2.data(), a3.data(), nullptr};
   p.envp = {e0.data(), e1.data(), e2.data(), nullptr};
 
+  int report[2];
+  SIGMA_CHECK(pipe2(report, O_CLOEXEC) == 0, "sandbox: pipe failed: {}", std::strerror(errno));
+  p.report_fd = report[1];
   const pid_t pid = fork();
   if (pid == 0) child(p);
+  close(report[1]);
   close(p.dir_fd);
   for (int fd : p.read_fds) close(fd);
   SIGMA_CHECK(pid > 0, "sandbox: fork failed: {}", std::strerror(errno));
   setpgid(pid, pid);  // also here, so the group exists before any kill
   SandboxResult r = wait_and_reap(pid, limits.seconds);
+  uint8_t got = 0;
+  const bool reported = read(report[0], &got, 1) == 1;  // the child has exited: no blocking
+  close(report[0]);
+  r.protections = reported ? protections_text(got) : "";
   const std::string tail = last_line(p.out_path);
   if (r.timed_out) r.why = fmt::format("timeout after {} s", limits.seconds);
   else if (r.signal) r.why = fmt::format("killed by signal {} ({})", r.signal, strsignal(r.signal));

@@ -28,12 +28,11 @@ struct SandboxResult {
   int exit_code = -1;  // when it exited
   int signal = 0;      // when a signal ended it
   std::string why;     // "ok", "timeout after 2 s", "exit 1: AssertionError ...", "signal 6"
+  std::string protections;  // what the child got, e.g. "rlimits process-group-kill netns nobody
+                            // landlock-abi7 audit-hook" ("" when it failed before reporting)
 };
 
 // Runs `program` (Python source) with python3 -I -B; passed = exit status 0 within the limits.
 SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimits& limits);
-
-// Which protections this machine gives the child (e.g. "netns landlock nobody audit-hook").
-std::string sandbox_protections();
 
 }  // namespace sigma::eval

@@ -132,6 +132,7 @@ json score_code(const TaskContext& ctx, const std::vector<const TaskItem*>& item
                 const TaskOptions& opt) {
   std::vector<double> sums(opt.k.size(), 0.0);
   int64_t passed = 0;
+  std::string protections;  // as the first sample's child reported them
   json failures = json::object();  // why samples failed, counted by reason's first word
   for (const TaskItem* it : items) {
     int c = 0;
@@ -139,6 +140,7 @@ json score_code(const TaskContext& ctx, const std::vector<const TaskItem*>& item
       const std::string program = it->context + answer(ctx, *it, opt, j) + "\n\n" + it->tests + "\n";
       const SandboxResult r = run_python_sandboxed(program, opt.sandbox);
       c += r.passed;
+      if (protections.empty()) protections = r.protections;
       if (!r.passed) {
         const std::string kind = r.why.substr(0, r.why.find(' '));
         failures[kind] = failures.value(kind, 0) + 1;
@@ -148,7 +150,7 @@ json score_code(const TaskContext& ctx, const std::vector<const TaskItem*>& item
     for (size_t i = 0; i < opt.k.size(); ++i) sums[i] += pass_at_k(opt.samples, c, opt.k[i]);
   }
   json out = {{"items", items.size()}, {"samples", opt.samples}, {"passed", passed},
-              {"failures", failures}, {"sandbox", sandbox_protections()}};
+              {"failures", failures}, {"sandbox", protections}};
   for (size_t i = 0; i < opt.k.size(); ++i)
     out[fmt::format("pass@{}", opt.k[i])] = sums[i] / double(items.size());
   return out;
