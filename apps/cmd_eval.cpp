@@ -200,7 +200,8 @@ const RegisterCommand reg([](CLI::App& root) {
   c->add_option("--memory-mb", a->memory_mb, "Code tasks: address-space limit per sample (default 1024)")
       ->check(CLI::Range(64.0, 1e6));
   c->add_flag("--json", a->json, "Print {\"domains\": {NAME: {\"loss\", \"ppl\", \"tokens\"}}, "
-              "\"skipped\": {NAME: WHY}}");
+              "\"skipped\": {NAME: WHY}}; with --task {\"choice\", \"generate\", \"code\"} "
+              "scores (docs/evaluation.md)");
   c->callback([a, c] {
     a->rows_given = c->count("--rows") > 0;
     a->batch_given = c->count("--batch") > 0;
