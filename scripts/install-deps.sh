@@ -5,7 +5,7 @@
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libdnnl-dev libomp-dev nlohmann-json3-dev libcli11-dev
       libfmt-dev libxxhash-dev ocl-icd-opencl-dev libgtest-dev libgmock-dev libbenchmark-dev python3-numpy
-      libopenmpi-dev openmpi-bin)
+      libopenmpi-dev openmpi-bin gnuplot-nox python3)
 # The peer needs OpenBLAS: with --no-install-recommends torch falls back to the reference BLAS
 # (~5 GFLOP/s) and the comparison is meaningless.
 [[ "${1:-}" == "--bench" ]] && pkgs+=(python3-torch libopenblas0)

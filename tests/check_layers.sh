@@ -25,5 +25,8 @@ expect no  ecss train/checkpoint.h
 expect no  data train/config.h
 expect yes train ecss/ecss_experts.h
 expect no  infer train/trainer.h
+expect yes eval infer/generate.h
+expect no  eval train/checkpoint.h
+expect no  infer eval/tasks.h
 if ((fail)); then echo "layering check FAILED"; exit 1; fi
-echo "layering check passed: 12 of 12"
+echo "layering check passed: 15 of 15"
