@@ -18,7 +18,7 @@ struct BlockActs {
   Tensor a1, mean1, rstd1;     // LN1 output [N,d], its row stats [N]
   Tensor qkv;                  // [N,3d] (query layer: the q third is unused)
   Tensor qtop;                 // [T,d] query layer: query table projected by W_q
-  Tensor probs;                // [B,H,T,T] attention probabilities
+  Tensor lse;                  // [B,H,T] attention: log-sum-exp of each row's scores (no T x T)
   Tensor att;                  // [N,d] attention output before the output projection
   Tensor mid;                  // [N,d] residual after attention
   Tensor a2, mean2, rstd2;     // LN2 output and stats

@@ -237,7 +237,7 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_) {
     a.x = t({N, d}), a.a1 = t({N, d}), a.mean1 = t({N}), a.rstd1 = t({N});
     a.qkv = t({N, 3 * d});
     if (l == cfg.layers - 1) a.qtop = t({T, d});
-    a.probs = t({B, H, T, T});
+    a.lse = t({B, H, T});
     a.att = t({N, d}), a.mid = t({N, d});
     a.a2 = t({N, d}), a.mean2 = t({N}), a.rstd2 = t({N});
     a.pre = t({rows_ffn, f}), a.act = t({rows_ffn, f});
@@ -362,10 +362,9 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
                   2 * d);
     kk = {kv, 2 * d, bs};
     vv = {kv + d, 2 * d, bs};
-    if (k.probs.numel() < int64_t(B) * H * T * Tk) k.probs = Tensor::f32({B, H, T, Tk});
   }
-  ops::attention_forward(k.att.f(), k.probs.f(), q, kk, vv, {B, T, Tk, H, hd},
-                         1.0f / std::sqrt(float(hd)));
+  ops::flash_attention_forward(k.att.f(), k.lse.f(), q, kk, vv, {B, T, Tk, H, hd},
+                               1.0f / std::sqrt(float(hd)));
   ops::copy(k.mid.f(), k.x.f(), N * d);
   ops::linear_forward(k.mid.f(), k.att.f(), w.out_w.v, w.out_b.v, N, d, d, true);
   ops::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,
@@ -487,9 +486,10 @@ void Model::attention_backward(int l, const Batch& batch, Activations& a, float*
   const ops::AttnOperand vv{k.qkv.f() + 2 * d, 3 * d, T * 3 * d};
   // dq always gets per-row storage (the q third of dqkv), even when q is shared.
   float* dqkv = a.dqkv.f();
-  ops::attention_backward({dqkv, 3 * d, T * 3 * d}, {dqkv + d, 3 * d, T * 3 * d},
-                          {dqkv + 2 * d, 3 * d, T * 3 * d}, a.datt.f(), k.att.f(), k.probs.f(), q,
-                          kk, vv, {B, T, T, H, hd}, 1.0f / std::sqrt(float(hd)));
+  ops::flash_attention_backward({dqkv, 3 * d, T * 3 * d}, {dqkv + d, 3 * d, T * 3 * d},
+                                {dqkv + 2 * d, 3 * d, T * 3 * d}, a.datt.f(), k.att.f(),
+                                k.lse.f(), q, kk, vv, {B, T, T, H, hd},
+                                1.0f / std::sqrt(float(hd)));
   zero(a.da);
   if (!query_layer) {
     ops::linear_backward(a.da.f(), w.qkv_w.g, w.qkv_b.g, dqkv, k.a1.f(), w.qkv_w.v, N, d, 3 * d);

@@ -168,6 +168,7 @@ class RunLoop {
 
 RunLoop::RunLoop(Config cfg, const RunOptions& run) : cfg_(std::move(cfg)), run_(run) {
   ops::use_backend(cfg_.train.backend);
+  ops::use_precision(cfg_.train.precision);
   if (cfg_.train.threads > 0) omp_set_num_threads(cfg_.train.threads);
   build();
   restore();
