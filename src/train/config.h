@@ -24,6 +24,7 @@ struct TrainConfig {
   std::vector<std::string> freeze;  // parameter sets not to update (src/train/freeze.h)
   std::string backend = "cpu";   // ops backend (kernels/ops.h): cpu or ref
   std::string precision = "fp32";  // GEMM precision (ops::use_precision): fp32 or bf16
+  std::string remat = "none";      // what backward recomputes (model/activations.h, Remat)
   void describe(Options& o, const std::string& prefix);
 };
 

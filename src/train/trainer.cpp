@@ -188,6 +188,7 @@ void RunLoop::build() {
   mode_ = resolve_expert_mode(cfg_.train.experts, cfg_.model);
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
                                    mode_ != ExpertMode::InModel);
+  model_->set_remat(remat_from_name(cfg_.train.remat));
   opt_ = std::make_unique<AdamW>(cfg_.optim, model_->params());
   // Checked before the store is created: a bad selector leaves no store file behind.
   freeze_ = plan_freeze(cfg_.train.freeze, cfg_.model, model_->params(),
