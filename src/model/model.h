@@ -108,6 +108,10 @@ class Model {
   // it ran without loss weights.
   const float* logits() const;
 
+  // What backward recomputes instead of keeping (model/activations.h); default None.
+  void set_remat(Remat r) { remat_ = r; }
+  Remat remat() const { return remat_; }
+
   // The learned gate's weighted load-balancing loss of the last forward pass (0 with RRE).
   double aux_loss() const { return aux_loss_; }
 
@@ -127,8 +131,10 @@ class Model {
 
  private:
   void embed(const Batch& b, Activations& a, int first_pos);
-  void block_forward(int l, const Batch& b, Activations& a, KvCache* cache);
-  void expert_forward(int l, const Batch& b, Activations& a, float* out);
+  // recompute: a rerun under Remat::Blocks (load and auxiliary loss are not counted again).
+  void block_forward(int l, const Batch& b, Activations& a, KvCache* cache,
+                     bool recompute = false);
+  void expert_forward(int l, const Batch& b, Activations& a, float* out, bool recompute);
   void head(const Batch& b, Activations& a, float* token_loss, const float* loss_weight);
   void head_backward(const Batch& b, Activations& a);
   void block_backward(int l, const Batch& b, Activations& a, float* dh);
@@ -143,6 +149,7 @@ class Model {
   std::vector<std::string> unset_tables_;  // routing tables still waiting for load_buffer
   std::vector<BlockLoad> load_;
   double aux_loss_ = 0;
+  Remat remat_ = Remat::None;
   std::unique_ptr<ModelWeights> w_;
   std::unique_ptr<Activations> own_;
   LocalExperts local_;
