@@ -14,7 +14,7 @@ struct TrainArgs {
   std::string config, out, resume, expert_store, freeze;
   std::vector<std::string> sets;
   int64_t stop_at = -1;
-  bool quiet = false, print_config = false, config_help = false;
+  bool quiet = false, overwrite = false, print_config = false, config_help = false;
 };
 
 // The run's config: a fresh run's file and --set keys, or a resumed run's checkpoint config,
@@ -55,7 +55,7 @@ void run_train(TrainArgs a) {
     fmt::print("{}\n", cfg.to_json().dump(2));
     return;
   }
-  RunOptions run{a.out, a.resume, a.stop_at, !a.quiet};
+  RunOptions run{a.out, a.resume, a.stop_at, !a.quiet, a.overwrite};
   TrainSummary s = train(cfg, run);
   fmt::print("trained {} steps, {} tokens, {:.0f} tokens/s\n", s.steps, s.tokens, s.tokens_per_s);
   fmt::print("{:<12} {:>10} {:>10} {:>10}\n", "domain", "loss", "optimum", "gap");
@@ -103,6 +103,8 @@ const RegisterCommand reg([](CLI::App& root) {
   c->add_option("--freeze", args->freeze,
                 "Parameter sets not to update, comma-separated: shared, embeddings, experts or a "
                 "tensor-name prefix (train.freeze)");
+  c->add_flag("--overwrite", args->overwrite, "Start afresh even when --out already holds a run "
+              "(its checkpoints, metrics.jsonl and summary.json are deleted first)");
   c->add_flag("--quiet", args->quiet, "No progress lines");
   c->add_flag("--print-config", args->print_config, "Print the resolved config and exit");
   c->add_flag("--config-help", args->config_help, "List every config key and exit");

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "optim/grad_norm.h"
+#include "train/nonfinite.h"
 
 namespace sigma {
 
@@ -38,15 +39,21 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     for (size_t i = 0; i < n; ++i) weight_[i] = total > 0 ? float(b.mask[i] / total) : 0.0f;
     model_.forward(b, acts_, token_loss_.data(), weight_.data());
     model_.backward(b, acts_);
+    for (size_t i = 0; i < n; ++i)
+      if (weight_[i] != 0.0f) r.loss += double(token_loss_[i]) * weight_[i];
     if (sink) sink(b, token_loss_);
     r.aux_loss += model_.aux_loss() / double(micro.size());
   }
+  comm_.all_reduce_sum(&r.loss, 1);
   reduce_grads(comm_, model_.params());
   if (!mask.all()) mask.mask_grads(model_.params());
   ExpertExecutor& experts = model_.expert_executor();
   r.grad_norm = std::sqrt(grad_sq(model_.params()) + experts.grad_sq());
   r.clip = (cfg_.grad_clip > 0 && r.grad_norm > cfg_.grad_clip) ? float(cfg_.grad_clip / r.grad_norm)
                                                                  : 1.0f;
+  // Non-finite guard: decided on reduced values, so every rank skips alike.
+  r.skipped = !finite_step(r.loss, r.grad_norm);
+  if (r.skipped) return r;
   opt_.step(model_.params(), lr, r.clip, &mask);
   experts.update(lr, r.clip);
   return r;

@@ -21,6 +21,8 @@ struct StepResult {
   double grad_norm = 0;  // global L2 norm before clipping (dense and expert gradients)
   float clip = 1.0f;     // the factor gradients were scaled by
   double aux_loss = 0;   // learned gate: weighted load-balancing loss, mean over micro-batches
+  double loss = 0;       // the step's mean masked token loss over all ranks
+  bool skipped = false;  // non-finite loss or grad_norm: no update applied (train/nonfinite.h)
 };
 
 class TrainStep {
@@ -35,7 +37,8 @@ class TrainStep {
   // Forward and backward over each micro-batch, each token's loss weighted by its mask over
   // the step's mask total (all ranks); then reduce, mask (frozen parameters, untouched rows),
   // clip to optim.grad_clip and update with learning rate lr. `sink` sees every micro-batch's
-  // per-token losses.
+  // per-token losses (after backward, before the reduce). A non-finite loss or gradient norm
+  // skips the update (StepResult::skipped).
   StepResult run(std::span<const Batch> micro, float lr, const UpdateMask& mask,
                  const LossSink& sink);
 

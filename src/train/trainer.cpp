@@ -17,6 +17,9 @@
 #include "optim/adamw.h"
 #include "train/checkpoint.h"
 #include "train/freeze.h"
+#include "train/nonfinite.h"
+#include "train/preflight.h"
+#include "train/run_dir.h"
 #include "train/train_step.h"
 
 namespace sigma {
@@ -126,12 +129,13 @@ class RunLoop {
   TrainSummary run();
 
  private:
+  void claim_out_dir();
   void build();
   void restore();
   void open_outputs();
   void fetch(std::vector<Batch>& micro, int64_t step);
   void one_step(int64_t step);
-  void log(double grad_norm, float lr);
+  void log(const StepResult& r, float lr);
   void checkpoint();
   TrainSummary finish();
   void write_summary(const TrainSummary& sum);
@@ -151,6 +155,8 @@ class RunLoop {
   int64_t last_ = 0;
   std::vector<std::string> names_;      // model domains (training losses are kept per these)
   std::vector<int32_t> data_to_model_;  // data domain index -> model domain index
+  std::unique_ptr<RunDir> run_dir_;  // locked for the whole run
+  NonfiniteGuard guard_{0};
   std::ofstream metrics_;
   std::string ckpt_root_;
   bool tty_ = false;
@@ -168,10 +174,23 @@ class RunLoop {
 
 RunLoop::RunLoop(Config cfg, const RunOptions& run) : cfg_(std::move(cfg)), run_(run) {
   ops::use_backend(cfg_.train.backend);
-  if (cfg_.train.threads > 0) omp_set_num_threads(cfg_.train.threads);
+  std::string capped;
+  if (cfg_.train.threads > 0) omp_set_num_threads(usable_threads(cfg_.train.threads, &capped));
+  if (!capped.empty()) fmt::print(stderr, "sigma train: warning: {}\n", capped);
+  guard_ = NonfiniteGuard(cfg_.train.max_nonfinite_steps);
+  claim_out_dir();
   build();
   restore();
   open_outputs();
+}
+
+// Locks the output directory before anything is written into it (train/run_dir.h).
+void RunLoop::claim_out_dir() {
+  if (run_.out_dir.empty()) return;
+  const RunDirMode mode = !run_.resume.empty() ? RunDirMode::Resume
+                          : run_.overwrite     ? RunDirMode::Overwrite
+                                               : RunDirMode::Fresh;
+  run_dir_ = std::make_unique<RunDir>(run_.out_dir, mode);
 }
 
 // Data, model, optimizer, expert executor and the step; nothing written yet.
@@ -183,6 +202,7 @@ void RunLoop::build() {
     ck_ = open_checkpoint(run_.resume);
     check_same_model(cfg_, ck_->cfg);
   }
+  check_memory(cfg_);  // a sized error instead of bad_alloc for a model too big for the machine
   const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
   mode_ = resolve_expert_mode(cfg_.train.experts, cfg_.model);
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
@@ -216,8 +236,8 @@ void RunLoop::restore() {
 
 // metrics.jsonl, the checkpoint root and the banner.
 void RunLoop::open_outputs() {
-  if (!run_.out_dir.empty()) {
-    std::filesystem::create_directories(run_.out_dir);
+  if (run_dir_) {
+    if (ck_) run_dir_->drop_metrics_after(state_.step);  // the dead run's steps are redone
     metrics_.open(run_.out_dir + "/metrics.jsonl", std::ios::app);
     SIGMA_CHECK(metrics_.good(), "cannot write {}/metrics.jsonl", run_.out_dir);
     ckpt_root_ = run_.out_dir + "/checkpoints";
@@ -276,9 +296,12 @@ void RunLoop::one_step(int64_t step) {
   UpdateMask mask = freeze_.mask;
   if (cfg_.optim.sparse_embeddings) limit_to_batch_rows(mask, model_->params(), cfg_.model, micro_);
   const float lr = lr_at(cfg_.optim, step, cfg_.train.steps);
+  if (run_.before_step) run_.before_step(step, micro_);
   const StepResult r = step_->run(micro_, lr, mask, [&](const Batch& b, const std::vector<float>& loss) {
     window_.add(b, loss);
+    if (run_.after_backward) run_.after_backward(step, model_->params());
   });
+  guard_.record(step + 1, r.skipped, r.loss, r.grad_norm);  // throws after too many in a row
   aux_window_ += r.aux_loss;
   const int64_t tokens = int64_t(cfg_.train.accum) * cfg_.train.batch * cfg_.model.context;
   state_.step = step + 1;
@@ -286,19 +309,20 @@ void RunLoop::one_step(int64_t step) {
   tokens_this_run_ += tokens;
   steps_this_run_ += 1;
   steps_in_window_ += 1;
-  if (state_.step % cfg_.train.log_every == 0 || state_.step == last_) log(r.grad_norm, lr);
+  if (state_.step % cfg_.train.log_every == 0 || state_.step == last_) log(r, lr);
   if (ckpt_now) checkpoint();
 }
 
 // A progress line, a metrics.jsonl record, and the window's expert load into the run's.
-void RunLoop::log(double grad_norm, float lr) {
+void RunLoop::log(const StepResult& r, float lr) {
+  const double grad_norm = r.grad_norm;
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
   const double tps = tokens_this_run_ / std::max(elapsed, 1e-9);
   const double eta = elapsed / steps_this_run_ * double(last_ - state_.step);
   if (run_.progress)
-    fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}",
+    fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}{}",
                tty_ ? "\r" : "", state_.step, last_, window_.total_mean(), lr, grad_norm, tps,
-               fmt_duration(eta), tty_ && state_.step != last_ ? "   " : "\n");
+               fmt_duration(eta), guard_.progress_note(), tty_ && state_.step != last_ ? "   " : "\n");
   const std::vector<BlockLoad>& load = model_->expert_load();
   if (metrics_.is_open()) {
     nlohmann::json dom = nlohmann::json::object();
@@ -306,7 +330,8 @@ void RunLoop::log(double grad_norm, float lr) {
       if (window_.count[d]) dom[names_[d]] = window_.loss[d] / double(window_.count[d]);
     nlohmann::json rec{{"step", state_.step}, {"loss", window_.total_mean()}, {"lr", lr},
                        {"grad_norm", grad_norm}, {"tokens", state_.tokens},
-                       {"tokens_per_s", tps}, {"domains", dom}};
+                       {"tokens_per_s", tps}, {"domains", dom},
+                       {"skipped_steps", guard_.skipped_total()}};
     if (!load.empty()) {  // tokens per expert over the logging window
       rec["expert_load"] = expert_load_json(load, cfg_.model);
       rec["load_imbalance"] = load_imbalance_json(load);
@@ -343,6 +368,7 @@ TrainSummary RunLoop::finish() {
   TrainSummary sum;
   sum.steps = state_.step;
   sum.tokens = state_.tokens;
+  sum.skipped_steps = guard_.skipped_total();
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
   sum.tokens_per_s = steps_this_run_ ? tokens_this_run_ / std::max(elapsed, 1e-9) : 0.0;
   sum.expert_load = run_load_;
@@ -367,6 +393,7 @@ void RunLoop::write_summary(const TrainSummary& sum) {
     dom[d.name]["optimum"] = d.optimum ? nlohmann::json(*d.optimum) : nlohmann::json(nullptr);
   }
   nlohmann::json summary{{"steps", sum.steps}, {"tokens", sum.tokens},
+                         {"skipped_steps", sum.skipped_steps},
                          {"tokens_per_s", sum.tokens_per_s}, {"domains", dom}};
   if (experts_) {
     const OffloadStats& o = sum.offload;
