@@ -272,6 +272,27 @@ TEST(BadInputs, AnEmptyCorpusForTokenizerTrainIsAnError) {
   EXPECT_FALSE(fs::exists(tmp / "tok.json"));
 }
 
+// A domain whose shard holds fewer tokens than one context window: packed training says which
+// domain has nothing to draw (fine-tuning pads such samples and trains).
+TEST(BadInputs, AShardShorterThanTheContextIsNamed) {
+  TempDir tmp("short-shard");
+  spit(tmp / "c.jsonl", "{\"domain\": \"prose\", \"text\": \"a cat\"}\n");
+  auto r = sigma_cmd("tokenizer train --corpus " + tmp / "c.jsonl" + " --vocab-size 290 --out " + tmp / "tok.json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  spit(tmp / "d.json", R"({"tokenizer": "tok.json", "corpus": ["c.jsonl"], "domains": [{"name": "prose"}]})");
+  r = sigma_cmd("prepare --config " + tmp / "d.json" + " --out " + tmp / "shards");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string train = "train --quiet --set data.source=shards --set data.path=" + tmp / "shards" +
+                            " --set model.context=64 --set model.d_model=16 --set model.heads=2 "
+                            "--set train.steps=2 --set train.batch=2 --set model.rre_layers=0 "
+                            "--set 'model.groups=[]' ";
+  r = sigma_cmd(train);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("domain 'prose', which has nothing to draw"), std::string::npos) << r.out;
+  r = sigma_cmd(train + "--set data.finetune=true");
+  EXPECT_EQ(r.code, 0) << r.out;
+}
+
 // A write failure in prepare (a full disk, here a file-size limit: write(2) fails with EFBIG
 // as it would with ENOSPC) is an error naming the file, and leaves no shard under its name.
 TEST(BadInputs, AWriteFailureDuringPrepareLeavesNoShard) {
