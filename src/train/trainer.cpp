@@ -135,7 +135,7 @@ class RunLoop {
   void open_outputs();
   void fetch(std::vector<Batch>& micro, int64_t step);
   void one_step(int64_t step);
-  void log(const StepResult& r, float lr);
+  void log(double grad_norm, float lr);
   void checkpoint();
   TrainSummary finish();
   void write_summary(const TrainSummary& sum);
@@ -309,13 +309,12 @@ void RunLoop::one_step(int64_t step) {
   tokens_this_run_ += tokens;
   steps_this_run_ += 1;
   steps_in_window_ += 1;
-  if (state_.step % cfg_.train.log_every == 0 || state_.step == last_) log(r, lr);
+  if (state_.step % cfg_.train.log_every == 0 || state_.step == last_) log(r.grad_norm, lr);
   if (ckpt_now) checkpoint();
 }
 
 // A progress line, a metrics.jsonl record, and the window's expert load into the run's.
-void RunLoop::log(const StepResult& r, float lr) {
-  const double grad_norm = r.grad_norm;
+void RunLoop::log(double grad_norm, float lr) {
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
   const double tps = tokens_this_run_ / std::max(elapsed, 1e-9);
   const double eta = elapsed / steps_this_run_ * double(last_ - state_.step);
