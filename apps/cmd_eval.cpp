@@ -55,14 +55,20 @@ std::vector<std::string> split_names(const std::string& s) {
   return out;
 }
 
-// Losses with 17 significant digits, so they round-trip exactly.
+// A JSON number with 17 significant digits, so it round-trips exactly; NaN and Inf (an
+// overflowing perplexity) have no JSON spelling and print as null.
+std::string json_number(double x) {
+  return std::isfinite(x) ? fmt::format("{:.17g}", x) : "null";
+}
+
 void print_json(const CheckpointInfo& info, const std::string& data,
                 const std::vector<DomainLoss>& result, const EvalDomains& chosen) {
   std::string doms, skipped;
   for (const DomainLoss& d : result) {
-    doms += fmt::format("{}{}: {{\"loss\": {:.17g}, \"ppl\": {:.17g}, \"tokens\": {}", doms.empty() ? "" : ", ",
-                        nlohmann::json(d.name).dump(), d.loss, std::exp(d.loss), d.tokens);
-    if (d.optimum) doms += fmt::format(", \"optimum\": {:.17g}", *d.optimum);
+    doms += fmt::format("{}{}: {{\"loss\": {}, \"ppl\": {}, \"tokens\": {}", doms.empty() ? "" : ", ",
+                        nlohmann::json(d.name).dump(), json_number(d.loss),
+                        json_number(std::exp(d.loss)), d.tokens);
+    if (d.optimum) doms += fmt::format(", \"optimum\": {}", json_number(*d.optimum));
     doms += "}";
   }
   for (const auto& [name, why] : chosen.skipped)

@@ -38,6 +38,7 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 }
 
 void run_generate(GenerateArgs a) {
+  a.s.validate();  // before the model loads: CLI11's ranges let NaN through
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
   const ModelConfig& c = model->config();

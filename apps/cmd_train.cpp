@@ -14,7 +14,7 @@ struct TrainArgs {
   std::string config, out, resume, expert_store, freeze;
   std::vector<std::string> sets;
   int64_t stop_at = -1;
-  bool quiet = false, print_config = false, config_help = false;
+  bool quiet = false, overwrite = false, print_config = false, config_help = false;
 };
 
 // The run's config: a fresh run's file and --set keys, or a resumed run's checkpoint config,
@@ -57,7 +57,7 @@ void run_train(TrainArgs a) {
   }
   // mpirun -np R sigma train: every rank runs this; rank 0 prints (docs/distributed.md).
   const std::unique_ptr<Communicator> world = make_world(cfg.dist.timeout_s);
-  RunOptions run{a.out, a.resume, a.stop_at, !a.quiet, world.get()};
+  RunOptions run{a.out, a.resume, a.stop_at, !a.quiet, a.overwrite, world.get()};
   TrainSummary s = train(cfg, run);
   if (world->rank() != 0) return;
   fmt::print("trained {} steps, {} tokens, {:.0f} tokens/s\n", s.steps, s.tokens, s.tokens_per_s);
@@ -106,6 +106,8 @@ const RegisterCommand reg([](CLI::App& root) {
   c->add_option("--freeze", args->freeze,
                 "Parameter sets not to update, comma-separated: shared, embeddings, experts or a "
                 "tensor-name prefix (train.freeze)");
+  c->add_flag("--overwrite", args->overwrite, "Start afresh even when --out already holds a run "
+              "(its checkpoints, metrics.jsonl and summary.json are deleted first)");
   c->add_flag("--quiet", args->quiet, "No progress lines");
   c->add_flag("--print-config", args->print_config, "Print the resolved config and exit");
   c->add_flag("--config-help", args->config_help, "List every config key and exit");

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs Sigma's build and test dependencies from Debian 12 packages.
 # Idempotent and quiet: does nothing (and prints nothing) when everything is present.
-# Usage: scripts/install-deps.sh [--bench]   (--bench adds python3-torch, the benchmark peer)
+# Usage: scripts/install-deps.sh [--bench|--fuzz]   (--bench adds python3-torch, the benchmark
+# peer; --fuzz adds clang and libFuzzer)
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libdnnl-dev libomp-dev nlohmann-json3-dev libcli11-dev
       libfmt-dev libxxhash-dev ocl-icd-opencl-dev libgtest-dev libgmock-dev libbenchmark-dev python3-numpy
@@ -9,6 +10,8 @@ pkgs=(g++ cmake ninja-build pkg-config libdnnl-dev libomp-dev nlohmann-json3-dev
 # The peer needs OpenBLAS: with --no-install-recommends torch falls back to the reference BLAS
 # (~5 GFLOP/s) and the comparison is meaningless.
 [[ "${1:-}" == "--bench" ]] && pkgs+=(python3-torch libopenblas0)
+# libFuzzer runs (-DSIGMA_FUZZ=ON, docs/reliability.md); CI's in-ctest fuzz replay needs neither.
+[[ "${1:-}" == "--fuzz" ]] && pkgs+=(clang libclang-rt-14-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

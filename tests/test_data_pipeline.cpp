@@ -1,8 +1,10 @@
 // Corpus -> shards -> batches: reader skips, formatting, shard validation, window packing,
 // fine-tuning rows, sampler determinism and resume, prepare's reuse of finished shards.
 #include <gtest/gtest.h>
+#include <xxhash.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -365,6 +367,13 @@ TEST(Shards, RoundTripBothTokenWidths) {
   }
 }
 
+// The shard bytes with the header's body checksum recomputed (a forgery, or a bug in prepare).
+std::string with_body_checksum(std::string b) {
+  const uint64_t sum = XXH3_64bits(b.data() + sizeof(ShardHeader), b.size() - sizeof(ShardHeader));
+  std::memcpy(b.data() + offsetof(ShardHeader, body_xxh3), &sum, sizeof sum);
+  return b;
+}
+
 TEST(Shards, TruncatedForeignAndOtherTokenizerShardsAreRejected) {
   std::string dir = scratch("badshards");
   std::string path = make_shard(dir, {{1, 2, 3, 4, 5}, {6, 7}});
@@ -386,10 +395,12 @@ TEST(Shards, TruncatedForeignAndOtherTokenizerShardsAreRejected) {
   expect(v, "version 9");
   std::string idx = bytes;
   idx[128 + 16 + 8] = 9;  // offsets[1] = 9 > n_tokens: the index no longer tiles the tokens
-  expect(idx, "decreases");
+  expect(idx, "corrupted");  // the body checksum sees it first
+  expect(with_body_checksum(idx), "decreases");  // and a forged checksum meets the index check
   std::string tok = bytes;
   tok[128] = char(0xFF), tok[129] = char(0xFF);  // token 65535 >= vocab 1000
-  expect(tok, "outside the vocabulary");
+  expect(tok, "corrupted");
+  expect(with_body_checksum(tok), "outside the vocabulary");
   EXPECT_NO_THROW(Shard::open(path, 0));  // 0 = do not check the tokenizer
 }
 

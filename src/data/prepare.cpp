@@ -410,9 +410,13 @@ void write_manifest(const PrepareConfig& cfg, const Tokenizer& tok, const std::s
                       {"tokens", report.domains[i].tokens},
                       {"samples", report.domains[i].samples},
                       {"inputs_hash", fmt::format("{:016x}", plan.inputs_hash[i])}});
+  // The tokenizer relative to the manifest's folder (readers resolve it against that folder),
+  // so the run reads it from any directory, and a folder moved with its tokenizer still works.
+  const std::string tokenizer =
+      fs::relative(fs::absolute(cfg.tokenizer), fs::absolute(out_dir)).lexically_normal().string();
   json manifest = {{"format", "sigma-shards"},
                    {"version", 1},
-                   {"tokenizer", cfg.tokenizer},
+                   {"tokenizer", tokenizer.empty() ? cfg.tokenizer : tokenizer},
                    {"tokenizer_hash", fmt::format("{:016x}", tok.hash())},
                    {"vocab_size", tok.vocab_size()},
                    {"domains", cfg.domains.to_json(DomainForm::Data)},

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <cerrno>
 #include <cstring>
@@ -25,9 +26,15 @@ uint64_t shard_file_size(const ShardHeader& h) {
 // ---------------------------------------------------------------------------------------------
 // Writer
 
+struct ShardWriter::HashState {
+  XXH3_state_t* st = XXH3_createState();
+  HashState() { SIGMA_CHECK(st && XXH3_64bits_reset(st) == XXH_OK, "xxhash: cannot allocate state"); }
+  ~HashState() { XXH3_freeState(st); }
+};
+
 ShardWriter::ShardWriter(std::string path, const DomainSpec& d, uint32_t vocab_size,
                          uint64_t tokenizer_hash, uint64_t inputs_hash)
-    : path_(std::move(path)), tmp_(path_ + ".tmp") {
+    : path_(std::move(path)), tmp_(path_ + ".tmp"), hash_(std::make_unique<HashState>()) {
   std::memcpy(hdr_.magic, kShardMagic, 8);
   hdr_.version = kShardVersion;
   hdr_.token_bytes = vocab_size <= 65536 ? 2 : 4;
@@ -54,6 +61,11 @@ void ShardWriter::write(const void* p, size_t n) {
   SIGMA_CHECK(std::fwrite(p, 1, n, f_) == n, "shard: write to {} failed: {}", tmp_, std::strerror(errno));
 }
 
+void ShardWriter::write_body(const void* p, size_t n) {
+  write(p, n);
+  XXH3_64bits_update(hash_->st, p, n);
+}
+
 void ShardWriter::add(std::span<const uint32_t> tokens, uint32_t prompt_len) {
   SIGMA_CHECK(prompt_len <= tokens.size(), "shard: prompt of {} tokens in a sample of {}", prompt_len,
               tokens.size());
@@ -61,9 +73,9 @@ void ShardWriter::add(std::span<const uint32_t> tokens, uint32_t prompt_len) {
     SIGMA_CHECK(t < hdr_.vocab_size, "shard: token {} is outside the vocabulary of {}", t, hdr_.vocab_size);
   if (hdr_.token_bytes == 2) {
     buf16_.assign(tokens.begin(), tokens.end());
-    write(buf16_.data(), buf16_.size() * 2);
+    write_body(buf16_.data(), buf16_.size() * 2);
   } else {
-    write(tokens.data(), tokens.size() * 4);
+    write_body(tokens.data(), tokens.size() * 4);
   }
   hdr_.n_tokens += tokens.size();
   hdr_.n_samples += 1;
@@ -73,9 +85,10 @@ void ShardWriter::add(std::span<const uint32_t> tokens, uint32_t prompt_len) {
 
 void ShardWriter::finish() {
   static const char zeros[8] = {};
-  write(zeros, (8 - (hdr_.n_tokens * hdr_.token_bytes) % 8) % 8);
-  write(offsets_.data(), offsets_.size() * 8);
-  write(prompt_.data(), prompt_.size() * 4);
+  write_body(zeros, (8 - (hdr_.n_tokens * hdr_.token_bytes) % 8) % 8);
+  write_body(offsets_.data(), offsets_.size() * 8);
+  write_body(prompt_.data(), prompt_.size() * 4);
+  hdr_.body_xxh3 = XXH3_64bits_digest(hash_->st);
   SIGMA_CHECK(std::fseek(f_, 0, SEEK_SET) == 0, "shard: seek in {} failed", tmp_);
   write(&hdr_, sizeof(hdr_));
   int rc = std::fclose(f_);
@@ -95,8 +108,9 @@ namespace {
 void check_header(const ShardHeader& h, uint64_t file_size, const std::string& path) {
   SIGMA_CHECK(std::memcmp(h.magic, kShardMagic, 8) == 0,
               "shard {}: not a Sigma token shard (bad magic)", path);
-  SIGMA_CHECK(h.version == kShardVersion, "shard {}: format version {}, this build reads {}; re-run "
-              "sigma prepare", path, h.version, kShardVersion);
+  SIGMA_CHECK(h.version == kShardVersion, "shard {}: format version {}, this build reads {}{}; "
+              "re-run sigma prepare", path, h.version, kShardVersion,
+              h.version < kShardVersion ? " (older shards carry no checksum)" : "");
   SIGMA_CHECK(h.token_bytes == 2 || h.token_bytes == 4, "shard {}: token size {} is not 2 or 4", path,
               h.token_bytes);
   SIGMA_CHECK(std::memchr(h.domain, 0, sizeof(h.domain)), "shard {}: domain name is not terminated", path);
@@ -139,6 +153,9 @@ std::shared_ptr<const Shard> Shard::open(const std::string& path, uint64_t expec
     fail("shard {}: mmap failed: {}", path, std::strerror(errno));
   }
   const char* base = static_cast<const char*>(s->map_);
+  const uint64_t body = XXH3_64bits(base + sizeof(ShardHeader), s->map_size_ - sizeof(ShardHeader));
+  SIGMA_CHECK(body == h.body_xxh3, "shard {}: corrupted: its tokens and index hash to {:016x} but "
+              "the header says {:016x}; re-run sigma prepare", path, body, h.body_xxh3);
   s->tokens_ = base + sizeof(ShardHeader);
   uint64_t tok_bytes = (h.n_tokens * h.token_bytes + 7) / 8 * 8;
   s->offsets_ = reinterpret_cast<const uint64_t*>(base + sizeof(ShardHeader) + tok_bytes);

@@ -4,6 +4,8 @@
 //   tokens        n_tokens x (2 or 4 bytes), zero-padded to a multiple of 8 bytes
 //   offsets       (n_samples + 1) x u64: sample i is tokens [offsets[i], offsets[i+1])
 //   prompt_len    n_samples x u32: leading tokens of the sample that are prompt (0 = none)
+// body_xxh3 is the xxh3_64 of everything after the header (version 2; version 1 had none, so
+// a flipped token or offset went unseen: such shards are refused and `prepare` remakes them).
 #pragma once
 #include <nlohmann/json_fwd.hpp>
 
@@ -19,7 +21,7 @@
 namespace sigma::data {
 
 inline constexpr char kShardMagic[8] = {'S', 'I', 'G', 'S', 'H', 'R', 'D', '\0'};
-inline constexpr uint32_t kShardVersion = 1;
+inline constexpr uint32_t kShardVersion = 2;
 
 struct ShardHeader {
   char magic[8];
@@ -32,7 +34,7 @@ struct ShardHeader {
   uint32_t domain_id;
   uint32_t vocab_size;
   char domain[64];  // NUL-padded name
-  uint64_t reserved;
+  uint64_t body_xxh3;  // xxh3_64 of the bytes after the header
 };
 static_assert(sizeof(ShardHeader) == 128);
 
@@ -52,7 +54,10 @@ class ShardWriter {
 
  private:
   void write(const void* p, size_t n);
+  void write_body(const void* p, size_t n);  // write() and into the body checksum
   std::string path_, tmp_;
+  struct HashState;
+  std::unique_ptr<HashState> hash_;
   std::FILE* f_ = nullptr;
   ShardHeader hdr_{};
   std::vector<uint64_t> offsets_{0};

@@ -209,9 +209,15 @@ ExpertStore ExpertStore::open(const std::string& path, ExpertStoreSpec spec) {
                   std::memcmp(h.magic, kMagic, 8) == 0,
               "{} is not an expert store file (no 'SIGMAECS' header); remove it or give another "
               "--expert-store path", path);
-  SIGMA_CHECK(h.version == kVersion && h.endian == kEndianMark && h.header_bytes == kHeaderBytes,
-              "expert store {} has format version {} but this build reads version {}; re-create "
-              "it from a checkpoint", path, h.version, kVersion);
+  // One check per field, so the message names the one that differs.
+  SIGMA_CHECK(h.version == kVersion, "expert store {} has format version {} but this build reads "
+              "version {}; re-create it from a checkpoint", path, h.version, kVersion);
+  SIGMA_CHECK(h.endian == kEndianMark, "expert store {} was written on a machine of the other byte "
+              "order (mark {:#x}, expected {:#x}); re-create it from a checkpoint", path, h.endian,
+              kEndianMark);
+  SIGMA_CHECK(h.header_bytes == kHeaderBytes, "expert store {}: its header says it is {} bytes "
+              "long, this build's is {} (a damaged header); re-create it from a checkpoint", path,
+              h.header_bytes, kHeaderBytes);
   SIGMA_CHECK(h.spec_hash == spec_hash && h.num_experts == uint64_t(s.index_.size()) &&
                   h.data_bytes == s.data_bytes_,
               "expert store {} was made for another expert layout ({} experts, {} of records, spec "

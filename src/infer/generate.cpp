@@ -59,8 +59,20 @@ int32_t sample_next(float* logits, int64_t V, const std::vector<int32_t>& histor
   return idx[keep - 1];
 }
 
+void SamplingConfig::validate() const {
+  // Each check is written so that NaN fails it (every comparison with NaN is false).
+  SIGMA_CHECK(temperature >= 0.0f && temperature <= 100.0f,
+              "temperature {} is not in [0, 100] (0 = greedy)", temperature);
+  SIGMA_CHECK(top_p > 0.0f && top_p <= 1.0f, "top-p {} is not in (0, 1] (1 = off)", top_p);
+  SIGMA_CHECK(repetition_penalty >= 0.01f && repetition_penalty <= 100.0f,
+              "repetition penalty {} is not in [0.01, 100] (1 = off)", repetition_penalty);
+  SIGMA_CHECK(top_k >= 0, "top-k {} is negative (0 = off)", top_k);
+  SIGMA_CHECK(max_new_tokens >= 1, "max new tokens {} is not positive", max_new_tokens);
+}
+
 std::vector<int32_t> generate(Model& model, int domain, const std::vector<int32_t>& prompt,
                               const SamplingConfig& s, bool use_cache) {
+  s.validate();
   SIGMA_CHECK(!prompt.empty(), "generation needs a non-empty prompt");
   const ModelConfig& c = model.config();
   const int64_t V = c.vocab;

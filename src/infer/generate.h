@@ -18,6 +18,10 @@ struct SamplingConfig {
   uint64_t seed = 0;
   int max_new_tokens = 32;
   int stop_token = -1;  // generation ends after emitting this id (-1 = never)
+  // Throws naming the first field outside its range. NaN fails every range (a NaN
+  // temperature would otherwise pass "t >= 0 && t <= 100"-style checks written as negations
+  // and turn every probability into NaN).
+  void validate() const;
 };
 
 // One sequence decoded a token at a time through Model::forward_cached: the same attention,

@@ -85,6 +85,21 @@ void install_dir(const std::string& src, const std::string& dst) {
   fs::remove_all(aside, ec);
 }
 
+// The complete checkpoint (a directory with a manifest, not a save in progress) of `root`
+// whose name sorts last ("" when none): names like step-00001000 sort by step.
+std::string newest_complete(const std::string& root) {
+  std::string best;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!plain_name(name) || name.find(".tmp-") != std::string::npos ||
+        name.find(".old-") != std::string::npos || !fs::exists(e.path() / kManifestFile, ec))
+      continue;
+    if (name > best) best = name;
+  }
+  return best.empty() ? "" : (fs::path(root) / best).string();
+}
+
 }  // namespace
 
 CheckpointWriter::CheckpointWriter(std::string root, std::string name)
@@ -224,9 +239,15 @@ std::string resolve_checkpoint(const std::string& path) {
   SIGMA_CHECK(fs::is_directory(p, ec), "checkpoint path '{}' is not a directory", path);
   if (fs::exists(p / kManifestFile, ec)) return path;
   const fs::path latest = p / kLatestFile;
-  SIGMA_CHECK(fs::exists(latest, ec),
-              "'{}' is not a checkpoint: it has neither {} nor a '{}' file naming one", path,
-              kManifestFile, kLatestFile);
+  if (!fs::exists(latest, ec)) {
+    // A save killed after renaming its directory but before writing `latest` (the first
+    // checkpoint of a run) leaves a complete checkpoint that nothing names yet.
+    const std::string newest = newest_complete(path);
+    SIGMA_CHECK(!newest.empty(),
+                "'{}' is not a checkpoint: it has neither {} nor a '{}' file naming one", path,
+                kManifestFile, kLatestFile);
+    return newest;
+  }
   std::string name = read_small_file(latest.string(), 4096);
   while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
   SIGMA_CHECK(plain_name(name), "'{}' holds '{}', which is not a checkpoint name",
@@ -273,7 +294,17 @@ std::map<std::string, ManifestEntry> read_manifest(const std::string& dir) {
 }
 
 void verify_checkpoint(const std::string& dir) {
-  for (const auto& [file, e] : read_manifest(dir)) {
+  const std::map<std::string, ManifestEntry> manifest = read_manifest(dir);
+  // Every file must be vouched for: one whose entry was deleted would load unchecked.
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string file = entry.path().filename().string();
+    SIGMA_CHECK(file == kManifestFile || manifest.count(file),
+                "checkpoint '{}': file '{}' is not listed in {} (its entry was removed, or the "
+                "file was added later); it cannot be checked", dir, file, kManifestFile);
+  }
+  SIGMA_CHECK(!ec, "checkpoint '{}': cannot list it: {}", dir, ec.message());
+  for (const auto& [file, e] : manifest) {
     const std::string path = (fs::path(dir) / file).string();
     struct stat st;
     SIGMA_CHECK(::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode),

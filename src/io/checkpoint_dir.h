@@ -78,8 +78,9 @@ class CheckpointWriter {
   bool peer_ = false;
 };
 
-// `path` itself when it holds manifest.json, else the checkpoint named by `path`/latest.
-// Throws sigma::Error saying which of the two is wrong.
+// `path` itself when it holds manifest.json, else the checkpoint named by `path`/latest, else
+// (a first save killed before it wrote `latest`) the complete checkpoint in `path` whose name
+// sorts last. Throws sigma::Error saying what is wrong.
 std::string resolve_checkpoint(const std::string& path);
 
 // Checks that manifest.json is present and that every file it lists exists with the recorded

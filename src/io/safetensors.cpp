@@ -291,4 +291,17 @@ Safetensors read_safetensors(const std::string& path,
   return out;
 }
 
+void check_finite(const Tensor& t, const std::string& name, const std::string& file) {
+  if (t.dtype() != DType::F32) return;
+  const float* p = reinterpret_cast<const float*>(t.bytes());
+  const int64_t n = t.numel();
+  int64_t bad = n;
+#pragma omp parallel for reduction(min : bad) if (n > (int64_t(1) << 20))
+  for (int64_t i = 0; i < n; ++i)
+    if (!(p[i] - p[i] == 0.0f)) bad = std::min(bad, i);  // NaN and +-Inf give NaN
+  SIGMA_CHECK(bad == n, "{}: tensor '{}' holds a non-finite value ({} at element {} of {}); the "
+              "run that wrote it diverged or the file is damaged: resume from an earlier checkpoint",
+              file, name, p[bad], bad, n);
+}
+
 }  // namespace sigma

@@ -60,4 +60,9 @@ inline constexpr uint64_t kSafetensorsMaxHeader = 100ull << 20;
 Safetensors read_safetensors(const std::string& path,
                              const std::function<bool(const std::string&)>& want = nullptr);
 
+// Throws naming `file`, the tensor and the first bad element when an F32 tensor holds a NaN
+// or an Inf: weights or Adam moments like that came from a diverged or damaged run, and
+// training or evaluating on them would only spread the NaN (other dtypes pass).
+void check_finite(const Tensor& t, const std::string& name, const std::string& file);
+
 }  // namespace sigma

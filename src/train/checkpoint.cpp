@@ -18,6 +18,7 @@ namespace sigma {
 namespace {
 constexpr const char* kFormat = "sigma-model";
 constexpr const char* kTokenizerFile = "tokenizer.json";
+constexpr int64_t kMaxSteps = int64_t(1) << 40;  // train.steps' upper bound (train/config.cpp)
 }  // namespace
 
 namespace {
@@ -188,6 +189,14 @@ CheckpointInfo open_checkpoint(const std::string& path) {
               "{}: missing 'step' or 'config'", tpath);
   info.state.step = j["step"].get<int64_t>();
   info.state.tokens = j.value("tokens", int64_t(0));
+  // A damaged step would silently skip (or repeat) the schedule and the data: it must be in
+  // the range train.steps allows and agree with the directory's name.
+  SIGMA_CHECK(info.state.step >= 0 && info.state.step <= kMaxSteps && info.state.tokens >= 0,
+              "{}: step {} / tokens {} out of range (0..{} steps)", tpath, info.state.step,
+              info.state.tokens, kMaxSteps);
+  const std::string name = std::filesystem::path(info.dir).lexically_normal().filename().string();
+  SIGMA_CHECK(!name.starts_with("step-") || name == fmt::format("step-{:08d}", info.state.step),
+              "{}: says step {} but the checkpoint is '{}'", tpath, info.state.step, name);
   if (j.contains("data_cursor")) info.state.data_cursor = j["data_cursor"];
   info.cfg.apply(j["config"], tpath);
   return info;
@@ -209,6 +218,7 @@ void load_model(Model& model, const std::string& dir) {
     SIGMA_CHECK(t.dtype() == DType::F32 && t.shape() == p.value.shape(),
                 "{}: tensor '{}' is {} {} but the model expects F32 {}", path, p.name,
                 dtype_name(t.dtype()), shape_str(t.shape()), shape_str(p.value.shape()));
+    check_finite(t, p.name, path);
     std::memcpy(p.value.bytes(), t.bytes(), t.nbytes());
   }
   // Buffers (routing tables): checked against the model's vocabulary and expert counts.
@@ -265,6 +275,7 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) 
                       it->second.shape() == dst->shape(),
                   "{}: optimizer tensor '{}{}' is missing or has the wrong shape", path,
                   ps[i].name, suffix);
+      check_finite(it->second, ps[i].name + suffix, path);
       std::memcpy(dst->bytes(), it->second.bytes(), dst->nbytes());
     }
     auto it = st.tensors.find(ps[i].name + ".step");

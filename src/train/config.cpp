@@ -44,7 +44,11 @@ void TrainConfig::describe(Options& o, const std::string& p) {
   o.add(p + "eval_rows", &eval_rows, "held-out rows per domain for evaluation", 1, 1 << 24);
   o.add(p + "ckpt_every", &ckpt_every, "steps between checkpoints (0 = only at the end)", 0,
         int64_t(1) << 40);
-  o.add(p + "threads", &threads, "CPU threads (0 = every core)", 0, 4096);
+  o.add(p + "threads", &threads, "CPU threads (0 = every core; more than the machine's cores are "
+        "capped to them)", 0, 4096);
+  o.add(p + "max_nonfinite_steps", &max_nonfinite_steps,
+        "consecutive steps with a NaN/Inf loss or gradient norm that are skipped (no update) "
+        "before the run stops with an error", 0, 1 << 20);
   o.add(p + "experts", &experts,
         "where RRE experts train: ecss (store on the host, only a step's active experts fetched "
         "and updated), vanilla (same store, every expert every step), model (in the model), "

@@ -18,7 +18,8 @@ struct TrainConfig {
   int log_every = 50;
   int eval_rows = 240;     // held-out rows per domain at evaluation
   int64_t ckpt_every = 0;  // 0 = only at the end (when an output directory is given)
-  int threads = 0;         // 0 = every core
+  int threads = 0;         // 0 = every core (more than the machine has are capped to it)
+  int max_nonfinite_steps = 10;  // consecutive skipped non-finite steps before the run stops
   std::string experts = "auto";  // where RRE experts train: auto, ecss, vanilla, model
   std::string expert_store;      // ECSS store file ("" = RAM)
   std::vector<std::string> freeze;  // parameter sets not to update (src/train/freeze.h)

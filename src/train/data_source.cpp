@@ -74,7 +74,10 @@ std::string manifest_tokenizer(const std::string& dir) {
   nlohmann::json m = nlohmann::json::parse(in, nullptr, false);
   if (m.is_discarded() || !m.is_object() || !m.contains("tokenizer") || !m["tokenizer"].is_string())
     return "";
-  return m["tokenizer"].get<std::string>();
+  // A relative path is relative to the manifest's folder (prepare writes it so), never to the
+  // directory a run happens to start in.
+  const std::filesystem::path p = m["tokenizer"].get<std::string>();
+  return p.is_absolute() ? p.string() : (std::filesystem::path(dir) / p).lexically_normal().string();
 }
 
 // Held-out or training windows from a prepared directory. Model domain index = position in the
@@ -190,8 +193,12 @@ std::unique_ptr<ShardsSource> open_shards(const std::string& dir, std::string to
 }  // namespace
 
 std::unique_ptr<DataSource> make_data_source(const Config& cfg) {
-  if (cfg.data.source == "synthetic")
+  if (cfg.data.source == "synthetic") {
+    SIGMA_CHECK(cfg.data.sampler.empty(), "data.sampler weights the domains of prepared shards "
+                "(data.source = shards); the synthetic source would ignore it: remove it, or "
+                "choose synthetic domains with data.domains");
     return std::make_unique<SyntheticSource>(cfg.train.seed, cfg.data.domains);
+  }
   SIGMA_CHECK(cfg.data.domains.empty(), "data.domains selects synthetic domains; for prepared "
               "shards, prepare a directory holding only the domains to train (or weight them "
               "with data.sampler stages)");

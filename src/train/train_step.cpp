@@ -5,6 +5,8 @@
 
 #include "core/error.h"
 #include "optim/grad_norm.h"
+#include "train/nonfinite.h"
+#include "train/nonfinite.h"
 
 namespace sigma {
 
@@ -94,10 +96,11 @@ void TrainStep::prepare(std::span<const Batch> micro) {
   model_.expert_executor().begin_step(local(micro));
 }
 
-// per_slot[slot * (2D + 1) ...]: D loss sums, D token counts, the learned gate's aux loss.
+// per_slot[slot * (2D + 2) ...]: D loss sums, D token counts, the learned gate's aux loss, and
+// the loss weighted as the gradient weights it (the step's loss; NaN if a weight is).
 void TrainStep::sum_losses(const Batch& b, size_t slot, std::vector<double>& per_slot) const {
   const size_t D = size_t(model_.config().domains.size());
-  double* s = per_slot.data() + slot * (2 * D + 1);
+  double* s = per_slot.data() + slot * (2 * D + 2);
   for (int r = 0; r < b.B; ++r)
     for (int t = 0; t < b.T; ++t) {
       const size_t i = size_t(r) * size_t(b.T) + size_t(t);
@@ -106,6 +109,8 @@ void TrainStep::sum_losses(const Batch& b, size_t slot, std::vector<double>& per
       s[D + size_t(b.domain[size_t(r)])] += 1;
     }
   s[2 * D] = model_.aux_loss();
+  for (size_t i = 0; i < token_loss_.size(); ++i)
+    if (weight_[i] != 0.0f) s[2 * D + 1] += double(token_loss_[i]) * weight_[i];
 }
 
 StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMask& mask) {
@@ -116,7 +121,7 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     for (float x : b.mask) total += x;
   ExpertExecutor& experts = model_.expert_executor();
   const size_t D = size_t(model_.config().domains.size());
-  std::vector<double> per_slot(micro.size() * (2 * D + 1), 0.0);
+  std::vector<double> per_slot(micro.size() * (2 * D + 2), 0.0);
   GradTree tree;
   for (size_t j = 0; j < mine.size(); ++j) {
     const Batch& b = mine[j];
@@ -128,6 +133,7 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     model_.forward(b, acts_, token_loss_.data(), weight_.data());
     model_.backward(b, acts_);
     sum_losses(b, first + j, per_slot);
+    if (after_backward_) after_backward_(model_.params());
     if (mine.size() > 1) {
       tree.push(model_.params(), experts.grad_buffer());
       std::span<float> g = experts.grad_buffer();
@@ -140,12 +146,13 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   r.domain_loss.assign(D, 0.0);
   r.domain_tokens.assign(D, 0);
   for (size_t s = 0; s < micro.size(); ++s) {
-    const double* v = per_slot.data() + s * (2 * D + 1);
+    const double* v = per_slot.data() + s * (2 * D + 2);
     for (size_t d = 0; d < D; ++d) {
       r.domain_loss[d] += v[d];
       r.domain_tokens[d] += int64_t(v[D + d]);
     }
     r.aux_loss += v[2 * D] / double(micro.size());
+    r.loss += v[2 * D + 1];
   }
   reduce_to_owners(comm_, plan_, model_.params());
   const std::vector<uint8_t> owned = comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{};
@@ -156,6 +163,9 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   r.grad_norm = std::sqrt(fold(parts));
   r.clip = (cfg_.grad_clip > 0 && r.grad_norm > cfg_.grad_clip) ? float(cfg_.grad_clip / r.grad_norm)
                                                                  : 1.0f;
+  // Non-finite guard: decided on reduced values, so every rank skips alike.
+  r.skipped = !finite_step(r.loss, r.grad_norm);
+  if (r.skipped) return r;
   opt_.step(model_.params(), lr, r.clip, &mask);
   experts.update(lr, r.clip);
   gather_from_owners(comm_, plan_, model_.params());

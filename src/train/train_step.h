@@ -10,6 +10,7 @@
 // in rank order. So R = 1, 2, 4 ranks give bit-identical steps at the same global batch and
 // threads per rank.
 #pragma once
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -29,6 +30,8 @@ struct StepResult {
   // (every rank gets the same bits).
   std::vector<double> domain_loss;
   std::vector<int64_t> domain_tokens;
+  double loss = 0;       // the step's mean masked token loss over all ranks
+  bool skipped = false;  // non-finite loss or grad_norm: no update applied (train/nonfinite.h)
 };
 
 class TrainStep {
@@ -44,10 +47,13 @@ class TrainStep {
   // Forward and backward over this rank's micro-batches, each token's loss weighted by its
   // mask over the global batch's mask total; then reduce, mask (frozen parameters, untouched
   // rows), clip to optim.grad_clip, update with learning rate lr, and share the new values.
+  // A non-finite loss or gradient norm skips the update (StepResult::skipped).
   StepResult run(std::span<const Batch> micro, float lr, const UpdateMask& mask);
 
   // The micro-batches of `micro` this rank runs.
   std::span<const Batch> local(std::span<const Batch> micro) const;
+  // Fault injection for tests: called after each micro-batch's backward (may poison gradients).
+  void set_after_backward(std::function<void(ParamSet&)> f) { after_backward_ = std::move(f); }
 
  private:
   void check_split(size_t micro) const;
@@ -60,6 +66,7 @@ class TrainStep {
   ShardPlan plan_;
   Activations acts_;
   std::vector<float> token_loss_, weight_;
+  std::function<void(ParamSet&)> after_backward_;
 };
 
 }  // namespace sigma

@@ -18,6 +18,9 @@
 #include "optim/adamw.h"
 #include "train/checkpoint.h"
 #include "train/freeze.h"
+#include "train/nonfinite.h"
+#include "train/preflight.h"
+#include "train/run_dir.h"
 #include "train/train_step.h"
 
 namespace sigma {
@@ -157,6 +160,7 @@ class RunLoop {
   TrainSummary run();
 
  private:
+  void claim_out_dir();
   void build();
   void restore();
   void open_outputs();
@@ -185,6 +189,8 @@ class RunLoop {
   int64_t last_ = 0;
   std::vector<std::string> names_;      // model domains (training losses are kept per these)
   std::vector<int32_t> data_to_model_;  // data domain index -> model domain index
+  std::unique_ptr<RunDir> run_dir_;  // locked for the whole run
+  NonfiniteGuard guard_{0};
   std::ofstream metrics_;
   std::string ckpt_root_;
   bool tty_ = false;
@@ -214,10 +220,23 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   if (!lead_) run_.progress = false;
   ops::use_backend(cfg_.train.backend);
   ops::use_precision(cfg_.train.precision);
-  omp_set_num_threads(threads_per_rank(cfg_.train.threads));
+  std::string capped;
+  omp_set_num_threads(usable_threads(threads_per_rank(cfg_.train.threads), &capped));
+  if (!capped.empty() && lead_) fmt::print(stderr, "sigma train: warning: {}\n", capped);
+  guard_ = NonfiniteGuard(cfg_.train.max_nonfinite_steps);
+  if (lead_) claim_out_dir();  // rank 0 owns the directory; the others write only checkpoints
   build();
   restore();
   open_outputs();
+}
+
+// Locks the output directory before anything is written into it (train/run_dir.h).
+void RunLoop::claim_out_dir() {
+  if (run_.out_dir.empty()) return;
+  const RunDirMode mode = !run_.resume.empty() ? RunDirMode::Resume
+                          : run_.overwrite     ? RunDirMode::Overwrite
+                                               : RunDirMode::Fresh;
+  run_dir_ = std::make_unique<RunDir>(run_.out_dir, mode);
 }
 
 // Data, model, optimizer, expert executor and the step; nothing written yet.
@@ -229,6 +248,7 @@ void RunLoop::build() {
     ck_ = open_checkpoint(run_.resume);
     check_same_model(cfg_, ck_->cfg);
   }
+  check_memory(cfg_);  // a sized error instead of bad_alloc for a model too big for the machine
   const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
   mode_ = resolve_expert_mode(distributed_experts(cfg_.train.experts, comm_.size()), cfg_.model);
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
@@ -266,8 +286,8 @@ void RunLoop::restore() {
 // metrics.jsonl, the checkpoint root and the banner.
 void RunLoop::open_outputs() {
   if (!run_.out_dir.empty()) ckpt_root_ = run_.out_dir + "/checkpoints";
-  if (!run_.out_dir.empty() && lead_) {
-    std::filesystem::create_directories(run_.out_dir);
+  if (run_dir_) {
+    if (ck_) run_dir_->drop_metrics_after(state_.step);  // the dead run's steps are redone
     metrics_.open(run_.out_dir + "/metrics.jsonl", std::ios::app);
     SIGMA_CHECK(metrics_.good(), "cannot write {}/metrics.jsonl", run_.out_dir);
   }
@@ -332,8 +352,11 @@ void RunLoop::one_step(int64_t step) {
   UpdateMask mask = freeze_.mask;
   if (cfg_.optim.sparse_embeddings) limit_to_batch_rows(mask, model_->params(), cfg_.model, micro_);
   const float lr = lr_at(cfg_.optim, step, cfg_.train.steps);
+  if (run_.before_step) run_.before_step(step, micro_);
+  if (run_.after_backward) step_->set_after_backward([&](ParamSet& ps) { run_.after_backward(step, ps); });
   const StepResult r = step_->run(micro_, lr, mask);
   window_.add(r.domain_loss, r.domain_tokens);
+  guard_.record(step + 1, r.skipped, r.loss, r.grad_norm);  // throws after too many in a row
   aux_window_ += r.aux_loss;
   const int64_t tokens = int64_t(cfg_.train.accum) * cfg_.train.batch * cfg_.model.context;
   state_.step = step + 1;
@@ -351,9 +374,9 @@ void RunLoop::log(double grad_norm, float lr) {
   const double tps = tokens_this_run_ / std::max(elapsed, 1e-9);
   const double eta = elapsed / steps_this_run_ * double(last_ - state_.step);
   if (run_.progress)
-    fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}",
+    fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}{}",
                tty_ ? "\r" : "", state_.step, last_, window_.total_mean(), lr, grad_norm, tps,
-               fmt_duration(eta), tty_ && state_.step != last_ ? "   " : "\n");
+               fmt_duration(eta), guard_.progress_note(), tty_ && state_.step != last_ ? "   " : "\n");
   std::vector<BlockLoad> load = model_->expert_load();
   sum_over_ranks(comm_, load);
   if (metrics_.is_open()) {
@@ -362,7 +385,8 @@ void RunLoop::log(double grad_norm, float lr) {
       if (window_.count[d]) dom[names_[d]] = window_.loss[d] / double(window_.count[d]);
     nlohmann::json rec{{"step", state_.step}, {"loss", window_.total_mean()}, {"lr", lr},
                        {"grad_norm", grad_norm}, {"tokens", state_.tokens},
-                       {"tokens_per_s", tps}, {"domains", dom}};
+                       {"tokens_per_s", tps}, {"domains", dom},
+                       {"skipped_steps", guard_.skipped_total()}};
     if (!load.empty()) {  // tokens per expert over the logging window
       rec["expert_load"] = expert_load_json(load, cfg_.model);
       rec["load_imbalance"] = load_imbalance_json(load);
@@ -399,6 +423,7 @@ TrainSummary RunLoop::finish() {
   TrainSummary sum;
   sum.steps = state_.step;
   sum.tokens = state_.tokens;
+  sum.skipped_steps = guard_.skipped_total();
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
   sum.tokens_per_s = steps_this_run_ ? tokens_this_run_ / std::max(elapsed, 1e-9) : 0.0;
   sum.expert_load = run_load_;
@@ -423,6 +448,7 @@ void RunLoop::write_summary(const TrainSummary& sum) {
     dom[d.name]["optimum"] = d.optimum ? nlohmann::json(*d.optimum) : nlohmann::json(nullptr);
   }
   nlohmann::json summary{{"steps", sum.steps}, {"tokens", sum.tokens},
+                         {"skipped_steps", sum.skipped_steps},
                          {"tokens_per_s", sum.tokens_per_s}, {"domains", dom}};
   if (experts_) {
     const OffloadStats& o = sum.offload;

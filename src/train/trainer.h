@@ -1,6 +1,7 @@
 // The training loop: batches from a DataSource, forward/backward with gradient accumulation,
 // global-norm clipping, AdamW with warm-up + cosine, progress, metrics and checkpoints.
 #pragma once
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -18,7 +19,13 @@ struct RunOptions {
   std::string resume;       // checkpoint to continue from (empty = fresh start)
   int64_t stop_at = -1;     // stop after this step (checkpointing it) instead of train.steps
   bool progress = true;     // progress lines on stderr
+  bool overwrite = false;   // a fresh run may replace a run already in out_dir (--overwrite)
+  // Fault injection for tests (train/nonfinite.h): called with the 0-based step before its
+  // forward passes (may poison the micro-batches) and after each micro-batch's backward (may
+  // poison gradients).
   Communicator* comm = nullptr;  // the run's ranks (mpirun); null = this process alone
+  std::function<void(int64_t step, std::vector<Batch>& micro)> before_step = {};
+  std::function<void(int64_t step, ParamSet& params)> after_backward = {};
 };
 
 struct DomainLoss {
@@ -32,6 +39,7 @@ struct TrainSummary {
   int64_t steps = 0, tokens = 0;
   double tokens_per_s = 0;
   std::vector<DomainLoss> domains;  // held-out losses at the end
+  int64_t skipped_steps = 0;           // non-finite steps not applied (train/nonfinite.h)
   std::vector<BlockLoad> expert_load;  // tokens per expert per RRE block over this run's steps
   double seconds = 0;                  // wall time of the training steps
   std::string expert_mode;             // "ecss" / "vanilla", empty when experts are in the model

@@ -1,0 +1,32 @@
+// Checks made before a run allocates anything: threads the machine can run, and the memory a
+// config needs (so that a model too big for the machine gets a sized error, not bad_alloc).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "train/config.h"
+
+namespace sigma {
+
+// train.threads capped to the cores this process may use (0 = all of them). More threads than
+// cores only make OpenMP's barriers wait on each other (4096 threads on 2 cores ran 3 tiny
+// steps in over 120 s). `note` receives a line saying so when the request was capped.
+int usable_threads(int requested, std::string* note);
+
+// Parameters of the model `m` describes (weights only; routing tables excluded), counted from
+// the shapes model/weights.cpp registers. `experts`: the RRE experts' share of it.
+struct ParamCount {
+  int64_t total = 0;
+  int64_t experts = 0;
+};
+ParamCount count_params(const ModelConfig& m);
+
+// Bytes of RAM a training run of `cfg` needs, roughly: weights, gradients and Adam moments
+// (16 bytes a parameter; experts in a file-backed ECSS store are excluded, they are paged)
+// plus the activations of one micro-batch.
+int64_t training_bytes(const Config& cfg);
+
+// Throws a sigma::Error stating the estimate when it exceeds the machine's physical memory.
+void check_memory(const Config& cfg);
+
+}  // namespace sigma

@@ -1,0 +1,318 @@
+// Bad inputs from issue 15, each refused with an error naming what and where: sampling
+// parameters, shard bodies, trainer.json, manifests, expert store headers, config keys the
+// run would ignore, relative tokenizer paths, thread counts, models too big for the machine.
+#include <gtest/gtest.h>
+#include <omp.h>
+#include <xxhash.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "data/shards.h"
+#include "ecss/expert_store.h"
+#include "infer/generate.h"
+#include "io/checkpoint_dir.h"
+#include "train/checkpoint.h"
+#include "train/data_source.h"
+#include "train/preflight.h"
+#include "train/trainer.h"
+
+using namespace sigma;
+using namespace sigma::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr float kNaNf = std::numeric_limits<float>::quiet_NaN();
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+void spit(const std::string& path, const std::string& s) { std::ofstream(path, std::ios::binary) << s; }
+
+// ---- sampling ------------------------------------------------------------------------------
+
+TEST(BadInputs, NaNOrOutOfRangeSamplingParametersAreRejected) {
+  SamplingConfig ok;
+  EXPECT_EQ(error_of([&] { ok.validate(); }), "");
+  auto bad = [](auto set) {
+    SamplingConfig s;
+    set(s);
+    return error_of([&] { s.validate(); });
+  };
+  EXPECT_NE(bad([](SamplingConfig& s) { s.temperature = kNaNf; }).find("temperature nan"), std::string::npos);
+  EXPECT_NE(bad([](SamplingConfig& s) { s.top_p = kNaNf; }).find("top-p nan"), std::string::npos);
+  EXPECT_NE(bad([](SamplingConfig& s) { s.top_p = 0.0f; }).find("top-p 0"), std::string::npos);
+  EXPECT_NE(bad([](SamplingConfig& s) { s.repetition_penalty = kNaNf; }).find("repetition penalty nan"),
+            std::string::npos);
+  EXPECT_NE(bad([](SamplingConfig& s) { s.temperature = INFINITY; }).find("temperature inf"), std::string::npos);
+  EXPECT_NE(bad([](SamplingConfig& s) { s.top_k = -1; }).find("top-k -1"), std::string::npos);
+}
+
+TEST(BadInputs, GenerateRefusesNaNSamplingFlags) {
+  for (const char* flag : {"--temperature nan", "--top-p nan", "--repetition-penalty nan"}) {
+    const auto r = sigma_cmd(std::string("generate --ckpt /nonexistent --prompt 1 ") + flag);
+    EXPECT_NE(r.code, 0) << flag;
+    EXPECT_NE(r.out.find(" nan is not in"), std::string::npos) << flag << ": " << r.out;
+  }
+}
+
+// ---- shards --------------------------------------------------------------------------------
+
+std::string write_shard(const std::string& dir) {
+  const std::string path = dir + "/d.shard";
+  data::ShardWriter w(path, DomainSpec("d", "d", 0), 300, 0x1234, 0x5678);
+  w.add(std::vector<uint32_t>{5, 6, 7, 8, 9});
+  w.add(std::vector<uint32_t>{10, 11, 12});
+  w.finish();
+  return path;
+}
+
+TEST(BadInputs, AFlippedTokenOrOffsetInAShardIsRefused) {
+  TempDir tmp("shard-sum");
+  const std::string path = write_shard(tmp.str());
+  ASSERT_NO_THROW(data::Shard::open(path, 0x1234));
+  const std::string good = slurp(path);
+  const size_t header = sizeof(data::ShardHeader);
+  std::string tok = good;
+  tok[header + 2] ^= 1;  // token 1: 6 -> 7, still inside the vocabulary
+  spit(path, tok);
+  std::string e = error_of([&] { data::Shard::open(path, 0x1234); });
+  EXPECT_NE(e.find("corrupted"), std::string::npos) << e;
+  std::string off = good;
+  off[header + 16 + 8] ^= 1;  // offsets[1]: 5 -> 4 (16 bytes of padded u16 tokens come first)
+  spit(path, off);
+  e = error_of([&] { data::Shard::open(path, 0x1234); });
+  EXPECT_NE(e.find("corrupted"), std::string::npos) << e;
+  std::string old = good;  // a version-1 shard (no checksum) is sent back to prepare
+  old[8] = 1;
+  spit(path, old);
+  e = error_of([&] { data::Shard::open(path, 0x1234); });
+  EXPECT_NE(e.find("version 1, this build reads 2 (older shards carry no checksum)"), std::string::npos) << e;
+}
+
+// ---- checkpoints ---------------------------------------------------------------------------
+
+// Rewrites one file of checkpoint `dir` and its manifest entry, as a consistent forgery would.
+void forge(const std::string& dir, const std::string& file, const std::string& text) {
+  spit(dir + "/" + file, text);
+  auto m = nlohmann::json::parse(slurp(dir + "/manifest.json"));
+  m["files"][file] = {{"size", text.size()},
+                      {"xxh3_64", fmt::format("{:016x}", XXH3_64bits(text.data(), text.size()))}};
+  spit(dir + "/manifest.json", m.dump());
+}
+
+class TinyCheckpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto r = sigma_cmd("train --quiet --set model.d_model=16 --set model.layers=2 --set "
+                             "model.heads=2 --set model.context=8 --set train.batch=2 --set "
+                             "train.steps=3 --set train.eval_rows=4 --out " + tmp / "out");
+    ASSERT_EQ(r.code, 0) << r.out;
+    dir = resolve_checkpoint(tmp / "out/checkpoints");
+  }
+  TempDir tmp{"bad-ckpt"};
+  std::string dir;
+};
+
+TEST_F(TinyCheckpoint, AnAbsurdOrInconsistentStepInTrainerJsonIsRefused) {
+  auto j = nlohmann::json::parse(slurp(dir + "/trainer.json"));
+  j["step"] = int64_t(1000000000000000);
+  forge(dir, "trainer.json", j.dump());
+  std::string e = error_of([&] { open_checkpoint(dir); });
+  EXPECT_NE(e.find("step 1000000000000000 / tokens"), std::string::npos) << e;
+  j["step"] = 2;  // plausible, but the directory is step-00000003
+  forge(dir, "trainer.json", j.dump());
+  e = error_of([&] { open_checkpoint(dir); });
+  EXPECT_NE(e.find("says step 2 but the checkpoint is 'step-00000003'"), std::string::npos) << e;
+}
+
+TEST_F(TinyCheckpoint, AFileWhoseManifestEntryWasDeletedIsRefused) {
+  auto m = nlohmann::json::parse(slurp(dir + "/manifest.json"));
+  m["files"].erase("optimizer.safetensors");
+  spit(dir + "/manifest.json", m.dump());
+  const std::string e = error_of([&] { verify_checkpoint(dir); });
+  EXPECT_NE(e.find("file 'optimizer.safetensors' is not listed in manifest.json"), std::string::npos) << e;
+}
+
+// ---- expert store header -------------------------------------------------------------------
+
+TEST(BadInputs, ExpertStoreHeaderErrorsNameTheFieldThatDiffers) {
+  TempDir tmp("store-hdr");
+  ExpertStoreSpec spec;
+  spec.groups = {rre_group_spec(0, 0, 2, 4, 6)};
+  { ExpertStore s = ExpertStore::open(tmp / "s.store", spec); }
+  const std::string good = slurp(tmp / "s.store");
+  std::string swapped = good;
+  swapped[12] = 0x01, swapped[13] = 0x02, swapped[14] = 0x03, swapped[15] = 0x04;  // byte order
+  spit(tmp / "s.store", swapped);
+  std::string e = error_of([&] { ExpertStore::open(tmp / "s.store", spec); });
+  EXPECT_NE(e.find("other byte order"), std::string::npos) << e;
+  EXPECT_EQ(e.find("version 1 but this build reads version 1"), std::string::npos) << e;
+  std::string hdr = good;
+  hdr[16] ^= 0x10;  // header_bytes
+  spit(tmp / "s.store", hdr);
+  e = error_of([&] { ExpertStore::open(tmp / "s.store", spec); });
+  EXPECT_NE(e.find("its header says it is"), std::string::npos) << e;
+}
+
+// ---- config keys a run would ignore, paths -------------------------------------------------
+
+TEST(BadInputs, ASamplerWithSyntheticDataIsAnError) {
+  Config cfg;
+  cfg.data.sampler = nlohmann::json::parse(R"({"stages": [{"steps": 0, "weights": {"markov": 1}}]})");
+  const std::string e = error_of([&] { make_data_source(cfg); });
+  EXPECT_NE(e.find("data.sampler weights the domains of prepared shards"), std::string::npos) << e;
+}
+
+TEST(BadInputs, TheShardManifestsTokenizerPathIsRelativeToTheManifest) {
+  TempDir tmp("tok-rel");
+  std::ofstream c(tmp / "corpus.jsonl");
+  for (int i = 0; i < 40; ++i)
+    c << nlohmann::json{{"domain", "prose"}, {"text", "a cat number " + std::to_string(i)}}.dump() << "\n";
+  c.close();
+  auto r = sigma_cmd("tokenizer train --corpus " + tmp / "corpus.jsonl" + " --vocab-size 280 --out " +
+                     tmp / "tok.json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ofstream(tmp / "data.json") << R"({"tokenizer": "tok.json", "corpus": ["corpus.jsonl"],
+                                         "domains": [{"name": "prose"}]})";
+  r = run_cmd("cd " + tmp.str() + " && " + SIGMA_BINARY + " prepare --config data.json --out shards");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto m = nlohmann::json::parse(slurp(tmp / "shards/manifest.json"));
+  EXPECT_EQ(m["tokenizer"], "../tok.json");
+  // From another directory (the test's), the tokenizer is still found next to the shards.
+  Config cfg;
+  cfg.data.source = "shards";
+  cfg.data.path = tmp / "shards";
+  auto src = make_data_source(cfg);
+  EXPECT_EQ(src->tokenizer_path(), tmp / "tok.json");
+}
+
+// ---- threads and memory --------------------------------------------------------------------
+
+TEST(BadInputs, MoreThreadsThanCoresAreCapped) {
+  std::string note;
+  EXPECT_EQ(usable_threads(4096, &note), omp_get_num_procs());
+  EXPECT_NE(note.find("train.threads = 4096"), std::string::npos) << note;
+  note.clear();
+  EXPECT_EQ(usable_threads(1, &note), 1);
+  EXPECT_EQ(note, "");
+  const auto r = sigma_cmd("train --set train.threads=4096 --set train.steps=2 --set model.d_model=16 "
+                           "--set model.heads=2 --set model.context=8 --set train.batch=2 --set "
+                           "train.eval_rows=4");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find(fmt::format("{} threads", omp_get_num_procs())), std::string::npos) << r.out;
+}
+
+TEST(BadInputs, ParameterCountMatchesTheModel) {
+  Config dense;
+  dense.model.vocab = 37;
+  dense.model.rre_layers = 0;
+  dense.model.groups.clear();
+  Config sparse;
+  sparse.model.vocab = 37;
+  sparse.model.slots = 2;
+  Config gated = sparse;
+  gated.model.router = "top2";
+  for (Config* c : {&dense, &sparse, &gated}) {
+    c->model.domains = {{"markov", "markov", 0}};
+    if (c->model.rre_layers) c->model.groups = {{"markov", 3}};
+    Model m(c->model, 1);
+    EXPECT_EQ(count_params(c->model).total, m.params().numel()) << c->model.router;
+  }
+}
+
+TEST(BadInputs, AModelTooBigForTheMachineStatesTheMemoryItNeeds) {
+  Config cfg;
+  cfg.model.vocab = 50000;
+  cfg.model.d_model = 16384;
+  cfg.model.heads = 128;
+  cfg.model.layers = 40;
+  const std::string e = error_of([&] { check_memory(cfg); });
+  EXPECT_NE(e.find("this config needs about"), std::string::npos) << e;
+  EXPECT_NE(e.find("GiB of memory"), std::string::npos) << e;
+  EXPECT_EQ(error_of([] { check_memory(Config()); }), "");
+  const auto r = sigma_cmd("train --set model.d_model=16384 --set model.heads=128 --set model.layers=40");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("this config needs about"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("bad_alloc"), std::string::npos) << r.out;
+}
+
+// ---- the issue's untested bad inputs -------------------------------------------------------
+
+TEST(BadInputs, DModelNotDivisibleByHeadsIsNamed) {
+  const auto r = sigma_cmd("train --set model.d_model=30 --set model.heads=4 --set train.steps=1");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("model.d_model"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("model.heads"), std::string::npos) << r.out;
+}
+
+TEST(BadInputs, AnEmptyCorpusForTokenizerTrainIsAnError) {
+  TempDir tmp("tok-empty");
+  spit(tmp / "empty.jsonl", "");
+  const auto r = sigma_cmd("tokenizer train --corpus " + tmp / "empty.jsonl" + " --vocab-size 280 --out " +
+                           tmp / "tok.json");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("no usable record"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(tmp / "tok.json"));
+}
+
+// A domain whose shard holds fewer tokens than one context window: packed training says which
+// domain has nothing to draw (fine-tuning pads such samples and trains).
+TEST(BadInputs, AShardShorterThanTheContextIsNamed) {
+  TempDir tmp("short-shard");
+  spit(tmp / "c.jsonl", "{\"domain\": \"prose\", \"text\": \"a cat\"}\n");
+  auto r = sigma_cmd("tokenizer train --corpus " + tmp / "c.jsonl" + " --vocab-size 290 --out " + tmp / "tok.json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  spit(tmp / "d.json", R"({"tokenizer": "tok.json", "corpus": ["c.jsonl"], "domains": [{"name": "prose"}]})");
+  r = sigma_cmd("prepare --config " + tmp / "d.json" + " --out " + tmp / "shards");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string train = "train --quiet --set data.source=shards --set data.path=" + tmp / "shards" +
+                            " --set model.context=64 --set model.d_model=16 --set model.heads=2 "
+                            "--set train.steps=2 --set train.batch=2 --set model.rre_layers=0 "
+                            "--set 'model.groups=[]' ";
+  r = sigma_cmd(train);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("domain 'prose', which has nothing to draw"), std::string::npos) << r.out;
+  r = sigma_cmd(train + "--set data.finetune=true");
+  EXPECT_EQ(r.code, 0) << r.out;
+}
+
+// A write failure in prepare (a full disk, here a file-size limit: write(2) fails with EFBIG
+// as it would with ENOSPC) is an error naming the file, and leaves no shard under its name.
+TEST(BadInputs, AWriteFailureDuringPrepareLeavesNoShard) {
+  TempDir tmp("prep-full");
+  std::ofstream c(tmp / "corpus.jsonl");
+  for (int i = 0; i < 3000; ++i)
+    c << nlohmann::json{{"domain", "prose"}, {"text", "the cat sat on mat " + std::to_string(i)}}.dump() << "\n";
+  c.close();
+  auto r = sigma_cmd("tokenizer train --corpus " + tmp / "corpus.jsonl" + " --vocab-size 280 --out " +
+                     tmp / "tok.json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ofstream(tmp / "data.json") << R"({"tokenizer": "tok.json", "corpus": ["corpus.jsonl"],
+                                         "domains": [{"name": "prose"}]})";
+  // 64 blocks of 512 bytes: the tokenizer and corpus are read, the shard cannot be written.
+  r = run_cmd("trap '' XFSZ; ulimit -f 64; " + std::string(SIGMA_BINARY) + " prepare --config " +
+              tmp / "data.json" + " --out " + tmp / "shards");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("File too large"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(tmp / "shards/prose.shard"));
+  EXPECT_FALSE(fs::exists(tmp / "shards/manifest.json"));
+}
+
+}  // namespace
