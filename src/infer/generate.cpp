@@ -35,6 +35,13 @@ int32_t sample_next(float* logits, int64_t V, const std::vector<int32_t>& histor
       if (seen[size_t(i)])
         logits[i] = logits[i] > 0 ? logits[i] / s.repetition_penalty : logits[i] * s.repetition_penalty;
   }
+  if (s.frequency_penalty != 0.0f || s.presence_penalty != 0.0f) {
+    std::vector<int32_t> count(static_cast<size_t>(V), 0);
+    for (int32_t t : history) ++count[size_t(t)];
+    for (int64_t i = 0; i < V; ++i)
+      if (count[size_t(i)] > 0)
+        logits[i] -= s.frequency_penalty * float(count[size_t(i)]) + s.presence_penalty;
+  }
   if (s.temperature <= 0.0f) return int32_t(std::max_element(logits, logits + V) - logits);
   // Candidates sorted by logit (ties by id, so the order is deterministic).
   std::vector<int32_t> idx(static_cast<size_t>(V));
