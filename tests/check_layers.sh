@@ -25,5 +25,8 @@ expect no  ecss train/checkpoint.h
 expect no  data train/config.h
 expect yes train ecss/ecss_experts.h
 expect no  infer train/trainer.h
+expect yes serve infer/batch_decoder.h
+expect no  serve train/checkpoint.h
+expect no  infer serve/engine.h
 if ((fail)); then echo "layering check FAILED"; exit 1; fi
-echo "layering check passed: 12 of 12"
+echo "layering check passed: 15 of 15"

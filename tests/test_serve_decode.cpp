@@ -163,28 +163,39 @@ TEST(ServeEngine, BatchedOutputEqualsGenerateAlone) {
 }
 
 TEST(ServeEngine, FullQueueRefusesAndCancelledChoicesFreeTheirSlot) {
-  const ModelConfig c = small_config(false);
+  ModelConfig c = small_config(false);
+  c.context = 4096;  // a sequence that would run for thousands of steps unless cancelled
   Model m(c, 14);
   serve::Engine engine(m, 1, 2);
   auto hog = std::make_shared<serve::Channel>(1);
   serve::Job j;
   j.prompt = {1, 2};
-  j.s.max_new_tokens = 20;
+  j.s.max_new_tokens = 4000;
   j.out = hog;
   ASSERT_TRUE(engine.submit({j}));
-  auto e = hog->pop(10000);  // running: the slot is taken
-  ASSERT_TRUE(e.has_value());
+  ASSERT_TRUE(hog->pop(10000).has_value());  // running: the one slot is taken
   auto waiting = std::make_shared<serve::Channel>(2);
   serve::Job w = j;
   w.out = waiting;
   w.s.max_new_tokens = 2;
   serve::Job w2 = w;
   w2.index = 1;
+  ASSERT_TRUE(engine.submit({w, w2}));
   serve::Job w3 = w;
   w3.out = std::make_shared<serve::Channel>(1);
-  hog->cancelled[0] = true;  // the client left: its slot frees for the queue
-  ASSERT_TRUE(engine.submit({w, w2}));
-  // 2 queued + 1 more exceeds the queue of 2 unless the engine already took them.
+  EXPECT_FALSE(engine.submit({w3}));  // the queue of 2 is full
+  hog->cancelled[0] = true;           // the client left: its slot frees for the queue
+  int tokens = 1;
+  for (;;) {
+    auto e = hog->pop(10000);
+    ASSERT_TRUE(e.has_value());
+    if (!e->finish_reason.empty()) {
+      EXPECT_EQ(e->finish_reason, "stop");
+      break;
+    }
+    ++tokens;
+  }
+  EXPECT_LT(tokens, 4000);
   int finished = 0;
   while (finished < 2) {
     auto ev = waiting->pop(10000);
@@ -192,9 +203,23 @@ TEST(ServeEngine, FullQueueRefusesAndCancelledChoicesFreeTheirSlot) {
     finished += !ev->finish_reason.empty();
   }
   EXPECT_TRUE(engine.submit({w3}));
-  serve::Engine tiny(m, 1, 1);
-  serve::Job a = j, b = j;
-  a.out = std::make_shared<serve::Channel>(1);
-  b.out = std::make_shared<serve::Channel>(1);
-  EXPECT_FALSE(tiny.submit({a, b}));  // two choices do not fit a queue of one
+}
+
+// OpenAI's additive penalties: logit -= frequency * count + presence * (count > 0).
+TEST(ServeSampling, FrequencyAndPresencePenaltiesFollowTheirDefinition) {
+  std::vector<float> logits = {3.0f, 2.5f, 1.0f, 0.0f};
+  SamplingConfig s;
+  s.frequency_penalty = 0.5f;
+  s.presence_penalty = 0.25f;
+  // id 0 seen twice: 3 - 2 * 0.5 - 0.25 = 1.75; id 1 once: 2.5 - 0.5 - 0.25 = 1.75; id 2 unseen.
+  sample_next(logits.data(), 4, {0, 0, 1}, s, 0);
+  EXPECT_FLOAT_EQ(logits[0], 1.75f);
+  EXPECT_FLOAT_EQ(logits[1], 1.75f);
+  EXPECT_FLOAT_EQ(logits[2], 1.0f);
+  std::vector<float> l2 = {3.0f, 2.5f, 1.0f, 0.0f};
+  EXPECT_EQ(sample_next(l2.data(), 4, {0, 0, 0}, s, 0), 1);  // 3 - 1.5 - 0.25 = 1.25 < 2.5
+  std::vector<float> l3 = {3.0f, 2.5f, 1.0f, 0.0f};
+  s.frequency_penalty = -1.0f;  // negative values encourage repeats
+  s.presence_penalty = 0.0f;
+  EXPECT_EQ(sample_next(l3.data(), 4, {1}, s, 0), 1);  // 2.5 + 1 > 3
 }

@@ -59,7 +59,7 @@ json completion_logprobs(const Run& run, const ChoiceText& c, const ServedModel&
     const auto& lp = run.ch->prompt_logprobs[0];
     for (size_t i = 0; i < run.r.prompt.size(); ++i) {
       tokens.push_back(piece(run.r.prompt[i]));
-      values.push_back(i == 0 ? json(nullptr) : json(lp[i - 1]));
+      values.push_back(i == 0 || i > lp.size() ? json(nullptr) : json(lp[i - 1]));
       top.push_back(nullptr);
       offsets.push_back(offset);
       offset += piece(run.r.prompt[i]).size();
@@ -94,7 +94,7 @@ struct Server::Impl {
   ServerOptions o;
   httplib::Server http;
   std::thread listener;
-  std::atomic<bool> ready{false}, stopped{false};
+  std::atomic<bool> ready{false}, stopped{false}, listen_done{false};
   std::unique_ptr<Engine> engine;
   ServedModel served;
   std::atomic<int64_t> next_id{1};
@@ -349,7 +349,10 @@ int Server::start() {
     port = -1;
   }
   SIGMA_CHECK(port > 0, "cannot listen on {}:{} (in use, or not a local address)", s.o.host, s.o.port);
-  s.listener = std::thread([&s] { s.http.listen_after_bind(); });
+  s.listener = std::thread([&s] {
+    s.http.listen_after_bind();
+    s.listen_done = true;
+  });
   return port;
 }
 
@@ -365,7 +368,12 @@ void Server::serve_model(Model& model, const data::Tokenizer* tok, const std::st
 }
 
 void Server::stop() {
-  if (!impl_->stopped.exchange(true)) impl_->http.stop();
+  Impl& s = *impl_;
+  if (s.stopped.exchange(true)) return;
+  // httplib's stop() does nothing before its loop runs: a signal right after start() waits.
+  while (s.listener.joinable() && !s.http.is_running() && !s.listen_done)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  s.http.stop();
 }
 
 void Server::wait() {

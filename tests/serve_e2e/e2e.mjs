@@ -141,6 +141,10 @@ test('completion, usage and finish_reason', async () => {
   assert.equal(r.usage.completion_tokens + r.usage.prompt_tokens, r.usage.total_tokens);
   assert.ok(r.usage.completion_tokens >= 1 && r.usage.completion_tokens <= 10);
   assert.ok(['length', 'stop'].includes(r.choices[0].finish_reason));
+  // The same greedy continuation as `sigma generate` (which prints prompt + continuation,
+  // and the <EOT> it stopped at, which the server leaves out of the text).
+  const gen = cli('generate', '--ckpt', `${tmp}/run/checkpoints`, '--prompt', 'the cat', '--max-new', '10');
+  assert.equal(gen.replace(/<EOT>\n$/, '\n'), `the cat${r.choices[0].text}\n`);
 });
 
 test('streamed completion equals the plain one', async () => {
