@@ -4,7 +4,14 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "data/tokenizer.h"
 #include "serve/choice.h"
@@ -186,4 +193,49 @@ TEST(ServeHttp, Utf8PrefixHoldsBackAnIncompleteCharacter) {
   EXPECT_EQ(serve::utf8_complete_prefix("a\xc3\xa9"), 3u);
   EXPECT_EQ(serve::utf8_complete_prefix("a\xe2\x82"), 1u);
   EXPECT_EQ(serve::utf8_complete_prefix("a\xf0\x9f\x98\x80"), 5u);
+}
+
+// A client that closes the connection mid-stream frees its slot at once: the sequence would run
+// for thousands of steps otherwise.
+TEST(ServeHttp, AClientLeavingMidStreamFreesItsSlot) {
+  data::Tokenizer tok;
+  ModelConfig c = byte_config(tok);
+  c.context = 4096;
+  Model model(c, 4);
+  serve::ServerOptions o;
+  o.port = 0;
+  o.slots = 1;
+  serve::Server server(o);
+  const int port = server.start();
+  server.serve_model(model, nullptr, "long");  // no tokenizer, so no <EOT> to stop at
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const std::string body = R"({"prompt": [5], "max_tokens": 4000, "stream": true})";
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(write(fd, req.data(), req.size()), ssize_t(req.size()));
+  char buf[512];
+  std::string got;
+  while (got.find("data: ") == std::string::npos) {  // the stream has started
+    const ssize_t n = read(fd, buf, sizeof buf);
+    ASSERT_GT(n, 0);
+    got.append(buf, size_t(n));
+  }
+  close(fd);
+  httplib::Client cli("127.0.0.1", port);
+  auto value = [&](const std::string& name) {
+    const std::string m = cli.Get("/metrics")->body;
+    const size_t p = m.find("\n" + name + " ");
+    return std::stod(m.substr(p + name.size() + 2));
+  };
+  for (int i = 0; i < 500 && value("sigma_busy_slots") != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(value("sigma_busy_slots"), 0);
+  EXPECT_LT(value("sigma_generated_tokens_total"), 4000);
+  auto r = cli.Post("/v1/completions", R"({"prompt": [5], "max_tokens": 2})", "application/json");
+  EXPECT_EQ(r->status, 200);  // the one slot serves again
 }
