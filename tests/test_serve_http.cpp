@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "data/tokenizer.h"
+#include "kernels/ops.h"
 #include "serve/choice.h"
 #include "serve/server.h"
 
@@ -180,8 +181,14 @@ TEST(ServeHttp, TokenizeModelsAndMetrics) {
   EXPECT_EQ(models["data"][0]["id"], "tiny");
   EXPECT_EQ(models["data"][0]["domains"], json({"prose", "code"}));
   f.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "domain": "code"})");
-  const std::string m = f.cli.Get("/metrics")->body;
-  for (const char* name : {"sigma_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 1",
+  // A request is counted once its response is written, which the client may see first.
+  const std::string counted = "sigma_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 1";
+  std::string m = f.cli.Get("/metrics")->body;
+  for (int i = 0; i < 200 && m.find(counted) == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    m = f.cli.Get("/metrics")->body;
+  }
+  for (const char* name : {counted.c_str(),
                            "sigma_generated_tokens_total ", "sigma_decode_tokens_per_second ",
                            "sigma_busy_slots 0", "sigma_queue_length 0", "# TYPE sigma_prompt_tokens_total counter"})
     EXPECT_NE(m.find(name), std::string::npos) << name << "\n" << m;
@@ -238,4 +245,22 @@ TEST(ServeHttp, AClientLeavingMidStreamFreesItsSlot) {
   EXPECT_LT(value("sigma_generated_tokens_total"), 4000);
   auto r = cli.Post("/v1/completions", R"({"prompt": [5], "max_tokens": 2})", "application/json");
   EXPECT_EQ(r->status, 200);  // the one slot serves again
+}
+
+// A fault inside the model ends the request with a 500 JSON error, and the server lives on.
+TEST(ServeHttp, AModelFaultIsA500AndTheServerServesOn) {
+  Fixture f;
+  ops::Backend broken = ops::backend(ops::BackendKind::Cpu);
+  broken.attention_forward = [](float*, float*, ops::AttnOperand, ops::AttnOperand, ops::AttnOperand,
+                                ops::AttnShape, float) { throw Error("injected attention fault"); };
+  ops::use_backend(broken);
+  auto r = f.post("/v1/completions", R"({"prompt": "a", "max_tokens": 3})");
+  ops::use_backend(ops::BackendKind::Cpu);
+  const auto [status, msg] = error_of(r);
+  EXPECT_EQ(status, 500);
+  EXPECT_NE(msg.find("injected attention fault"), std::string::npos) << msg;
+  r = f.post("/v1/completions", R"({"prompt": "a", "max_tokens": 3})");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(f.cli.Get("/health")->status, 200);
 }

@@ -66,13 +66,32 @@ EngineStats Engine::stats() const {
   return stats_;
 }
 
+// A fault inside the model (none is expected: requests are checked before they queue) ends the
+// choices it touched with finish_reason "error" instead of taking the server down.
 void Engine::loop() {
   std::vector<int> fresh;
   for (;;) {
     if (!admit_waiting(fresh)) return;
-    for (int slot : fresh) start(slot);
-    step_all();
+    for (int slot : fresh) {
+      try {
+        start(slot);
+      } catch (const std::exception& e) {
+        fail(slot, e.what());
+      }
+    }
+    try {
+      step_all();
+    } catch (const std::exception& e) {
+      for (size_t s = 0; s < active_.size(); ++s)
+        if (active_[s]) fail(int(s), e.what());
+    }
   }
+}
+
+void Engine::fail(int slot, const std::string& what) {
+  if (!active_[size_t(slot)]) return;
+  active_[size_t(slot)]->job.out->error = what;
+  finish(slot, "error");
 }
 
 // Moves queued jobs into free slots (waiting while there is nothing to do); false once stopping

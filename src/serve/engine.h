@@ -25,7 +25,7 @@ struct TokenEvent {
   int32_t token = -1;                             // -1 on a finish event
   double logprob = 0;                             // log p(token), the model's distribution
   std::vector<std::pair<int32_t, double>> top;    // the top_logprobs most likely ids
-  std::string finish_reason;                      // "stop" | "length" | "" (a token)
+  std::string finish_reason;                      // "stop" | "length" | "error" | "" (a token)
 };
 
 // What the engine tells one HTTP request (all its choices), and what the request tells it.
@@ -37,6 +37,7 @@ struct Channel {
   // [n] per choice: the client is gone, or a stop string matched; the engine frees its slot.
   std::unique_ptr<std::atomic<bool>[]> cancelled;
   const int n;
+  std::string error;  // what ended a choice with "error" (set before that event is pushed)
 
   explicit Channel(int choices);
   void cancel_all();
@@ -89,6 +90,7 @@ class Engine {
   // Samples, reports and ends (when due) the sequence in `slot` from its next-token logits.
   void advance(int slot, const float* logits);
   void finish(int slot, const char* reason);
+  void fail(int slot, const std::string& what);
 
   Model& model_;
   BatchDecoder decoder_;

@@ -157,6 +157,11 @@ void Server::Impl::generation(const httplib::Request& req, httplib::Response& re
     ChoiceText& c = run->choices[size_t(e->index)];
     if (c.apply(*e) && e->finish_reason.empty()) run->ch->cancelled[e->index] = true;
   }
+  for (const ChoiceText& c : run->choices)
+    if (c.finish_reason() == "error") {
+      std::lock_guard<std::mutex> lock(run->ch->m);
+      throw ApiError{500, "generation failed: " + run->ch->error, ""};
+    }
   send_json(res, 200, final_response(*run));
 }
 
