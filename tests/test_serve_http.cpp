@@ -98,6 +98,7 @@ TEST(ServeHttp, EveryRefusalIsAJsonErrorWithItsStatus) {
       {"/v1/completions", R"({"prompt": "a", "max_tokens": 65})", 400, "'max_tokens' = 65 is out of range [0, 64]"},
       {"/v1/completions", R"({"prompt": [1, 99999]})", 400, "not a token id"},
       {"/v1/completions", R"({"max_tokens": 3})", 400, "'prompt' is required"},
+      {"/v1/completions", R"({"prompt": ["a", "b"]})", 400, "one prompt per request"},
       {"/v1/completions", "{\"prompt\": \"\xff\xfe\"}", 400, "not valid JSON"},  // invalid UTF-8
       {"/v1/completions", R"({"prompt": ")" + std::string(5000, 'x') + R"("})", 413, "larger than the limit of 4096 bytes"},
       {"/v1/chat/completions", R"({"messages": [{"role": "robot", "content": "x"}]})", 400, "role 'robot'"},
@@ -168,6 +169,31 @@ TEST(ServeHttp, CompletionsStreamStopAndScore) {
   const json a = json::parse(f.post("/v1/completions", nreq)->body), b = json::parse(f.post("/v1/completions", nreq)->body);
   ASSERT_EQ(a["choices"].size(), 3u);
   EXPECT_EQ(a["choices"], b["choices"]);
+  EXPECT_NE(a["choices"][0]["text"], a["choices"][1]["text"]);
+  // Streamed with n = 2: both choices end, each with its finish_reason, then [DONE].
+  r = f.post("/v1/completions", R"({"prompt": "x", "max_tokens": 5, "seed": 5, "n": 2, "stream": true})");
+  int finished[2] = {0, 0};
+  pos = 0;
+  while ((pos = r->body.find("data: {", pos)) != std::string::npos) {
+    const size_t end = r->body.find("\n\n", pos);
+    const json c = json::parse(r->body.substr(pos + 6, end - pos - 6))["choices"][0];
+    if (!c["finish_reason"].is_null()) ++finished[c["index"].get<int>()];
+    pos = end;
+  }
+  EXPECT_EQ(finished[0], 1);
+  EXPECT_EQ(finished[1], 1);
+  EXPECT_NE(r->body.find("data: [DONE]"), std::string::npos);
+  // Chat logprobs: one entry per generated token, each with its alternatives.
+  r = f.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                         "temperature": 0, "logprobs": true, "top_logprobs": 2})");
+  const json chat = json::parse(r->body);
+  const json& content = chat["choices"][0]["logprobs"]["content"];
+  EXPECT_EQ(content.size(), chat["usage"]["completion_tokens"].get<size_t>()) << r->body;
+  for (const json& t : content) {
+    ASSERT_EQ(t["top_logprobs"].size(), 2u);
+    EXPECT_GE(t["top_logprobs"][0]["logprob"].get<double>(), t["top_logprobs"][1]["logprob"].get<double>());
+    EXPECT_EQ(t["logprob"], t["top_logprobs"][0]["logprob"]);  // greedy picks the top one
+  }
 }
 
 TEST(ServeHttp, TokenizeModelsAndMetrics) {

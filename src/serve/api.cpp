@@ -161,6 +161,8 @@ GenerationRequest parse_generation(const std::string& body, bool chat, const Ser
     if (!j.contains("prompt")) throw bad("prompt", "'prompt' is required");
     json p = j["prompt"];
     if (p.is_array() && p.size() == 1 && p[0].is_string()) p = p[0];  // a batch of one prompt
+    if (p.is_array() && !p.empty() && !p[0].is_number())
+      throw bad("prompt", "one prompt per request: a string or an array of token ids");
     r.prompt = tokens_of(p, m, "prompt");
     r.echo = boolean(j, "echo", false);
     r.logprobs = number<int>(j, "logprobs", -1, 0, 20, true);
