@@ -9,7 +9,8 @@ command -v npm >/dev/null || { echo "serve e2e: npm is not installed (scripts/in
 mkdir -p "$work"
 if ! cmp -s "$src/package-lock.json" "$work/package-lock.json" || [[ ! -d $work/node_modules/openai ]]; then
   cp "$src/package.json" "$src/package-lock.json" "$work/"
-  (cd "$work" && npm ci --no-audit --no-fund --loglevel=error) ||
+  # The npm cache too stays in WORK: the test writes nothing outside the build and temp dirs.
+  (cd "$work" && npm ci --no-audit --no-fund --loglevel=error --cache "$work/.npm-cache") ||
     { echo "serve e2e: npm ci failed (the npm registry must be reachable once)"; exit 1; }
 fi
 cp "$src/e2e.mjs" "$work/"
