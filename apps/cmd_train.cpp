@@ -55,8 +55,11 @@ void run_train(TrainArgs a) {
     fmt::print("{}\n", cfg.to_json().dump(2));
     return;
   }
-  RunOptions run{a.out, a.resume, a.stop_at, !a.quiet};
+  // mpirun -np R sigma train: every rank runs this; rank 0 prints (docs/distributed.md).
+  const std::unique_ptr<Communicator> world = make_world(cfg.dist.timeout_s);
+  RunOptions run{a.out, a.resume, a.stop_at, !a.quiet, world.get()};
   TrainSummary s = train(cfg, run);
+  if (world->rank() != 0) return;
   fmt::print("trained {} steps, {} tokens, {:.0f} tokens/s\n", s.steps, s.tokens, s.tokens_per_s);
   fmt::print("{:<12} {:>10} {:>10} {:>10}\n", "domain", "loss", "optimum", "gap");
   for (const auto& d : s.domains) {

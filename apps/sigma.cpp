@@ -6,6 +6,7 @@
 
 #include "command.h"
 #include "core/error.h"
+#include "dist/communicator.h"
 
 namespace sigma::cli {
 std::vector<AddCommand>& commands() {
@@ -34,11 +35,11 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {  // one line, like every other error
     fmt::print(stderr, "sigma: error: {} (see --help)\n", e.what());
     return e.get_exit_code() ? e.get_exit_code() : 2;
-  } catch (const sigma::Error& e) {
-    fmt::print(stderr, "sigma: error: {}\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "sigma: error: {}\n", e.what());
+  } catch (const std::exception& e) {  // sigma::Error and the rest: one line
+    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    fmt::print(stderr, "sigma: error: {}{}\n", rank ? fmt::format("rank {}: ", rank) : "", e.what());
+    std::fflush(stderr);
+    sigma::abort_run(1);  // a distributed run ends on every rank now, not at the timeout
     return 1;
   }
   return 0;

@@ -2,12 +2,16 @@
 // communicator the step reduces through, and the expert executor it drives.
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstring>
 
 #include "core/rng.h"
 #include "dist/communicator.h"
 #include "model/model.h"
 #include "train/train_step.h"
+#include "thread_comm.h"
 
 using namespace sigma;
 
@@ -40,44 +44,61 @@ std::vector<Batch> micro_batches(const ModelConfig& c, int n, uint64_t seed) {
   return out;
 }
 
-// Two identical data-parallel replicas, simulated in one process: every sum over ranks is
-// twice this rank's value. Each replica holds half the global batch's mask total, so a step
-// that reduces the mask total and every gradient computes exactly the one-rank step (scaling
-// by two is exact in binary floating point).
-class TwoReplicas final : public Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 2; }
-  void all_reduce_sum(float* x, int64_t n) override {
-    for (int64_t i = 0; i < n; ++i) x[i] += x[i];
-    reduced_floats += n;
-  }
-  void all_reduce_sum(double* x, int64_t n) override {
-    for (int64_t i = 0; i < n; ++i) x[i] += x[i];
-  }
-  void reduce_scatter_sum(float*, const float*, int64_t) override { FAIL(); }
-  void all_gather(float*, const float*, int64_t) override { FAIL(); }
-  void all_to_all_v(const float*, const int64_t*, float*, const int64_t*) override { FAIL(); }
-  void broadcast(void*, size_t, int) override { FAIL(); }
-  void barrier() override {}
-  int64_t reduced_floats = 0;
+// Trains `steps` steps of `micro` micro-batches on R thread-ranks (one OpenMP thread each)
+// and returns rank 0's weights and per-step losses. Every rank's weights must agree.
+struct RunResult {
+  std::vector<float> weights;
+  std::vector<double> losses, norms;
+  int64_t reduced_bytes = 0;
 };
 
-std::vector<float> run_steps(Communicator& comm, int rre_layers, int steps) {
-  const ModelConfig c = step_config(rre_layers);
-  Model m(c, 5);
-  OptimConfig oc;
-  oc.lr = 1e-2f;
-  AdamW opt(oc, m.params());
-  TrainStep step(m, opt, comm, oc);
-  for (int s = 0; s < steps; ++s) {
-    const auto micro = micro_batches(c, 2, uint64_t(s) + 1);
-    step.prepare(micro);
-    step.run(micro, oc.lr, UpdateMask{}, nullptr);
-  }
+std::vector<float> flat(const Model& m) {
   std::vector<float> w;
   for (const Param& p : m.params().all()) w.insert(w.end(), p.value.f(), p.value.f() + p.value.numel());
   return w;
+}
+
+RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_rows = false) {
+  RunResult out;
+  std::vector<std::vector<float>> per_rank(static_cast<size_t>(R));
+  test_ranks::run_ranks(R, [&](Communicator& comm) {
+    omp_set_num_threads(1);
+    const ModelConfig c = step_config(rre_layers);
+    Model m(c, 5);
+    OptimConfig oc;
+    oc.lr = 1e-2f;
+    oc.grad_clip = 0.05f;  // clipping on: the norm must agree across ranks too
+    const ShardPlan plan = plan_shards(m.params(), R);
+    AdamW opt(oc, m.params(), R > 1 ? plan.owned_by(comm.rank()) : std::vector<uint8_t>{});
+    TrainStep step(m, opt, comm, oc, plan);
+    for (int s = 0; s < steps; ++s) {
+      const auto batches = micro_batches(c, micro, uint64_t(s) + 1);
+      UpdateMask mask;
+      if (sparse_rows) {  // only embedding rows 0..5 train, lazily
+        mask.rows.assign(m.params().all().size(), {});
+        mask.lazy_rows.assign(m.params().all().size(), 0);
+        mask.rows[0] = {{0, 5}};
+        mask.lazy_rows[0] = 1;
+      }
+      step.prepare(batches);
+      const StepResult r = step.run(batches, oc.lr, mask);
+      if (comm.rank() == 0) {
+        double l = 0;
+        for (double x : r.domain_loss) l += x;
+        out.losses.push_back(l);
+        out.norms.push_back(r.grad_norm);
+      }
+    }
+    per_rank[size_t(comm.rank())] = flat(m);
+    if (comm.rank() == 0) out.reduced_bytes = comm.stats().bytes();
+  });
+  for (int r = 1; r < R; ++r) EXPECT_EQ(per_rank[size_t(r)], per_rank[0]) << "rank " << r;
+  out.weights = per_rank[0];
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 }  // namespace
@@ -101,16 +122,81 @@ TEST(Communicator, SingleProcessCollectivesAreIdentities) {
   EXPECT_THROW(c.broadcast(out.data(), 4, 1), Error);
 }
 
-TEST(TrainStep, ReducesEveryGradientAndTheMaskTotalThroughTheCommunicator) {
-  for (int rre : {0, 2}) {
-    SingleProcess one;
-    TwoReplicas two;
-    const auto a = run_steps(one, rre, 3), b = run_steps(two, rre, 3);
-    ASSERT_EQ(a.size(), b.size());
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "rre_layers " << rre;
-    // Every parameter's gradient went through the communicator at every step.
-    EXPECT_EQ(two.reduced_floats, 3 * int64_t(a.size())) << "rre_layers " << rre;
+// The reduction order that makes rank counts interchangeable: a tree over 8 parts is the tree
+// over 2 (or 4) aligned blocks' subtotals, bit for bit, while a left fold is not.
+TEST(TreeSum, BlocksOfAPowerOfTwoCombineToTheWholeTree) {
+  const float v[8] = {1e8f, 1.0f, -1e8f, 3.0f, 0.1f, 7e7f, -7e7f, 0.3f};
+  std::vector<const float*> parts;
+  for (const float& x : v) parts.push_back(&x);
+  float whole = 0;
+  tree_sum(&whole, parts.data(), 8, 1);
+  for (int blocks : {2, 4}) {
+    std::vector<float> sub(static_cast<size_t>(blocks));
+    for (int b = 0; b < blocks; ++b) tree_sum(&sub[size_t(b)], parts.data() + b * (8 / blocks), 8 / blocks, 1);
+    std::vector<const float*> sp;
+    for (const float& x : sub) sp.push_back(&x);
+    float combined = 0;
+    tree_sum(&combined, sp.data(), blocks, 1);
+    EXPECT_EQ(combined, whole) << blocks << " blocks";
   }
+  float left = 0;
+  for (float x : v) left += x;
+  EXPECT_NE(left, whole);  // the order matters for these values, so the test can fail
+  // Three parts: (p0 + p1) + p2.
+  const float a = 1e8f, b = -1e8f, c = 1.0f;
+  const float* three[3] = {&a, &b, &c};
+  float t = 0;
+  tree_sum(&t, three, 3, 1);
+  EXPECT_EQ(t, (a + b) + c);
+}
+
+TEST(ShardPlan, BalancesWholeTensorsDeterministically) {
+  const ModelConfig c = step_config(2);
+  Model m(c, 5);
+  const ShardPlan p = plan_shards(m.params(), 3);
+  ASSERT_EQ(p.owner.size(), m.params().all().size());
+  int64_t total = 0;
+  for (int64_t e : p.elements) total += e;
+  EXPECT_EQ(total, m.params().numel());
+  // Greedy largest-first: no rank holds more than the least loaded plus the largest tensor.
+  int64_t largest = 0;
+  for (const Param& q : m.params().all()) largest = std::max(largest, q.value.numel());
+  const auto [lo, hi] = std::minmax_element(p.elements.begin(), p.elements.end());
+  EXPECT_LE(*hi - *lo, largest);
+  EXPECT_EQ(plan_shards(m.params(), 3).owner, p.owner);
+  const auto owned = p.owned_by(1);
+  for (size_t i = 0; i < owned.size(); ++i) EXPECT_EQ(owned[i] != 0, p.owner[i] == 1);
+}
+
+// Data parallel + ZeRO-1 at the same global batch: 1, 2 and 4 ranks give the same losses,
+// norms and weights bit for bit (dense and RRE models, clipping on, lazy embedding rows).
+TEST(TrainStep, OneTwoAndFourRanksAreBitIdentical) {
+  for (int rre : {0, 2}) {
+    const RunResult one = run_steps(1, rre, 4, 4), two = run_steps(2, rre, 4, 4), four = run_steps(4, rre, 4, 4);
+    EXPECT_TRUE(same_bits(one.weights, two.weights)) << "rre " << rre;
+    EXPECT_TRUE(same_bits(one.weights, four.weights)) << "rre " << rre;
+    EXPECT_EQ(one.losses, two.losses);
+    EXPECT_EQ(one.losses, four.losses);
+    EXPECT_EQ(one.norms, four.norms);
+    EXPECT_GT(two.reduced_bytes, 0);  // the gradients did travel
+  }
+  const RunResult one = run_steps(1, 2, 3, 4, true), two = run_steps(2, 2, 3, 4, true);
+  EXPECT_TRUE(same_bits(one.weights, two.weights)) << "lazy embedding rows";
+}
+
+TEST(TrainStep, RefusesARankCountThatCannotSplitTheBatch) {
+  test_ranks::run_ranks(2, [&](Communicator& comm) {
+    const ModelConfig c = step_config(0);
+    Model m(c, 5);
+    OptimConfig oc;
+    const ShardPlan plan = plan_shards(m.params(), 2);
+    AdamW opt(oc, m.params(), plan.owned_by(comm.rank()));
+    TrainStep step(m, opt, comm, oc, plan);
+    const auto batches = micro_batches(c, 3, 1);
+    EXPECT_THROW(step.prepare(batches), Error);
+    const auto six = micro_batches(c, 6, 1);  // 3 per rank: not a power of two
+    EXPECT_THROW(step.prepare(six), Error);
+  });
 }
 
 TEST(TrainStep, BackwardNeedsAForwardWithLossWeights) {
@@ -154,10 +240,10 @@ TEST(TrainStep, RreBlocksRunTheirExpertsThroughTheExecutor) {
   OptimConfig oc;
   AdamW opt(oc, m.params());
   SingleProcess comm;
-  TrainStep step(m, opt, comm, oc);
+  TrainStep step(m, opt, comm, oc, plan_shards(m.params(), 1));
   const auto micro = micro_batches(c, 2, 9);
   step.prepare(micro);
-  step.run(micro, 1e-3f, UpdateMask{}, nullptr);
+  step.run(micro, 1e-3f, UpdateMask{});
   EXPECT_EQ(ex.begun, 2);
   EXPECT_EQ(ex.forwards, 2 * 2);  // two RRE blocks, two micro-batches
   EXPECT_EQ(ex.backwards, 2 * 2);

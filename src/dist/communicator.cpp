@@ -1,10 +1,27 @@
 #include "dist/communicator.h"
 
+#include <cstdlib>
 #include <cstring>
+#include <numeric>
 
 #include "core/error.h"
 
 namespace sigma {
+
+int64_t CommStats::bytes() const { return std::accumulate(bytes_to.begin(), bytes_to.end(), int64_t(0)); }
+
+void Communicator::reset_stats() { stats_ = CommStats{}; }
+
+void Communicator::count(const std::vector<int64_t>& bytes_to_rank) {
+  stats_.calls += 1;
+  if (stats_.bytes_to.empty()) stats_.bytes_to.assign(size_t(std::max(world_size_, size())), 0);
+  for (size_t r = 0; r < bytes_to_rank.size(); ++r)
+    stats_.bytes_to[size_t(world_rank(int(r)))] += bytes_to_rank[r];
+}
+
+void Communicator::count_uniform(int64_t bytes_each) {
+  count(std::vector<int64_t>(size_t(size()), bytes_each));
+}
 
 void SingleProcess::reduce_scatter_sum(float* out, const float* in, int64_t n) {
   if (out != in) std::memmove(out, in, size_t(n) * sizeof(float));
@@ -12,6 +29,14 @@ void SingleProcess::reduce_scatter_sum(float* out, const float* in, int64_t n) {
 
 void SingleProcess::all_gather(float* out, const float* in, int64_t n) {
   if (out != in) std::memmove(out, in, size_t(n) * sizeof(float));
+}
+
+void SingleProcess::all_gather(double* out, const double* in, int64_t n) {
+  if (out != in) std::memmove(out, in, size_t(n) * sizeof(double));
+}
+
+void SingleProcess::all_gather_v(float* out, const float* in, const int64_t* counts) {
+  all_gather(out, in, counts[0]);
 }
 
 void SingleProcess::all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
@@ -23,6 +48,60 @@ void SingleProcess::all_to_all_v(const float* send, const int64_t* send_counts, 
 
 void SingleProcess::broadcast(void*, size_t, int root) {
   SIGMA_CHECK(root == 0, "broadcast from rank {} in a single-process run", root);
+}
+
+namespace {
+
+template <class T>
+void tree_sum_impl(T* out, const T* const* parts, int P, int64_t n) {
+  if (P == 1) {
+    if (out != parts[0]) std::memmove(out, parts[0], size_t(n) * sizeof(T));
+    return;
+  }
+  if (P == 2) {
+    const T *a = parts[0], *b = parts[1];
+    for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+    return;
+  }
+  int left = 1;
+  while (left * 2 < P) left *= 2;
+  std::vector<T> right(static_cast<size_t>(n));
+  tree_sum_impl(right.data(), parts + left, P - left, n);
+  tree_sum_impl(out, parts, left, n);
+  for (int64_t i = 0; i < n; ++i) out[i] += right[size_t(i)];
+}
+
+}  // namespace
+
+void tree_sum(float* out, const float* const* parts, int P, int64_t n) {
+  SIGMA_CHECK(P >= 1, "tree_sum of no parts");
+  tree_sum_impl(out, parts, P, n);
+}
+
+void tree_sum(double* out, const double* const* parts, int P, int64_t n) {
+  SIGMA_CHECK(P >= 1, "tree_sum of no parts");
+  tree_sum_impl(out, parts, P, n);
+}
+
+bool launched_by_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
+
+#ifdef SIGMA_WITH_MPI
+std::unique_ptr<Communicator> make_mpi_world(double timeout_s);  // dist/mpi_communicator.cpp
+#else
+void abort_run(int) {}
+#endif
+
+std::unique_ptr<Communicator> make_world(double timeout_s) {
+  if (!launched_by_mpirun()) return std::make_unique<SingleProcess>();
+#ifdef SIGMA_WITH_MPI
+  return make_mpi_world(timeout_s);
+#else
+  (void)timeout_s;
+  const char* n = std::getenv("OMPI_COMM_WORLD_SIZE");
+  SIGMA_CHECK(std::atoi(n) <= 1, "started by mpirun with {} ranks, but this sigma was built "
+              "without MPI (configure with -DSIGMA_MPI=ON and libopenmpi-dev installed)", n);
+  return std::make_unique<SingleProcess>();
+#endif
 }
 
 }  // namespace sigma

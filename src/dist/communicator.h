@@ -1,26 +1,45 @@
 // The communicator seam (DESIGN §8-§9, marian's ICommunicator): the collectives a training
 // step needs, so that data and expert parallelism plug in without touching the step. Counts
 // are in elements; buffers are on the backend's device. Every rank calls every collective in
-// the same order. SingleProcess is the identity (one rank); Open MPI and NCCL come next.
+// the same order. SingleProcess is the identity (one rank); MpiCommunicator (dist/mpi_*) runs
+// them on Open MPI; NCCL comes with a device that can test it.
+//
+// Determinism: every reduction here adds in a fixed order that depends only on the number of
+// ranks (tree_sum over rank order), never on message arrival, so a run repeats bit for bit.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 namespace sigma {
+
+// What this rank sent: collective calls and payload bytes per destination (world ranks, self
+// included), for the benchmarks and for the test that no token leaves its group.
+struct CommStats {
+  int64_t calls = 0;
+  std::vector<int64_t> bytes_to;  // [world size]
+  int64_t bytes() const;
+};
 
 class Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // This communicator's rank r as a rank of the world (the process group of the run).
+  virtual int world_rank(int r) const { return r; }
 
-  // data[n] = sum over ranks of data[n], in a fixed order of ranks (deterministic).
+  // data[n] = sum over ranks of data[n]: every rank gets the same bits (tree_sum in rank order).
   virtual void all_reduce_sum(float* data, int64_t n) = 0;
   virtual void all_reduce_sum(double* data, int64_t n) = 0;
   // out[n] = the sum over ranks of in[rank * n .. rank * n + n) (in holds size() * n).
   virtual void reduce_scatter_sum(float* out, const float* in, int64_t n) = 0;
   // out[size() * n]: rank r's in[n] at out + r * n.
   virtual void all_gather(float* out, const float* in, int64_t n) = 0;
+  virtual void all_gather(double* out, const double* in, int64_t n) = 0;
+  // out[sum of counts]: rank r's in[counts[r]] packed in rank order.
+  virtual void all_gather_v(float* out, const float* in, const int64_t* counts) = 0;
   // Personalised exchange: send_counts[r] elements of `send` (packed in rank order) go to rank
   // r; recv receives recv_counts[r] elements from rank r, packed in rank order.
   virtual void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
@@ -28,6 +47,19 @@ class Communicator {
   // bytes of data from rank `root` to every rank.
   virtual void broadcast(void* data, size_t bytes, int root) = 0;
   virtual void barrier() = 0;
+  // The ranks with the same `color` form a new communicator, ordered by rank here; every rank
+  // calls it (collective). Expert groups exchange tokens on theirs.
+  virtual std::unique_ptr<Communicator> split(int color) = 0;
+
+  const CommStats& stats() const { return stats_; }
+  void reset_stats();
+
+ protected:
+  // Records one call that sends bytes_to_rank[r] bytes to this communicator's rank r.
+  void count(const std::vector<int64_t>& bytes_to_rank);
+  void count_uniform(int64_t bytes_each);  // the same to every rank
+  CommStats stats_;
+  int world_size_ = 1;
 };
 
 // One process: every collective is the identity (or a copy).
@@ -39,10 +71,30 @@ class SingleProcess final : public Communicator {
   void all_reduce_sum(double*, int64_t) override {}
   void reduce_scatter_sum(float* out, const float* in, int64_t n) override;
   void all_gather(float* out, const float* in, int64_t n) override;
+  void all_gather(double* out, const double* in, int64_t n) override;
+  void all_gather_v(float* out, const float* in, const int64_t* counts) override;
   void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
                     const int64_t* recv_counts) override;
   void broadcast(void*, size_t, int root) override;
   void barrier() override {}
+  std::unique_ptr<Communicator> split(int) override { return std::make_unique<SingleProcess>(); }
 };
+
+// out[i] = the sum of parts[0..P)[i] added as a fixed binary tree: the first 2^k parts (the
+// largest power of two below P) and the rest summed recursively, then added. A tree over
+// R * 2^a parts equals the tree over R blocks of 2^a: per-rank subtotals of aligned
+// power-of-two blocks combine to the one-rank result bit for bit.
+void tree_sum(float* out, const float* const* parts, int P, int64_t n);
+void tree_sum(double* out, const double* const* parts, int P, int64_t n);
+
+// The run's process group: MPI's world when started by mpirun (SIGMA_MPI builds), otherwise a
+// SingleProcess. A collective that waits longer than timeout_s for the other ranks aborts the
+// whole run with an error that says so (a rank died or hangs).
+std::unique_ptr<Communicator> make_world(double timeout_s);
+// True when this process was started by mpirun (Open MPI's environment).
+bool launched_by_mpirun();
+// After an error on this rank: ends every rank of a multi-rank run at once (MPI_Abort) rather
+// than leaving them to wait for it; nothing in a one-process run.
+void abort_run(int exit_code);
 
 }  // namespace sigma

@@ -62,6 +62,9 @@ class EcssExperts : public LocalExperts {
   void prefetch(std::span<const Batch> next);
   // Sum of squares of the bound experts' gradients (fixed order and chunks: deterministic).
   double grad_sq() const override;
+  std::span<float> grad_buffer() override {
+    return {g_.f(), size_t(int64_t(ids_.size()) * stride_)};
+  }
   // Lazy Adam on the bound experts: lr, the clipping scale, eps_rre, and weight decay on
   // w_in / w_out. Waits for a running prefetch first.
   void update(float lr, float grad_scale) override;

@@ -103,8 +103,34 @@ CheckpointWriter::CheckpointWriter(std::string root, std::string name)
               ec ? ec.message() : "it already exists");
 }
 
+CheckpointWriter CheckpointWriter::peer(std::string tmp_dir) {
+  CheckpointWriter w;
+  w.tmp_ = std::move(tmp_dir);
+  w.name_ = fs::path(w.tmp_).filename().string();
+  w.peer_ = true;
+  std::error_code ec;
+  SIGMA_CHECK(fs::is_directory(w.tmp_, ec), "checkpoint directory '{}' (made by rank 0) is not "
+              "visible here: ranks must share the --out filesystem", w.tmp_);
+  return w;
+}
+
+void CheckpointWriter::add_peer_file(const std::string& file, uint64_t size, uint64_t xxh3) {
+  const std::string path = start_file(file);
+  std::error_code ec;
+  const uint64_t on_disk = fs::file_size(path, ec);
+  SIGMA_CHECK(!ec && on_disk == size, "checkpoint file '{}' written by another rank is {} bytes "
+              "here, not the {} it wrote", path, ec ? 0 : on_disk, size);
+  files_[file] = {size, xxh3};
+}
+
+std::pair<uint64_t, uint64_t> CheckpointWriter::recorded(const std::string& file) const {
+  auto it = files_.find(file);
+  SIGMA_CHECK(it != files_.end(), "checkpoint '{}': no file '{}' recorded", name_, file);
+  return {it->second.size, it->second.xxh3};
+}
+
 CheckpointWriter::~CheckpointWriter() {
-  if (committed_) return;
+  if (committed_ || peer_ || tmp_.empty()) return;
   std::error_code ec;
   fs::remove_all(tmp_, ec);
 }
@@ -173,6 +199,7 @@ bool CheckpointWriter::add_link(const std::string& file, const std::string& src_
 
 std::string CheckpointWriter::commit() {
   SIGMA_CHECK(!committed_, "checkpoint '{}' is already committed", name_);
+  SIGMA_CHECK(!peer_, "checkpoint '{}': only the rank that created it commits it", name_);
   json files = json::object();
   for (const auto& [f, s] : files_) files[f] = {{"size", s.size}, {"xxh3_64", hex16(s.xxh3)}};
   json manifest = {{"format", "sigma-checkpoint"},
@@ -273,5 +300,16 @@ std::vector<std::string> expert_group_files(const std::string& dir, bool adam) {
   return out;
 }
 
+
+std::string optimizer_shard_file(int rank) {
+  return fmt::format("optimizer.rank-{:04d}.safetensors", rank);
+}
+
+std::vector<std::string> optimizer_shard_files(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& [file, e] : read_manifest(dir))  // sorted by name: rank order
+    if (file.rfind("optimizer.rank-", 0) == 0 && file.ends_with(".safetensors")) out.push_back(file);
+  return out;
+}
 
 }  // namespace sigma

@@ -29,11 +29,16 @@ class CheckpointWriter {
  public:
   // Creates ROOT if needed and the temporary directory. NAME is one path component.
   CheckpointWriter(std::string root, std::string name);
+  // A peer in a multi-rank save (DESIGN §9): writes its own files into the committing rank's
+  // temporary directory `tmp_dir`; it never commits nor removes the directory, and the
+  // committing rank records its files with add_peer_file.
+  static CheckpointWriter peer(std::string tmp_dir);
   // Removes the temporary directory unless commit() completed: a failed save touches
   // nothing that was saved before.
   ~CheckpointWriter();
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  CheckpointWriter(CheckpointWriter&&) = default;
 
   // Each adds one file (a plain name, not "manifest.json", not added before), fsynced.
   void add_safetensors(const std::string& file, const std::vector<TensorRef>& tensors,
@@ -45,6 +50,12 @@ class CheckpointWriter {
   // opened). Returns false, adding nothing, when src_dir lacks the file or the link cannot be
   // made (another filesystem): the caller then writes it.
   bool add_link(const std::string& file, const std::string& src_dir);
+
+  // A file a peer wrote into temp_dir(), with the size and checksum the peer took of the bytes
+  // it wrote (the size is checked here).
+  void add_peer_file(const std::string& file, uint64_t size, uint64_t xxh3);
+  // The size and checksum recorded for `file` (added to this writer).
+  std::pair<uint64_t, uint64_t> recorded(const std::string& file) const;
 
   // Writes the manifest, moves the directory to ROOT/NAME and points ROOT/latest at it;
   // returns ROOT/NAME. An existing ROOT/NAME is replaced only once the new one is complete.
@@ -60,9 +71,11 @@ class CheckpointWriter {
     uint64_t size;
     uint64_t xxh3;
   };
+  CheckpointWriter() = default;
   std::string root_, name_, tmp_;
   std::map<std::string, FileSum> files_;
   bool committed_ = false;
+  bool peer_ = false;
 };
 
 // `path` itself when it holds manifest.json, else the checkpoint named by `path`/latest.
@@ -86,5 +99,11 @@ std::map<std::string, ManifestEntry> read_manifest(const std::string& dir);
 // checkpoint is hard-linked from it instead of written again. This lists them (from the
 // directory; empty for other checkpoints).
 std::vector<std::string> expert_group_files(const std::string& dir, bool adam);
+
+// A multi-rank checkpoint's optimizer state: rank 0's in optimizer.safetensors, rank r's
+// (ZeRO-1 shards, whole tensors) in optimizer.rank-RRRR.safetensors. The name of rank r's,
+// and the other ranks' files in `dir` (from its manifest, in rank order).
+std::string optimizer_shard_file(int rank);
+std::vector<std::string> optimizer_shard_files(const std::string& dir);
 
 }  // namespace sigma

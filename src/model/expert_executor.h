@@ -37,6 +37,9 @@ class ExpertExecutor {
   // Training-step hooks (defaults: experts are ordinary model parameters).
   // Before the step's first forward pass: make every expert the micro-batches route to usable.
   virtual void begin_step(std::span<const Batch> /*micro*/) {}
+  // Gradients of the step's experts that the model's ParamSet does not hold (ECSS compute
+  // buffers), so that the step sums micro-batches in one order for every gradient.
+  virtual std::span<float> grad_buffer() { return {}; }
   // Sum of squares of expert gradients the model's ParamSet does not hold.
   virtual double grad_sq() const { return 0.0; }
   // Updates those experts (after the dense optimizer step), gradients scaled by grad_scale.

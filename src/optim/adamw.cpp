@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
 #include "kernels/ops.h"
 
 namespace sigma {
@@ -35,9 +36,21 @@ float lr_at(const OptimConfig& c, int64_t step, int64_t total) {
   return float(floor + (c.lr - floor) * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 
-AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params) : cfg_(cfg) {
-  for (const Param& p : params.all())
-    state_.push_back({Tensor::f32(p.value.shape()), Tensor::f32(p.value.shape()), 0, {}});
+AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params, std::vector<uint8_t> owned)
+    : cfg_(cfg), owned_(std::move(owned)) {
+  SIGMA_CHECK(owned_.empty() || owned_.size() == params.all().size(),
+              "AdamW: ownership mask of {} entries for {} parameters", owned_.size(),
+              params.all().size());
+  for (size_t i = 0; i < params.all().size(); ++i) {
+    const Shape& s = params.all()[i].value.shape();
+    state_.push_back(owns(i) ? State{Tensor::f32(s), Tensor::f32(s), 0, {}} : State{});
+  }
+}
+
+int64_t AdamW::state_bytes() const {
+  int64_t n = 0;
+  for (const State& s : state_) n += s.m.nbytes() + s.v.nbytes();
+  return n;
 }
 
 void UpdateMask::mask_grads(ParamSet& params) const {
@@ -95,7 +108,7 @@ AdamStepArgs AdamW::args(const Param& p, float lr, float eps, float grad_scale,
 void AdamW::step(ParamSet& params, float lr, float grad_scale, const UpdateMask* mask) {
   auto& ps = params.all();
   for (size_t i = 0; i < ps.size(); ++i) {
-    if (mask && !mask->frozen.empty() && mask->frozen[i]) continue;
+    if (!owns(i) || (mask && !mask->frozen.empty() && mask->frozen[i])) continue;
     State& s = state_[i];
     const float eps0 = ps[i].expert ? cfg_.eps_rre : cfg_.eps;
     if (mask && !mask->lazy_rows.empty() && mask->lazy_rows[i]) {

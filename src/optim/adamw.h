@@ -49,10 +49,12 @@ struct UpdateMask {
 
 class AdamW {
  public:
-  AdamW(const OptimConfig& cfg, const ParamSet& params);
+  // `owned` (ZeRO-1, train/shard_plan.h): this rank keeps state for and updates only the
+  // parameters marked there; empty = all.
+  AdamW(const OptimConfig& cfg, const ParamSet& params, std::vector<uint8_t> owned = {});
 
-  // Updates every parameter (those `mask` allows) with learning rate `lr`; gradients scaled
-  // by grad_scale first.
+  // Updates every owned parameter (those `mask` allows) with learning rate `lr`; gradients
+  // scaled by grad_scale first.
   void step(ParamSet& params, float lr, float grad_scale, const UpdateMask* mask = nullptr);
 
   struct State {
@@ -62,6 +64,8 @@ class AdamW {
   };
   std::vector<State>& state() { return state_; }  // parallel to params.all()
   const std::vector<State>& state() const { return state_; }
+  bool owns(size_t i) const { return owned_.empty() || owned_[i]; }
+  int64_t state_bytes() const;  // Adam moments this rank holds
 
  private:
   void lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_t, int64_t>>& ranges,
@@ -70,6 +74,7 @@ class AdamW {
   AdamStepArgs args(const Param& p, float lr, float eps, float grad_scale, int64_t step) const;
   OptimConfig cfg_;
   std::vector<State> state_;
+  std::vector<uint8_t> owned_;
 };
 
 }  // namespace sigma

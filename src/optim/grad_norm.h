@@ -6,6 +6,7 @@
 // in-model training.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "model/params.h"
 
@@ -19,5 +20,11 @@ double sum_sq(const float* x, int64_t n);
 // Squared norm of the gradients of `ps` in the canonical order above (frozen or masked
 // gradients are zero and add nothing). Expert tensors are stacked [K, ...] per (block, group).
 double grad_sq(const ParamSet& ps);
+
+// The pieces grad_sq adds, in its order: one per non-expert tensor, one per (expert, leaf).
+// With `owned` (ZeRO-1) the pieces of parameters this rank does not own are 0, so a sum over
+// ranks is exact and its left fold equals the one-rank grad_sq bit for bit.
+std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<uint8_t>& owned = {});
+double fold(const std::vector<double>& parts);
 
 }  // namespace sigma

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <set>
 
 #include "io/checkpoint_dir.h"
 #include "io/safetensors.h"
@@ -18,43 +20,112 @@ constexpr const char* kFormat = "sigma-model";
 constexpr const char* kTokenizerFile = "tokenizer.json";
 }  // namespace
 
-std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
-                            const AdamW* opt, const TrainerState& st,
-                            const std::string& tokenizer_path, EcssExperts* experts) {
-  CheckpointWriter w(root, fmt::format("step-{:08d}", st.step));
+namespace {
+
+// The Adam state of the parameters `opt` owns, under "<name>.m", ".v", ".step" and
+// ".row_steps" (lazy rows); `keep` holds the step scalars until they are written.
+std::vector<TensorRef> optimizer_refs(const Model& model, const AdamW& opt, std::vector<Tensor>& keep) {
+  std::vector<TensorRef> state;
+  const auto& ps = model.params().all();
+  keep.reserve(2 * ps.size());  // TensorRefs point into it: no reallocation
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (!opt.owns(i)) continue;
+    const auto& s = opt.state()[i];
+    state.push_back(tensor_ref(ps[i].name + ".m", s.m));
+    state.push_back(tensor_ref(ps[i].name + ".v", s.v));
+  }
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (!opt.owns(i)) continue;
+    keep.emplace_back(DType::I64, Shape{});
+    *keep.back().data<int64_t>() = opt.state()[i].step;
+    state.push_back(tensor_ref(ps[i].name + ".step", keep.back()));
+  }
+  for (size_t i = 0; i < ps.size(); ++i) {  // lazy row updates: a step count per row
+    const auto& rs = opt.state()[i].row_step;
+    if (!opt.owns(i) || rs.empty()) continue;
+    keep.emplace_back(DType::I64, Shape{int64_t(rs.size())});
+    std::copy(rs.begin(), rs.end(), keep.back().data<int64_t>());
+    state.push_back(tensor_ref(ps[i].name + ".row_steps", keep.back()));
+  }
+  return state;
+}
+
+std::string broadcast_string(Communicator& comm, std::string s) {
+  uint64_t n = s.size();
+  comm.broadcast(&n, sizeof n, 0);
+  s.resize(size_t(n));
+  comm.broadcast(s.data(), size_t(n), 0);
+  return s;
+}
+
+// Rank 0's files: the model, its optimizer shard, the trainer state, tokenizer and experts.
+void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, const AdamW* opt,
+                       const TrainerState& st, const std::string& tokenizer_path,
+                       EcssExperts* experts) {
   const nlohmann::json config = cfg.to_json();
   std::vector<TensorRef> params;
   for (const Param& p : model.params().all()) params.push_back(tensor_ref(p.name, p.value));
   for (const Buffer& b : model.buffers().all()) params.push_back(tensor_ref(b.name, b.value));
   w.add_safetensors(kModelFile, params,
                     {{"format", kFormat}, {"version", "1"}, {"config", config.dump()}});
-  if (opt) {
-    std::vector<TensorRef> state;
-    std::vector<Tensor> steps;  // keeps the I64 step scalars alive until written
-    const auto& ps = model.params().all();
-    for (size_t i = 0; i < ps.size(); ++i) {
-      const auto& s = opt->state()[i];
-      state.push_back(tensor_ref(ps[i].name + ".m", s.m));
-      state.push_back(tensor_ref(ps[i].name + ".v", s.v));
-      steps.emplace_back(DType::I64, Shape{});
-      *steps.back().data<int64_t>() = s.step;
-    }
-    for (size_t i = 0; i < ps.size(); ++i) state.push_back(tensor_ref(ps[i].name + ".step", steps[i]));
-    for (size_t i = 0; i < ps.size(); ++i) {  // lazy row updates: a step count per row
-      const auto& rs = opt->state()[i].row_step;
-      if (rs.empty()) continue;
-      steps.emplace_back(DType::I64, Shape{int64_t(rs.size())});
-      std::copy(rs.begin(), rs.end(), steps.back().data<int64_t>());
-      state.push_back(tensor_ref(ps[i].name + ".row_steps", steps.back()));
-    }
-    w.add_safetensors(kOptimizerFile, state, {{"format", "sigma-adamw"}, {"version", "1"}});
-  }
+  std::vector<Tensor> keep;
+  if (opt)
+    w.add_safetensors(kOptimizerFile, optimizer_refs(model, *opt, keep),
+                      {{"format", "sigma-adamw"}, {"version", "1"}});
   w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config},
                             {"data_cursor", st.data_cursor}});
   if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
   if (experts) experts->add_checkpoint_files(w);
-  const std::string dir = w.commit();
-  if (experts) experts->checkpoint_written(dir);
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
+                            const AdamW* opt, const TrainerState& st,
+                            const std::string& tokenizer_path, EcssExperts* experts,
+                            Communicator* comm) {
+  SingleProcess one;
+  Communicator& c = comm ? *comm : one;
+  const int R = c.size(), me = c.rank();
+  const std::string name = fmt::format("step-{:08d}", st.step);
+  std::optional<CheckpointWriter> w;
+  if (me == 0) w.emplace(root, name);
+  const std::string tmp = R > 1 ? broadcast_string(c, me == 0 ? w->temp_dir() : "") : w->temp_dir();
+  if (me != 0) w.emplace(CheckpointWriter::peer(tmp));
+  // Ranks write in waves of dist.ckpt_writers, so that R ranks do not all hit the disk at once.
+  const int writers = std::max(1, cfg.dist.ckpt_writers);
+  for (int wave = 0; wave * writers < R; ++wave) {
+    if (me / writers == wave) {
+      if (me == 0) write_rank0_files(*w, cfg, model, opt, st, tokenizer_path, experts);
+      else if (opt) {
+        std::vector<Tensor> keep;
+        w->add_safetensors(optimizer_shard_file(me), optimizer_refs(model, *opt, keep),
+                           {{"format", "sigma-adamw"}, {"version", "1"}});
+      }
+    }
+    if (R > 1) c.barrier();
+  }
+  if (R > 1 && opt) {  // each peer's (size, checksum) to rank 0, as four exact 32-bit halves
+    double mine[4] = {0, 0, 0, 0};
+    if (me != 0) {
+      const auto [size, sum] = w->recorded(optimizer_shard_file(me));
+      mine[0] = double(size >> 32), mine[1] = double(size & 0xffffffffu);
+      mine[2] = double(sum >> 32), mine[3] = double(sum & 0xffffffffu);
+    }
+    std::vector<double> all(4 * size_t(R));
+    c.all_gather(all.data(), mine, 4);
+    for (int r = 1; me == 0 && r < R; ++r) {
+      const double* v = all.data() + 4 * r;
+      w->add_peer_file(optimizer_shard_file(r), (uint64_t(v[0]) << 32) | uint64_t(v[1]),
+                       (uint64_t(v[2]) << 32) | uint64_t(v[3]));
+    }
+  }
+  std::string dir = (std::filesystem::path(root) / name).string();
+  if (me == 0) {
+    dir = w->commit();
+    if (experts) experts->checkpoint_written(dir);
+  }
+  if (R > 1) c.barrier();  // nobody reads or writes the next one before this one is in place
   return dir;
 }
 
@@ -79,8 +150,21 @@ TensorMap read_model_tensors(const std::string& dir) {
   return std::move(st.tensors);
 }
 
+// optimizer.safetensors plus, from a multi-rank run, the other ranks' shards.
+void merge_optimizer_shards(Safetensors& st, const std::string& dir,
+                            const std::function<bool(const std::string&)>& want) {
+  for (const std::string& f : optimizer_shard_files(dir)) {
+    Safetensors g = read_safetensors(dir + "/" + f, want);
+    for (auto& [name, info] : g.index)
+      SIGMA_CHECK(st.index.emplace(name, info).second, "{}/{}: tensor '{}' is also in another "
+                  "file of the checkpoint", dir, f, name);
+    for (auto& [name, t] : g.tensors) st.tensors.emplace(name, std::move(t));
+  }
+}
+
 TensorMap read_optimizer_tensors(const std::string& dir) {
   Safetensors st = read_safetensors(dir + "/" + kOptimizerFile);
+  merge_optimizer_shards(st, dir, nullptr);
   merge_group_files(st, dir, /*adam=*/true, nullptr);
   return std::move(st.tensors);
 }
@@ -158,10 +242,22 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) 
   const bool has_experts = std::any_of(params.all().begin(), params.all().end(),
                                        [](const Param& p) { return p.expert; });
   auto want = [&](const std::string& name) { return has_experts || !names::is_expert(name); };
-  Safetensors st = read_safetensors(path, want);
-  merge_group_files(st, dir, /*adam=*/true, want);
+  // ZeRO-1: this rank reads only the state of the parameters it owns, from whichever rank's
+  // file holds it (a checkpoint of R ranks resumes on any R').
+  std::set<std::string> owned;
+  for (size_t i = 0; i < params.all().size(); ++i)
+    if (opt.owns(i)) owned.insert(params.all()[i].name);
+  auto owned_name = [&](const std::string& name) {
+    const size_t dot = name.rfind('.');
+    return dot != std::string::npos && owned.count(name.substr(0, dot));
+  };
+  auto mine = [&](const std::string& name) { return want(name) && owned_name(name); };
+  Safetensors st = read_safetensors(path, mine);
+  merge_optimizer_shards(st, dir, mine);
+  merge_group_files(st, dir, /*adam=*/true, mine);
   const auto& ps = params.all();
   for (size_t i = 0; i < ps.size(); ++i) {
+    if (!opt.owns(i)) continue;
     auto& s = opt.state()[i];
     for (auto [suffix, dst] : {std::pair{".m", &s.m}, std::pair{".v", &s.v}}) {
       auto it = st.tensors.find(ps[i].name + suffix);

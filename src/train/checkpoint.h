@@ -9,6 +9,7 @@
 #include "model/model.h"
 #include "optim/adamw.h"
 #include "train/config.h"
+#include "dist/communicator.h"
 #include "ecss/ecss_experts.h"
 
 namespace sigma {
@@ -23,10 +24,13 @@ struct TrainerState {
 // `experts` (ECSS) the experts and their Adam state are streamed from the expert store into
 // one pair of files per expert group (below), under the tensor names an in-model checkpoint
 // uses, plus per-expert step counts.
+// With `comm` of R > 1 ranks every rank calls it: rank 0 writes the model, trainer state and
+// its optimizer shard, rank r its shard (optimizer.rank-R.safetensors), at most
+// dist.ckpt_writers ranks at a time; rank 0 commits one manifest over all of them.
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
                             const std::string& tokenizer_path = "",
-                            EcssExperts* experts = nullptr);
+                            EcssExperts* experts = nullptr, Communicator* comm = nullptr);
 
 // Every weight of a checkpoint under its in-model name: model.safetensors plus the expert
 // group files.

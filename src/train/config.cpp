@@ -78,6 +78,14 @@ void DataConfig::describe(Options& o, const std::string& p) {
       [this] { return sampler; });
 }
 
+void DistConfig::describe(Options& o, const std::string& p) {
+  o.add(p + "timeout_s", &timeout_s,
+        "seconds a rank waits in a collective before it ends the run (a peer died or hangs; "
+        "0 = wait forever)", 0.0, 1e7);
+  o.add(p + "ckpt_writers", &ckpt_writers,
+        "ranks that write their checkpoint files at the same time", 1, 1 << 20);
+}
+
 Config::Config() {
   model.rre_layers = 2;
   model.groups = {{"markov", 2}, {"copy", 3}, {"arith", 4}};
@@ -89,6 +97,7 @@ Options Config::options() {
   optim.describe(o, "optim.");
   train.describe(o, "train.");
   data.describe(o, "data.");
+  dist.describe(o, "dist.");
   return o;
 }
 

@@ -38,11 +38,19 @@ struct DataConfig {
   void describe(Options& o, const std::string& prefix);
 };
 
+// Distributed runs (mpirun -np R sigma train; docs/distributed.md).
+struct DistConfig {
+  float timeout_s = 300;  // a collective that waits longer ends the run: a rank died or hangs
+  int ckpt_writers = 4;   // ranks writing their checkpoint files at the same time
+  void describe(Options& o, const std::string& prefix);
+};
+
 struct Config {
   ModelConfig model;
   OptimConfig optim;
   TrainConfig train;
   DataConfig data;
+  DistConfig dist;
 
   // The defaults are the no-argument main job: a mixed PanGu-Σ model on the synthetic data,
   // one shared block under two RRE blocks, one expert group per synthetic domain.

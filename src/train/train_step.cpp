@@ -1,54 +1,163 @@
 #include "train/train_step.h"
 
 #include <cmath>
+#include <cstring>
 
+#include "core/error.h"
 #include "optim/grad_norm.h"
 
 namespace sigma {
 
-void reduce_grads(Communicator& comm, ParamSet& params) {
-  if (comm.size() == 1) return;
-  for (Param& p : params.all()) comm.all_reduce_sum(p.grad.f(), p.grad.numel());
+namespace {
+
+// Sums the gradients of successive micro-batches in tree_sum's order (a binary counter of
+// partial sums, folded from the top at the end), so that memory grows with log2 of the
+// micro-batches, not with their number.
+class GradTree {
+ public:
+  // Adds the current gradients (parameters, then the executor's) as the next leaf.
+  void push(ParamSet& ps, std::span<float> extra) {
+    std::vector<float> leaf(size_t(size(ps) + int64_t(extra.size())));
+    float* at = leaf.data();
+    for (const Param& p : ps.all()) {
+      std::memcpy(at, p.grad.f(), size_t(p.grad.numel()) * sizeof(float));
+      at += p.grad.numel();
+    }
+    std::memcpy(at, extra.data(), extra.size() * sizeof(float));
+    stack_.push_back({0, std::move(leaf)});
+    while (stack_.size() >= 2 && stack_[stack_.size() - 2].first == stack_.back().first) {
+      auto right = std::move(stack_.back());
+      stack_.pop_back();
+      add(stack_.back().second, right.second);
+      stack_.back().first += 1;
+    }
+  }
+  // Writes the total into the gradients and empties the tree.
+  void finish(ParamSet& ps, std::span<float> extra) {
+    SIGMA_CHECK(!stack_.empty(), "GradTree: no micro-batch");
+    std::vector<float> total = std::move(stack_.back().second);
+    for (size_t i = stack_.size() - 1; i-- > 0;) {  // S1 + (S2 + (... + Sm))
+      add(stack_[i].second, total);
+      total.swap(stack_[i].second);
+    }
+    stack_.clear();
+    const float* at = total.data();
+    for (Param& p : ps.all()) {
+      std::memcpy(p.grad.f(), at, size_t(p.grad.numel()) * sizeof(float));
+      at += p.grad.numel();
+    }
+    std::memcpy(extra.data(), at, extra.size() * sizeof(float));
+  }
+
+ private:
+  static int64_t size(const ParamSet& ps) {
+    int64_t n = 0;
+    for (const Param& p : ps.all()) n += p.grad.numel();
+    return n;
+  }
+  static void add(std::vector<float>& into, const std::vector<float>& x) {
+    float* a = into.data();
+    const float* b = x.data();
+    const int64_t n = int64_t(into.size());
+#pragma omp parallel for schedule(static) if (n > (int64_t(1) << 16))
+    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+  }
+  std::vector<std::pair<int, std::vector<float>>> stack_;  // (level, partial sum)
+};
+
+bool power_of_two(size_t k) { return k && !(k & (k - 1)); }
+
+}  // namespace
+
+TrainStep::TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimConfig& cfg,
+                     ShardPlan plan)
+    : model_(model), opt_(opt), comm_(comm), cfg_(cfg), plan_(std::move(plan)) {
+  SIGMA_CHECK(plan_.ranks == comm_.size(), "shard plan for {} ranks, communicator of {}",
+              plan_.ranks, comm_.size());
 }
 
-TrainStep::TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimConfig& cfg)
-    : model_(model), opt_(opt), comm_(comm), cfg_(cfg) {}
+void TrainStep::check_split(size_t micro) const {
+  const size_t R = size_t(comm_.size());
+  SIGMA_CHECK(micro % R == 0 && (R == 1 || power_of_two(micro / R)),
+              "{} ranks cannot share {} micro-batches per step: train.accum must be the number "
+              "of ranks times a power of two (each rank runs an aligned block of the step's "
+              "micro-batches, which keeps every rank count bit-identical)", R, micro);
+}
+
+std::span<const Batch> TrainStep::local(std::span<const Batch> micro) const {
+  check_split(micro.size());
+  const size_t k = micro.size() / size_t(comm_.size());
+  return micro.subspan(size_t(comm_.rank()) * k, k);
+}
 
 void TrainStep::prepare(std::span<const Batch> micro) {
-  model_.expert_executor().begin_step(micro);
+  model_.expert_executor().begin_step(local(micro));
 }
 
-double TrainStep::mask_total(std::span<const Batch> micro) {
-  double total = 0;
+// per_slot[slot * (2D + 1) ...]: D loss sums, D token counts, the learned gate's aux loss.
+void TrainStep::sum_losses(const Batch& b, size_t slot, std::vector<double>& per_slot) const {
+  const size_t D = size_t(model_.config().domains.size());
+  double* s = per_slot.data() + slot * (2 * D + 1);
+  for (int r = 0; r < b.B; ++r)
+    for (int t = 0; t < b.T; ++t) {
+      const size_t i = size_t(r) * size_t(b.T) + size_t(t);
+      if (b.mask[i] == 0.0f) continue;
+      s[b.domain[size_t(r)]] += token_loss_[i];
+      s[D + size_t(b.domain[size_t(r)])] += 1;
+    }
+  s[2 * D] = model_.aux_loss();
+}
+
+StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMask& mask) {
+  const std::span<const Batch> mine = local(micro);
+  const size_t first = size_t(comm_.rank()) * mine.size();
+  double total = 0;  // every rank sees the whole batch: no exchange needed
   for (const Batch& b : micro)
     for (float x : b.mask) total += x;
-  comm_.all_reduce_sum(&total, 1);
-  return total;
-}
-
-StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMask& mask,
-                          const LossSink& sink) {
-  const double total = mask_total(micro);
-  StepResult r;
-  model_.params().zero_grad();
-  for (const Batch& b : micro) {
+  ExpertExecutor& experts = model_.expert_executor();
+  const size_t D = size_t(model_.config().domains.size());
+  std::vector<double> per_slot(micro.size() * (2 * D + 1), 0.0);
+  GradTree tree;
+  for (size_t j = 0; j < mine.size(); ++j) {
+    const Batch& b = mine[j];
+    if (j == 0 || mine.size() > 1) model_.params().zero_grad();
     const size_t n = b.mask.size();
     token_loss_.resize(n);
     weight_.resize(n);
     for (size_t i = 0; i < n; ++i) weight_[i] = total > 0 ? float(b.mask[i] / total) : 0.0f;
     model_.forward(b, acts_, token_loss_.data(), weight_.data());
     model_.backward(b, acts_);
-    if (sink) sink(b, token_loss_);
-    r.aux_loss += model_.aux_loss() / double(micro.size());
+    sum_losses(b, first + j, per_slot);
+    if (mine.size() > 1) {
+      tree.push(model_.params(), experts.grad_buffer());
+      std::span<float> g = experts.grad_buffer();
+      std::fill(g.begin(), g.end(), 0.0f);
+    }
   }
-  reduce_grads(comm_, model_.params());
+  if (mine.size() > 1) tree.finish(model_.params(), experts.grad_buffer());
+  StepResult r;
+  comm_.all_reduce_sum(per_slot.data(), int64_t(per_slot.size()));  // one rank's slots each: exact
+  r.domain_loss.assign(D, 0.0);
+  r.domain_tokens.assign(D, 0);
+  for (size_t s = 0; s < micro.size(); ++s) {
+    const double* v = per_slot.data() + s * (2 * D + 1);
+    for (size_t d = 0; d < D; ++d) {
+      r.domain_loss[d] += v[d];
+      r.domain_tokens[d] += int64_t(v[D + d]);
+    }
+    r.aux_loss += v[2 * D] / double(micro.size());
+  }
+  reduce_to_owners(comm_, plan_, model_.params());
+  const std::vector<uint8_t> owned = comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{};
   if (!mask.all()) mask.mask_grads(model_.params());
-  ExpertExecutor& experts = model_.expert_executor();
-  r.grad_norm = std::sqrt(grad_sq(model_.params()) + experts.grad_sq());
+  std::vector<double> parts = grad_sq_parts(model_.params(), owned);
+  comm_.all_reduce_sum(parts.data(), int64_t(parts.size()));  // one owner per piece: exact
+  r.grad_norm = std::sqrt(fold(parts) + experts.grad_sq());
   r.clip = (cfg_.grad_clip > 0 && r.grad_norm > cfg_.grad_clip) ? float(cfg_.grad_clip / r.grad_norm)
                                                                  : 1.0f;
   opt_.step(model_.params(), lr, r.clip, &mask);
   experts.update(lr, r.clip);
+  gather_from_owners(comm_, plan_, model_.params());
   return r;
 }
 

@@ -1,9 +1,15 @@
-// One optimizer step (DESIGN §8): batch -> forward -> backward -> reduce_grads(Communicator&)
-// -> clip -> update, as separate calls (marian's GraphGroup owns the reduce the same way).
-// The step owns no I/O: the run loop (train/trainer.cpp) owns data, checkpoints, metrics and
-// evaluation.
+// One optimizer step (DESIGN §8-§9): batch -> forward -> backward -> reduce -> clip -> update,
+// as separate calls (marian's GraphGroup owns the reduce the same way). The step owns no I/O:
+// the run loop (train/trainer.cpp) owns data, checkpoints, metrics and evaluation.
+//
+// Data parallelism: the step's global batch is `micro` (every rank is given all of it: token
+// ids are tiny, and knowing them lets every rank compute masks, loss weights and expert routes
+// without an exchange). Rank r of R runs micro-batches [r*k, (r+1)*k), k = micro/R. Gradients
+// are summed over micro-batches as tree_sum would over all of them: each rank sums its aligned
+// block of k (a power of two when R > 1), the owners of the ZeRO shards add the R block sums
+// in rank order. So R = 1, 2, 4 ranks give bit-identical steps at the same global batch and
+// threads per rank.
 #pragma once
-#include <functional>
 #include <span>
 #include <vector>
 
@@ -11,41 +17,47 @@
 #include "model/activations.h"
 #include "model/model.h"
 #include "optim/adamw.h"
+#include "train/shard_plan.h"
 
 namespace sigma {
-
-// Sums every parameter gradient over the communicator's ranks (identity on one process).
-void reduce_grads(Communicator& comm, ParamSet& params);
 
 struct StepResult {
   double grad_norm = 0;  // global L2 norm before clipping (dense and expert gradients)
   float clip = 1.0f;     // the factor gradients were scaled by
   double aux_loss = 0;   // learned gate: weighted load-balancing loss, mean over micro-batches
+  // Per model domain: the sum of masked token losses and their count over the global batch
+  // (every rank gets the same bits).
+  std::vector<double> domain_loss;
+  std::vector<int64_t> domain_tokens;
 };
 
 class TrainStep {
  public:
-  using LossSink = std::function<void(const Batch&, const std::vector<float>& token_loss)>;
-  // The model's expert executor (Model::expert_executor) takes part in every step.
-  TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimConfig& cfg);
+  // The model's expert executor (Model::expert_executor) takes part in every step. `plan`
+  // says which rank updates which shared parameter (ZeRO-1); `opt` holds state for this rank's.
+  TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimConfig& cfg,
+            ShardPlan plan);
 
-  // Makes every expert the micro-batches route to usable (ECSS gathers and binds them). Call
-  // before run(); the run loop may start the next step's prefetch in between.
+  // Makes every expert this rank's micro-batches route to usable (ECSS gathers and binds
+  // them). Call before run(); the run loop may start the next step's prefetch in between.
   void prepare(std::span<const Batch> micro);
-  // Forward and backward over each micro-batch, each token's loss weighted by its mask over
-  // the step's mask total (all ranks); then reduce, mask (frozen parameters, untouched rows),
-  // clip to optim.grad_clip and update with learning rate lr. `sink` sees every micro-batch's
-  // per-token losses.
-  StepResult run(std::span<const Batch> micro, float lr, const UpdateMask& mask,
-                 const LossSink& sink);
+  // Forward and backward over this rank's micro-batches, each token's loss weighted by its
+  // mask over the global batch's mask total; then reduce, mask (frozen parameters, untouched
+  // rows), clip to optim.grad_clip, update with learning rate lr, and share the new values.
+  StepResult run(std::span<const Batch> micro, float lr, const UpdateMask& mask);
+
+  // The micro-batches of `micro` this rank runs.
+  std::span<const Batch> local(std::span<const Batch> micro) const;
 
  private:
-  double mask_total(std::span<const Batch> micro);
+  void check_split(size_t micro) const;
+  void sum_losses(const Batch& b, size_t slot, std::vector<double>& per_slot) const;
 
   Model& model_;
   AdamW& opt_;
   Communicator& comm_;
   OptimConfig cfg_;
+  ShardPlan plan_;
   Activations acts_;
   std::vector<float> token_loss_, weight_;
 };

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <optional>
 #include <cstdio>
@@ -44,6 +45,9 @@ struct DomainSums {
         loss[b.domain[r]] += token_loss[i];
         count[b.domain[r]] += 1;
       }
+  }
+  void add(const std::vector<double>& l, const std::vector<int64_t>& c) {
+    for (size_t d = 0; d < loss.size(); ++d) loss[d] += l[d], count[d] += c[d];
   }
   double total_mean() const {
     double l = 0;
@@ -119,6 +123,33 @@ TokenCounts routing_counts(const Config& cfg, const DataSource& data, bool resum
   return group_counts;
 }
 
+// Where experts train when the run has `ranks` ranks: data parallel replicates them in the
+// model (expert parallelism with per-rank stores is not built yet).
+std::string distributed_experts(const std::string& setting, int ranks) {
+  if (ranks == 1) return setting;
+  SIGMA_CHECK(setting == "auto" || setting == "model", "train.experts = {} with {} ranks: "
+              "a distributed run keeps the experts in the model (train.experts = model or auto)",
+              setting, ranks);
+  return "model";
+}
+
+// Tokens per expert summed over the ranks (each counted its own micro-batches).
+void sum_over_ranks(Communicator& comm, std::vector<BlockLoad>& load) {
+  if (comm.size() == 1) return;
+  std::vector<double> v;
+  for (const BlockLoad& b : load) {
+    for (const auto& g : b.tokens) v.insert(v.end(), g.begin(), g.end());
+    v.push_back(double(b.dropped));
+  }
+  comm.all_reduce_sum(v.data(), int64_t(v.size()));  // integers below 2^53: exact
+  size_t i = 0;
+  for (BlockLoad& b : load) {
+    for (auto& g : b.tokens)
+      for (int64_t& x : g) x = int64_t(v[i++]);
+    b.dropped = int64_t(v[i++]);
+  }
+}
+
 // One training run: set-up, the loop of TrainSteps, metrics, checkpoints, final evaluation.
 class RunLoop {
  public:
@@ -143,7 +174,10 @@ class RunLoop {
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<EcssExperts> experts_;  // ECSS / vanilla offload; null: experts in the model
   ExpertMode mode_ = ExpertMode::InModel;
-  SingleProcess comm_;
+  SingleProcess one_process_;
+  Communicator& comm_;
+  bool lead_ = true;  // rank 0: prints, writes metrics and the summary
+  ShardPlan plan_;
   std::unique_ptr<TrainStep> step_;
   std::optional<CheckpointInfo> ck_;
   FreezePlan freeze_;
@@ -166,9 +200,20 @@ class RunLoop {
   Clock::time_point t_start_;
 };
 
-RunLoop::RunLoop(Config cfg, const RunOptions& run) : cfg_(std::move(cfg)), run_(run) {
+// OpenMP threads per rank: train.threads, else the cores shared among the ranks on this node.
+int threads_per_rank(int configured) {
+  if (configured > 0) return configured;
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const int ranks_here = local ? std::max(1, std::atoi(local)) : 1;
+  return std::max(1, omp_get_num_procs() / ranks_here);
+}
+
+RunLoop::RunLoop(Config cfg, const RunOptions& run)
+    : cfg_(std::move(cfg)), run_(run), comm_(run.comm ? *run.comm : one_process_) {
+  lead_ = comm_.rank() == 0;
+  if (!lead_) run_.progress = false;
   ops::use_backend(cfg_.train.backend);
-  if (cfg_.train.threads > 0) omp_set_num_threads(cfg_.train.threads);
+  omp_set_num_threads(threads_per_rank(cfg_.train.threads));
   build();
   restore();
   open_outputs();
@@ -184,10 +229,12 @@ void RunLoop::build() {
     check_same_model(cfg_, ck_->cfg);
   }
   const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
-  mode_ = resolve_expert_mode(cfg_.train.experts, cfg_.model);
+  mode_ = resolve_expert_mode(distributed_experts(cfg_.train.experts, comm_.size()), cfg_.model);
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
                                    mode_ != ExpertMode::InModel);
-  opt_ = std::make_unique<AdamW>(cfg_.optim, model_->params());
+  plan_ = plan_shards(model_->params(), comm_.size());
+  opt_ = std::make_unique<AdamW>(cfg_.optim, model_->params(),
+                                 comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{});
   // Checked before the store is created: a bad selector leaves no store file behind.
   freeze_ = plan_freeze(cfg_.train.freeze, cfg_.model, model_->params(),
                         model_->external_experts(), data_->domains());
@@ -195,7 +242,7 @@ void RunLoop::build() {
   if (mode_ != ExpertMode::InModel)
     experts_ = std::make_unique<EcssExperts>(*model_, mode_, cfg_.optim, cfg_.train.expert_store,
                                              ck_.has_value());
-  step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim);
+  step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim, plan_);
   names_ = cfg_.model.domains.names();
   for (const auto& n : data_->domains()) data_to_model_.push_back(cfg_.model.domain_index(n));
   micro_.resize(size_t(cfg_.train.accum));
@@ -216,11 +263,11 @@ void RunLoop::restore() {
 
 // metrics.jsonl, the checkpoint root and the banner.
 void RunLoop::open_outputs() {
-  if (!run_.out_dir.empty()) {
+  if (!run_.out_dir.empty()) ckpt_root_ = run_.out_dir + "/checkpoints";
+  if (!run_.out_dir.empty() && lead_) {
     std::filesystem::create_directories(run_.out_dir);
     metrics_.open(run_.out_dir + "/metrics.jsonl", std::ios::app);
     SIGMA_CHECK(metrics_.good(), "cannot write {}/metrics.jsonl", run_.out_dir);
-    ckpt_root_ = run_.out_dir + "/checkpoints";
   }
   tty_ = isatty(STDERR_FILENO);
   if (!run_.progress) return;
@@ -235,6 +282,13 @@ void RunLoop::open_outputs() {
                st.file_backed() ? "file " + st.path() : "in RAM");
   }
   if (!cfg_.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze_.summary);
+  if (comm_.size() > 1) {
+    const int64_t most = *std::max_element(plan_.elements.begin(), plan_.elements.end());
+    fmt::print(stderr, "data parallel: {} ranks x {} micro-batches each; Adam state sharded "
+               "(ZeRO-1): {:.1f} MiB on the most loaded rank, {:.1f} MiB unsharded\n",
+               comm_.size(), cfg_.train.accum / comm_.size(), double(most) * 8 / (1 << 20),
+               double(model_->params().numel()) * 8 / (1 << 20));
+  }
 }
 
 // The micro-batches of `step` in the model's domain indices.
@@ -276,9 +330,8 @@ void RunLoop::one_step(int64_t step) {
   UpdateMask mask = freeze_.mask;
   if (cfg_.optim.sparse_embeddings) limit_to_batch_rows(mask, model_->params(), cfg_.model, micro_);
   const float lr = lr_at(cfg_.optim, step, cfg_.train.steps);
-  const StepResult r = step_->run(micro_, lr, mask, [&](const Batch& b, const std::vector<float>& loss) {
-    window_.add(b, loss);
-  });
+  const StepResult r = step_->run(micro_, lr, mask);
+  window_.add(r.domain_loss, r.domain_tokens);
   aux_window_ += r.aux_loss;
   const int64_t tokens = int64_t(cfg_.train.accum) * cfg_.train.batch * cfg_.model.context;
   state_.step = step + 1;
@@ -299,7 +352,8 @@ void RunLoop::log(double grad_norm, float lr) {
     fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}",
                tty_ ? "\r" : "", state_.step, last_, window_.total_mean(), lr, grad_norm, tps,
                fmt_duration(eta), tty_ && state_.step != last_ ? "   " : "\n");
-  const std::vector<BlockLoad>& load = model_->expert_load();
+  std::vector<BlockLoad> load = model_->expert_load();
+  sum_over_ranks(comm_, load);
   if (metrics_.is_open()) {
     nlohmann::json dom = nlohmann::json::object();
     for (size_t d = 0; d < names_.size(); ++d)
@@ -336,7 +390,7 @@ void RunLoop::log(double grad_norm, float lr) {
 void RunLoop::checkpoint() {
   state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
   save_checkpoint(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
-                  experts_.get());
+                  experts_.get(), &comm_);
 }
 
 TrainSummary RunLoop::finish() {
@@ -356,7 +410,7 @@ TrainSummary RunLoop::finish() {
     held_out = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
   sum.domains = evaluate(*model_, held_out ? *held_out : *data_, cfg_.train.batch,
                          cfg_.model.context, cfg_.train.eval_rows);
-  if (!run_.out_dir.empty()) write_summary(sum);
+  if (!run_.out_dir.empty() && lead_) write_summary(sum);
   return sum;
 }
 

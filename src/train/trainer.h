@@ -8,6 +8,7 @@
 #include "model/model.h"
 #include "train/config.h"
 #include "train/data_source.h"
+#include "dist/communicator.h"
 #include "ecss/ecss_experts.h"
 
 namespace sigma {
@@ -17,6 +18,7 @@ struct RunOptions {
   std::string resume;       // checkpoint to continue from (empty = fresh start)
   int64_t stop_at = -1;     // stop after this step (checkpointing it) instead of train.steps
   bool progress = true;     // progress lines on stderr
+  Communicator* comm = nullptr;  // the run's ranks (mpirun); null = this process alone
 };
 
 struct DomainLoss {

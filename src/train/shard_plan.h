@@ -1,0 +1,35 @@
+// Data parallelism for the shared parameters (DESIGN §9): ZeRO-1 at tensor granularity. Each
+// parameter tensor is owned by one rank, which alone holds its Adam state and updates it. A
+// step's gradients go to their owners, summed by tree_sum in rank order (deterministic: the
+// same bits as one rank summing the same micro-batches), and the owners' updated values go
+// back to every rank. Whole tensors keep the norm's pieces, lazy embedding rows and frozen
+// masks exactly as on one rank; the cost is a coarser balance (reported per rank).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "model/params.h"
+
+namespace sigma {
+
+struct ShardPlan {
+  int ranks = 1;
+  std::vector<int> owner;                // [params]: the rank that updates param i
+  std::vector<int64_t> elements;         // [ranks]: parameter elements each rank owns
+  // owned[i] != 0 when `rank` owns param i (the AdamW mask of that rank).
+  std::vector<uint8_t> owned_by(int rank) const;
+};
+
+// Largest tensors first, each to the rank owning the fewest elements so far (ties: lowest
+// rank): deterministic, so every rank computes the same plan.
+ShardPlan plan_shards(const ParamSet& ps, int ranks);
+
+// Each parameter's gradient, summed over the ranks, lands in its owner's grad (tree_sum in
+// rank order); the other ranks' copies are left as they were and must not be used.
+void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps);
+
+// Every rank receives every parameter's value from its owner.
+void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps);
+
+}  // namespace sigma

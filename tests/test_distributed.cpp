@@ -1,0 +1,165 @@
+// Distributed training through the CLI (DESIGN §9, docs/distributed.md): each test starts its
+// own `mpirun -np R sigma train`. Data parallel + ZeRO-1 must be bit-identical to one process
+// at the same global batch and threads per rank, checkpoints must reshard across rank counts,
+// and a rank that dies or hangs must end the run within the timeout.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "cli_util.h"
+
+using namespace sigma::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kMpirun = "mpirun --allow-run-as-root --oversubscribe --bind-to none -np ";
+
+std::string train_args(const std::string& model, int steps, int accum) {
+  return fmt::format("train --config {}/configs/tiny.json {} --set train.steps={} --set "
+                     "train.accum={} --set train.batch=4 --set train.threads=1 --set "
+                     "train.log_every=10 --set train.experts=model --quiet",
+                     SIGMA_SOURCE_DIR, model, steps, accum);
+}
+
+CmdResult train_on(int ranks, const std::string& args) {
+  if (ranks == 1) return sigma_cmd(args);
+  return run_cmd(kMpirun + std::to_string(ranks) + " " + SIGMA_BINARY + " " + args);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// metrics.jsonl without the wall-clock field.
+std::string metrics_without_speed(const std::string& path) {
+  std::string out, line;
+  std::ifstream in(path);
+  while (std::getline(in, line)) {
+    const size_t at = line.find("\"tokens_per_s\":");
+    if (at != std::string::npos) line.erase(at, line.find_first_of(",}", at) - at);
+    out += line + "\n";
+  }
+  return out;
+}
+
+const char* kDense = "--set model.rre_layers=0";
+const char* kSparse = "--set model.rre_layers=1";
+
+}  // namespace
+
+TEST(Distributed, OneTwoAndFourRanksTrainBitIdenticallyFor100Steps) {
+  for (const char* model : {kDense, kSparse}) {
+    TempDir t("dist");
+    std::string first_model, first_metrics;
+    for (int R : {1, 2, 4}) {
+      const std::string out = t / ("r" + std::to_string(R));
+      const CmdResult r = train_on(R, train_args(model, 100, 4) + " --out " + out);
+      ASSERT_EQ(r.code, 0) << R << " ranks: " << r.out;
+      const std::string weights = read_file(out + "/checkpoints/step-00000100/model.safetensors");
+      const std::string metrics = metrics_without_speed(out + "/metrics.jsonl");
+      ASSERT_FALSE(weights.empty());
+      ASSERT_NE(metrics.find("\"step\":100"), std::string::npos);
+      if (R == 1) {
+        first_model = weights, first_metrics = metrics;
+        continue;
+      }
+      EXPECT_TRUE(weights == first_model) << model << ": " << R << " ranks' weights differ";
+      EXPECT_EQ(metrics, first_metrics) << model << ": " << R << " ranks' losses differ";
+      // Each rank wrote its own optimizer shard under the one manifest.
+      for (int r = 1; r < R; ++r)
+        EXPECT_TRUE(fs::exists(fmt::format("{}/checkpoints/step-00000100/optimizer.rank-{:04d}.safetensors", out, r)));
+    }
+  }
+}
+
+TEST(Distributed, ACheckpointResumesOnAnyRankCountBitIdentically) {
+  TempDir t("reshard");
+  const std::string whole = t / "whole", split = t / "split";
+  ASSERT_EQ(sigma_cmd(train_args(kSparse, 60, 4) + " --out " + whole).code, 0);
+  CmdResult r = train_on(2, train_args(kSparse, 60, 4) + " --out " + split + " --stop-at 20");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = train_on(4, "train --resume " + split + "/checkpoints --out " + split + " --stop-at 40 --quiet");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = train_on(1, "train --resume " + split + "/checkpoints --out " + split + " --quiet");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(read_file(whole + "/checkpoints/step-00000060/model.safetensors") ==
+              read_file(split + "/checkpoints/step-00000060/model.safetensors"));
+  EXPECT_EQ(metrics_without_speed(whole + "/metrics.jsonl"), metrics_without_speed(split + "/metrics.jsonl"));
+  // The 4-rank checkpoint is an ordinary checkpoint to every other command.
+  const std::string ck = split + "/checkpoints/step-00000040";
+  for (const std::string cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
+                                "generate --ckpt " + ck + " --prompt '1 2 3' --max-new 4"}) {
+    const CmdResult c = sigma_cmd(cmd);
+    EXPECT_EQ(c.code, 0) << cmd << ": " << c.out;
+  }
+}
+
+TEST(Distributed, ABatchTheRanksCannotSplitIsRefusedClearly) {
+  TempDir t("split");
+  const CmdResult r = train_on(2, train_args(kDense, 5, 3) + " --out " + (t / "o"));
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("train.accum must be the number of ranks times a power of two"), std::string::npos) << r.out;
+}
+
+// Starts a long 2-rank run, waits for its first checkpoint, sends `signal` to rank 1 and
+// returns the run's exit code, output and seconds from the signal to the end.
+struct Fault {
+  int code;
+  std::string out;
+  double seconds;
+};
+Fault fault_run(const TempDir& t, const std::string& signal) {
+  const std::string out = t / "run", log = t / "log";
+  const std::string cmd = fmt::format(
+      "cd {} && ( {}2 {} {} --out {} --set train.ckpt_every=20 --set dist.timeout_s=5 > {} 2>&1; "
+      "echo $? > {}/rc ) & "
+      "for i in $(seq 1 1200); do [ -f {}/checkpoints/latest ] && break; sleep 0.05; done; "
+      "m=$(pgrep -f 'mpirun.*--out {}' | head -1); victim=$(pgrep -P $m | tail -1); "
+      "date +%s.%N > {}/t0; kill -{} $victim; wait; date +%s.%N > {}/t1",
+      t.str(), kMpirun, SIGMA_BINARY, train_args(kDense, 1000000, 2), out, log, t.str(), out, out,
+      t.str(), signal, t.str());
+  const std::string script = t / "fault.sh";
+  std::ofstream(script) << cmd << "\n";
+  const CmdResult r = run_cmd("bash " + script);
+  Fault f{-1, read_file(log) + r.out, 1e9};
+  const std::string rc = read_file(t / "rc");
+  if (!rc.empty()) f.code = std::stoi(rc);
+  const std::string t0 = read_file(t / "t0"), t1 = read_file(t / "t1");
+  if (!t0.empty() && !t1.empty()) f.seconds = std::stod(t1) - std::stod(t0);
+  return f;
+}
+
+TEST(Distributed, AKilledRankEndsTheRunAndTheLastCheckpointResumes) {
+  TempDir t("kill");
+  const Fault f = fault_run(t, "9");
+  EXPECT_NE(f.code, 0) << f.out;
+  EXPECT_LT(f.seconds, 30.0) << f.out;
+  EXPECT_NE(f.out.find("signal 9"), std::string::npos) << f.out;  // mpirun names the dead rank
+  // The newest checkpoint verifies (its manifest's checksums) and training resumes from it.
+  const std::string latest = read_file(t / "run/checkpoints/latest");
+  ASSERT_GT(latest.size(), 5u);
+  const int step = std::stoi(latest.substr(5));
+  const CmdResult r = train_on(2, fmt::format("train --resume {}/checkpoints --out {} --set "
+                               "train.steps={} --quiet", t / "run", t / "run", step + 10));
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(fs::exists(fmt::format("{}/checkpoints/step-{:08d}/manifest.json", t / "run", step + 10)));
+}
+
+TEST(Distributed, AHungRankEndsTheRunAfterTheTimeout) {
+  TempDir t("hang");
+  const Fault f = fault_run(t, "STOP");
+  EXPECT_NE(f.code, 0) << f.out;
+  EXPECT_GT(f.seconds, 4.0) << f.out;   // dist.timeout_s = 5
+  EXPECT_LT(f.seconds, 60.0) << f.out;
+  EXPECT_NE(f.out.find("a rank died or hangs"), std::string::npos) << f.out;
+  EXPECT_EQ(sigma_cmd("inspect --ckpt " + (t / "run") + "/checkpoints").code, 0);
+}
