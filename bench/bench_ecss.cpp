@@ -162,7 +162,9 @@ int main(int argc, char** argv) {
         model.backward(cur);
         const double fb = since(t);
         t = Clock::now();
-        const double norm = std::sqrt(grad_sq(model.params()) + experts.grad_sq());
+        std::vector<double> parts = grad_sq_parts(model.params());
+        experts.append_grad_sq_parts(parts);
+        const double norm = std::sqrt(fold(parts));
         const double tn = since(t);
         const float clip = norm > 1.0 ? float(1.0 / norm) : 1.0f;
         t = Clock::now();

@@ -5,7 +5,9 @@
 // model (d=512, f=2048, V=16384, B*T=4096 tokens, 8 heads of 64): forward, data-gradient and
 // weight-gradient products, the tied head, and the per-head attention products. bf16: oneDNN's
 // matmul primitive with bf16 inputs and an f32 result (oneDNN 2.6 exposes no bf16 gemm in its C
-// API) on a subset of the same shapes.
+// API) on every shape but the per-head attention products; bf16_peak_gflops is the best of them.
+// sigma_bf16_shapes: Sigma's own bf16 GEMM (cpu::gemm_bf16: fp32 operands converted per call)
+// on the same shapes, so the conversion's cost shows beside the primitive's speed.
 //
 // Each shape: one untimed call, then `--samples` timed samples of enough calls to last
 // >= `--min-ms`; the figure is the median sample. gemm_peak_gflops is the best fp32 median over
@@ -17,6 +19,8 @@
 #include <omp.h>
 
 #include <nlohmann/json.hpp>
+
+#include "kernels/cpu/gemm.h"
 
 #include <algorithm>
 #include <chrono>
@@ -43,15 +47,15 @@ constexpr int64_t kTok = 4096, kD = 512, kF = 2048, kV = 16384, kT = 512, kDh = 
 
 const std::vector<Shape> kShapes = {
     {"square_2048", 2048, 2048, 2048, 'N', 'N', 1, true},
-    {"qkv_fwd", kTok, 3 * kD, kD, 'N', 'N'},
-    {"attn_out_fwd", kTok, kD, kD, 'N', 'N'},
+    {"qkv_fwd", kTok, 3 * kD, kD, 'N', 'N', 1, true},
+    {"attn_out_fwd", kTok, kD, kD, 'N', 'N', 1, true},
     {"ffn_in_fwd", kTok, kF, kD, 'N', 'N', 1, true},
     {"ffn_out_fwd", kTok, kD, kF, 'N', 'N', 1, true},
-    {"ffn_in_dgrad", kTok, kD, kF, 'N', 'T'},
-    {"ffn_in_wgrad", kD, kF, kTok, 'T', 'N'},
+    {"ffn_in_dgrad", kTok, kD, kF, 'N', 'T', 1, true},
+    {"ffn_in_wgrad", kD, kF, kTok, 'T', 'N', 1, true},
     {"head_fwd", kTok, kV, kD, 'N', 'T', 1, true},
-    {"head_dgrad", kTok, kD, kV, 'N', 'N'},
-    {"head_wgrad", kV, kD, kTok, 'T', 'N'},
+    {"head_dgrad", kTok, kD, kV, 'N', 'N', 1, true},
+    {"head_wgrad", kV, kD, kTok, 'T', 'N', 1, true},
     {"attn_qk_x64", kT, kT, kDh, 'N', 'T', kBH},
     {"attn_av_x64", kT, kDh, kT, 'N', 'N', kBH},
 };
@@ -141,6 +145,20 @@ Result run_bf16(const Shape& s, dnnl::engine& eng, dnnl::stream& strm, int sampl
   return measure(call, 2.0 * s.M * s.N * s.K, samples, min_ms);
 }
 
+// Sigma's own bf16 GEMM (kernels/cpu/gemm.h): fp32 operands converted to bf16 on every call,
+// then oneDNN's bf16 matmul; the gap to run_bf16 is the conversion's cost.
+Result run_sigma_bf16(const Shape& s, int samples, double min_ms) {
+  std::vector<float> A(s.M * s.K), B(s.K * s.N), C(s.M * s.N);
+  fill(A, 1);
+  fill(B, 2);
+  const int64_t lda = s.ta == 'N' ? s.K : s.M, ldb = s.tb == 'N' ? s.N : s.K;
+  auto call = [&] {
+    sigma::cpu::gemm_bf16(s.ta == 'T', s.tb == 'T', s.M, s.N, s.K, 1.0f, A.data(), lda, B.data(),
+                          ldb, 0.0f, C.data(), s.N);
+  };
+  return measure(call, 2.0 * s.M * s.N * s.K, samples, min_ms);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -171,7 +189,8 @@ int main(int argc, char** argv) {
   }
   omp_set_num_threads(threads);
 
-  nlohmann::json shapes = nlohmann::json::object(), shapes_bf16 = nlohmann::json::object();
+  nlohmann::json shapes = nlohmann::json::object(), shapes_bf16 = nlohmann::json::object(),
+                 shapes_sigma = nlohmann::json::object();
   double peak = 0, peak_bf16 = 0;
   std::string peak_at, peak_bf16_at;
   for (const auto& s : kShapes) {
@@ -187,6 +206,7 @@ int main(int argc, char** argv) {
       Result r = run_bf16(s, eng, strm, samples, min_ms);
       shapes_bf16[s.name] = to_json(s, r);
       if (r.median > peak_bf16) peak_bf16 = r.median, peak_bf16_at = s.name;
+      shapes_sigma[s.name] = to_json(s, run_sigma_bf16(s, samples, min_ms));
     }
   }
   const dnnl_version_t* v = dnnl_version();
@@ -203,6 +223,7 @@ int main(int argc, char** argv) {
     out["bf16_peak_gflops"] = peak_bf16;
     out["bf16_peak_shape"] = peak_bf16_at;
     out["bf16_shapes"] = shapes_bf16;
+    out["sigma_bf16_shapes"] = shapes_sigma;  // with the per-call fp32 -> bf16 conversion
   }
   std::printf("%s\n", out.dump().c_str());
   return 0;

@@ -18,6 +18,10 @@ Optimiser: torch.optim.AdamW, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on m
 (not on biases, LayerNorm or the embedding/position/query tables, as DESIGN section 3 says).
 Data: uniform random tokens from a seeded torch.Generator (drawn outside the timed region).
 
+--bf16 runs PyTorch's best CPU mode: forward under torch.autocast("cpu", dtype=torch.bfloat16)
+(matmuls with bf16 inputs on oneDNN, fp32 master weights and AdamW; softmax and the loss are
+cast to fp32 above), backward through autograd as autocast records it.
+
 Prints one JSON line:
   {"impl":"pytorch","tokens_per_s":..,"step_ms":..,"flops_per_token":..,"achieved_gflops":..,
    "params":..,...}
@@ -35,6 +39,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -174,6 +179,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--verbose", action="store_true", help="per-step times on stderr")
+    ap.add_argument("--bf16", action="store_true",
+                    help="forward under torch.autocast('cpu', dtype=torch.bfloat16)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -203,7 +210,8 @@ def main():
         x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(x, y)
         loss.backward()
         opt.step()
         dt = time.perf_counter() - t0
@@ -218,7 +226,8 @@ def main():
     step_s = statistics.median(times)
     tps = tokens / step_s
     print(json.dumps({
-        "impl": "pytorch",
+        "impl": "pytorch-bf16" if args.bf16 else "pytorch",
+        "precision": "bf16" if args.bf16 else "fp32",
         "tokens_per_s": round(tps, 2),
         "step_ms": round(step_s * 1e3, 2),
         "step_ms_min": round(min(times) * 1e3, 2),
@@ -233,6 +242,7 @@ def main():
         "config": {"d": args.d, "layers": args.layers, "heads": args.heads, "T": args.T,
                    "batch": args.batch, "vocab": args.vocab, "steps": args.steps,
                    "warmup": args.warmup, "threads": args.threads},
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "torch": torch.__version__,
         "blas": loaded_blas(),
         "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""),

@@ -173,26 +173,30 @@ TEST(Jsonl, BadRecordsAreCountedSkipsNamingFileAndLine) {
                     R"({"text": "", "domain": "en"})" + "\n" +                     // 7
                     R"({"text": "no domain"})" + "\n" +                            // 8
                     R"({"text": 5, "domain": "en"})" + "\n" +                      // 9
-                    R"({"text": "with prompt", "prompt": "Q: ", "domain": "en"})");  // 10
+                    R"({"text": "with prompt", "prompt": "Q: ", "domain": "en"})" + "\n" +  // 10
+                    R"({"answer": " A", "prompt": "Q:", "domain": "en"})" + "\n" +  // 11: a pair
+                    R"({"answer": 3, "prompt": "Q:", "domain": "en"})");             // 12
   ReadOptions opt;
   opt.domains = {"en"};
   ReadStats st;
   std::vector<Record> got;
   read_corpus(expand_corpus({f}), opt, st, [&](Record& r) { got.push_back(r); });
-  ASSERT_EQ(got.size(), 2u);
+  ASSERT_EQ(got.size(), 3u);
   EXPECT_EQ(got[0].text, "good one");
   EXPECT_EQ(got[0].line, 1u);
   EXPECT_EQ(got[1].prompt, "Q: ");
   EXPECT_EQ(got[1].line, 10u);
-  EXPECT_EQ(st.records, 2u);
+  EXPECT_EQ(got[2].prompt, "Q:");
+  EXPECT_EQ(got[2].text, " A");
+  EXPECT_EQ(st.records, 3u);
   EXPECT_EQ(st.bad_json, 1u);
   EXPECT_EQ(st.bad_utf8, 1u);
-  EXPECT_EQ(st.no_text, 3u);     // missing, empty, not a string
+  EXPECT_EQ(st.no_text, 4u);     // missing, empty, not a string (text or answer)
   EXPECT_EQ(st.bad_domain, 2u);  // undeclared, absent
-  EXPECT_EQ(st.skipped(), 7u);
+  EXPECT_EQ(st.skipped(), 8u);
   std::string all;
   for (auto& m : st.messages) all += m + "\n";
-  for (int line : {2, 3, 4, 5, 7, 8, 9})
+  for (int line : {2, 3, 4, 5, 7, 8, 9, 12})
     EXPECT_NE(all.find(fmt::format("{}:{}:", f, line)), std::string::npos) << all;
   EXPECT_NE(all.find("klingon"), std::string::npos);
 }
@@ -327,6 +331,10 @@ TEST(Format, PrefixesEotAndBilingualTags) {
   EXPECT_EQ(tok.decode(out), "<CN>我叫Tom。<EN>My name is Tom.<EOT>");
   plen = format_sample(tok, reg.at("py"), "Q? ", "A", out);
   EXPECT_EQ(tok.decode(std::span(out).first(plen)), "<Python>Q? ");
+  // A translation pair: the prompt is tagged too, and the answer starts at its tag.
+  plen = format_sample(tok, reg.at("bi"), "Good morning.", "早上好。", out);
+  EXPECT_EQ(tok.decode(out), "<EN>Good morning.<CN>早上好。<EOT>");
+  EXPECT_EQ(tok.decode(std::span(out).first(plen)), "<EN>Good morning.");
   EXPECT_FALSE(looks_chinese("I love 中国"));
   EXPECT_TRUE(looks_chinese("你好"));
   EXPECT_FALSE(looks_chinese("。！"));

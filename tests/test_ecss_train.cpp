@@ -109,17 +109,29 @@ TEST(EcssTrain, ModeResolution) {
 // (optim/grad_norm.h's canonical order), so the same bits — also when every step clips
 // (grad_clip 1e-3) and the clipping factor depends on the norm.
 TEST(EcssTrain, VanillaMatchesInModelTrainingBitForBit) {
-  for (float clip : {1.0f, 1e-3f}) {
+  for (auto [clip, accum] : {std::pair{1.0f, 1}, std::pair{1e-3f, 1}, std::pair{1e-3f, 4}}) {
     TempDir dir("ecss");
     Config vanilla = small_config("vanilla"), in_model = small_config("model");
     vanilla.optim.grad_clip = in_model.optim.grad_clip = clip;
+    vanilla.train.accum = in_model.train.accum = accum;  // 4: the micro-batch sum tree
+    vanilla.train.log_every = in_model.train.log_every = 1;
     const TrainSummary a = run(vanilla, dir / "vanilla");
     const TrainSummary b = run(in_model, dir / "model");
-    const std::string what = "vanilla vs in-model, grad_clip " + std::to_string(clip);
+    const std::string what = fmt::format("vanilla vs in-model, grad_clip {}, accum {}", clip, accum);
     expect_same_tensors(model_tensors(dir / "model"), model_tensors(dir / "vanilla"), what);
     for (size_t d = 0; d < a.domains.size(); ++d)
       EXPECT_EQ(a.domains[d].loss, b.domains[d].loss) << what << ": " << a.domains[d].name;
     EXPECT_EQ(a.offload.experts_updated, a.offload.steps * 18);  // 2 blocks x (2 + 3 + 4) experts
+    // The gradient norm itself, every step, to the last bit (one fold over the same pieces).
+    std::ifstream ma(dir / "vanilla/metrics.jsonl"), mb(dir / "model/metrics.jsonl");
+    std::string la, lb;
+    int steps = 0;
+    while (std::getline(ma, la) && std::getline(mb, lb)) {
+      const auto ja = nlohmann::json::parse(la), jb = nlohmann::json::parse(lb);
+      EXPECT_EQ(ja["grad_norm"].get<double>(), jb["grad_norm"].get<double>()) << what << " step " << ja["step"];
+      ++steps;
+    }
+    EXPECT_EQ(steps, 24) << what;
   }
 }
 

@@ -34,6 +34,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/rng.h"
@@ -305,21 +306,24 @@ size_t mutation_index(const Out& out, const std::vector<float>& ref) {
 // ---- the cases ---------------------------------------------------------------------------------
 
 void add_gemm(std::vector<Case>& cs, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
-              float alpha, float beta, int64_t pad, uint64_t seed) {
+              float alpha, float beta, int64_t pad, uint64_t seed, bool bf16 = false) {
   const int64_t lda = (ta ? M : K) + pad, ldb = (tb ? K : N) + pad, ldc = N + pad;
   const auto A = vec((ta ? K : M) * lda, seed), B = vec((tb ? N : K) * ldb, seed + 1);
-  cs.push_back(make_case(
-      OP(gemm),
-      fmt::format("{}{} M={} N={} K={} alpha={} beta={} pad={}", ta ? 'T' : 'N', tb ? 'T' : 'N', M,
-                  N, K, alpha, beta, pad),
-      {{"C", vec(M * ldc, seed + 2)}}, [=](auto fn, Outs& o) {
-        fn(ta, tb, M, N, K, alpha, A.data(), lda, B.data(), ldb, beta, o[0].data(), ldc);
-      }));
+  const std::string label = fmt::format("{}{} M={} N={} K={} alpha={} beta={} pad={}",
+                                        ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, beta, pad);
+  const std::vector<Out> outs = {{"C", vec(M * ldc, seed + 2)}};
+  auto body = [=](auto fn, Outs& o) {
+    fn(ta, tb, M, N, K, alpha, A.data(), lda, B.data(), ldb, beta, o[0].data(), ldc);
+  };
+  if (bf16)
+    cs.push_back(make_case(OP(gemm_bf16), label, outs, body));
+  else
+    cs.push_back(make_case(OP(gemm), label, outs, body));
 }
 
 // strided: the query layer's K|V column slice (x, w, y rows wider than the product).
 void add_linear(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, bool bias, bool acc,
-                bool strided, uint64_t seed) {
+                bool strided, uint64_t seed, bool bf16 = false) {
   const Strides ld = strided ? Strides{in + 3, 3 * out, 2 * out + 1} : Strides{};
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
   const int64_t woff = strided ? out : 0, yoff = strided ? 1 : 0;
@@ -327,24 +331,30 @@ void add_linear(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, bool 
   const auto dy = vec(N * ldy, seed + 3);
   const std::string label = fmt::format("N={} in={} out={}{}{}{}", N, in, out, bias ? " bias" : "",
                                         acc ? " accumulate" : "", strided ? " strided" : "");
-  cs.push_back(make_case(OP(linear_forward), label, {{"y", vec(N * ldy + yoff, seed + 4)}},
-                         [=](auto fn, Outs& o) {
-                           fn(o[0].data() + yoff, x.data(), w.data() + woff,
-                              bias ? b.data() : nullptr, N, in, out, acc, ld);
-                         }));
+  const std::vector<Out> fwd_outs = {{"y", vec(N * ldy + yoff, seed + 4)}};
+  auto fwd = [=](auto fn, Outs& o) {
+    fn(o[0].data() + yoff, x.data(), w.data() + woff, bias ? b.data() : nullptr, N, in, out, acc,
+       ld);
+  };
+  if (bf16)
+    cs.push_back(make_case(OP(linear_forward_bf16), label, fwd_outs, fwd));
+  else
+    cs.push_back(make_case(OP(linear_forward), label, fwd_outs, fwd));
   // Backward: dx present unless `acc` (reusing the flag for the null-dx variant), db with bias.
   const bool with_dx = !acc;
   std::vector<Out> outs = {{"dw", vec(in * ldw, seed + 5)}};
   if (with_dx) outs.push_back({"dx", vec(N * ldx, seed + 6)});
   if (bias) outs.push_back({"db", vec(out, seed + 7)});
-  cs.push_back(make_case(OP(linear_backward),
-                         label + (with_dx ? "" : " dx=null") + (bias ? "" : " db=null"), outs,
-                         [=](auto fn, Outs& o) {
-                           float* dx = with_dx ? o[1].data() : nullptr;
-                           float* db = bias ? o[with_dx ? 2 : 1].data() : nullptr;
-                           fn(dx, o[0].data() + woff, db, dy.data(), x.data(), w.data() + woff, N,
-                              in, out, ld);
-                         }));
+  const std::string bwd_label = label + (with_dx ? "" : " dx=null") + (bias ? "" : " db=null");
+  auto bwd = [=](auto fn, Outs& o) {
+    float* dx = with_dx ? o[1].data() : nullptr;
+    float* db = bias ? o[with_dx ? 2 : 1].data() : nullptr;
+    fn(dx, o[0].data() + woff, db, dy.data(), x.data(), w.data() + woff, N, in, out, ld);
+  };
+  if (bf16)
+    cs.push_back(make_case(OP(linear_backward_bf16), bwd_label, outs, bwd));
+  else
+    cs.push_back(make_case(OP(linear_backward), bwd_label, outs, bwd));
 }
 
 void add_column_sum(std::vector<Case>& cs, int64_t N, int64_t C, int64_t ld, uint64_t seed) {
@@ -421,6 +431,28 @@ void add_attention(std::vector<Case>& cs, int64_t B, int64_t Tq, int64_t Tk, int
         fn(AttnGrad{o[0].data(), lddq, Tq * lddq}, AttnGrad{o[1].data(), lddk, Tk * lddk},
            AttnGrad{o[2].data(), lddk, Tk * lddk}, dout.data(), out->data(), probs->data(), qo,
            ko, vo, s, scale);
+        (void)q, (void)kv;
+      }));
+  // The flash variant: lse instead of probs, from the same operands.
+  cs.push_back(make_case(OP(flash_attention_forward), label,
+                         {{"out", vec(B * Tq * d, seed + 8)}, {"lse", vec(B * H * Tq, seed + 9)}},
+                         [=](auto fn, Outs& o) {
+                           fn(o[0].data(), o[1].data(), qo, ko, vo, s, scale);
+                           (void)q, (void)kv;
+                         }));
+  auto lse = std::make_shared<std::vector<float>>(B * H * Tq);
+  ops::use_backend(ops::BackendKind::Ref);
+  ops::flash_attention_forward(out->data(), lse->data(), qo, ko, vo, s, scale);
+  ops::use_backend(ops::BackendKind::Cpu);
+  cs.push_back(make_case(
+      OP(flash_attention_backward), label,
+      {{"dq", vec(B * Tq * lddq, seed + 5)},
+       {"dk", vec(B * Tk * lddk, seed + 6)},
+       {"dv", vec(B * Tk * lddk, seed + 7)}},
+      [=](auto fn, Outs& o) {
+        fn(AttnGrad{o[0].data(), lddq, Tq * lddq}, AttnGrad{o[1].data(), lddk, Tk * lddk},
+           AttnGrad{o[2].data(), lddk, Tk * lddk}, dout.data(), out->data(), lse->data(), qo, ko,
+           vo, s, scale);
         (void)q, (void)kv;
       }));
 }
@@ -507,11 +539,17 @@ std::vector<Case> all_cases() {
   add_gemm(cs, false, true, 131, 7, 33, 1.0f, 0.0f, 0, seed += 10);
   add_gemm(cs, true, false, 33, 131, 1, -1.0f, 1.0f, 1, seed += 10);
   add_gemm(cs, false, false, 7, 5, 0, 1.0f, 2.0f, 0, seed += 10);  // K = 0: C = beta C
-  for (bool bias : {false, true})
-    for (bool acc : {false, true}) {
-      add_linear(cs, 7, 33, 131, bias, acc, false, seed += 10);
-      add_linear(cs, 33, 131, 7, bias, acc, true, seed += 10);
-    }
+  // bf16: the products of bf16 inputs are exact in fp32, so the fp32 sum bound applies as is.
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) add_gemm(cs, ta, tb, 7, 33, 131, 0.5f, 2.0f, 3, seed += 10, true);
+  add_gemm(cs, false, false, 7, 5, 0, 1.0f, 2.0f, 0, seed += 10, true);
+  add_gemm(cs, true, false, 300, 257, 129, 1.0f, 1.0f, 0, seed += 10, true);  // threads
+  for (bool bf16 : {false, true})
+    for (bool bias : {false, true})
+      for (bool acc : {false, true}) {
+        add_linear(cs, 7, 33, 131, bias, acc, false, seed += 10, bf16);
+        add_linear(cs, 33, 131, 7, bias, acc, true, seed += 10, bf16);
+      }
   add_linear(cs, 1, 1, 1, true, false, false, seed += 10);
   add_column_sum(cs, 131, 7, 0, seed += 10);
   add_column_sum(cs, 1, 33, 0, seed += 10);
@@ -564,12 +602,14 @@ TEST(Ops, EveryOpOfTheFrontHasACase) {
   std::set<std::string> seen;
   for (const Case& c : cases()) seen.insert(c.op);
   for (const char* op :
-       {"gemm", "linear_forward", "linear_backward", "column_sum_accumulate", "layernorm_forward",
-        "layernorm_backward", "attention_forward", "attention_backward", "fast_gelu_forward",
+       {"gemm", "linear_forward", "linear_backward", "gemm_bf16", "linear_forward_bf16",
+        "linear_backward_bf16", "column_sum_accumulate", "layernorm_forward",
+        "layernorm_backward", "attention_forward", "attention_backward",
+        "flash_attention_forward", "flash_attention_backward", "fast_gelu_forward",
         "fast_gelu_backward", "softmax_xent", "embedding_forward", "embedding_backward",
         "adam_step", "copy", "fill", "add_into", "gather_rows", "scatter_rows"})
     EXPECT_TRUE(seen.count(op)) << op;
-  EXPECT_EQ(seen.size(), 19u);
+  EXPECT_EQ(seen.size(), 24u);
 }
 
 // cpu vs ref, element by element. Prints, per op, how far below its tolerance the worst
@@ -753,6 +793,88 @@ TEST(OpsGradients, AttentionBackwardMatchesFiniteDifferences) {
     const std::string tag = fmt::format("Tq={} Tk={}{} ", Tq, Tk, shared ? " shared" : "");
     expect_fd(tag + "dq", q, dq, loss);
     expect_fd(tag + "dkv", kv, an[1], loss);
+  }
+}
+
+// The flash variant's backward (probabilities recomputed from the saved lse) against finite
+// differences of its forward.
+TEST(OpsGradients, FlashAttentionBackwardMatchesFiniteDifferences) {
+  for (const bool shared : {false, true}) {
+    const int64_t B = 2, H = 2, hd = 3, d = H * hd, Tq = 4, Tk = shared ? 4 : 6;
+    const AttnShape s{B, Tq, Tk, H, hd};
+    const float scale = 1.0f / std::sqrt(float(hd));
+    auto q = dyadic((shared ? 1 : B) * Tq * d, 1), kv = dyadic(B * Tk * 2 * d, 2);
+    const auto r = dyadic(B * Tq * d, 3);
+    const AttnOperand qo{q.data(), d, shared ? 0 : Tq * d}, ko{kv.data(), 2 * d, Tk * 2 * d},
+        vo{kv.data() + d, 2 * d, Tk * 2 * d};
+    auto forward = [&](Outs& o) {
+      ref::flash_attention_forward<Bound>(o[0].data(), o[1].data(), qo, ko, vo, s, scale);
+    };
+    auto fresh = [&] { return Outs{std::vector<float>(B * Tq * d), std::vector<float>(B * H * Tq)}; };
+    auto loss = [&] {
+      Outs o = fresh();
+      return dot(r, exact(o, forward)[0]);
+    };
+    Outs f = fresh();
+    exact(f, forward);
+    Outs g{std::vector<float>(B * Tq * d), std::vector<float>(B * Tk * 2 * d)};
+    const auto an = exact(g, [&](Outs& p) {
+      ref::flash_attention_backward<Bound>({p[0].data(), d, Tq * d},
+                                           {p[1].data(), 2 * d, Tk * 2 * d},
+                                           {p[1].data() + d, 2 * d, Tk * 2 * d}, r.data(),
+                                           f[0].data(), f[1].data(), qo, ko, vo, s, scale);
+    });
+    std::vector<double> dq(q.size(), 0.0);
+    for (int64_t bb = 0; bb < B; ++bb)
+      for (int64_t i = 0; i < Tq * d; ++i)
+        dq[size_t((shared ? 0 : bb * Tq * d) + i)] += an[0][size_t(bb * Tq * d + i)];
+    expect_fd(shared ? "shared dq" : "dq", q, dq, loss);
+    expect_fd(shared ? "shared dkv" : "dkv", kv, an[1], loss);
+  }
+}
+
+// The cpu flash kernels against the cpu kernels that save probs, at a training shape that
+// crosses row blocks: the same outputs and gradients up to fp32 rounding (1e-5 relative to
+// the largest element), and the probabilities' row sums recovered from lse are 1.
+TEST(OpsGradients, FlashAttentionMatchesTheProbsKernel) {
+  const int64_t B = 2, H = 2, hd = 16, d = H * hd, T = 300;
+  const AttnShape s{B, T, T, H, hd};
+  const float scale = 1.0f / std::sqrt(float(hd));
+  const auto qkv = vec(B * T * 3 * d, 11, 1.5f);
+  const AttnOperand q{qkv.data(), 3 * d, T * 3 * d}, k{qkv.data() + d, 3 * d, T * 3 * d},
+      v{qkv.data() + 2 * d, 3 * d, T * 3 * d};
+  const auto dout = vec(B * T * d, 12);
+  std::vector<float> out1(B * T * d), out2(B * T * d), probs(B * H * T * T), lse(B * H * T);
+  ops::attention_forward(out1.data(), probs.data(), q, k, v, s, scale);
+  ops::flash_attention_forward(out2.data(), lse.data(), q, k, v, s, scale);
+  std::vector<float> g1(B * T * 3 * d), g2(B * T * 3 * d);
+  auto grads = [&](std::vector<float>& g) {
+    return std::tuple{AttnGrad{g.data(), 3 * d, T * 3 * d}, AttnGrad{g.data() + d, 3 * d, T * 3 * d},
+                      AttnGrad{g.data() + 2 * d, 3 * d, T * 3 * d}};
+  };
+  auto [dq1, dk1, dv1] = grads(g1);
+  auto [dq2, dk2, dv2] = grads(g2);
+  ops::attention_backward(dq1, dk1, dv1, dout.data(), out1.data(), probs.data(), q, k, v, s, scale);
+  ops::flash_attention_backward(dq2, dk2, dv2, dout.data(), out2.data(), lse.data(), q, k, v, s,
+                                scale);
+  auto expect_close = [](const char* what, const std::vector<float>& a, const std::vector<float>& b) {
+    double top = 0, worst = 0;
+    for (size_t i = 0; i < a.size(); ++i) top = std::max(top, std::fabs(double(a[i])));
+    for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(double(a[i]) - b[i]));
+    EXPECT_LE(worst, 1e-5 * top) << what;
+    EXPECT_GT(top, 0.0) << what;
+  };
+  expect_close("out", out1, out2);
+  expect_close("dq|dk|dv", g1, g2);
+  // lse is log of the softmax's denominator: exp(scale q.k_j - lse) sums to 1 over j <= i.
+  for (int64_t i : {int64_t(0), int64_t(127), int64_t(128), T - 1}) {
+    double sum = 0;
+    for (int64_t j = 0; j <= i; ++j) {
+      double dq = 0;
+      for (int64_t c = 0; c < hd; ++c) dq += double(qkv[i * 3 * d + c]) * qkv[j * 3 * d + d + c];
+      sum += std::exp(scale * dq - lse[i]);
+    }
+    EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << i;
   }
 }
 

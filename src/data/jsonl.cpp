@@ -224,9 +224,10 @@ void read_jsonl(const Source& src, const ReadOptions& opt, ReadStats& stats, Ski
       continue;
     }
     auto text = j.find("text");
+    if (text == j.end()) text = j.find("answer");  // fine-tuning pairs: {"prompt", "answer"}
     if (text == j.end() || !text->is_string()) {
-      skip(stats.no_text, ln, "no string \"text\"");
-      note("no string \"text\"");
+      skip(stats.no_text, ln, "no string \"text\" (or \"answer\")");
+      note("no string \"text\" (or \"answer\")");
       continue;
     }
     ++parsed;

@@ -1,4 +1,5 @@
-// Corpus reading: JSONL records {"text", "domain", optional "prompt"}, or one folder per domain of
+// Corpus reading: JSONL records {"text", "domain", optional "prompt"} (fine-tuning pairs may
+// say {"prompt", "answer"}: "answer" is read as "text"), or one folder per domain of
 // .jsonl / .txt files (a .txt file is one sample). Bad records are skipped and counted with a
 // message naming file:line; input that cannot be read at all throws sigma::Error.
 #pragma once

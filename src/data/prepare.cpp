@@ -87,26 +87,35 @@ bool looks_chinese(std::string_view line) {
   return cjk > 0 && 2 * cjk >= latin;
 }
 
+namespace {
+
+// Each non-empty line tagged <EN> or <CN> by its script; the '\n' between lines is dropped.
+void append_bilingual(const Tokenizer& tok, std::string_view text, std::vector<uint32_t>& out) {
+  const uint32_t en = tok.id_of_control("<EN>"), cn = tok.id_of_control("<CN>");
+  for (size_t b = 0; b <= text.size();) {
+    size_t e = std::min(text.find('\n', b), text.size());
+    std::string_view line = text.substr(b, e - b);
+    if (!line.empty()) {
+      out.push_back(looks_chinese(line) ? cn : en);
+      tok.encode_append(line, out);
+    }
+    b = e + 1;
+  }
+}
+
+}  // namespace
+
 uint32_t format_sample(const Tokenizer& tok, const DomainSpec& d, std::string_view prompt,
                        std::string_view text, std::vector<uint32_t>& out) {
   out.clear();
   for (auto& p : d.prefix) out.push_back(tok.id_of_control(p));
-  tok.encode_append(prompt, out);
+  // A translation pair's prompt is tagged too (<EN>source<CN>target), so the model learns
+  // which tag opens the answer.
+  if (d.format == SampleFormat::Plain) tok.encode_append(prompt, out);
+  else append_bilingual(tok, prompt, out);
   const auto prompt_len = static_cast<uint32_t>(out.size());
-  if (d.format == SampleFormat::Plain) {
-    tok.encode_append(text, out);
-  } else {
-    const uint32_t en = tok.id_of_control("<EN>"), cn = tok.id_of_control("<CN>");
-    for (size_t b = 0; b <= text.size();) {
-      size_t e = std::min(text.find('\n', b), text.size());
-      std::string_view line = text.substr(b, e - b);
-      if (!line.empty()) {
-        out.push_back(looks_chinese(line) ? cn : en);
-        tok.encode_append(line, out);
-      }
-      b = e + 1;
-    }
-  }
+  if (d.format == SampleFormat::Plain) tok.encode_append(text, out);
+  else append_bilingual(tok, text, out);
   out.push_back(kEotId);
   return prompt_len;
 }

@@ -236,24 +236,20 @@ bool EcssExperts::is_frozen(ExpertId id) const {
   return !frozen_.empty() && frozen_[group_slot(id)] != 0;
 }
 
-double EcssExperts::grad_sq() const {
+void EcssExperts::append_grad_sq_parts(std::vector<double>& parts) const {
   // The canonical order of optim/grad_norm.h: experts in (block, group, expert) order (ids_),
   // each expert's tensors in record order, each summed by sum_sq exactly as in the model.
   const int64_t n = int64_t(ids_.size());
   const ExpertGroupSpec& gs = store_.spec().groups.front();  // every group: the same layout
-  std::vector<double> per(size_t(n), 0.0);
+  const size_t leaves = gs.tensors.size(), first = parts.size();
+  parts.resize(first + size_t(n) * leaves, 0.0);
   const float* g = g_.f();
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) {
-    double s = 0;
-    for (size_t t = 0; t < gs.tensors.size(); ++t)
-      s += sum_sq(g + i * stride_ + gs.offset(t), shape_numel(gs.tensors[t].shape));
-    per[size_t(i)] = s;
+    if (is_frozen(ids_[size_t(i)])) continue;
+    for (size_t t = 0; t < leaves; ++t)
+      parts[first + size_t(i) * leaves + t] = sum_sq(g + i * stride_ + gs.offset(t), shape_numel(gs.tensors[t].shape));
   }
-  double total = 0;
-  for (int64_t i = 0; i < n; ++i)
-    if (!is_frozen(ids_[size_t(i)])) total += per[size_t(i)];
-  return total;
 }
 
 void EcssExperts::update(float lr, float grad_scale) {

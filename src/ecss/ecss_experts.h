@@ -60,8 +60,8 @@ class EcssExperts : public LocalExperts {
   // Pages in the next step's experts on a background thread (file-backed store only), to
   // overlap with this step's forward and backward.
   void prefetch(std::span<const Batch> next);
-  // Sum of squares of the bound experts' gradients (fixed order and chunks: deterministic).
-  double grad_sq() const override;
+  // Squared-norm pieces of the bound experts' gradients (frozen ones add zeros).
+  void append_grad_sq_parts(std::vector<double>& parts) const override;
   std::span<float> grad_buffer() override {
     return {g_.f(), size_t(int64_t(ids_.size()) * stride_)};
   }

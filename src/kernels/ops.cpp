@@ -14,6 +14,7 @@ namespace ops {
 
 // The address of a table in another file is a constant: no static-initialisation order issue.
 constinit const Backend* detail::active = &cpu::kBackend;
+constinit Precision detail::precision = Precision::Fp32;
 
 const Backend& backend(BackendKind kind) {
   switch (kind) {
@@ -40,6 +41,16 @@ void use_backend(std::string_view name) {
     if (name == backend(k).name) return use_backend(k);
   fail("unknown ops backend '{}' (known: {})", name, backend_names());
 }
+
+void use_precision(Precision p) { detail::precision = p; }
+
+void use_precision(std::string_view name) {
+  if (name == "fp32") return use_precision(Precision::Fp32);
+  if (name == "bf16") return use_precision(Precision::Bf16);
+  fail("unknown precision '{}' (known: fp32, bf16)", name);
+}
+
+Precision precision() { return detail::precision; }
 
 }  // namespace ops
 }  // namespace sigma

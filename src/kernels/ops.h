@@ -26,6 +26,7 @@ using kernels::AttnGrad;
 using kernels::AttnOperand;
 using kernels::AttnShape;
 using kernels::kLayerNormEps;
+using kernels::Precision;
 using kernels::Strides;
 
 // One backend: a table of function pointers, one per op. A backend's memory is `device`'s;
@@ -47,6 +48,16 @@ struct Backend {
   // dx (may be null) += dy w^T, dw += x^T dy, db (may be null) += column sums of dy.
   void (*linear_backward)(float* dx, float* dw, float* db, const float* dy, const float* x,
                           const float* w, int64_t N, int64_t in, int64_t out, Strides ld);
+  // The same three with both GEMM inputs rounded to bf16 (nearest even) and fp32 accumulation:
+  // the products of two bf16 values are exact in fp32, so only the sums round. The bias, the
+  // accumulated y and the gradients' initial values stay fp32.
+  void (*gemm_bf16)(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                    const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+                    float* C, int64_t ldc);
+  void (*linear_forward_bf16)(float* y, const float* x, const float* w, const float* b,
+                              int64_t N, int64_t in, int64_t out, bool accumulate, Strides ld);
+  void (*linear_backward_bf16)(float* dx, float* dw, float* db, const float* dy, const float* x,
+                               const float* w, int64_t N, int64_t in, int64_t out, Strides ld);
   // db[C] += column sums of dy[N,C] with row stride ld (0 = C).
   void (*column_sum_accumulate)(float* db, const float* dy, int64_t N, int64_t C, int64_t ld);
 
@@ -61,6 +72,13 @@ struct Backend {
   void (*attention_backward)(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
                              const float* out, const float* probs, AttnOperand q, AttnOperand k,
                              AttnOperand v, AttnShape s, float scale);
+  // The same attention saving lse[B,H,Tq] (log-sum-exp per row) instead of probs[B,H,Tq,Tk]:
+  // no [Tq, Tk] buffer; the backward recomputes the probabilities (kernels/cpu/attention.h).
+  void (*flash_attention_forward)(float* out, float* lse, AttnOperand q, AttnOperand k,
+                                  AttnOperand v, AttnShape s, float scale);
+  void (*flash_attention_backward)(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                                   const float* out, const float* lse, AttnOperand q,
+                                   AttnOperand k, AttnOperand v, AttnShape s, float scale);
   void (*fast_gelu_forward)(float* y, const float* x, int64_t n);
   void (*fast_gelu_backward)(float* dx, const float* dy, const float* x, int64_t n);
   void (*softmax_xent)(float* logits, float* loss, const int32_t* targets,
@@ -98,8 +116,17 @@ void use_backend(std::string_view name);
 // Installs any table (tests: a cpu backend with one op perturbed). `b` must outlive its use.
 void use_backend(const Backend& b);
 
+// The precision of gemm, linear_forward and linear_backward below (train.precision): Bf16
+// sends them to the backend's *_bf16 ops. Attention's internal products, softmax, LayerNorm,
+// the loss and the optimizer stay fp32. Set once at start-up, like the backend.
+void use_precision(Precision p);
+void use_precision(std::string_view name);  // "fp32" or "bf16"; throws sigma::Error otherwise
+Precision precision();
+
 namespace detail {
 extern const Backend* active;  // never null; the cpu backend until use_backend says otherwise
+extern Precision precision;    // Fp32 until use_precision says otherwise
+inline bool bf16() { return precision == Precision::Bf16; }
 }
 
 // ---- the front: one inline forwarding function per op, signatures as in kernels/cpu/ ----
@@ -110,15 +137,34 @@ inline void free(void* p) { detail::active->free(p); }
 inline void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                  const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                  int64_t ldc) {
-  detail::active->gemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  (detail::bf16() ? detail::active->gemm_bf16 : detail::active->gemm)(
+      trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 inline void linear_forward(float* y, const float* x, const float* w, const float* b, int64_t N,
                            int64_t in, int64_t out, bool accumulate = false, Strides ld = {}) {
-  detail::active->linear_forward(y, x, w, b, N, in, out, accumulate, ld);
+  (detail::bf16() ? detail::active->linear_forward_bf16 : detail::active->linear_forward)(
+      y, x, w, b, N, in, out, accumulate, ld);
 }
 inline void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
                             const float* w, int64_t N, int64_t in, int64_t out, Strides ld = {}) {
-  detail::active->linear_backward(dx, dw, db, dy, x, w, N, in, out, ld);
+  (detail::bf16() ? detail::active->linear_backward_bf16 : detail::active->linear_backward)(
+      dx, dw, db, dy, x, w, N, in, out, ld);
+}
+// The bf16 ops by name, whatever the precision (tests, benchmarks).
+inline void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                      const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+                      float* C, int64_t ldc) {
+  detail::active->gemm_bf16(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+inline void linear_forward_bf16(float* y, const float* x, const float* w, const float* b,
+                                int64_t N, int64_t in, int64_t out, bool accumulate = false,
+                                Strides ld = {}) {
+  detail::active->linear_forward_bf16(y, x, w, b, N, in, out, accumulate, ld);
+}
+inline void linear_backward_bf16(float* dx, float* dw, float* db, const float* dy,
+                                 const float* x, const float* w, int64_t N, int64_t in,
+                                 int64_t out, Strides ld = {}) {
+  detail::active->linear_backward_bf16(dx, dw, db, dy, x, w, N, in, out, ld);
 }
 inline void column_sum_accumulate(float* db, const float* dy, int64_t N, int64_t C,
                                   int64_t ld = 0) {
@@ -141,6 +187,15 @@ inline void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const floa
                                const float* out, const float* probs, AttnOperand q,
                                AttnOperand k, AttnOperand v, AttnShape s, float scale) {
   detail::active->attention_backward(dq, dk, dv, dout, out, probs, q, k, v, s, scale);
+}
+inline void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand k,
+                                    AttnOperand v, AttnShape s, float scale) {
+  detail::active->flash_attention_forward(out, lse, q, k, v, s, scale);
+}
+inline void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                                     const float* out, const float* lse, AttnOperand q,
+                                     AttnOperand k, AttnOperand v, AttnShape s, float scale) {
+  detail::active->flash_attention_backward(dq, dk, dv, dout, out, lse, q, k, v, s, scale);
 }
 inline void fast_gelu_forward(float* y, const float* x, int64_t n) {
   detail::active->fast_gelu_forward(y, x, n);

@@ -36,6 +36,10 @@ struct AttnGrad {  // a gradient [B, rows, H*hd] view (accumulated)
   int64_t ld, bs;
 };
 
+// The precision of the front's GEMMs (ops::use_precision): Bf16 rounds both GEMM inputs to
+// bf16 (nearest even) and accumulates in fp32; everything else stays fp32 either way.
+enum class Precision : uint8_t { Fp32, Bf16 };
+
 // LayerNorm's epsilon (inside the square root), the same for every backend.
 constexpr float kLayerNormEps = 1e-5f;
 

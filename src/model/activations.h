@@ -4,6 +4,7 @@
 // Buffers are Tensors allocated by the backend; Activations::ensure sizes them for (B, T).
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/tensor.h"
@@ -13,12 +14,21 @@
 
 namespace sigma {
 
+// What backward recomputes instead of keeping (train.remat; results are bit-identical):
+//   None       every block keeps every buffer of the table below;
+//   Attention  one attention output buffer serves every block, recomputed in backward from
+//              the kept q, k, v and lse (the flash forward again);
+//   Blocks     blocks keep only their input x; backward reruns each block's forward into one
+//              shared set of buffers just before that block's backward.
+enum class Remat : uint8_t { None, Attention, Blocks };
+Remat remat_from_name(const std::string& name);  // "none" | "attention" | "blocks"
+
 struct BlockActs {
   Tensor x;                    // [N,d] block input (residual stream)
   Tensor a1, mean1, rstd1;     // LN1 output [N,d], its row stats [N]
   Tensor qkv;                  // [N,3d] (query layer: the q third is unused)
   Tensor qtop;                 // [T,d] query layer: query table projected by W_q
-  Tensor probs;                // [B,H,T,T] attention probabilities
+  Tensor lse;                  // [B,H,T] attention: log-sum-exp of each row's scores (no T x T)
   Tensor att;                  // [N,d] attention output before the output projection
   Tensor mid;                  // [N,d] residual after attention
   Tensor a2, mean2, rstd2;     // LN2 output and stats
@@ -44,9 +54,15 @@ struct Activations {
   Tensor dq_shared;                // [T,d] query layer: dq summed over the batch
   Tensor gx, gy, gdx;              // [k*N,d] expert gather buffers
   Tensor z;                        // [N,Kmax] learned gate: logits, then their gradient
+  Remat remat = Remat::None;
+  BlockActs work;                  // remat: the buffers blocks share (see Remat)
 
   // Sizes every buffer for B rows of T positions (no-op when unchanged).
-  void ensure(const ModelConfig& cfg, int B, int T);
+  void ensure(const ModelConfig& cfg, int B, int T, Remat remat = Remat::None);
+  // Block l's buffers (the shared set under Remat::Blocks; its input x is always blocks[l].x)
+  // and its attention output.
+  BlockActs& block(int l) { return remat == Remat::Blocks ? work : blocks[size_t(l)]; }
+  float* att(int l) { return remat == Remat::None ? blocks[size_t(l)].att.f() : work.att.f(); }
 };
 
 }  // namespace sigma

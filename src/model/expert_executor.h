@@ -9,6 +9,7 @@
 #pragma once
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "model/batch.h"
 #include "model/rre.h"
@@ -40,8 +41,11 @@ class ExpertExecutor {
   // Gradients of the step's experts that the model's ParamSet does not hold (ECSS compute
   // buffers), so that the step sums micro-batches in one order for every gradient.
   virtual std::span<float> grad_buffer() { return {}; }
-  // Sum of squares of expert gradients the model's ParamSet does not hold.
-  virtual double grad_sq() const { return 0.0; }
+  // Appends the squared-norm pieces of the expert gradients the model's ParamSet does not
+  // hold, one per (expert, leaf) in optim/grad_norm.h's order (experts absent here would add
+  // exact zeros): the step folds them after the ParamSet's pieces, so the norm is the
+  // in-model norm bit for bit.
+  virtual void append_grad_sq_parts(std::vector<double>& /*parts*/) const {}
   // Updates those experts (after the dense optimizer step), gradients scaled by grad_scale.
   virtual void update(float /*lr*/, float /*grad_scale*/) {}
 };

@@ -219,11 +219,19 @@ int64_t Model::active_params_per_token() const {
   return n;
 }
 
-void Activations::ensure(const ModelConfig& cfg, int B_, int T_) {
+Remat remat_from_name(const std::string& name) {
+  if (name == "none") return Remat::None;
+  if (name == "attention") return Remat::Attention;
+  if (name == "blocks") return Remat::Blocks;
+  fail("unknown remat mode '{}' (known: none, attention, blocks)", name);
+}
+
+void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_) {
   SIGMA_CHECK(T_ <= cfg.context, "batch length {} exceeds model.context {}", T_, cfg.context);
-  if (B == B_ && T == T_) return;
+  if (B == B_ && T == T_ && remat == remat_) return;
   B = B_;
   T = T_;
+  remat = remat_;
   const int64_t N = int64_t(B) * T, d = cfg.d_model, f = cfg.ffn(), V = cfg.vocab, H = cfg.heads;
   const int64_t k = cfg.rre_layers > 0 ? cfg.experts_per_token() : 1;
   auto t = [](Shape s) { return Tensor::f32(std::move(s)); };
@@ -231,17 +239,28 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_) {
   row_group.assign(size_t(N), 0);
   blocks.clear();
   blocks.resize(size_t(cfg.layers));
-  for (int l = 0; l < cfg.layers; ++l) {
-    BlockActs& a = blocks[size_t(l)];
+  // One block's buffers, sized for block l (expert blocks hold k rows per token).
+  auto fill = [&](BlockActs& a, int l, bool with_att) {
     const int64_t rows_ffn = cfg.is_rre_block(l) ? k * N : N;
-    a.x = t({N, d}), a.a1 = t({N, d}), a.mean1 = t({N}), a.rstd1 = t({N});
+    a.a1 = t({N, d}), a.mean1 = t({N}), a.rstd1 = t({N});
     a.qkv = t({N, 3 * d});
     if (l == cfg.layers - 1) a.qtop = t({T, d});
-    a.probs = t({B, H, T, T});
-    a.att = t({N, d}), a.mid = t({N, d});
+    a.lse = t({B, H, T});
+    if (with_att) a.att = t({N, d});
+    a.mid = t({N, d});
     a.a2 = t({N, d}), a.mean2 = t({N}), a.rstd2 = t({N});
     a.pre = t({rows_ffn, f}), a.act = t({rows_ffn, f});
     if (cfg.is_rre_block(l) && cfg.gated()) a.yg = t({rows_ffn, d});
+  };
+  for (int l = 0; l < cfg.layers; ++l) {
+    blocks[size_t(l)].x = t({N, d});
+    if (remat != Remat::Blocks) fill(blocks[size_t(l)], l, remat == Remat::None);
+  }
+  work = BlockActs{};
+  if (remat == Remat::Attention) work.att = t({N, d});
+  if (remat == Remat::Blocks) {  // the widest block: the query layer, an expert block if any
+    fill(work, cfg.rre_layers > 0 ? cfg.layers - 1 : 0, true);
+    if (!work.qtop.numel()) work.qtop = t({T, d});
   }
   h_final = t({N, d}), hf = t({N, d}), meanf = t({N}), rstdf = t({N});
   logits = t({N, V});
@@ -287,7 +306,7 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
                     const float* loss_weight) {
   const int B = batch.B, T = batch.T;
   check_batch(batch);
-  a.ensure(cfg_, B, T);
+  a.ensure(cfg_, B, T, remat_);
   check_routing_ready();
   embed(batch, a, nullptr);
   aux_loss_ = 0;
@@ -329,7 +348,7 @@ void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, f
   embed(batch, a, start.data());
   aux_loss_ = 0;
   a.weight_sum = 0;
-  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a, &cache, rows.data());
+  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a, &cache, false, rows.data());
   for (int r : rows) cache.length[size_t(r)] += T;
   head(batch, a, token_loss, nullptr);
 }
@@ -337,22 +356,20 @@ void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, f
 // Batch row b's new keys and values join cache row cache_rows[b] after its cached positions,
 // and its queries attend over them: one attention call per row, since rows differ in length.
 void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCache& cache,
-                             const int* cache_rows, ops::AttnOperand q) {
+                             const int* cache_rows, ops::AttnOperand q, float* att) {
   const int B = batch.B, T = batch.T;
   const int64_t d = cfg_.d_model, H = cfg_.heads, bs = int64_t(cfg_.context) * 2 * d;
-  BlockActs& k = acts.blocks[size_t(l)];
-  if (k.probs.numel() < int64_t(B) * H * T * cfg_.context)
-    k.probs = Tensor::f32({B, H, T, cfg_.context});
+  BlockActs& k = acts.block(l);
   for (int b = 0; b < B; ++b) {
     const int r = cache_rows[b], p0 = cache.length[size_t(r)];
     float* kv = cache.kv[size_t(l)].f() + r * bs;
     for (int t = 0; t < T; ++t)
       ops::copy(kv + int64_t(p0 + t) * 2 * d, k.qkv.f() + (int64_t(b) * T + t) * 3 * d + d, 2 * d);
     const ops::AttnOperand qb{q.p + b * q.bs, q.ld, q.bs};
-    ops::attention_forward(k.att.f() + int64_t(b) * T * d,
-                           k.probs.f() + int64_t(b) * H * T * cfg_.context, qb, {kv, 2 * d, bs},
-                           {kv + d, 2 * d, bs}, {1, T, p0 + T, H, cfg_.head_dim()},
-                           1.0f / std::sqrt(float(cfg_.head_dim())));
+    ops::flash_attention_forward(att + int64_t(b) * T * d, k.lse.f() + int64_t(b) * H * T, qb,
+                                 {kv, 2 * d, bs}, {kv + d, 2 * d, bs},
+                                 {1, T, p0 + T, H, cfg_.head_dim()},
+                                 1.0f / std::sqrt(float(cfg_.head_dim())));
   }
 }
 
@@ -361,21 +378,26 @@ void Model::backward(const Batch& batch, Activations& a) {
               "backward needs the forward pass of the same batch with loss weights first");
   a.has_grad = false;  // the head's gradient is consumed
   head_backward(batch, a);
-  for (int l = cfg_.layers - 1; l >= 0; --l) block_backward(l, batch, a, a.dh.f());
+  for (int l = cfg_.layers - 1; l >= 0; --l) {
+    // The shared buffers still hold the last block's forward.
+    if (a.remat == Remat::Blocks && l < cfg_.layers - 1) block_forward(l, batch, a, nullptr, true);
+    block_backward(l, batch, a, a.dh.f());
+  }
   ops::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.f(), a.rows.data(), batch.B,
                           batch.T, cfg_.d_model);
 }
 
 // With a cache, batch row b's T positions follow its cache row's cached ones (cached_attention).
 void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache* cache,
-                          const int* cache_rows) {
+                          bool recompute, const int* cache_rows) {
   const int B = batch.B, T = batch.T;
   const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), hd = cfg_.head_dim();
   const bool query_layer = (l == cfg_.layers - 1);
   const BlockWeights& w = w_->blocks[l];
-  BlockActs& k = acts.blocks[size_t(l)];
+  BlockActs& k = acts.block(l);
+  const float* x = acts.blocks[size_t(l)].x.f();
 
-  ops::layernorm_forward(k.a1.f(), k.mean1.f(), k.rstd1.f(), k.x.f(), w.ln1_w.v, w.ln1_b.v, N, d);
+  ops::layernorm_forward(k.a1.f(), k.mean1.f(), k.rstd1.f(), x, w.ln1_w.v, w.ln1_b.v, N, d);
   ops::AttnOperand q;
   if (!query_layer) {
     ops::linear_forward(k.qkv.f(), k.a1.f(), w.qkv_w.v, w.qkv_b.v, N, d, 3 * d);
@@ -399,15 +421,16 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
       q = {k.qtop.f(), d, T * d};
     }
   }
+  float* att = acts.att(l);
   if (cache) {
-    cached_attention(l, batch, acts, *cache, cache_rows, q);
+    cached_attention(l, batch, acts, *cache, cache_rows, q, att);
   } else {
-    ops::attention_forward(k.att.f(), k.probs.f(), q, {k.qkv.f() + d, 3 * d, T * 3 * d},
-                           {k.qkv.f() + 2 * d, 3 * d, T * 3 * d}, {B, T, T, cfg_.heads, hd},
-                           1.0f / std::sqrt(float(hd)));
+    ops::flash_attention_forward(att, k.lse.f(), q, {k.qkv.f() + d, 3 * d, T * 3 * d},
+                                 {k.qkv.f() + 2 * d, 3 * d, T * 3 * d}, {B, T, T, cfg_.heads, hd},
+                                 1.0f / std::sqrt(float(hd)));
   }
-  ops::copy(k.mid.f(), k.x.f(), N * d);
-  ops::linear_forward(k.mid.f(), k.att.f(), w.out_w.v, w.out_b.v, N, d, d, true);
+  ops::copy(k.mid.f(), x, N * d);
+  ops::linear_forward(k.mid.f(), att, w.out_w.v, w.out_b.v, N, d, d, true);
   ops::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,
                          d);
   float* out = (l + 1 < cfg_.layers) ? acts.blocks[size_t(l) + 1].x.f() : acts.h_final.f();
@@ -415,19 +438,21 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   if (!w.is_rre())
     ffn_forward(out, k.pre.f(), k.act.f(), k.a2.f(), w.ffn(), N, d, f);
   else
-    expert_forward(l, batch, acts, out);
+    expert_forward(l, batch, acts, out, recompute);
 }
 
 // An expert block: the learned-gate baseline, or RRE through the executor; counts the load.
-void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* out) {
+void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* out,
+                           bool recompute) {
   const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, f = cfg_.ffn();
   const BlockWeights& w = w_->blocks[l];
-  BlockActs& k = acts.blocks[size_t(l)];
+  BlockActs& k = acts.block(l);
   BlockLoad& load = load_[size_t(l - cfg_.first_rre_block())];
   if (cfg_.gated()) {
     gate_forward(out, k.yg.f(), k.pre.f(), k.act.f(), acts.gx.f(), acts.z.f(), k.gplan, k.a2.f(),
                  w.rre, w.gate, acts.row_group.data(), cfg_.experts_per_token(),
                  cfg_.capacity_factor, N, d, f);
+    if (recompute) return;
     aux_loss_ += double(cfg_.aux_loss_weight) * k.gplan.aux;
     load.dropped += k.gplan.dropped;
   } else {
@@ -436,6 +461,7 @@ void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* 
                                           acts.gdx.f(), acts.dffn.f()},
                        out, k.a2.f(), N, d, f);
   }
+  if (recompute) return;
   for (size_t g = 0; g < load.tokens.size(); ++g)
     for (size_t e = 0; e < load.tokens[g].size(); ++e) {
       const int ge = w.rre.offset[g] + int(e);
@@ -492,7 +518,7 @@ void Model::head_backward(const Batch& batch, Activations& a) {
 void Model::block_backward(int l, const Batch& batch, Activations& a, float* dh) {
   const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, f = cfg_.ffn();
   const BlockWeights& w = w_->blocks[l];
-  BlockActs& k = a.blocks[size_t(l)];
+  BlockActs& k = a.block(l);
   // FFN branch; the residual passes dh through unchanged.
   zero(a.da);
   if (!w.is_rre())
@@ -517,19 +543,23 @@ void Model::attention_backward(int l, const Batch& batch, Activations& a, float*
   const int64_t N = int64_t(B) * T, d = cfg_.d_model, H = cfg_.heads, hd = cfg_.head_dim();
   const bool query_layer = (l == cfg_.layers - 1);
   const BlockWeights& w = w_->blocks[l];
-  BlockActs& k = a.blocks[size_t(l)];
-  zero(a.datt);
-  ops::linear_backward(a.datt.f(), w.out_w.g, w.out_b.g, dh, k.att.f(), w.out_w.v, N, d, d);
-  zero(a.dqkv);
+  BlockActs& k = a.block(l);
+  const float scale = 1.0f / std::sqrt(float(hd));
   ops::AttnOperand q{k.qkv.f(), 3 * d, T * 3 * d};
   if (query_layer) q = {k.qtop.f(), d, 0};
   const ops::AttnOperand kk{k.qkv.f() + d, 3 * d, T * 3 * d};
   const ops::AttnOperand vv{k.qkv.f() + 2 * d, 3 * d, T * 3 * d};
+  float* att = a.att(l);
+  if (a.remat == Remat::Attention)  // the same call on the same inputs: the same bits
+    ops::flash_attention_forward(att, k.lse.f(), q, kk, vv, {B, T, T, H, hd}, scale);
+  zero(a.datt);
+  ops::linear_backward(a.datt.f(), w.out_w.g, w.out_b.g, dh, att, w.out_w.v, N, d, d);
+  zero(a.dqkv);
   // dq always gets per-row storage (the q third of dqkv), even when q is shared.
   float* dqkv = a.dqkv.f();
-  ops::attention_backward({dqkv, 3 * d, T * 3 * d}, {dqkv + d, 3 * d, T * 3 * d},
-                          {dqkv + 2 * d, 3 * d, T * 3 * d}, a.datt.f(), k.att.f(), k.probs.f(), q,
-                          kk, vv, {B, T, T, H, hd}, 1.0f / std::sqrt(float(hd)));
+  ops::flash_attention_backward({dqkv, 3 * d, T * 3 * d}, {dqkv + d, 3 * d, T * 3 * d},
+                                {dqkv + 2 * d, 3 * d, T * 3 * d}, a.datt.f(), att, k.lse.f(),
+                                q, kk, vv, {B, T, T, H, hd}, scale);
   zero(a.da);
   if (!query_layer) {
     ops::linear_backward(a.da.f(), w.qkv_w.g, w.qkv_b.g, dqkv, k.a1.f(), w.qkv_w.v, N, d, 3 * d);
@@ -544,8 +574,8 @@ void Model::attention_backward(int l, const Batch& batch, Activations& a, float*
     ops::linear_backward(w.query.g, w.qkv_w.g, w.qkv_b.g, dq, w.query.v, w.qkv_w.v, T, d, d,
                          {d, 3 * d, d});
   }
-  ops::layernorm_backward(dh, w.ln1_w.g, w.ln1_b.g, a.da.f(), k.x.f(), k.mean1.f(), k.rstd1.f(),
-                          w.ln1_w.v, N, d);  // dh is now dL/d(block input)
+  ops::layernorm_backward(dh, w.ln1_w.g, w.ln1_b.g, a.da.f(), a.blocks[size_t(l)].x.f(),
+                          k.mean1.f(), k.rstd1.f(), w.ln1_w.v, N, d);  // dL/d(block input)
 }
 
 }  // namespace sigma

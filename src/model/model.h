@@ -116,6 +116,10 @@ class Model {
   // it ran without loss weights.
   const float* logits() const;
 
+  // What backward recomputes instead of keeping (model/activations.h); default None.
+  void set_remat(Remat r) { remat_ = r; }
+  Remat remat() const { return remat_; }
+
   // The learned gate's weighted load-balancing loss of the last forward pass (0 with RRE).
   double aux_loss() const { return aux_loss_; }
 
@@ -136,12 +140,13 @@ class Model {
  private:
   // first_pos[b]: position of row b's first token (null = 0 for every row).
   void embed(const Batch& b, Activations& a, const int* first_pos);
+  // recompute: a rerun under Remat::Blocks (load and auxiliary loss are not counted again).
   // With a cache, cache_rows[b] is batch row b's cache row (see forward_cached).
   void block_forward(int l, const Batch& b, Activations& a, KvCache* cache,
-                     const int* cache_rows = nullptr);
+                     bool recompute = false, const int* cache_rows = nullptr);
   void cached_attention(int l, const Batch& b, Activations& a, KvCache& cache,
-                        const int* cache_rows, kernels::AttnOperand q);
-  void expert_forward(int l, const Batch& b, Activations& a, float* out);
+                        const int* cache_rows, kernels::AttnOperand q, float* att);
+  void expert_forward(int l, const Batch& b, Activations& a, float* out, bool recompute);
   void head(const Batch& b, Activations& a, float* token_loss, const float* loss_weight);
   void head_backward(const Batch& b, Activations& a);
   void block_backward(int l, const Batch& b, Activations& a, float* dh);
@@ -156,6 +161,7 @@ class Model {
   std::vector<std::string> unset_tables_;  // routing tables still waiting for load_buffer
   std::vector<BlockLoad> load_;
   double aux_loss_ = 0;
+  Remat remat_ = Remat::None;
   std::unique_ptr<ModelWeights> w_;
   std::unique_ptr<Activations> own_;
   LocalExperts local_;

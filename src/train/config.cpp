@@ -56,6 +56,14 @@ void TrainConfig::describe(Options& o, const std::string& p) {
         "kernel backend of the ops front: cpu (the fast kernels) or ref (naive loops "
         "accumulating in double, the tests' oracle; slow, for checking a run)",
         {"cpu", "ref"});
+  o.add(p + "precision", &precision,
+        "GEMM inputs of training and evaluation: fp32, or bf16 (inputs rounded to bf16, fp32 "
+        "accumulation; master weights, Adam, softmax, LayerNorm and the loss stay fp32)",
+        {"fp32", "bf16"});
+  o.add(p + "remat", &remat,
+        "activations backward recomputes instead of keeping (bit-identical results): none, "
+        "attention (the attention outputs), blocks (everything but each block's input)",
+        {"none", "attention", "blocks"});
   add_name_list(o, p + "freeze", &freeze,
                 "parameter sets not to update: shared (all but the trained domains' experts and "
                 "embedding slots), embeddings, experts, or a tensor-name prefix");

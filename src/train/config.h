@@ -23,6 +23,8 @@ struct TrainConfig {
   std::string expert_store;      // ECSS store file ("" = RAM)
   std::vector<std::string> freeze;  // parameter sets not to update (src/train/freeze.h)
   std::string backend = "cpu";   // ops backend (kernels/ops.h): cpu or ref
+  std::string precision = "fp32";  // GEMM precision (ops::use_precision): fp32 or bf16
+  std::string remat = "none";      // what backward recomputes (model/activations.h, Remat)
   void describe(Options& o, const std::string& prefix);
 };
 

@@ -151,8 +151,9 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   const std::vector<uint8_t> owned = comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{};
   if (!mask.all()) mask.mask_grads(model_.params());
   std::vector<double> parts = grad_sq_parts(model_.params(), owned);
+  experts.append_grad_sq_parts(parts);
   comm_.all_reduce_sum(parts.data(), int64_t(parts.size()));  // one owner per piece: exact
-  r.grad_norm = std::sqrt(fold(parts) + experts.grad_sq());
+  r.grad_norm = std::sqrt(fold(parts));
   r.clip = (cfg_.grad_clip > 0 && r.grad_norm > cfg_.grad_clip) ? float(cfg_.grad_clip / r.grad_norm)
                                                                  : 1.0f;
   opt_.step(model_.params(), lr, r.clip, &mask);

@@ -213,6 +213,7 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   lead_ = comm_.rank() == 0;
   if (!lead_) run_.progress = false;
   ops::use_backend(cfg_.train.backend);
+  ops::use_precision(cfg_.train.precision);
   omp_set_num_threads(threads_per_rank(cfg_.train.threads));
   build();
   restore();
@@ -232,6 +233,7 @@ void RunLoop::build() {
   mode_ = resolve_expert_mode(distributed_experts(cfg_.train.experts, comm_.size()), cfg_.model);
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
                                    mode_ != ExpertMode::InModel);
+  model_->set_remat(remat_from_name(cfg_.train.remat));
   plan_ = plan_shards(model_->params(), comm_.size());
   opt_ = std::make_unique<AdamW>(cfg_.optim, model_->params(),
                                  comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{});

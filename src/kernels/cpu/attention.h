@@ -26,4 +26,15 @@ void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout
                         const float* out, const float* probs, AttnOperand q, AttnOperand k,
                         AttnOperand v, AttnShape s, float scale);
 
+// The same attention without the [Tq, Tk] probabilities: per 128-row block of queries the
+// scores of the keys that block sees (the causal half only) live in per-thread scratch of
+// 128 x Tk floats, the forward saves each row's log-sum-exp lse[B,H,Tq] (natural log of
+// sum_j exp(scale q_i . k_j)) and the backward recomputes the probabilities from it. A row
+// block sees all its keys at once, so its softmax is exact in one pass (no running rescale).
+void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand k, AttnOperand v,
+                             AttnShape s, float scale);
+void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                              const float* out, const float* lse, AttnOperand q, AttnOperand k,
+                              AttnOperand v, AttnShape s, float scale);
+
 }  // namespace sigma::cpu

@@ -26,6 +26,20 @@ void linear_forward(float* y, const float* x, const float* w, const float* b, in
 void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
                      const float* w, int64_t N, int64_t in, int64_t out, Strides ld = {});
 
+// The bf16 variants (kernels/ops.h): both GEMM inputs rounded to bf16, fp32 accumulation, on
+// oneDNN's bf16 matmul (avx512_bf16 dot products where the CPU has them). Each call converts
+// its operands into per-thread scratch: ~2-8 % of the product's time at the benchmark's shapes.
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+               const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+               int64_t ldc);
+void linear_forward_bf16(float* y, const float* x, const float* w, const float* b, int64_t N,
+                         int64_t in, int64_t out, bool accumulate = false, Strides ld = {});
+void linear_backward_bf16(float* dx, float* dw, float* db, const float* dy, const float* x,
+                          const float* w, int64_t N, int64_t in, int64_t out, Strides ld = {});
+
+// dst[rows, cols] (contiguous) = bf16 of src[rows, cols] with row stride ld.
+void to_bf16(uint16_t* dst, const float* src, int64_t rows, int64_t cols, int64_t ld);
+
 // db[C] += column sums of dy[N,C] with row stride ld (0 = C); each thread owns columns.
 void column_sum_accumulate(float* db, const float* dy, int64_t N, int64_t C, int64_t ld = 0);
 

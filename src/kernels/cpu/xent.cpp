@@ -14,10 +14,10 @@ void softmax_xent(float* logits, float* loss, const int32_t* targets, const floa
     float* row = logits + i * V;
     const float target_logit = row[targets[i]];
     const float mx = max_of(row, V);
-    if (!grad_scale) {  // loss only: exponentiate a copy-free running sum
-      float sum = 0.0f;
-      for (int64_t j = 0; j < V; ++j) sum += std::exp(row[j] - mx);
-      loss[i] = mx + std::log(sum) - target_logit;
+    if (!grad_scale) {  // loss only: a copy-free sum, in double so that small terms count
+      double sum = 0.0;
+      for (int64_t j = 0; j < V; ++j) sum += double(std::exp(row[j] - mx));
+      loss[i] = float(double(mx) + std::log(sum) - double(target_logit));
       continue;
     }
     const float sum = exp_shift_sum(row, V, mx);  // row now holds exp(logit - max)

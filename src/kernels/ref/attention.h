@@ -16,11 +16,14 @@ inline void check_attention(const AttnShape& s) {
               s.B, s.Tq, s.Tk, s.H, s.hd);
 }
 
-// out[b,i,h] = sum_j P[i,j] v[j,h],  P[i,:] = softmax_j<=p(scale * q[i,h] . k[j,h]).
+// out[b,i,h] = sum_j P[i,j] v[j,h],  P[i,:] = softmax_j<=p(scale * q[i,h] . k[j,h]); saves
+// probs (attention_forward) or each row's lse = log sum_j<=p exp(scale q.k_j) (the flash
+// variant), whichever pointer is not null.
 template <class T>
-void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, AttnOperand v,
-                       AttnShape s, float scale) {
+void attention_rows(float* out, float* probs, float* lse, AttnOperand q, AttnOperand k,
+                    AttnOperand v, AttnShape s, float scale) {
   using std::exp;
+  using std::log;
   check_attention(s);
   const int64_t Tq = s.Tq, Tk = s.Tk, hd = s.hd, d = s.H * hd, off = Tk - Tq;
   std::vector<T> S{};
@@ -41,12 +44,13 @@ void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, A
         T z = 0;
         for (int64_t j = 0; j <= last; ++j) z += (S[size_t(j)] = exp(S[size_t(j)] - mx));
         const T inv = T(1) / z;
-        float* P = probs + ((b * s.H + h) * Tq + i) * Tk;
-        for (int64_t j = 0; j <= last; ++j) {
-          S[size_t(j)] = S[size_t(j)] * inv;  // now the probability
-          store<T>(P + j, S[size_t(j)]);
+        for (int64_t j = 0; j <= last; ++j) S[size_t(j)] = S[size_t(j)] * inv;  // probabilities
+        if (lse) store<T>(lse + (b * s.H + h) * Tq + i, mx + log(z));
+        if (probs) {
+          float* P = probs + ((b * s.H + h) * Tq + i) * Tk;
+          for (int64_t j = 0; j <= last; ++j) store<T>(P + j, S[size_t(j)]);
+          for (int64_t j = last + 1; j < Tk; ++j) store<T>(P + j, T(0));
         }
-        for (int64_t j = last + 1; j < Tk; ++j) store<T>(P + j, T(0));
         for (int64_t c = 0; c < hd; ++c) {
           T o = 0;
           for (int64_t j = 0; j <= last; ++j)
@@ -56,26 +60,48 @@ void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, A
       }
 }
 
-// With P the saved probs and O the saved output:
+template <class T>
+void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, AttnOperand v,
+                       AttnShape s, float scale) {
+  attention_rows<T>(out, probs, nullptr, q, k, v, s, scale);
+}
+template <class T>
+void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand k, AttnOperand v,
+                             AttnShape s, float scale) {
+  attention_rows<T>(out, nullptr, lse, q, k, v, s, scale);
+}
+
+// With P the saved probs (or exp(scale q_i.k_j - lse_i) from the saved lse) and O the output:
 //   dP = dO v^T,  dS = scale * P * (dP - <dO_i, O_i>),
 //   dq += dS k,  dk += dS^T q,  dv += P^T dO   (accumulated).
 // Gradient views must not alias across batches (bs != 0 when B > 1).
 template <class T>
-void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
-                        const float* out, const float* probs, AttnOperand q, AttnOperand k,
-                        AttnOperand v, AttnShape s, float scale) {
+void attention_grads(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout, const float* out,
+                     const float* probs, const float* lse, AttnOperand q, AttnOperand k,
+                     AttnOperand v, AttnShape s, float scale) {
+  using std::exp;
   check_attention(s);
   SIGMA_CHECK(s.B == 1 || (dq.bs != 0 && dk.bs != 0 && dv.bs != 0),
               "attention_backward: gradient views need a batch stride (they are accumulated)");
   const int64_t Tq = s.Tq, Tk = s.Tk, hd = s.hd, d = s.H * hd, off = Tk - Tq;
-  std::vector<T> dS(size_t(Tq * Tk)), gq(size_t(Tq * hd)), gk(size_t(Tk * hd)),
-      gv(size_t(Tk * hd));
+  std::vector<T> dS(size_t(Tq * Tk)), P(size_t(Tq * Tk)), gq(size_t(Tq * hd)),
+      gk(size_t(Tk * hd)), gv(size_t(Tk * hd));
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h) {
       auto at = [&](const AttnGrad& g, int64_t row, int64_t c) {
         return g.p + b * g.bs + row * g.ld + h * hd + c;
       };
-      const float* P = probs + (b * s.H + h) * Tq * Tk;
+      for (int64_t i = 0; i < Tq; ++i)  // the probabilities, saved or recomputed
+        for (int64_t j = 0; j <= off + i; ++j) {
+          if (probs) {
+            P[size_t(i * Tk + j)] = T(probs[((b * s.H + h) * Tq + i) * Tk + j]);
+            continue;
+          }
+          T dot = 0;
+          for (int64_t c = 0; c < hd; ++c)
+            dot += T(q.p[b * q.bs + i * q.ld + h * hd + c]) * T(k.p[b * k.bs + j * k.ld + h * hd + c]);
+          P[size_t(i * Tk + j)] = exp(T(scale) * dot - T(lse[(b * s.H + h) * Tq + i]));
+        }
       for (int64_t i = 0; i < Tq; ++i) {
         const float* doi = dout + (b * Tq + i) * d + h * hd;
         const float* oi = out + (b * Tq + i) * d + h * hd;
@@ -87,7 +113,7 @@ void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout
             T dp = 0;
             for (int64_t c = 0; c < hd; ++c)
               dp += T(doi[c]) * T(v.p[b * v.bs + j * v.ld + h * hd + c]);
-            ds = T(scale) * T(P[i * Tk + j]) * (dp - dot);
+            ds = T(scale) * P[size_t(i * Tk + j)] * (dp - dot);
           }
           dS[size_t(i * Tk + j)] = ds;
         }
@@ -104,7 +130,7 @@ void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout
           T ak = T(*at(dk, j, c)), av = T(*at(dv, j, c));
           for (int64_t i = std::max<int64_t>(0, j - off); i < Tq; ++i) {
             ak += dS[size_t(i * Tk + j)] * T(q.p[b * q.bs + i * q.ld + h * hd + c]);
-            av += T(P[i * Tk + j]) * T(dout[(b * Tq + i) * d + h * hd + c]);
+            av += P[size_t(i * Tk + j)] * T(dout[(b * Tq + i) * d + h * hd + c]);
           }
           gk[size_t(j * hd + c)] = ak;
           gv[size_t(j * hd + c)] = av;
@@ -117,6 +143,19 @@ void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout
           store<T>(at(dv, j, c), gv[size_t(j * hd + c)]);
         }
     }
+}
+
+template <class T>
+void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                        const float* out, const float* probs, AttnOperand q, AttnOperand k,
+                        AttnOperand v, AttnShape s, float scale) {
+  attention_grads<T>(dq, dk, dv, dout, out, probs, nullptr, q, k, v, s, scale);
+}
+template <class T>
+void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                              const float* out, const float* lse, AttnOperand q, AttnOperand k,
+                              AttnOperand v, AttnShape s, float scale) {
+  attention_grads<T>(dq, dk, dv, dout, out, nullptr, lse, q, k, v, s, scale);
 }
 
 }  // namespace sigma::ref

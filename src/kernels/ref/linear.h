@@ -1,18 +1,27 @@
 // ref: gemm, linear_forward/backward, column_sum_accumulate (see ref/io.h for the rules).
 #pragma once
+#include "core/bf16.h"
 #include "kernels/ref/io.h"
 
 namespace sigma::ref {
 
+// A GEMM input as the formula reads it: exact, or first rounded to bf16 (the *_bf16 ops).
+template <bool Bf16>
+inline float in(float x) {
+  if constexpr (Bf16) return round_bf16(x);
+  return x;
+}
+
 // C[M,N] = alpha * op(A) op(B) + beta * C; beta = 0 ignores C (BLAS semantics).
-template <class T>
+template <class T, bool Bf16 = false>
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
       T s = 0;
       for (int64_t k = 0; k < K; ++k)
-        s += T(ta ? A[k * lda + i] : A[i * lda + k]) * T(tb ? B[j * ldb + k] : B[k * ldb + j]);
+        s += T(in<Bf16>(ta ? A[k * lda + i] : A[i * lda + k])) *
+             T(in<Bf16>(tb ? B[j * ldb + k] : B[k * ldb + j]));
       T c = T(alpha) * s;
       if (beta != 0.0f) c += T(beta) * T(C[i * ldc + j]);
       store<T>(C + i * ldc + j, c);
@@ -20,7 +29,7 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
 }
 
 // y = (accumulate ? y : 0) + b + x w.
-template <class T>
+template <class T, bool Bf16 = false>
 void linear_forward(float* y, const float* x, const float* w, const float* b, int64_t N,
                     int64_t in, int64_t out, bool accumulate, Strides ld) {
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
@@ -28,7 +37,8 @@ void linear_forward(float* y, const float* x, const float* w, const float* b, in
     for (int64_t j = 0; j < out; ++j) {
       T s = accumulate ? T(y[i * ldy + j]) : T(0);
       if (b) s += T(b[j]);
-      for (int64_t k = 0; k < in; ++k) s += T(x[i * ldx + k]) * T(w[k * ldw + j]);
+      for (int64_t k = 0; k < in; ++k)
+        s += T(ref::in<Bf16>(x[i * ldx + k])) * T(ref::in<Bf16>(w[k * ldw + j]));
       store<T>(y + i * ldy + j, s);
     }
 }
@@ -45,7 +55,7 @@ void column_sum_accumulate(float* db, const float* dy, int64_t N, int64_t C, int
 }
 
 // dx[i,k] += sum_j dy[i,j] w[k,j];  dw[k,j] += sum_i x[i,k] dy[i,j];  db[j] += sum_i dy[i,j].
-template <class T>
+template <class T, bool Bf16 = false>
 void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
                      const float* w, int64_t N, int64_t in, int64_t out, Strides ld) {
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
@@ -53,16 +63,36 @@ void linear_backward(float* dx, float* dw, float* db, const float* dy, const flo
     for (int64_t i = 0; i < N; ++i)
       for (int64_t k = 0; k < in; ++k) {
         T s = T(dx[i * ldx + k]);
-        for (int64_t j = 0; j < out; ++j) s += T(dy[i * ldy + j]) * T(w[k * ldw + j]);
+        for (int64_t j = 0; j < out; ++j)
+          s += T(ref::in<Bf16>(dy[i * ldy + j])) * T(ref::in<Bf16>(w[k * ldw + j]));
         store<T>(dx + i * ldx + k, s);
       }
   for (int64_t k = 0; k < in; ++k)
     for (int64_t j = 0; j < out; ++j) {
       T s = T(dw[k * ldw + j]);
-      for (int64_t i = 0; i < N; ++i) s += T(x[i * ldx + k]) * T(dy[i * ldy + j]);
+      for (int64_t i = 0; i < N; ++i)
+        s += T(ref::in<Bf16>(x[i * ldx + k])) * T(ref::in<Bf16>(dy[i * ldy + j]));
       store<T>(dw + k * ldw + j, s);
     }
   if (db) column_sum_accumulate<T>(db, dy, N, out, ldy);
+}
+
+// The bf16 ops: the same formulas over inputs rounded to bf16 (bias and accumulated values
+// stay exact fp32).
+template <class T>
+void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+               int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  gemm<T, true>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+template <class T>
+void linear_forward_bf16(float* y, const float* x, const float* w, const float* b, int64_t N,
+                         int64_t in, int64_t out, bool accumulate, Strides ld) {
+  linear_forward<T, true>(y, x, w, b, N, in, out, accumulate, ld);
+}
+template <class T>
+void linear_backward_bf16(float* dx, float* dw, float* db, const float* dy, const float* x,
+                          const float* w, int64_t N, int64_t in, int64_t out, Strides ld) {
+  linear_backward<T, true>(dx, dw, db, dy, x, w, N, in, out, ld);
 }
 
 }  // namespace sigma::ref

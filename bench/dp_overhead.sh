@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Step-time overhead of data parallelism: R ranks (1 thread each) at the same per-rank batch
+# as one process with 1 thread, i.e. R times the global batch, alternating runs.
+# Usage: bench/dp_overhead.sh [R=2] [repeats=3] [steps=40]   (from the repo root, after a build)
+set -euo pipefail
+R=${1:-2}; N=${2:-3}; STEPS=${3:-40}
+S=./build/sigma
+M="mpirun --allow-run-as-root --oversubscribe --bind-to none -np $R"
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+common="--set train.steps=$STEPS --set train.threads=1 --set train.experts=model --set train.log_every=1000 --quiet"
+step_ms() { python3 -c "import json,sys; s=json.load(open('$1')); print(s['tokens']/s['steps']/s['tokens_per_s']*1e3)"; }
+for i in $(seq "$N"); do
+  $S train $common --set train.accum=1 --out "$tmp/one$i" >/dev/null
+  OMP_WAIT_POLICY=passive $M $S train $common --set train.accum=$R --out "$tmp/many$i" >/dev/null
+  echo "run $i: 1 rank $(step_ms $tmp/one$i/summary.json) ms/step, $R ranks $(step_ms $tmp/many$i/summary.json) ms/step"
+done

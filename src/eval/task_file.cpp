@@ -1,0 +1,121 @@
+// Reading task files: every line is checked, and the first problem stops the run with
+// "FILE:LINE: what" (a task file is small and hand-made; a silent skip would change the score).
+#include <algorithm>
+#include <fstream>
+#include <set>
+
+#include "core/error.h"
+#include "data/jsonl.h"
+#include "eval/tasks.h"
+
+namespace sigma::eval {
+
+namespace {
+
+using nlohmann::json;
+
+struct LineCheck {
+  const std::string& path;
+  uint64_t line;
+  template <class... Args>
+  [[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) const {
+    sigma::fail("{}:{}: {}", path, line, fmt::format(f, std::forward<Args>(args)...));
+  }
+  std::string text(const json& j, const char* key) const {
+    auto it = j.find(key);
+    if (it == j.end()) fail("missing \"{}\"", key);
+    if (!it->is_string()) fail("\"{}\" must be a string", key);
+    return it->get<std::string>();
+  }
+  std::vector<std::string> texts(const json& j, const char* key) const {
+    auto it = j.find(key);
+    if (it == j.end()) fail("missing \"{}\"", key);
+    if (!it->is_array() || it->empty()) fail("\"{}\" must be a non-empty array of strings", key);
+    std::vector<std::string> out;
+    for (const json& v : *it) {
+      if (!v.is_string()) fail("\"{}\" must be a non-empty array of strings", key);
+      out.push_back(v.get<std::string>());
+    }
+    return out;
+  }
+};
+
+TaskKind kind_of(const json& j, const LineCheck& at) {
+  if (auto t = j.find("type"); t != j.end()) {
+    if (*t == "choice") return TaskKind::Choice;
+    if (*t == "generate") return TaskKind::Generate;
+    if (*t == "code") return TaskKind::Code;
+    at.fail("\"type\" must be \"choice\", \"generate\" or \"code\", not {}", t->dump());
+  }
+  if (j.contains("choices")) return TaskKind::Choice;
+  if (j.contains("tests")) return TaskKind::Code;
+  if (j.contains("references")) return TaskKind::Generate;
+  at.fail("no \"type\", and neither \"choices\", \"references\" nor \"tests\" to tell the kind");
+}
+
+void check_keys(const json& j, TaskKind k, const LineCheck& at) {
+  static const std::set<std::string> common = {"type", "domain", "id"};
+  const std::set<std::string> own =
+      k == TaskKind::Choice     ? std::set<std::string>{"context", "choices", "answer"}
+      : k == TaskKind::Generate ? std::set<std::string>{"prompt", "references", "tokenize"}
+                                : std::set<std::string>{"prompt", "tests"};
+  for (const auto& [key, v] : j.items())
+    if (!common.count(key) && !own.count(key)) at.fail("unknown key \"{}\"", key);
+}
+
+TaskItem parse_item(const json& j, const LineCheck& at, const std::vector<std::string>& domains) {
+  TaskItem it;
+  it.kind = kind_of(j, at);
+  it.line = at.line;
+  check_keys(j, it.kind, at);
+  it.domain = at.text(j, "domain");
+  if (std::find(domains.begin(), domains.end(), it.domain) == domains.end())
+    at.fail("unknown domain '{}' (the model has {})", it.domain, fmt::join(domains, ", "));
+  if (it.kind == TaskKind::Choice) {
+    it.context = at.text(j, "context");
+    it.choices = at.texts(j, "choices");
+    auto a = j.find("answer");
+    if (a == j.end()) at.fail("missing \"answer\"");
+    if (!a->is_number_integer() || a->get<int64_t>() < 0 || a->get<int64_t>() >= int64_t(it.choices.size()))
+      at.fail("\"answer\" must be the index of one of the {} choices", it.choices.size());
+    it.answer = a->get<int>();
+    for (const auto& c : it.choices)
+      if (c.empty()) at.fail("a choice is empty");
+  } else {
+    it.context = at.text(j, "prompt");
+    if (it.context.empty()) at.fail("\"prompt\" is empty");
+  }
+  if (it.kind == TaskKind::Generate) {
+    it.references = at.texts(j, "references");
+    if (j.contains("tokenize")) {
+      const std::string t = at.text(j, "tokenize");
+      if (t != "13a" && t != "zh" && t != "none") at.fail("\"tokenize\" must be 13a, zh or none");
+      it.tokenize = bleu_tokenizer(t);
+    }
+  }
+  if (it.kind == TaskKind::Code) it.tests = at.text(j, "tests");
+  return it;
+}
+
+}  // namespace
+
+std::vector<TaskItem> read_task_file(const std::string& path, const std::vector<std::string>& domains) {
+  data::LineReader lines(path, 16u << 20);
+  std::vector<TaskItem> items;
+  std::string line;
+  bool too_long = false;
+  while (lines.next(line, too_long)) {
+    const LineCheck at{path, lines.line_no()};
+    if (too_long) at.fail("line longer than 16 MiB");
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    if (!data::utf8_valid(line)) at.fail("invalid UTF-8");
+    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) at.fail("not a JSON object");
+    items.push_back(parse_item(j, at, domains));
+  }
+  SIGMA_CHECK(!items.empty(), "{}: no task in the file (one JSON object per line; see "
+              "docs/evaluation.md)", path);
+  return items;
+}
+
+}  // namespace sigma::eval

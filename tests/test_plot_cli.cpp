@@ -1,0 +1,63 @@
+// sigma plot: a short run's figures exist and hold what they claim (every domain in the loss
+// legend, one expert-load heatmap per RRE block), and bad run directories are clear errors.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+
+using namespace sigma::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(Plot, WritesLossLrThroughputAndAHeatmapPerRreBlock) {
+  TempDir dir("plot");
+  // The default model: one shared block under two RRE blocks (1 and 2), three synthetic domains.
+  auto r = sigma_cmd("train --quiet --set train.steps=12 --set train.log_every=3 --set train.eval_rows=8 "
+                     "--set model.d_model=32 --set model.heads=2 --out " + dir / "run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("plot " + dir / "run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string loss = slurp(dir / "run/plots/loss.svg");
+  ASSERT_FALSE(loss.empty()) << r.out;
+  EXPECT_NE(loss.find("<svg"), std::string::npos);
+  const std::string summary = slurp(dir / "run/summary.json");
+  for (const auto& [d, v] : nlohmann::json::parse(summary)["domains"].items()) {
+    EXPECT_NE(loss.find(d + " (train)"), std::string::npos) << d;
+    EXPECT_NE(loss.find(d + " (held-out)"), std::string::npos) << d;
+  }
+  for (const char* f : {"lr.svg", "tokens_per_s.svg", "expert_load_block1.svg", "expert_load_block2.svg"})
+    EXPECT_NE(slurp(dir / ("run/plots/" + std::string(f))).find("<svg"), std::string::npos) << f;
+  EXPECT_FALSE(fs::exists(dir / "run/plots/expert_load_block0.svg"));  // the shared block
+  // The heatmap's data: one row per logging window (4), shares that sum to 1 per group.
+  std::ifstream heat(dir / "run/plots/expert_load_block1.dat");
+  int rows = 0;
+  for (std::string line; std::getline(heat, line);) ++rows;
+  EXPECT_EQ(rows, 4);
+  r = sigma_cmd("plot " + dir / "run --format png --out " + dir / "png");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(slurp(dir / "png/loss.png").substr(1, 3), "PNG");
+}
+
+TEST(Plot, BadRunDirectoriesAreClearErrors) {
+  TempDir dir("plot-bad");
+  auto r = sigma_cmd("plot " + dir / "nothing");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("nothing/metrics.jsonl"), std::string::npos) << r.out;
+  fs::create_directories(dir / "run");
+  std::ofstream(dir / "run/metrics.jsonl") << "{\"step\": 1, \"loss\": 2}\n{\"step\": 2, \"loss\n";
+  r = sigma_cmd("plot " + dir / "run");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("metrics.jsonl:2: not a metrics record"), std::string::npos) << r.out;
+}
+
+}  // namespace
