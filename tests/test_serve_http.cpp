@@ -277,8 +277,10 @@ TEST(ServeHttp, AClientLeavingMidStreamFreesItsSlot) {
 TEST(ServeHttp, AModelFaultIsA500AndTheServerServesOn) {
   Fixture f;
   ops::Backend broken = ops::backend(ops::BackendKind::Cpu);
-  broken.attention_forward = [](float*, float*, ops::AttnOperand, ops::AttnOperand, ops::AttnOperand,
-                                ops::AttnShape, float) { throw Error("injected attention fault"); };
+  broken.flash_attention_forward = [](float*, float*, ops::AttnOperand, ops::AttnOperand,
+                                      ops::AttnOperand, ops::AttnShape, float) {
+    throw Error("injected attention fault");
+  };
   ops::use_backend(broken);
   auto r = f.post("/v1/completions", R"({"prompt": "a", "max_tokens": 3})");
   ops::use_backend(ops::BackendKind::Cpu);
