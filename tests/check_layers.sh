@@ -28,5 +28,8 @@ expect no  infer train/trainer.h
 expect yes eval infer/generate.h
 expect no  eval train/checkpoint.h
 expect no  infer eval/tasks.h
+expect yes serve infer/batch_decoder.h
+expect no  serve train/checkpoint.h
+expect no  infer serve/engine.h
 if ((fail)); then echo "layering check FAILED"; exit 1; fi
-echo "layering check passed: 15 of 15"
+echo "layering check passed: 18 of 18"

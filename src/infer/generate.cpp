@@ -35,6 +35,13 @@ int32_t sample_next(float* logits, int64_t V, const std::vector<int32_t>& histor
       if (seen[size_t(i)])
         logits[i] = logits[i] > 0 ? logits[i] / s.repetition_penalty : logits[i] * s.repetition_penalty;
   }
+  if (s.frequency_penalty != 0.0f || s.presence_penalty != 0.0f) {
+    std::vector<int32_t> count(static_cast<size_t>(V), 0);
+    for (int32_t t : history) ++count[size_t(t)];
+    for (int64_t i = 0; i < V; ++i)
+      if (count[size_t(i)] > 0)
+        logits[i] -= s.frequency_penalty * float(count[size_t(i)]) + s.presence_penalty;
+  }
   if (s.temperature <= 0.0f) return int32_t(std::max_element(logits, logits + V) - logits);
   // Candidates sorted by logit (ties by id, so the order is deterministic).
   std::vector<int32_t> idx(static_cast<size_t>(V));
@@ -66,6 +73,10 @@ void SamplingConfig::validate() const {
   SIGMA_CHECK(top_p > 0.0f && top_p <= 1.0f, "top-p {} is not in (0, 1] (1 = off)", top_p);
   SIGMA_CHECK(repetition_penalty >= 0.01f && repetition_penalty <= 100.0f,
               "repetition penalty {} is not in [0.01, 100] (1 = off)", repetition_penalty);
+  SIGMA_CHECK(frequency_penalty >= -2.0f && frequency_penalty <= 2.0f,
+              "frequency penalty {} is not in [-2, 2] (0 = off)", frequency_penalty);
+  SIGMA_CHECK(presence_penalty >= -2.0f && presence_penalty <= 2.0f,
+              "presence penalty {} is not in [-2, 2] (0 = off)", presence_penalty);
   SIGMA_CHECK(top_k >= 0, "top-k {} is negative (0 = off)", top_k);
   SIGMA_CHECK(max_new_tokens >= 1, "max new tokens {} is not positive", max_new_tokens);
 }

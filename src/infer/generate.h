@@ -18,6 +18,10 @@ struct SamplingConfig {
   uint64_t seed = 0;
   int max_new_tokens = 32;
   int stop_token = -1;  // generation ends after emitting this id (-1 = never)
+  // OpenAI's additive penalties: logit -= frequency_penalty * count + presence_penalty * (count > 0),
+  // count = occurrences of the id in the history (0 = off).
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
   // Throws naming the first field outside its range. NaN fails every range (a NaN
   // temperature would otherwise pass "t >= 0 && t <= 100"-style checks written as negations
   // and turn every probability into NaN).
@@ -31,7 +35,7 @@ class KVCacheDecoder {
   KVCacheDecoder(Model& model, int domain);
   // Feeds `token` at the next position; returns the logits [V] for the position after it.
   const float* step(int32_t token);
-  int position() const { return cache_.length; }
+  int position() const { return cache_.length[0]; }
 
  private:
   Model& model_;

@@ -276,7 +276,7 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_) {
 }
 
 // Embedding rows (slot * V + token) and expert groups of every row; h0 = E[rows] + P[first_pos + t].
-void Model::embed(const Batch& batch, Activations& a, int first_pos) {
+void Model::embed(const Batch& batch, Activations& a, const int* first_pos) {
   const int B = batch.B, T = batch.T;
   const int64_t V = cfg_.vocab;
   for (int b = 0; b < B; ++b) {
@@ -292,8 +292,14 @@ void Model::embed(const Batch& batch, Activations& a, int first_pos) {
     }
     std::fill_n(a.row_group.begin() + int64_t(b) * T, T, domain_group_[size_t(batch.domain[b])]);
   }
-  ops::embedding_forward(a.blocks[0].x.f(), a.rows.data(), w_->tokens.v,
-                         w_->positions.v + int64_t(first_pos) * cfg_.d_model, B, T, cfg_.d_model);
+  const int64_t d = cfg_.d_model;
+  if (!first_pos) {
+    ops::embedding_forward(a.blocks[0].x.f(), a.rows.data(), w_->tokens.v, w_->positions.v, B, T, d);
+    return;
+  }
+  for (int b = 0; b < B; ++b)  // each row from its own position
+    ops::embedding_forward(a.blocks[0].x.f() + int64_t(b) * T * d, a.rows.data() + int64_t(b) * T,
+                           w_->tokens.v, w_->positions.v + int64_t(first_pos[b]) * d, 1, T, d);
 }
 
 void Model::forward(const Batch& batch, Activations& a, float* token_loss,
@@ -302,7 +308,7 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
   check_batch(batch);
   a.ensure(cfg_, B, T, remat_);
   check_routing_ready();
-  embed(batch, a, 0);
+  embed(batch, a, nullptr);
   aux_loss_ = 0;
   a.weight_sum = 0;
   if (loss_weight)
@@ -313,27 +319,58 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
 
 void KvCache::reset(const ModelConfig& cfg, int rows) {
   B = rows;
-  length = 0;
+  length.assign(size_t(rows), 0);
   kv.clear();
   for (int l = 0; l < cfg.layers; ++l)
     kv.push_back(Tensor::f32({rows, cfg.context, 2 * int64_t(cfg.d_model)}));
 }
 
-void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, float* token_loss) {
+void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, float* token_loss,
+                           const int* cache_rows) {
   const int B = batch.B, T = batch.T;
   check_batch(batch);
   if (cache.kv.empty()) cache.reset(cfg_, B);
-  SIGMA_CHECK(cache.B == B, "KV cache holds {} sequences, the batch {}", cache.B, B);
-  SIGMA_CHECK(cache.length + T <= cfg_.context, "generation reached the model's context length "
-              "({} positions)", cfg_.context);
+  SIGMA_CHECK(cache_rows || cache.B == B, "KV cache holds {} sequences, the batch {}", cache.B, B);
+  std::vector<int> rows(static_cast<size_t>(B)), start(static_cast<size_t>(B));
+  std::vector<bool> used(static_cast<size_t>(cache.B), false);
+  for (int b = 0; b < B; ++b) {
+    const int r = cache_rows ? cache_rows[b] : b;
+    SIGMA_CHECK(r >= 0 && r < cache.B && !used[size_t(r)],
+                "batch row {} names cache row {} (the cache has {}; each row once)", b, r, cache.B);
+    used[size_t(r)] = true;
+    rows[size_t(b)] = r;
+    start[size_t(b)] = cache.length[size_t(r)];
+    SIGMA_CHECK(start[size_t(b)] + T <= cfg_.context,
+                "generation reached the model's context length ({} positions)", cfg_.context);
+  }
   a.ensure(cfg_, B, T);
   check_routing_ready();
-  embed(batch, a, cache.length);
+  embed(batch, a, start.data());
   aux_loss_ = 0;
   a.weight_sum = 0;
-  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a, &cache);
-  cache.length += T;
+  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a, &cache, false, rows.data());
+  for (int r : rows) cache.length[size_t(r)] += T;
   head(batch, a, token_loss, nullptr);
+}
+
+// Batch row b's new keys and values join cache row cache_rows[b] after its cached positions,
+// and its queries attend over them: one attention call per row, since rows differ in length.
+void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCache& cache,
+                             const int* cache_rows, ops::AttnOperand q, float* att) {
+  const int B = batch.B, T = batch.T;
+  const int64_t d = cfg_.d_model, H = cfg_.heads, bs = int64_t(cfg_.context) * 2 * d;
+  BlockActs& k = acts.block(l);
+  for (int b = 0; b < B; ++b) {
+    const int r = cache_rows[b], p0 = cache.length[size_t(r)];
+    float* kv = cache.kv[size_t(l)].f() + r * bs;
+    for (int t = 0; t < T; ++t)
+      ops::copy(kv + int64_t(p0 + t) * 2 * d, k.qkv.f() + (int64_t(b) * T + t) * 3 * d + d, 2 * d);
+    const ops::AttnOperand qb{q.p + b * q.bs, q.ld, q.bs};
+    ops::flash_attention_forward(att + int64_t(b) * T * d, k.lse.f() + int64_t(b) * H * T, qb,
+                                 {kv, 2 * d, bs}, {kv + d, 2 * d, bs},
+                                 {1, T, p0 + T, H, cfg_.head_dim()},
+                                 1.0f / std::sqrt(float(cfg_.head_dim())));
+  }
 }
 
 void Model::backward(const Batch& batch, Activations& a) {
@@ -350,13 +387,11 @@ void Model::backward(const Batch& batch, Activations& a) {
                           batch.T, cfg_.d_model);
 }
 
-// With a cache, the batch's T rows are positions p0 .. p0+T-1 (p0 = cache->length): their keys
-// and values join the cache and attention runs over all p0+T cached positions.
+// With a cache, batch row b's T positions follow its cache row's cached ones (cached_attention).
 void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache* cache,
-                          bool recompute) {
-  const int B = batch.B, T = batch.T, p0 = cache ? cache->length : 0, Tk = p0 + T;
-  const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), H = cfg_.heads,
-                hd = cfg_.head_dim();
+                          bool recompute, const int* cache_rows) {
+  const int B = batch.B, T = batch.T;
+  const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), hd = cfg_.head_dim();
   const bool query_layer = (l == cfg_.layers - 1);
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = acts.block(l);
@@ -371,26 +406,29 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
     // Keys and values from LN1(h): the K|V column slice of the QKV weight.
     ops::linear_forward(k.qkv.f() + d, k.a1.f(), w.qkv_w.v + d, w.qkv_b.v + d, N, d, 2 * d,
                         false, {d, 3 * d, 3 * d});
-    // Queries from the learned position table (not normalised), shared by every row.
-    ops::linear_forward(k.qtop.f(), w.query.v + int64_t(p0) * d, w.qkv_w.v, w.qkv_b.v, T, d, d,
-                        false, {d, 3 * d, d});
-    q = {k.qtop.f(), d, 0};
-  }
-  ops::AttnOperand kk{k.qkv.f() + d, 3 * d, T * 3 * d};
-  ops::AttnOperand vv{k.qkv.f() + 2 * d, 3 * d, T * 3 * d};
-  if (cache) {
-    float* kv = cache->kv[size_t(l)].f();
-    const int64_t bs = int64_t(cfg_.context) * 2 * d;
-    for (int b = 0; b < B; ++b)
-      for (int t = 0; t < T; ++t)
-        ops::copy(kv + b * bs + int64_t(p0 + t) * 2 * d, k.qkv.f() + (int64_t(b) * T + t) * 3 * d + d,
-                  2 * d);
-    kk = {kv, 2 * d, bs};
-    vv = {kv + d, 2 * d, bs};
+    // Queries from the learned position table (not normalised): shared by every row in
+    // training; from each row's own positions with a cache.
+    if (!cache) {
+      ops::linear_forward(k.qtop.f(), w.query.v, w.qkv_w.v, w.qkv_b.v, T, d, d, false,
+                          {d, 3 * d, d});
+      q = {k.qtop.f(), d, 0};
+    } else {
+      if (k.qtop.numel() < N * d) k.qtop = Tensor::f32({N, d});
+      for (int b = 0; b < B; ++b)
+        ops::linear_forward(k.qtop.f() + int64_t(b) * T * d,
+                            w.query.v + int64_t(cache->length[size_t(cache_rows[b])]) * d,
+                            w.qkv_w.v, w.qkv_b.v, T, d, d, false, {d, 3 * d, d});
+      q = {k.qtop.f(), d, T * d};
+    }
   }
   float* att = acts.att(l);
-  ops::flash_attention_forward(att, k.lse.f(), q, kk, vv, {B, T, Tk, H, hd},
-                               1.0f / std::sqrt(float(hd)));
+  if (cache) {
+    cached_attention(l, batch, acts, *cache, cache_rows, q, att);
+  } else {
+    ops::flash_attention_forward(att, k.lse.f(), q, {k.qkv.f() + d, 3 * d, T * 3 * d},
+                                 {k.qkv.f() + 2 * d, 3 * d, T * 3 * d}, {B, T, T, cfg_.heads, hd},
+                                 1.0f / std::sqrt(float(hd)));
+  }
   ops::copy(k.mid.f(), x, N * d);
   ops::linear_forward(k.mid.f(), att, w.out_w.v, w.out_b.v, N, d, d, true);
   ops::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,

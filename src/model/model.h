@@ -11,6 +11,7 @@
 #include "model/activations.h"
 #include "model/batch.h"
 #include "model/config.h"
+#include "kernels/types.h"
 #include "model/expert_executor.h"
 #include "model/params.h"
 #include "model/routing.h"
@@ -29,11 +30,15 @@ struct BlockLoad {
 };
 
 // Keys and values of the positions each sequence has seen, for generation: the KV cache is a
-// mode of Model::forward (same attention, expert and head code), not a second decoder.
+// mode of Model::forward (same attention, expert and head code), not a second decoder. Each
+// row (sequence) has its own length, so a server can decode sequences of different lengths in
+// one step and start a new sequence in a row (clear) while the others continue.
 struct KvCache {
-  int B = 0, length = 0;   // sequences, and positions cached so far
-  std::vector<Tensor> kv;  // [L] of [B, context, 2d]: key | value of each position
+  int B = 0;                // sequences
+  std::vector<int> length;  // [B] positions cached so far, per sequence
+  std::vector<Tensor> kv;   // [L] of [B, context, 2d]: key | value of each position
   void reset(const ModelConfig& cfg, int B);
+  void clear(int row) { length[size_t(row)] = 0; }
 };
 
 class Model {
@@ -95,10 +100,13 @@ class Model {
   // Backward pass of the last forward(batch, acts, ..., loss_weight): accumulates (+=) the
   // parameter gradients, and the experts' through the executor.
   void backward(const Batch& batch, Activations& acts);
-  // Forward of batch.T new positions per row after the cache's `length` (positions length ..
-  // length+T-1 attend to every cached position and to themselves); appends their keys and
-  // values. Logits of the new positions in acts.logits; token_loss against batch.targets.
-  void forward_cached(const Batch& batch, KvCache& cache, Activations& acts, float* token_loss);
+  // Forward of batch.T new positions per row after its cache row's length (positions length ..
+  // length+T-1 attend to every cached position of that row and to themselves); appends their
+  // keys and values. Batch row b uses cache row cache_rows[b] (distinct rows), or row b when
+  // cache_rows is null. Logits of the new positions in acts.logits; token_loss against
+  // batch.targets. A row's results do not depend on the other rows' lengths or tokens.
+  void forward_cached(const Batch& batch, KvCache& cache, Activations& acts, float* token_loss,
+                      const int* cache_rows = nullptr);
   // The same on the model's own activations (evaluation, tests, generation).
   void forward(const Batch& batch, float* token_loss, const float* loss_weight = nullptr) {
     forward(batch, *own_, token_loss, loss_weight);
@@ -130,10 +138,14 @@ class Model {
   int64_t active_params_per_token() const;
 
  private:
-  void embed(const Batch& b, Activations& a, int first_pos);
+  // first_pos[b]: position of row b's first token (null = 0 for every row).
+  void embed(const Batch& b, Activations& a, const int* first_pos);
   // recompute: a rerun under Remat::Blocks (load and auxiliary loss are not counted again).
+  // With a cache, cache_rows[b] is batch row b's cache row (see forward_cached).
   void block_forward(int l, const Batch& b, Activations& a, KvCache* cache,
-                     bool recompute = false);
+                     bool recompute = false, const int* cache_rows = nullptr);
+  void cached_attention(int l, const Batch& b, Activations& a, KvCache& cache,
+                        const int* cache_rows, kernels::AttnOperand q, float* att);
   void expert_forward(int l, const Batch& b, Activations& a, float* out, bool recompute);
   void head(const Batch& b, Activations& a, float* token_loss, const float* loss_weight);
   void head_backward(const Batch& b, Activations& a);

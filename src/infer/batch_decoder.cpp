@@ -1,0 +1,79 @@
+#include "infer/batch_decoder.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace sigma {
+
+BatchDecoder::BatchDecoder(Model& model, int slots)
+    : model_(model), step_acts_(static_cast<size_t>(slots)) {
+  SIGMA_CHECK(slots >= 1, "a batch decoder needs at least one slot, not {}", slots);
+  model.check_routing_ready();
+  cache_.reset(model.config(), slots);
+}
+
+void BatchDecoder::run_prompt(int slot, int domain, std::span<const int32_t> inputs,
+                              const int32_t* next) {
+  const ModelConfig& c = model_.config();
+  SIGMA_CHECK(slot >= 0 && slot < slots(), "slot {} out of range [0, {})", slot, slots());
+  SIGMA_CHECK(!inputs.empty() && int64_t(inputs.size()) <= c.context,
+              "a prompt needs 1 to {} tokens, not {}", c.context, inputs.size());
+  const int T = int(inputs.size());
+  batch_.resize(1, T);
+  std::copy(inputs.begin(), inputs.end(), batch_.tokens.begin());
+  std::copy(next, next + T, batch_.targets.begin());
+  batch_.domain[0] = domain;
+  loss_.resize(size_t(T));
+  cache_.clear(slot);
+  model_.forward_cached(batch_, cache_, prefill_acts_, loss_.data(), &slot);
+  last_ = &prefill_acts_;
+}
+
+const float* BatchDecoder::prefill(int slot, int domain, std::span<const int32_t> tokens,
+                                   float* prompt_logprobs) {
+  std::vector<int32_t> next(tokens.begin(), tokens.end());
+  if (!next.empty()) {
+    next.erase(next.begin());
+    next.push_back(0);  // the position after the prompt has no target
+  }
+  run_prompt(slot, domain, tokens, next.data());
+  const int T = int(tokens.size());
+  if (prompt_logprobs)
+    for (int t = 0; t + 1 < T; ++t) prompt_logprobs[t] = -loss_[size_t(t)];
+  return prefill_acts_.logits.f() + int64_t(T - 1) * model_.config().vocab;
+}
+
+void BatchDecoder::score(int slot, int domain, std::span<const int32_t> tokens, float* logprobs) {
+  SIGMA_CHECK(tokens.size() >= 2, "scoring needs at least 2 tokens, not {}", tokens.size());
+  run_prompt(slot, domain, tokens.first(tokens.size() - 1), tokens.data() + 1);
+  for (size_t t = 0; t + 1 < tokens.size(); ++t) logprobs[t] = -loss_[t];
+}
+
+void BatchDecoder::step(std::span<const int> slots, std::span<const int> domains,
+                        std::span<const int32_t> tokens) {
+  const int B = int(slots.size());
+  SIGMA_CHECK(B >= 1 && B <= this->slots() && domains.size() == slots.size() &&
+                  tokens.size() == slots.size(),
+              "a decode step needs 1 to {} slots with one domain and token each", this->slots());
+  batch_.resize(B, 1);
+  std::copy(tokens.begin(), tokens.end(), batch_.tokens.begin());
+  std::copy(domains.begin(), domains.end(), batch_.domain.begin());
+  loss_.resize(size_t(B));
+  Activations& acts = step_acts_[size_t(B) - 1];
+  model_.forward_cached(batch_, cache_, acts, loss_.data(), slots.data());
+  last_ = &acts;
+}
+
+const float* BatchDecoder::logits(int i) const {
+  SIGMA_CHECK(last_ && i >= 0 && i < last_->B, "no logits for decode row {}", i);
+  return last_->logits.f() + int64_t(i) * model_.config().vocab;
+}
+
+double token_logprob(const float* logits, int64_t V, int32_t id) {
+  const float mx = *std::max_element(logits, logits + V);
+  double sum = 0;
+  for (int64_t j = 0; j < V; ++j) sum += std::exp(double(logits[j]) - mx);
+  return double(logits[id]) - mx - std::log(sum);
+}
+
+}  // namespace sigma
