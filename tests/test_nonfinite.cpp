@@ -237,4 +237,27 @@ TEST(Nonfinite, WeightsHoldingNaNAreRefusedOnLoadNamingTheTensor) {
   EXPECT_FALSE(fs::exists(tmp / "resumed/checkpoints/step-00000006")) << "a NaN checkpoint was written";
 }
 
+// The same for an ECSS resume: the experts go to the store, not through load_model, and a NaN
+// in one is refused naming it before its group reaches the store.
+TEST(Nonfinite, ExpertWeightsHoldingNaNAreRefusedByAnEcssResume) {
+  TempDir tmp("nonfinite-ecss");
+  Config cfg = tiny_run(4);
+  cfg.train.experts = "model";  // every expert in model.safetensors
+  ASSERT_NO_THROW(train(cfg, RunOptions{tmp / "out", "", -1, false}));
+  const std::string expert = "blocks.1.rre.copy.w_in";
+  {
+    CheckpointInfo info;
+    auto m = load_checkpoint_model(tmp / "out/checkpoints", &info);
+    AdamW opt(info.cfg.optim, m->params());
+    load_optimizer(opt, m->params(), info.dir);
+    m->params().at(expert).value.f()[7] = std::numeric_limits<float>::infinity();
+    save_checkpoint(tmp / "bad", info.cfg, *m, &opt, info.state);
+  }
+  const auto r = sigma_cmd("train --quiet --resume " + tmp / "bad" + " --set train.steps=6 --set "
+                           "train.experts=ecss --out " + tmp / "resumed");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("'" + expert + "' holds a non-finite value (inf at element 7"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(tmp / "resumed/checkpoints/step-00000006")) << "a checkpoint was written";
+}
+
 }  // namespace

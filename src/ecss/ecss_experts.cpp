@@ -81,6 +81,10 @@ void load_group(ExpertStore& store, const ExpertGroupSpec& gs, const std::string
     const std::string r = rest(n);
     return r.find('.') == r.size() - 2 && (r.ends_with(".m") || r.ends_with(".v"));
   });
+  // Checked before this group reaches the store (earlier groups may already be there: a failed
+  // resume leaves a store that only another resume, which replaces it all, will open).
+  for (const auto& [n, t] : weights.tensors) check_finite(t, n, model_path);
+  for (const auto& [n, t] : moments.tensors) check_finite(t, n, opt_path);
   for (int32_t k = 0; k < gs.experts; ++k) {
     for (size_t t = 0; t < gs.tensors.size(); ++t) {
       const std::string base = prefix + names::kExpertLeaves[t];
