@@ -119,6 +119,15 @@ remove_chroot || die "stale mounts under $chroot_dir"
 mkdir -p "$chroot_dir"
 tar -C "$chroot_dir" --numeric-owner -xpf "$base"
 cp /etc/resolv.conf "$chroot_dir/etc/resolv.conf"
+# Like DNS, the host's own trust anchors for its network: where outbound TLS passes through an
+# intercepting proxy, the host trusts its CA in /usr/local/share/ca-certificates, and npm in
+# the chroot needs the same to reach the registry. They take effect when install-deps installs
+# ca-certificates (its postinst adds them to the bundle); a machine on the open internet has
+# none and needs none.
+if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+  mkdir -p "$chroot_dir/usr/local/share/ca-certificates"
+  cp /usr/local/share/ca-certificates/*.crt "$chroot_dir/usr/local/share/ca-certificates/"
+fi
 mkdir -p "$chroot_dir/work/sigma"
 if ((worktree)); then
   (cd "$src" && git ls-files -z --cached --others --exclude-standard |

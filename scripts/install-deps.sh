@@ -9,7 +9,8 @@ pkgs=(g++ cmake ninja-build pkg-config libdnnl-dev libomp-dev nlohmann-json3-dev
       libopenmpi-dev openmpi-bin gnuplot-nox python3 libcpp-httplib-dev)
 # sigma serve's end-to-end test runs the openai npm client: Debian's node and npm, unless a node
 # with its own npm (e.g. NodeSource's package) is already there.
-command -v npm >/dev/null || pkgs+=(nodejs npm)
+# npm fetches over HTTPS: ca-certificates is only a Recommends of nodejs, so name it.
+command -v npm >/dev/null || pkgs+=(nodejs npm ca-certificates)
 # The peer needs OpenBLAS: with --no-install-recommends torch falls back to the reference BLAS
 # (~5 GFLOP/s) and the comparison is meaningless.
 [[ "${1:-}" == "--bench" ]] && pkgs+=(python3-torch libopenblas0)
