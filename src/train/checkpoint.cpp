@@ -131,17 +131,27 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
 }
 
 namespace {
-// Adds the tensors of `dir`'s expert group files (weights or Adam state) to `st`: their index
-// always, their data when `want` accepts the name.
-void merge_group_files(Safetensors& st, const std::string& dir, bool adam,
-                       const std::function<bool(const std::string&)>& want) {
-  for (const std::string& f : expert_group_files(dir, adam)) {
+// Adds the tensors of `files` in `dir` to `st`: their index always, their data when `want`
+// accepts the name. A name in two files is an error.
+void merge_files(Safetensors& st, const std::string& dir, const std::vector<std::string>& files,
+                 const std::function<bool(const std::string&)>& want) {
+  for (const std::string& f : files) {
     Safetensors g = read_safetensors(dir + "/" + f, want);
     for (auto& [name, info] : g.index)
       SIGMA_CHECK(st.index.emplace(name, info).second, "{}/{}: tensor '{}' is also in another "
                   "file of the checkpoint", dir, f, name);
     for (auto& [name, t] : g.tensors) st.tensors.emplace(name, std::move(t));
   }
+}
+// The expert group files of an ECSS checkpoint (weights or Adam state).
+void merge_group_files(Safetensors& st, const std::string& dir, bool adam,
+                       const std::function<bool(const std::string&)>& want) {
+  merge_files(st, dir, expert_group_files(dir, adam), want);
+}
+// optimizer.safetensors's siblings from a multi-rank run: the other ranks' shards.
+void merge_optimizer_shards(Safetensors& st, const std::string& dir,
+                            const std::function<bool(const std::string&)>& want) {
+  merge_files(st, dir, optimizer_shard_files(dir), want);
 }
 }  // namespace
 
@@ -149,18 +159,6 @@ TensorMap read_model_tensors(const std::string& dir) {
   Safetensors st = read_safetensors(dir + "/" + kModelFile);
   merge_group_files(st, dir, /*adam=*/false, nullptr);
   return std::move(st.tensors);
-}
-
-// optimizer.safetensors plus, from a multi-rank run, the other ranks' shards.
-void merge_optimizer_shards(Safetensors& st, const std::string& dir,
-                            const std::function<bool(const std::string&)>& want) {
-  for (const std::string& f : optimizer_shard_files(dir)) {
-    Safetensors g = read_safetensors(dir + "/" + f, want);
-    for (auto& [name, info] : g.index)
-      SIGMA_CHECK(st.index.emplace(name, info).second, "{}/{}: tensor '{}' is also in another "
-                  "file of the checkpoint", dir, f, name);
-    for (auto& [name, t] : g.tensors) st.tensors.emplace(name, std::move(t));
-  }
 }
 
 TensorMap read_optimizer_tensors(const std::string& dir) {
