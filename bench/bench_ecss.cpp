@@ -15,7 +15,7 @@
 //
 // Usage: bench_ecss [--d 128] [--layers 4] [--rre 2] [--T 256] [--batch 16] [--vocab 4096]
 //                   [--groups 8] [--experts 4,8,16,32,64] [--modes ecss,vanilla]
-//                   [--steps 8] [--warmup 2] [--threads 2] [--store PATH]
+//                   [--steps 8] [--warmup 2] [--threads 2] [--store PATH] [--expert-memory BYTES]
 // With --store the store is that file (created; removed at the end) instead of RAM.
 #include <fmt/format.h>
 #include <omp.h>
@@ -90,6 +90,7 @@ int main(int argc, char** argv) {
   int d = 128, layers = 4, rre = 2, T = 256, batch = 16, vocab = 4096, groups = 8, steps = 8,
       warmup = 2, threads = 2;
   std::string experts_list = "4,8,16,32,64", modes_list = "ecss,vanilla", store;
+  int64_t expert_memory = int64_t(1) << 40;  // bytes of compute buffers; default: no limit
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--d") d = std::stoi(v);
@@ -105,6 +106,7 @@ int main(int argc, char** argv) {
     else if (k == "--warmup") warmup = std::stoi(v);
     else if (k == "--threads") threads = std::stoi(v);
     else if (k == "--store") store = v;
+    else if (k == "--expert-memory") expert_memory = std::stoll(v);
     else {
       fmt::print(stderr, "unknown option {}\n", k);
       return 2;
@@ -139,7 +141,7 @@ int main(int argc, char** argv) {
       AdamW opt(oc, model.params());
       if (!store.empty()) std::filesystem::remove(store);
       const auto t_init = Clock::now();
-      EcssExperts experts(model, mode, oc, store, /*resuming=*/false);
+      EcssExperts experts(model, mode, oc, store, /*resuming=*/false, expert_memory);
       const double init_s = since(t_init);
       const double store_gb = double(experts.store().data_bytes()) / 1e9;
 

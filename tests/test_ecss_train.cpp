@@ -9,6 +9,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <map>
 #include <thread>
 
 #include "cli_util.h"
@@ -107,20 +109,37 @@ TEST(EcssTrain, ModeResolution) {
 // Vanilla offload updates every expert every step: the same math as the in-model AdamW, the
 // same Adam kernel (ops::adam_step is the store's cpu::adam_step) and the same gradient norm
 // (optim/grad_norm.h's canonical order), so the same bits — also when every step clips
-// (grad_clip 1e-3) and the clipping factor depends on the norm.
+// (grad_clip 1e-3) and the clipping factor depends on the norm. With several micro-batches a
+// step the in-model experts' gradients are summed in the rank-invariant tree order and the
+// store's in micro-batch order (ECSS experts never cross ranks): equal to rounding.
 TEST(EcssTrain, VanillaMatchesInModelTrainingBitForBit) {
   for (auto [clip, accum] : {std::pair{1.0f, 1}, std::pair{1e-3f, 1}, std::pair{1e-3f, 4}}) {
     TempDir dir("ecss");
     Config vanilla = small_config("vanilla"), in_model = small_config("model");
     vanilla.optim.grad_clip = in_model.optim.grad_clip = clip;
-    vanilla.train.accum = in_model.train.accum = accum;  // 4: the micro-batch sum tree
+    vanilla.train.accum = in_model.train.accum = accum;
     vanilla.train.log_every = in_model.train.log_every = 1;
     const TrainSummary a = run(vanilla, dir / "vanilla");
     const TrainSummary b = run(in_model, dir / "model");
+    const bool exact = accum == 1;
     const std::string what = fmt::format("vanilla vs in-model, grad_clip {}, accum {}", clip, accum);
-    expect_same_tensors(model_tensors(dir / "model"), model_tensors(dir / "vanilla"), what);
-    for (size_t d = 0; d < a.domains.size(); ++d)
-      EXPECT_EQ(a.domains[d].loss, b.domains[d].loss) << what << ": " << a.domains[d].name;
+    if (exact) {
+      expect_same_tensors(model_tensors(dir / "model"), model_tensors(dir / "vanilla"), what);
+    } else {
+      const TensorMap ma = model_tensors(dir / "vanilla"), mb = model_tensors(dir / "model");
+      double worst = 0;
+      for (const auto& [name, t] : ma)
+        for (int64_t i = 0; i < t.numel(); ++i)
+          worst = std::max(worst, double(std::abs(t.f()[i] - mb.at(name).f()[i])));
+      EXPECT_LT(worst, 1e-4) << what;
+    }
+    for (size_t d = 0; d < a.domains.size(); ++d) {
+      if (exact) {
+        EXPECT_EQ(a.domains[d].loss, b.domains[d].loss) << what << ": " << a.domains[d].name;
+      } else {
+        EXPECT_NEAR(a.domains[d].loss, b.domains[d].loss, 1e-4) << what;
+      }
+    }
     EXPECT_EQ(a.offload.experts_updated, a.offload.steps * 18);  // 2 blocks x (2 + 3 + 4) experts
     // The gradient norm itself, every step, to the last bit (one fold over the same pieces).
     std::ifstream ma(dir / "vanilla/metrics.jsonl"), mb(dir / "model/metrics.jsonl");
@@ -128,11 +147,103 @@ TEST(EcssTrain, VanillaMatchesInModelTrainingBitForBit) {
     int steps = 0;
     while (std::getline(ma, la) && std::getline(mb, lb)) {
       const auto ja = nlohmann::json::parse(la), jb = nlohmann::json::parse(lb);
-      EXPECT_EQ(ja["grad_norm"].get<double>(), jb["grad_norm"].get<double>()) << what << " step " << ja["step"];
+      const double na = ja["grad_norm"].get<double>(), nb = jb["grad_norm"].get<double>();
+      if (exact) {
+        EXPECT_EQ(na, nb) << what << " step " << ja["step"];
+      } else {
+        EXPECT_NEAR(na, nb, 1e-5 * nb) << what << " step " << ja["step"];
+      }
       ++steps;
     }
     EXPECT_EQ(steps, 24) << what;
   }
+}
+
+// train.expert_memory (issue 16): a budget too small for a step's experts runs every RRE pass
+// in slices, gathering, running and dropping a few experts at a time, with the gradients in the
+// GradientArea. The bits do not depend on the budget: one expert at a time, a few, or the whole
+// step at once; in RAM or beside a file store (gradients then in a file); with several
+// micro-batches of mixed domains a step; with remat recomputing the passes; and vanilla too.
+TEST(EcssTrain, AMemoryBudgetSlicesTheStepWithoutChangingABit) {
+  TempDir dir("ecss");
+  Config base = with_extra_domain(small_config("ecss", 10));
+  base.model.groups[0].experts = 6;  // unequal groups: slices cross group boundaries
+  base.train.accum = 4;
+  base.train.batch = 3;
+  const int64_t expert = (2 * 32 * 128 + 128 + 32) * 4;  // P floats of d=32, f=128 (16-aligned)
+  struct Case {
+    std::string name, budget, store, remat, mode;
+  };
+  const std::vector<Case> cases = {
+      {"whole", "auto", "", "none", "ecss"},
+      {"one", std::to_string(expert), "", "none", "ecss"},
+      {"three-file", std::to_string(3 * expert + 100), "file.bin", "none", "ecss"},
+      {"two-remat", std::to_string(2 * expert), "", "blocks", "ecss"},
+  };
+  std::map<std::string, TrainSummary> sums;
+  for (const Case& k : cases) {
+    Config c = base;
+    c.train.expert_memory = k.budget;
+    c.train.remat = k.remat;
+    c.train.experts = k.mode;
+    if (!k.store.empty()) c.train.expert_store = dir / k.store;
+    sums[k.name] = run(c, dir / k.name);
+    if (k.name == "whole") continue;
+    expect_same_tensors(model_tensors(dir / "whole"), model_tensors(dir / k.name), k.name);
+    expect_same_tensors(optimizer_tensors(dir / "whole"), optimizer_tensors(dir / k.name), k.name);
+    for (size_t d = 0; d < sums[k.name].domains.size(); ++d)
+      EXPECT_EQ(sums["whole"].domains[d].loss, sums[k.name].domains[d].loss) << k.name;
+  }
+  const OffloadStats &whole = sums["whole"].offload, &one = sums["one"].offload;
+  EXPECT_EQ(one.experts_updated, whole.experts_updated);
+  EXPECT_EQ(one.record_bytes, whole.record_bytes);
+  // Sliced: many more, smaller gathers, each within its budget.
+  EXPECT_GT(one.pieces, 4 * whole.pieces);
+  EXPECT_EQ(one.compute_bytes, expert);
+  EXPECT_LE(sums["three-file"].offload.compute_bytes, 3 * expert);
+  EXPECT_GT(whole.compute_bytes, 8 * expert);
+  // Vanilla under a budget matches vanilla without one.
+  for (const std::string& budget : {std::string("auto"), std::to_string(expert)}) {
+    Config c = base;
+    c.train.experts = "vanilla";
+    c.train.expert_memory = budget;
+    run(c, dir / ("vanilla-" + budget));
+  }
+  expect_same_tensors(model_tensors(dir / "vanilla-auto"),
+                      model_tensors(dir / ("vanilla-" + std::to_string(expert))), "vanilla");
+  // A budget below one expert, or not a size, is an error naming the key.
+  for (const std::string bad : {std::string("100"), std::string("lots"), std::string("-5GiB")}) {
+    Config c = base;
+    c.train.expert_memory = bad;
+    try {
+      run(c, dir / ("bad-" + bad));
+      ADD_FAILURE() << "train.expert_memory = " << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("train.expert_memory"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// A step skipped as non-finite drops its experts' gradients: under a budget (gradients in the
+// area, not zeroed by the next gather) vanilla still matches the in-model run, which zeroes its
+// gradients every step.
+TEST(EcssTrain, ASkippedStepLeavesNoGradientBehind) {
+  TempDir dir("ecss");
+  auto poisoned = [&](const std::string& mode, const std::string& budget) {
+    Config c = small_config(mode, 8);
+    c.train.expert_memory = budget;
+    RunOptions r;
+    r.out_dir = dir / (mode + budget);
+    r.progress = false;
+    r.before_step = [](int64_t step, std::vector<Batch>& micro) {
+      if (step == 3) micro[0].mask[0] = std::numeric_limits<float>::infinity();  // NaN loss
+    };
+    return train(c, r);
+  };
+  const TrainSummary a = poisoned("vanilla", "40000"), b = poisoned("model", "auto");
+  EXPECT_EQ(a.skipped_steps, 1);
+  expect_same_tensors(model_tensors(dir / "modelauto"), model_tensors(dir / "vanilla40000"),
+                      "after a skipped step");
 }
 
 // Experts of a domain that never appears are never read or written by ECSS (lazy Adam): bit

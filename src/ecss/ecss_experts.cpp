@@ -126,7 +126,7 @@ ExpertStoreSpec expert_store_spec(const ModelConfig& cfg) {
 }
 
 EcssExperts::EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim,
-                             const std::string& store_path, bool resuming)
+                         const std::string& store_path, bool resuming, int64_t memory_budget)
     : model_(model), mode_(mode), optim_(optim),
       store_(store_path.empty() ? ExpertStore::in_ram(expert_store_spec(model.config()))
                                 : ExpertStore::open(store_path, expert_store_spec(model.config()))) {
@@ -141,6 +141,14 @@ EcssExperts::EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim
   for (const GroupSpec& g : cfg.groups) first_.push_back(first_.back() + g.experts);
   P_ = store_.spec().groups.front().params();
   stride_ = (P_ + 15) / 16 * 16;
+  // Gradients beside a file store: in RAM, out of the budget, while they take at most half
+  // of it; else in a file (page cache). Beside a RAM store: in RAM, as store-side memory.
+  const int64_t area = int64_t(GradientArea::bytes_for(store_.num_experts(), P_));
+  const bool grads_in_file = store_.file_backed() && area > memory_budget / 2;
+  budget_experts_ = (memory_budget - (store_.file_backed() && !grads_in_file ? area : 0)) / (stride_ * 4);
+  SIGMA_CHECK(budget_experts_ >= 1, "train.expert_memory = {} bytes cannot hold one expert's "
+              "weights ({} bytes); give it at least that", memory_budget, stride_ * 4);
+  grads_ = GradientArea(store_.num_experts(), P_, grads_in_file ? store_path : "");
   changed_.assign(store_.spec().groups.size(), 1);
   model_.set_expert_executor(this);
   if (resuming) return;  // load() fills the store
@@ -195,27 +203,86 @@ void EcssExperts::join_prefetch() {
   stats_.wait_s += since(t);
 }
 
-void EcssExperts::begin_step(std::span<const Batch> micro) {
-  join_prefetch();
-  for (ExpertId id : ids_) model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, nullptr, nullptr);
-  ids_ = active_ids(micro);
-  const int64_t n = int64_t(ids_.size());
-  if (w_.numel() < n * stride_) {  // grows to the largest active set seen
+void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
+  const int64_t n = int64_t(ids.size());
+  if (w_.numel() < n * stride_) {  // grows to the largest set seen
     w_ = Tensor::f32({n, stride_});
-    g_ = Tensor::f32({n, stride_});
+    stats_.compute_bytes = w_.numel() * 4;
   }
   std::vector<float*> dst(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) dst[size_t(i)] = w_.f() + i * stride_;
   const auto t = Clock::now();
-  store_.gather(ids_, dst);
+  store_.gather(ids, dst);
   stats_.gather_s += since(t);
-  float* g = g_.f();
-#pragma omp parallel for schedule(static) if (n * P_ > (int64_t(1) << 18))
-  for (int64_t i = 0; i < n; ++i) std::fill(g + i * stride_, g + i * stride_ + P_, 0.0f);
+  stats_.pieces += 1;
+  stats_.gathered_bytes += n * P_ * 4;
   for (int64_t i = 0; i < n; ++i) {
-    const ExpertId id = ids_[size_t(i)];
-    model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, dst[size_t(i)], g + i * stride_);
+    const ExpertId id = ids[size_t(i)];
+    model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, dst[size_t(i)], grad_of(id));
   }
+  bound_.assign(ids.begin(), ids.end());
+}
+
+void EcssExperts::unbind(std::span<const ExpertId> ids) {
+  for (ExpertId id : ids) model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, nullptr, nullptr);
+}
+
+void EcssExperts::release_grads() {
+  std::vector<int64_t> slots;
+  for (ExpertId id : ids_) slots.push_back(store_.ordinal(id));
+  grads_.release(slots);
+  grads_pending_ = false;
+}
+
+void EcssExperts::begin_step(std::span<const Batch> micro) {
+  join_prefetch();
+  if (grads_pending_) release_grads();  // the last step was not applied: its gradients go
+  unbind(bound_);
+  bound_.clear();
+  ids_ = active_ids(micro);
+  whole_step_ = int64_t(ids_.size()) <= budget_experts_;
+  if (whole_step_) gather_and_bind(ids_);
+  grads_pending_ = true;
+}
+
+template <class Pass>
+void EcssExperts::by_slices(int block, const RrePlan& p, Pass pass) {
+  const ExpertSlice whole = whole_plan(p);
+  int e = whole.begin;
+  while (e < whole.end) {
+    // The next slice: up to budget_experts_ experts with rows, from e on.
+    std::vector<ExpertId> ids;
+    int end = e;
+    for (; end < whole.end && int64_t(ids.size()) < budget_experts_; ++end) {
+      if (p.rows(end) == 0) continue;
+      const int32_t g = int32_t(std::upper_bound(first_.begin(), first_.end(), end) - first_.begin()) - 1;
+      ids.push_back({block, g, end - first_[size_t(g)]});
+    }
+    if (!ids.empty()) {
+      gather_and_bind(ids);
+      pass(ExpertSlice{e, end, whole.side_by_side});
+      unbind(ids);
+      bound_.clear();
+    }
+    e = end;
+  }
+}
+
+void EcssExperts::forward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
+                          float* y, const float* x, int64_t N, int64_t d, int64_t f) {
+  if (whole_step_) return LocalExperts::forward(block, w, p, b, y, x, N, d, f);
+  by_slices(block, p, [&](const ExpertSlice& s) {
+    rre_forward(y, b.pre, b.act, b.gx, b.gy, x, w, p, s, N, d, f);
+  });
+}
+
+void EcssExperts::backward(int block, const RreWeights& w, const RrePlan& p,
+                           const ExpertBuffers& b, float* dx, const float* dy, const float* x,
+                           int64_t N, int64_t d, int64_t f) {
+  if (whole_step_) return LocalExperts::backward(block, w, p, b, dx, dy, x, N, d, f);
+  by_slices(block, p, [&](const ExpertSlice& s) {
+    rre_backward(dx, b.scratch, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, s, N, d, f);
+  });
 }
 
 void EcssExperts::prefetch(std::span<const Batch> next) {
@@ -247,12 +314,12 @@ void EcssExperts::append_grad_sq_parts(std::vector<double>& parts) const {
   const ExpertGroupSpec& gs = store_.spec().groups.front();  // every group: the same layout
   const size_t leaves = gs.tensors.size(), first = parts.size();
   parts.resize(first + size_t(n) * leaves, 0.0);
-  const float* g = g_.f();
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) {
     if (is_frozen(ids_[size_t(i)])) continue;
+    const float* g = grad_of(ids_[size_t(i)]);
     for (size_t t = 0; t < leaves; ++t)
-      parts[first + size_t(i) * leaves + t] = sum_sq(g + i * stride_ + gs.offset(t), shape_numel(gs.tensors[t].shape));
+      parts[first + size_t(i) * leaves + t] = sum_sq(g + gs.offset(t), shape_numel(gs.tensors[t].shape));
   }
 }
 
@@ -267,13 +334,15 @@ void EcssExperts::update(float lr, float grad_scale) {
   a.grad_scale = grad_scale;
   std::vector<ExpertId> update;
   std::vector<const float*> grads;
-  for (size_t i = 0; i < ids_.size(); ++i)
-    if (!is_frozen(ids_[i])) {
-      update.push_back(ids_[i]);
-      grads.push_back(g_.f() + int64_t(i) * stride_);
+  for (ExpertId id : ids_)
+    if (!is_frozen(id)) {
+      update.push_back(id);
+      grads.push_back(grad_of(id));
+      stats_.record_bytes += int64_t(store_.record_bytes(id));
     }
   const auto t = Clock::now();
   store_.apply_grads(update, grads, a);
+  release_grads();
   stats_.update_s += since(t);
   for (ExpertId id : update) changed_[group_slot(id)] = 1;
   stats_.steps += 1;

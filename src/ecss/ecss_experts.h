@@ -3,6 +3,13 @@
 // activates are gathered into compute buffers, bound to the model (Model::bind_expert), run by
 // the local expert code, and updated by the store's lazy Adam with eps_rre. "vanilla" mode is
 // the baseline: the same store, but every expert is gathered, bound and updated every step.
+//
+// Memory budget (train.expert_memory): the compute buffers hold at most budget / (4 P) experts'
+// weights. A step whose active experts fit is gathered once, at its start. A larger one runs
+// in pieces: each RRE block's forward and backward pass gathers, runs and drops its experts a
+// slice at a time. Gradients never sit in the compute buffers: they accumulate in a
+// GradientArea (page cache beside a file store), in micro-batch order, which makes the bits
+// independent of the budget.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -11,6 +18,7 @@
 #include <vector>
 
 #include "ecss/expert_store.h"
+#include "ecss/gradient_area.h"
 #include "io/checkpoint_dir.h"
 #include "io/safetensors.h"
 #include "model/batch.h"
@@ -33,6 +41,10 @@ struct OffloadStats {
   double wait_s = 0;      // waiting for the background prefetch to finish
   double update_s = 0;    // the store's Adam over the active experts
   int64_t steps = 0, experts_updated = 0;
+  int64_t pieces = 0;            // gathers: one per step that fits the budget, else one per slice
+  int64_t gathered_bytes = 0;    // weights copied from the store into compute buffers
+  int64_t record_bytes = 0;      // store records the Adam updates read and wrote (each once)
+  int64_t compute_bytes = 0;     // the largest compute buffer (expert weights) so far
 };
 
 // The store's spec for a model config: one group per (RRE block, expert group).
@@ -43,30 +55,41 @@ class EcssExperts : public LocalExperts {
   // Opens the store (store_path empty: RAM). A new store gets the model's initial expert
   // weights. An existing store file is refused unless `resuming` (its contents are then
   // replaced by the checkpoint's through load()), so a fresh run never silently continues
-  // from, or overwrites, another run's experts.
+  // from, or overwrites, another run's experts. memory_budget: bytes of compute buffers
+  // (train.expert_memory); at least one expert's weights.
   EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim,
-                const std::string& store_path, bool resuming);
+              const std::string& store_path, bool resuming, int64_t memory_budget);
   ~EcssExperts();
   EcssExperts(const EcssExperts&) = delete;
   EcssExperts& operator=(const EcssExperts&) = delete;
 
   const ExpertStore& store() const { return store_; }
   int64_t params() const;  // every expert's parameters
+  int64_t expert_bytes() const { return stride_ * 4; }  // one expert's compute buffer
+  int64_t budget_experts() const { return budget_experts_; }  // experts the budget holds
+  bool grads_in_file() const { return grads_.file_backed(); }
+  // The experts these micro-batches activate (every expert in vanilla mode).
+  int64_t count_active(std::span<const Batch> micro) const { return int64_t(active_ids(micro).size()); }
 
-  // Step start: the experts the micro-batches route to (every expert in vanilla mode) are
-  // copied into compute buffers and bound to the model; their gradients are zeroed; every
-  // other expert is unbound. Waits for a running prefetch first.
+  // Step start: the experts the micro-batches route to (every expert in vanilla mode) become
+  // the step's set; when they fit the budget they are copied into compute buffers and bound to
+  // the model now, else each RRE pass binds its slices. Every other expert is unbound. Gradients
+  // of a step that was not applied (skipped as non-finite) are dropped. Waits for a running
+  // prefetch first.
   void begin_step(std::span<const Batch> micro) override;
+  // One RRE block's pass: over the bound experts, or slice by slice under the budget.
+  void forward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b, float* y,
+               const float* x, int64_t N, int64_t d, int64_t f) override;
+  void backward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
+                float* dx, const float* dy, const float* x, int64_t N, int64_t d,
+                int64_t f) override;
   // Pages in the next step's experts on a background thread (file-backed store only), to
   // overlap with this step's forward and backward.
   void prefetch(std::span<const Batch> next);
   // Squared-norm pieces of the bound experts' gradients (frozen ones add zeros).
   void append_grad_sq_parts(std::vector<double>& parts) const override;
-  std::span<float> grad_buffer() override {
-    return {g_.f(), size_t(int64_t(ids_.size()) * stride_)};
-  }
-  // Lazy Adam on the bound experts: lr, the clipping scale, eps_rre, and weight decay on
-  // w_in / w_out. Waits for a running prefetch first.
+  // Lazy Adam on the step's experts: lr, the clipping scale, eps_rre, and weight decay on
+  // w_in / w_out; then their gradients are released. Waits for a running prefetch first.
   void update(float lr, float grad_scale) override;
   // Experts not to update (train.freeze): frozen[(l - first_rre_block) * groups + g]. They are
   // still fetched for the forward pass; their gradients are left out of the norm.
@@ -100,6 +123,14 @@ class EcssExperts : public LocalExperts {
  private:
   void join_prefetch();
   std::vector<ExpertId> active_ids(std::span<const Batch> micro) const;
+  // Copies `ids` into compute buffers and binds them (gradients: their GradientArea slots).
+  void gather_and_bind(std::span<const ExpertId> ids);
+  void unbind(std::span<const ExpertId> ids);
+  // Runs `pass` over block `block`'s experts with rows in plan p, a budget-sized slice at a time.
+  template <class Pass>
+  void by_slices(int block, const RrePlan& p, Pass pass);
+  float* grad_of(ExpertId id) const { return grads_.slot(store_.ordinal(id)); }
+  void release_grads();
 
   Model& model_;
   ExpertMode mode_;
@@ -111,8 +142,13 @@ class EcssExperts : public LocalExperts {
   size_t group_slot(ExpertId id) const;  // index of id's group in store_.spec().groups
   std::string group_file(size_t gi, bool adam) const;
   std::vector<uint8_t> frozen_;    // [(RRE block, group)]; empty = none
-  std::vector<ExpertId> ids_;      // bound this step, in (block, group, expert) order
-  Tensor w_, g_;                   // compute buffers [slots, stride_]: slot i = ids_[i]
+  std::vector<ExpertId> ids_;      // the step's experts, in (block, group, expert) order
+  bool whole_step_ = false;        // ids_ fit the budget: bound for the whole step
+  bool grads_pending_ = false;     // ids_' gradients not yet applied and released
+  int64_t budget_experts_ = 0;
+  std::vector<ExpertId> bound_;    // bound now, in compute slot order
+  Tensor w_;                       // compute buffers [slots, stride_]: slot i = bound_[i]
+  GradientArea grads_;
   std::thread prefetcher_;
   OffloadStats stats_;
   std::vector<uint8_t> changed_;   // [store group]: updated since last_checkpoint_

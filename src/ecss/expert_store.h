@@ -91,7 +91,10 @@ class ExpertStore {
   uint64_t data_bytes() const { return data_bytes_; }  // all records
 
   const ExpertGroupSpec& group_of(ExpertId id) const;
+  // The expert's position in the store, 0 .. num_experts() - 1 (spec order).
+  int64_t ordinal(ExpertId id) const { return &slot(id) - index_.data(); }
   int64_t params(ExpertId id) const { return group_of(id).params(); }
+  uint64_t record_bytes(ExpertId id) const { return groups_[slot(id).group].record_bytes; }
   int64_t step(ExpertId id) const;
   // Views into the record (P floats each); writing through weights() sets master weights.
   float* weights(ExpertId id);

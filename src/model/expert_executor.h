@@ -38,9 +38,6 @@ class ExpertExecutor {
   // Training-step hooks (defaults: experts are ordinary model parameters).
   // Before the step's first forward pass: make every expert the micro-batches route to usable.
   virtual void begin_step(std::span<const Batch> /*micro*/) {}
-  // Gradients of the step's experts that the model's ParamSet does not hold (ECSS compute
-  // buffers), so that the step sums micro-batches in one order for every gradient.
-  virtual std::span<float> grad_buffer() { return {}; }
   // Appends the squared-norm pieces of the expert gradients the model's ParamSet does not
   // hold, one per (expert, leaf) in optim/grad_norm.h's order (experts absent here would add
   // exact zeros): the step folds them after the ParamSet's pieces, so the norm is the

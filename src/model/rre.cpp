@@ -13,23 +13,26 @@ namespace sigma {
 
 namespace {
 
-// Experts with rows, and whether to run them side by side, one per thread. Many small experts
-// run better that way: each runs its GEMMs on one thread instead of forking every GEMM and
-// activation over all threads (a fork and a join per kernel call, 13 per expert and step).
-// Each expert writes only its own rows and its own gradients, so the order never matters.
-struct Busy {
-  std::vector<int> experts;
-  bool side_by_side;
-};
-Busy busy_experts(const RrePlan& p, int E) {
-  Busy b;
-  for (int e = 0; e < E; ++e)
-    if (p.rows(e) > 0) b.experts.push_back(e);
-  b.side_by_side = int(b.experts.size()) >= 2 * omp_get_max_threads() && !omp_in_parallel();
-  return b;
+// Experts of slice s that hold rows.
+std::vector<int> busy_experts(const RrePlan& p, const ExpertSlice& s) {
+  std::vector<int> busy;
+  for (int e = s.begin; e < s.end; ++e)
+    if (p.rows(e) > 0) busy.push_back(e);
+  return busy;
 }
 
 }  // namespace
+
+// Many small experts run better side by side: each runs its GEMMs on one thread instead of
+// forking every GEMM and activation over all threads (a fork and a join per kernel call, 13 per
+// expert and step). Each expert writes only its own rows and its own gradients, so the order
+// never matters.
+ExpertSlice whole_plan(const RrePlan& p) {
+  const int E = int(p.start.size()) - 1;
+  int busy = 0;
+  for (int e = 0; e < E; ++e) busy += p.rows(e) > 0;
+  return {0, E, busy >= 2 * omp_get_max_threads() && !omp_in_parallel()};
+}
 
 void rre_plan(RrePlan& p, const RreWeights& w, const int32_t* tokens, const int32_t* row_group,
               int64_t N) {
@@ -53,46 +56,55 @@ void rre_plan(RrePlan& p, const RreWeights& w, const int32_t* tokens, const int3
 }
 
 void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const float* x,
-                 const RreWeights& w, const RrePlan& p, int64_t N, int64_t d, int64_t f) {
+                 const RreWeights& w, const RrePlan& p, const ExpertSlice& s, int64_t N,
+                 int64_t d, int64_t f) {
   if (p.single >= 0) {  // one expert takes every row: no gather (and exactly the dense FFN)
-    ffn_forward(y, pre, act, x, w.expert[size_t(p.single)], N, d, f);
+    if (p.single >= s.begin && p.single < s.end)
+      ffn_forward(y, pre, act, x, w.expert[size_t(p.single)], N, d, f);
     return;
   }
+  // The slice's rows are contiguous in plan order: r0 .. r0 + n.
+  const int64_t r0 = p.start[size_t(s.begin)], n = p.start[size_t(s.end)] - r0;
+  const int32_t* order = p.order.data() + r0;
   // gy starts as the rows of y, so each expert adds onto them in place and the scatter is a
   // plain copy: every row gets y + FFN(x) in the same arithmetic as the dense block.
-  ops::gather_rows(gx, x, p.order.data(), N, d);
-  ops::gather_rows(gy, y, p.order.data(), N, d);
-  const Busy busy = busy_experts(p, w.experts());
-#pragma omp parallel for schedule(dynamic, 1) if (busy.side_by_side)
-  for (size_t i = 0; i < busy.experts.size(); ++i) {
-    const int e = busy.experts[i];
-    const int64_t s = p.start[size_t(e)], n = p.rows(e);
-    ffn_forward(gy + s * d, pre + s * f, act + s * f, gx + s * d, w.expert[size_t(e)], n, d, f);
+  ops::gather_rows(gx + r0 * d, x, order, n, d);
+  ops::gather_rows(gy + r0 * d, y, order, n, d);
+  const std::vector<int> busy = busy_experts(p, s);
+#pragma omp parallel for schedule(dynamic, 1) if (s.side_by_side)
+  for (size_t i = 0; i < busy.size(); ++i) {
+    const int e = busy[i];
+    const int64_t at = p.start[size_t(e)], rows = p.rows(e);
+    ffn_forward(gy + at * d, pre + at * f, act + at * f, gx + at * d, w.expert[size_t(e)], rows,
+                d, f);
   }
-  ops::scatter_rows(y, gy, p.order.data(), N, d, /*accumulate=*/false);
+  ops::scatter_rows(y, gy + r0 * d, order, n, d, /*accumulate=*/false);
 }
 
 void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, const float* dy,
                   const float* x, const float* pre, const float* act, const RreWeights& w,
-                  const RrePlan& p, int64_t N, int64_t d, int64_t f) {
+                  const RrePlan& p, const ExpertSlice& s, int64_t N, int64_t d, int64_t f) {
   if (p.single >= 0) {
-    ffn_backward(dx, w.expert_grad[size_t(p.single)], scratch, dy, x, pre, act,
-                 w.expert[size_t(p.single)], N, d, f);
+    if (p.single >= s.begin && p.single < s.end)
+      ffn_backward(dx, w.expert_grad[size_t(p.single)], scratch, dy, x, pre, act,
+                   w.expert[size_t(p.single)], N, d, f);
     return;
   }
-  ops::gather_rows(gx, x, p.order.data(), N, d);
-  ops::gather_rows(gdy, dy, p.order.data(), N, d);
-  ops::fill(gdx, 0.0f, N * d);
-  const Busy busy = busy_experts(p, w.experts());
-#pragma omp parallel for schedule(dynamic, 1) if (busy.side_by_side)
-  for (size_t i = 0; i < busy.experts.size(); ++i) {
-    const int e = busy.experts[i];
-    const int64_t s = p.start[size_t(e)], n = p.rows(e);
-    // Each expert its own part of the scratch (2*n*f of the 2*N*f floats).
-    ffn_backward(gdx + s * d, w.expert_grad[size_t(e)], scratch + 2 * s * f, gdy + s * d,
-                 gx + s * d, pre + s * f, act + s * f, w.expert[size_t(e)], n, d, f);
+  const int64_t r0 = p.start[size_t(s.begin)], n = p.start[size_t(s.end)] - r0;
+  const int32_t* order = p.order.data() + r0;
+  ops::gather_rows(gx + r0 * d, x, order, n, d);
+  ops::gather_rows(gdy + r0 * d, dy, order, n, d);
+  ops::fill(gdx + r0 * d, 0.0f, n * d);
+  const std::vector<int> busy = busy_experts(p, s);
+#pragma omp parallel for schedule(dynamic, 1) if (s.side_by_side)
+  for (size_t i = 0; i < busy.size(); ++i) {
+    const int e = busy[i];
+    const int64_t at = p.start[size_t(e)], rows = p.rows(e);
+    // Each expert its own part of the scratch (2*rows*f of the 2*N*f floats).
+    ffn_backward(gdx + at * d, w.expert_grad[size_t(e)], scratch + 2 * at * f, gdy + at * d,
+                 gx + at * d, pre + at * f, act + at * f, w.expert[size_t(e)], rows, d, f);
   }
-  ops::scatter_rows(dx, gdx, p.order.data(), N, d, /*accumulate=*/true);
+  ops::scatter_rows(dx, gdx + r0 * d, order, n, d, /*accumulate=*/true);
 }
 
 }  // namespace sigma
@@ -106,13 +118,14 @@ void LocalExperts::forward(int block, const RreWeights& w, const RrePlan& p,
     SIGMA_CHECK(p.rows(e) == 0 || w.expert[size_t(e)].w_in,
                 "block {}: expert {} receives tokens but is not bound (not in the step's active "
                 "set)", block, e);
-  rre_forward(y, b.pre, b.act, b.gx, b.gy, x, w, p, N, d, f);
+  rre_forward(y, b.pre, b.act, b.gx, b.gy, x, w, p, whole_plan(p), N, d, f);
 }
 
 void LocalExperts::backward(int, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
                             float* dx, const float* dy, const float* x, int64_t N, int64_t d,
                             int64_t f) {
-  rre_backward(dx, b.scratch, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, N, d, f);
+  rre_backward(dx, b.scratch, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, whole_plan(p), N, d,
+               f);
 }
 
 }  // namespace sigma

@@ -25,15 +25,26 @@ struct RrePlan {
 void rre_plan(RrePlan& p, const RreWeights& w, const int32_t* tokens, const int32_t* row_group,
               int64_t N);
 
-// y[N,d] += FFN_{expert(i)}(x[i]) for every row i. pre and act [N,f] are saved in plan order
-// (row order when p.single >= 0). gx, gy: scratch [N,d].
-void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const float* x,
-                 const RreWeights& w, const RrePlan& p, int64_t N, int64_t d, int64_t f);
+// The experts [begin, end) of a block (global indices), run in one call; rows of the others are
+// left alone. side_by_side: run the experts one per thread (else each forks over all threads),
+// decided once for the whole plan (whole_plan) so that a slice's experts run exactly as in the
+// whole pass and a pass split into slices (ECSS under a memory budget) gives the same bits.
+struct ExpertSlice {
+  int begin = 0, end = 0;
+  bool side_by_side = false;
+};
+ExpertSlice whole_plan(const RrePlan& p);
 
-// Accumulates dx[N,d] and the gradients of every expert that holds rows. scratch: 2*N*f
-// floats; gx, gdy, gdx: [N,d] (all overwritten).
+// y[N,d] += FFN_{expert(i)}(x[i]) for every row i whose expert is in `s`. pre and act [N,f]
+// are saved in plan order (row order when p.single >= 0). gx, gy: scratch [N,d].
+void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const float* x,
+                 const RreWeights& w, const RrePlan& p, const ExpertSlice& s, int64_t N,
+                 int64_t d, int64_t f);
+
+// Accumulates dx[N,d] over the rows of the experts in `s`, and those experts' gradients (+=).
+// scratch: 2*N*f floats; gx, gdy, gdx: [N,d] (overwritten).
 void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, const float* dy,
                   const float* x, const float* pre, const float* act, const RreWeights& w,
-                  const RrePlan& p, int64_t N, int64_t d, int64_t f);
+                  const RrePlan& p, const ExpertSlice& s, int64_t N, int64_t d, int64_t f);
 
 }  // namespace sigma

@@ -56,6 +56,10 @@ void TrainConfig::describe(Options& o, const std::string& p) {
         {"auto", "ecss", "vanilla", "model"});
   o.add(p + "expert_store", &expert_store,
         "ECSS expert store file, memory-mapped so experts may exceed RAM (\"\" = in RAM)");
+  o.add(p + "expert_memory", &expert_memory,
+        "ECSS compute buffers for expert weights, e.g. 6GiB, 512MiB or bytes; a step whose "
+        "active experts need more runs each RRE pass in slices (same results). auto = a quarter "
+        "of physical memory");
   o.add(p + "backend", &backend,
         "kernel backend of the ops front: cpu (the fast kernels) or ref (naive loops "
         "accumulating in double, the tests' oracle; slow, for checking a run)",

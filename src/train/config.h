@@ -22,6 +22,7 @@ struct TrainConfig {
   int max_nonfinite_steps = 10;  // consecutive skipped non-finite steps before the run stops
   std::string experts = "auto";  // where RRE experts train: auto, ecss, vanilla, model
   std::string expert_store;      // ECSS store file ("" = RAM)
+  std::string expert_memory = "auto";  // ECSS compute buffers: bytes ("6GiB") or auto
   std::vector<std::string> freeze;  // parameter sets not to update (src/train/freeze.h)
   std::string backend = "cpu";   // ops backend (kernels/ops.h): cpu or ref
   std::string precision = "fp32";  // GEMM precision (ops::use_precision): fp32 or bf16

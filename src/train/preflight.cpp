@@ -3,6 +3,11 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <exception>
+#include <string>
+#include <utility>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -38,11 +43,9 @@ ParamCount count_params(const ModelConfig& m) {
   return c;
 }
 
-int64_t training_bytes(const Config& cfg) {
+int64_t dense_training_bytes(const Config& cfg) {
   const ModelConfig& m = cfg.model;
   const ParamCount p = count_params(m);
-  const bool file_store = !cfg.train.expert_store.empty() && cfg.train.experts != "model";
-  const int64_t resident = file_store ? p.total - p.experts : p.total;
   // Activations kept for backward: per block and token about 16 d-wide rows (LayerNorms,
   // Q/K/V, attention output, residuals) and two f-wide rows (FFN in and its activation), the
   // T x T attention weights per head, and the logits with their gradient.
@@ -50,12 +53,42 @@ int64_t training_bytes(const Config& cfg) {
   const int64_t acts = BT * m.layers * (16 * int64_t(m.d_model) + 2 * int64_t(m.ffn()) +
                                         int64_t(m.heads) * m.context) +
                        2 * BT * int64_t(m.vocab);
-  return resident * 16 + acts * 4;
+  return (p.total - p.experts) * 16 + acts * 4;
+}
+
+int64_t training_bytes(const Config& cfg) {
+  const bool file_store = !cfg.train.expert_store.empty() && cfg.train.experts != "model";
+  return dense_training_bytes(cfg) + (file_store ? 0 : count_params(cfg.model).experts * 16);
+}
+
+namespace {
+int64_t physical_memory() {
+  return int64_t(::sysconf(_SC_PHYS_PAGES)) * int64_t(::sysconf(_SC_PAGESIZE));
+}
+}  // namespace
+
+int64_t expert_memory_bytes(const TrainConfig& t) {
+  const std::string& s = t.expert_memory;
+  if (s == "auto") return std::max<int64_t>(physical_memory() / 4, int64_t(1) << 28);
+  static const std::pair<const char*, double> units[] = {
+      {"TiB", 0x1p40}, {"GiB", 0x1p30}, {"MiB", 0x1p20}, {"KiB", 0x1p10},
+      {"TB", 1e12},    {"GB", 1e9},     {"MB", 1e6},     {"KB", 1e3},     {"B", 1}, {"", 1}};
+  size_t used = 0;
+  double number = -1;
+  try {
+    number = std::stod(s, &used);
+  } catch (const std::exception&) {
+  }
+  const std::string unit = used ? s.substr(used) : s;
+  for (const auto& [name, scale] : units)
+    if (used && unit == name && number > 0 && number * scale < 0x1p62) return int64_t(number * scale);
+  fail("train.expert_memory = '{}': expected auto or a positive size such as 6GiB, 512MiB, 2GB "
+       "or a number of bytes", s);
 }
 
 void check_memory(const Config& cfg) {
   const int64_t need = training_bytes(cfg);
-  const int64_t have = int64_t(::sysconf(_SC_PHYS_PAGES)) * int64_t(::sysconf(_SC_PAGESIZE));
+  const int64_t have = physical_memory();
   const ParamCount p = count_params(cfg.model);
   auto gib = [](int64_t b) { return double(b) / double(int64_t(1) << 30); };
   SIGMA_CHECK(have <= 0 || need <= have,

@@ -25,6 +25,12 @@ ParamCount count_params(const ModelConfig& m);
 // (16 bytes a parameter; experts in a file-backed ECSS store are excluded, they are paged)
 // plus the activations of one micro-batch.
 int64_t training_bytes(const Config& cfg);
+// The same without the experts: the shared parameters' 16 bytes each and the activations.
+int64_t dense_training_bytes(const Config& cfg);
+
+// train.expert_memory in bytes: "auto" is a quarter of physical memory; else a size such as
+// "6GiB", "512MiB", "1.5GB" or a number of bytes. Throws sigma::Error naming the key.
+int64_t expert_memory_bytes(const TrainConfig& t);
 
 // Throws a sigma::Error stating the estimate when it exceeds the machine's physical memory.
 void check_memory(const Config& cfg);

@@ -6,7 +6,6 @@
 #include "core/error.h"
 #include "optim/grad_norm.h"
 #include "train/nonfinite.h"
-#include "train/nonfinite.h"
 
 namespace sigma {
 
@@ -14,18 +13,19 @@ namespace {
 
 // Sums the gradients of successive micro-batches in tree_sum's order (a binary counter of
 // partial sums, folded from the top at the end), so that memory grows with log2 of the
-// micro-batches, not with their number.
+// micro-batches, not with their number. Only the ParamSet's: an expert executor that keeps
+// gradients of its own (ECSS) accumulates them in micro-batch order itself, without copies;
+// its experts never cross ranks, so they need no rank-count-invariant order.
 class GradTree {
  public:
-  // Adds the current gradients (parameters, then the executor's) as the next leaf.
-  void push(ParamSet& ps, std::span<float> extra) {
-    std::vector<float> leaf(size_t(size(ps) + int64_t(extra.size())));
+  // Adds the current gradients as the next leaf.
+  void push(ParamSet& ps) {
+    std::vector<float> leaf(size_t(size(ps)));
     float* at = leaf.data();
     for (const Param& p : ps.all()) {
       std::memcpy(at, p.grad.f(), size_t(p.grad.numel()) * sizeof(float));
       at += p.grad.numel();
     }
-    std::memcpy(at, extra.data(), extra.size() * sizeof(float));
     stack_.push_back({0, std::move(leaf)});
     while (stack_.size() >= 2 && stack_[stack_.size() - 2].first == stack_.back().first) {
       auto right = std::move(stack_.back());
@@ -35,7 +35,7 @@ class GradTree {
     }
   }
   // Writes the total into the gradients and empties the tree.
-  void finish(ParamSet& ps, std::span<float> extra) {
+  void finish(ParamSet& ps) {
     SIGMA_CHECK(!stack_.empty(), "GradTree: no micro-batch");
     std::vector<float> total = std::move(stack_.back().second);
     for (size_t i = stack_.size() - 1; i-- > 0;) {  // S1 + (S2 + (... + Sm))
@@ -48,7 +48,6 @@ class GradTree {
       std::memcpy(p.grad.f(), at, size_t(p.grad.numel()) * sizeof(float));
       at += p.grad.numel();
     }
-    std::memcpy(extra.data(), at, extra.size() * sizeof(float));
   }
 
  private:
@@ -134,13 +133,9 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     model_.backward(b, acts_);
     sum_losses(b, first + j, per_slot);
     if (after_backward_) after_backward_(model_.params());
-    if (mine.size() > 1) {
-      tree.push(model_.params(), experts.grad_buffer());
-      std::span<float> g = experts.grad_buffer();
-      std::fill(g.begin(), g.end(), 0.0f);
-    }
+    if (mine.size() > 1) tree.push(model_.params());
   }
-  if (mine.size() > 1) tree.finish(model_.params(), experts.grad_buffer());
+  if (mine.size() > 1) tree.finish(model_.params());
   StepResult r;
   comm_.all_reduce_sum(per_slot.data(), int64_t(per_slot.size()));  // one rank's slots each: exact
   r.domain_loss.assign(D, 0.0);

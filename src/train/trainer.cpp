@@ -263,7 +263,7 @@ void RunLoop::build() {
   // ECSS: the experts and their Adam state live in the store, not in the model and optimizer.
   if (mode_ != ExpertMode::InModel)
     experts_ = std::make_unique<EcssExperts>(*model_, mode_, cfg_.optim, cfg_.train.expert_store,
-                                             ck_.has_value());
+                                             ck_.has_value(), expert_memory_bytes(cfg_.train));
   step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim, plan_);
   names_ = cfg_.model.domains.names();
   for (const auto& n : data_->domains()) data_to_model_.push_back(cfg_.model.domain_index(n));
@@ -299,9 +299,20 @@ void RunLoop::open_outputs() {
              omp_get_max_threads());
   if (experts_) {
     const ExpertStore& st = experts_->store();
+    const double GiB = double(1ull << 30);
     fmt::print(stderr, "experts: {} ({} experts, {:.2f} GiB with Adam state, {})\n",
-               expert_mode_name(mode_), st.num_experts(), double(st.data_bytes()) / (1ull << 30),
+               expert_mode_name(mode_), st.num_experts(), double(st.data_bytes()) / GiB,
                st.file_backed() ? "file " + st.path() : "in RAM");
+    fmt::print(stderr, "memory plan: dense part ~{:.2f} GiB (shared weights, gradients, Adam, "
+               "activations); expert compute buffers {:.2f} GiB (train.expert_memory = {}) hold "
+               "{} experts of {:.1f} MiB; a step activating more runs each RRE pass in slices; "
+               "gradients accumulate {}\n",
+               double(dense_training_bytes(cfg_)) / GiB,
+               double(experts_->budget_experts() * experts_->expert_bytes()) / GiB,
+               cfg_.train.expert_memory, experts_->budget_experts(),
+               double(experts_->expert_bytes()) / (1 << 20),
+               experts_->grads_in_file() ? "in a temporary file beside the store (page cache)"
+                                         : "in RAM");
   }
   if (!cfg_.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze_.summary);
   if (comm_.size() > 1) {

@@ -1,0 +1,118 @@
+#include "ecss/gradient_area.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <linux/falloc.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <filesystem>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "io/file.h"
+
+namespace sigma {
+
+namespace {
+uint64_t page_round(uint64_t bytes) {
+  const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  return (bytes + page - 1) / page * page;
+}
+std::string gib(uint64_t bytes) { return fmt::format("{:.2f} GiB", double(bytes) / (1ull << 30)); }
+}  // namespace
+
+GradientArea::GradientArea(int64_t slots, int64_t floats, const std::string& beside_file) {
+  SIGMA_CHECK(slots >= 1 && floats >= 1, "gradient area: {} slots of {} floats", slots, floats);
+  slot_bytes_ = page_round(uint64_t(floats) * 4);  // slots are released page by page
+  map_bytes_ = slot_bytes_ * uint64_t(slots);
+  if (beside_file.empty()) {
+    where_ = "RAM";
+    void* p = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    SIGMA_CHECK(p != MAP_FAILED, "cannot map {} for the experts' gradients: {}", gib(map_bytes_),
+                errno_str(errno));
+    map_ = static_cast<std::byte*>(p);
+    return;
+  }
+  const std::filesystem::path dir = std::filesystem::absolute(beside_file).parent_path();
+  where_ = dir.string();
+  fd_ = ::open(where_.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  SIGMA_CHECK(fd_ >= 0, "cannot create the experts' gradient file in {} (beside the expert store): "
+              "{}", where_, errno_str(errno));
+  if (int e = ::posix_fallocate(fd_, 0, off_t(map_bytes_)); e != 0) {
+    ::close(fd_);
+    fail("cannot reserve {} in {} for the experts' gradients (beside the expert store): {}",
+         gib(map_bytes_), where_, errno_str(e));
+  }
+  void* p = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    const int e = errno;
+    ::close(fd_);
+    fail("cannot map the experts' gradient file in {} ({}): {}", where_, gib(map_bytes_),
+         errno_str(e));
+  }
+  map_ = static_cast<std::byte*>(p);
+}
+
+uint64_t GradientArea::bytes_for(int64_t slots, int64_t floats) {
+  return page_round(uint64_t(floats) * 4) * uint64_t(slots);
+}
+
+GradientArea::GradientArea(GradientArea&& o) noexcept { *this = std::move(o); }
+
+GradientArea& GradientArea::operator=(GradientArea&& o) noexcept {
+  if (this != &o) {
+    close();
+    map_ = std::exchange(o.map_, nullptr);
+    map_bytes_ = std::exchange(o.map_bytes_, 0);
+    slot_bytes_ = std::exchange(o.slot_bytes_, 0);
+    fd_ = std::exchange(o.fd_, -1);
+    where_ = std::move(o.where_);
+  }
+  return *this;
+}
+
+GradientArea::~GradientArea() { close(); }
+
+void GradientArea::close() noexcept {
+  if (map_) ::munmap(map_, map_bytes_);
+  if (fd_ >= 0) ::close(fd_);  // the unnamed file goes with its last descriptor
+  map_ = nullptr;
+  fd_ = -1;
+}
+
+void GradientArea::release_range(uint64_t offset, uint64_t bytes) {
+  if (fd_ < 0) {  // anonymous: the pages go back, and read zero when touched again
+    SIGMA_CHECK(::madvise(map_ + offset, bytes, MADV_DONTNEED) == 0,
+                "releasing expert gradients in RAM: {}", errno_str(errno));
+    return;
+  }
+  // Zero the range in the file, dropping its cached pages unwritten; the blocks stay reserved.
+  // File systems without ZERO_RANGE: free the blocks, then reserve them again.
+  if (::fallocate(fd_, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE, off_t(offset), off_t(bytes)) == 0)
+    return;
+  SIGMA_CHECK(errno == EOPNOTSUPP, "releasing expert gradients in {}: {}", where_, errno_str(errno));
+  SIGMA_CHECK(::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off_t(offset),
+                          off_t(bytes)) == 0,
+              "releasing expert gradients in {}: {}", where_, errno_str(errno));
+  if (int e = ::posix_fallocate(fd_, off_t(offset), off_t(bytes)); e != 0)
+    fail("reserving disk for the experts' gradients in {} again: {}", where_, errno_str(e));
+}
+
+void GradientArea::release(std::span<const int64_t> slots) {
+  std::vector<int64_t> s(slots.begin(), slots.end());
+  std::sort(s.begin(), s.end());
+  s.erase(std::unique(s.begin(), s.end()), s.end());
+  for (size_t i = 0; i < s.size();) {
+    size_t j = i + 1;
+    while (j < s.size() && s[j] == s[j - 1] + 1) ++j;
+    release_range(uint64_t(s[i]) * slot_bytes_, uint64_t(s[j - 1] - s[i] + 1) * slot_bytes_);
+    i = j;
+  }
+}
+
+}  // namespace sigma
