@@ -542,6 +542,31 @@ TEST(Sampler, ResumeFromCursorContinuesExactly) {
   EXPECT_THROW(s.restore(json::parse(R"({"step": 1})")), Error);
 }
 
+// one_domain_per_batch: every batch from one domain, drawn with the stage's weights (c = 80 %
+// by tokens), still deterministic and resumable; the default mixes domains within a batch.
+TEST(Sampler, OneDomainPerBatch) {
+  auto cfg = [](bool one) {
+    return SamplerConfig::from_json(json{{"seed", 3u}, {"one_domain_per_batch", one}}, "sampler");
+  };
+  Sampler one(cfg(true), kNames, kItems, kTokens), mixed(cfg(false), kNames, kItems, kTokens);
+  int per_domain[3] = {}, mixed_batches = 0;
+  for (int b = 0; b < 400; ++b) {
+    std::vector<Sampler::Pick> p, q;
+    one.next_batch(8, p);
+    mixed.next_batch(8, q);
+    for (const auto& x : p) EXPECT_EQ(x.domain, p[0].domain) << "batch " << b;
+    per_domain[p[0].domain]++;
+    for (const auto& x : q) mixed_batches += x.domain != q[0].domain;
+  }
+  EXPECT_NEAR(per_domain[2] / 400.0, 0.8, 0.06);
+  EXPECT_GT(per_domain[0], 0);
+  EXPECT_GT(mixed_batches, 100);
+  EXPECT_TRUE(SamplerConfig::from_json(cfg(true).to_json(), "s").one_domain_per_batch);  // round trip
+  EXPECT_NE(error_of([] { SamplerConfig::from_json(json{{"one_domain_per_batch", 1}}, "sampler"); })
+                .find("sampler.one_domain_per_batch"),
+            std::string::npos);
+}
+
 TEST(Sampler, ConfigErrorsNameTheProblem) {
   auto make = [](const char* text) {
     return error_of([&] { Sampler(SamplerConfig::from_json(json::parse(text), "sampler"), kNames, kItems, kTokens); });

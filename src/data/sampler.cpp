@@ -14,7 +14,13 @@ SamplerConfig SamplerConfig::from_json(const json& j, const std::string& where) 
   SIGMA_CHECK(j.is_object(), "{}: must be an object", where);
   SamplerConfig c;
   for (auto& [k, v] : j.items())
-    SIGMA_CHECK(k == "seed" || k == "stages", "{}: unknown key \"{}\" (known: seed, stages)", where, k);
+    SIGMA_CHECK(k == "seed" || k == "stages" || k == "one_domain_per_batch",
+                "{}: unknown key \"{}\" (known: seed, stages, one_domain_per_batch)", where, k);
+  if (j.contains("one_domain_per_batch")) {
+    SIGMA_CHECK(j["one_domain_per_batch"].is_boolean(), "{}.one_domain_per_batch: must be true or "
+                "false", where);
+    c.one_domain_per_batch = j["one_domain_per_batch"].get<bool>();
+  }
   if (j.contains("seed")) {
     SIGMA_CHECK(j["seed"].is_number_unsigned(), "{}.seed: must be a non-negative integer", where);
     c.seed = j["seed"].get<uint64_t>();
@@ -67,7 +73,7 @@ json SamplerConfig::to_json() const {
     }
     stages.push_back(std::move(o));
   }
-  return {{"seed", seed}, {"stages", std::move(stages)}};
+  return {{"seed", seed}, {"stages", std::move(stages)}, {"one_domain_per_batch", one_domain_per_batch}};
 }
 
 Sampler::Sampler(SamplerConfig cfg, std::vector<std::string> names, std::vector<uint64_t> items,
@@ -152,8 +158,10 @@ void Sampler::next_batch(uint32_t rows, std::vector<Pick>& out) {
   const auto& cum = cum_[stage_at(step_)];
   out.resize(rows);
   for (uint32_t r = 0; r < rows; ++r) {
-    // 53-bit uniform from (seed, step, row): the draw does not depend on the batch size.
-    double u = static_cast<double>(rng_u64(cfg_.seed, mix64(kStream ^ step_), r) >> 11) * 0x1p-53;
+    // 53-bit uniform from (seed, step, row): the draw does not depend on the batch size. One
+    // domain per batch: every row takes row 0's draw.
+    const uint32_t draw = cfg_.one_domain_per_batch ? 0 : r;
+    double u = static_cast<double>(rng_u64(cfg_.seed, mix64(kStream ^ step_), draw) >> 11) * 0x1p-53;
     uint32_t d = static_cast<uint32_t>(std::upper_bound(cum.begin(), cum.end(), u) - cum.begin());
     out[r] = {d, next_item(d)};
   }

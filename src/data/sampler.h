@@ -22,8 +22,14 @@ struct Stage {
 struct SamplerConfig {
   uint64_t seed = 1234;
   std::vector<Stage> stages;  // empty = one stage over every domain, by token count
+  // Every row of a batch (a micro-batch) from one domain, drawn per batch with the stage's
+  // weights: the paper's per-domain data streams. A step of several micro-batches still mixes
+  // domains, but each micro-batch activates one expert group (ECSS under a memory budget
+  // gathers a group's experts per micro-batch instead of every group's).
+  bool one_domain_per_batch = false;
 
-  // {"seed": 1, "stages": [{"steps": 500, "weights": {"english": 1, "chinese": 1}}, {}]};
+  // {"seed": 1, "stages": [{"steps": 500, "weights": {"english": 1, "chinese": 1}}, {}],
+  //  "one_domain_per_batch": false};
   // a stage may give "domains": [names] instead of "weights" (weighted by token count).
   static SamplerConfig from_json(const nlohmann::json& j, const std::string& where);
   nlohmann::json to_json() const;

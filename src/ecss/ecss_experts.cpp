@@ -143,6 +143,7 @@ EcssExperts::EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim
   stride_ = (P_ + 15) / 16 * 16;
   // Gradients beside a file store: in RAM, out of the budget, while they take at most half
   // of it; else in a file (page cache). Beside a RAM store: in RAM, as store-side memory.
+  memory_budget_ = memory_budget;
   const int64_t area = int64_t(GradientArea::bytes_for(store_.num_experts(), P_));
   const bool grads_in_file = store_.file_backed() && area > memory_budget / 2;
   budget_experts_ = (memory_budget - (store_.file_backed() && !grads_in_file ? area : 0)) / (stride_ * 4);
@@ -205,8 +206,10 @@ void EcssExperts::join_prefetch() {
 
 void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
   const int64_t n = int64_t(ids.size());
-  if (w_.numel() < n * stride_) {  // grows to the largest set seen
-    w_ = Tensor::f32({n, stride_});
+  if (w_.numel() < n * stride_) {  // grows to the largest set seen (slicing: to the budget)
+    const int64_t slots = whole_step_ ? n : budget_experts_;
+    w_ = Tensor();  // freed first: old and new together could be twice the budget
+    w_ = Tensor::f32({slots, stride_});
     stats_.compute_bytes = w_.numel() * 4;
   }
   std::vector<float*> dst(static_cast<size_t>(n));
@@ -214,8 +217,8 @@ void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
   const auto t = Clock::now();
   store_.gather(ids, dst);
   stats_.gather_s += since(t);
-  stats_.pieces += 1;
-  stats_.gathered_bytes += n * P_ * 4;
+  step_pieces_ += 1;  // counted when the step is applied (an evaluation's gathers are not)
+  step_gathered_ += n * P_ * 4;
   for (int64_t i = 0; i < n; ++i) {
     const ExpertId id = ids[size_t(i)];
     model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, dst[size_t(i)], grad_of(id));
@@ -240,6 +243,7 @@ void EcssExperts::begin_step(std::span<const Batch> micro) {
   unbind(bound_);
   bound_.clear();
   ids_ = active_ids(micro);
+  step_pieces_ = step_gathered_ = 0;
   whole_step_ = int64_t(ids_.size()) <= budget_experts_;
   if (whole_step_) gather_and_bind(ids_);
   grads_pending_ = true;
@@ -289,6 +293,14 @@ void EcssExperts::prefetch(std::span<const Batch> next) {
   if (!store_.file_backed()) return;
   join_prefetch();
   std::vector<ExpertId> ids = active_ids(next);
+  // Records that outgrow the budget would only evict this step's pages (and each other)
+  // before they are used: a 27 GB prefetch through a 16 GB page cache read everything twice.
+  uint64_t bytes = 0;
+  for (ExpertId id : ids) bytes += store_.record_bytes(id);
+  if (bytes > uint64_t(memory_budget_)) {
+    stats_.prefetches_skipped += 1;
+    return;
+  }
   prefetcher_ = std::thread([this, ids = std::move(ids)] { store_.prefetch(ids, /*fault_in=*/true); });
 }
 
@@ -347,6 +359,8 @@ void EcssExperts::update(float lr, float grad_scale) {
   for (ExpertId id : update) changed_[group_slot(id)] = 1;
   stats_.steps += 1;
   stats_.experts_updated += int64_t(update.size());
+  stats_.pieces += step_pieces_;
+  stats_.gathered_bytes += step_gathered_;
 }
 
 void EcssExperts::add_checkpoint_files(CheckpointWriter& w) const {

@@ -41,10 +41,12 @@ struct OffloadStats {
   double wait_s = 0;      // waiting for the background prefetch to finish
   double update_s = 0;    // the store's Adam over the active experts
   int64_t steps = 0, experts_updated = 0;
-  int64_t pieces = 0;            // gathers: one per step that fits the budget, else one per slice
-  int64_t gathered_bytes = 0;    // weights copied from the store into compute buffers
+  int64_t pieces = 0;            // gathers of applied steps: one per step that fits the
+                                 // budget, else one per slice of each RRE pass
+  int64_t gathered_bytes = 0;    // weights those gathers copied from the store
   int64_t record_bytes = 0;      // store records the Adam updates read and wrote (each once)
   int64_t compute_bytes = 0;     // the largest compute buffer (expert weights) so far
+  int64_t prefetches_skipped = 0;  // next steps whose records outgrew the budget
 };
 
 // The store's spec for a model config: one group per (RRE block, expert group).
@@ -84,7 +86,8 @@ class EcssExperts : public LocalExperts {
                 float* dx, const float* dy, const float* x, int64_t N, int64_t d,
                 int64_t f) override;
   // Pages in the next step's experts on a background thread (file-backed store only), to
-  // overlap with this step's forward and backward.
+  // overlap with this step's forward and backward; skipped when their records exceed the
+  // memory budget (they would evict each other before use).
   void prefetch(std::span<const Batch> next);
   // Squared-norm pieces of the bound experts' gradients (frozen ones add zeros).
   void append_grad_sq_parts(std::vector<double>& parts) const override;
@@ -145,7 +148,8 @@ class EcssExperts : public LocalExperts {
   std::vector<ExpertId> ids_;      // the step's experts, in (block, group, expert) order
   bool whole_step_ = false;        // ids_ fit the budget: bound for the whole step
   bool grads_pending_ = false;     // ids_' gradients not yet applied and released
-  int64_t budget_experts_ = 0;
+  int64_t budget_experts_ = 0, memory_budget_ = 0;
+  int64_t step_pieces_ = 0, step_gathered_ = 0;  // this step's, added to stats_ by update()
   std::vector<ExpertId> bound_;    // bound now, in compute slot order
   Tensor w_;                       // compute buffers [slots, stride_]: slot i = bound_[i]
   GradientArea grads_;

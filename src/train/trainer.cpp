@@ -84,6 +84,29 @@ nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load) {
   return j;
 }
 
+// The process's storage I/O and resident memory (Linux /proc), and the ECSS counters: what a
+// run over an expert store larger than RAM is judged by (docs/ecss.md, "Memory budget").
+nlohmann::json offload_json(const OffloadStats& o, int64_t steps) {
+  auto field = [](const char* file, const std::string& key) -> double {
+    std::ifstream in(file);
+    for (std::string line; std::getline(in, line);)
+      if (line.starts_with(key)) return std::strtod(line.c_str() + key.size(), nullptr);
+    return 0;
+  };
+  const double GiB = double(1 << 30), MiB = double(1 << 20);
+  const double per = double(std::max<int64_t>(steps, 1));
+  return {{"pieces_per_step", double(o.pieces) / per},
+          {"gathered_gib_per_step", double(o.gathered_bytes) / GiB / per},
+          {"records_gib_per_step", double(o.record_bytes) / GiB / per},
+          {"compute_buffer_mib", double(o.compute_bytes) / MiB},
+          {"prefetches_skipped", o.prefetches_skipped},
+          {"gather_s", o.gather_s}, {"prefetch_wait_s", o.wait_s}, {"update_s", o.update_s},
+          {"process_read_gib", field("/proc/self/io", "read_bytes:") / GiB},
+          {"process_write_gib", field("/proc/self/io", "write_bytes:") / GiB},
+          {"rss_anon_mib", field("/proc/self/status", "RssAnon:") / 1024},
+          {"rss_file_mib", field("/proc/self/status", "RssFile:") / 1024}};
+}
+
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
                                  int rows_per_domain) {
   // The source's domains are scored as the model's domains of the same names.
@@ -402,6 +425,7 @@ void RunLoop::log(double grad_norm, float lr) {
       rec["expert_load"] = expert_load_json(load, cfg_.model);
       rec["load_imbalance"] = load_imbalance_json(load);
     }
+    if (experts_) rec["ecss"] = offload_json(experts_->stats(), experts_->stats().steps);
     if (cfg_.model.gated()) {  // the baseline's extra loss and its capacity drops
       rec["aux_loss"] = aux_window_ / double(steps_in_window_);
       nlohmann::json dropped = nlohmann::json::object();
@@ -463,10 +487,11 @@ void RunLoop::write_summary(const TrainSummary& sum) {
                          {"tokens_per_s", sum.tokens_per_s}, {"domains", dom}};
   if (experts_) {
     const OffloadStats& o = sum.offload;
-    summary["ecss"] = {{"mode", sum.expert_mode}, {"store", cfg_.train.expert_store},
-                       {"gather_s", o.gather_s}, {"prefetch_wait_s", o.wait_s},
-                       {"update_s", o.update_s}, {"train_s", sum.seconds},
-                       {"experts_per_step", o.steps ? double(o.experts_updated) / o.steps : 0.0}};
+    summary["ecss"] = offload_json(o, o.steps);
+    summary["ecss"]["mode"] = sum.expert_mode;
+    summary["ecss"]["store"] = cfg_.train.expert_store;
+    summary["ecss"]["train_s"] = sum.seconds;
+    summary["ecss"]["experts_per_step"] = o.steps ? double(o.experts_updated) / o.steps : 0.0;
   }
   if (!sum.expert_load.empty()) {
     summary["expert_load"] = expert_load_json(sum.expert_load, cfg_.model);
