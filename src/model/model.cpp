@@ -308,6 +308,7 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
   check_batch(batch);
   a.ensure(cfg_, B, T, remat_);
   check_routing_ready();
+  mirror_weights(loss_weight != nullptr);
   embed(batch, a, nullptr);
   aux_loss_ = 0;
   a.weight_sum = 0;
@@ -345,6 +346,7 @@ void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, f
   }
   a.ensure(cfg_, B, T);
   check_routing_ready();
+  mirror_weights(false);
   embed(batch, a, start.data());
   aux_loss_ = 0;
   a.weight_sum = 0;
@@ -385,6 +387,18 @@ void Model::backward(const Batch& batch, Activations& a) {
   }
   ops::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.f(), a.rows.data(), batch.B,
                           batch.T, cfg_.d_model);
+  ops::bf16_mirror_clear();  // the optimizer changes the weights next
+}
+
+// In bf16, a training forward's GEMMs and its backward's read each weight converted once
+// (ops::bf16_mirror_add) instead of once per product. The copies live from here to the end of
+// backward(), and every forward drops the previous ones first, so none outlives a change of
+// the weights. Only the model's own tensors: experts bound from a store are not registered.
+// (head() adds dL/dlogits the same way.)
+void Model::mirror_weights(bool training) {
+  ops::bf16_mirror_clear();
+  if (!training || ops::precision() != ops::Precision::Bf16) return;
+  for (const Param& p : params_.all()) ops::bf16_mirror_add(p.value.f(), p.value.numel());
 }
 
 // With a cache, batch row b's T positions follow its cache row's cached ones (cached_attention).
@@ -496,6 +510,9 @@ void Model::head(const Batch& batch, Activations& a, float* token_loss,
   });
   ops::softmax_xent(a.logits.f(), token_loss, batch.targets.data(), loss_weight, N, V);
   a.has_grad = loss_weight != nullptr;
+  // dL/dlogits feeds both products of head_backward: in bf16, converted once for the two.
+  if (a.has_grad && ops::precision() == ops::Precision::Bf16)
+    ops::bf16_mirror_add(a.logits.f(), N * V);
 }
 
 // From dL/dlogits to dL/dh of the last block's output, in a.dh.

@@ -140,6 +140,7 @@ class Model {
  private:
   // first_pos[b]: position of row b's first token (null = 0 for every row).
   void embed(const Batch& b, Activations& a, const int* first_pos);
+  void mirror_weights(bool training);
   // recompute: a rerun under Remat::Blocks (load and auxiliary loss are not counted again).
   // With a cache, cache_rows[b] is batch row b's cache row (see forward_cached).
   void block_forward(int l, const Batch& b, Activations& a, KvCache* cache,
