@@ -397,8 +397,16 @@ void Model::backward(const Batch& batch, Activations& a) {
 // (head() adds dL/dlogits the same way.)
 void Model::mirror_weights(bool training) {
   ops::bf16_mirror_clear();
-  if (!training || ops::precision() != ops::Precision::Bf16) return;
+  mirrored_ = training && ops::precision() == ops::Precision::Bf16;
+  if (!mirrored_) return;
   for (const Param& p : params_.all()) ops::bf16_mirror_add(p.value.f(), p.value.numel());
+}
+
+// The same for an activation that a forward product and its backward's weight gradient both
+// read, when it has its own buffer from forward to backward (remat = none). Registered before
+// the product that first reads it, once whatever writes it has finished (conversion is lazy).
+void Model::mirror(const Activations& a, float* p, int64_t n) const {
+  if (mirrored_ && a.remat == Remat::None) ops::bf16_mirror_add(p, n);
 }
 
 // With a cache, batch row b's T positions follow its cache row's cached ones (cached_attention).
@@ -412,6 +420,7 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   const float* x = acts.blocks[size_t(l)].x.f();
 
   ops::layernorm_forward(k.a1.f(), k.mean1.f(), k.rstd1.f(), x, w.ln1_w.v, w.ln1_b.v, N, d);
+  if (!cache && !recompute) mirror(acts, k.a1.f(), N * d);
   ops::AttnOperand q;
   if (!query_layer) {
     ops::linear_forward(k.qkv.f(), k.a1.f(), w.qkv_w.v, w.qkv_b.v, N, d, 3 * d);
@@ -443,10 +452,15 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
                                  {k.qkv.f() + 2 * d, 3 * d, T * 3 * d}, {B, T, T, cfg_.heads, hd},
                                  1.0f / std::sqrt(float(hd)));
   }
+  if (!cache && !recompute) mirror(acts, att, N * d);
   ops::copy(k.mid.f(), x, N * d);
   ops::linear_forward(k.mid.f(), att, w.out_w.v, w.out_b.v, N, d, d, true);
   ops::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,
                          d);
+  if (!cache && !recompute) {
+    mirror(acts, k.a2.f(), N * d);
+    if (!w.is_rre()) mirror(acts, k.act.f(), N * f);  // written whole by FastGelu, then read
+  }
   float* out = (l + 1 < cfg_.layers) ? acts.blocks[size_t(l) + 1].x.f() : acts.h_final.f();
   ops::copy(out, k.mid.f(), N * d);
   if (!w.is_rre())

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <tuple>
+#include <unordered_map>
 
 #include "core/bf16.h"
 #include "core/error.h"
@@ -30,10 +31,10 @@ namespace {
 // product, and a training step repeats the same few dozen shapes. One cache per thread
 // (primitives may run concurrently, but the map must not be shared).
 struct MatmulKey {
-  bool ta, tb;
+  bool ta, tb, bias;
   int64_t M, N, K, lda, ldb, ldc;
   float alpha, beta;
-  auto tie() const { return std::tie(ta, tb, M, N, K, lda, ldb, ldc, alpha, beta); }
+  auto tie() const { return std::tie(ta, tb, bias, M, N, K, lda, ldb, ldc, alpha, beta); }
   bool operator<(const MatmulKey& o) const { return tie() < o.tie(); }
 };
 
@@ -61,7 +62,10 @@ Matmul make_matmul(const MatmulKey& k) {
     po.append_sum(k.beta);
     attr.set_post_ops(po);
   }
-  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, engine());
+  const dnnl::matmul::desc desc =
+      k.bias ? dnnl::matmul::desc(a, b, dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1}), c)
+             : dnnl::matmul::desc(a, b, c);
+  dnnl::matmul::primitive_desc pd(desc, attr, engine());
   return {pd, dnnl::matmul(pd)};
 }
 
@@ -128,17 +132,21 @@ Mirror* find_mirror(const float* src, int64_t extent) {
 }  // namespace
 
 void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16View A,
-                 Bf16View B, float beta, float* C, int64_t ldc) {
+                 Bf16View B, float beta, float* C, int64_t ldc, const float* bias) {
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_c(M, N, beta, C, ldc);
   ThreadMatmuls& t = t_matmuls;
-  const MatmulKey key{ta, tb, M, N, K, A.ld, B.ld, ldc, alpha, beta};
+  const MatmulKey key{ta, tb, bias != nullptr, M, N, K, A.ld, B.ld, ldc, alpha, beta};
   auto it = t.cache.find(key);
   if (it == t.cache.end()) it = t.cache.emplace(key, make_matmul(key)).first;
   const dnnl::matmul::primitive_desc& pd = it->second.pd;
   dnnl::memory am(pd.src_desc(), engine(), const_cast<uint16_t*>(A.p)),
       bm(pd.weights_desc(), engine(), const_cast<uint16_t*>(B.p)), cm(pd.dst_desc(), engine(), C);
-  it->second.prim.execute(t.stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  std::unordered_map<int, dnnl::memory> args{
+      {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (bias)
+    args[DNNL_ARG_BIAS] = dnnl::memory(pd.bias_desc(), engine(), const_cast<float*>(bias));
+  it->second.prim.execute(t.stream, args);
   t.stream.wait();
 }
 

@@ -13,11 +13,12 @@ struct Bf16View {
   int64_t ld;
 };
 
-// C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C (row-major; op = transpose when t* is
-// set, i.e. A is stored [K,M] when ta). K = 0 scales C by beta. Inside an OpenMP parallel
-// region the product runs on the calling thread only.
+// C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] (+ bias[N] on every row) + beta * C (row-major;
+// op = transpose when t* is set, i.e. A is stored [K,M] when ta; bias fp32, may be null).
+// K = 0 scales C by beta (and adds no bias: callers with a bias have K > 0). Inside an OpenMP
+// parallel region the product runs on the calling thread only.
 void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16View A,
-                 Bf16View B, float beta, float* C, int64_t ldc);
+                 Bf16View B, float beta, float* C, int64_t ldc, const float* bias = nullptr);
 
 // dst[rows, cols] (row stride ldd) = bf16 of src[rows, cols] (row stride lds), round to nearest
 // even, NaN kept (sigma::to_bf16, bit for bit). Parallel over rows when large and not nested.

@@ -91,9 +91,14 @@ void linear_backward(float* dx, float* dw, float* db, const float* dy, const flo
                      const float* w, int64_t N, int64_t in, int64_t out, Strides ld) {
   linear_backward_with(&gemm, dx, dw, db, dy, x, w, N, in, out, ld);
 }
+// The bias rides in the product (no separate pass over y): y = x w + b (+ y).
 void linear_forward_bf16(float* y, const float* x, const float* w, const float* b, int64_t N,
                          int64_t in, int64_t out, bool accumulate, Strides ld) {
-  linear_forward_with(&gemm_bf16, y, x, w, b, N, in, out, accumulate, ld);
+  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
+  if (in == 0 || N == 0) return linear_forward_with(&gemm_bf16, y, x, w, b, N, in, out, accumulate, ld);
+  Bf16Scratch& s = t_scratch;
+  matmul_bf16(false, false, N, out, in, 1.0f, bf16_operand(x, N, in, ldx, s.a),
+              bf16_operand(w, in, out, ldw, s.b), accumulate ? 1.0f : 0.0f, y, ldy, b);
 }
 // dy is read by both products: converted once.
 void linear_backward_bf16(float* dx, float* dw, float* db, const float* dy, const float* x,
