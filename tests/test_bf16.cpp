@@ -1,6 +1,8 @@
 // bf16 compute (train.precision = bf16, kernels/ops.h): the fp32 -> bf16 conversion, the bf16
-// GEMM against fp32 within the bf16 rounding bound, the precision switch of the ops front, a
-// short bf16 training run against fp32, and the loss-only cross-entropy's summation.
+// GEMM and the bf16 flash attention against fp32 within the bf16 rounding bound, the precision
+// switch of the ops front, the bf16 weight copies (the same bits as converting per product,
+// one conversion per registration, never stale after an optimizer step), a short bf16 training
+// run against fp32, and the loss-only cross-entropy's summation.
 // (cpu vs ref of the *_bf16 ops, element by element, is in tests/test_ops.cpp.)
 #include <gtest/gtest.h>
 
@@ -12,7 +14,10 @@
 #include "core/bf16.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/ops.h"
+#include "model/model.h"
+#include "optim/adamw.h"
 #include "train/config.h"
 #include "train/trainer.h"
 
@@ -109,6 +114,163 @@ TEST(Bf16, PrecisionSwitchRoutesTheFrontsGemms) {
   EXPECT_NE(std::memcmp(y1.data(), y3.data(), y1.size() * 4), 0);
   EXPECT_THROW(ops::use_precision("fp16"), Error);
   EXPECT_EQ(ops::precision(), ops::Precision::Fp32);
+}
+
+// Causal attention with bf16 products against fp32, per element, within a first-order bound:
+// rounding q and k moves score s_ij by at most a_ij = (2e + e^2) scale sum_c |q_ic k_jc|
+// (e = 2^-8), which moves P_ij by at most 2 A_i P_ij (A_i = max_j a_ij); P and v are rounded
+// once more. So |out_bf16 - out_fp32| <= sum_j P_ij |v_j| (2 A_i + 2 e), and dv likewise with
+// dO for v; 1.5x covers second-order terms and the fp32 sums. dq and dk (through dS, a
+// difference) are held to 4 % of their largest element. The bf16 results must also differ
+// from fp32 by more than fp32 rounding explains (the products were rounded).
+TEST(Bf16, FlashAttentionMatchesFp32WithinTheBf16Bound) {
+  const int64_t B = 2, H = 2, hd = 16, d = H * hd, T = 150;
+  const ops::AttnShape s{B, T, T, H, hd};
+  const float scale = 1.0f / std::sqrt(float(hd));
+  std::vector<float> qkv(size_t(B * T * 3 * d)), dout(size_t(B * T * d));
+  for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = rng_normal(3, 1, i);
+  for (size_t i = 0; i < dout.size(); ++i) dout[i] = rng_normal(3, 2, i);
+  const ops::AttnOperand q{qkv.data(), 3 * d, T * 3 * d}, k{qkv.data() + d, 3 * d, T * 3 * d},
+      v{qkv.data() + 2 * d, 3 * d, T * 3 * d};
+  struct Run {
+    std::vector<float> out, lse, g;
+  };
+  auto run = [&](bool bf16) {
+    Run r{std::vector<float>(size_t(B * T * d)), std::vector<float>(size_t(B * H * T)),
+          std::vector<float>(qkv.size())};
+    const int64_t ld = 3 * d, bs = T * 3 * d;
+    (bf16 ? ops::flash_attention_forward_bf16 : ops::flash_attention_forward)(
+        r.out.data(), r.lse.data(), q, k, v, s, scale);
+    (bf16 ? ops::flash_attention_backward_bf16 : ops::flash_attention_backward)(
+        {r.g.data(), ld, bs}, {r.g.data() + d, ld, bs}, {r.g.data() + 2 * d, ld, bs},
+        dout.data(), r.out.data(), r.lse.data(), q, k, v, s, scale);
+    return r;
+  };
+  const Run f = run(false), h = run(true);
+  const double e = std::ldexp(1.0, -8);
+  auto at = [&](int64_t b, int64_t t, int64_t part, int64_t hh, int64_t c) {
+    return size_t(((b * T + t) * 3 + part) * d + hh * hd + c);
+  };
+  double worst_out = 0, worst_dv = 0, most = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hh = 0; hh < H; ++hh) {
+      std::vector<double> P(size_t(T * T), 0.0), A(size_t(T), 0.0);
+      for (int64_t i = 0; i < T; ++i) {  // fp32's probabilities (from its lse) and A_i
+        for (int64_t j = 0; j <= i; ++j) {
+          double dot = 0, mass = 0;
+          for (int64_t c = 0; c < hd; ++c) {
+            const double x = double(qkv[at(b, i, 0, hh, c)]) * qkv[at(b, j, 1, hh, c)];
+            dot += x, mass += std::fabs(x);
+          }
+          P[size_t(i * T + j)] = std::exp(scale * dot - f.lse[size_t((b * H + hh) * T + i)]);
+          A[size_t(i)] = std::max(A[size_t(i)], (2 * e + e * e) * scale * mass);
+        }
+      }
+      for (int64_t c = 0; c < hd; ++c) {
+        for (int64_t i = 0; i < T; ++i) {
+          double mass = 0;
+          for (int64_t j = 0; j <= i; ++j)
+            mass += P[size_t(i * T + j)] * std::fabs(qkv[at(b, j, 2, hh, c)]);
+          const size_t o = size_t((b * T + i) * d + hh * hd + c);
+          const double diff = std::fabs(double(h.out[o]) - f.out[o]);
+          worst_out = std::max(worst_out, diff / (1.5 * (2 * A[size_t(i)] + 2 * e) * mass));
+          most = std::max(most, diff / (1e-5 * mass + 1e-30));
+        }
+        for (int64_t j = 0; j < T; ++j) {
+          double bound = 0;
+          for (int64_t i = j; i < T; ++i)
+            bound += P[size_t(i * T + j)] * std::fabs(dout[size_t((b * T + i) * d + hh * hd + c)]) *
+                     (2 * A[size_t(i)] + 2 * e);
+          const size_t g = at(b, j, 2, hh, c);
+          worst_dv = std::max(worst_dv, std::fabs(double(h.g[g]) - f.g[g]) / (1.5 * bound));
+        }
+      }
+    }
+  EXPECT_LE(worst_out, 1.0);
+  EXPECT_LE(worst_dv, 1.0);
+  EXPECT_GT(most, 1.0) << "bf16 attention matches fp32 too well: were the products rounded?";
+  for (int64_t part : {0, 1}) {  // dq, dk: normwise
+    double top = 0, diff = 0;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < d; ++c) {
+          const size_t g = size_t(((b * T + t) * 3 + part) * d + c);
+          top = std::max(top, std::fabs(double(f.g[g])));
+          diff = std::max(diff, std::fabs(double(h.g[g]) - f.g[g]));
+        }
+    EXPECT_GT(top, 0.0);
+    EXPECT_LE(diff, 0.04 * top) << (part ? "dk" : "dq");
+  }
+  std::printf("  out uses %.2f and dv %.2f of their bf16 bounds\n", worst_out, worst_dv);
+}
+
+// A registered matrix is read through its bf16 copy: the same bits as converting it in every
+// product, one conversion however many products read it, and a fresh one after clear + add.
+TEST(Bf16Mirror, CopiesGiveTheConversionsBitsAndFollowEachRegistration) {
+  const int64_t M = 23, N = 31, K = 40;
+  std::vector<float> A(size_t(M * K)), W(size_t(K * N));
+  for (size_t i = 0; i < A.size(); ++i) A[i] = rng_normal(4, 1, i);
+  for (size_t i = 0; i < W.size(); ++i) W[i] = rng_normal(4, 2, i);
+  auto product = [&](std::vector<float>& C, bool tb) {  // A W, or A (W^T)^T with W read as [N,K]
+    C.assign(size_t(M * N), 0.0f);
+    ops::gemm_bf16(false, tb, M, N, K, 1.0f, A.data(), K, W.data(), tb ? K : N, 0.0f, C.data(), N);
+  };
+  std::vector<float> plain, plain_t, mirrored, mirrored_t;
+  product(plain, false);
+  product(plain_t, true);
+  const int64_t before = cpu::bf16_mirror_conversions();
+  ops::bf16_mirror_add(W.data(), int64_t(W.size()));
+  product(mirrored, false);
+  product(mirrored_t, true);
+  product(mirrored, false);
+  EXPECT_EQ(cpu::bf16_mirror_conversions() - before, 1) << "three products, one conversion";
+  EXPECT_EQ(std::memcmp(plain.data(), mirrored.data(), plain.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(plain_t.data(), mirrored_t.data(), plain.size() * 4), 0);
+  // The weights change (an optimizer step), the owner clears and registers again.
+  ops::bf16_mirror_clear();
+  for (float& w : W) w *= 1.5f;
+  ops::bf16_mirror_add(W.data(), int64_t(W.size()));
+  std::vector<float> after;
+  product(after, false);
+  ops::bf16_mirror_clear();
+  product(plain, false);
+  EXPECT_EQ(std::memcmp(plain.data(), after.data(), plain.size() * 4), 0)
+      << "the product read a stale bf16 copy";
+}
+
+// Through the model: a bf16 training step, an AdamW update, and the next forward reads the
+// updated weights, bit for bit what a fresh model holding them computes; not the old ones.
+TEST(Bf16Mirror, TheForwardAfterAnOptimizerStepReadsTheNewWeights) {
+  ModelConfig c;
+  c.vocab = 41, c.d_model = 32, c.heads = 2, c.context = 12, c.layers = 2, c.slots = 1;
+  c.domains = {{"a", "a", 0}};
+  Batch b;
+  b.resize(3, 12);
+  Rng r(12, 1);
+  for (auto& t : b.tokens) t = int32_t(r.below(uint32_t(c.vocab)));
+  for (auto& t : b.targets) t = int32_t(r.below(uint32_t(c.vocab)));
+  b.domain = {0, 0, 0};
+  std::vector<float> w(b.tokens.size(), 1.0f / float(b.tokens.size())), loss0(w.size()),
+      loss1(w.size()), loss2(w.size());
+  ops::use_precision(ops::Precision::Bf16);
+  Model m(c, 3);
+  AdamW opt(OptimConfig{}, m.params());
+  Activations acts;
+  m.forward(b, acts, loss0.data(), w.data());
+  m.backward(b, acts);
+  opt.step(m.params(), 1e-2f, 1.0f);
+  m.forward(b, acts, loss1.data(), w.data());
+  Model fresh(c, 99);
+  for (size_t i = 0; i < m.params().all().size(); ++i) {
+    const Tensor& from = m.params().all()[i].value;
+    std::memcpy(fresh.params().all()[i].value.f(), from.f(), size_t(from.numel()) * 4);
+  }
+  Activations acts2;
+  fresh.forward(b, acts2, loss2.data(), w.data());
+  ops::use_precision(ops::Precision::Fp32);
+  EXPECT_NE(std::memcmp(loss0.data(), loss1.data(), loss0.size() * 4), 0) << "the step changed nothing";
+  EXPECT_EQ(std::memcmp(loss1.data(), loss2.data(), loss1.size() * 4), 0)
+      << "the forward after the step read stale bf16 weights";
 }
 
 // The tiny main job in bf16 and in fp32: held-out losses within 1 % (bf16 changes the rounding,

@@ -37,6 +37,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/bf16.h"
 #include "core/rng.h"
 #include "kernels/ops.h"
 #include "kernels/ref/attention.h"
@@ -124,6 +125,18 @@ Bound exp(const Bound& a) {
 Bound log(const Bound& a) {
   const double v = std::log(a.v);
   return result(v, a.bound() / a.v + 2 * std::fabs(v));
+}
+
+// A computed value rounded to bf16 (the bf16 attention's probabilities and dS): exact when
+// every fp32 evaluation within the bound rounds to the same bf16 value (almost always: a bf16
+// spacing is 2^16 fp32 ones), else off by up to the larger distance to the two candidates.
+// Found by argument-dependent lookup from ref::attn_computed.
+Bound bf16_rounded(const Bound& a) {
+  // How far an fp32 evaluation may be from a.v (the tolerance rule of reference()).
+  const double r = round_bf16(float(a.v)), e = kU * (2 * a.bound() + std::fabs(a.v));
+  const double lo = round_bf16(float(a.v - e)), hi = round_bf16(float(a.v + e));
+  if (lo == r && hi == r) return Bound(r);
+  return result(r, std::max(std::fabs(lo - a.v), std::fabs(hi - a.v)) / kU + a.bound());
 }
 
 // Where a ref formula's results go when T = Bound: the fp32 value into the buffer, the Bound
@@ -457,6 +470,46 @@ void add_attention(std::vector<Case>& cs, int64_t B, int64_t Tq, int64_t Tk, int
       }));
 }
 
+// The bf16 pair against its ref formula (inputs rounded to bf16, the probabilities and dS
+// rounded where the products read them), from add_attention's operand layout.
+void add_attention_bf16(std::vector<Case>& cs, int64_t B, int64_t Tq, int64_t Tk, int64_t H,
+                        int64_t hd, bool shared_q, uint64_t seed) {
+  const int64_t d = H * hd, ldq = d + 1, ldkv = 2 * d + 1;
+  const AttnShape s{B, Tq, Tk, H, hd};
+  const float scale = 1.0f / std::sqrt(float(hd));
+  const auto q = std::make_shared<const std::vector<float>>(
+      vec((shared_q ? 1 : B) * Tq * ldq, seed, 1.5f));
+  const auto kv = std::make_shared<const std::vector<float>>(vec(B * Tk * ldkv, seed + 1, 1.5f));
+  const AttnOperand qo{q->data(), ldq, shared_q ? 0 : Tq * ldq};
+  const AttnOperand ko{kv->data(), ldkv, Tk * ldkv}, vo{kv->data() + d, ldkv, Tk * ldkv};
+  const std::string label = fmt::format("B={} Tq={} Tk={} H={} hd={}{}", B, Tq, Tk, H, hd,
+                                        shared_q ? " shared-q" : "");
+  cs.push_back(make_case(OP(flash_attention_forward_bf16), label,
+                         {{"out", vec(B * Tq * d, seed + 8)}, {"lse", vec(B * H * Tq, seed + 9)}},
+                         [=](auto fn, Outs& o) {
+                           fn(o[0].data(), o[1].data(), qo, ko, vo, s, scale);
+                           (void)q, (void)kv;
+                         }));
+  auto out = std::make_shared<std::vector<float>>(B * Tq * d);
+  auto lse = std::make_shared<std::vector<float>>(B * H * Tq);
+  ops::use_backend(ops::BackendKind::Ref);
+  ops::flash_attention_forward_bf16(out->data(), lse->data(), qo, ko, vo, s, scale);
+  ops::use_backend(ops::BackendKind::Cpu);
+  const auto dout = vec(B * Tq * d, seed + 4);
+  const int64_t lddq = d + 2, lddk = d + 3;
+  cs.push_back(make_case(
+      OP(flash_attention_backward_bf16), label,
+      {{"dq", vec(B * Tq * lddq, seed + 5)},
+       {"dk", vec(B * Tk * lddk, seed + 6)},
+       {"dv", vec(B * Tk * lddk, seed + 7)}},
+      [=](auto fn, Outs& o) {
+        fn(AttnGrad{o[0].data(), lddq, Tq * lddq}, AttnGrad{o[1].data(), lddk, Tk * lddk},
+           AttnGrad{o[2].data(), lddk, Tk * lddk}, dout.data(), out->data(), lse->data(), qo, ko,
+           vo, s, scale);
+        (void)q, (void)kv;
+      }));
+}
+
 void add_gelu(std::vector<Case>& cs, int64_t n, uint64_t seed) {
   const auto x = vec(n, seed, 3.0f), dy = vec(n, seed + 1);
   const std::string label = fmt::format("n={}", n);
@@ -564,6 +617,11 @@ std::vector<Case> all_cases() {
   add_attention(cs, 2, 5, 33, 3, 4, false, seed += 10);     // queries behind an offset
   add_attention(cs, 1, 1, 33, 2, 7, false, seed += 10);     // one decoding step
   add_attention(cs, 1, 130, 131, 1, 3, false, seed += 10);  // offset 1, two row blocks
+  add_attention_bf16(cs, 2, 7, 7, 3, 5, false, seed += 10);
+  add_attention_bf16(cs, 2, 131, 131, 2, 5, false, seed += 10);  // two row blocks
+  add_attention_bf16(cs, 2, 33, 33, 1, 7, true, seed += 10);
+  add_attention_bf16(cs, 2, 5, 33, 3, 4, false, seed += 10);     // queries behind an offset
+  add_attention_bf16(cs, 1, 130, 131, 1, 3, false, seed += 10);  // offset 1, two row blocks
   for (int64_t n : {1, 7, 33, 131, 4097}) add_gelu(cs, n, seed += 10);
   for (bool grad : {false, true}) {
     add_xent(cs, 1, 1, grad, seed += 10);
@@ -605,11 +663,12 @@ TEST(Ops, EveryOpOfTheFrontHasACase) {
        {"gemm", "linear_forward", "linear_backward", "gemm_bf16", "linear_forward_bf16",
         "linear_backward_bf16", "column_sum_accumulate", "layernorm_forward",
         "layernorm_backward", "attention_forward", "attention_backward",
-        "flash_attention_forward", "flash_attention_backward", "fast_gelu_forward",
+        "flash_attention_forward", "flash_attention_backward", "flash_attention_forward_bf16",
+        "flash_attention_backward_bf16", "fast_gelu_forward",
         "fast_gelu_backward", "softmax_xent", "embedding_forward", "embedding_backward",
         "adam_step", "copy", "fill", "add_into", "gather_rows", "scatter_rows"})
     EXPECT_TRUE(seen.count(op)) << op;
-  EXPECT_EQ(seen.size(), 24u);
+  EXPECT_EQ(seen.size(), 26u);
 }
 
 // cpu vs ref, element by element. Prints, per op, how far below its tolerance the worst

@@ -79,6 +79,13 @@ struct Backend {
   void (*flash_attention_backward)(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
                                    const float* out, const float* lse, AttnOperand q,
                                    AttnOperand k, AttnOperand v, AttnShape s, float scale);
+  // The flash pair with every product on bf16 inputs (fp32 accumulation; softmax, lse and dS
+  // in fp32, the probabilities and dS rounded to bf16 for the products that read them).
+  void (*flash_attention_forward_bf16)(float* out, float* lse, AttnOperand q, AttnOperand k,
+                                       AttnOperand v, AttnShape s, float scale);
+  void (*flash_attention_backward_bf16)(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                                        const float* out, const float* lse, AttnOperand q,
+                                        AttnOperand k, AttnOperand v, AttnShape s, float scale);
   void (*fast_gelu_forward)(float* y, const float* x, int64_t n);
   void (*fast_gelu_backward)(float* dx, const float* dy, const float* x, int64_t n);
   void (*softmax_xent)(float* logits, float* loss, const int32_t* targets,
@@ -91,6 +98,12 @@ struct Backend {
   // ---- optimizer (kernels/types.h states the formula) ----
   void (*adam_step)(float* w, float* m, float* v, const float* g, int64_t n,
                     const AdamStepArgs& a);
+
+  // ---- bf16 weight copies (null in a backend that converts nothing ahead) ----
+  // Registers [p, p + n) as unchanged until the next clear: the *_bf16 ops may convert it to
+  // bf16 once and reuse the copy (kernels/cpu/bf16_matmul.h).
+  void (*bf16_mirror_add)(const float* p, int64_t n);
+  void (*bf16_mirror_clear)();
 
   // ---- data movement on activations ----
   void (*copy)(float* dst, const float* src, int64_t n);    // dst = src (no overlap)
@@ -116,9 +129,9 @@ void use_backend(std::string_view name);
 // Installs any table (tests: a cpu backend with one op perturbed). `b` must outlive its use.
 void use_backend(const Backend& b);
 
-// The precision of gemm, linear_forward and linear_backward below (train.precision): Bf16
-// sends them to the backend's *_bf16 ops. Attention's internal products, softmax, LayerNorm,
-// the loss and the optimizer stay fp32. Set once at start-up, like the backend.
+// The precision of gemm, linear_forward, linear_backward and the flash attention pair below
+// (train.precision): Bf16 sends them to the backend's *_bf16 ops. Softmax, LayerNorm, the loss
+// and the optimizer stay fp32. Set once at start-up, like the backend.
 void use_precision(Precision p);
 void use_precision(std::string_view name);  // "fp32" or "bf16"; throws sigma::Error otherwise
 Precision precision();
@@ -190,12 +203,33 @@ inline void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const floa
 }
 inline void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand k,
                                     AttnOperand v, AttnShape s, float scale) {
-  detail::active->flash_attention_forward(out, lse, q, k, v, s, scale);
+  (detail::bf16() ? detail::active->flash_attention_forward_bf16
+                  : detail::active->flash_attention_forward)(out, lse, q, k, v, s, scale);
 }
 inline void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
                                      const float* out, const float* lse, AttnOperand q,
                                      AttnOperand k, AttnOperand v, AttnShape s, float scale) {
-  detail::active->flash_attention_backward(dq, dk, dv, dout, out, lse, q, k, v, s, scale);
+  (detail::bf16() ? detail::active->flash_attention_backward_bf16
+                  : detail::active->flash_attention_backward)(dq, dk, dv, dout, out, lse, q, k,
+                                                              v, s, scale);
+}
+// The bf16 pair by name, whatever the precision (tests, benchmarks).
+inline void flash_attention_forward_bf16(float* out, float* lse, AttnOperand q, AttnOperand k,
+                                         AttnOperand v, AttnShape s, float scale) {
+  detail::active->flash_attention_forward_bf16(out, lse, q, k, v, s, scale);
+}
+inline void flash_attention_backward_bf16(AttnGrad dq, AttnGrad dk, AttnGrad dv,
+                                          const float* dout, const float* out, const float* lse,
+                                          AttnOperand q, AttnOperand k, AttnOperand v,
+                                          AttnShape s, float scale) {
+  detail::active->flash_attention_backward_bf16(dq, dk, dv, dout, out, lse, q, k, v, s, scale);
+}
+// bf16 copies of weights: a no-op for a backend without them.
+inline void bf16_mirror_add(const float* p, int64_t n) {
+  if (detail::active->bf16_mirror_add) detail::active->bf16_mirror_add(p, n);
+}
+inline void bf16_mirror_clear() {
+  if (detail::active->bf16_mirror_clear) detail::active->bf16_mirror_clear();
 }
 inline void fast_gelu_forward(float* y, const float* x, int64_t n) {
   detail::active->fast_gelu_forward(y, x, n);

@@ -308,6 +308,7 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
   check_batch(batch);
   a.ensure(cfg_, B, T, remat_);
   check_routing_ready();
+  mirror_weights(loss_weight != nullptr);
   embed(batch, a, nullptr);
   aux_loss_ = 0;
   a.weight_sum = 0;
@@ -345,6 +346,7 @@ void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, f
   }
   a.ensure(cfg_, B, T);
   check_routing_ready();
+  mirror_weights(false);
   embed(batch, a, start.data());
   aux_loss_ = 0;
   a.weight_sum = 0;
@@ -385,6 +387,26 @@ void Model::backward(const Batch& batch, Activations& a) {
   }
   ops::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.f(), a.rows.data(), batch.B,
                           batch.T, cfg_.d_model);
+  ops::bf16_mirror_clear();  // the optimizer changes the weights next
+}
+
+// In bf16, a training forward's GEMMs and its backward's read each weight converted once
+// (ops::bf16_mirror_add) instead of once per product. The copies live from here to the end of
+// backward(), and every forward drops the previous ones first, so none outlives a change of
+// the weights. Only the model's own tensors: experts bound from a store are not registered.
+// (head() adds dL/dlogits the same way.)
+void Model::mirror_weights(bool training) {
+  ops::bf16_mirror_clear();
+  mirrored_ = training && ops::precision() == ops::Precision::Bf16;
+  if (!mirrored_) return;
+  for (const Param& p : params_.all()) ops::bf16_mirror_add(p.value.f(), p.value.numel());
+}
+
+// The same for an activation that a forward product and its backward's weight gradient both
+// read, when it has its own buffer from forward to backward (remat = none). Registered before
+// the product that first reads it, once whatever writes it has finished (conversion is lazy).
+void Model::mirror(const Activations& a, float* p, int64_t n) const {
+  if (mirrored_ && a.remat == Remat::None) ops::bf16_mirror_add(p, n);
 }
 
 // With a cache, batch row b's T positions follow its cache row's cached ones (cached_attention).
@@ -398,6 +420,7 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   const float* x = acts.blocks[size_t(l)].x.f();
 
   ops::layernorm_forward(k.a1.f(), k.mean1.f(), k.rstd1.f(), x, w.ln1_w.v, w.ln1_b.v, N, d);
+  if (!cache && !recompute) mirror(acts, k.a1.f(), N * d);
   ops::AttnOperand q;
   if (!query_layer) {
     ops::linear_forward(k.qkv.f(), k.a1.f(), w.qkv_w.v, w.qkv_b.v, N, d, 3 * d);
@@ -429,10 +452,15 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
                                  {k.qkv.f() + 2 * d, 3 * d, T * 3 * d}, {B, T, T, cfg_.heads, hd},
                                  1.0f / std::sqrt(float(hd)));
   }
+  if (!cache && !recompute) mirror(acts, att, N * d);
   ops::copy(k.mid.f(), x, N * d);
   ops::linear_forward(k.mid.f(), att, w.out_w.v, w.out_b.v, N, d, d, true);
   ops::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,
                          d);
+  if (!cache && !recompute) {
+    mirror(acts, k.a2.f(), N * d);
+    if (!w.is_rre()) mirror(acts, k.act.f(), N * f);  // written whole by FastGelu, then read
+  }
   float* out = (l + 1 < cfg_.layers) ? acts.blocks[size_t(l) + 1].x.f() : acts.h_final.f();
   ops::copy(out, k.mid.f(), N * d);
   if (!w.is_rre())
@@ -496,6 +524,9 @@ void Model::head(const Batch& batch, Activations& a, float* token_loss,
   });
   ops::softmax_xent(a.logits.f(), token_loss, batch.targets.data(), loss_weight, N, V);
   a.has_grad = loss_weight != nullptr;
+  // dL/dlogits feeds both products of head_backward: in bf16, converted once for the two.
+  if (a.has_grad && ops::precision() == ops::Precision::Bf16)
+    ops::bf16_mirror_add(a.logits.f(), N * V);
 }
 
 // From dL/dlogits to dL/dh of the last block's output, in a.dh.

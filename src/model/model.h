@@ -140,6 +140,8 @@ class Model {
  private:
   // first_pos[b]: position of row b's first token (null = 0 for every row).
   void embed(const Batch& b, Activations& a, const int* first_pos);
+  void mirror_weights(bool training);
+  void mirror(const Activations& a, float* p, int64_t n) const;
   // recompute: a rerun under Remat::Blocks (load and auxiliary loss are not counted again).
   // With a cache, cache_rows[b] is batch row b's cache row (see forward_cached).
   void block_forward(int l, const Batch& b, Activations& a, KvCache* cache,
@@ -155,6 +157,7 @@ class Model {
   ModelConfig cfg_;
   uint64_t seed_;
   bool external_experts_;
+  bool mirrored_ = false;  // this forward registered bf16 copies (mirror_weights)
   ParamSet params_;
   BufferSet buffers_;
   std::vector<int> domain_group_;        // [domains]

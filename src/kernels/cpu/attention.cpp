@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/vexp.h"
 
@@ -174,6 +175,151 @@ void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float
              dk.p + b * dk.bs + h * hd, dk.ld);
         gemm(true, false, keys, hd, m, 1.0f, P.data(), Tk, dob + i0 * d, d, 1.0f,
              dv.p + b * dv.bs + h * hd, dv.ld);
+      }
+    }
+  }
+}
+
+}  // namespace sigma::cpu
+
+// ---- bf16 products (train.precision = bf16) ----
+namespace sigma::cpu {
+
+namespace {
+// An attention operand converted to bf16, head-major: head h of batch b is the dense matrix
+// [rows, hd] at p + (b * H + h) * hs (b = 0 only when the operand is shared, bs = 0). Dense
+// per-head operands let oneDNN run its brgemm kernels.
+struct Bf16Operand {
+  const uint16_t* p;
+  int64_t hs, shared;
+  Bf16View head(int64_t b, int64_t h, int64_t H, int64_t hd) const {
+    return {p + ((shared ? 0 : b) * H + h) * hs, hd};
+  }
+};
+
+// Converted operands live in the calling thread's buffers (read by every thread of the call);
+// the per-block score and probability tiles in each worker's own. Kept between calls: a fresh
+// allocation of this size costs page faults every call.
+struct AttnBf16Scratch {
+  std::vector<uint16_t> q, k, v, dout;    // operands (calling thread)
+  std::vector<float> S, dS;              // [kRowBlock, keys] fp32 tiles (worker)
+  std::vector<uint16_t> Pb, dSb;         // their bf16 roundings (worker)
+};
+thread_local AttnBf16Scratch t_attn;
+
+Bf16Operand convert(const float* p, int64_t ld, int64_t bs, int64_t B, int64_t rows, int64_t H,
+                    int64_t hd, std::vector<uint16_t>& buf) {
+  const int64_t nb = bs == 0 ? 1 : B;
+  buf.resize(size_t(nb * H * rows * hd));
+#pragma omp parallel for collapse(2) schedule(static) if (nb * H * rows * hd > (1 << 16))
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < rows; ++r)
+        row_to_bf16(buf.data() + ((b * H + h) * rows + r) * hd, p + b * bs + r * ld + h * hd, hd);
+  return {buf.data(), rows * hd, bs == 0};
+}
+
+void ensure_tiles(AttnBf16Scratch& t, int64_t Tk) {
+  const size_t n = size_t(kRowBlock * Tk);
+  if (t.S.size() < n) t.S.resize(n), t.dS.resize(n), t.Pb.resize(n), t.dSb.resize(n);
+}
+
+// S = scale * q k^T for query rows [i0, i1) of one (b, h), over the keys they see.
+void block_scores_bf16(float* S, int64_t ld, Bf16View q, Bf16View k, int64_t i0, int64_t i1,
+                       int64_t off, int64_t hd, float scale) {
+  matmul_bf16(false, true, i1 - i0, off + i1, hd, scale, {q.p + i0 * q.ld, q.ld}, k, 0.0f, S, ld);
+}
+}  // namespace
+
+// The same blocks as flash_attention_forward; the two products read bf16 operands (q, k, v
+// converted once per call, the probabilities per row after the fp32 softmax).
+void flash_attention_forward_bf16(float* out, float* lse, AttnOperand q, AttnOperand k,
+                                  AttnOperand v, AttnShape s, float scale) {
+  check_shape(s);
+  const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, H = s.H, hd = s.hd, d = H * hd;
+  const int64_t blocks = (Tq + kRowBlock - 1) / kRowBlock;
+  AttnBf16Scratch& own = t_attn;
+  const Bf16Operand qb = convert(q.p, q.ld, q.bs, s.B, Tq, H, hd, own.q),
+                    kb = convert(k.p, k.ld, k.bs, s.B, Tk, H, hd, own.k),
+                    vb = convert(v.p, v.ld, v.bs, s.B, Tk, H, hd, own.v);
+#pragma omp parallel
+  {
+    AttnBf16Scratch& t = t_attn;
+    ensure_tiles(t, Tk);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < s.B * H * blocks; ++task) {
+      const int64_t bh = task / blocks, b = bh / H, h = bh % H;
+      const int64_t i0 = (task % blocks) * kRowBlock, i1 = std::min(Tq, i0 + kRowBlock);
+      const int64_t keys = off + i1;  // the tiles' row stride
+      block_scores_bf16(t.S.data(), keys, qb.head(b, h, H, hd), kb.head(b, h, H, hd), i0, i1,
+                        off, hd, scale);
+      for (int64_t i = i0; i < i1; ++i) {
+        float* row = t.S.data() + (i - i0) * keys;
+        uint16_t* prow = t.Pb.data() + (i - i0) * keys;
+        const int64_t n = off + i + 1;
+        const float mx = max_of(row, n), sum = exp_shift_sum(row, n, mx);
+        scale_into(row, row, n, 1.0f / sum);
+        row_to_bf16(prow, row, n);
+        std::fill(prow + n, prow + keys, uint16_t(0));
+        lse[bh * Tq + i] = mx + std::log(sum);
+      }
+      matmul_bf16(false, false, i1 - i0, hd, keys, 1.0f, {t.Pb.data(), keys},
+                  vb.head(b, h, H, hd), 0.0f, out + (b * Tq + i0) * d + h * hd, d);
+    }
+  }
+}
+
+// As flash_attention_backward: P from the saved lse, dS = scale * P * (dP - <dO_i, O_i>) in
+// fp32; the five products read bf16 (q, k, v, dO converted once per call; P and dS per row).
+void flash_attention_backward_bf16(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                                   const float* out, const float* lse, AttnOperand q,
+                                   AttnOperand k, AttnOperand v, AttnShape s, float scale) {
+  check_shape(s);
+  SIGMA_CHECK(s.B == 1 || (dq.bs != 0 && dk.bs != 0 && dv.bs != 0),
+              "flash_attention_backward: gradient views need a batch stride (they are accumulated)");
+  const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, H = s.H, hd = s.hd, d = H * hd;
+  AttnBf16Scratch& own = t_attn;
+  const Bf16Operand qb = convert(q.p, q.ld, q.bs, s.B, Tq, H, hd, own.q),
+                    kb = convert(k.p, k.ld, k.bs, s.B, Tk, H, hd, own.k),
+                    vb = convert(v.p, v.ld, v.bs, s.B, Tk, H, hd, own.v),
+                    dob = convert(dout, d, Tq * d, s.B, Tq, H, hd, own.dout);
+#pragma omp parallel
+  {
+    AttnBf16Scratch& t = t_attn;
+    ensure_tiles(t, Tk);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < s.B * H; ++bh) {  // dk, dv of one (b, h): one thread's
+      const int64_t b = bh / H, h = bh % H;
+      const Bf16View qh = qb.head(b, h, H, hd), kh = kb.head(b, h, H, hd),
+                     vh = vb.head(b, h, H, hd), doh = dob.head(b, h, H, hd);
+      const float* dof = dout + b * Tq * d + h * hd;
+      const float* of = out + b * Tq * d + h * hd;
+      for (int64_t i0 = 0; i0 < Tq; i0 += kRowBlock) {
+        const int64_t i1 = std::min(Tq, i0 + kRowBlock), m = i1 - i0, keys = off + i1;
+        block_scores_bf16(t.S.data(), keys, qh, kh, i0, i1, off, hd, scale);
+        matmul_bf16(false, true, m, keys, hd, 1.0f, {doh.p + i0 * hd, hd}, vh, 0.0f,
+                    t.dS.data(), keys);
+        for (int64_t i = i0; i < i1; ++i) {
+          float* p = t.S.data() + (i - i0) * keys;
+          float* ds = t.dS.data() + (i - i0) * keys;
+          const int64_t n = off + i + 1;
+          exp_shift_sum(p, n, lse[bh * Tq + i]);  // the probabilities, from the saved lse
+          float dot = 0.0f;
+          for (int64_t c = 0; c < hd; ++c) dot += dof[i * d + c] * of[i * d + c];
+          for (int64_t j = 0; j < n; ++j) ds[j] = scale * p[j] * (ds[j] - dot);
+          uint16_t* pb = t.Pb.data() + (i - i0) * keys;
+          uint16_t* dsb = t.dSb.data() + (i - i0) * keys;
+          row_to_bf16(pb, p, n);
+          row_to_bf16(dsb, ds, n);
+          std::fill(pb + n, pb + keys, uint16_t(0));
+          std::fill(dsb + n, dsb + keys, uint16_t(0));
+        }
+        matmul_bf16(false, false, m, hd, keys, 1.0f, {t.dSb.data(), keys}, kh, 1.0f,
+                    dq.p + b * dq.bs + h * hd + i0 * dq.ld, dq.ld);
+        matmul_bf16(true, false, keys, hd, m, 1.0f, {t.dSb.data(), keys}, {qh.p + i0 * hd, hd},
+                    1.0f, dk.p + b * dk.bs + h * hd, dk.ld);
+        matmul_bf16(true, false, keys, hd, m, 1.0f, {t.Pb.data(), keys}, {doh.p + i0 * hd, hd},
+                    1.0f, dv.p + b * dv.bs + h * hd, dv.ld);
       }
     }
   }

@@ -37,4 +37,13 @@ void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float
                               const float* out, const float* lse, AttnOperand q, AttnOperand k,
                               AttnOperand v, AttnShape s, float scale);
 
+// train.precision = bf16: the same blocks and fp32 softmax, with every product on bf16 inputs
+// (fp32 accumulation): q, k, v (and dout) rounded once per call, the probabilities (and dS)
+// rounded per row after their fp32 computation. The saved lse is the fp32 softmax's.
+void flash_attention_forward_bf16(float* out, float* lse, AttnOperand q, AttnOperand k,
+                                  AttnOperand v, AttnShape s, float scale);
+void flash_attention_backward_bf16(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                                   const float* out, const float* lse, AttnOperand q,
+                                   AttnOperand k, AttnOperand v, AttnShape s, float scale);
+
 }  // namespace sigma::cpu

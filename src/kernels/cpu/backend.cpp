@@ -3,6 +3,7 @@
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/adam.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/layernorm.h"
@@ -39,12 +40,16 @@ const ops::Backend kBackend = {
     .attention_backward = &attention_backward,
     .flash_attention_forward = &flash_attention_forward,
     .flash_attention_backward = &flash_attention_backward,
+    .flash_attention_forward_bf16 = &flash_attention_forward_bf16,
+    .flash_attention_backward_bf16 = &flash_attention_backward_bf16,
     .fast_gelu_forward = &fast_gelu_forward,
     .fast_gelu_backward = &fast_gelu_backward,
     .softmax_xent = &softmax_xent,
     .embedding_forward = &embedding_forward,
     .embedding_backward = &embedding_backward,
     .adam_step = &adam_step_auto,
+    .bf16_mirror_add = &bf16_mirror_add,
+    .bf16_mirror_clear = &bf16_mirror_clear,
     .copy = &copy,
     .fill = &fill,
     .add_into = &add_into,

@@ -3,13 +3,10 @@
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
-#include <map>
-#include <oneapi/dnnl/dnnl.hpp>
-#include <tuple>
 #include <vector>
 
-#include "core/bf16.h"
 #include "core/error.h"
+#include "kernels/cpu/bf16_matmul.h"
 
 namespace sigma::cpu {
 
@@ -36,60 +33,15 @@ namespace {
 using GemmFn = void (*)(bool, bool, int64_t, int64_t, int64_t, float, const float*, int64_t,
                         const float*, int64_t, float, float*, int64_t);
 
-// oneDNN matmul primitives by shape: creating one costs far more than a small product, and a
-// training step repeats the same few dozen shapes. One cache per thread (primitives may run
-// concurrently, but the map must not be shared).
-struct MatmulKey {
-  bool ta, tb;
-  int64_t M, N, K, ldc;
-  float alpha, beta;
-  auto tie() const { return std::tie(ta, tb, M, N, K, ldc, alpha, beta); }
-  bool operator<(const MatmulKey& o) const { return tie() < o.tie(); }
-};
-
-dnnl::engine& engine() {
-  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
-  return e;
-}
-
-struct Matmul {
-  dnnl::matmul::primitive_desc pd;
-  dnnl::matmul prim;
-};
-
-Matmul make_matmul(const MatmulKey& k) {
-  using dt = dnnl::memory::data_type;
-  // The converted operands are contiguous in their stored orientation.
-  const dnnl::memory::desc a({k.M, k.K}, dt::bf16,
-                             k.ta ? dnnl::memory::dims{1, k.M} : dnnl::memory::dims{k.K, 1});
-  const dnnl::memory::desc b({k.K, k.N}, dt::bf16,
-                             k.tb ? dnnl::memory::dims{1, k.K} : dnnl::memory::dims{k.N, 1});
-  const dnnl::memory::desc c({k.M, k.N}, dt::f32, dnnl::memory::dims{k.ldc, 1});
-  dnnl::primitive_attr attr;
-  if (k.alpha != 1.0f) attr.set_output_scales(0, {k.alpha});
-  if (k.beta != 0.0f) {
-    dnnl::post_ops po;
-    po.append_sum(k.beta);
-    attr.set_post_ops(po);
-  }
-  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, engine());
-  return {pd, dnnl::matmul(pd)};
-}
-
+// Per-thread conversion scratch of the bf16 ops: one buffer per operand role.
 struct Bf16Scratch {
-  std::vector<uint16_t> a, b;
-  std::map<MatmulKey, Matmul> matmuls;
+  std::vector<uint16_t> a, b, dy;
 };
 thread_local Bf16Scratch t_scratch;
 }  // namespace
 
 void to_bf16(uint16_t* dst, const float* src, int64_t rows, int64_t cols, int64_t ld) {
-#pragma omp parallel for schedule(static) if (rows * cols > (1 << 16))
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* s = src + i * ld;
-    uint16_t* d = dst + i * cols;
-    for (int64_t j = 0; j < cols; ++j) d[j] = sigma::to_bf16(s[j]);
-  }
+  to_bf16(dst, cols, src, ld, rows, cols);
 }
 
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
@@ -97,19 +49,9 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_c(M, N, beta, C, ldc);
   Bf16Scratch& s = t_scratch;
-  s.a.resize(size_t(M * K));
-  s.b.resize(size_t(K * N));
-  to_bf16(s.a.data(), A, ta ? K : M, ta ? M : K, lda);
-  to_bf16(s.b.data(), B, tb ? N : K, tb ? K : N, ldb);
-  const MatmulKey key{ta, tb, M, N, K, ldc, alpha, beta};
-  auto it = s.matmuls.find(key);
-  if (it == s.matmuls.end()) it = s.matmuls.emplace(key, make_matmul(key)).first;
-  const dnnl::matmul::primitive_desc& pd = it->second.pd;
-  dnnl::memory am(pd.src_desc(), engine(), s.a.data()), bm(pd.weights_desc(), engine(), s.b.data()),
-      cm(pd.dst_desc(), engine(), C);
-  dnnl::stream st(engine());
-  it->second.prim.execute(st, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
-  st.wait();
+  const Bf16View a = bf16_operand(A, ta ? K : M, ta ? M : K, lda, s.a);
+  const Bf16View b = bf16_operand(B, tb ? N : K, tb ? K : N, ldb, s.b);
+  matmul_bf16(ta, tb, M, N, K, alpha, a, b, beta, C, ldc);
 }
 
 namespace {
@@ -149,13 +91,27 @@ void linear_backward(float* dx, float* dw, float* db, const float* dy, const flo
                      const float* w, int64_t N, int64_t in, int64_t out, Strides ld) {
   linear_backward_with(&gemm, dx, dw, db, dy, x, w, N, in, out, ld);
 }
+// The bias rides in the product (no separate pass over y): y = x w + b (+ y).
 void linear_forward_bf16(float* y, const float* x, const float* w, const float* b, int64_t N,
                          int64_t in, int64_t out, bool accumulate, Strides ld) {
-  linear_forward_with(&gemm_bf16, y, x, w, b, N, in, out, accumulate, ld);
+  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
+  if (in == 0 || N == 0) return linear_forward_with(&gemm_bf16, y, x, w, b, N, in, out, accumulate, ld);
+  Bf16Scratch& s = t_scratch;
+  matmul_bf16(false, false, N, out, in, 1.0f, bf16_operand(x, N, in, ldx, s.a),
+              bf16_operand(w, in, out, ldw, s.b), accumulate ? 1.0f : 0.0f, y, ldy, b);
 }
+// dy is read by both products: converted once.
 void linear_backward_bf16(float* dx, float* dw, float* db, const float* dy, const float* x,
                           const float* w, int64_t N, int64_t in, int64_t out, Strides ld) {
-  linear_backward_with(&gemm_bf16, dx, dw, db, dy, x, w, N, in, out, ld);
+  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
+  if (N == 0) return;
+  Bf16Scratch& s = t_scratch;
+  const Bf16View dyb = bf16_operand(dy, N, out, ldy, s.dy);
+  if (dx)
+    matmul_bf16(false, true, N, in, out, 1.0f, dyb, bf16_operand(w, in, out, ldw, s.b), 1.0f, dx,
+                ldx);
+  matmul_bf16(true, false, in, out, N, 1.0f, bf16_operand(x, N, in, ldx, s.a), dyb, 1.0f, dw, ldw);
+  if (db) column_sum_accumulate(db, dy, N, out, ldy);
 }
 
 void column_sum_accumulate(float* db, const float* dy, int64_t N, int64_t C, int64_t ld) {

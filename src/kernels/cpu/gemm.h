@@ -27,8 +27,9 @@ void linear_backward(float* dx, float* dw, float* db, const float* dy, const flo
                      const float* w, int64_t N, int64_t in, int64_t out, Strides ld = {});
 
 // The bf16 variants (kernels/ops.h): both GEMM inputs rounded to bf16, fp32 accumulation, on
-// oneDNN's bf16 matmul (avx512_bf16 dot products where the CPU has them). Each call converts
-// its operands into per-thread scratch: ~2-8 % of the product's time at the benchmark's shapes.
+// oneDNN's bf16 matmul (kernels/cpu/bf16_matmul.h). An operand inside a registered bf16 mirror
+// (the model's weights during a training step) is read from its copy; any other is converted
+// into per-thread scratch per call (linear_backward_bf16 converts dy once for both products).
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                int64_t ldc);

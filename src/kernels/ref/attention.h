@@ -5,10 +5,26 @@
 #include <algorithm>
 #include <vector>
 
+#include "core/bf16.h"
 #include "core/error.h"
 #include "kernels/ref/io.h"
 
 namespace sigma::ref {
+
+// The bf16 variants read every product's input rounded to bf16: an fp32 input through
+// round_bf16, a computed value (probabilities, dS) through bf16_rounded, which the op tests
+// overload for their error-bound type (found by argument-dependent lookup).
+inline double bf16_rounded(double x) { return round_bf16(float(x)); }
+template <bool Bf16>
+inline float attn_in(float x) {
+  if constexpr (Bf16) return round_bf16(x);
+  return x;
+}
+template <bool Bf16, class T>
+T attn_computed(const T& x) {
+  if constexpr (Bf16) return bf16_rounded(x);
+  return x;
+}
 
 inline void check_attention(const AttnShape& s) {
   SIGMA_CHECK(s.Tq >= 0 && s.Tq <= s.Tk && s.hd > 0 && s.H > 0,
@@ -19,7 +35,7 @@ inline void check_attention(const AttnShape& s) {
 // out[b,i,h] = sum_j P[i,j] v[j,h],  P[i,:] = softmax_j<=p(scale * q[i,h] . k[j,h]); saves
 // probs (attention_forward) or each row's lse = log sum_j<=p exp(scale q.k_j) (the flash
 // variant), whichever pointer is not null.
-template <class T>
+template <class T, bool Bf16 = false>
 void attention_rows(float* out, float* probs, float* lse, AttnOperand q, AttnOperand k,
                     AttnOperand v, AttnShape s, float scale) {
   using std::exp;
@@ -37,7 +53,7 @@ void attention_rows(float* out, float* probs, float* lse, AttnOperand q, AttnOpe
         for (int64_t j = 0; j <= last; ++j) {
           const float* kj = k.p + b * k.bs + j * k.ld + h * hd;
           T dot = 0;
-          for (int64_t c = 0; c < hd; ++c) dot += T(qi[c]) * T(kj[c]);
+          for (int64_t c = 0; c < hd; ++c) dot += T(attn_in<Bf16>(qi[c])) * T(attn_in<Bf16>(kj[c]));
           S[size_t(j)] = T(scale) * dot;
           if (j == 0 || S[size_t(j)] > mx) mx = S[size_t(j)];
         }
@@ -54,7 +70,8 @@ void attention_rows(float* out, float* probs, float* lse, AttnOperand q, AttnOpe
         for (int64_t c = 0; c < hd; ++c) {
           T o = 0;
           for (int64_t j = 0; j <= last; ++j)
-            o += S[size_t(j)] * T(v.p[b * v.bs + j * v.ld + h * hd + c]);
+            o += attn_computed<Bf16>(S[size_t(j)]) *
+                 T(attn_in<Bf16>(v.p[b * v.bs + j * v.ld + h * hd + c]));
           store<T>(out + (b * Tq + i) * d + h * hd + c, o);
         }
       }
@@ -70,12 +87,17 @@ void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand 
                              AttnShape s, float scale) {
   attention_rows<T>(out, nullptr, lse, q, k, v, s, scale);
 }
+template <class T>
+void flash_attention_forward_bf16(float* out, float* lse, AttnOperand q, AttnOperand k,
+                                  AttnOperand v, AttnShape s, float scale) {
+  attention_rows<T, true>(out, nullptr, lse, q, k, v, s, scale);
+}
 
 // With P the saved probs (or exp(scale q_i.k_j - lse_i) from the saved lse) and O the output:
 //   dP = dO v^T,  dS = scale * P * (dP - <dO_i, O_i>),
 //   dq += dS k,  dk += dS^T q,  dv += P^T dO   (accumulated).
 // Gradient views must not alias across batches (bs != 0 when B > 1).
-template <class T>
+template <class T, bool Bf16 = false>
 void attention_grads(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout, const float* out,
                      const float* probs, const float* lse, AttnOperand q, AttnOperand k,
                      AttnOperand v, AttnShape s, float scale) {
@@ -99,7 +121,8 @@ void attention_grads(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout, c
           }
           T dot = 0;
           for (int64_t c = 0; c < hd; ++c)
-            dot += T(q.p[b * q.bs + i * q.ld + h * hd + c]) * T(k.p[b * k.bs + j * k.ld + h * hd + c]);
+            dot += T(attn_in<Bf16>(q.p[b * q.bs + i * q.ld + h * hd + c])) *
+                   T(attn_in<Bf16>(k.p[b * k.bs + j * k.ld + h * hd + c]));
           P[size_t(i * Tk + j)] = exp(T(scale) * dot - T(lse[(b * s.H + h) * Tq + i]));
         }
       for (int64_t i = 0; i < Tq; ++i) {
@@ -112,7 +135,8 @@ void attention_grads(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout, c
           if (j <= off + i) {
             T dp = 0;
             for (int64_t c = 0; c < hd; ++c)
-              dp += T(doi[c]) * T(v.p[b * v.bs + j * v.ld + h * hd + c]);
+              dp += T(attn_in<Bf16>(doi[c])) *
+                    T(attn_in<Bf16>(v.p[b * v.bs + j * v.ld + h * hd + c]));
             ds = T(scale) * P[size_t(i * Tk + j)] * (dp - dot);
           }
           dS[size_t(i * Tk + j)] = ds;
@@ -122,15 +146,18 @@ void attention_grads(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout, c
         for (int64_t c = 0; c < hd; ++c) {
           T a = T(*at(dq, i, c));
           for (int64_t j = 0; j <= off + i; ++j)
-            a += dS[size_t(i * Tk + j)] * T(k.p[b * k.bs + j * k.ld + h * hd + c]);
+            a += attn_computed<Bf16>(dS[size_t(i * Tk + j)]) *
+                 T(attn_in<Bf16>(k.p[b * k.bs + j * k.ld + h * hd + c]));
           gq[size_t(i * hd + c)] = a;
         }
       for (int64_t j = 0; j < Tk; ++j)
         for (int64_t c = 0; c < hd; ++c) {
           T ak = T(*at(dk, j, c)), av = T(*at(dv, j, c));
           for (int64_t i = std::max<int64_t>(0, j - off); i < Tq; ++i) {
-            ak += dS[size_t(i * Tk + j)] * T(q.p[b * q.bs + i * q.ld + h * hd + c]);
-            av += P[size_t(i * Tk + j)] * T(dout[(b * Tq + i) * d + h * hd + c]);
+            ak += attn_computed<Bf16>(dS[size_t(i * Tk + j)]) *
+                  T(attn_in<Bf16>(q.p[b * q.bs + i * q.ld + h * hd + c]));
+            av += attn_computed<Bf16>(P[size_t(i * Tk + j)]) *
+                  T(attn_in<Bf16>(dout[(b * Tq + i) * d + h * hd + c]));
           }
           gk[size_t(j * hd + c)] = ak;
           gv[size_t(j * hd + c)] = av;
@@ -156,6 +183,13 @@ void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float
                               const float* out, const float* lse, AttnOperand q, AttnOperand k,
                               AttnOperand v, AttnShape s, float scale) {
   attention_grads<T>(dq, dk, dv, dout, out, nullptr, lse, q, k, v, s, scale);
+}
+
+template <class T>
+void flash_attention_backward_bf16(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
+                                   const float* out, const float* lse, AttnOperand q,
+                                   AttnOperand k, AttnOperand v, AttnShape s, float scale) {
+  attention_grads<T, true>(dq, dk, dv, dout, out, nullptr, lse, q, k, v, s, scale);
 }
 
 }  // namespace sigma::ref

@@ -1,0 +1,209 @@
+#include "kernels/cpu/bf16_matmul.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <tuple>
+#include <unordered_map>
+
+#include "core/bf16.h"
+#include "core/error.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// GCC 12 reports its own _mm512_undefined_*() in the intrinsic headers as maybe-uninitialized
+// (GCC bug 105593, as in adam.cpp); the values are never read.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
+
+namespace sigma::cpu {
+
+namespace {
+
+// oneDNN matmul primitives by shape and strides: creating one costs far more than a small
+// product, and a training step repeats the same few dozen shapes. One cache per thread
+// (primitives may run concurrently, but the map must not be shared).
+struct MatmulKey {
+  bool ta, tb, bias;
+  int64_t M, N, K, lda, ldb, ldc;
+  float alpha, beta;
+  auto tie() const { return std::tie(ta, tb, bias, M, N, K, lda, ldb, ldc, alpha, beta); }
+  bool operator<(const MatmulKey& o) const { return tie() < o.tie(); }
+};
+
+dnnl::engine& engine() {
+  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+
+struct Matmul {
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul prim;
+};
+
+Matmul make_matmul(const MatmulKey& k) {
+  using dt = dnnl::memory::data_type;
+  using dims = dnnl::memory::dims;
+  // Logical A[M,K], B[K,N]; a transposed operand is stored the other way round.
+  const dnnl::memory::desc a({k.M, k.K}, dt::bf16, k.ta ? dims{1, k.lda} : dims{k.lda, 1});
+  const dnnl::memory::desc b({k.K, k.N}, dt::bf16, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1});
+  const dnnl::memory::desc c({k.M, k.N}, dt::f32, dims{k.ldc, 1});
+  dnnl::primitive_attr attr;
+  if (k.alpha != 1.0f) attr.set_output_scales(0, {k.alpha});
+  if (k.beta != 0.0f) {
+    dnnl::post_ops po;
+    po.append_sum(k.beta);
+    attr.set_post_ops(po);
+  }
+  const dnnl::matmul::desc desc =
+      k.bias ? dnnl::matmul::desc(a, b, dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1}), c)
+             : dnnl::matmul::desc(a, b, c);
+  dnnl::matmul::primitive_desc pd(desc, attr, engine());
+  return {pd, dnnl::matmul(pd)};
+}
+
+struct ThreadMatmuls {
+  std::map<MatmulKey, Matmul> cache;
+  dnnl::stream stream{engine()};
+};
+thread_local ThreadMatmuls t_matmuls;
+
+// C = beta * C for an empty sum (K = 0): BLAS semantics, which oneDNN skips.
+void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+}
+
+// One row: sigma::to_bf16 on 16 lanes at a time (the same integer rounding, so the same bits).
+void row_to_bf16_impl(uint16_t* d, const float* s, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1),
+                quiet = _mm512_set1_epi32(0x0040);
+  for (; j + 16 <= n; j += 16) {
+    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(s + j));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, abs_mask), inf);
+    const __m512i top = _mm512_srli_epi32(b, 16);
+    const __m512i odd = _mm512_and_si512(top, one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(half, odd)), 16);
+    r = _mm512_mask_or_epi32(r, nan, top, quiet);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), _mm512_cvtepi32_epi16(r));
+  }
+#endif
+  for (; j < n; ++j) d[j] = sigma::to_bf16(s[j]);
+}
+
+// ---- the mirror ----
+struct Mirror {
+  const float* p;
+  int64_t n;
+  std::vector<uint16_t> data;
+  std::once_flag converted;
+};
+struct MirrorSet {
+  std::vector<std::unique_ptr<Mirror>> live;   // sorted by p
+  std::map<std::pair<const float*, int64_t>, std::vector<uint16_t>> spare;  // buffers to reuse
+  std::atomic<int64_t> conversions{0};
+};
+MirrorSet& mirrors() {
+  static MirrorSet m;
+  return m;
+}
+
+// The live mirror holding [src, src + extent), or null.
+Mirror* find_mirror(const float* src, int64_t extent) {
+  auto& live = mirrors().live;
+  if (live.empty()) return nullptr;
+  auto it = std::upper_bound(live.begin(), live.end(), src,
+                             [](const float* p, const std::unique_ptr<Mirror>& m) { return p < m->p; });
+  if (it == live.begin()) return nullptr;
+  Mirror* m = (--it)->get();
+  return src + extent <= m->p + m->n ? m : nullptr;
+}
+
+}  // namespace
+
+void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16View A,
+                 Bf16View B, float beta, float* C, int64_t ldc, const float* bias) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) return scale_c(M, N, beta, C, ldc);
+  ThreadMatmuls& t = t_matmuls;
+  const MatmulKey key{ta, tb, bias != nullptr, M, N, K, A.ld, B.ld, ldc, alpha, beta};
+  auto it = t.cache.find(key);
+  if (it == t.cache.end()) it = t.cache.emplace(key, make_matmul(key)).first;
+  const dnnl::matmul::primitive_desc& pd = it->second.pd;
+  dnnl::memory am(pd.src_desc(), engine(), const_cast<uint16_t*>(A.p)),
+      bm(pd.weights_desc(), engine(), const_cast<uint16_t*>(B.p)), cm(pd.dst_desc(), engine(), C);
+  std::unordered_map<int, dnnl::memory> args{
+      {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (bias)
+    args[DNNL_ARG_BIAS] = dnnl::memory(pd.bias_desc(), engine(), const_cast<float*>(bias));
+  it->second.prim.execute(t.stream, args);
+  t.stream.wait();
+}
+
+void to_bf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows,
+             int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows * cols > (1 << 16) && !omp_in_parallel())
+  for (int64_t i = 0; i < rows; ++i) row_to_bf16_impl(dst + i * ldd, src + i * lds, cols);
+}
+
+Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
+                      std::vector<uint16_t>& buf) {
+  if (rows > 0 && cols > 0) {
+    if (Mirror* m = find_mirror(src, (rows - 1) * ld + cols)) {
+      std::call_once(m->converted, [m] {
+        to_bf16(m->data.data(), m->n, m->p, m->n, 1, m->n);
+        mirrors().conversions.fetch_add(1);
+      });
+      return {m->data.data() + (src - m->p), ld};
+    }
+  }
+  buf.resize(size_t(rows * cols));
+  to_bf16(buf.data(), cols, src, ld, rows, cols);
+  return {buf.data(), cols};
+}
+
+void bf16_mirror_add(const float* p, int64_t n) {
+  if (n <= 0) return;
+  MirrorSet& ms = mirrors();
+  auto m = std::make_unique<Mirror>();
+  m->p = p;
+  m->n = n;
+  auto sp = ms.spare.find({p, n});
+  if (sp != ms.spare.end()) {
+    m->data = std::move(sp->second);
+    ms.spare.erase(sp);
+  } else {
+    m->data.resize(size_t(n));
+  }
+  auto at = std::lower_bound(ms.live.begin(), ms.live.end(), p,
+                             [](const std::unique_ptr<Mirror>& x, const float* q) { return x->p < q; });
+  // An overlapping range is left out: its products convert per call, as unregistered ones do.
+  if (at != ms.live.end() && (*at)->p < p + n) return;
+  if (at != ms.live.begin() && (*(at - 1))->p + (*(at - 1))->n > p) return;
+  ms.live.insert(at, std::move(m));
+}
+
+void bf16_mirror_clear() {
+  MirrorSet& ms = mirrors();
+  if (ms.live.empty()) return;  // nothing registered since the last clear: keep the spares
+  // Buffers of this registration become the spares of the next (unused spares are freed).
+  ms.spare.clear();
+  for (auto& m : ms.live) ms.spare[{m->p, m->n}] = std::move(m->data);
+  ms.live.clear();
+}
+
+void row_to_bf16(uint16_t* dst, const float* src, int64_t n) { row_to_bf16_impl(dst, src, n); }
+
+int64_t bf16_mirror_conversions() { return mirrors().conversions.load(); }
+
+}  // namespace sigma::cpu

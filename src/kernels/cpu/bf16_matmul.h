@@ -1,0 +1,47 @@
+// bf16 products on oneDNN's matmul primitive (avx512_bf16 dot products where the CPU has them):
+// bf16 operands given as strided views, fp32 result and accumulation. The *_bf16 ops of the
+// front (gemm.h, attention.h) convert their fp32 operands with bf16_operand and multiply here.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace sigma::cpu {
+
+// A row-major bf16 matrix: element (r, c) at p[r * ld + c].
+struct Bf16View {
+  const uint16_t* p;
+  int64_t ld;
+};
+
+// C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] (+ bias[N] on every row) + beta * C (row-major;
+// op = transpose when t* is set, i.e. A is stored [K,M] when ta; bias fp32, may be null).
+// K = 0 scales C by beta (and adds no bias: callers with a bias have K > 0). Inside an OpenMP
+// parallel region the product runs on the calling thread only.
+void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16View A,
+                 Bf16View B, float beta, float* C, int64_t ldc, const float* bias = nullptr);
+
+// dst[rows, cols] (row stride ldd) = bf16 of src[rows, cols] (row stride lds), round to nearest
+// even, NaN kept (sigma::to_bf16, bit for bit). Parallel over rows when large and not nested.
+void to_bf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows,
+             int64_t cols);
+
+// One row of to_bf16, on the calling thread.
+void row_to_bf16(uint16_t* dst, const float* src, int64_t n);
+
+// A bf16 view of the fp32 matrix src[rows, cols] (row stride ld): the elements of a registered
+// mirror when src lies in one (bf16_mirror_add), else a conversion into buf (resized).
+Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
+                      std::vector<uint16_t>& buf);
+
+// The bf16 mirror: fp32 ranges the caller promises not to change until the next clear (the
+// model registers its weights for one forward + backward), each converted to bf16 once, on its
+// first use, so that the products that read a weight stop converting it per call. Every range
+// is dropped by bf16_mirror_clear; a range registered again converts again (the weights changed
+// in between, e.g. by the optimizer). add and clear are not thread-safe (call them outside
+// parallel regions, as the model does); lookups and conversions are.
+void bf16_mirror_add(const float* p, int64_t n);
+void bf16_mirror_clear();
+// Conversions done since the start (tests: a mirrored weight converts once per registration).
+int64_t bf16_mirror_conversions();
+
+}  // namespace sigma::cpu
