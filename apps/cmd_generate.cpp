@@ -71,10 +71,12 @@ void run_generate(GenerateArgs a) {
     fmt::print("{}\n", fmt::join(out, " "));
   }
   std::fflush(stdout);  // the text first, then how fast it came
+  const double rate = st.decode_seconds > 0 ? st.decode_steps / st.decode_seconds : 0.0;
+  const double bytes = double(weight_bytes_per_token(*model));
   fmt::print(stderr, "sigma generate: prompt of {} tokens and first token in {:.3f} s; {} more "
-             "tokens in {:.3f} s ({:.1f} tokens/s, {} weights)\n", st.prompt_tokens,
-             st.prefill_seconds, st.decode_steps, st.decode_seconds,
-             st.decode_seconds > 0 ? st.decode_steps / st.decode_seconds : 0.0, a.precision);
+             "tokens in {:.3f} s ({:.1f} tokens/s, {} weights: {:.1f} MB a token, {:.1f} GB/s)\n",
+             st.prompt_tokens, st.prefill_seconds, st.decode_steps, st.decode_seconds, rate,
+             a.precision, bytes * 1e-6, rate * bytes * 1e-9);
 }
 
 const RegisterCommand reg([](CLI::App& root) {

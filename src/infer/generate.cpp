@@ -78,6 +78,14 @@ void SamplingConfig::validate() const {
   SIGMA_CHECK(max_new_tokens >= 1, "max new tokens {} is not positive", max_new_tokens);
 }
 
+int64_t weight_bytes_per_token(const Model& model) {
+  const ModelConfig& c = model.config();
+  const int64_t d = c.d_model, f = c.ffn(), L = c.layers;
+  const int64_t matrices = L * (4 * d * d + 2 * d * f) + int64_t(c.vocab) * d;
+  const int64_t vectors = L * (3 * d + d + 4 * d + f + d) + 2 * d;
+  return matrices * (model.bf16_weights() ? 2 : 4) + vectors * 4;
+}
+
 namespace {
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -56,6 +56,13 @@ struct GenerateStats {
   double decode_seconds = 0;
 };
 
+// Bytes of weights one decode step reads: every weight matrix of the blocks (one expert per
+// RRE block), the tied head's V x d rows of one slot, in the model's weight precision (bf16
+// copies: 2 bytes), plus the fp32 biases and LayerNorms. The rows looked up in the embedding,
+// position and query tables (3d values), a learned gate's weights and the KV cache are not
+// counted. Divided by the memory bandwidth, the batch-1 decode time bound.
+int64_t weight_bytes_per_token(const Model& model);
+
 // Generates up to max_new_tokens after `prompt` (which must be non-empty): the prompt in one
 // pass into the KV cache, then a token per step. With use_cache = false every step reruns the
 // full forward pass on the prefix (the reference path).
