@@ -220,3 +220,23 @@ TEST(GenerateCli, PrecisionFlag) {
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.out.find("--precision"), std::string::npos) << bad.out;
 }
+
+// The bytes a decode step reads, from the parameter registry: everything but the looked-up
+// tables (positions, query table), the other slots' embedding rows and the experts a token
+// does not run (one of K per group and block; here one group is used, K = 2).
+TEST(Generate, WeightBytesPerTokenCountsWhatAStepReads) {
+  ModelConfig c = decode_config();
+  c.groups = {{"g0", 2}};
+  c.domains = {{"a", "g0", 0}};
+  c.slots = 1;
+  Model m(c, 14);
+  const int64_t d = c.d_model, f = c.ffn();
+  int64_t params = 0;
+  for (const Param& p : m.params().all()) params += p.value.numel();
+  const int64_t tables = 2 * int64_t(c.context) * d;              // positions, query table
+  const int64_t idle_expert = c.rre_layers * (2 * d * f + f + d);  // the second expert
+  EXPECT_EQ(weight_bytes_per_token(m), 4 * (params - tables - idle_expert));
+  const int64_t matrices = c.layers * (4 * d * d + 2 * d * f) + int64_t(c.vocab) * d;
+  m.use_bf16_weights();
+  EXPECT_EQ(weight_bytes_per_token(m), 4 * (params - tables - idle_expert) - 2 * matrices);
+}
