@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "cli_util.h"
@@ -239,4 +240,35 @@ TEST(Generate, WeightBytesPerTokenCountsWhatAStepReads) {
   const int64_t matrices = c.layers * (4 * d * d + 2 * d * f) + int64_t(c.vocab) * d;
   m.use_bf16_weights();
   EXPECT_EQ(weight_bytes_per_token(m), 4 * (params - tables - idle_expert) - 2 * matrices);
+}
+
+// Up to kGemvMaxRows slots, a decode step gives each sequence the same logits, bit for bit, as
+// that sequence decoded alone (docs/serving.md), on fp32 and on bf16 weights, dense and RRE.
+TEST(Decode, StepsOfUpToFourRowsAreBatchInvariantBitForBit) {
+  const ModelConfig c = decode_config();
+  for (bool bf16 : {false, true}) {
+    Model m(c, 15);
+    if (bf16) m.use_bf16_weights();
+    const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3}, {4, 5}, {6, 7, 8, 9, 10, 11}, {12}};
+    const std::vector<int> domains = {0, 1, 1, 0}, slots = {0, 1, 2, 3};
+    BatchDecoder together(m, 4);
+    std::vector<std::unique_ptr<BatchDecoder>> alone;
+    std::vector<int32_t> next(4);
+    for (int s = 0; s < 4; ++s) {
+      together.prefill(s, domains[size_t(s)], prompts[size_t(s)]);
+      alone.push_back(std::make_unique<BatchDecoder>(m, 1));
+      alone.back()->prefill(0, domains[size_t(s)], prompts[size_t(s)]);
+      next[size_t(s)] = int32_t((5 * s + 1) % c.vocab);
+    }
+    for (int step = 0; step < 6; ++step) {
+      together.step(slots, domains, next);
+      for (int s = 0; s < 4; ++s) {
+        const int zero = 0;
+        alone[size_t(s)]->step({&zero, 1}, {&domains[size_t(s)], 1}, {&next[size_t(s)], 1});
+        EXPECT_EQ(0, std::memcmp(together.logits(s), alone[size_t(s)]->logits(0), size_t(c.vocab) * 4))
+            << (bf16 ? "bf16" : "fp32") << " step " << step << " slot " << s;
+        next[size_t(s)] = int32_t((next[size_t(s)] * 7 + step) % c.vocab);
+      }
+    }
+  }
 }
