@@ -1,7 +1,8 @@
 // Products of a few rows against a weight matrix, as batch-1 (and few-slot) decoding runs them:
-// memory-bound, so every weight is read once per call, by one of the threads, at stream speed.
-// oneDNN's sgemm at M = 1 reaches a small fraction of the memory bandwidth (docs/benchmarks.md,
-// "batch-1 decode"), hence these kernels; more rows than kGemvMaxRows go to oneDNN (gemm.h).
+// memory-bound, so every weight is read once per call, by one of the threads, streaming. Why
+// not oneDNN (which the rows past kGemvMaxRows still use, gemm.h): it has no product of fp32
+// activations with bf16 weights, and its sgemm does not give a row the same bits for every
+// batch size. For fp32 at one row it streams about as fast (docs/benchmarks.md, issue 12).
 //
 // Weights are fp32, or bf16 copies made once at load (Model::use_bf16_weights): a bf16 weight
 // is widened to fp32 exactly, and the products and sums are fp32, so only the weights round.
