@@ -1,6 +1,7 @@
 // sigma generate: continues a prompt with a checkpoint's model (KV cache, seeded sampling).
 #include <fmt/format.h>
 
+#include <cstdio>
 #include <sstream>
 
 #include "command.h"
@@ -12,7 +13,7 @@ namespace sigma::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string ckpt, prompt, domain;
+  std::string ckpt, prompt, domain, precision = "fp32";
   SamplingConfig s;
   bool no_cache = false;
 };
@@ -41,6 +42,7 @@ void run_generate(GenerateArgs a) {
   a.s.validate();  // before the model loads: CLI11's ranges let NaN through
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
+  if (a.precision == "bf16") model->use_bf16_weights();
   const ModelConfig& c = model->config();
   const int domain = a.domain.empty() ? 0 : c.domain_index(a.domain);
   const std::string tok_path = checkpoint_tokenizer_path(info.dir);
@@ -54,7 +56,8 @@ void run_generate(GenerateArgs a) {
     prompt = parse_ids(a.prompt);
   }
   SIGMA_CHECK(!prompt.empty(), "--prompt is empty");
-  const auto out = generate(*model, domain, prompt, a.s, !a.no_cache);
+  GenerateStats st;
+  const auto out = generate(*model, domain, prompt, a.s, !a.no_cache, &st);
   // generate() also ends when the sequence fills the context (there is no sliding window).
   const bool stop_token = !out.empty() && out.back() == a.s.stop_token;
   if (int(out.size()) < a.s.max_new_tokens && !stop_token)
@@ -67,6 +70,13 @@ void run_generate(GenerateArgs a) {
   } else {
     fmt::print("{}\n", fmt::join(out, " "));
   }
+  std::fflush(stdout);  // the text first, then how fast it came
+  const double rate = st.decode_seconds > 0 ? st.decode_steps / st.decode_seconds : 0.0;
+  const double bytes = double(weight_bytes_per_token(*model));
+  fmt::print(stderr, "sigma generate: prompt of {} tokens and first token in {:.3f} s; {} more "
+             "tokens in {:.3f} s ({:.1f} tokens/s, {} weights: {:.1f} MB a token, {:.1f} GB/s)\n",
+             st.prompt_tokens, st.prefill_seconds, st.decode_steps, st.decode_seconds, rate,
+             a.precision, bytes * 1e-6, rate * bytes * 1e-9);
 }
 
 const RegisterCommand reg([](CLI::App& root) {
@@ -84,6 +94,10 @@ const RegisterCommand reg([](CLI::App& root) {
       ->check(CLI::Range(0.01, 100.0));
   c->add_option("--seed", a->s.seed, "Sampling seed");
   c->add_option("--stop-token", a->s.stop_token, "Stop after this token id (default <EOT> with a tokenizer)");
+  c->add_option("--precision", a->precision,
+                 "Weights the forward pass reads: fp32, or bf16 (copies made at load: half the "
+                 "bytes per token; activations and sums stay fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   c->add_flag("--no-cache", a->no_cache, "Recompute the whole prefix each step (reference path)");
   c->callback([a] { run_generate(*a); });
 });

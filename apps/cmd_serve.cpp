@@ -19,7 +19,7 @@ namespace sigma::cli {
 namespace {
 
 struct ServeArgs {
-  std::string ckpt, name;
+  std::string ckpt, name, precision = "fp32";
   serve::ServerOptions o;
 };
 
@@ -45,6 +45,7 @@ void run_serve(ServeArgs a) {
   });
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
+  if (a.precision == "bf16") model->use_bf16_weights();
   std::optional<data::Tokenizer> tok;
   if (const std::string path = checkpoint_tokenizer_path(info.dir); !path.empty())
     tok = data::Tokenizer::load(path);
@@ -56,7 +57,8 @@ void run_serve(ServeArgs a) {
   server.serve_model(*model, tok ? &*tok : nullptr, name.empty() ? "sigma" : name);
   std::string domains;
   for (const auto& d : model->config().domains) domains += (domains.empty() ? "" : ", ") + d.name;
-  fmt::print("sigma serve: ready: model '{}' (domains: {}), {} slots\n", name, domains, a.o.slots);
+  fmt::print("sigma serve: ready: model '{}' (domains: {}), {} slots, {} weights\n", name, domains,
+             a.o.slots, a.precision);
   std::fflush(stdout);
   server.wait();
   finished = true;
@@ -79,6 +81,10 @@ const RegisterCommand reg([](CLI::App& root) {
   c->add_option("--max-body", a->o.max_body, "Largest request body in bytes")->check(CLI::Range(64, 1 << 30));
   c->add_option("--max-tokens", a->o.max_tokens, "Largest max_tokens a request may ask for")
       ->check(CLI::Range(1, 1 << 20));
+  c->add_option("--precision", a->precision,
+                 "Weights decoding reads: fp32, or bf16 (copies made at load: half the bytes per "
+                 "token; activations and sums stay fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   c->add_option("--name", a->name, "Model name in responses (default: the run's folder)");
   c->callback([a] { run_serve(*a); });
 });

@@ -43,6 +43,7 @@
 #include "kernels/ref/attention.h"
 #include "kernels/ref/layers.h"
 #include "kernels/ref/linear.h"
+#include "kernels/ref/linear_w16.h"
 #include "train/config.h"
 #include "train/trainer.h"
 
@@ -370,6 +371,42 @@ void add_linear(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, bool 
     cs.push_back(make_case(OP(linear_backward), bwd_label, outs, bwd));
 }
 
+std::vector<uint16_t> bf16_vec(int64_t n, uint64_t seed, float scale = 1.0f) {
+  std::vector<uint16_t> h;
+  for (float v : vec(n, seed, scale)) h.push_back(to_bf16(v));
+  return h;
+}
+
+// linear_forward on bf16 weights (w16[in,out]); strided as in add_linear.
+void add_linear_w16(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, bool bias, bool acc,
+                    bool strided, uint64_t seed) {
+  const Strides ld = strided ? Strides{in + 3, 3 * out, 2 * out + 1} : Strides{};
+  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
+  const int64_t woff = strided ? out : 0, yoff = strided ? 1 : 0;
+  const auto x = vec(N * ldx, seed), b = vec(out, seed + 2);
+  const auto w = bf16_vec(in * ldw, seed + 1, 0.5f);
+  const std::string label = fmt::format("N={} in={} out={}{}{}{}", N, in, out, bias ? " bias" : "",
+                                        acc ? " accumulate" : "", strided ? " strided" : "");
+  const std::vector<Out> outs = {{"y", vec(N * ldy + yoff, seed + 4)}};
+  cs.push_back(make_case(OP(linear_forward_w16), label, outs, [=](auto fn, Outs& o) {
+    fn(o[0].data() + yoff, x.data(), w.data() + woff, bias ? b.data() : nullptr, N, in, out, acc,
+       ld);
+  }));
+}
+
+// The head on bf16 rows: y[N,out] = x[N,in] w16[out,in]^T, every operand `pad` wider.
+void add_gemm_nt_w16(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, int64_t pad,
+                     uint64_t seed) {
+  const int64_t ldx = in + pad, ldw = in + pad, ldy = out + pad;
+  const auto x = vec(N * ldx, seed);
+  const auto w = bf16_vec(out * ldw, seed + 1);
+  const std::string label = fmt::format("N={} in={} out={} pad={}", N, in, out, pad);
+  const std::vector<Out> outs = {{"y", vec(N * ldy, seed + 2)}};
+  cs.push_back(make_case(OP(gemm_nt_w16), label, outs, [=](auto fn, Outs& o) {
+    fn(o[0].data(), x.data(), w.data(), N, in, out, ldx, ldw, ldy);
+  }));
+}
+
 void add_column_sum(std::vector<Case>& cs, int64_t N, int64_t C, int64_t ld, uint64_t seed) {
   const auto dy = vec(N * (ld ? ld : C), seed);
   cs.push_back(make_case(OP(column_sum_accumulate), fmt::format("N={} C={} ld={}", N, C, ld),
@@ -604,6 +641,24 @@ std::vector<Case> all_cases() {
         add_linear(cs, 33, 131, 7, bias, acc, true, seed += 10, bf16);
       }
   add_linear(cs, 1, 1, 1, true, false, false, seed += 10);
+  // 1 to 4 rows: the cpu backend's GEMV kernels (kernels/cpu/gemv.h), with tails of every
+  // width, and past kParallelWeights (two threads, columns split).
+  add_gemm(cs, false, false, 3, 131, 33, 1.0f, 0.0f, 3, seed += 10);
+  add_gemm(cs, false, true, 4, 131, 33, 1.0f, 0.0f, 3, seed += 10);
+  add_gemm(cs, false, true, 1, 301, 257, 1.0f, 0.0f, 1, seed += 10);
+  add_gemm(cs, false, false, 2, 301, 257, 1.0f, 0.0f, 0, seed += 10);
+  for (bool bias : {false, true})
+    for (bool acc : {false, true}) {
+      add_linear(cs, 1, 33, 131, bias, acc, false, seed += 10);
+      add_linear(cs, 4, 131, 7, bias, acc, true, seed += 10);
+      add_linear_w16(cs, 1, 33, 131, bias, acc, false, seed += 10);
+      add_linear_w16(cs, 3, 131, 7, bias, acc, true, seed += 10);
+      add_linear_w16(cs, 7, 33, 131, bias, acc, true, seed += 10);  // a prompt: widened, oneDNN
+    }
+  add_linear(cs, 3, 257, 301, true, true, false, seed += 10);
+  add_linear_w16(cs, 2, 257, 301, true, true, false, seed += 10);
+  for (int64_t N : {1, 2, 3, 4, 7}) add_gemm_nt_w16(cs, N, 33, 131, N % 2, seed += 10);
+  add_gemm_nt_w16(cs, 1, 257, 301, 0, seed += 10);
   add_column_sum(cs, 131, 7, 0, seed += 10);
   add_column_sum(cs, 1, 33, 0, seed += 10);
   add_column_sum(cs, 33, 131, 140, seed += 10);
@@ -661,7 +716,8 @@ TEST(Ops, EveryOpOfTheFrontHasACase) {
   for (const Case& c : cases()) seen.insert(c.op);
   for (const char* op :
        {"gemm", "linear_forward", "linear_backward", "gemm_bf16", "linear_forward_bf16",
-        "linear_backward_bf16", "column_sum_accumulate", "layernorm_forward",
+        "linear_backward_bf16", "column_sum_accumulate", "linear_forward_w16", "gemm_nt_w16",
+        "layernorm_forward",
         "layernorm_backward", "attention_forward", "attention_backward",
         "flash_attention_forward", "flash_attention_backward", "flash_attention_forward_bf16",
         "flash_attention_backward_bf16", "fast_gelu_forward",

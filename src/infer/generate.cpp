@@ -1,6 +1,7 @@
 #include "infer/generate.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 
@@ -8,22 +9,18 @@
 
 namespace sigma {
 
-KVCacheDecoder::KVCacheDecoder(Model& model, int domain) : model_(model) {
+KVCacheDecoder::KVCacheDecoder(Model& model, int domain) : dec_(model, 1), domain_(domain) {
   const ModelConfig& c = model.config();
   SIGMA_CHECK(domain >= 0 && size_t(domain) < c.domains.size(), "domain index {} out of range",
               domain);
-  model.check_routing_ready();
-  batch_.resize(1, 1);
-  batch_.domain[0] = domain;
-  cache_.reset(c, 1);
 }
 
 const float* KVCacheDecoder::step(int32_t token) {
-  const int64_t V = model_.config().vocab;
+  const int64_t V = dec_.config().vocab;
   SIGMA_CHECK(token >= 0 && token < V, "token id {} out of range [0, {})", token, V);
-  batch_.tokens[0] = token;
-  model_.forward_cached(batch_, cache_, acts_, &loss_);
-  return acts_.logits.f();
+  const int slot = 0;
+  dec_.step({&slot, 1}, {&domain_, 1}, {&token, 1});
+  return dec_.logits(0);
 }
 
 int32_t sample_next(float* logits, int64_t V, const std::vector<int32_t>& history,
@@ -81,27 +78,47 @@ void SamplingConfig::validate() const {
   SIGMA_CHECK(max_new_tokens >= 1, "max new tokens {} is not positive", max_new_tokens);
 }
 
+int64_t weight_bytes_per_token(const Model& model) {
+  const ModelConfig& c = model.config();
+  const int64_t d = c.d_model, f = c.ffn(), L = c.layers;
+  const int64_t matrices = L * (4 * d * d + 2 * d * f) + int64_t(c.vocab) * d;
+  const int64_t vectors = L * (3 * d + d + 4 * d + f + d) + 2 * d;
+  return matrices * (model.bf16_weights() ? 2 : 4) + vectors * 4;
+}
+
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
 std::vector<int32_t> generate(Model& model, int domain, const std::vector<int32_t>& prompt,
-                              const SamplingConfig& s, bool use_cache) {
+                              const SamplingConfig& s, bool use_cache, GenerateStats* stats) {
   s.validate();
   SIGMA_CHECK(!prompt.empty(), "generation needs a non-empty prompt");
   const ModelConfig& c = model.config();
+  SIGMA_CHECK(domain >= 0 && size_t(domain) < c.domains.size(), "domain index {} out of range",
+              domain);
   const int64_t V = c.vocab;
   std::vector<int32_t> seq = prompt;
   std::vector<float> logits(static_cast<size_t>(V));
   const int budget = std::min<int>(s.max_new_tokens, c.context - int(prompt.size()) + 1);
   SIGMA_CHECK(int(prompt.size()) <= c.context, "prompt of {} tokens exceeds the context ({})",
               prompt.size(), c.context);
-  std::unique_ptr<KVCacheDecoder> dec;
-  if (use_cache) {
-    dec = std::make_unique<KVCacheDecoder>(model, domain);
-    for (size_t i = 0; i + 1 < prompt.size(); ++i) dec->step(prompt[i]);
-  }
+  GenerateStats st;
+  st.prompt_tokens = int(prompt.size());
+  std::unique_ptr<BatchDecoder> dec;
+  const int slot = 0;
   std::vector<float> loss;
   for (int n = 0; n < budget; ++n) {
-    if (use_cache) {
-      const float* l = dec->step(seq.back());
-      std::copy(l, l + V, logits.begin());
+    const auto t0 = std::chrono::steady_clock::now();
+    const float* l = nullptr;
+    if (use_cache && n == 0) {  // the whole prompt in one pass
+      dec = std::make_unique<BatchDecoder>(model, 1);
+      l = dec->prefill(slot, domain, prompt);
+    } else if (use_cache) {
+      dec->step({&slot, 1}, {&domain, 1}, {&seq.back(), 1});
+      l = dec->logits(0);
     } else {
       Batch b;
       b.resize(1, int(seq.size()));
@@ -109,13 +126,16 @@ std::vector<int32_t> generate(Model& model, int domain, const std::vector<int32_
       b.domain[0] = domain;
       loss.resize(seq.size());
       model.forward(b, loss.data());
-      const float* l = model.logits() + (seq.size() - 1) * V;
-      std::copy(l, l + V, logits.begin());
+      l = model.logits() + (seq.size() - 1) * V;
     }
+    std::copy(l, l + V, logits.begin());
     const int32_t next = sample_next(logits.data(), V, seq, s, uint64_t(n));
     seq.push_back(next);
+    (n == 0 ? st.prefill_seconds : st.decode_seconds) += seconds_since(t0);
+    st.decode_steps += n > 0;
     if (next == s.stop_token || int(seq.size()) > c.context) break;
   }
+  if (stats) *stats = st;
   return std::vector<int32_t>(seq.begin() + prompt.size(), seq.end());
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "infer/batch_decoder.h"
 #include "model/activations.h"
 #include "model/model.h"
 
@@ -28,30 +29,45 @@ struct SamplingConfig {
   void validate() const;
 };
 
-// One sequence decoded a token at a time through Model::forward_cached: the same attention,
+// One sequence decoded a token at a time (a BatchDecoder with one slot): the same attention,
 // expert and head code as training, with the keys and values of earlier positions cached.
 class KVCacheDecoder {
  public:
   KVCacheDecoder(Model& model, int domain);
   // Feeds `token` at the next position; returns the logits [V] for the position after it.
   const float* step(int32_t token);
-  int position() const { return cache_.length[0]; }
+  int position() const { return dec_.position(0); }
 
  private:
-  Model& model_;
-  Batch batch_;        // one row, one position
-  KvCache cache_;
-  Activations acts_;
-  float loss_ = 0;     // the head's cross-entropy against a dummy target (unused)
+  BatchDecoder dec_;
+  int domain_;
 };
 
 // Picks the next token from logits (modified in place), given the tokens so far.
 int32_t sample_next(float* logits, int64_t V, const std::vector<int32_t>& history,
                     const SamplingConfig& s, uint64_t draw_index);
 
-// Generates up to max_new_tokens after `prompt` (which must be non-empty). With use_cache =
-// false every step reruns the full forward pass on the prefix (the reference path).
+// Where generate()'s time went: the prompt's pass and first token, then one decode step per
+// further token (sampling included).
+struct GenerateStats {
+  int prompt_tokens = 0;
+  double prefill_seconds = 0;
+  int decode_steps = 0;
+  double decode_seconds = 0;
+};
+
+// Bytes of weights one decode step reads: every weight matrix of the blocks (one expert per
+// RRE block), the tied head's V x d rows of one slot, in the model's weight precision (bf16
+// copies: 2 bytes), plus the fp32 biases and LayerNorms. The rows looked up in the embedding,
+// position and query tables (3d values), a learned gate's weights and the KV cache are not
+// counted. Divided by the memory bandwidth, the batch-1 decode time bound.
+int64_t weight_bytes_per_token(const Model& model);
+
+// Generates up to max_new_tokens after `prompt` (which must be non-empty): the prompt in one
+// pass into the KV cache, then a token per step. With use_cache = false every step reruns the
+// full forward pass on the prefix (the reference path).
 std::vector<int32_t> generate(Model& model, int domain, const std::vector<int32_t>& prompt,
-                              const SamplingConfig& s, bool use_cache = true);
+                              const SamplingConfig& s, bool use_cache = true,
+                              GenerateStats* stats = nullptr);
 
 }  // namespace sigma

@@ -60,6 +60,14 @@ struct Backend {
                                const float* w, int64_t N, int64_t in, int64_t out, Strides ld);
   // db[C] += column sums of dy[N,C] with row stride ld (0 = C).
   void (*column_sum_accumulate)(float* db, const float* dy, int64_t N, int64_t C, int64_t ld);
+  // Inference on bf16 weight copies (Model::use_bf16_weights; kernels/cpu/gemv.h): the weights
+  // are bf16 values, widened exactly; x, b, the products and the sums stay fp32.
+  // linear_forward with w16[in,out]:
+  void (*linear_forward_w16)(float* y, const float* x, const uint16_t* w16, const float* b,
+                             int64_t N, int64_t in, int64_t out, bool accumulate, Strides ld);
+  // y[N,out] = x[N,in] @ w16[out,in]^T (the tied head on bf16 embedding rows):
+  void (*gemm_nt_w16)(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
+                      int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
 
   // ---- layers (kernels/cpu/{layernorm,attention,activation,xent,embedding}.h) ----
   void (*layernorm_forward)(float* out, float* mean, float* rstd, const float* x, const float* w,
@@ -182,6 +190,15 @@ inline void linear_backward_bf16(float* dx, float* dw, float* db, const float* d
 inline void column_sum_accumulate(float* db, const float* dy, int64_t N, int64_t C,
                                   int64_t ld = 0) {
   detail::active->column_sum_accumulate(db, dy, N, C, ld);
+}
+inline void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b,
+                               int64_t N, int64_t in, int64_t out, bool accumulate = false,
+                               Strides ld = {}) {
+  detail::active->linear_forward_w16(y, x, w16, b, N, in, out, accumulate, ld);
+}
+inline void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
+                        int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
+  detail::active->gemm_nt_w16(y, x, w16, N, in, out, ldx, ldw, ldy);
 }
 inline void layernorm_forward(float* out, float* mean, float* rstd, const float* x,
                               const float* w, const float* b, int64_t N, int64_t C) {

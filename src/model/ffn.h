@@ -7,12 +7,16 @@ namespace sigma {
 
 struct FfnWeights {
   const float *w_in, *b_in, *w_out, *b_out;  // [d,f], [f], [f,d], [d]
+  // bf16 copies of w_in and w_out for inference (Model::use_bf16_weights), or null.
+  const uint16_t* w_in16 = nullptr;
+  const uint16_t* w_out16 = nullptr;
 };
 struct FfnGrads {
   float *w_in, *b_in, *w_out, *b_out;
 };
 
-// y[N,d] += FFN(x); saves pre[N,f] (before FastGelu) and act[N,f] (after).
+// y[N,d] += FFN(x); saves pre[N,f] (before FastGelu) and act[N,f] (after). On the bf16
+// copies of the weights when w has them.
 void ffn_forward(float* y, float* pre, float* act, const float* x, const FfnWeights& w, int64_t N,
                  int64_t d, int64_t f);
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/bf16.h"
 #include "core/rng.h"
 #include "kernels/ops.h"
 #include "model/ffn.h"
@@ -124,6 +125,33 @@ void Model::bind_expert(int block, int e, const float* weights, float* grads) {
   }
   r.expert[size_t(e)] = {weights, weights + d * f, weights + d * f + f, weights + 2 * d * f + f};
   r.expert_grad[size_t(e)] = {grads, grads + d * f, grads + d * f + f, grads + 2 * d * f + f};
+}
+
+void Model::use_bf16_weights() {
+  SIGMA_CHECK(!external_experts_, "bf16 weights: this model's experts live in a store; load "
+                                  "the checkpoint with its experts for inference");
+  if (bf16_weights()) return;
+  auto copy = [&](const float* v, int64_t n) -> const uint16_t* {
+    bf16_.push_back(std::make_unique<uint16_t[]>(size_t(n)));
+    uint16_t* h = bf16_.back().get();
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+    for (int64_t i = 0; i < n; ++i) h[i] = to_bf16(v[i]);
+    return h;
+  };
+  const int64_t d = cfg_.d_model, f = cfg_.ffn();
+  for (BlockWeights& b : w_->blocks) {
+    b.qkv_w.h = copy(b.qkv_w.v, d * 3 * d);
+    b.out_w.h = copy(b.out_w.v, d * d);
+    if (!b.is_rre()) {
+      b.w_in.h = copy(b.w_in.v, d * f);
+      b.w_out.h = copy(b.w_out.v, f * d);
+    }
+    for (FfnWeights& e : b.rre.expert) {
+      e.w_in16 = copy(e.w_in, d * f);
+      e.w_out16 = copy(e.w_out, f * d);
+    }
+  }
+  w_->tokens.h = copy(w_->tokens.v, int64_t(cfg_.slots) * cfg_.vocab * d);
 }
 
 void Model::init_expert(int block, int g, int k, float* dst) const {
@@ -376,6 +404,8 @@ void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCac
 }
 
 void Model::backward(const Batch& batch, Activations& a) {
+  SIGMA_CHECK(!bf16_weights(), "backward: this model computes on bf16 weight copies "
+                                "(Model::use_bf16_weights), for inference only");
   SIGMA_CHECK(a.has_grad && a.B == batch.B && a.T == batch.T,
               "backward needs the forward pass of the same batch with loss weights first");
   a.has_grad = false;  // the head's gradient is consumed
@@ -423,24 +453,23 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   if (!cache && !recompute) mirror(acts, k.a1.f(), N * d);
   ops::AttnOperand q;
   if (!query_layer) {
-    ops::linear_forward(k.qkv.f(), k.a1.f(), w.qkv_w.v, w.qkv_b.v, N, d, 3 * d);
+    linear(k.qkv.f(), k.a1.f(), w.qkv_w, w.qkv_b.v, N, d, 3 * d);
     q = {k.qkv.f(), 3 * d, T * 3 * d};
   } else {
     // Keys and values from LN1(h): the K|V column slice of the QKV weight.
-    ops::linear_forward(k.qkv.f() + d, k.a1.f(), w.qkv_w.v + d, w.qkv_b.v + d, N, d, 2 * d,
-                        false, {d, 3 * d, 3 * d});
+    linear(k.qkv.f() + d, k.a1.f(), w.qkv_w, w.qkv_b.v + d, N, d, 2 * d, false,
+           {d, 3 * d, 3 * d}, d);
     // Queries from the learned position table (not normalised): shared by every row in
     // training; from each row's own positions with a cache.
     if (!cache) {
-      ops::linear_forward(k.qtop.f(), w.query.v, w.qkv_w.v, w.qkv_b.v, T, d, d, false,
-                          {d, 3 * d, d});
+      linear(k.qtop.f(), w.query.v, w.qkv_w, w.qkv_b.v, T, d, d, false, {d, 3 * d, d});
       q = {k.qtop.f(), d, 0};
     } else {
       if (k.qtop.numel() < N * d) k.qtop = Tensor::f32({N, d});
       for (int b = 0; b < B; ++b)
-        ops::linear_forward(k.qtop.f() + int64_t(b) * T * d,
-                            w.query.v + int64_t(cache->length[size_t(cache_rows[b])]) * d,
-                            w.qkv_w.v, w.qkv_b.v, T, d, d, false, {d, 3 * d, d});
+        linear(k.qtop.f() + int64_t(b) * T * d,
+               w.query.v + int64_t(cache->length[size_t(cache_rows[b])]) * d, w.qkv_w,
+               w.qkv_b.v, T, d, d, false, {d, 3 * d, d});
       q = {k.qtop.f(), d, T * d};
     }
   }
@@ -454,7 +483,7 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   }
   if (!cache && !recompute) mirror(acts, att, N * d);
   ops::copy(k.mid.f(), x, N * d);
-  ops::linear_forward(k.mid.f(), att, w.out_w.v, w.out_b.v, N, d, d, true);
+  linear(k.mid.f(), att, w.out_w, w.out_b.v, N, d, d, true);
   ops::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,
                          d);
   if (!cache && !recompute) {
@@ -519,8 +548,12 @@ void Model::head(const Batch& batch, Activations& a, float* token_loss,
   ops::layernorm_forward(a.hf.f(), a.meanf.f(), a.rstdf.f(), a.h_final.f(), w_->lnf_w.v,
                          w_->lnf_b.v, N, d);
   for_each_slot_run(cfg_, batch, [&](int64_t r0, int64_t rows, int64_t e0) {
-    ops::gemm(false, true, rows, V, d, 1.0f, a.hf.f() + r0 * d, d, w_->tokens.v + e0, d, 0.0f,
-              a.logits.f() + r0 * V, V);
+    if (w_->tokens.h)
+      ops::gemm_nt_w16(a.logits.f() + r0 * V, a.hf.f() + r0 * d, w_->tokens.h + e0, rows, d, V,
+                       d, d, V);
+    else
+      ops::gemm(false, true, rows, V, d, 1.0f, a.hf.f() + r0 * d, d, w_->tokens.v + e0, d,
+                0.0f, a.logits.f() + r0 * V, V);
   });
   ops::softmax_xent(a.logits.f(), token_loss, batch.targets.data(), loss_weight, N, V);
   a.has_grad = loss_weight != nullptr;

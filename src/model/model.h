@@ -78,6 +78,15 @@ class Model {
   // values an in-model expert gets, from the same per-expert random streams.
   void init_expert(int block, int g, int k, float* dst) const;
 
+  // Inference in bf16: copies (rounded to nearest even) of every weight matrix a token's
+  // forward pass streams -- QKV, attention output, the FFN and expert matrices, the tied head's
+  // embedding table -- made once, here; forward passes then read the copies (activations,
+  // biases, LayerNorm, products and sums stay fp32), which halves the bytes a decode step
+  // reads. backward() is refused from then on. The fp32 values stay (the embedding lookup
+  // reads them). Not for experts in a store.
+  void use_bf16_weights();
+  bool bf16_weights() const { return !bf16_.empty(); }
+
   // Expert group index of a domain (index into config().groups), -1 when the model has no groups.
   int domain_group(int domain) const { return domain_group_[size_t(domain)]; }
 
@@ -166,6 +175,7 @@ class Model {
   double aux_loss_ = 0;
   Remat remat_ = Remat::None;
   std::unique_ptr<ModelWeights> w_;
+  std::vector<std::unique_ptr<uint16_t[]>> bf16_;  // the copies use_bf16_weights made
   std::unique_ptr<Activations> own_;
   LocalExperts local_;
   ExpertExecutor* executor_ = &local_;

@@ -1,5 +1,6 @@
 #include "model/weights.h"
 
+#include "kernels/ops.h"
 #include "model/names.h"
 
 namespace sigma {
@@ -18,6 +19,14 @@ std::vector<FfnLeaf> ffn_leaves(int64_t d, int64_t f) {
 }
 
 }  // namespace
+
+void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, int64_t in,
+            int64_t out, bool accumulate, kernels::Strides ld, int64_t col) {
+  if (w.h)
+    ops::linear_forward_w16(y, x, w.h + col, b, N, in, out, accumulate, ld);
+  else
+    ops::linear_forward(y, x, w.v + col, b, N, in, out, accumulate, ld);
+}
 
 void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts) {
   const int64_t V = cfg.vocab, d = cfg.d_model, f = cfg.ffn(), T = cfg.context;

@@ -3,16 +3,19 @@
 #pragma once
 #include <vector>
 
+#include "kernels/types.h"
 #include "model/config.h"
 #include "model/ffn.h"
 #include "model/params.h"
 
 namespace sigma {
 
-// Value and gradient pointers of one parameter (tensor buffers never move).
+// Value and gradient pointers of one parameter (tensor buffers never move); h: the bf16 copy
+// of v that inference reads instead of v, for the matrices Model::use_bf16_weights converts.
 struct PV {
   float* v = nullptr;
   float* g = nullptr;
+  const uint16_t* h = nullptr;
 };
 
 // The RRE FFN of one block: the experts of every group, concatenated in group order, so group
@@ -35,7 +38,7 @@ struct BlockWeights {
   RreWeights rre;               // expert block only
   std::vector<PV> gate;         // learned-gate baseline: per group, W_g [d, K_g]
   bool is_rre() const { return !rre.expert.empty(); }
-  FfnWeights ffn() const { return {w_in.v, b_in.v, w_out.v, b_out.v}; }
+  FfnWeights ffn() const { return {w_in.v, b_in.v, w_out.v, b_out.v, w_in.h, w_out.h}; }
   FfnGrads ffn_grad() const { return {w_in.g, b_in.g, w_out.g, b_out.g}; }
 };
 
@@ -44,6 +47,11 @@ struct ModelWeights {
   std::vector<BlockWeights> blocks;
   static ModelWeights bind(ParamSet& ps, const BufferSet& bs, const ModelConfig& cfg);
 };
+
+// y[N,out] (+)= x[N,in] @ w[:, col .. col+out) + b through the ops front: on w's bf16 copy
+// when it has one (PV::h), else on its fp32 values. Strides as in ops::linear_forward.
+void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, int64_t in,
+            int64_t out, bool accumulate = false, kernels::Strides ld = {}, int64_t col = 0);
 
 // Adds every parameter of the model to `ps` (zero-initialised), in a fixed order (names from
 // model/names.h):

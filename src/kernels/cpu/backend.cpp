@@ -6,6 +6,7 @@
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemv.h"
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/movement.h"
 #include "kernels/cpu/xent.h"
@@ -27,13 +28,15 @@ const ops::Backend kBackend = {
     .device = Device::Host,
     .alloc = &host_alloc,
     .free = &host_free,
-    .gemm = &gemm,
-    .linear_forward = &linear_forward,
+    .gemm = &gemm_rows,  // a few rows: the GEMV kernels (gemv.h); more: oneDNN
+    .linear_forward = &linear_forward_rows,
     .linear_backward = &linear_backward,
     .gemm_bf16 = &gemm_bf16,
     .linear_forward_bf16 = &linear_forward_bf16,
     .linear_backward_bf16 = &linear_backward_bf16,
     .column_sum_accumulate = &column_sum_accumulate,
+    .linear_forward_w16 = &linear_forward_w16,
+    .gemm_nt_w16 = &gemm_nt_w16,
     .layernorm_forward = &layernorm_forward,
     .layernorm_backward = &layernorm_backward,
     .attention_forward = &attention_forward,

@@ -1,6 +1,6 @@
-// Registers the reference formulas (ref/linear.h, ref/layers.h, ref/attention.h), evaluated in
-// double, as the "ref" backend of the ops front, with its exact ops (data movement) and its
-// fp32 Adam.
+// Registers the reference formulas (ref/linear.h, ref/linear_w16.h, ref/layers.h,
+// ref/attention.h), evaluated in double, as the "ref" backend of the ops front, with its exact
+// ops (data movement) and its fp32 Adam.
 #include <cmath>
 #include <cstring>
 
@@ -10,6 +10,7 @@
 #include "kernels/ref/attention.h"
 #include "kernels/ref/layers.h"
 #include "kernels/ref/linear.h"
+#include "kernels/ref/linear_w16.h"
 
 namespace sigma::ref {
 
@@ -74,6 +75,8 @@ const ops::Backend kBackend = {
     .linear_forward_bf16 = &linear_forward_bf16<double>,
     .linear_backward_bf16 = &linear_backward_bf16<double>,
     .column_sum_accumulate = &column_sum_accumulate<double>,
+    .linear_forward_w16 = &linear_forward_w16<double>,
+    .gemm_nt_w16 = &gemm_nt_w16<double>,
     .layernorm_forward = &layernorm_forward<double>,
     .layernorm_backward = &layernorm_backward<double>,
     .attention_forward = &attention_forward<double>,

@@ -1,0 +1,116 @@
+// bench_gemv: the batch-1 decode's weight stream alone (bench/decode_bench.sh runs it): per
+// "token", the matrix-vector products of a d-wide, L-block decoder (QKV [d,3d], output [d,d],
+// FFN [d,4d] and [4d,d] per block) through the cpu backend's GEMV kernels (kernels/cpu/gemv.h),
+// on fp32 weights and on bf16 copies, against oneDNN's sgemm at M = 1 (what the backend ran
+// before), alternating with a read of the same number of bytes (the bandwidth bound, measured
+// the same way as bench/stream_probe.cpp). Medians of --samples tokens of each.
+// Prints one JSON line: {"gemv_fp32_gbs":..,"gemv_bf16_gbs":..,"onednn_fp32_gbs":..,"read_gbs":..}
+// where X_gbs = bytes of weights per token / time per token.
+//
+//   bench_gemv [--d 512] [--layers 8] [--samples 15]
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "core/bf16.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemv.h"
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct Shape {
+  int64_t in, out;
+};
+
+volatile float g_sink;
+
+// Sum of n floats over the threads (the read bandwidth).
+void read_all(const float* a, int64_t n) {
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = (n / nt + 63) / 64 * 64, i0 = std::min(n, t * per), i1 = std::min(n, i0 + per);
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+    int64_t i = i0;
+    for (; i + 32 <= i1; i += 32) {
+      s0 = _mm512_add_ps(s0, _mm512_loadu_ps(a + i));
+      s1 = _mm512_add_ps(s1, _mm512_loadu_ps(a + i + 16));
+    }
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    for (; i < i1; ++i) s += a[i];
+    g_sink = s;
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t d = 512, layers = 8;
+  int samples = 15;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--d") d = std::atol(argv[i + 1]);
+    else if (k == "--layers") layers = std::atol(argv[i + 1]);
+    else if (k == "--samples") samples = std::atoi(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: bench_gemv [--d 512] [--layers 8] [--samples 15]\n");
+      return 2;
+    }
+  }
+  std::vector<Shape> shapes;
+  for (int64_t l = 0; l < layers; ++l)
+    for (Shape s : {Shape{d, 3 * d}, Shape{d, d}, Shape{d, 4 * d}, Shape{4 * d, d}}) shapes.push_back(s);
+  int64_t total = 0;
+  for (Shape s : shapes) total += s.in * s.out;
+  const size_t n = size_t(total), nx = size_t(4 * d);
+  std::vector<float> w(n), x(nx, 0.01f), y(nx);
+  std::vector<uint16_t> w16(n);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < total; ++i) {
+    w[size_t(i)] = float(i % 97) * 1e-3f;
+    w16[size_t(i)] = sigma::to_bf16(w[size_t(i)]);
+  }
+  auto token = [&](int kind) {  // 0: gemv fp32, 1: gemv bf16, 2: oneDNN fp32, 3: read
+    if (kind == 3) return read_all(w.data(), total);
+    int64_t off = 0;
+    for (Shape s : shapes) {
+      if (kind == 0)
+        sigma::cpu::gemv_nn(y.data(), x.data(), w.data() + off, nullptr, 1, s.in, s.out, false, {});
+      if (kind == 1)
+        sigma::cpu::gemv_nn(y.data(), x.data(), w16.data() + off, nullptr, 1, s.in, s.out, false, {});
+      if (kind == 2)
+        sigma::cpu::gemm(false, false, 1, s.out, s.in, 1.0f, x.data(), s.in, w.data() + off, s.out,
+                         0.0f, y.data(), s.out);
+      off += s.in * s.out;
+    }
+  };
+  std::vector<std::vector<double>> gbs(4);
+  for (int s = 0; s < samples + 1; ++s)
+    for (int kind = 0; kind < 4; ++kind) {  // alternating, the first sample warms up
+      const double t0 = now();
+      token(kind);
+      const double dt = now() - t0;
+      const double bytes = double(total) * (kind == 1 ? 2 : 4);
+      if (s > 0) gbs[size_t(kind)].push_back(bytes / dt * 1e-9);
+    }
+  std::printf("{\"d\":%ld,\"layers\":%ld,\"threads\":%d,\"weights\":%ld,\"gemv_fp32_gbs\":%.2f,"
+              "\"gemv_bf16_gbs\":%.2f,\"onednn_fp32_gbs\":%.2f,\"read_gbs\":%.2f}\n",
+              long(d), long(layers), omp_get_max_threads(), long(total), median(gbs[0]),
+              median(gbs[1]), median(gbs[2]), median(gbs[3]));
+  return 0;
+}

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Batch-1 decode benchmark (issue 12; docs/benchmarks.md "Serving: batch-1 decode"): Sigma fp32
+# and bf16 weights (`sigma generate --precision`) against the PyTorch peer with a KV cache
+# (bench/torch_decode.py, fp32 and bf16) on the same shapes, and the memory bandwidth measured
+# in the same run (bench/stream_probe.cpp), alternating within each round; medians of ROUNDS.
+#
+# Models: a dense d=512, 8-block model, and an extracted sub-model (`sigma extract --domain copy`)
+# of a sparse model with the same trunk and 4 RRE blocks (groups of 2, 3 and 4 experts); both
+# trained for 2 steps on the synthetic data (speed does not depend on the weights).
+#
+# Each run decodes TOKENS greedy tokens after a 3-token prompt; tokens/s counts the decode steps
+# after the first token. The bound: bytes of weights one token reads (every matrix, one expert
+# per RRE block, the tied head, biases; `sigma generate` prints its count, the peer its own) /
+# the read bandwidth (the better of 1 and 2 threads, median over the rounds). Fraction of the
+# bound = tokens/s x bytes per token / bandwidth. Each round also streams the same matrices
+# through the GEMV kernels and oneDNN alone (bench/bench_gemv.cpp).
+#
+#   bench/decode_bench.sh [BUILD_DIR=build] [ROUNDS=3] [TOKENS=250]
+# Environment: DECODE_BENCH_DIR (work folder, default /tmp/sigma-decode-bench), NICE (prefix
+# of each timed command, default "nice -n -19" when root), PYTHON (default /usr/bin/python3).
+set -euo pipefail
+build=${1:-build}
+rounds=${2:-3}
+tokens=${3:-250}
+here=$(cd "$(dirname "$0")" && pwd)
+sigma="$build/sigma"
+probe="$build/stream_probe"
+kernel="$build/bench_gemv"
+python=${PYTHON:-/usr/bin/python3}
+work=${DECODE_BENCH_DIR:-/tmp/sigma-decode-bench}
+if [ -z "${NICE+x}" ]; then
+  if [ "$(id -u)" = 0 ]; then NICE="nice -n -19"; else NICE=""; fi
+fi
+export OMP_WAIT_POLICY=passive
+for f in "$sigma" "$probe" "$kernel"; do
+  [ -x "$f" ] || { echo "decode_bench: $f not found (build with -DSIGMA_BENCH=ON)" >&2; exit 2; }
+done
+mkdir -p "$work"
+results="$work/results.jsonl"
+: > "$results"
+
+trunk=(--set model.d_model=512 --set model.heads=8 --set model.layers=8 --set model.context=256
+       --set train.steps=2 --set train.batch=2 --set train.eval_rows=2)
+if [ ! -d "$work/dense/checkpoints" ]; then
+  "$sigma" train --quiet "${trunk[@]}" --set model.rre_layers=0 --out "$work/dense" >/dev/null
+fi
+if [ ! -d "$work/extract" ]; then
+  "$sigma" train --quiet "${trunk[@]}" --set model.rre_layers=4 --out "$work/sparse" >/dev/null
+  "$sigma" extract --ckpt "$work/sparse/checkpoints" --domain copy --out "$work/extract" >/dev/null
+fi
+# The peer's shapes: vocabulary 32 (the synthetic data's), the extract's group has 3 experts.
+peer_dense=(--d 512 --heads 8 --layers 8 --vocab 32 --context 256)
+peer_extract=("${peer_dense[@]}" --rre-layers 4 --experts 3)
+
+run_sigma() {  # model precision
+  local ckpt="$work/dense/checkpoints"
+  [ "$1" = extract ] && ckpt="$work/extract"
+  local err
+  err=$($NICE "$sigma" generate --ckpt "$ckpt" --prompt "1 2 3" --max-new "$tokens" \
+        --precision "$2" 2>&1 >/dev/null)
+  echo "$err" | "$python" -c '
+import json, re, sys
+m = re.search(r"\(([\d.]+) tokens/s, \w+ weights: ([\d.]+) MB", sys.stdin.read())
+print(json.dumps({"impl": "sigma", "model": sys.argv[1], "precision": sys.argv[2],
+                  "tokens_per_s": float(m.group(1)), "weight_bytes_per_token": float(m.group(2)) * 1e6}))
+' "$1" "$2" >> "$results"
+}
+
+run_torch() {  # model precision
+  local shape=("${peer_dense[@]}")
+  [ "$1" = extract ] && shape=("${peer_extract[@]}")
+  $NICE "$python" "$here/torch_decode.py" "${shape[@]}" --precision "$2" --tokens "$tokens" \
+      --rounds 1 | "$python" -c '
+import json, sys
+r = json.loads(sys.stdin.read()); r["model"] = sys.argv[1]; print(json.dumps(r))' "$1" >> "$results"
+}
+
+for r in $(seq 1 "$rounds"); do
+  echo "decode_bench: round $r of $rounds" >&2
+  $NICE "$probe" --samples 5 | "$python" -c '
+import json, sys; r = json.loads(sys.stdin.read()); r["impl"] = "stream"; print(json.dumps(r))' >> "$results"
+  $NICE "$kernel" --samples 9 | "$python" -c '
+import json, sys; r = json.loads(sys.stdin.read()); r["impl"] = "kernel"; print(json.dumps(r))' >> "$results"
+  for model in dense extract; do
+    # Alternate the order between rounds so that neither side always runs first.
+    if [ $((r % 2)) = 1 ]; then order="sigma torch"; else order="torch sigma"; fi
+    for impl in $order; do
+      for precision in fp32 bf16; do "run_$impl" "$model" "$precision"; done
+    done
+  done
+done
+
+"$python" - "$results" <<'EOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+streams = [r for r in rows if r["impl"] == "stream"]
+bw = statistics.median(max(s["read_gbs"], s["read_gbs_1t"]) for s in streams) * 1e9
+triad = statistics.median(s["triad_gbs"] for s in streams)
+print(f"read bandwidth {bw * 1e-9:.2f} GB/s (median of {len(streams)} rounds; better of 1 and 2 "
+      f"threads: {[(s['read_gbs_1t'], s['read_gbs']) for s in streams]}); triad {triad:.2f} GB/s")
+kern = [r for r in rows if r["impl"] == "kernel"]
+if kern:
+    med = {k: statistics.median(r[k] for r in kern) for k in ("gemv_fp32_gbs", "gemv_bf16_gbs", "onednn_fp32_gbs", "read_gbs")}
+    print("weight stream alone (bench_gemv, GB/s, median of rounds): " +
+          ", ".join(f"{k[:-4]} {v:.2f}" for k, v in med.items()) +
+          f"; GEMV fp32 / read {med['gemv_fp32_gbs'] / med['read_gbs']:.0%}, "
+          f"bf16 / read {med['gemv_bf16_gbs'] / med['read_gbs']:.0%}, "
+          f"oneDNN M=1 / read {med['onednn_fp32_gbs'] / med['read_gbs']:.0%}")
+print(f"{'model':8} {'impl':8} {'precision':9} {'tokens/s':>9} {'rounds':28} {'MB/token':>9} "
+      f"{'bound t/s':>9} {'of bound':>8}")
+summary = {}
+for model in ("dense", "extract"):
+    for impl in ("sigma", "pytorch"):
+        for prec in ("fp32", "bf16"):
+            rs = [r for r in rows if r.get("model") == model and r["impl"] == impl and r["precision"] == prec]
+            if not rs:
+                continue
+            tps = statistics.median(r["tokens_per_s"] for r in rs)
+            b = rs[0]["weight_bytes_per_token"]
+            summary[(model, impl, prec)] = tps
+            print(f"{model:8} {impl:8} {prec:9} {tps:9.1f} {str([round(r['tokens_per_s'], 1) for r in rs]):28} "
+                  f"{b * 1e-6:9.1f} {bw / b:9.1f} {tps * b / bw:8.1%}")
+for model in ("dense", "extract"):
+    for prec in ("fp32", "bf16"):
+        s, t = summary.get((model, "sigma", prec)), summary.get((model, "pytorch", prec))
+        if s and t:
+            print(f"{model} {prec}: sigma / pytorch = {s / t:.2f}x")
+EOF

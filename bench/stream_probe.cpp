@@ -1,0 +1,108 @@
+// stream_probe: this machine's memory bandwidth, the denominator of the batch-1 decode benchmark
+// (bench/decode_bench.sh, docs/benchmarks.md). Batch-1 decoding reads every weight once per
+// token, so its bound is (bytes of weights per token) / (read bandwidth).
+//   read:  sum += a[i]            (what a GEMV against weights does: read only)
+//   triad: a[i] = b[i] + s * c[i] (STREAM's triad: 2 reads + 1 write, counted as 3 x 4 bytes)
+// Arrays of --mb MiB each (far larger than the caches), first-touched by the threads that use
+// them; each figure is the median of --samples passes, for 1 thread and for --threads threads.
+// Prints one JSON line: {"read_gbs_1t":..,"read_gbs":..,"triad_gbs_1t":..,"triad_gbs":..}.
+//
+//   stream_probe [--threads 2] [--samples 9] [--mb 256]
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// One pass of `kernel` over n floats on `threads` threads; returns GB/s for `bytes_per_float`.
+template <class Kernel>
+double bandwidth(int threads, int samples, int64_t n, double bytes_per_float, Kernel kernel) {
+  std::vector<double> gbs;
+  for (int s = 0; s < samples + 1; ++s) {  // the first pass warms up (page tables, clocks)
+    const double t0 = now();
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t per = (n / omp_get_num_threads() + 15) / 16 * 16;
+      const int64_t i0 = std::min(n, per * omp_get_thread_num()), i1 = std::min(n, i0 + per);
+      kernel(i0, i1);
+    }
+    const double dt = now() - t0;
+    if (s > 0) gbs.push_back(double(n) * bytes_per_float / dt * 1e-9);
+  }
+  return median(gbs);
+}
+
+struct Arrays {
+  float *a, *b, *c;
+  int64_t n;
+};
+
+volatile float g_sink;  // keeps the read kernel's sums alive
+
+double read_gbs(const Arrays& x, int threads, int samples) {
+  return bandwidth(threads, samples, x.n, 4.0, [&](int64_t i0, int64_t i1) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t i = i0; i < i1; i += 64) {
+      s0 = _mm512_add_ps(s0, _mm512_load_ps(x.a + i));
+      s1 = _mm512_add_ps(s1, _mm512_load_ps(x.a + i + 16));
+      s2 = _mm512_add_ps(s2, _mm512_load_ps(x.a + i + 32));
+      s3 = _mm512_add_ps(s3, _mm512_load_ps(x.a + i + 48));
+    }
+    g_sink = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+  });
+}
+
+double triad_gbs(const Arrays& x, int threads, int samples) {
+  return bandwidth(threads, samples, x.n, 12.0, [&](int64_t i0, int64_t i1) {
+    const __m512 s = _mm512_set1_ps(3.0f);
+    for (int64_t i = i0; i < i1; i += 16)
+      _mm512_store_ps(x.a + i, _mm512_fmadd_ps(s, _mm512_load_ps(x.c + i), _mm512_load_ps(x.b + i)));
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = 2, samples = 9;
+  int64_t mb = 256;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--threads") threads = std::atoi(argv[i + 1]);
+    else if (k == "--samples") samples = std::atoi(argv[i + 1]);
+    else if (k == "--mb") mb = std::atol(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: stream_probe [--threads 2] [--samples 9] [--mb 256]\n");
+      return 2;
+    }
+  }
+  if (threads < 1 || samples < 1 || mb < 1) {
+    std::fprintf(stderr, "stream_probe: --threads, --samples and --mb must be positive\n");
+    return 2;
+  }
+  Arrays x{nullptr, nullptr, nullptr, (mb << 20) / 4 / 64 * 64};
+  for (float** p : {&x.a, &x.b, &x.c}) *p = static_cast<float*>(std::aligned_alloc(64, size_t(x.n) * 4));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < x.n; ++i) x.a[i] = 1.0f, x.b[i] = 2.0f, x.c[i] = 0.5f;
+  const double r1 = read_gbs(x, 1, samples), rn = read_gbs(x, threads, samples);
+  const double t1 = triad_gbs(x, 1, samples), tn = triad_gbs(x, threads, samples);
+  std::printf("{\"threads\":%d,\"mb\":%ld,\"read_gbs_1t\":%.2f,\"read_gbs\":%.2f,"
+              "\"triad_gbs_1t\":%.2f,\"triad_gbs\":%.2f}\n",
+              threads, long(mb), r1, rn, t1, tn);
+  for (float* p : {x.a, x.b, x.c}) std::free(p);
+  return 0;
+}

@@ -1,0 +1,52 @@
+// Products of a few rows against a weight matrix, as batch-1 (and few-slot) decoding runs them:
+// memory-bound, so every weight is read once per call, by one of the threads, streaming. Why
+// not oneDNN (which the rows past kGemvMaxRows still use, gemm.h): it has no product of fp32
+// activations with bf16 weights, and its sgemm does not give a row the same bits for every
+// batch size. For fp32 at one row it streams about as fast (docs/benchmarks.md, issue 12).
+//
+// Weights are fp32, or bf16 copies made once at load (Model::use_bf16_weights): a bf16 weight
+// is widened to fp32 exactly, and the products and sums are fp32, so only the weights round.
+//
+// Each output element is one fixed sequence of fp32 FMAs over k = 0..K-1 whatever the number
+// of rows and threads: a row's result does not depend on the rows computed with it (serving
+// with up to kGemvMaxRows slots is batch-invariant bit for bit).
+#pragma once
+#include <cstdint>
+
+#include "kernels/types.h"
+
+namespace sigma::cpu {
+
+using kernels::Strides;
+
+constexpr int64_t kGemvMaxRows = 4;
+
+// y[M,out] (+)= x[M,in] @ w[in,out] + b, M <= kGemvMaxRows (b may be null; strides as in
+// linear_forward, 0 = contiguous).
+void gemv_nn(float* y, const float* x, const float* w, const float* b, int64_t M, int64_t in,
+             int64_t out, bool accumulate, Strides ld);
+void gemv_nn(float* y, const float* x, const uint16_t* w, const float* b, int64_t M, int64_t in,
+             int64_t out, bool accumulate, Strides ld);
+// y[M,out] = x[M,in] @ w[out,in]^T (each output a dot product with a row of w: the tied head).
+void gemv_nt(float* y, const float* x, const float* w, int64_t M, int64_t in, int64_t out,
+             int64_t ldx, int64_t ldw, int64_t ldy);
+void gemv_nt(float* y, const float* x, const uint16_t* w, int64_t M, int64_t in, int64_t out,
+             int64_t ldx, int64_t ldw, int64_t ldy);
+
+// The cpu backend's gemm and linear_forward: a few rows go to the kernels above, the rest to
+// oneDNN (gemm.h).
+void gemm_rows(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+               const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+               int64_t ldc);
+void linear_forward_rows(float* y, const float* x, const float* w, const float* b, int64_t N,
+                         int64_t in, int64_t out, bool accumulate, Strides ld);
+
+// The ops with bf16 weight copies (kernels/ops.h): linear_forward with w16[in,out], and the
+// head's y[N,out] = x[N,in] @ w16[out,in]^T. More than kGemvMaxRows rows (a prompt) widen the
+// weights into per-thread fp32 scratch and run oneDNN's sgemm on them: the same values.
+void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b, int64_t N,
+                        int64_t in, int64_t out, bool accumulate, Strides ld);
+void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
+                 int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
+
+}  // namespace sigma::cpu

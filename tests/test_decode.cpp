@@ -1,0 +1,274 @@
+// Batch-1 decoding: the GEMV kernels' batch invariance, bf16 weight copies (close to fp32,
+// equal to an fp32 model whose weights were rounded, and really used), the KV cache on bf16
+// weights against the full forward pass, and `sigma generate --precision`.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cli_util.h"
+#include "core/bf16.h"
+#include "core/rng.h"
+#include "infer/generate.h"
+#include "kernels/cpu/gemv.h"
+#include "model/names.h"
+
+using namespace sigma;
+using sigma::testing::sigma_cmd;
+using sigma::testing::TempDir;
+
+namespace {
+
+std::vector<float> randn(int64_t n, uint64_t seed) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[size_t(i)] = rng_normal(seed, 1, uint64_t(i));
+  return v;
+}
+
+// A sparse model with every kind of weight a decode step reads: dense and RRE blocks, the
+// query layer, two embedding slots.
+ModelConfig decode_config() {
+  ModelConfig c;
+  c.vocab = 37;
+  c.d_model = 32;
+  c.heads = 4;
+  c.context = 24;
+  c.layers = 3;
+  c.rre_layers = 2;
+  c.slots = 2;
+  c.init_std = 0.3f;
+  c.groups = {{"g0", 2}, {"g1", 3}};
+  c.domains = {{"a", "g0", 0}, {"b", "g1", 1}};
+  return c;
+}
+
+// Logits of every position of `tokens` decoded one token at a time through the KV cache.
+std::vector<float> cached_logits(Model& m, int domain, const std::vector<int32_t>& tokens) {
+  KVCacheDecoder dec(m, domain);
+  std::vector<float> out;
+  for (int32_t t : tokens) {
+    const float* l = dec.step(t);
+    out.insert(out.end(), l, l + m.config().vocab);
+  }
+  return out;
+}
+
+std::vector<int32_t> some_tokens(const ModelConfig& c, int n) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back((11 * i + 5) % c.vocab);
+  return t;
+}
+
+}  // namespace
+
+// Each output element is one fixed FMA sequence: a row gives the same bits alone as among
+// four, with one thread or two (the split is by columns).
+TEST(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
+  const int64_t in = 257, out = 301;  // past the threading threshold, odd tails
+  const auto x = randn(4 * in, 1), w = randn(in * out, 2), b = randn(out, 3);
+  std::vector<uint16_t> w16;
+  for (float v : w) w16.push_back(to_bf16(v));
+  const size_t n4 = size_t(4 * out), n1 = size_t(out);
+  std::vector<float> four(n4), one(n1), nt4(n4), nt1(n1);
+  cpu::gemv_nn(four.data(), x.data(), w.data(), b.data(), 4, in, out, false, {});
+  cpu::gemv_nt(nt4.data(), x.data(), w.data(), 4, in, out, in, in, out);  // w read as [out, in]
+  for (int threads : {1, 2}) {
+    omp_set_num_threads(threads);
+    for (int r = 0; r < 4; ++r) {
+      cpu::gemv_nn(one.data(), x.data() + r * in, w.data(), b.data(), 1, in, out, false, {});
+      EXPECT_EQ(0, std::memcmp(one.data(), four.data() + r * out, one.size() * 4)) << "row " << r;
+      cpu::gemv_nt(nt1.data(), x.data() + r * in, w.data(), 1, in, out, in, in, out);
+      EXPECT_EQ(0, std::memcmp(nt1.data(), nt4.data() + r * out, nt1.size() * 4)) << "row " << r;
+    }
+  }
+  omp_set_num_threads(2);
+  // And the bf16 kernel is the fp32 kernel on the widened weights, bit for bit.
+  std::vector<float> widened;
+  for (uint16_t h : w16) widened.push_back(from_bf16(h));
+  std::vector<float> a(n4), c(n4);
+  cpu::gemv_nn(a.data(), x.data(), w16.data(), b.data(), 4, in, out, false, {});
+  cpu::gemv_nn(c.data(), x.data(), widened.data(), b.data(), 4, in, out, false, {});
+  EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * 4));
+}
+
+// The weight matrices a decode step streams (Model::use_bf16_weights converts these).
+bool is_matrix(const std::string& n) {
+  return n == names::kTokens || n.find(".w_in") != std::string::npos ||
+         n.find(".w_out") != std::string::npos || n.find("attn.qkv.w") != std::string::npos ||
+         n.find("attn.out.w") != std::string::npos;
+}
+
+void round_to_bf16(Model& m, bool tokens_only) {
+  for (Param& p : m.params().all()) {
+    if (!is_matrix(p.name) || (tokens_only && p.name != names::kTokens)) continue;
+    float* v = p.value.f();
+    for (int64_t i = 0; i < p.value.numel(); ++i) v[i] = round_bf16(v[i]);
+  }
+}
+
+// bf16 weights: the logits equal (to fp32 rounding) those of an fp32 model whose weight
+// matrices were rounded to bf16, and stay within a bound of the fp32 model's. (The token
+// table is rounded in all three, since the embedding lookup reads the fp32 table.)
+TEST(Bf16Weights, DecodeMatchesTheRoundedModelAndStaysNearFp32) {
+  const ModelConfig c = decode_config();
+  Model fp32(c, 9), bf16(c, 9), rounded(c, 9);
+  round_to_bf16(fp32, true);
+  round_to_bf16(bf16, true);
+  bf16.use_bf16_weights();
+  ASSERT_TRUE(bf16.bf16_weights());
+  round_to_bf16(rounded, false);
+  const auto tokens = some_tokens(c, c.context);
+  for (int domain : {0, 1}) {
+    const auto l16 = cached_logits(bf16, domain, tokens);
+    const auto lr = cached_logits(rounded, domain, tokens);
+    const auto l32 = cached_logits(fp32, domain, tokens);
+    double worst_rounded = 0, worst_fp32 = 0, scale = 0;
+    for (size_t i = 0; i < l16.size(); ++i) {
+      worst_rounded = std::max(worst_rounded, double(std::fabs(l16[i] - lr[i])));
+      worst_fp32 = std::max(worst_fp32, double(std::fabs(l16[i] - l32[i])));
+      scale = std::max(scale, double(std::fabs(l32[i])));
+    }
+    // fp32 rounding of sums of ~100 O(1) terms: ~1e-6 of the scale; bf16's own rounding
+    // (2^-9 relative per weight) moves the logits by ~1e-3 of it.
+    EXPECT_LT(worst_rounded, 1e-5 * scale) << "domain " << domain;
+    EXPECT_GT(worst_fp32, 1e-4 * scale) << "domain " << domain << ": bf16 gave fp32's logits";
+    EXPECT_LT(worst_fp32, 2e-2 * scale) << "domain " << domain;
+  }
+}
+
+// After the copies are made, a decode step reads none of the fp32 matrices: scrambling them
+// (and the token rows the prompt does not look up) leaves the logits unchanged, bit for bit.
+TEST(Bf16Weights, DecodeReadsOnlyTheCopies) {
+  const ModelConfig c = decode_config();
+  Model m(c, 10);
+  m.use_bf16_weights();
+  const std::vector<int32_t> tokens = {3, 4, 5, 6, 7, 8};
+  const auto before = cached_logits(m, 1, tokens);
+  for (Param& p : m.params().all()) {
+    if (!is_matrix(p.name)) continue;
+    float* v = p.value.f();
+    for (int64_t i = 0; i < p.value.numel(); ++i) {
+      const int64_t row = i / c.d_model % c.vocab;  // token id of an embedding row
+      if (p.name != names::kTokens || row < 3 || row > 8) v[i] = 1e3f * float(i % 7) - 2e3f;
+    }
+  }
+  const auto after = cached_logits(m, 1, tokens);
+  EXPECT_EQ(0, std::memcmp(before.data(), after.data(), before.size() * 4));
+}
+
+// The KV cache on bf16 weights (GEMV kernels, one row) computes the full forward pass's logits
+// on them (a prompt of many rows: weights widened, oneDNN).
+TEST(Bf16Weights, CachedDecodeMatchesTheFullForward) {
+  const ModelConfig c = decode_config();
+  Model m(c, 11);
+  m.use_bf16_weights();
+  const auto tokens = some_tokens(c, c.context);
+  Batch b;
+  b.resize(1, c.context);
+  b.tokens = tokens;
+  b.domain[0] = 1;
+  std::vector<float> loss(size_t(c.context));
+  m.forward(b, loss.data());
+  const std::vector<float> full(m.logits(), m.logits() + int64_t(c.context) * c.vocab);
+  const auto cached = cached_logits(m, 1, tokens);
+  for (size_t i = 0; i < full.size(); ++i)
+    ASSERT_NEAR(cached[i], full[i], 1e-4) << "position " << i / size_t(c.vocab);
+}
+
+TEST(Bf16Weights, RefusesBackward) {
+  const ModelConfig c = decode_config();
+  Model m(c, 12);
+  m.use_bf16_weights();
+  Batch b;
+  b.resize(1, 4);
+  b.tokens = some_tokens(c, 4);
+  std::vector<float> loss(4), weight(4, 1.0f);
+  m.forward(b, loss.data(), weight.data());
+  EXPECT_THROW(m.backward(b), Error);
+}
+
+// generate() reports its prompt pass and one decode step per further token.
+TEST(Generate, StatsCountThePromptAndEachStep) {
+  const ModelConfig c = decode_config();
+  Model m(c, 13);
+  SamplingConfig s;
+  s.max_new_tokens = 9;
+  GenerateStats st;
+  const auto out = generate(m, 0, some_tokens(c, 5), s, true, &st);
+  ASSERT_EQ(out.size(), 9u);
+  EXPECT_EQ(st.prompt_tokens, 5);
+  EXPECT_EQ(st.decode_steps, 8);
+  EXPECT_GT(st.decode_seconds, 0.0);
+  EXPECT_GT(st.prefill_seconds, 0.0);
+}
+
+// From the command line: --precision bf16 decodes (tokens/s reported on stderr), a wrong
+// value is refused before anything loads.
+TEST(GenerateCli, PrecisionFlag) {
+  TempDir dir("gen16");
+  const auto train = sigma_cmd("train --quiet --set train.steps=2 --set train.eval_rows=2 --out " +
+                               dir.str());
+  ASSERT_EQ(train.code, 0) << train.out;
+  const std::string ckpt = dir / "checkpoints";
+  const auto r = sigma_cmd("generate --ckpt " + ckpt + " --prompt '1 2 3' --max-new 5 --precision bf16");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("4 more tokens in"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("tokens/s, bf16 weights"), std::string::npos) << r.out;
+  const auto bad = sigma_cmd("generate --ckpt " + ckpt + " --prompt 1 --precision fp16");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.out.find("--precision"), std::string::npos) << bad.out;
+}
+
+// The bytes a decode step reads, from the parameter registry: everything but the looked-up
+// tables (positions, query table), the other slots' embedding rows and the experts a token
+// does not run (one of K per group and block; here one group is used, K = 2).
+TEST(Generate, WeightBytesPerTokenCountsWhatAStepReads) {
+  ModelConfig c = decode_config();
+  c.groups = {{"g0", 2}};
+  c.domains = {{"a", "g0", 0}};
+  c.slots = 1;
+  Model m(c, 14);
+  const int64_t d = c.d_model, f = c.ffn();
+  int64_t params = 0;
+  for (const Param& p : m.params().all()) params += p.value.numel();
+  const int64_t tables = 2 * int64_t(c.context) * d;              // positions, query table
+  const int64_t idle_expert = c.rre_layers * (2 * d * f + f + d);  // the second expert
+  EXPECT_EQ(weight_bytes_per_token(m), 4 * (params - tables - idle_expert));
+  const int64_t matrices = c.layers * (4 * d * d + 2 * d * f) + int64_t(c.vocab) * d;
+  m.use_bf16_weights();
+  EXPECT_EQ(weight_bytes_per_token(m), 4 * (params - tables - idle_expert) - 2 * matrices);
+}
+
+// Up to kGemvMaxRows slots, a decode step gives each sequence the same logits, bit for bit, as
+// that sequence decoded alone (docs/serving.md), on fp32 and on bf16 weights, dense and RRE.
+TEST(Decode, StepsOfUpToFourRowsAreBatchInvariantBitForBit) {
+  const ModelConfig c = decode_config();
+  for (bool bf16 : {false, true}) {
+    Model m(c, 15);
+    if (bf16) m.use_bf16_weights();
+    const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3}, {4, 5}, {6, 7, 8, 9, 10, 11}, {12}};
+    const std::vector<int> domains = {0, 1, 1, 0}, slots = {0, 1, 2, 3};
+    BatchDecoder together(m, 4);
+    std::vector<std::unique_ptr<BatchDecoder>> alone;
+    std::vector<int32_t> next(4);
+    for (int s = 0; s < 4; ++s) {
+      together.prefill(s, domains[size_t(s)], prompts[size_t(s)]);
+      alone.push_back(std::make_unique<BatchDecoder>(m, 1));
+      alone.back()->prefill(0, domains[size_t(s)], prompts[size_t(s)]);
+      next[size_t(s)] = int32_t((5 * s + 1) % c.vocab);
+    }
+    for (int step = 0; step < 6; ++step) {
+      together.step(slots, domains, next);
+      for (int s = 0; s < 4; ++s) {
+        const int zero = 0;
+        alone[size_t(s)]->step({&zero, 1}, {&domains[size_t(s)], 1}, {&next[size_t(s)], 1});
+        EXPECT_EQ(0, std::memcmp(together.logits(s), alone[size_t(s)]->logits(0), size_t(c.vocab) * 4))
+            << (bf16 ? "bf16" : "fp32") << " step " << step << " slot " << s;
+        next[size_t(s)] = int32_t((next[size_t(s)] * 7 + step) % c.vocab);
+      }
+    }
+  }
+}
