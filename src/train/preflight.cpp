@@ -53,7 +53,11 @@ int64_t dense_training_bytes(const Config& cfg) {
   const int64_t acts = BT * m.layers * (16 * int64_t(m.d_model) + 2 * int64_t(m.ffn()) +
                                         int64_t(m.heads) * m.context) +
                        2 * BT * int64_t(m.vocab);
-  return (p.total - p.experts) * 16 + acts * 4;
+  // With accumulation the step's gradient sum tree keeps up to log2(accum) + 1 partial sums.
+  int64_t partials = 0;
+  if (cfg.train.accum > 1)
+    for (int64_t k = cfg.train.accum; k > 0; k >>= 1) ++partials;
+  return (p.total - p.experts) * (16 + 4 * partials) + acts * 4;
 }
 
 int64_t training_bytes(const Config& cfg) {

@@ -25,7 +25,8 @@ ParamCount count_params(const ModelConfig& m);
 // (16 bytes a parameter; experts in a file-backed ECSS store are excluded, they are paged)
 // plus the activations of one micro-batch.
 int64_t training_bytes(const Config& cfg);
-// The same without the experts: the shared parameters' 16 bytes each and the activations.
+// The same without the experts: the shared parameters' 16 bytes each (plus the gradient sum
+// tree's partial sums when train.accum > 1) and the activations.
 int64_t dense_training_bytes(const Config& cfg);
 
 // train.expert_memory in bytes: "auto" is a quarter of physical memory; else a size such as
