@@ -154,7 +154,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   in = in.rfind("RAW\n", 0) == 0 ? in.substr(4) : with_content_length(in);
   const std::string out = server().answer(in);
   if (std::getenv("SIGMA_FUZZ_SHOW")) std::fwrite(out.data(), 1, out.size(), stderr);  // debugging
-  if (out.empty()) return 0;  // httplib answers nothing to a request line it cannot read
+  if (out.empty()) {  // httplib answers nothing only to a connection that sent nothing
+    if (!in.empty()) sigma::fuzz::finding("no response to a request");
+    return 0;
+  }
   check(in, parse_reply(out));
   return 0;
 }
