@@ -408,7 +408,7 @@ void Server::serve_model(Model& model, const data::Tokenizer* tok, const std::st
   s.served.cfg = &model.config();
   s.served.tok = tok;
   s.served.max_tokens_limit = s.o.max_tokens;
-  s.served.max_n = std::min(8, s.o.slots + s.o.queue);
+  s.served.max_n = std::min(8, s.o.queue);  // a request's choices all queue before taking slots
   s.engine = std::make_unique<Engine>(model, s.o.slots, s.o.queue);
   s.ready = true;
 }

@@ -43,7 +43,7 @@ struct Served {
     sigma::serve::ServerOptions o;
     o.api_key = "k";
     o.slots = 2;
-    o.queue = 2;        // n up to 4
+    o.queue = 2;        // n up to 2
     o.max_tokens = 6;   // keeps each input's decoding short
     o.max_body = 4096;  // a larger body must get 413
     return o;
@@ -123,6 +123,9 @@ void check_event_stream(const std::string& body) {
 }
 
 void check(const std::string& request, const Reply& r) {
+  // Requests come one at a time, so the engine is idle at each: "busy" would refuse a request
+  // that no retry can get through.
+  if (r.status == 503) sigma::fuzz::finding("503 busy from an idle server");
   // HEAD is answered with the headers of a body but without it (httplib also reads "\tHEAD" as
   // HEAD), OPTIONS without a body. A Range header gets slices of the body (httplib honours it on
   // any status, errors too): what the client asked for, not a whole JSON body.
