@@ -59,7 +59,7 @@ TEST(ServeHostile, DeeplyNestedJsonIsRefusedNotACrash) {
                                    {"/tokenize", "{\"text\": " + nest + "}"}}) {
     const auto [status, msg] = post(s.server, path, body);
     EXPECT_EQ(status, 400) << path << ": " << msg;
-    EXPECT_NE(msg.find("nests deeper than 64 levels"), std::string::npos) << path << ": " << msg;
+    EXPECT_NE(msg.find("nested deeper than 64 levels"), std::string::npos) << path << ": " << msg;
   }
   // Nesting that requests use still parses.
   EXPECT_EQ(post(s.server, "/v1/completions", R"({"prompt": [[1, 2]], "max_tokens": 1})").first, 400);

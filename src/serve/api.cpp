@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "core/json_depth.h"
+
 namespace sigma::serve {
 namespace {
 
@@ -88,18 +90,13 @@ nlohmann::json ApiError::body() const {
 }
 
 json parse_body(const std::string& body) {
-  // Copying or printing a value recurses once per level: a body of nested arrays within the
-  // size limit would overflow the stack, so nesting is refused past a depth no request needs.
-  static constexpr int kMaxDepth = 64;
-  auto depth = [](int d, json::parse_event_t, json&) {
-    if (d > kMaxDepth) throw ApiError{400, fmt::format("the body nests deeper than {} levels", kMaxDepth), ""};
-    return true;
-  };
   json j;
   try {
-    j = json::parse(body, depth);
+    j = json::parse(body, json_depth_limit("the body"));
   } catch (const json::parse_error& e) {  // also ill-formed UTF-8 inside strings
     throw ApiError{400, fmt::format("the body is not valid JSON: {}", e.what()), ""};
+  } catch (const Error& e) {  // nested too deep
+    throw ApiError{400, e.what(), ""};
   }
   if (!j.is_object()) throw ApiError{400, "the body must be a JSON object", ""};
   return j;
