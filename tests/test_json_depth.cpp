@@ -1,6 +1,7 @@
 // JSON nested a million levels deep (2 MB) in each file Sigma parses: refused with an error
 // naming the file, not a stack overflow when an error message prints the value or a copy
-// recurses (core/json_depth.h). The config file and a --set value crashed before the limit.
+// recurses (core/json_depth.h). A config file crashed `sigma train` before the limit; the
+// other parsers share it so that no later check or message can reach such a value.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
