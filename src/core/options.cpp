@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 
 namespace sigma {
 
@@ -145,7 +146,7 @@ void Options::apply_set(const std::string& assignment) {
   Field& f = find(key);
   nlohmann::json v;
   if (f.set_json) {
-    v = nlohmann::json::parse(text, nullptr, false);
+    v = nlohmann::json::parse(text, json_depth_limit("--set " + key), false);
     SIGMA_CHECK(!v.is_discarded(), "--set {}: value is not valid JSON", key);
     f.set_json(v);
     return;
@@ -153,7 +154,7 @@ void Options::apply_set(const std::string& assignment) {
   if (std::holds_alternative<std::string*>(f.target)) {
     v = text;
   } else {
-    v = nlohmann::json::parse(text, nullptr, false);
+    v = nlohmann::json::parse(text, json_depth_limit("--set " + key), false);
     SIGMA_CHECK(!v.is_discarded(), "--set {}: cannot parse '{}' as a value for this key", key,
                 text);
   }

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "data/shards.h"
 #include "io/file.h"
 
@@ -66,7 +67,7 @@ PrepareConfig PrepareConfig::load(const std::string& path) {
   SIGMA_CHECK(f, "cannot open config {}", path);
   std::stringstream ss;
   ss << f.rdbuf();
-  auto j = json::parse(ss.str(), nullptr, false);
+  auto j = json::parse(ss.str(), json_depth_limit("config " + path), false);
   SIGMA_CHECK(!j.is_discarded(), "config {}: not valid JSON", path);
   return from_json(j, fs::path(path).parent_path().string(), path);
 }

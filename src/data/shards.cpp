@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "io/file.h"
 
 namespace sigma::data {
@@ -202,7 +203,7 @@ ShardSet ShardSet::open(const std::string& dir, uint64_t expect_tokenizer_hash) 
   SIGMA_CHECK(f, "{}: cannot open; is {} a folder made by sigma prepare?", mpath, dir);
   std::stringstream ss;
   ss << f.rdbuf();
-  auto m = nlohmann::json::parse(ss.str(), nullptr, false);
+  auto m = nlohmann::json::parse(ss.str(), json_depth_limit(mpath), false);
   SIGMA_CHECK(!m.is_discarded() && m.is_object(), "{}: not valid JSON", mpath);
   SIGMA_CHECK(m.value("format", "") == "sigma-shards" && m.value("version", 0) == 1,
               "{}: not a version-1 sigma-shards manifest", mpath);

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "core/rng.h"
 #include "io/file.h"
 
@@ -446,7 +447,7 @@ Tokenizer Tokenizer::load(const std::string& path) {
   SIGMA_CHECK(f, "tokenizer: cannot open {}", path);
   std::stringstream ss;
   ss << f.rdbuf();
-  auto j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  auto j = nlohmann::json::parse(ss.str(), json_depth_limit("tokenizer " + path), /*allow_exceptions=*/false);
   SIGMA_CHECK(!j.is_discarded(), "tokenizer {}: not valid JSON", path);
   return from_json(j, path);
 }

@@ -14,6 +14,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "core/json_depth.h"
 #include "io/file.h"
 
 namespace sigma {
@@ -267,7 +268,7 @@ std::map<std::string, ManifestEntry> read_manifest(const std::string& dir) {
               kManifestFile);
   json m;
   try {
-    m = json::parse(read_small_file(mpath, size_t{16} << 20));
+    m = json::parse(read_small_file(mpath, size_t{16} << 20), json_depth_limit(mpath));
   } catch (const json::exception& e) {
     fail("checkpoint '{}': {} is not valid JSON: {}", dir, kManifestFile, e.what());
   }

@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "core/json_depth.h"
+
 namespace sigma::serve {
 namespace {
 
@@ -90,9 +92,11 @@ nlohmann::json ApiError::body() const {
 json parse_body(const std::string& body) {
   json j;
   try {
-    j = json::parse(body);
+    j = json::parse(body, json_depth_limit("the body"));
   } catch (const json::parse_error& e) {  // also ill-formed UTF-8 inside strings
     throw ApiError{400, fmt::format("the body is not valid JSON: {}", e.what()), ""};
+  } catch (const Error& e) {  // nested too deep
+    throw ApiError{400, e.what(), ""};
   }
   if (!j.is_object()) throw ApiError{400, "the body must be a JSON object", ""};
   return j;

@@ -4,6 +4,7 @@
 #include <httplib.h>
 
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -88,11 +89,51 @@ json chat_logprobs(const ChoiceText& c, const ServedModel& m) {
   return {{"content", content}};
 }
 
+// httplib's server with its request handling reachable without a socket (Server::answer).
+class Http : public httplib::Server {
+ public:
+  void answer(httplib::Stream& conn) {
+    // httplib writes a streamed body only while its listening socket is set (its shutdown
+    // test): a server that does not listen stands in a placeholder that nothing reads.
+    socket_t none = INVALID_SOCKET;
+    const bool placeholder = svr_sock_.compare_exchange_strong(none, 0);
+    bool closed = false;
+    process_request(conn, true, closed, nullptr);
+    if (placeholder) svr_sock_ = INVALID_SOCKET;
+  }
+};
+
+// A connection that has sent `in` and collects what the server writes back.
+class MemoryStream : public httplib::Stream {
+ public:
+  explicit MemoryStream(const std::string& in) : in_(in) {}
+  bool is_readable() const override { return true; }
+  bool is_writable() const override { return true; }
+  ssize_t read(char* p, size_t n) override {
+    n = std::min(n, in_.size() - at_);
+    std::memcpy(p, in_.data() + at_, n);
+    at_ += n;
+    return ssize_t(n);
+  }
+  ssize_t write(const char* p, size_t n) override {
+    out.append(p, n);
+    return ssize_t(n);
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override { ip = "127.0.0.1", port = 0; }
+  void get_local_ip_and_port(std::string& ip, int& port) const override { ip = "127.0.0.1", port = 0; }
+  socket_t socket() const override { return INVALID_SOCKET; }
+  std::string out;
+
+ private:
+  const std::string& in_;
+  size_t at_ = 0;
+};
+
 }  // namespace
 
 struct Server::Impl {
   ServerOptions o;
-  httplib::Server http;
+  Http http;
   std::thread listener;
   std::atomic<bool> ready{false}, stopped{false}, listen_done{false};
   std::unique_ptr<Engine> engine;
@@ -333,6 +374,8 @@ void Server::Impl::routes() {
 
 Server::Server(ServerOptions o) : impl_(std::make_unique<Impl>(std::move(o))) {
   SIGMA_CHECK(impl_->o.slots >= 1 && impl_->o.queue >= 1, "--slots and --queue must be at least 1");
+  impl_->routes();
+  impl_->http.set_payload_max_length(impl_->o.max_body);
 }
 
 Server::~Server() {
@@ -342,8 +385,6 @@ Server::~Server() {
 
 int Server::start() {
   Impl& s = *impl_;
-  s.routes();
-  s.http.set_payload_max_length(s.o.max_body);
   // Threads for every slot and queued request, plus a few for /health, /metrics and refusals.
   const size_t threads = size_t(s.o.slots + s.o.queue + 4);
   s.http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
@@ -367,7 +408,7 @@ void Server::serve_model(Model& model, const data::Tokenizer* tok, const std::st
   s.served.cfg = &model.config();
   s.served.tok = tok;
   s.served.max_tokens_limit = s.o.max_tokens;
-  s.served.max_n = std::min(8, s.o.slots + s.o.queue);
+  s.served.max_n = std::min(8, s.o.queue);  // a request's choices all queue before taking slots
   s.engine = std::make_unique<Engine>(model, s.o.slots, s.o.queue);
   s.ready = true;
 }
@@ -379,6 +420,12 @@ void Server::stop() {
   while (s.listener.joinable() && !s.http.is_running() && !s.listen_done)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   s.http.stop();
+}
+
+std::string Server::answer(const std::string& request) {
+  MemoryStream conn(request);
+  impl_->http.answer(conn);
+  return conn.out;
 }
 
 void Server::wait() {

@@ -33,6 +33,9 @@ class Server {
   void stop();
   // Blocks until stop() has drained every request.
   void wait();
+  // Answers one request given as the bytes a client sent and returns the bytes of the response,
+  // through the same routes but without a socket (the fuzzer: tests/fuzz/fuzz_serve_request.cpp).
+  std::string answer(const std::string& request);
 
  private:
   struct Impl;

@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 
 namespace sigma {
 
@@ -128,7 +129,7 @@ void Config::load(const std::string& path, const std::vector<std::string>& sets)
   if (!path.empty()) {
     std::ifstream in(path);
     SIGMA_CHECK(in.good(), "cannot open config file '{}'", path);
-    nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    nlohmann::json j = nlohmann::json::parse(in, json_depth_limit("config file '" + path + "'"), false);
     SIGMA_CHECK(!j.is_discarded(), "config file '{}' is not valid JSON", path);
     o.apply_json(j, path);
   }

@@ -14,10 +14,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace sigma;
   const std::string text(reinterpret_cast<const char*>(data), size);
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
-  if (j.is_discarded()) {  // not JSON: each line as a --set key=value
-    Config c;
+  if (j.is_discarded()) {  // not JSON: the lines as the --set key=value of one command
+    std::vector<std::string> sets;
     std::istringstream lines(text);
-    for (std::string line; std::getline(lines, line);) fuzz::expect_clean([&] { c.load("", {line}); });
+    for (std::string line; std::getline(lines, line);) sets.push_back(line);
+    fuzz::expect_clean([&] { Config().load("", sets); });  // one option table, not one per line
     return 0;
   }
   fuzz::expect_clean([&] {
