@@ -568,6 +568,32 @@ TEST(Sampler, OneDomainPerBatch) {
             std::string::npos);
 }
 
+// dist.placement = by_group: batch slot s draws only from its allowed domains, with the stage's
+// weights among them; the other slots keep their draws.
+TEST(Sampler, RestrictedBatchesDrawOnlyTheirDomains) {
+  const SamplerConfig c = SamplerConfig::from_json(json{{"seed", 3u}}, "sampler");
+  Sampler free(c, kNames, kItems, kTokens), slots(c, kNames, kItems, kTokens);
+  slots.restrict_batches({{0, 1}, {2}, {0, 1, 2}});
+  int in_slot0[3] = {};
+  for (int b = 0; b < 300; ++b) {
+    std::vector<Sampler::Pick> p, q;
+    slots.next_batch(8, p);
+    free.next_batch(8, q);
+    for (size_t r = 0; r < p.size(); ++r) {
+      if (b % 3 == 0) EXPECT_LT(p[r].domain, 2u) << "batch " << b;
+      if (b % 3 == 1) EXPECT_EQ(p[r].domain, 2u) << "batch " << b;
+      if (b % 3 == 0) in_slot0[p[r].domain]++;
+    }
+    if (b % 3 == 2) {  // unrestricted: the same domains as an unrestricted sampler's
+      for (size_t r = 0; r < p.size(); ++r) EXPECT_EQ(p[r].domain, q[r].domain) << "batch " << b;
+    }
+  }
+  EXPECT_GT(in_slot0[0], 0);
+  EXPECT_GT(in_slot0[1], 0);
+  EXPECT_NE(error_of([&] { slots.restrict_batches({{}}); }).find("allows no domain"), std::string::npos);
+  EXPECT_NE(error_of([&] { slots.restrict_batches({{7}}); }).find("no domain 7"), std::string::npos);
+}
+
 TEST(Sampler, ConfigErrorsNameTheProblem) {
   auto make = [](const char* text) {
     return error_of([&] { Sampler(SamplerConfig::from_json(json::parse(text), "sampler"), kNames, kItems, kTokens); });

@@ -5,13 +5,16 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <fmt/format.h>
 
 #include "cli_util.h"
+#include "train/checkpoint.h"
 
 using namespace sigma::testing;
 namespace fs = std::filesystem;
@@ -108,6 +111,94 @@ TEST(Distributed, ACheckpointResumesOnAnyRankCountBitIdentically) {
     const CmdResult c = sigma_cmd(cmd);
     EXPECT_EQ(c.code, 0) << cmd << ": " << c.out;
   }
+}
+
+// Expert parallelism (train.experts = parallel, what auto picks with several ranks): each rank
+// holds a share of every group's experts (dist.placement = spread), or each group lives on the
+// ranks that run its micro-batches (by_group: with 4 ranks and 3 groups, groups on {0, 1}, {2}
+// and {3}). 1, 2 and 4 ranks train the same bits for 100 steps; per-rank file stores train like
+// RAM; and a checkpoint resumes on any rank count (2 -> 4 -> 1) bit-identically.
+std::string ep_args(const std::string& placement, int steps) {
+  return fmt::format("train --config {}/configs/tiny.json --set model.rre_layers=1 --set "
+                     "train.steps={} --set train.accum=4 --set train.batch=4 --set "
+                     "train.threads=1 --set train.log_every=10 --set train.experts=parallel "
+                     "--set dist.placement={} --quiet", SIGMA_SOURCE_DIR, steps, placement);
+}
+
+// The weights of a run's checkpoint: model.safetensors and every expert group's files.
+std::map<std::string, std::string> checkpoint_weights(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name == "model.safetensors" || name.starts_with("experts.")) files[name] = read_file(e.path());
+  }
+  return files;
+}
+
+TEST(Distributed, ExpertParallelRanksTrainBitIdenticallyAndReshard) {
+  SKIP_WITHOUT_MPI();
+  for (const std::string placement : {"spread", "by_group"}) {
+    TempDir t("ep");
+    std::map<std::string, std::string> first_weights;
+    std::string first_metrics;
+    for (int R : {1, 2, 4}) {
+      const std::string out = t / ("r" + std::to_string(R));
+      const CmdResult r = train_on(R, ep_args(placement, 100) + " --out " + out);
+      ASSERT_EQ(r.code, 0) << placement << ", " << R << " ranks: " << r.out;
+      const auto weights = checkpoint_weights(out + "/checkpoints/step-00000100");
+      EXPECT_EQ(weights.size(), 1u + 2u * 3u) << "model + a weight and an Adam file per group";
+      const std::string metrics = metrics_without_speed(out + "/metrics.jsonl");
+      if (R == 1) {
+        first_weights = weights, first_metrics = metrics;
+        continue;
+      }
+      for (const auto& [name, bytes] : first_weights)
+        EXPECT_TRUE(weights.at(name) == bytes) << placement << ", " << R << " ranks: " << name;
+      EXPECT_EQ(metrics, first_metrics) << placement << ", " << R << " ranks";
+    }
+    if (placement == "spread") continue;
+    // Per-rank store files, and a resume across rank counts, against the 100-step run above.
+    const std::string split = t / "split", store = t / "experts.store";
+    const std::string with_store = ep_args(placement, 100) + " --set train.expert_store=" + store;
+    CmdResult r = train_on(2, with_store + " --out " + split + " --stop-at 40");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_TRUE(fs::exists(store + ".rank-0000-of-0002") && fs::exists(store + ".rank-0001-of-0002"));
+    r = train_on(4, "train --resume " + split + "/checkpoints --out " + split + " --stop-at 70 --quiet");
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = train_on(1, "train --resume " + split + "/checkpoints --out " + split + " --quiet");
+    ASSERT_EQ(r.code, 0) << r.out;
+    // Compared tensor by tensor: model.safetensors embeds the config, which names the store.
+    const sigma::TensorMap whole = sigma::read_model_tensors(t / "r1/checkpoints/step-00000100"),
+                           resumed = sigma::read_model_tensors(split + "/checkpoints/step-00000100");
+    ASSERT_EQ(whole.size(), resumed.size());
+    for (const auto& [name, tensor] : whole)
+      EXPECT_TRUE(std::memcmp(tensor.bytes(), resumed.at(name).bytes(), tensor.nbytes()) == 0)
+          << "resumed: " << name;
+    EXPECT_EQ(metrics_without_speed(split + "/metrics.jsonl"), first_metrics);
+    // An ordinary checkpoint to every other command.
+    const std::string ck = split + "/checkpoints/step-00000070";
+    for (const std::string cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
+                                  "generate --ckpt " + ck + " --prompt '1 2 3' --max-new 4"}) {
+      const CmdResult c = sigma_cmd(cmd);
+      EXPECT_EQ(c.code, 0) << cmd << ": " << c.out;
+    }
+  }
+}
+
+// One rank fails at start-up (its store file is not a store) while the others go on into the
+// first collective: every rank ends at once with that rank's error, not at dist.timeout_s.
+TEST(Distributed, AnErrorOnOneRankEndsEveryRankAtOnce) {
+  SKIP_WITHOUT_MPI();
+  TempDir t("one-fails");
+  const std::string store = t / "experts.store";
+  std::ofstream(store + ".rank-0001-of-0002") << "not an expert store";
+  const auto start = std::chrono::steady_clock::now();
+  const CmdResult r = train_on(2, ep_args("spread", 10) + " --set train.expert_store=" + store +
+                                      " --out " + (t / "o"));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find(store + ".rank-0001-of-0002"), std::string::npos) << r.out;
+  EXPECT_LT(seconds, 60.0) << "dist.timeout_s is 300: the other rank waited for it";
 }
 
 TEST(Distributed, ABatchTheRanksCannotSplitIsRefusedClearly) {

@@ -92,7 +92,14 @@ TEST(EcssTrain, ModeResolution) {
   Config c;
   EXPECT_EQ(resolve_expert_mode("auto", c.model), ExpertMode::Ecss);
   EXPECT_EQ(resolve_expert_mode("model", c.model), ExpertMode::InModel);
+  // Several ranks: expert parallel by default; one store holding every expert is refused.
+  EXPECT_EQ(resolve_expert_mode("auto", c.model, 4), ExpertMode::Parallel);
+  EXPECT_EQ(resolve_expert_mode("parallel", c.model, 1), ExpertMode::Parallel);
+  EXPECT_EQ(resolve_expert_mode("model", c.model, 4), ExpertMode::InModel);
+  EXPECT_THROW(resolve_expert_mode("ecss", c.model, 2), Error);
   c.model.rre_layers = 0;
+  EXPECT_EQ(resolve_expert_mode("auto", c.model, 4), ExpertMode::InModel);
+  EXPECT_THROW(resolve_expert_mode("parallel", c.model), Error);
   EXPECT_EQ(resolve_expert_mode("auto", c.model), ExpertMode::InModel);
   try {
     resolve_expert_mode("ecss", c.model);

@@ -153,9 +153,24 @@ uint64_t Sampler::next_item(uint32_t d) {
   return perm_[d][pos_[d]++];
 }
 
+void Sampler::restrict_batches(std::vector<std::vector<uint32_t>> allowed) {
+  for (const auto& a : allowed) {
+    SIGMA_CHECK(!a.empty(), "sampler: a batch slot allows no domain");
+    for (uint32_t d : a) SIGMA_CHECK(d < names_.size(), "sampler: no domain {}", d);
+  }
+  allowed_ = std::move(allowed);
+}
+
 void Sampler::next_batch(uint32_t rows, std::vector<Pick>& out) {
   static const uint64_t kStream = stream_of("sampler.domain");
-  const auto& cum = cum_[stage_at(step_)];
+  const size_t stage = stage_at(step_);
+  const auto& cum = cum_[stage];
+  const std::vector<uint32_t>* allowed = allowed_.empty() ? nullptr : &allowed_[step_ % allowed_.size()];
+  double allowed_mass = 0;
+  for (size_t i = 0; allowed && i < allowed->size(); ++i) allowed_mass += prob_[stage][(*allowed)[i]];
+  SIGMA_CHECK(!allowed || allowed_mass > 0, "sampler: batch {} may draw only from domains the "
+              "current stage gives no weight (the micro-batch's expert group has no data in it)",
+              step_);
   out.resize(rows);
   for (uint32_t r = 0; r < rows; ++r) {
     // 53-bit uniform from (seed, step, row): the draw does not depend on the batch size. One
@@ -163,6 +178,14 @@ void Sampler::next_batch(uint32_t rows, std::vector<Pick>& out) {
     const uint32_t draw = cfg_.one_domain_per_batch ? 0 : r;
     double u = static_cast<double>(rng_u64(cfg_.seed, mix64(kStream ^ step_), draw) >> 11) * 0x1p-53;
     uint32_t d = static_cast<uint32_t>(std::upper_bound(cum.begin(), cum.end(), u) - cum.begin());
+    if (allowed) {  // the same draw over the allowed domains' share of the weights
+      double at = u * allowed_mass;
+      for (uint32_t a : *allowed) {
+        if (prob_[stage][a] <= 0) continue;
+        d = a;  // the last with weight, should rounding leave `at` a hair above zero
+        if ((at -= prob_[stage][a]) < 0) break;
+      }
+    }
     out[r] = {d, next_item(d)};
   }
   ++step_;

@@ -46,6 +46,10 @@ class Sampler {
           std::vector<uint64_t> tokens);
 
   void next_batch(uint32_t rows, std::vector<Pick>& out);  // advances step() by one
+  // Batch s draws its rows only from the domains allowed[s % allowed.size()] (indices into the
+  // names), with the stage's weights among them (expert parallelism by group: each micro-batch
+  // of a step belongs to one expert group). Empty = every domain.
+  void restrict_batches(std::vector<std::vector<uint32_t>> allowed);
   uint64_t step() const { return step_; }
   size_t stage_at(uint64_t step) const;
   const std::vector<double>& probabilities(size_t stage) const { return prob_.at(stage); }
@@ -65,6 +69,7 @@ class Sampler {
   uint64_t step_ = 0;
   std::vector<uint64_t> epoch_, pos_;
   std::vector<std::vector<uint32_t>> perm_;  // current epoch's order, per domain
+  std::vector<std::vector<uint32_t>> allowed_;  // per batch slot; empty = all
 };
 
 }  // namespace sigma::data

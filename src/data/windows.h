@@ -52,6 +52,7 @@ class BatchSource {
   nlohmann::json cursor() const { return sampler_.cursor(); }
   void restore(const nlohmann::json& c) { sampler_.restore(c); }
   const Sampler& sampler() const { return sampler_; }
+  void restrict_batches(std::vector<std::vector<uint32_t>> allowed) { sampler_.restrict_batches(std::move(allowed)); }
   const ShardSet& shards() const { return shards_; }
 
  private:

@@ -83,6 +83,42 @@ void tree_sum(double* out, const double* const* parts, int P, int64_t n) {
   tree_sum_impl(out, parts, P, n);
 }
 
+namespace {
+
+void add_into(std::vector<float>& into, const std::vector<float>& x) {
+  float* a = into.data();
+  const float* b = x.data();
+  const int64_t n = int64_t(into.size());
+#pragma omp parallel for schedule(static) if (n > (int64_t(1) << 16))
+  for (int64_t i = 0; i < n; ++i) a[i] += b[i];
+}
+
+}  // namespace
+
+void TreeAccumulator::push(std::vector<float> leaf) {
+  SIGMA_CHECK(stack_.empty() || stack_.back().second.size() == leaf.size(),
+              "TreeAccumulator: a leaf of {} elements after leaves of {}", leaf.size(),
+              stack_.back().second.size());
+  stack_.push_back({0, std::move(leaf)});
+  while (stack_.size() >= 2 && stack_[stack_.size() - 2].first == stack_.back().first) {
+    auto right = std::move(stack_.back());
+    stack_.pop_back();
+    add_into(stack_.back().second, right.second);
+    stack_.back().first += 1;
+  }
+}
+
+std::vector<float> TreeAccumulator::finish() {
+  SIGMA_CHECK(!stack_.empty(), "TreeAccumulator: no leaf");
+  std::vector<float> total = std::move(stack_.back().second);
+  for (size_t i = stack_.size() - 1; i-- > 0;) {  // S1 + (S2 + (... + Sm))
+    add_into(stack_[i].second, total);
+    total.swap(stack_[i].second);
+  }
+  stack_.clear();
+  return total;
+}
+
 bool launched_by_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
 
 #ifdef SIGMA_WITH_MPI

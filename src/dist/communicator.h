@@ -87,6 +87,19 @@ class SingleProcess final : public Communicator {
 void tree_sum(float* out, const float* const* parts, int P, int64_t n);
 void tree_sum(double* out, const double* const* parts, int P, int64_t n);
 
+// tree_sum over leaves that arrive one at a time (a step's micro-batches): a binary counter
+// of partial sums, so memory grows with log2 of the leaves, folded from the top by finish().
+// The result equals tree_sum over all the leaves bit for bit.
+class TreeAccumulator {
+ public:
+  void push(std::vector<float> leaf);  // the next leaf
+  std::vector<float> finish();         // the total; empties the accumulator
+  bool empty() const { return stack_.empty(); }
+
+ private:
+  std::vector<std::pair<int, std::vector<float>>> stack_;  // (level, partial sum)
+};
+
 // The run's process group: MPI's world when started by mpirun (SIGMA_MPI builds), otherwise a
 // SingleProcess. A collective that waits longer than timeout_s for the other ranks aborts the
 // whole run with an error that says so (a rank died or hangs).

@@ -7,6 +7,8 @@
 // Sums are deterministic: the parts are gathered and added by tree_sum in rank order.
 #include <mpi.h>
 
+#include <exception>
+
 #include <fmt/format.h>
 
 #include <chrono>
@@ -46,6 +48,9 @@ class MpiCommunicator final : public Communicator {
       MPI_Comm_free(&comm_);
       return;
     }
+    // Unwinding an error: leave MPI up, so that the caller can print it and abort_run() end
+    // every rank (MPI_Finalize would wait for ranks that are still running).
+    if (std::uncaught_exceptions() > 0) return;
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized) MPI_Finalize();

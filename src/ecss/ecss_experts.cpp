@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "ecss/expert_files.h"
 #include "io/checkpoint_dir.h"
 #include "model/names.h"
 #include "optim/grad_norm.h"
@@ -18,103 +19,32 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// Step counts in an optimizer file: per-expert "steps" (ECSS) or per-tensor "step" (in-model).
-bool is_step(const std::string& n) { return n.ends_with(".steps") || n.ends_with(".step"); }
-
-// The tensor `name` of file `path` (its index) must exist with this dtype and shape.
-void check_tensor(const std::map<std::string, TensorInfo>& index, const std::string& path,
-                  const std::string& name, DType dt, const Shape& shape) {
-  auto it = index.find(name);
-  SIGMA_CHECK(it != index.end(), "{}: expert tensor '{}' is missing", path, name);
-  SIGMA_CHECK(it->second.dtype == dt && it->second.shape == shape,
-              "{}: expert tensor '{}' is {} {} but the store expects {} {}", path, name,
-              dtype_name(it->second.dtype), shape_str(it->second.shape), dtype_name(dt),
-              shape_str(shape));
-}
-
-// load(), pass 1, for group gs (named `name` in the config): checks every expert tensor's name,
-// dtype and shape in both files and returns the experts' step counts. Takes no store, so it
-// cannot change it.
-std::vector<int64_t> check_group(const ExpertGroupSpec& gs, const std::string& name,
-                                 const std::string& model_path, const std::string& opt_path) {
-  const Safetensors model_index = read_safetensors(model_path, [](const std::string&) { return false; });
-  const Safetensors steps_file = read_safetensors(opt_path, is_step);
-  for (size_t t = 0; t < gs.tensors.size(); ++t) {
-    const std::string base = names::expert(gs.block, name, names::kExpertLeaves[t]);
-    Shape shape{gs.experts};
-    for (int64_t x : gs.tensors[t].shape) shape.push_back(x);
-    check_tensor(model_index.index, model_path, base, DType::F32, shape);
-    check_tensor(steps_file.index, opt_path, base + ".m", DType::F32, shape);
-    check_tensor(steps_file.index, opt_path, base + ".v", DType::F32, shape);
-  }
-  const std::string per_expert = names::expert(gs.block, name, "steps");
-  std::vector<int64_t> s;
-  if (steps_file.index.count(per_expert)) {
-    check_tensor(steps_file.index, opt_path, per_expert, DType::I64, {gs.experts});
-    const int64_t* v = steps_file.tensors.at(per_expert).data<int64_t>();
-    s.assign(v, v + gs.experts);
-  } else {  // written by an in-model run or by surgery: one step per tensor
-    const std::string one = names::expert(gs.block, name, names::kWIn) + ".step";
-    check_tensor(steps_file.index, opt_path, one, DType::I64, {});
-    s.assign(size_t(gs.experts), *steps_file.tensors.at(one).data<int64_t>());
-  }
-  for (int64_t x : s)
-    SIGMA_CHECK(x >= 0, "{}: negative step count {} in group '{}'", opt_path, x, name);
-  return s;
-}
-
-// load(), pass 2: reads group gs's weights and moments and stores every expert with its step
-// count. w, m and v are scratch of one expert's floats each, kept across groups.
-void load_group(ExpertStore& store, const ExpertGroupSpec& gs, const std::string& name,
-                const std::string& model_path, const std::string& opt_path,
-                const std::vector<int64_t>& steps, std::vector<float>& w, std::vector<float>& m,
-                std::vector<float>& v) {
-  const std::string prefix = names::expert_prefix(gs.block, name) + ".";
-  // Names under the group's prefix: "w_in" (weights), "w_in.m" / "w_in.v" (moments).
-  auto rest = [&](const std::string& n) {
-    return n.starts_with(prefix) ? n.substr(prefix.size()) : std::string(".");
-  };
-  const Safetensors weights = read_safetensors(model_path, [&](const std::string& n) {
-    return rest(n).find('.') == std::string::npos;
-  });
-  const Safetensors moments = read_safetensors(opt_path, [&](const std::string& n) {
-    const std::string r = rest(n);
-    return r.find('.') == r.size() - 2 && (r.ends_with(".m") || r.ends_with(".v"));
-  });
-  // Checked before this group reaches the store (earlier groups may already be there: a failed
-  // resume leaves a store that only another resume, which replaces it all, will open).
-  for (const auto& [n, t] : weights.tensors) check_finite(t, n, model_path);
-  for (const auto& [n, t] : moments.tensors) check_finite(t, n, opt_path);
-  for (int32_t k = 0; k < gs.experts; ++k) {
-    for (size_t t = 0; t < gs.tensors.size(); ++t) {
-      const std::string base = prefix + names::kExpertLeaves[t];
-      const int64_t n = shape_numel(gs.tensors[t].shape), off = gs.offset(t);
-      std::memcpy(w.data() + off, weights.tensors.at(base).f() + k * n, size_t(n) * 4);
-      std::memcpy(m.data() + off, moments.tensors.at(base + ".m").f() + k * n, size_t(n) * 4);
-      std::memcpy(v.data() + off, moments.tensors.at(base + ".v").f() + k * n, size_t(n) * 4);
-    }
-    const ExpertId id{gs.block, gs.group, k};
-    store.set_weights(id, w.data());
-    store.set_state(id, m.data(), v.data(), steps[size_t(k)]);
-  }
-}
-
 }  // namespace
 
-ExpertMode resolve_expert_mode(const std::string& setting, const ModelConfig& cfg) {
+ExpertMode resolve_expert_mode(const std::string& setting, const ModelConfig& cfg, int ranks) {
   const bool routed = cfg.rre_layers > 0 && !cfg.gated();
   if (setting == "model") return ExpertMode::InModel;
-  if (setting == "auto") return routed ? ExpertMode::Ecss : ExpertMode::InModel;
-  SIGMA_CHECK(setting == "ecss" || setting == "vanilla", "train.experts = '{}': expected auto, "
-              "ecss, vanilla or model", setting);
+  if (setting == "auto")
+    return !routed ? ExpertMode::InModel : ranks > 1 ? ExpertMode::Parallel : ExpertMode::Ecss;
+  SIGMA_CHECK(setting == "ecss" || setting == "vanilla" || setting == "parallel", "train.experts "
+              "= '{}': expected auto, ecss, vanilla, parallel or model", setting);
   SIGMA_CHECK(routed, "train.experts = '{}' needs experts routed by tables (model.rre_layers > 0 "
               "and model.router = rre); this model has rre_layers = {}, router = {}", setting,
               cfg.rre_layers, cfg.router);
+  if (setting == "parallel") return ExpertMode::Parallel;
+  SIGMA_CHECK(ranks == 1, "train.experts = {} with {} ranks: a distributed run keeps its experts "
+              "in per-rank stores (train.experts = parallel or auto) or in the model (model)",
+              setting, ranks);
   return setting == "ecss" ? ExpertMode::Ecss : ExpertMode::Vanilla;
 }
 
 const char* expert_mode_name(ExpertMode m) {
-  return m == ExpertMode::Ecss ? "ecss" : m == ExpertMode::Vanilla ? "vanilla" : "model";
+  switch (m) {
+    case ExpertMode::Ecss: return "ecss";
+    case ExpertMode::Vanilla: return "vanilla";
+    case ExpertMode::Parallel: return "parallel";
+    default: return "model";
+  }
 }
 
 ExpertStoreSpec expert_store_spec(const ModelConfig& cfg) {
@@ -131,7 +61,7 @@ EcssExperts::EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim
       store_(store_path.empty() ? ExpertStore::in_ram(expert_store_spec(model.config()))
                                 : ExpertStore::open(store_path, expert_store_spec(model.config()))) {
   const ModelConfig& cfg = model.config();
-  SIGMA_CHECK(model.external_experts() && mode != ExpertMode::InModel,
+  SIGMA_CHECK(model.external_experts() && (mode == ExpertMode::Ecss || mode == ExpertMode::Vanilla),
               "EcssExperts needs a model built with external experts");
   SIGMA_CHECK(!store_.file_backed() || store_.created() || resuming,
               "expert store {} already exists and holds the experts of an earlier run; continue "
@@ -309,12 +239,6 @@ size_t EcssExperts::group_slot(ExpertId id) const {
   return size_t(id.block - cfg.first_rre_block()) * cfg.groups.size() + size_t(id.group);
 }
 
-std::string EcssExperts::group_file(size_t gi, bool adam) const {
-  const ExpertGroupSpec& gs = store_.spec().groups[gi];
-  return fmt::format("experts.{}.{}{}.safetensors", gs.block,
-                     model_.config().groups[size_t(gs.group)].name, adam ? ".adam" : "");
-}
-
 bool EcssExperts::is_frozen(ExpertId id) const {
   return !frozen_.empty() && frozen_[group_slot(id)] != 0;
 }
@@ -370,41 +294,18 @@ void EcssExperts::add_checkpoint_files(CheckpointWriter& w) const {
     const ExpertGroupSpec& gs = store_.spec().groups[gi];
     const bool reuse = !changed_[gi] && !last_checkpoint_.empty();
     const std::string name = cfg.groups[size_t(gs.group)].name;
-    auto stacked = [&](const std::string& tensor, size_t t, auto part_of) {
-      TensorRef r{tensor, DType::F32, {gs.experts}, nullptr};
-      for (int64_t s : gs.tensors[t].shape) r.shape.push_back(s);
-      for (int32_t k = 0; k < gs.experts; ++k) r.parts.push_back(part_of(ExpertId{gs.block, gs.group, k}) + gs.offset(t));
-      return r;
-    };
+    auto id = [&](int32_t k) { return ExpertId{gs.block, gs.group, k}; };
+    const ExpertViews views{[&](int32_t k) { return store_.weights(id(k)); },
+                            [&](int32_t k) { return store_.m(id(k)); },
+                            [&](int32_t k) { return store_.v(id(k)); },
+                            [&](int32_t k) { return store_.step(id(k)); }};
     bool linked = true;
-    const std::string weights_file = group_file(gi, false), adam_file = group_file(gi, true);
-    if (!reuse || !w.add_link(weights_file, last_checkpoint_)) {
-      std::vector<TensorRef> refs;
-      for (size_t t = 0; t < gs.tensors.size(); ++t)
-        refs.push_back(stacked(names::expert(gs.block, name, names::kExpertLeaves[t]), t,
-                               [&](ExpertId id) { return store_.weights(id); }));
-      w.add_safetensors(weights_file, refs, {{"format", "sigma-experts"}, {"version", "1"}});
+    if (!reuse || !w.add_link(expert_group_file(gs.block, name, false), last_checkpoint_)) {
+      add_expert_weights_file(w, gs, name, views);
       linked = false;
     }
-    if (!reuse || !w.add_link(adam_file, last_checkpoint_)) {
-      std::vector<TensorRef> refs;
-      std::vector<Tensor> keep;  // step counts, alive until written
-      keep.emplace_back(DType::I64, Shape{gs.experts});
-      int64_t most = 0;
-      for (int32_t k = 0; k < gs.experts; ++k) {
-        keep.back().data<int64_t>()[k] = store_.step({gs.block, gs.group, k});
-        most = std::max(most, keep.back().data<int64_t>()[k]);
-      }
-      refs.push_back(tensor_ref(names::expert(gs.block, name, "steps"), keep.back()));
-      for (size_t t = 0; t < gs.tensors.size(); ++t) {
-        const std::string base = names::expert(gs.block, name, names::kExpertLeaves[t]);
-        refs.push_back(stacked(base + ".m", t, [&](ExpertId id) { return store_.m(id); }));
-        refs.push_back(stacked(base + ".v", t, [&](ExpertId id) { return store_.v(id); }));
-        keep.emplace_back(DType::I64, Shape{});
-        *keep.back().data<int64_t>() = most;
-        refs.push_back(tensor_ref(base + ".step", keep.back()));
-      }
-      w.add_safetensors(adam_file, refs, {{"format", "sigma-experts-adam"}, {"version", "1"}});
+    if (!reuse || !w.add_link(expert_group_file(gs.block, name, true), last_checkpoint_)) {
+      add_expert_adam_file(w, gs, name, views);
       linked = false;
     }
     (linked ? groups_linked_ : groups_written_) += 1;
@@ -418,27 +319,22 @@ void EcssExperts::checkpoint_written(const std::string& dir) {
 
 void EcssExperts::load(const std::string& dir) {
   const ModelConfig& cfg = model_.config();
-  // An ECSS checkpoint has a pair of files per group; an in-model one (or a surgery output)
-  // keeps every expert in model.safetensors and optimizer.safetensors.
   const bool per_group = !expert_group_files(dir, false).empty();
-  auto paths = [&](size_t gi) -> std::pair<std::string, std::string> {
-    if (per_group) return {dir + "/" + group_file(gi, false), dir + "/" + group_file(gi, true)};
-    return {dir + "/model.safetensors", dir + "/optimizer.safetensors"};
+  auto paths = [&](const ExpertGroupSpec& gs) {
+    return expert_group_paths(dir, per_group, gs.block, cfg.groups[size_t(gs.group)].name);
   };
   // Pass 1: the files' indexes and every step count; nothing changes yet.
   std::vector<std::vector<int64_t>> steps;  // per store group, per expert
-  for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
-    const ExpertGroupSpec& gs = store_.spec().groups[gi];
-    const auto [model_path, opt_path] = paths(gi);
-    steps.push_back(check_group(gs, cfg.groups[size_t(gs.group)].name, model_path, opt_path));
+  for (const ExpertGroupSpec& gs : store_.spec().groups) {
+    const auto [model_path, opt_path] = paths(gs);
+    steps.push_back(check_expert_group(gs, cfg.groups[size_t(gs.group)].name, model_path, opt_path));
   }
   // Pass 2: one group at a time.
-  const size_t P = static_cast<size_t>(P_);
-  std::vector<float> w(P), m(P), v(P);
   for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
     const ExpertGroupSpec& gs = store_.spec().groups[gi];
-    const auto [model_path, opt_path] = paths(gi);
-    load_group(store_, gs, cfg.groups[size_t(gs.group)].name, model_path, opt_path, steps[gi], w, m, v);
+    const auto [model_path, opt_path] = paths(gs);
+    load_expert_group(store_, gs, 0, gs.experts, cfg.groups[size_t(gs.group)].name, model_path,
+                      opt_path, steps[gi]);
   }
   store_.flush();
   // The store now equals the checkpoint: unchanged groups can be linked from it.

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "ecss/expert_files.h"
 #include "ecss/expert_store.h"
 #include "ecss/gradient_area.h"
 #include "io/checkpoint_dir.h"
@@ -28,11 +29,12 @@
 
 namespace sigma {
 
-enum class ExpertMode { InModel, Ecss, Vanilla };
+enum class ExpertMode { InModel, Ecss, Vanilla, Parallel };
 
-// train.experts: "auto" is ECSS for models routed by tables and in-model otherwise (dense
-// models, learned gates); "ecss" and "vanilla" refuse models they cannot serve.
-ExpertMode resolve_expert_mode(const std::string& setting, const ModelConfig& cfg);
+// train.experts with `ranks` ranks: "auto" is ECSS (one rank) or expert parallel (several) for
+// models routed by tables, and in-model otherwise (dense models, learned gates); "ecss",
+// "vanilla" and "parallel" refuse models they cannot serve, ECSS and vanilla several ranks.
+ExpertMode resolve_expert_mode(const std::string& setting, const ModelConfig& cfg, int ranks = 1);
 const char* expert_mode_name(ExpertMode m);
 
 // Seconds and counts since construction (or the last reset).
@@ -52,7 +54,7 @@ struct OffloadStats {
 // The store's spec for a model config: one group per (RRE block, expert group).
 ExpertStoreSpec expert_store_spec(const ModelConfig& cfg);
 
-class EcssExperts : public LocalExperts {
+class EcssExperts : public LocalExperts, public ExpertFiles {
  public:
   // Opens the store (store_path empty: RAM). A new store gets the model's initial expert
   // weights. An existing store file is refused unless `resuming` (its contents are then
@@ -103,23 +105,18 @@ class EcssExperts : public LocalExperts {
   int64_t groups_linked() const { return groups_linked_; }
   int64_t active() const { return int64_t(ids_.size()); }
 
-  // Checkpoints: per expert group (RRE block l, group G) two files, streamed from the records
-  // (no copy), in the in-model tensor names so that every other command reads them:
-  //   experts.l.G.safetensors       blocks.l.rre.G.{w_in,b_in,w_out,b_out} stacked [K, ...]
-  //   experts.l.G.adam.safetensors  their .m and .v, the per-expert step counts
-  //                                 blocks.l.rre.G.steps I64 [K], and .step scalars (the
-  //                                 group's largest step) for an in-model run resuming from it
-  // A group none of whose experts was updated since the last checkpoint written or loaded is
+  // Checkpoints: the pair of files per expert group of ecss/expert_files.h, streamed from the
+  // records (no copy). A group none of whose experts was updated since the last checkpoint written or loaded is
   // hard-linked from that checkpoint instead. Call between steps.
-  void add_checkpoint_files(CheckpointWriter& w) const;
+  void add_checkpoint_files(CheckpointWriter& w) const override;
   // After the checkpoint `dir` is committed: the base for the next checkpoint's links.
-  void checkpoint_written(const std::string& dir);
+  void checkpoint_written(const std::string& dir) override;
   // Restores every expert from checkpoint directory `dir` (its model.safetensors and
   // optimizer.safetensors): every name, dtype, shape and step count is checked before the store
   // changes, then one group of experts at a time is read (a store larger than RAM resumes), and
   // the store is flushed. An optimizer file without per-expert steps (an in-model run, a
   // surgery output) gives every expert of a group its tensors' step.
-  void load(const std::string& dir);
+  void load(const std::string& dir) override;
   // Makes a file-backed store durable and marks it clean.
   void flush() { store_.flush(); }
 
@@ -143,7 +140,6 @@ class EcssExperts : public LocalExperts {
   int64_t P_ = 0, stride_ = 0;     // floats per expert, and per compute slot (64-byte lines)
   bool is_frozen(ExpertId id) const;
   size_t group_slot(ExpertId id) const;  // index of id's group in store_.spec().groups
-  std::string group_file(size_t gi, bool adam) const;
   std::vector<uint8_t> frozen_;    // [(RRE block, group)]; empty = none
   std::vector<ExpertId> ids_;      // the step's experts, in (block, group, expert) order
   bool whole_step_ = false;        // ids_ fit the budget: bound for the whole step

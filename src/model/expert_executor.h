@@ -4,7 +4,8 @@
 //   LocalExperts  the experts are model tensors, or store copies bound by Model::bind_expert;
 //   EcssExperts   (src/ecss/) gathers the step's active experts from the expert store, binds
 //                 them, and updates them with the store's lazy Adam;
-//   an all-to-all executor (src/dist/, next) sends each row to the rank holding its expert.
+//   ExpertParallel (src/ecss/expert_parallel.h) sends each row to the rank holding its expert,
+//                 inside the row's expert group.
 // Step hooks let a training step drive the executor without knowing which one it is.
 #pragma once
 #include <cstdint>
@@ -38,6 +39,15 @@ class ExpertExecutor {
   // Training-step hooks (defaults: experts are ordinary model parameters).
   // Before the step's first forward pass: make every expert the micro-batches route to usable.
   virtual void begin_step(std::span<const Batch> /*micro*/) {}
+  // A data-parallel training step: `micro` is the whole global batch, of which this rank runs
+  // micro-batches [first, first + count). Default: begin_step over those.
+  virtual void begin_global_step(std::span<const Batch> micro, size_t first, size_t count) {
+    begin_step(micro.subspan(first, count));
+  }
+  // Around the forward and backward pass of this rank's micro-batch j (0 .. count-1) of the
+  // step. Forward passes outside them are evaluations.
+  virtual void begin_micro_batch(size_t /*j*/) {}
+  virtual void end_micro_batch() {}
   // Appends the squared-norm pieces of the expert gradients the model's ParamSet does not
   // hold, one per (expert, leaf) in optim/grad_norm.h's order (experts absent here would add
   // exact zeros): the step folds them after the ParamSet's pieces, so the norm is the

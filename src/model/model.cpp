@@ -124,7 +124,8 @@ void Model::bind_expert(int block, int e, const float* weights, float* grads) {
     return;
   }
   r.expert[size_t(e)] = {weights, weights + d * f, weights + d * f + f, weights + 2 * d * f + f};
-  r.expert_grad[size_t(e)] = {grads, grads + d * f, grads + d * f + f, grads + 2 * d * f + f};
+  r.expert_grad[size_t(e)] = grads ? FfnGrads{grads, grads + d * f, grads + d * f + f, grads + 2 * d * f + f}
+                                    : FfnGrads{};
 }
 
 void Model::use_bf16_weights() {

@@ -72,7 +72,8 @@ class Model {
   bool external_experts() const { return external_experts_; }
   // External experts: points expert e (global index, RreWeights::expert) of RRE block `block`
   // at `weights` and `grads`, each the expert's tensors concatenated: w_in [d,f] | b_in [f] |
-  // w_out [f,d] | b_out [d] (the expert store's record layout); nullptr unbinds it.
+  // w_out [f,d] | b_out [d] (the expert store's record layout); nullptr unbinds it. grads may
+  // be null (an executor that points each pass at gradients of its own).
   void bind_expert(int block, int e, const float* weights, float* grads);
   // The initial weights of expert k of group g in RRE block `block`, in that layout: the
   // values an in-model expert gets, from the same per-expert random streams.

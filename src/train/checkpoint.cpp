@@ -62,7 +62,7 @@ std::string broadcast_string(Communicator& comm, std::string s) {
 // Rank 0's files: the model, its optimizer shard, the trainer state, tokenizer and experts.
 void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, const AdamW* opt,
                        const TrainerState& st, const std::string& tokenizer_path,
-                       EcssExperts* experts) {
+                       const ExpertFiles* experts) {
   const nlohmann::json config = cfg.to_json();
   std::vector<TensorRef> params;
   for (const Param& p : model.params().all()) params.push_back(tensor_ref(p.name, p.value));
@@ -83,12 +83,13 @@ void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, con
 
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
-                            const std::string& tokenizer_path, EcssExperts* experts,
+                            const std::string& tokenizer_path, ExpertFiles* experts,
                             Communicator* comm) {
   SingleProcess one;
   Communicator& c = comm ? *comm : one;
   const int R = c.size(), me = c.rank();
   const std::string name = fmt::format("step-{:08d}", st.step);
+  if (experts) experts->collect();  // experts spread over ranks come to rank 0
   std::optional<CheckpointWriter> w;
   if (me == 0) w.emplace(root, name);
   const std::string tmp = R > 1 ? broadcast_string(c, me == 0 ? w->temp_dir() : "") : w->temp_dir();

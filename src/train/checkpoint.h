@@ -21,16 +21,16 @@ struct TrainerState {
 };
 
 // Writes ROOT/step-NNNNNNNN atomically and moves ROOT/latest to it; returns its path. With
-// `experts` (ECSS) the experts and their Adam state are streamed from the expert store into
-// one pair of files per expert group (below), under the tensor names an in-model checkpoint
-// uses, plus per-expert step counts.
+// `experts` (ECSS, expert parallel) the experts and their Adam state go into one pair of files
+// per expert group (ecss/expert_files.h), under the tensor names an in-model checkpoint uses,
+// plus per-expert step counts.
 // With `comm` of R > 1 ranks every rank calls it: rank 0 writes the model, trainer state and
 // its optimizer shard, rank r its shard (optimizer.rank-R.safetensors), at most
 // dist.ckpt_writers ranks at a time; rank 0 commits one manifest over all of them.
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
                             const std::string& tokenizer_path = "",
-                            EcssExperts* experts = nullptr, Communicator* comm = nullptr);
+                            ExpertFiles* experts = nullptr, Communicator* comm = nullptr);
 
 // Every weight of a checkpoint under its in-model name: model.safetensors plus the expert
 // group files.

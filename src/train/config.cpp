@@ -53,8 +53,10 @@ void TrainConfig::describe(Options& o, const std::string& p) {
   o.add(p + "experts", &experts,
         "where RRE experts train: ecss (store on the host, only a step's active experts fetched "
         "and updated), vanilla (same store, every expert every step), model (in the model), "
-        "auto (ecss for routed sparse models, else model)",
-        {"auto", "ecss", "vanilla", "model"});
+        "parallel (each rank holds a share of every group's experts in its own store, rows "
+        "exchanged inside the group), auto (ecss for routed sparse models on one rank, parallel "
+        "on several, else model)",
+        {"auto", "ecss", "vanilla", "model", "parallel"});
   o.add(p + "expert_store", &expert_store,
         "ECSS expert store file, memory-mapped so experts may exceed RAM (\"\" = in RAM)");
   o.add(p + "expert_memory", &expert_memory,
@@ -101,6 +103,12 @@ void DistConfig::describe(Options& o, const std::string& p) {
         "0 = wait forever)", 0.0, 1e7);
   o.add(p + "ckpt_writers", &ckpt_writers,
         "ranks that write their checkpoint files at the same time", 1, 1 << 20);
+  o.add(p + "placement", &placement,
+        "where expert groups live with train.experts = parallel: spread (every group over every "
+        "rank) or by_group (each group on the ranks that run its micro-batches: micro-batch i of "
+        "a step's accum draws its domains from group i * groups / accum, so rows never leave "
+        "their group's ranks)",
+        {"spread", "by_group"});
 }
 
 Config::Config() {

@@ -36,7 +36,12 @@ class SyntheticSource : public DataSource {
     return names;
   }
   void train_batch(Batch& b, int B, int T, uint64_t index) const override {
-    fill(b, B, T, kTrainStream, index * uint64_t(B));
+    fill(b, B, T, kTrainStream, index * uint64_t(B),
+         allowed_.empty() ? nullptr : &allowed_[index % allowed_.size()]);
+  }
+  void restrict_batches(std::vector<std::vector<uint32_t>> allowed) override {
+    for (const auto& a : allowed) SIGMA_CHECK(!a.empty(), "synthetic data: a micro-batch allows no domain");
+    allowed_ = std::move(allowed);
   }
   void eval_batches(int B, int T, int rows_per_domain,
                     const std::function<void(const Batch&)>& fn) const override {
@@ -52,12 +57,15 @@ class SyntheticSource : public DataSource {
   }
 
  private:
-  // Rows dealt round-robin over the kept domains; sample index = row number, so batches from
-  // distinct offsets never repeat a sample (with every domain kept: SyntheticData::fill_batch).
-  void fill(Batch& b, int B, int T, uint64_t stream, uint64_t row0) const {
+  // Rows dealt round-robin over the kept domains (or the `allowed` of them); sample index = row
+  // number, so batches from distinct offsets never repeat a sample (with every domain kept:
+  // SyntheticData::fill_batch).
+  void fill(Batch& b, int B, int T, uint64_t stream, uint64_t row0,
+            const std::vector<uint32_t>* allowed = nullptr) const {
     b.resize(B, T);
     for (int i = 0; i < B; ++i) {
-      const int local = int((row0 + i) % keep_.size());
+      const int local = allowed ? int((*allowed)[(row0 + i) % allowed->size()])
+                                : int((row0 + i) % keep_.size());
       b.domain[size_t(i)] = local;
       data_.sample(keep_[size_t(local)], stream, row0 + i, T, &b.tokens[size_t(i) * T],
                    &b.targets[size_t(i) * T]);
@@ -66,6 +74,7 @@ class SyntheticSource : public DataSource {
   static constexpr uint64_t kTrainStream = 1, kEvalStream = 2;  // disjoint samples
   SyntheticData data_;
   std::vector<int> keep_;  // SyntheticData domain of each of this source's domains
+  std::vector<std::vector<uint32_t>> allowed_;  // per micro-batch slot (restrict_batches)
 };
 
 // The tokenizer a prepared directory was made with, as its manifest records it.
@@ -93,6 +102,10 @@ class ShardsSource : public DataSource {
   std::string tokenizer_path() const override { return tokenizer_; }
   uint64_t tokenizer_hash() const override { return set_.tokenizer_hash; }
 
+  void restrict_batches(std::vector<std::vector<uint32_t>> allowed) override {
+    SIGMA_CHECK(batches_, "shards source: no training stream");
+    batches_->restrict_batches(std::move(allowed));
+  }
   void start_training(const Config& cfg) {
     data::SamplerConfig sc = data::SamplerConfig::from_json(cfg.data.sampler, "data.sampler");
     if (!cfg.data.sampler.contains("seed")) sc.seed = cfg.train.seed;
@@ -191,6 +204,10 @@ std::unique_ptr<ShardsSource> open_shards(const std::string& dir, std::string to
 }
 
 }  // namespace
+
+void DataSource::restrict_batches(std::vector<std::vector<uint32_t>>) {
+  fail("this data source cannot restrict training micro-batches to some domains");
+}
 
 std::unique_ptr<DataSource> make_data_source(const Config& cfg) {
   if (cfg.data.source == "synthetic") {

@@ -44,6 +44,9 @@ class DataSource {
     return {};
   }
   virtual void restore(const nlohmann::json& /*cursor*/) {}
+  // Training micro-batch i draws its rows only from the domains allowed[i % allowed.size()]
+  // (indices into domains()): dist.placement = by_group. Empty = every domain.
+  virtual void restrict_batches(std::vector<std::vector<uint32_t>> allowed);
 };
 
 // The source named by cfg.data (throws naming the key on a bad choice).

@@ -11,38 +11,20 @@ namespace sigma {
 
 namespace {
 
-// Sums the gradients of successive micro-batches in tree_sum's order (a binary counter of
-// partial sums, folded from the top at the end), so that memory grows with log2 of the
-// micro-batches, not with their number. Only the ParamSet's: an expert executor that keeps
-// gradients of its own (ECSS) accumulates them in micro-batch order itself, without copies;
-// its experts never cross ranks, so they need no rank-count-invariant order.
+// Sums the gradients of successive micro-batches in tree_sum's order, so that the ranks'
+// block sums combine to the one-process sum bit for bit. Only the ParamSet's: an expert
+// executor that keeps gradients of its own sums them itself.
 class GradTree {
  public:
-  // Adds the current gradients as the next leaf.
-  void push(ParamSet& ps) {
-    std::vector<float> leaf(size_t(size(ps)));
-    float* at = leaf.data();
-    for (const Param& p : ps.all()) {
-      std::memcpy(at, p.grad.f(), size_t(p.grad.numel()) * sizeof(float));
-      at += p.grad.numel();
-    }
-    stack_.push_back({0, std::move(leaf)});
-    while (stack_.size() >= 2 && stack_[stack_.size() - 2].first == stack_.back().first) {
-      auto right = std::move(stack_.back());
-      stack_.pop_back();
-      add(stack_.back().second, right.second);
-      stack_.back().first += 1;
-    }
+  void push(const ParamSet& ps) {
+    std::vector<float> leaf;
+    leaf.reserve(size_t(ps.numel()));
+    for (const Param& p : ps.all()) leaf.insert(leaf.end(), p.grad.f(), p.grad.f() + p.grad.numel());
+    tree_.push(std::move(leaf));
   }
   // Writes the total into the gradients and empties the tree.
   void finish(ParamSet& ps) {
-    SIGMA_CHECK(!stack_.empty(), "GradTree: no micro-batch");
-    std::vector<float> total = std::move(stack_.back().second);
-    for (size_t i = stack_.size() - 1; i-- > 0;) {  // S1 + (S2 + (... + Sm))
-      add(stack_[i].second, total);
-      total.swap(stack_[i].second);
-    }
-    stack_.clear();
+    const std::vector<float> total = tree_.finish();
     const float* at = total.data();
     for (Param& p : ps.all()) {
       std::memcpy(p.grad.f(), at, size_t(p.grad.numel()) * sizeof(float));
@@ -51,19 +33,7 @@ class GradTree {
   }
 
  private:
-  static int64_t size(const ParamSet& ps) {
-    int64_t n = 0;
-    for (const Param& p : ps.all()) n += p.grad.numel();
-    return n;
-  }
-  static void add(std::vector<float>& into, const std::vector<float>& x) {
-    float* a = into.data();
-    const float* b = x.data();
-    const int64_t n = int64_t(into.size());
-#pragma omp parallel for schedule(static) if (n > (int64_t(1) << 16))
-    for (int64_t i = 0; i < n; ++i) a[i] += b[i];
-  }
-  std::vector<std::pair<int, std::vector<float>>> stack_;  // (level, partial sum)
+  TreeAccumulator tree_;
 };
 
 bool power_of_two(size_t k) { return k && !(k & (k - 1)); }
@@ -92,7 +62,8 @@ std::span<const Batch> TrainStep::local(std::span<const Batch> micro) const {
 }
 
 void TrainStep::prepare(std::span<const Batch> micro) {
-  model_.expert_executor().begin_step(local(micro));
+  const size_t k = local(micro).size();
+  model_.expert_executor().begin_global_step(micro, size_t(comm_.rank()) * k, k);
 }
 
 // per_slot[slot * (2D + 2) ...]: D loss sums, D token counts, the learned gate's aux loss, and
@@ -129,8 +100,10 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     token_loss_.resize(n);
     weight_.resize(n);
     for (size_t i = 0; i < n; ++i) weight_[i] = total > 0 ? float(b.mask[i] / total) : 0.0f;
+    experts.begin_micro_batch(j);
     model_.forward(b, acts_, token_loss_.data(), weight_.data());
     model_.backward(b, acts_);
+    experts.end_micro_batch();
     sum_losses(b, first + j, per_slot);
     if (after_backward_) after_backward_(model_.params());
     if (mine.size() > 1) tree.push(model_.params());

@@ -16,6 +16,7 @@
 #include "kernels/ops.h"
 #include "model/routing.h"
 #include "optim/adamw.h"
+#include "ecss/expert_parallel.h"
 #include "train/checkpoint.h"
 #include "train/freeze.h"
 #include "train/nonfinite.h"
@@ -149,16 +150,6 @@ TokenCounts routing_counts(const Config& cfg, const DataSource& data, bool resum
   return group_counts;
 }
 
-// Where experts train when the run has `ranks` ranks: data parallel replicates them in the
-// model (expert parallelism with per-rank stores is not built yet).
-std::string distributed_experts(const std::string& setting, int ranks) {
-  if (ranks == 1) return setting;
-  SIGMA_CHECK(setting == "auto" || setting == "model", "train.experts = {} with {} ranks: "
-              "a distributed run keeps the experts in the model (train.experts = model or auto)",
-              setting, ranks);
-  return "model";
-}
-
 // Tokens per expert summed over the ranks (each counted its own micro-batches).
 void sum_over_ranks(Communicator& comm, std::vector<BlockLoad>& load) {
   if (comm.size() == 1) return;
@@ -185,11 +176,14 @@ class RunLoop {
  private:
   void claim_out_dir();
   void build();
+  void build_expert_parallel();
+  ExpertFiles* expert_files();  // the executor whose experts live outside the model, or null
   void restore();
   void open_outputs();
   void fetch(std::vector<Batch>& micro, int64_t step);
   void one_step(int64_t step);
   void log(double grad_norm, float lr);
+  nlohmann::json exchange_since_last(int64_t steps);
   void checkpoint();
   TrainSummary finish();
   void write_summary(const TrainSummary& sum);
@@ -200,6 +194,7 @@ class RunLoop {
   std::unique_ptr<Model> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<EcssExperts> experts_;  // ECSS / vanilla offload; null: experts in the model
+  std::unique_ptr<ExpertParallel> parallel_;  // expert parallel: this rank's share of the experts
   ExpertMode mode_ = ExpertMode::InModel;
   SingleProcess one_process_;
   Communicator& comm_;
@@ -221,6 +216,8 @@ class RunLoop {
   std::vector<Batch> micro_, next_;
   bool have_next_ = false;
   nlohmann::json cursor_after_step_;  // the data cursor before step t+1's batches were read
+  double exchanged_[2] = {0, 0};      // expert exchange calls and bytes at the last log
+  nlohmann::json exchange_summary_;   // the whole run's, for summary.json
   // The logging window and this run's totals.
   DomainSums window_{0};
   double aux_window_ = 0;
@@ -273,7 +270,7 @@ void RunLoop::build() {
   }
   check_memory(cfg_);  // a sized error instead of bad_alloc for a model too big for the machine
   const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
-  mode_ = resolve_expert_mode(distributed_experts(cfg_.train.experts, comm_.size()), cfg_.model);
+  mode_ = resolve_expert_mode(cfg_.train.experts, cfg_.model, comm_.size());
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
                                    mode_ != ExpertMode::InModel);
   model_->set_remat(remat_from_name(cfg_.train.remat));
@@ -284,21 +281,61 @@ void RunLoop::build() {
   freeze_ = plan_freeze(cfg_.train.freeze, cfg_.model, model_->params(),
                         model_->external_experts(), data_->domains());
   // ECSS: the experts and their Adam state live in the store, not in the model and optimizer.
-  if (mode_ != ExpertMode::InModel)
+  if (mode_ == ExpertMode::Ecss || mode_ == ExpertMode::Vanilla)
     experts_ = std::make_unique<EcssExperts>(*model_, mode_, cfg_.optim, cfg_.train.expert_store,
                                              ck_.has_value(), expert_memory_bytes(cfg_.train));
   step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim, plan_);
   names_ = cfg_.model.domains.names();
   for (const auto& n : data_->domains()) data_to_model_.push_back(cfg_.model.domain_index(n));
+  SIGMA_CHECK(cfg_.dist.placement == "spread" || mode_ == ExpertMode::Parallel, "dist.placement = "
+              "{} places expert groups on ranks, which needs train.experts = parallel (or auto "
+              "with several ranks); this run has train.experts = {}", cfg_.dist.placement,
+              expert_mode_name(mode_));
+  if (mode_ == ExpertMode::Parallel) build_expert_parallel();
   micro_.resize(size_t(cfg_.train.accum));
   next_.resize(size_t(cfg_.train.accum));
+}
+
+// Expert parallelism: each rank's share of every group in a store of its own (a file store
+// gets the rank in its name).
+void RunLoop::build_expert_parallel() {
+  SIGMA_CHECK(std::none_of(freeze_.frozen_experts.begin(), freeze_.frozen_experts.end(),
+                           [](uint8_t f) { return f != 0; }),
+              "train.freeze of expert groups is not supported with train.experts = parallel yet; "
+              "use train.experts = ecss (one rank) or model");
+  const int R = comm_.size();
+  const int G = int(cfg_.model.groups.size());
+  GroupPlacement placement = GroupPlacement::everywhere(G, R);
+  if (cfg_.dist.placement == "by_group") {
+    placement = GroupPlacement::by_group(G, cfg_.train.accum, R);
+    // Micro-batch i of every step draws from the data domains of its group only.
+    std::vector<std::vector<uint32_t>> allowed(size_t(cfg_.train.accum));
+    for (int i = 0; i < cfg_.train.accum; ++i) {
+      const int g = GroupPlacement::micro_batch_group(i, G, cfg_.train.accum);
+      for (size_t d = 0; d < data_to_model_.size(); ++d)
+        if (model_->domain_group(data_to_model_[d]) == g) allowed[size_t(i)].push_back(uint32_t(d));
+      SIGMA_CHECK(!allowed[size_t(i)].empty(), "dist.placement = by_group: expert group '{}' has "
+                  "no domain in the training data, so its micro-batches would be empty",
+                  cfg_.model.groups[size_t(g)].name);
+    }
+    data_->restrict_batches(std::move(allowed));
+  }
+  std::string store = cfg_.train.expert_store;
+  // A store per rank, named for the rank count too: a resume on another count starts new ones.
+  if (!store.empty() && R > 1) store += fmt::format(".rank-{:04d}-of-{:04d}", comm_.rank(), R);
+  parallel_ = std::make_unique<ExpertParallel>(*model_, comm_, std::move(placement), cfg_.optim,
+                                               store, ck_.has_value());
+}
+
+ExpertFiles* RunLoop::expert_files() {
+  return experts_ ? static_cast<ExpertFiles*>(experts_.get()) : parallel_.get();
 }
 
 void RunLoop::restore() {
   if (ck_) {
     load_model(*model_, ck_->dir);
     load_optimizer(*opt_, model_->params(), ck_->dir);
-    if (experts_) experts_->load(ck_->dir);
+    if (expert_files()) expert_files()->load(ck_->dir);
     state_ = ck_->state;
     if (!state_.data_cursor.is_null()) data_->restore(state_.data_cursor);
   }
@@ -315,6 +352,11 @@ void RunLoop::open_outputs() {
     SIGMA_CHECK(metrics_.good(), "cannot write {}/metrics.jsonl", run_.out_dir);
   }
   tty_ = isatty(STDERR_FILENO);
+  std::vector<double> shares(2 * size_t(comm_.size()), 0.0);  // every rank's experts and bytes
+  if (parallel_) {
+    const double mine[2] = {double(parallel_->owned_experts()), double(parallel_->store_bytes())};
+    comm_.all_gather(shares.data(), mine, 2);
+  }
   if (!run_.progress) return;
   fmt::print(stderr, "sigma train: {} parameters, {} domains, steps {}..{}, batch {}x{}x{}, {} threads\n",
              model_->params().numel() + (experts_ ? experts_->params() : 0), names_.size(),
@@ -336,6 +378,15 @@ void RunLoop::open_outputs() {
                double(experts_->expert_bytes()) / (1 << 20),
                experts_->grads_in_file() ? "in a temporary file beside the store (page cache)"
                                          : "in RAM");
+  }
+  if (parallel_) {
+    std::string per_rank;
+    for (int r = 0; r < comm_.size(); ++r)
+      per_rank += fmt::format("{}{:.0f} ({:.1f} MiB)", r ? ", " : "", shares[2 * size_t(r)],
+                              shares[2 * size_t(r) + 1] / (1 << 20));
+    fmt::print(stderr, "experts: parallel, dist.placement = {}; experts with Adam state per rank: "
+               "{}; stores {}\n", cfg_.dist.placement, per_rank,
+               cfg_.train.expert_store.empty() ? "in RAM" : cfg_.train.expert_store + "[.rank-NNNN-of-RRRR]");
   }
   if (!cfg_.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze_.summary);
   if (comm_.size() > 1) {
@@ -413,6 +464,7 @@ void RunLoop::log(double grad_norm, float lr) {
                fmt_duration(eta), guard_.progress_note(), tty_ && state_.step != last_ ? "   " : "\n");
   std::vector<BlockLoad> load = model_->expert_load();
   sum_over_ranks(comm_, load);
+  const nlohmann::json exchange = exchange_since_last(steps_in_window_);  // every rank
   if (metrics_.is_open()) {
     nlohmann::json dom = nlohmann::json::object();
     for (size_t d = 0; d < names_.size(); ++d)
@@ -426,6 +478,7 @@ void RunLoop::log(double grad_norm, float lr) {
       rec["load_imbalance"] = load_imbalance_json(load);
     }
     if (experts_) rec["ecss"] = offload_json(experts_->stats(), experts_->stats().steps);
+    if (parallel_) rec["expert_exchange"] = exchange;
     if (cfg_.model.gated()) {  // the baseline's extra loss and its capacity drops
       rec["aux_loss"] = aux_window_ / double(steps_in_window_);
       nlohmann::json dropped = nlohmann::json::object();
@@ -447,11 +500,29 @@ void RunLoop::log(double grad_norm, float lr) {
   model_->reset_expert_load();
 }
 
+// Expert parallelism: all-to-all-v calls per rank and bytes between ranks (summed over every
+// rank, self excluded) per step since the last call. Collective.
+nlohmann::json RunLoop::exchange_since_last(int64_t steps) {
+  if (!parallel_) return nullptr;
+  double now[2] = {0, 0};
+  for (const CommStats& s : parallel_->group_traffic()) {
+    now[0] += double(s.calls);
+    for (size_t r = 0; r < s.bytes_to.size(); ++r)
+      if (int(r) != comm_.rank()) now[1] += double(s.bytes_to[r]);
+  }
+  double delta[2] = {now[0] - exchanged_[0], now[1] - exchanged_[1]};
+  exchanged_[0] = now[0], exchanged_[1] = now[1];
+  comm_.all_reduce_sum(delta, 2);  // integers below 2^53: exact
+  const double per = double(std::max<int64_t>(steps, 1));
+  return {{"calls_per_rank_step", delta[0] / per / comm_.size()},
+          {"mib_per_step", delta[1] / per / double(1 << 20)}};
+}
+
 // Between steps: the store holds exactly this step's experts.
 void RunLoop::checkpoint() {
   state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
   save_checkpoint(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
-                  experts_.get(), &comm_);
+                  expert_files(), &comm_);
 }
 
 TrainSummary RunLoop::finish() {
@@ -467,6 +538,11 @@ TrainSummary RunLoop::finish() {
     sum.offload = experts_->stats();
   }
   sum.seconds = elapsed;
+  if (parallel_) {  // the run's exchange: reset the counters' base to the run's start
+    exchanged_[0] = exchanged_[1] = 0;
+    exchange_summary_ = exchange_since_last(steps_this_run_);
+    exchange_summary_["placement"] = cfg_.dist.placement;
+  }
   std::unique_ptr<DataSource> held_out;
   if (!cfg_.data.eval_path.empty())
     held_out = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
@@ -493,6 +569,7 @@ void RunLoop::write_summary(const TrainSummary& sum) {
     summary["ecss"]["train_s"] = sum.seconds;
     summary["ecss"]["experts_per_step"] = o.steps ? double(o.experts_updated) / o.steps : 0.0;
   }
+  if (parallel_) summary["expert_exchange"] = exchange_summary_;
   if (!sum.expert_load.empty()) {
     summary["expert_load"] = expert_load_json(sum.expert_load, cfg_.model);
     summary["load_imbalance"] = load_imbalance_json(sum.expert_load);

@@ -1,0 +1,138 @@
+// Expert parallelism inside each domain's expert group (DESIGN §9, docs/distributed.md). The
+// experts of group g are spread over the ranks of g's placement, each rank keeping its share,
+// with their Adam state, in an expert store of its own (RAM or a file: ECSS per rank). In an
+// RRE block each row goes to the rank holding its expert by all-to-all-v on the group's
+// communicator and comes back the same way, so rows never leave their group's ranks.
+//
+// No count exchange: TrainStep gives every rank the step's whole batch (token ids are tiny), so
+// each rank computes every rank's routing plan for every block itself, and from it what it
+// sends and receives. No capacity, nothing dropped.
+//
+// Bit for bit like one process: the holder runs each source rank's rows separately, with the
+// rows, threading decision and residual arithmetic that micro-batch gets in one process; it sums
+// an expert's gradients over the micro-batches in TrainStep's tree order (per source rank a
+// binary counter over its micro-batches, the ranks' subtotals added by tree_sum in rank order);
+// and it updates the expert with the store's lazy Adam (eps_rre). R = 1, 2 and 4 ranks therefore
+// train the same bits at the same global batch and threads per rank.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "ecss/expert_files.h"
+#include "ecss/expert_store.h"
+#include "model/expert_executor.h"
+#include "model/model.h"
+#include "optim/adamw.h"
+
+namespace sigma {
+
+// Which ranks hold which experts.
+struct GroupPlacement {
+  std::vector<std::vector<int>> ranks;  // [group] world ranks holding its experts, ascending
+  // Every group spread over all R ranks.
+  static GroupPlacement everywhere(int groups, int R);
+  // dist.placement = by_group: micro-batch i of a step's `accum` draws its rows from the domains
+  // of group micro_batch_group(i) (contiguous, near-equal shares of the step), and each group
+  // lives on the ranks whose aligned block of accum / R micro-batches holds its share.
+  static int micro_batch_group(int i, int groups, int accum) { return int(int64_t(i) * groups / accum); }
+  static GroupPlacement by_group(int groups, int accum, int R);
+  // Member m of a group's n ranks holds its experts [first(K, n, m), first(K, n, m + 1)).
+  static int32_t first(int32_t K, size_t n, size_t m) { return int32_t(int64_t(K) * int64_t(m) / int64_t(n)); }
+};
+
+class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
+ public:
+  // world: the run's ranks; store_path: this rank's store file ("" = RAM). A new store gets the
+  // model's initial weights for this rank's experts; an existing file is refused unless resuming.
+  ExpertParallel(Model& model, Communicator& world, GroupPlacement placement,
+                 const OptimConfig& optim, const std::string& store_path, bool resuming);
+  ~ExpertParallel() override;
+  ExpertParallel(const ExpertParallel&) = delete;
+  ExpertParallel& operator=(const ExpertParallel&) = delete;
+
+  int64_t owned_experts() const;         // experts this rank holds (all RRE blocks)
+  // This rank's store (null when it holds no expert); its group g's expert k is the group's
+  // expert first_held(g) + k.
+  const ExpertStore* store() const { return store_ ? &*store_ : nullptr; }
+  int32_t first_held(int g) const { return groups_[size_t(g)].first; }
+  int64_t store_bytes() const;           // their records, with Adam state
+  bool file_backed() const { return store_ && store_->file_backed(); }
+  // What this rank sent on each group's communicator (calls; bytes per world rank, self
+  // included); empty for groups it is not in.
+  std::vector<CommStats> group_traffic() const;
+  const GroupPlacement& placement() const { return placement_; }
+
+  // An evaluation's batch, the same on every rank: each rank runs its experts' rows and the
+  // results are summed over the ranks (exact: every row has one holder, the others add zeros).
+  void begin_step(std::span<const Batch> micro) override;
+  void begin_global_step(std::span<const Batch> micro, size_t first, size_t count) override;
+  void begin_micro_batch(size_t j) override;
+  void end_micro_batch() override;
+  void forward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b, float* y,
+               const float* x, int64_t N, int64_t d, int64_t f) override;
+  void backward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
+                float* dx, const float* dy, const float* x, int64_t N, int64_t d,
+                int64_t f) override;
+  // Pieces of every expert active in the global batch, in the canonical order: this rank's
+  // from its gradients, the others' zero (the all-reduce over ranks fills them in exactly).
+  void append_grad_sq_parts(std::vector<double>& parts) const override;
+  void update(float lr, float grad_scale) override;
+
+  // Checkpoints: every group's records come to rank 0 (gathered group by group into memory
+  // there), which writes ecss/expert_files.h's pair of files per group; a checkpoint of any
+  // rank count, or an ECSS or in-model one, loads on any other.
+  void collect() override;
+  void add_checkpoint_files(CheckpointWriter& w) const override;
+  void checkpoint_written(const std::string& dir) override;
+  void load(const std::string& dir) override;
+
+ private:
+  struct Chunk;       // one source rank's rows for this rank's experts in one group
+  struct BlockState;  // one RRE block's chunks and saved activations
+  struct Group {      // this rank's part in expert group g (every RRE block alike)
+    std::unique_ptr<Communicator> comm;  // null when not a member
+    int32_t first = 0, count = 0;        // the experts it holds: [first, first + count)
+    int32_t E0 = 0, K = 0;               // global index of the group's expert 0; its experts
+  };
+  void bind_step_experts(std::span<const Batch> micro);
+  void exchange(Communicator& c, const std::vector<float>& send, const std::vector<int64_t>& send_rows,
+                std::vector<float>& recv, const std::vector<int64_t>& recv_rows, int64_t width);
+  void forward_replicated(const RreWeights& w, const RrePlan& p, const ExpertBuffers& b, float* y,
+                          const float* x, int64_t N, int64_t d, int64_t f);
+  const RrePlan& plan_of(int block, const RreWeights& w, int source_rank);
+  std::vector<int64_t> rows_per_holder(const Group& gr, const RrePlan& p) const;
+  Chunk chunk_from(int g, int member, int source, const RrePlan& q) const;
+  ExpertId local(ExpertId id) const { return {id.block, id.group, id.expert - groups_[size_t(id.group)].first}; }
+  bool holds(int g, int32_t k) const;
+
+  Model& model_;
+  Communicator& world_;
+  GroupPlacement placement_;
+  OptimConfig optim_;
+  std::optional<ExpertStore> store_;  // none when this rank holds no expert
+  std::vector<Group> groups_;
+  int first_block_ = 0, blocks_ = 0, E_ = 0;
+  int64_t P_ = 0, stride_ = 0;
+  // The step.
+  std::span<const Batch> micro_;
+  size_t k_ = 0, j_ = 0;
+  bool in_micro_ = false;
+  std::vector<ExpertId> global_active_;  // every expert the global batch activates (canonical)
+  std::vector<ExpertId> ids_;            // this rank's of them (global expert numbers)
+  std::vector<int32_t> slot_;            // [block * E + e]: compute slot, or -1
+  Tensor w_;                             // [ids_, stride_] the step's weights
+  std::vector<std::vector<float>> leaf_;  // [world rank]: this micro-batch's gradients from it
+  std::vector<TreeAccumulator> trees_;    // [world rank]: its micro-batches so far
+  std::vector<float> total_;              // the step's summed gradients [ids_, stride_]
+  std::vector<std::unique_ptr<BlockState>> state_;  // [RRE block]
+  std::vector<std::vector<float>> collected_;  // collect(): rank 0's copy, per (block, group)
+  std::vector<uint8_t> source_;  // [world rank]: shares a group with this rank
+  std::vector<uint8_t> mine_;    // [global expert]: held here
+};
+
+}  // namespace sigma

@@ -1,0 +1,220 @@
+// Expert parallelism inside each expert group (issue 11, ecss/expert_parallel.h), on thread
+// ranks: the experts of a group spread over its ranks, rows exchanged inside the group only,
+// and the same bits as one process at the same global batch.
+#include <gtest/gtest.h>
+
+#include <omp.h>
+
+#include <cstring>
+#include <map>
+#include <tuple>
+
+#include "core/rng.h"
+#include "ecss/ecss_experts.h"
+#include "ecss/expert_parallel.h"
+#include "model/model.h"
+#include "train/train_step.h"
+#include "thread_comm.h"
+
+using namespace sigma;
+
+namespace {
+
+ModelConfig ep_config() {
+  ModelConfig c;
+  c.vocab = 17;
+  c.d_model = 16;
+  c.heads = 2;
+  c.context = 8;
+  c.layers = 3;
+  c.slots = 2;
+  c.domains = {{"a", "a", 0}, {"b", "b", 1}};
+  c.rre_layers = 2;
+  c.groups = {{"a", 3}, {"b", 2}};
+  return c;
+}
+
+// `n` micro-batches of 3 rows; domain_of(i, row) gives each row's domain.
+template <class DomainOf>
+std::vector<Batch> batches(const ModelConfig& c, int n, uint64_t seed, DomainOf domain_of) {
+  std::vector<Batch> out(static_cast<size_t>(n));
+  Rng r(seed, 1);
+  for (int i = 0; i < n; ++i) {
+    Batch& b = out[size_t(i)];
+    b.resize(3, c.context);
+    for (auto& t : b.tokens) t = int32_t(r.below(uint64_t(c.vocab)));
+    for (auto& t : b.targets) t = int32_t(r.below(uint64_t(c.vocab)));
+    for (int row = 0; row < b.B; ++row) b.domain[size_t(row)] = domain_of(i, row, r);
+    b.mask[2] = 0.0f;
+  }
+  return out;
+}
+std::vector<Batch> mixed(const ModelConfig& c, int n, uint64_t seed) {
+  return batches(c, n, seed, [](int, int, Rng& r) { return int32_t(r.below(2)); });
+}
+// The first half of the micro-batches domain a, the second half b.
+std::vector<Batch> halves(const ModelConfig& c, int n, uint64_t seed) {
+  return batches(c, n, seed, [n](int i, int, Rng&) { return int32_t(i < n / 2 ? 0 : 1); });
+}
+
+using ExpertKey = std::tuple<int, int, int>;  // (block, group, expert)
+struct Trained {
+  std::vector<float> shared;                       // rank 0's model parameters
+  std::map<ExpertKey, std::vector<float>> experts;  // weights, m, v and step of every expert
+  std::vector<double> losses, norms;
+  std::vector<std::vector<CommStats>> traffic;     // [rank][group]
+};
+
+Trained train_ep(int R, const GroupPlacement& placement, int steps, int micro,
+                 std::vector<Batch> (*make)(const ModelConfig&, int, uint64_t), int threads = 1) {
+  Trained out;
+  out.traffic.resize(size_t(R));
+  std::mutex mu;
+  test_ranks::run_ranks(R, [&](Communicator& comm) {
+    omp_set_num_threads(threads);
+    const ModelConfig c = ep_config();
+    Model m(c, 5, nullptr, /*external_experts=*/true);
+    OptimConfig oc;
+    oc.lr = 1e-2f;
+    oc.grad_clip = 0.05f;  // clipping on: the norm must agree across ranks too
+    ExpertParallel ep(m, comm, placement, oc, "", false);
+    const ShardPlan plan = plan_shards(m.params(), R);
+    AdamW opt(oc, m.params(), R > 1 ? plan.owned_by(comm.rank()) : std::vector<uint8_t>{});
+    TrainStep step(m, opt, comm, oc, plan);
+    for (int s = 0; s < steps; ++s) {
+      const auto mb = make(c, micro, uint64_t(s) + 1);
+      step.prepare(mb);
+      const StepResult r = step.run(mb, oc.lr, UpdateMask{});
+      if (comm.rank() == 0) {
+        out.losses.push_back(r.loss);
+        out.norms.push_back(r.grad_norm);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    out.traffic[size_t(comm.rank())] = ep.group_traffic();
+    if (comm.rank() == 0)
+      for (const Param& p : m.params().all())
+        out.shared.insert(out.shared.end(), p.value.f(), p.value.f() + p.value.numel());
+    if (!ep.store()) return;
+    const ExpertStore& st = *ep.store();
+    for (const ExpertGroupSpec& gs : st.spec().groups)
+      for (int32_t k = 0; k < gs.experts; ++k) {
+        const ExpertId id{gs.block, gs.group, k};
+        std::vector<float> rec(st.weights(id), st.weights(id) + gs.params());
+        rec.insert(rec.end(), st.m(id), st.m(id) + gs.params());
+        rec.insert(rec.end(), st.v(id), st.v(id) + gs.params());
+        rec.push_back(float(st.step(id)));
+        out.experts[{gs.block, gs.group, ep.first_held(gs.group) + k}] = std::move(rec);
+      }
+  });
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+void expect_same(const Trained& a, const Trained& b, const std::string& what) {
+  EXPECT_TRUE(same_bits(a.shared, b.shared)) << what << ": shared weights";
+  ASSERT_EQ(a.experts.size(), b.experts.size()) << what;
+  for (const auto& [key, rec] : a.experts)
+    EXPECT_TRUE(same_bits(rec, b.experts.at(key))) << what << ": expert " << std::get<0>(key)
+                                                    << "." << std::get<1>(key) << "." << std::get<2>(key);
+  EXPECT_EQ(a.losses, b.losses) << what;
+  EXPECT_EQ(a.norms, b.norms) << what;
+}
+
+}  // namespace
+
+// Every group spread over every rank (K = 2 over 4 ranks: two ranks hold none of group b),
+// micro-batches of mixed domains: 1, 2 and 4 ranks train the same bits, experts included.
+TEST(ExpertParallel, OneTwoAndFourRanksTrainBitIdentically) {
+  const Trained one = train_ep(1, GroupPlacement::everywhere(2, 1), 4, 4, mixed);
+  ASSERT_EQ(one.experts.size(), 2u * 5u);
+  for (int R : {2, 4}) {
+    const Trained many = train_ep(R, GroupPlacement::everywhere(2, R), 4, 4, mixed);
+    expect_same(one, many, std::to_string(R) + " ranks");
+  }
+  // Two threads per rank: the holder runs each source's experts side by side or each over all
+  // threads exactly as that source's whole pass would in one process.
+  const Trained one2 = train_ep(1, GroupPlacement::everywhere(2, 1), 3, 2, mixed, 2);
+  expect_same(one2, train_ep(2, GroupPlacement::everywhere(2, 2), 3, 2, mixed, 2), "2 ranks x 2 threads");
+}
+
+// Groups on different rank sets: group a's micro-batches run on the first half of the ranks,
+// group b's on the second, and each group's experts live only there. Rows never reach a rank
+// outside their group, and the bits are still those of one process.
+TEST(ExpertParallel, GroupsOnTheirOwnRanksExchangeOnlyInsideTheGroup) {
+  const Trained one = train_ep(1, GroupPlacement::everywhere(2, 1), 4, 4, halves);
+  const Trained two = train_ep(2, GroupPlacement{{{0}, {1}}}, 4, 4, halves);
+  const GroupPlacement split{{{0, 1}, {2, 3}}};
+  const Trained four = train_ep(4, split, 4, 4, halves);
+  expect_same(one, two, "2 ranks, a group each");
+  expect_same(one, four, "4 ranks, two per group");
+  for (int r = 0; r < 4; ++r)
+    for (int g = 0; g < 2; ++g) {
+      const CommStats& s = four.traffic[size_t(r)][size_t(g)];
+      const bool member = std::count(split.ranks[size_t(g)].begin(), split.ranks[size_t(g)].end(), r) > 0;
+      if (!member) {
+        EXPECT_EQ(s.calls, 0) << "rank " << r << " is not in group " << g;
+        continue;
+      }
+      ASSERT_EQ(s.bytes_to.size(), 4u);
+      for (int q = 0; q < 4; ++q) {
+        const bool q_member = std::count(split.ranks[size_t(g)].begin(), split.ranks[size_t(g)].end(), q) > 0;
+        if (!q_member) EXPECT_EQ(s.bytes_to[size_t(q)], 0) << "group " << g << ": rank " << r << " -> " << q;
+      }
+      const int peer = split.ranks[size_t(g)][split.ranks[size_t(g)][0] == r ? 1 : 0];
+      EXPECT_GT(s.bytes_to[size_t(peer)], 0) << "rank " << r << " exchanged nothing with " << peer;
+    }
+}
+
+// One process, one micro-batch a step: expert parallelism is ECSS (the same lazy Adam on the
+// same gradients), so it trains the bits an ECSS run trains.
+TEST(ExpertParallel, OneRankMatchesEcss) {
+  const ModelConfig c = ep_config();
+  OptimConfig oc;
+  oc.lr = 1e-2f;
+  std::vector<std::vector<float>> shared(2);
+  std::vector<std::vector<double>> losses(2);
+  for (int run = 0; run < 2; ++run) {
+    omp_set_num_threads(1);
+    Model m(c, 5, nullptr, true);
+    SingleProcess comm;
+    std::unique_ptr<ExpertExecutor> ex;
+    if (run == 0) ex = std::make_unique<ExpertParallel>(m, comm, GroupPlacement::everywhere(2, 1), oc, "", false);
+    else ex = std::make_unique<EcssExperts>(m, ExpertMode::Ecss, oc, "", false, int64_t(1) << 30);
+    AdamW opt(oc, m.params());
+    TrainStep step(m, opt, comm, oc, plan_shards(m.params(), 1));
+    for (int s = 0; s < 5; ++s) {
+      const auto mb = mixed(c, 1, uint64_t(s) + 1);
+      step.prepare(mb);
+      losses[size_t(run)].push_back(step.run(mb, oc.lr, UpdateMask{}).loss);
+    }
+    for (const Param& p : m.params().all())
+      shared[size_t(run)].insert(shared[size_t(run)].end(), p.value.f(), p.value.f() + p.value.numel());
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_TRUE(same_bits(shared[0], shared[1]));
+}
+
+// A rank handed rows of a group it is not placed with says so instead of exchanging them.
+TEST(ExpertParallel, ARowOfAGroupPlacedElsewhereIsAnError) {
+  test_ranks::run_ranks(2, [&](Communicator& comm) {
+    omp_set_num_threads(1);
+    const ModelConfig c = ep_config();
+    Model m(c, 5, nullptr, true);
+    OptimConfig oc;
+    ExpertParallel ep(m, comm, GroupPlacement{{{0}, {1}}}, oc, "", false);
+    const ShardPlan plan = plan_shards(m.params(), 2);
+    AdamW opt(oc, m.params(), plan.owned_by(comm.rank()));
+    TrainStep step(m, opt, comm, oc, plan);
+    const auto mb = mixed(c, 2, 3);
+    try {
+      step.prepare(mb);
+      FAIL() << "rank " << comm.rank() << " accepted rows of the other group";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not placed on this rank"), std::string::npos) << e.what();
+    }
+  });
+}
