@@ -184,6 +184,9 @@ struct Layout {
   }
   int set_of_rank(int r) const { return r / per_set; }
   int set_of_group(int g) const { return g * sets / G; }
+  int group_index(const std::string& name) const {
+    return int(std::find(names.begin(), names.end(), name) - names.begin());
+  }
 };
 
 // The step's token ids, every rank's: rank r's rows come from the domains of its groups (a
@@ -205,8 +208,7 @@ Tokens step_tokens(const Corpus& c, const Layout& L, const Options& o, int steps
     for (int r = 0; r < L.R; ++r) {
       std::vector<int> mine;  // domains whose group lives on r's rank set
       for (size_t i = 0; i < doms.size(); ++i)
-        if (L.set_of_group(int(std::find(L.names.begin(), L.names.end(), doms[i].group) -
-                               L.names.begin())) == L.set_of_rank(r))
+        if (L.set_of_group(L.group_index(doms[i].group)) == L.set_of_rank(r))
           mine.push_back(int(i));
       for (int row = 0; row < o.batch; ++row) {
         const int dom = mine[size_t(s * o.batch + row) % mine.size()];
@@ -214,8 +216,7 @@ Tokens step_tokens(const Corpus& c, const Layout& L, const Options& o, int steps
         int32_t* out = t.ids.data() + (size_t(s) * L.R + r) * n + size_t(row) * o.seq;
         for (int i = 0; i < o.seq; ++i) out[i] = int32_t(st[(cursor[size_t(dom)] + size_t(i)) % st.size()]);
         cursor[size_t(dom)] = (cursor[size_t(dom)] + size_t(o.seq)) % st.size();
-        const auto g = std::find(L.names.begin(), L.names.end(), doms[size_t(dom)].group) - L.names.begin();
-        t.group[(size_t(s) * L.R + r) * o.batch + size_t(row)] = int32_t(g);
+        t.group[(size_t(s) * L.R + r) * o.batch + size_t(row)] = L.group_index(doms[size_t(dom)].group);
       }
     }
   return t;
