@@ -261,13 +261,7 @@ void EcssExperts::append_grad_sq_parts(std::vector<double>& parts) const {
 
 void EcssExperts::update(float lr, float grad_scale) {
   join_prefetch();
-  AdamStepArgs a;
-  a.lr = lr;
-  a.beta1 = optim_.beta1;
-  a.beta2 = optim_.beta2;
-  a.eps = optim_.eps_rre;
-  a.weight_decay = optim_.weight_decay;
-  a.grad_scale = grad_scale;
+  const AdamStepArgs a = expert_adam_args(optim_, lr, grad_scale);
   std::vector<ExpertId> update;
   std::vector<const float*> grads;
   for (ExpertId id : ids_)

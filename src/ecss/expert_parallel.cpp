@@ -447,13 +447,7 @@ void ExpertParallel::append_grad_sq_parts(std::vector<double>& parts) const {
 
 void ExpertParallel::update(float lr, float grad_scale) {
   if (ids_.empty()) return;
-  AdamStepArgs a;
-  a.lr = lr;
-  a.beta1 = optim_.beta1;
-  a.beta2 = optim_.beta2;
-  a.eps = optim_.eps_rre;
-  a.weight_decay = optim_.weight_decay;
-  a.grad_scale = grad_scale;
+  const AdamStepArgs a = expert_adam_args(optim_, lr, grad_scale);
   std::vector<ExpertId> update;
   std::vector<const float*> grads;
   for (size_t i = 0; i < ids_.size(); ++i) {

@@ -21,6 +21,17 @@
 
 namespace sigma {
 
+AdamStepArgs expert_adam_args(const OptimConfig& o, float lr, float grad_scale) {
+  AdamStepArgs a;
+  a.lr = lr;
+  a.beta1 = o.beta1;
+  a.beta2 = o.beta2;
+  a.eps = o.eps_rre;
+  a.weight_decay = o.weight_decay;
+  a.grad_scale = grad_scale;
+  return a;
+}
+
 namespace {
 
 constexpr char kMagic[8] = {'S', 'I', 'G', 'M', 'A', 'E', 'C', 'S'};

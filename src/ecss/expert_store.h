@@ -26,6 +26,7 @@
 
 #include "core/tensor.h"
 #include "kernels/cpu/adam.h"
+#include "optim/adamw.h"
 #include "io/safetensors.h"
 
 namespace sigma {
@@ -62,6 +63,9 @@ struct ExpertId {
   int32_t block = 0, group = 0, expert = 0;
   friend bool operator==(const ExpertId&, const ExpertId&) = default;
 };
+
+// The arguments of an expert's lazy Adam update under `o` (the hybrid Adam's eps_rre).
+AdamStepArgs expert_adam_args(const OptimConfig& o, float lr, float grad_scale);
 
 class ExpertStore {
  public:
