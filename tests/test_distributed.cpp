@@ -42,13 +42,16 @@ std::string read_file(const std::string& path) {
   return s.str();
 }
 
-// metrics.jsonl without the wall-clock field.
+// metrics.jsonl without the wall-clock field and the expert exchange's traffic (which depends
+// on the rank count by nature).
 std::string metrics_without_speed(const std::string& path) {
   std::string out, line;
   std::ifstream in(path);
   while (std::getline(in, line)) {
-    const size_t at = line.find("\"tokens_per_s\":");
+    size_t at = line.find("\"tokens_per_s\":");
     if (at != std::string::npos) line.erase(at, line.find_first_of(",}", at) - at);
+    at = line.find("\"expert_exchange\":{");
+    if (at != std::string::npos) line.erase(at, line.find('}', at) + 2 - at);  // and its comma
     out += line + "\n";
   }
   return out;
