@@ -5,6 +5,7 @@
 // run against fp32, and the loss-only cross-entropy's summation.
 // (cpu vs ref of the *_bf16 ops, element by element, is in tests/test_ops.cpp.)
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -236,6 +237,37 @@ TEST(Bf16Mirror, CopiesGiveTheConversionsBitsAndFollowEachRegistration) {
   product(plain, false);
   EXPECT_EQ(std::memcmp(plain.data(), after.data(), plain.size() * 4), 0)
       << "the product read a stale bf16 copy";
+}
+
+// linear_backward_bf16 sums dy's columns into db while converting dy (blocks of 256 rows, the
+// blocks' sums added in order): within the fp32 summation bound of the exact sums, the same
+// bits with 1 and 2 threads, and within the bound when dy sits in a mirror (column order).
+TEST(Bf16, BiasGradientRidesInTheConversionOfDy) {
+  const int64_t N = 600, in = 5, out = 70;  // three row blocks, the last one partial
+  std::vector<float> x(size_t(N * in)), w(size_t(in * out)), dy(size_t(N * out));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = rng_normal(6, 1, i);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = rng_normal(6, 2, i);
+  for (size_t i = 0; i < dy.size(); ++i) dy[i] = rng_normal(6, 3, i);
+  const int threads = omp_get_max_threads();
+  auto db_of = [&](int nthreads, bool mirrored) {
+    std::vector<float> dw(size_t(in * out), 0.0f), db(size_t(out), 0.5f);  // accumulates
+    omp_set_num_threads(nthreads);
+    if (mirrored) ops::bf16_mirror_add(dy.data(), int64_t(dy.size()));
+    ops::linear_backward_bf16(nullptr, dw.data(), db.data(), dy.data(), x.data(), w.data(), N, in,
+                              out);
+    ops::bf16_mirror_clear();
+    omp_set_num_threads(threads);
+    return db;
+  };
+  const std::vector<float> one = db_of(1, false), two = db_of(2, false), mir = db_of(2, true);
+  const double u = std::ldexp(1.0, -24), gamma = (N + 1) * u / (1 - (N + 1) * u);
+  for (int64_t j = 0; j < out; ++j) {
+    double exact = 0.5, mag = 0.5;
+    for (int64_t i = 0; i < N; ++i) exact += dy[size_t(i * out + j)], mag += std::fabs(dy[size_t(i * out + j)]);
+    EXPECT_LE(std::fabs(two[size_t(j)] - exact), gamma * mag) << "column " << j;
+    EXPECT_LE(std::fabs(mir[size_t(j)] - exact), gamma * mag) << "column " << j << " (mirrored dy)";
+    EXPECT_EQ(bits(one[size_t(j)]), bits(two[size_t(j)])) << "column " << j << ": thread count";
+  }
 }
 
 // Through the model: a bf16 training step, an AdamW update, and the next forward reads the

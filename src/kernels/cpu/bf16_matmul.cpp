@@ -13,6 +13,7 @@
 
 #include "core/bf16.h"
 #include "core/error.h"
+#include "kernels/cpu/gemm.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // GCC 12 reports its own _mm512_undefined_*() in the intrinsic headers as maybe-uninitialized
@@ -169,6 +170,37 @@ Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
   }
   buf.resize(size_t(rows * cols));
   to_bf16(buf.data(), cols, src, ld, rows, cols);
+  return {buf.data(), cols};
+}
+
+Bf16View bf16_operand_column_sums(const float* src, int64_t rows, int64_t cols, int64_t ld,
+                                  std::vector<uint16_t>& buf, float* db) {
+  if (rows > 0 && cols > 0 && find_mirror(src, (rows - 1) * ld + cols)) {
+    column_sum_accumulate(db, src, rows, cols, ld);
+    return bf16_operand(src, rows, cols, ld, buf);
+  }
+  // Fixed blocks of rows (whatever the thread count): each converts its rows and sums them
+  // while they are in L1, then the blocks' sums are added in block order.
+  constexpr int64_t kRows = 256;
+  const int64_t blocks = (rows + kRows - 1) / kRows;
+  buf.resize(size_t(rows * cols));
+  thread_local std::vector<float> partial;
+  partial.assign(size_t(blocks * cols), 0.0f);
+  uint16_t* dst = buf.data();
+  float* part = partial.data();
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && rows * cols > (1 << 16))
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    float* ps = part + blk * cols;
+    for (int64_t i = blk * kRows; i < std::min(rows, (blk + 1) * kRows); ++i) {
+      const float* row = src + i * ld;
+      row_to_bf16_impl(dst + i * cols, row, cols);
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) ps[j] += row[j];
+    }
+  }
+  for (int64_t blk = 0; blk < blocks; ++blk)
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) db[j] += part[blk * cols + j];
   return {buf.data(), cols};
 }
 
