@@ -305,7 +305,9 @@ void flash_attention_backward_bf16(AttnGrad dq, AttnGrad dk, AttnGrad dv, const 
           const int64_t n = off + i + 1;
           exp_shift_sum(p, n, lse[bh * Tq + i]);  // the probabilities, from the saved lse
           float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
           for (int64_t c = 0; c < hd; ++c) dot += dof[i * d + c] * of[i * d + c];
+#pragma omp simd
           for (int64_t j = 0; j < n; ++j) ds[j] = scale * p[j] * (ds[j] - dot);
           uint16_t* pb = t.Pb.data() + (i - i0) * keys;
           uint16_t* dsb = t.dSb.data() + (i - i0) * keys;
