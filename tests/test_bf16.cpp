@@ -65,6 +65,26 @@ TEST(Bf16, KeepsInfinitiesAndNaNs) {
   }
 }
 
+// The kernels' vector conversion (cpu::to_bf16: vcvtneps2bf16 where the CPU has avx512_bf16,
+// integer rounding otherwise) gives core to_bf16's bits: ties, subnormals (which the
+// instruction would flush) alone and among normal values, NaN payloads, overflow, signs, tails.
+TEST(Bf16, TheKernelsConversionGivesTheSameBits) {
+  std::vector<uint32_t> special = {0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0xbf818000u,
+                                   0x00008000u, 0x00018000u, 0x807fffffu, 0x00000001u,
+                                   0x00800000u, 0x7f7f8000u, 0x7f7fffffu, 0x7f800000u,
+                                   0xff800000u, 0x7f800001u, 0x7fffffffu, 0xffc00001u,
+                                   0x80000000u, 0x00000000u, 0x3f7fffffu};
+  std::vector<float> x;
+  for (int rep = 0; rep < 3; ++rep)  // the specials at every offset within a 16-lane vector
+    for (uint32_t b : special) x.push_back(from_bits(b));
+  for (int i = 0; i < 64; ++i) x.push_back(rng_normal(7, 1, uint64_t(i)));  // normal-only vectors
+  x.push_back(from_bits(0x00400000u));  // a subnormal in the scalar tail
+  std::vector<uint16_t> got(x.size());
+  cpu::to_bf16(got.data(), 0, x.data(), 0, 1, int64_t(x.size()));
+  for (size_t i = 0; i < x.size(); ++i)
+    EXPECT_EQ(got[i], to_bf16(x[i])) << "element " << i << ", bits " << std::hex << bits(x[i]);
+}
+
 // |C_bf16 - C_fp32| <= (2 u_bf16 + u_bf16^2 + 2 K u_fp32) sum_k |a_k b_k| (each input rounded
 // once, relative u_bf16 = 2^-8; each side's fp32 sum within K u_fp32), and the rounding shows:
 // some element differs by more than the fp32 sums alone can explain.
