@@ -13,16 +13,9 @@
 
 #include "core/bf16.h"
 #include "core/error.h"
+#include "kernels/cpu/bf16_vec.h"
 #include "kernels/cpu/gemm.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// GCC 12 reports its own _mm512_undefined_*() in the intrinsic headers as maybe-uninitialized
-// (GCC bug 105593, as in adam.cpp); the values are never read.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
 
 namespace sigma::cpu {
 
@@ -82,43 +75,12 @@ void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// sigma::to_bf16 on 16 lanes (the same integer rounding, so the same bits).
-inline __m256i to_bf16_16(__m512i b) {
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-  const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1),
-                quiet = _mm512_set1_epi32(0x0040);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, abs_mask), inf);
-  const __m512i top = _mm512_srli_epi32(b, 16);
-  const __m512i odd = _mm512_and_si512(top, one);
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(half, odd)), 16);
-  r = _mm512_mask_or_epi32(r, nan, top, quiet);
-  return _mm512_cvtepi32_epi16(r);
-}
-#endif
-
-// One row: sigma::to_bf16's bits, 16 lanes at a time. With avx512_bf16, vcvtneps2bf16 does
-// the rounding in one instruction (nearest even; a NaN keeps its top bits and is quieted, as in
-// to_bf16) but reads subnormal inputs as zero: a vector holding one takes the integer path.
+// One row: sigma::to_bf16's bits, 16 lanes at a time (kernels/cpu/bf16_vec.h).
 void row_to_bf16_impl(uint16_t* d, const float* s, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#if defined(__AVX512BF16__)
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff),
-                min_normal = _mm512_set1_epi32(0x00800000);
-#endif
-  for (; j + 16 <= n; j += 16) {
-    const __m512 x = _mm512_loadu_ps(s + j);
-    __m256i h;
-#if defined(__AVX512BF16__)
-    const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), abs_mask);
-    if (_mm512_mask_cmplt_epu32_mask(_mm512_test_epi32_mask(a, a), a, min_normal) == 0)
-      h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-    else
-#endif
-      h = to_bf16_16(_mm512_castps_si512(x));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), h);
-  }
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), bf16x16(_mm512_loadu_ps(s + j)));
 #endif
   for (; j < n; ++j) d[j] = sigma::to_bf16(s[j]);
 }
