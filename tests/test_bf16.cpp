@@ -228,7 +228,7 @@ TEST(Bf16, FlashAttentionMatchesFp32WithinTheBf16Bound) {
 // A registered matrix is read through its bf16 copy: the same bits as converting it in every
 // product, one conversion however many products read it, and a fresh one after clear + add.
 TEST(Bf16Mirror, CopiesGiveTheConversionsBitsAndFollowEachRegistration) {
-  const int64_t M = 23, N = 31, K = 40;
+  const int64_t M = 23, N = 31, K = 600;  // W: one 16 Ki piece of the parallel conversion + a tail
   std::vector<float> A(size_t(M * K)), W(size_t(K * N));
   for (size_t i = 0; i < A.size(); ++i) A[i] = rng_normal(4, 1, i);
   for (size_t i = 0; i < W.size(); ++i) W[i] = rng_normal(4, 2, i);

@@ -145,7 +145,12 @@ Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
   if (rows > 0 && cols > 0) {
     if (Mirror* m = find_mirror(src, (rows - 1) * ld + cols)) {
       std::call_once(m->converted, [m] {
-        to_bf16(m->data.data(), m->n, m->p, m->n, 1, m->n);
+        // As rows of 16 Ki elements: to_bf16 splits a conversion by rows, and one row of the
+        // whole range ran on one thread (dL/dlogits: 67 M elements).
+        constexpr int64_t kRow = int64_t(1) << 14;
+        const int64_t whole = m->n / kRow * kRow;
+        to_bf16(m->data.data(), kRow, m->p, kRow, whole / kRow, kRow);
+        to_bf16(m->data.data() + whole, 0, m->p + whole, 0, 1, m->n - whole);
         mirrors().conversions.fetch_add(1);
       });
       return {m->data.data() + (src - m->p), ld};
