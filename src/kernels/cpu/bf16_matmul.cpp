@@ -16,7 +16,6 @@
 #include "kernels/cpu/bf16_vec.h"
 #include "kernels/cpu/gemm.h"
 
-
 namespace sigma::cpu {
 
 namespace {
