@@ -5,6 +5,7 @@
 // run against fp32, and the loss-only cross-entropy's summation.
 // (cpu vs ref of the *_bf16 ops, element by element, is in tests/test_ops.cpp.)
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -62,6 +63,26 @@ TEST(Bf16, KeepsInfinitiesAndNaNs) {
     EXPECT_TRUE(std::isnan(from_bf16(h))) << std::hex << nan << " -> " << h;
     EXPECT_EQ(h >> 15, nan >> 31) << "sign of " << std::hex << nan;
   }
+}
+
+// The kernels' vector conversion (cpu::to_bf16: vcvtneps2bf16 where the CPU has avx512_bf16,
+// integer rounding otherwise) gives core to_bf16's bits: ties, subnormals (which the
+// instruction would flush) alone and among normal values, NaN payloads, overflow, signs, tails.
+TEST(Bf16, TheKernelsConversionGivesTheSameBits) {
+  std::vector<uint32_t> special = {0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0xbf818000u,
+                                   0x00008000u, 0x00018000u, 0x807fffffu, 0x00000001u,
+                                   0x00800000u, 0x7f7f8000u, 0x7f7fffffu, 0x7f800000u,
+                                   0xff800000u, 0x7f800001u, 0x7fffffffu, 0xffc00001u,
+                                   0x80000000u, 0x00000000u, 0x3f7fffffu};
+  std::vector<float> x;
+  for (int rep = 0; rep < 3; ++rep)  // the specials at every offset within a 16-lane vector
+    for (uint32_t b : special) x.push_back(from_bits(b));
+  for (int i = 0; i < 64; ++i) x.push_back(rng_normal(7, 1, uint64_t(i)));  // normal-only vectors
+  x.push_back(from_bits(0x00400000u));  // a subnormal in the scalar tail
+  std::vector<uint16_t> got(x.size());
+  cpu::to_bf16(got.data(), 0, x.data(), 0, 1, int64_t(x.size()));
+  for (size_t i = 0; i < x.size(); ++i)
+    EXPECT_EQ(got[i], to_bf16(x[i])) << "element " << i << ", bits " << std::hex << bits(x[i]);
 }
 
 // |C_bf16 - C_fp32| <= (2 u_bf16 + u_bf16^2 + 2 K u_fp32) sum_k |a_k b_k| (each input rounded
@@ -207,7 +228,7 @@ TEST(Bf16, FlashAttentionMatchesFp32WithinTheBf16Bound) {
 // A registered matrix is read through its bf16 copy: the same bits as converting it in every
 // product, one conversion however many products read it, and a fresh one after clear + add.
 TEST(Bf16Mirror, CopiesGiveTheConversionsBitsAndFollowEachRegistration) {
-  const int64_t M = 23, N = 31, K = 40;
+  const int64_t M = 23, N = 31, K = 600;  // W: one 16 Ki piece of the parallel conversion + a tail
   std::vector<float> A(size_t(M * K)), W(size_t(K * N));
   for (size_t i = 0; i < A.size(); ++i) A[i] = rng_normal(4, 1, i);
   for (size_t i = 0; i < W.size(); ++i) W[i] = rng_normal(4, 2, i);
@@ -236,6 +257,37 @@ TEST(Bf16Mirror, CopiesGiveTheConversionsBitsAndFollowEachRegistration) {
   product(plain, false);
   EXPECT_EQ(std::memcmp(plain.data(), after.data(), plain.size() * 4), 0)
       << "the product read a stale bf16 copy";
+}
+
+// linear_backward_bf16 sums dy's columns into db while converting dy (blocks of 256 rows, the
+// blocks' sums added in order): within the fp32 summation bound of the exact sums, the same
+// bits with 1 and 2 threads, and within the bound when dy sits in a mirror (column order).
+TEST(Bf16, BiasGradientRidesInTheConversionOfDy) {
+  const int64_t N = 600, in = 5, out = 70;  // three row blocks, the last one partial
+  std::vector<float> x(size_t(N * in)), w(size_t(in * out)), dy(size_t(N * out));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = rng_normal(6, 1, i);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = rng_normal(6, 2, i);
+  for (size_t i = 0; i < dy.size(); ++i) dy[i] = rng_normal(6, 3, i);
+  const int threads = omp_get_max_threads();
+  auto db_of = [&](int nthreads, bool mirrored) {
+    std::vector<float> dw(size_t(in * out), 0.0f), db(size_t(out), 0.5f);  // accumulates
+    omp_set_num_threads(nthreads);
+    if (mirrored) ops::bf16_mirror_add(dy.data(), int64_t(dy.size()));
+    ops::linear_backward_bf16(nullptr, dw.data(), db.data(), dy.data(), x.data(), w.data(), N, in,
+                              out);
+    ops::bf16_mirror_clear();
+    omp_set_num_threads(threads);
+    return db;
+  };
+  const std::vector<float> one = db_of(1, false), two = db_of(2, false), mir = db_of(2, true);
+  const double u = std::ldexp(1.0, -24), gamma = (N + 1) * u / (1 - (N + 1) * u);
+  for (int64_t j = 0; j < out; ++j) {
+    double exact = 0.5, mag = 0.5;
+    for (int64_t i = 0; i < N; ++i) exact += dy[size_t(i * out + j)], mag += std::fabs(dy[size_t(i * out + j)]);
+    EXPECT_LE(std::fabs(two[size_t(j)] - exact), gamma * mag) << "column " << j;
+    EXPECT_LE(std::fabs(mir[size_t(j)] - exact), gamma * mag) << "column " << j << " (mirrored dy)";
+    EXPECT_EQ(bits(one[size_t(j)]), bits(two[size_t(j)])) << "column " << j << ": thread count";
+  }
 }
 
 // Through the model: a bf16 training step, an AdamW update, and the next forward reads the

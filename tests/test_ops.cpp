@@ -634,6 +634,9 @@ std::vector<Case> all_cases() {
     for (bool tb : {false, true}) add_gemm(cs, ta, tb, 7, 33, 131, 0.5f, 2.0f, 3, seed += 10, true);
   add_gemm(cs, false, false, 7, 5, 0, 1.0f, 2.0f, 0, seed += 10, true);
   add_gemm(cs, true, false, 300, 257, 129, 1.0f, 1.0f, 0, seed += 10, true);  // threads
+  // bf16 linear backward: db's column sums ride in dy's conversion, in blocks of 256 rows.
+  add_linear(cs, 600, 33, 70, true, false, false, seed += 10, true);
+  add_linear(cs, 300, 33, 70, true, true, true, seed += 10, true);
   for (bool bf16 : {false, true})
     for (bool bias : {false, true})
       for (bool acc : {false, true}) {
@@ -665,6 +668,7 @@ std::vector<Case> all_cases() {
   add_layernorm(cs, 7, 33, seed += 10);
   add_layernorm(cs, 33, 131, seed += 10);
   add_layernorm(cs, 3, 1, seed += 10);
+  add_layernorm(cs, 9, 512, seed += 10);  // the model's width: whole SIMD vectors, no tail
   add_attention(cs, 2, 7, 7, 3, 5, false, seed += 10);
   add_attention(cs, 2, 7, 7, 3, 5, true, seed += 10);
   add_attention(cs, 2, 131, 131, 2, 5, false, seed += 10);  // two row blocks

@@ -4,8 +4,10 @@
 #include <cmath>
 #include <vector>
 
+#include "core/bf16.h"
 #include "core/error.h"
 #include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/bf16_vec.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/vexp.h"
 
@@ -224,6 +226,43 @@ void ensure_tiles(AttnBf16Scratch& t, int64_t Tk) {
   if (t.S.size() < n) t.S.resize(n), t.dS.resize(n), t.Pb.resize(n), t.dSb.resize(n);
 }
 
+// The softmax rows of the bf16 pair, each in one pass that rounds straight to bf16: the same
+// fp32 values (exp16 on whole vectors, std::exp on the tail, as exp_shift_sum) and the same
+// bits as computing the fp32 row and then converting it, without the fp32 row's store and
+// reload.
+
+// dst[j] = bf16(p[j] * s): scale_into then row_to_bf16.
+void scaled_row_to_bf16(uint16_t* dst, const float* p, int64_t n, float s) {
+  int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 sv = _mm512_set1_ps(s);
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        bf16x16(_mm512_mul_ps(_mm512_loadu_ps(p + j), sv)));
+#endif
+  for (; j < n; ++j) dst[j] = sigma::to_bf16(p[j] * s);
+}
+
+// The backward's row: p = exp(S - lse) and ds = scale * p * (dP - dot), both to bf16.
+void p_ds_row_to_bf16(uint16_t* pb, uint16_t* dsb, const float* S, const float* dP, int64_t n,
+                      float lse, float dot, float scale) {
+  int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 l = _mm512_set1_ps(lse), dv = _mm512_set1_ps(dot), sc = _mm512_set1_ps(scale);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(S + j), l));
+    const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(sc, p), _mm512_sub_ps(_mm512_loadu_ps(dP + j), dv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), bf16x16(p));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsb + j), bf16x16(ds));
+  }
+#endif
+  for (; j < n; ++j) {
+    const float p = std::exp(S[j] - lse);
+    pb[j] = sigma::to_bf16(p);
+    dsb[j] = sigma::to_bf16(scale * p * (dP[j] - dot));
+  }
+}
+
 // S = scale * q k^T for query rows [i0, i1) of one (b, h), over the keys they see.
 void block_scores_bf16(float* S, int64_t ld, Bf16View q, Bf16View k, int64_t i0, int64_t i1,
                        int64_t off, int64_t hd, float scale) {
@@ -258,8 +297,7 @@ void flash_attention_forward_bf16(float* out, float* lse, AttnOperand q, AttnOpe
         uint16_t* prow = t.Pb.data() + (i - i0) * keys;
         const int64_t n = off + i + 1;
         const float mx = max_of(row, n), sum = exp_shift_sum(row, n, mx);
-        scale_into(row, row, n, 1.0f / sum);
-        row_to_bf16(prow, row, n);
+        scaled_row_to_bf16(prow, row, n, 1.0f / sum);
         std::fill(prow + n, prow + keys, uint16_t(0));
         lse[bh * Tq + i] = mx + std::log(sum);
       }
@@ -300,17 +338,15 @@ void flash_attention_backward_bf16(AttnGrad dq, AttnGrad dk, AttnGrad dv, const 
         matmul_bf16(false, true, m, keys, hd, 1.0f, {doh.p + i0 * hd, hd}, vh, 0.0f,
                     t.dS.data(), keys);
         for (int64_t i = i0; i < i1; ++i) {
-          float* p = t.S.data() + (i - i0) * keys;
-          float* ds = t.dS.data() + (i - i0) * keys;
           const int64_t n = off + i + 1;
-          exp_shift_sum(p, n, lse[bh * Tq + i]);  // the probabilities, from the saved lse
           float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
           for (int64_t c = 0; c < hd; ++c) dot += dof[i * d + c] * of[i * d + c];
-          for (int64_t j = 0; j < n; ++j) ds[j] = scale * p[j] * (ds[j] - dot);
           uint16_t* pb = t.Pb.data() + (i - i0) * keys;
           uint16_t* dsb = t.dSb.data() + (i - i0) * keys;
-          row_to_bf16(pb, p, n);
-          row_to_bf16(dsb, ds, n);
+          // the probabilities from the saved lse, and dS
+          p_ds_row_to_bf16(pb, dsb, t.S.data() + (i - i0) * keys, t.dS.data() + (i - i0) * keys,
+                           n, lse[bh * Tq + i], dot, scale);
           std::fill(pb + n, pb + keys, uint16_t(0));
           std::fill(dsb + n, dsb + keys, uint16_t(0));
         }

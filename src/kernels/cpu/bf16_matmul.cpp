@@ -13,15 +13,8 @@
 
 #include "core/bf16.h"
 #include "core/error.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// GCC 12 reports its own _mm512_undefined_*() in the intrinsic headers as maybe-uninitialized
-// (GCC bug 105593, as in adam.cpp); the values are never read.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
+#include "kernels/cpu/bf16_vec.h"
+#include "kernels/cpu/gemm.h"
 
 namespace sigma::cpu {
 
@@ -81,22 +74,12 @@ void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
 }
 
-// One row: sigma::to_bf16 on 16 lanes at a time (the same integer rounding, so the same bits).
+// One row: sigma::to_bf16's bits, 16 lanes at a time (kernels/cpu/bf16_vec.h).
 void row_to_bf16_impl(uint16_t* d, const float* s, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-  const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1),
-                quiet = _mm512_set1_epi32(0x0040);
-  for (; j + 16 <= n; j += 16) {
-    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(s + j));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, abs_mask), inf);
-    const __m512i top = _mm512_srli_epi32(b, 16);
-    const __m512i odd = _mm512_and_si512(top, one);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(half, odd)), 16);
-    r = _mm512_mask_or_epi32(r, nan, top, quiet);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), _mm512_cvtepi32_epi16(r));
-  }
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), bf16x16(_mm512_loadu_ps(s + j)));
 #endif
   for (; j < n; ++j) d[j] = sigma::to_bf16(s[j]);
 }
@@ -161,7 +144,12 @@ Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
   if (rows > 0 && cols > 0) {
     if (Mirror* m = find_mirror(src, (rows - 1) * ld + cols)) {
       std::call_once(m->converted, [m] {
-        to_bf16(m->data.data(), m->n, m->p, m->n, 1, m->n);
+        // As rows of 16 Ki elements: to_bf16 splits a conversion by rows, and one row of the
+        // whole range ran on one thread (dL/dlogits: 67 M elements).
+        constexpr int64_t kRow = int64_t(1) << 14;
+        const int64_t whole = m->n / kRow * kRow;
+        to_bf16(m->data.data(), kRow, m->p, kRow, whole / kRow, kRow);
+        to_bf16(m->data.data() + whole, 0, m->p + whole, 0, 1, m->n - whole);
         mirrors().conversions.fetch_add(1);
       });
       return {m->data.data() + (src - m->p), ld};
@@ -169,6 +157,37 @@ Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
   }
   buf.resize(size_t(rows * cols));
   to_bf16(buf.data(), cols, src, ld, rows, cols);
+  return {buf.data(), cols};
+}
+
+Bf16View bf16_operand_column_sums(const float* src, int64_t rows, int64_t cols, int64_t ld,
+                                  std::vector<uint16_t>& buf, float* db) {
+  if (rows > 0 && cols > 0 && find_mirror(src, (rows - 1) * ld + cols)) {
+    column_sum_accumulate(db, src, rows, cols, ld);
+    return bf16_operand(src, rows, cols, ld, buf);
+  }
+  // Fixed blocks of rows (whatever the thread count): each converts its rows and sums them
+  // while they are in L1, then the blocks' sums are added in block order.
+  constexpr int64_t kRows = 256;
+  const int64_t blocks = (rows + kRows - 1) / kRows;
+  buf.resize(size_t(rows * cols));
+  thread_local std::vector<float> partial;
+  partial.assign(size_t(blocks * cols), 0.0f);
+  uint16_t* dst = buf.data();
+  float* part = partial.data();
+#pragma omp parallel for schedule(static) if (!omp_in_parallel() && rows * cols > (1 << 16))
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    float* ps = part + blk * cols;
+    for (int64_t i = blk * kRows; i < std::min(rows, (blk + 1) * kRows); ++i) {
+      const float* row = src + i * ld;
+      row_to_bf16_impl(dst + i * cols, row, cols);
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) ps[j] += row[j];
+    }
+  }
+  for (int64_t blk = 0; blk < blocks; ++blk)
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) db[j] += part[blk * cols + j];
   return {buf.data(), cols};
 }
 

@@ -33,6 +33,13 @@ void row_to_bf16(uint16_t* dst, const float* src, int64_t n);
 Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
                       std::vector<uint16_t>& buf);
 
+// bf16_operand of a linear layer's dy that also adds its column sums to db[cols] (its bias
+// gradient). When dy is converted here the sums ride in the conversion's pass over dy: rows
+// summed in order within fixed blocks of 256, the blocks' sums added in order (the same bits
+// for any thread count; not column_sum_accumulate's order, which walks each column's rows).
+Bf16View bf16_operand_column_sums(const float* src, int64_t rows, int64_t cols, int64_t ld,
+                                  std::vector<uint16_t>& buf, float* db);
+
 // The bf16 mirror: fp32 ranges the caller promises not to change until the next clear (the
 // model registers its weights for one forward + backward), each converted to bf16 once, on its
 // first use, so that the products that read a weight stop converting it per call. Every range

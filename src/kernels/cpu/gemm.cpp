@@ -100,18 +100,18 @@ void linear_forward_bf16(float* y, const float* x, const float* w, const float* 
   matmul_bf16(false, false, N, out, in, 1.0f, bf16_operand(x, N, in, ldx, s.a),
               bf16_operand(w, in, out, ldw, s.b), accumulate ? 1.0f : 0.0f, y, ldy, b);
 }
-// dy is read by both products: converted once.
+// dy is read by both products: converted once, with db's column sums in the same pass.
 void linear_backward_bf16(float* dx, float* dw, float* db, const float* dy, const float* x,
                           const float* w, int64_t N, int64_t in, int64_t out, Strides ld) {
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
   if (N == 0) return;
   Bf16Scratch& s = t_scratch;
-  const Bf16View dyb = bf16_operand(dy, N, out, ldy, s.dy);
+  const Bf16View dyb = db ? bf16_operand_column_sums(dy, N, out, ldy, s.dy, db)
+                          : bf16_operand(dy, N, out, ldy, s.dy);
   if (dx)
     matmul_bf16(false, true, N, in, out, 1.0f, dyb, bf16_operand(w, in, out, ldw, s.b), 1.0f, dx,
                 ldx);
   matmul_bf16(true, false, in, out, N, 1.0f, bf16_operand(x, N, in, ldx, s.a), dyb, 1.0f, dw, ldw);
-  if (db) column_sum_accumulate(db, dy, N, out, ldy);
 }
 
 void column_sum_accumulate(float* db, const float* dy, int64_t N, int64_t C, int64_t ld) {

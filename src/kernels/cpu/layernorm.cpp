@@ -5,17 +5,31 @@
 
 namespace sigma::cpu {
 
+// The row sums run in SIMD lanes (omp simd reductions: partial sums per lane, then combined).
+// Summed in order, each was one dependent chain of C scalar additions, ~2 % of a bf16 training
+// step at d = 512; the lane order is fixed at compile time, so results stay deterministic.
+namespace {
+float row_sum(const float* x, int64_t C) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < C; ++j) s += x[j];
+  return s;
+}
+float row_sq_dev(const float* x, float m, int64_t C) {
+  float v = 0.0f;
+#pragma omp simd reduction(+ : v)
+  for (int64_t j = 0; j < C; ++j) v += (x[j] - m) * (x[j] - m);
+  return v;
+}
+}  // namespace
+
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,
                        const float* b, int64_t N, int64_t C) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < N; ++i) {
     const float* xi = x + i * C;
-    float s = 0.0f;
-    for (int64_t j = 0; j < C; ++j) s += xi[j];
-    const float m = s / C;
-    float v = 0.0f;
-    for (int64_t j = 0; j < C; ++j) v += (xi[j] - m) * (xi[j] - m);
-    const float r = 1.0f / std::sqrt(v / C + kLayerNormEps);
+    const float m = row_sum(xi, C) / C;
+    const float r = 1.0f / std::sqrt(row_sq_dev(xi, m, C) / C + kLayerNormEps);
     float* oi = out + i * C;
     for (int64_t j = 0; j < C; ++j) oi[j] = (xi[j] - m) * r * w[j] + b[j];
     mean[i] = m;
@@ -33,6 +47,7 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
     const float* di = dout + i * C;
     const float m = mean[i], r = rstd[i];
     float sum_g = 0.0f, sum_gn = 0.0f;
+#pragma omp simd reduction(+ : sum_g, sum_gn)
     for (int64_t j = 0; j < C; ++j) {
       const float g = di[j] * w[j];
       sum_g += g;
