@@ -56,6 +56,7 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   ExpertParallel& operator=(const ExpertParallel&) = delete;
 
   int64_t owned_experts() const;         // experts this rank holds (all RRE blocks)
+  int64_t all_expert_params() const { return int64_t(blocks_) * E_ * P_; }  // every rank's
   // This rank's store (null when it holds no expert); its group g's expert k is the group's
   // expert first_held(g) + k.
   const ExpertStore* store() const { return store_ ? &*store_ : nullptr; }

@@ -359,7 +359,8 @@ void RunLoop::open_outputs() {
   }
   if (!run_.progress) return;
   fmt::print(stderr, "sigma train: {} parameters, {} domains, steps {}..{}, batch {}x{}x{}, {} threads\n",
-             model_->params().numel() + (experts_ ? experts_->params() : 0), names_.size(),
+             model_->params().numel() + (experts_ ? experts_->params() : 0) +
+                 (parallel_ ? parallel_->all_expert_params() : 0), names_.size(),
              state_.step, last_, cfg_.train.accum, cfg_.train.batch, cfg_.model.context,
              omp_get_max_threads());
   if (experts_) {
