@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "core/json_depth.h"
 #include "data/tokenizer.h"
 #include "eval/tasks.h"
 #include "train/checkpoint.h"
@@ -100,7 +101,7 @@ std::optional<DomainRegistry> data_registry(const EvalArgs& a, const CheckpointI
   const std::string path = dir + "/manifest.json";
   if (dir.empty() || !std::filesystem::exists(path)) return std::nullopt;
   std::ifstream in(path);
-  const auto m = nlohmann::json::parse(in, nullptr, false);
+  const auto m = parse_json_or_discard(in);
   SIGMA_CHECK(!m.is_discarded() && m.contains("domains"), "{}: not a manifest made by sigma prepare", path);
   return DomainRegistry::from_json(m["domains"], path, DomainForm::Data);
 }

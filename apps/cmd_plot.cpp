@@ -15,6 +15,7 @@
 
 #include "command.h"
 #include "core/error.h"
+#include "core/json_depth.h"
 
 extern char** environ;
 
@@ -35,7 +36,7 @@ std::vector<json> read_metrics(const std::string& path) {
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
     if (line.empty()) continue;
-    json j = json::parse(line, nullptr, false);
+    json j = parse_json_or_discard(line);
     SIGMA_CHECK(!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number(),
                 "{}:{}: not a metrics record (a JSON object with \"step\")", path, n);
     out.push_back(std::move(j));
@@ -171,7 +172,7 @@ void run_plot(const PlotArgs& a) {
   const auto metrics = read_metrics((run / "metrics.jsonl").string());
   json summary = json::object();
   if (std::ifstream in(run / "summary.json"); in.good()) {
-    summary = json::parse(in, nullptr, false);
+    summary = parse_json_or_discard(in);
     SIGMA_CHECK(!summary.is_discarded() && summary.is_object(), "{}: not valid JSON",
                 (run / "summary.json").string());
   }

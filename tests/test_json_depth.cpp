@@ -12,9 +12,11 @@
 #include <string>
 
 #include "core/json_depth.h"
+#include "data/jsonl.h"
 #include "data/prepare.h"
 #include "data/shards.h"
 #include "data/tokenizer.h"
+#include "eval/tasks.h"
 #include "io/checkpoint_dir.h"
 #include "train/config.h"
 
@@ -65,6 +67,37 @@ TEST(JsonDepth, EveryFileParserRefusesDeepNesting) {
   fs::create_directories(t.path / "ckpt");
   write("ckpt/manifest.json", "{\"version\": " + deep + "}");
   expect_refused("checkpoint manifest", [&] { read_manifest((t.path / "ckpt").string()); });
+}
+
+// Line-oriented readers count or name a deep line like any malformed one: a JSONL corpus skips
+// it (counted, the lines around it read) and a task file names its line.
+TEST(JsonDepth, DeepLinesAreBadLinesNotCrashes) {
+  TempDir t;
+  const std::string corpus = (t.path / "c.jsonl").string();
+  std::ofstream(corpus) << R"({"text": "one", "domain": "en"})" << "\n"
+                        << "{\"text\": \"deep\", \"x\": " << nested(1000000) << "}\n"
+                        << R"({"text": "two", "domain": "en"})" << "\n";
+  data::ReadOptions opt;
+  opt.domains = {"en"};
+  data::ReadStats st;
+  std::vector<std::string> texts;
+  data::read_corpus(data::expand_corpus({corpus}), opt, st, [&](data::Record& r) { texts.push_back(r.text); });
+  EXPECT_EQ(texts, (std::vector<std::string>{"one", "two"}));
+  EXPECT_EQ(st.bad_json, 1u);
+
+  const std::string tasks = (t.path / "t.jsonl").string();
+  std::ofstream(tasks) << "{\"type\": " << nested(100000) << "}\n";
+  try {
+    eval::read_task_file(tasks, {});
+    ADD_FAILURE() << "a deep task line was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(":1"), std::string::npos) << e.what();
+  }
+
+  EXPECT_TRUE(parse_json_or_discard(nested(66)).is_discarded());  // the outer array is level 0
+  EXPECT_FALSE(parse_json_or_discard(nested(65)).is_discarded());
+  EXPECT_EQ(parse_json_or_discard(std::string("{\"a\": [1, 2]}")), nlohmann::json::parse("{\"a\": [1, 2]}"));
+  EXPECT_TRUE(parse_json_or_discard(std::string("{\"a\": ")).is_discarded());
 }
 
 TEST(JsonDepth, TheLimitIsSixtyFourLevels) {

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "data/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -217,9 +218,9 @@ void read_jsonl(const Source& src, const ReadOptions& opt, ReadStats& stats, Ski
       note("invalid UTF-8");
       continue;
     }
-    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    auto j = parse_json_or_discard(line);
     if (j.is_discarded() || !j.is_object()) {
-      skip(stats.bad_json, ln, "not a JSON object");
+      skip(stats.bad_json, ln, "not a JSON object (or nested too deep)");
       note("not a JSON object");
       continue;
     }

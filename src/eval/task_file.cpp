@@ -5,6 +5,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "data/jsonl.h"
 #include "eval/tasks.h"
 
@@ -109,8 +110,8 @@ std::vector<TaskItem> read_task_file(const std::string& path, const std::vector<
     if (too_long) at.fail("line longer than 16 MiB");
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     if (!data::utf8_valid(line)) at.fail("invalid UTF-8");
-    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object()) at.fail("not a JSON object");
+    const json j = parse_json_or_discard(line);
+    if (j.is_discarded() || !j.is_object()) at.fail("not a JSON object (or nested too deep)");
     items.push_back(parse_item(j, at, domains));
   }
   SIGMA_CHECK(!items.empty(), "{}: no task in the file (one JSON object per line; see "

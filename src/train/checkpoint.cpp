@@ -9,6 +9,7 @@
 #include <optional>
 #include <set>
 
+#include "core/json_depth.h"
 #include "io/checkpoint_dir.h"
 #include "io/safetensors.h"
 #include "model/names.h"
@@ -182,8 +183,9 @@ CheckpointInfo open_checkpoint(const std::string& path) {
   verify_checkpoint(info.dir);
   const std::string tpath = info.dir + "/" + kTrainerFile;
   std::ifstream in(tpath);
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-  SIGMA_CHECK(!j.is_discarded() && j.is_object(), "{}: not a JSON object", tpath);
+  nlohmann::json j = parse_json_or_discard(in);
+  SIGMA_CHECK(!j.is_discarded() && j.is_object(), "{}: not a JSON object (or nested deeper than "
+              "{} levels)", tpath, kMaxJsonDepth);
   SIGMA_CHECK(j.contains("step") && j["step"].is_number_integer() && j.contains("config"),
               "{}: missing 'step' or 'config'", tpath);
   info.state.step = j["step"].get<int64_t>();

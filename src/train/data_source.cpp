@@ -8,6 +8,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "data/synthetic.h"
 #include "data/tokenizer.h"
 #include "data/windows.h"
@@ -80,7 +81,7 @@ class SyntheticSource : public DataSource {
 // The tokenizer a prepared directory was made with, as its manifest records it.
 std::string manifest_tokenizer(const std::string& dir) {
   std::ifstream in(dir + "/manifest.json");
-  nlohmann::json m = nlohmann::json::parse(in, nullptr, false);
+  nlohmann::json m = parse_json_or_discard(in);
   if (m.is_discarded() || !m.is_object() || !m.contains("tokenizer") || !m["tokenizer"].is_string())
     return "";
   // A relative path is relative to the manifest's folder (prepare writes it so), never to the

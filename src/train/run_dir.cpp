@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "io/file.h"
 
 namespace sigma {
@@ -99,7 +100,7 @@ void RunDir::drop_metrics_after(int64_t step) {
   if (!in) return;
   std::string kept;
   for (std::string line; std::getline(in, line);) {
-    const auto j = nlohmann::json::parse(line, nullptr, false);
+    const auto j = parse_json_or_discard(line);
     if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
         j["step"].get<int64_t>() <= step)
       kept += line + "\n";
