@@ -14,25 +14,14 @@
 #include "ecss/expert_parallel.h"
 #include "model/model.h"
 #include "train/train_step.h"
+#include "step_config.h"
 #include "thread_comm.h"
 
 using namespace sigma;
 
 namespace {
 
-ModelConfig ep_config() {
-  ModelConfig c;
-  c.vocab = 17;
-  c.d_model = 16;
-  c.heads = 2;
-  c.context = 8;
-  c.layers = 3;
-  c.slots = 2;
-  c.domains = {{"a", "a", 0}, {"b", "b", 1}};
-  c.rre_layers = 2;
-  c.groups = {{"a", 3}, {"b", 2}};
-  return c;
-}
+ModelConfig ep_config() { return sigma::testing::step_config(2); }
 
 // `n` micro-batches of 3 rows; domain_of(i, row) gives each row's domain.
 template <class DomainOf>

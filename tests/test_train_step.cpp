@@ -11,25 +11,13 @@
 #include "dist/communicator.h"
 #include "model/model.h"
 #include "train/train_step.h"
+#include "step_config.h"
 #include "thread_comm.h"
 
 using namespace sigma;
+using sigma::testing::step_config;
 
 namespace {
-
-ModelConfig step_config(int rre_layers) {
-  ModelConfig c;
-  c.vocab = 17;
-  c.d_model = 16;
-  c.heads = 2;
-  c.context = 8;
-  c.layers = 3;
-  c.slots = 2;
-  c.domains = {{"a", "a", 0}, {"b", "b", 1}};
-  c.rre_layers = rre_layers;
-  if (rre_layers) c.groups = {{"a", 3}, {"b", 2}};
-  return c;
-}
 
 std::vector<Batch> micro_batches(const ModelConfig& c, int n, uint64_t seed) {
   std::vector<Batch> out(static_cast<size_t>(n));
