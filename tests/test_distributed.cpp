@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "cli_util.h"
 #include "train/checkpoint.h"
@@ -55,6 +56,15 @@ std::string metrics_without_speed(const std::string& path) {
     out += line + "\n";
   }
   return out;
+}
+
+// The last record of a metrics.jsonl.
+nlohmann::json last_metrics(const std::string& path) {
+  std::string line, last;
+  std::ifstream in(path);
+  while (std::getline(in, line))
+    if (!line.empty()) last = line;
+  return nlohmann::json::parse(last);
 }
 
 const char* kDense = "--set model.rre_layers=0";
@@ -186,6 +196,44 @@ TEST(Distributed, ExpertParallelRanksTrainBitIdenticallyAndReshard) {
       EXPECT_EQ(c.code, 0) << cmd << ": " << c.out;
     }
   }
+}
+
+// The learned top-2 gate's expert-parallel path through `sigma train` (groups of 2, 3 and 4
+// experts, capacity 1.25: choices are dropped): 1, 2 and 4 ranks write the same weights and
+// metrics, a 2-rank run resumed on 1 rank ends where the uninterrupted run ends, and the gate's
+// count exchange shows as one more collective per group and micro-batch than RRE's four.
+TEST(Distributed, TheLearnedGateTrainsExpertParallelThroughSigma) {
+  SKIP_WITHOUT_MPI();
+  TempDir t("gate-ep");
+  const std::string gate = ep_args("spread", 20) +
+                           " --set model.router=top2 --set 'model.groups=[{\"name\":\"markov\","
+                           "\"experts\":2},{\"name\":\"copy\",\"experts\":3},{\"name\":"
+                           "\"arith\",\"experts\":4}]'";
+  std::map<std::string, std::string> first;
+  std::string first_metrics;
+  for (int R : {1, 2, 4}) {
+    const std::string out = t / ("r" + std::to_string(R));
+    const CmdResult r = train_on(R, gate + " --out " + out);
+    ASSERT_EQ(r.code, 0) << R << " ranks: " << r.out;
+    const auto weights = checkpoint_weights(out + "/checkpoints/step-00000020");
+    const std::string metrics = metrics_without_speed(out + "/metrics.jsonl");
+    if (R == 1) {
+      first = weights, first_metrics = metrics;
+      EXPECT_NE(metrics.find("\"dropped\":{\"1\":"), std::string::npos) << metrics;
+      continue;
+    }
+    for (const auto& [name, bytes] : first)
+      EXPECT_TRUE(weights.at(name) == bytes) << R << " ranks: " << name;
+    EXPECT_EQ(metrics, first_metrics) << R << " ranks";
+  }
+  const std::string split = t / "split";
+  ASSERT_EQ(train_on(2, gate + " --out " + split + " --stop-at 10").code, 0);
+  const CmdResult r = train_on(1, "train --resume " + split + "/checkpoints --out " + split + " --quiet");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(checkpoint_weights(split + "/checkpoints/step-00000020") == first) << "resumed 2 -> 1";
+  // Calls per rank and step at 2 ranks: 2 micro-batches x 3 groups x 5 (the gate) against 4 (RRE).
+  const nlohmann::json last = last_metrics(t / "r2/metrics.jsonl");
+  EXPECT_EQ(last["expert_exchange"]["calls_per_rank_step"].get<double>(), 2 * 3 * 5) << last.dump();
 }
 
 // One rank fails at start-up (its store file is not a store) while the others go on into the

@@ -21,7 +21,12 @@ using namespace sigma;
 
 namespace {
 
-ModelConfig ep_config() { return sigma::testing::step_config(2); }
+// router: "rre", or the learned-gate baseline "top1" / "top2" (capacity 1.25: some drops).
+ModelConfig ep_config(const char* router = "rre") {
+  ModelConfig c = sigma::testing::step_config(2);
+  c.router = router;
+  return c;
+}
 
 // `n` micro-batches of 3 rows; domain_of(i, row) gives each row's domain.
 template <class DomainOf>
@@ -41,6 +46,10 @@ std::vector<Batch> batches(const ModelConfig& c, int n, uint64_t seed, DomainOf 
 std::vector<Batch> mixed(const ModelConfig& c, int n, uint64_t seed) {
   return batches(c, n, seed, [](int, int, Rng& r) { return int32_t(r.below(2)); });
 }
+// Rows 0 and 1 of domains a and b, row 2 either.
+std::vector<Batch> both(const ModelConfig& c, int n, uint64_t seed) {
+  return batches(c, n, seed, [](int, int row, Rng& r) { return int32_t(row < 2 ? row : r.below(2)); });
+}
 // The first half of the micro-batches domain a, the second half b.
 std::vector<Batch> halves(const ModelConfig& c, int n, uint64_t seed) {
   return batches(c, n, seed, [n](int i, int, Rng&) { return int32_t(i < n / 2 ? 0 : 1); });
@@ -55,13 +64,14 @@ struct Trained {
 };
 
 Trained train_ep(int R, const GroupPlacement& placement, int steps, int micro,
-                 std::vector<Batch> (*make)(const ModelConfig&, int, uint64_t), int threads = 1) {
+                 std::vector<Batch> (*make)(const ModelConfig&, int, uint64_t), int threads = 1,
+                 const char* router = "rre") {
   Trained out;
   out.traffic.resize(size_t(R));
   std::mutex mu;
   test_ranks::run_ranks(R, [&](Communicator& comm) {
     omp_set_num_threads(threads);
-    const ModelConfig c = ep_config();
+    const ModelConfig c = ep_config(router);
     Model m(c, 5, nullptr, /*external_experts=*/true);
     OptimConfig oc;
     oc.lr = 1e-2f;
@@ -156,6 +166,74 @@ TEST(ExpertParallel, GroupsOnTheirOwnRanksExchangeOnlyInsideTheGroup) {
       const int peer = split.ranks[size_t(g)][split.ranks[size_t(g)][0] == r ? 1 : 0];
       EXPECT_GT(s.bytes_to[size_t(peer)], 0) << "rank " << r << " exchanged nothing with " << peer;
     }
+}
+
+// The learned top-2 gate, the baseline RRE is measured against, through the same executor:
+// each gated block first exchanges its rows per expert inside the group (one all-gather: five
+// collectives per block and group where RRE needs four), and 1, 2 and 4 ranks still train the
+// same bits, with the groups spread or on their own ranks.
+TEST(ExpertParallel, ALearnedGateTrainsTheSameBitsOnOneTwoAndFourRanks) {
+  for (const char* router : {"top2", "top1"}) {
+    const Trained one = train_ep(1, GroupPlacement::everywhere(2, 1), 3, 4, mixed, 1, router);
+    for (int R : {2, 4})
+      expect_same(one, train_ep(R, GroupPlacement::everywhere(2, R), 3, 4, mixed, 1, router),
+                  std::string(router) + ", " + std::to_string(R) + " ranks");
+  }
+  const Trained one = train_ep(1, GroupPlacement::everywhere(2, 1), 3, 4, halves, 1, "top2");
+  const Trained four = train_ep(4, GroupPlacement{{{0, 1}, {2, 3}}}, 3, 4, halves, 1, "top2");
+  expect_same(one, four, "top2, 4 ranks, two per group");
+  const Trained rre = train_ep(4, GroupPlacement{{{0, 1}, {2, 3}}}, 3, 4, halves);
+  for (int r = 0; r < 4; ++r)
+    for (int g = 0; g < 2; ++g)
+      EXPECT_EQ(four.traffic[size_t(r)][size_t(g)].calls * 4, rre.traffic[size_t(r)][size_t(g)].calls * 5)
+          << "rank " << r << ", group " << g;
+}
+
+// train.experts for a learned gate: expert parallel on several ranks (auto) or when asked,
+// in the model on one rank; never ECSS, whose step gathers its experts before the pass.
+TEST(ExpertParallel, ALearnedGateTrainsInParallelOrInTheModel) {
+  const ModelConfig c = ep_config("top2");
+  EXPECT_EQ(resolve_expert_mode("auto", c, 1), ExpertMode::InModel);
+  EXPECT_EQ(resolve_expert_mode("auto", c, 2), ExpertMode::Parallel);
+  EXPECT_EQ(resolve_expert_mode("parallel", c, 1), ExpertMode::Parallel);
+  for (const char* mode : {"ecss", "vanilla"}) {
+    try {
+      resolve_expert_mode(mode, c, 1);
+      ADD_FAILURE() << mode << " accepted a learned gate";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("router = top2"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// On one rank the gate's expert-parallel step computes what the in-model gate computes (the
+// same forward and gradients; the optimizers differ only in the experts' lazy Adam state,
+// equal while every expert receives rows: both domains in every batch), so the losses agree to
+// rounding.
+TEST(ExpertParallel, OneRankOfTheGateMatchesTheInModelGate) {
+  const ModelConfig c = ep_config("top2");
+  OptimConfig oc;
+  oc.lr = 1e-2f;
+  oc.weight_decay = 0.0f;
+  std::vector<std::vector<double>> losses(2);
+  for (int run = 0; run < 2; ++run) {
+    omp_set_num_threads(1);
+    Model m(c, 5, nullptr, /*external_experts=*/run == 0);
+    SingleProcess comm;
+    std::unique_ptr<ExpertParallel> ep;
+    if (run == 0) ep = std::make_unique<ExpertParallel>(m, comm, GroupPlacement::everywhere(2, 1), oc, "", false);
+    AdamW opt(oc, m.params());
+    TrainStep step(m, opt, comm, oc, plan_shards(m.params(), 1));
+    for (int s = 0; s < 4; ++s) {
+      const auto mb = both(c, 1, uint64_t(s) + 1);
+      step.prepare(mb);
+      losses[size_t(run)].push_back(step.run(mb, oc.lr, UpdateMask{}).loss);
+    }
+  }
+  ASSERT_EQ(losses[0].size(), 4u);
+  for (size_t s = 0; s < 4; ++s)
+    EXPECT_NEAR(losses[0][s], losses[1][s], 1e-5 * std::abs(losses[1][s])) << "step " << s;
+  EXPECT_NE(losses[0].front(), losses[0].back());  // it trains
 }
 
 // One process, one micro-batch a step: expert parallelism is ECSS (the same lazy Adam on the

@@ -115,11 +115,11 @@ TEST(Gate, AuxLossAndCapacityDropsOnAHandWorkedCase) {
   const std::vector<PV> gate = {{gw.data(), gw_grad.data()}};
   const std::vector<int32_t> group(N, 0);
   std::vector<float> y(N * d, 0.0f), yg(2 * N * d), pre(2 * N * f), act(2 * N * f), gx(2 * N * d),
-      z(N * 2);
+      z(N * 2), scratch(4 * N * d);
   GatePlan p;
   // Top-1, capacity 1.0: C = ceil(1 * 4 / 2) = 2; first choices are experts 0, 1, 0, 0, so
   // row 3 does not fit. f = (3/4, 1/4), P = (5/8, 3/8): aux = 2 (3/4 * 5/8 + 1/4 * 3/8) = 9/8.
-  gate_forward(y.data(), yg.data(), pre.data(), act.data(), gx.data(), z.data(), p, x.data(), w,
+  gate_forward(y.data(), yg.data(), pre.data(), act.data(), gx.data(), scratch.data(), z.data(), p, x.data(), w,
                gate, group.data(), 1, 1.0f, N, d, f);
   EXPECT_NEAR(p.probs[0], 0.75f, 1e-6);
   EXPECT_NEAR(p.aux, 9.0 / 8.0, 1e-6);
@@ -135,7 +135,7 @@ TEST(Gate, AuxLossAndCapacityDropsOnAHandWorkedCase) {
   // Top-2 with the same factor: C = ceil(2 * 4 / 2) = 4, everything fits, and the combine
   // weights of each row sum to one.
   std::fill(y.begin(), y.end(), 0.0f);
-  gate_forward(y.data(), yg.data(), pre.data(), act.data(), gx.data(), z.data(), p, x.data(), w,
+  gate_forward(y.data(), yg.data(), pre.data(), act.data(), gx.data(), scratch.data(), z.data(), p, x.data(), w,
                gate, group.data(), 2, 1.0f, N, d, f);
   EXPECT_EQ(p.dropped, 0);
   EXPECT_EQ(p.assigned, 8);
@@ -143,7 +143,7 @@ TEST(Gate, AuxLossAndCapacityDropsOnAHandWorkedCase) {
   EXPECT_NEAR(p.aux, 9.0 / 8.0, 1e-6);  // the aux loss counts first choices only
   // Capacity 0.5, top-2: C = 2 per expert; first choices take 0, 1, 0 (row 3's first choice,
   // expert 0, is full) and second choices fill expert 1's last place: 4 dropped.
-  gate_forward(y.data(), yg.data(), pre.data(), act.data(), gx.data(), z.data(), p, x.data(), w,
+  gate_forward(y.data(), yg.data(), pre.data(), act.data(), gx.data(), scratch.data(), z.data(), p, x.data(), w,
                gate, group.data(), 2, 0.5f, N, d, f);
   EXPECT_EQ(p.assigned, 4);
   EXPECT_EQ(p.dropped, 4);

@@ -22,16 +22,21 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 }  // namespace
 
 ExpertMode resolve_expert_mode(const std::string& setting, const ModelConfig& cfg, int ranks) {
-  const bool routed = cfg.rre_layers > 0 && !cfg.gated();
+  const bool sparse = cfg.rre_layers > 0, routed = sparse && !cfg.gated();
   if (setting == "model") return ExpertMode::InModel;
-  if (setting == "auto")
-    return !routed ? ExpertMode::InModel : ranks > 1 ? ExpertMode::Parallel : ExpertMode::Ecss;
+  if (setting == "auto")  // a learned gate's experts are known only inside the pass: no ECSS
+    return !sparse ? ExpertMode::InModel
+           : ranks > 1 ? ExpertMode::Parallel
+           : routed    ? ExpertMode::Ecss
+                       : ExpertMode::InModel;
   SIGMA_CHECK(setting == "ecss" || setting == "vanilla" || setting == "parallel", "train.experts "
               "= '{}': expected auto, ecss, vanilla, parallel or model", setting);
-  SIGMA_CHECK(routed, "train.experts = '{}' needs experts routed by tables (model.rre_layers > 0 "
-              "and model.router = rre); this model has rre_layers = {}, router = {}", setting,
-              cfg.rre_layers, cfg.router);
+  SIGMA_CHECK(sparse, "train.experts = '{}' needs expert blocks (model.rre_layers > 0); this "
+              "model has none", setting);
   if (setting == "parallel") return ExpertMode::Parallel;
+  SIGMA_CHECK(routed, "train.experts = '{}' needs experts routed by tables (model.router = rre): "
+              "ECSS gathers a step's experts before its forward pass, and a learned gate (router "
+              "= {}) picks them inside it; use parallel or model", setting, cfg.router);
   SIGMA_CHECK(ranks == 1, "train.experts = {} with {} ranks: a distributed run keeps its experts "
               "in per-rank stores (train.experts = parallel or auto) or in the model (model)",
               setting, ranks);

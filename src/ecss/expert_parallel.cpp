@@ -71,8 +71,7 @@ ExpertParallel::ExpertParallel(Model& model, Communicator& world, GroupPlacement
     : model_(model), world_(world), placement_(std::move(placement)), optim_(optim) {
   const ModelConfig& cfg = model.config();
   SIGMA_CHECK(model.external_experts(), "ExpertParallel needs a model built with external experts");
-  SIGMA_CHECK(cfg.rre_layers > 0 && !cfg.gated(), "expert parallelism needs experts routed by "
-              "tables (model.rre_layers > 0, model.router = rre)");
+  SIGMA_CHECK(cfg.rre_layers > 0, "expert parallelism needs expert blocks (model.rre_layers > 0)");
   SIGMA_CHECK(placement_.ranks.size() == cfg.groups.size(), "a placement of {} expert groups "
               "for a model of {}", placement_.ranks.size(), cfg.groups.size());
   const int R = world.size(), me = world.rank();
@@ -163,8 +162,11 @@ bool ExpertParallel::holds(int g, int32_t k) const {
 // rank's of them gathered from the store and bound to the model.
 void ExpertParallel::bind_step_experts(std::span<const Batch> micro) {
   for (const ExpertId& id : ids_) model_.bind_expert(id.block, groups_[size_t(id.group)].E0 + id.expert, nullptr, nullptr);
-  std::vector<uint8_t> used(size_t(blocks_) * size_t(E_), 0);
+  // A learned gate picks experts only inside the forward pass: every expert may be used (the
+  // update touches only those that received rows, update()).
+  std::vector<uint8_t> used(size_t(blocks_) * size_t(E_), model_.config().gated() ? 1 : 0);
   for (const Batch& b : micro) {
+    if (model_.config().gated()) break;
     const auto active = model_.active_experts(b);
     for (int bi = 0; bi < blocks_; ++bi)
       for (int e : active[size_t(bi)]) used[size_t(bi) * size_t(E_) + size_t(e)] = 1;
@@ -183,6 +185,7 @@ void ExpertParallel::bind_step_experts(std::span<const Batch> micro) {
         slot_[at] = int32_t(ids_.size());
         ids_.push_back(id);
       }
+  touched_.assign(ids_.size(), 0);
   const int64_t n = int64_t(ids_.size());
   if (w_.numel() < n * stride_) {
     w_ = Tensor();
@@ -271,6 +274,30 @@ const RrePlan& ExpertParallel::plan_of(int block, const RreWeights& w, int sourc
   return s.plans[size_t(source_rank)];
 }
 
+// A learned gate's plans exist only once the block's input does: the members of a group
+// exchange their plans' rows per expert (one all-gather per group and block, the count
+// exchange routing tables do without), and each builds every member's plan from them.
+void ExpertParallel::exchange_plans(int block, Communicator& c, const RrePlan& p) {
+  BlockState& s = *state_[size_t(block - first_block_)];
+  const size_t n = size_t(c.size()), E = size_t(E_);
+  std::vector<double> mine(E), all(n * E);
+  for (size_t e = 0; e < E; ++e) mine[e] = double(p.rows(int(e)));
+  c.all_gather(all.data(), mine.data(), int64_t(E));
+  for (size_t m = 0; m < n; ++m) {
+    RrePlan& q = s.plans[size_t(c.world_rank(int(m)))];
+    q.start.assign(E + 1, 0);
+    q.expert.clear();
+    for (size_t e = 0; e < E; ++e) {
+      const int64_t rows = int64_t(all[m * E + e]);
+      q.start[e + 1] = q.start[e] + rows;
+      q.expert.insert(q.expert.end(), size_t(rows), int32_t(e));
+    }
+    q.order.resize(q.expert.size());
+    std::iota(q.order.begin(), q.order.end(), 0);
+    q.single = -1;
+  }
+}
+
 void ExpertParallel::exchange(Communicator& c, const std::vector<float>& send,
                               const std::vector<int64_t>& send_rows, std::vector<float>& recv,
                               const std::vector<int64_t>& recv_rows, int64_t width) {
@@ -341,8 +368,16 @@ void ExpertParallel::forward(int block, const RreWeights& w, const RrePlan& p,
     std::vector<int64_t> recv_rows(size_t(c.size()), 0);
     const size_t first_chunk = s.chunks.size();
     const int64_t base = held;
+    if (model_.config().gated()) exchange_plans(block, c, p);
     for (int m = 0; m < c.size(); ++m) {
-      Chunk ch = chunk_from(int(g), m, c.world_rank(m), plan_of(block, w, c.world_rank(m)));
+      const int source = c.world_rank(m);
+      Chunk ch = chunk_from(int(g), m, source, model_.config().gated()
+                                                   ? s.plans[size_t(source)]
+                                                   : plan_of(block, w, source));
+      for (int e = ch.slice.begin; e < ch.slice.end; ++e)  // the experts the step updates
+        if (const int32_t slot = slot_[size_t(block - first_block_) * size_t(E_) + size_t(e)];
+            slot >= 0 && ch.plan.rows(e) > 0)
+          touched_[size_t(slot)] = 1;
       recv_rows[size_t(m)] = ch.rows;
       ch.at = held;
       held += ch.rows;
@@ -446,15 +481,15 @@ void ExpertParallel::append_grad_sq_parts(std::vector<double>& parts) const {
 }
 
 void ExpertParallel::update(float lr, float grad_scale) {
-  if (ids_.empty()) return;
   const AdamStepArgs a = expert_adam_args(optim_, lr, grad_scale);
   std::vector<ExpertId> update;
   std::vector<const float*> grads;
   for (size_t i = 0; i < ids_.size(); ++i) {
+    if (!touched_[i]) continue;  // no row reached it this step (possible with a learned gate)
     update.push_back(local(ids_[i]));
     grads.push_back(total_.data() + int64_t(i) * stride_);
   }
-  store_->apply_grads(update, grads, a);
+  if (!update.empty()) store_->apply_grads(update, grads, a);
 }
 
 // Checkpoints. Each expert's record travels as its weights, m and v (P floats each) and its

@@ -8,6 +8,12 @@
 // each rank computes every rank's routing plan for every block itself, and from it what it
 // sends and receives. No capacity, nothing dropped.
 //
+// The learned-gate baseline (model.router = top1 / top2) runs the same way over its gathered
+// rows (model/gate.h), except that its plans depend on the block's input: the members of each
+// group exchange their rows per expert in every gated block first (one all-gather), and the
+// capacity is the gate's own, per micro-batch as in one process. Every expert is bound each
+// step; only those that received rows are updated.
+//
 // Bit for bit like one process: the holder runs each source rank's rows separately, with the
 // rows, threading decision and residual arithmetic that micro-batch gets in one process; it sums
 // an expert's gradients over the micro-batches in TrainStep's tree order (per source rank a
@@ -106,6 +112,7 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   void forward_replicated(const RreWeights& w, const RrePlan& p, const ExpertBuffers& b, float* y,
                           const float* x, int64_t N, int64_t d, int64_t f);
   const RrePlan& plan_of(int block, const RreWeights& w, int source_rank);
+  void exchange_plans(int block, Communicator& c, const RrePlan& p);
   std::vector<int64_t> rows_per_holder(const Group& gr, const RrePlan& p) const;
   Chunk chunk_from(int g, int member, int source, const RrePlan& q) const;
   ExpertId local(ExpertId id) const { return {id.block, id.group, id.expert - groups_[size_t(id.group)].first}; }
@@ -126,6 +133,7 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   std::vector<ExpertId> global_active_;  // every expert the global batch activates (canonical)
   std::vector<ExpertId> ids_;            // this rank's of them (global expert numbers)
   std::vector<int32_t> slot_;            // [block * E + e]: compute slot, or -1
+  std::vector<uint8_t> touched_;         // [ids_]: received rows this step (updated)
   Tensor w_;                             // [ids_, stride_] the step's weights
   std::vector<std::vector<float>> leaf_;  // [world rank]: this micro-batch's gradients from it
   std::vector<TreeAccumulator> trees_;    // [world rank]: its micro-batches so far

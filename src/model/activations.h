@@ -34,7 +34,7 @@ struct BlockActs {
   Tensor a2, mean2, rstd2;     // LN2 output and stats
   Tensor pre, act;             // [k*N,f] FFN before and after FastGelu (experts: in plan order)
   Tensor yg;                   // [k*N,d] learned-gate block: each expert's output
-  RrePlan plan;                // RRE block: rows grouped by expert
+  RrePlan plan;                // RRE block: rows grouped by expert (gated: the gathered rows)
   GatePlan gplan;              // learned-gate block: choices, gates, gathered layout
 };
 
@@ -54,6 +54,8 @@ struct Activations {
   Tensor dq_shared;                // [T,d] query layer: dq summed over the batch
   Tensor gx, gy, gdx;              // [k*N,d] expert gather buffers
   Tensor z;                        // [N,Kmax] learned gate: logits, then their gradient
+  Tensor gate_x, gate_dy, gate_dx; // [k*N,d] learned gate: the experts' gathered x, dy, dx
+  std::vector<float> dgate;        // [N*2] learned gate: d(loss)/d(combine weight)
   Remat remat = Remat::None;
   BlockActs work;                  // remat: the buffers blocks share (see Remat)
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 
 #include "kernels/ops.h"
 #include "model/ffn.h"
@@ -28,10 +29,9 @@ void for_each_group_run(const int32_t* row_group, int64_t N, Fn&& fn) {
 
 }  // namespace
 
-void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float* z, GatePlan& p,
-                  const float* x, const RreWeights& w, const std::vector<PV>& gate_w,
-                  const int32_t* row_group, int k, float capacity_factor, int64_t N, int64_t d,
-                  int64_t f) {
+void gate_route(GatePlan& p, float* z, const float* x, const RreWeights& w,
+                const std::vector<PV>& gate_w, const int32_t* row_group, int k,
+                float capacity_factor, int64_t N, int64_t d) {
   const int G = int(gate_w.size()), E = w.experts();
   int Kmax = 1;
   for (int g = 0; g < G; ++g) Kmax = std::max(Kmax, w.offset[size_t(g) + 1] - w.offset[size_t(g)]);
@@ -128,16 +128,27 @@ void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float*
     p.aux += double(n) / double(N) * K * s;
   }
 
-  // Experts over their gathered rows; then y[r] += gate * expert output.
+}
+
+void gate_expert_plan(RrePlan& q, const GatePlan& p) {
+  const int64_t A = p.assigned;
+  q.start = p.start;
+  q.expert.resize(size_t(A));
+  for (size_t e = 0; e + 1 < p.start.size(); ++e)
+    std::fill(q.expert.begin() + p.start[e], q.expert.begin() + p.start[e + 1], int32_t(e));
+  q.order.resize(size_t(A));
+  std::iota(q.order.begin(), q.order.end(), 0);
+  q.single = -1;
+}
+
+void gate_gather(float* gx, const GatePlan& p, const float* x, int64_t d) {
   const int64_t A = p.assigned;
 #pragma omp parallel for schedule(static) if (A * d > kParallelFloats)
   for (int64_t j = 0; j < A; ++j)
     std::memcpy(gx + j * d, x + int64_t(p.row_of[size_t(j)]) * d, size_t(d) * sizeof(float));
-  std::fill(yg, yg + A * d, 0.0f);
-  for (int e = 0; e < E; ++e) {
-    const int64_t s = p.start[size_t(e)], n = p.rows(e);
-    if (n > 0) ffn_forward(yg + s * d, pre + s * f, act + s * f, gx + s * d, w.expert[size_t(e)], n, d, f);
-  }
+}
+
+void gate_combine(float* y, const float* yg, const GatePlan& p, int64_t N, int64_t d) {
 #pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
   for (int64_t r = 0; r < N; ++r)
     for (int slot = 0; slot < 2; ++slot) {
@@ -150,15 +161,23 @@ void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float*
     }
 }
 
-void gate_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, float* dz,
-                   const float* dy, const float* x, const float* yg, const float* pre,
-                   const float* act, const GatePlan& p, const RreWeights& w,
-                   const std::vector<PV>& gate_w, const int32_t* row_group, float aux_scale,
-                   int64_t N, int64_t d, int64_t f) {
-  const int E = w.experts(), Kmax = p.Kmax;
+void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float* scratch,
+                  float* z, GatePlan& p, const float* x, const RreWeights& w,
+                  const std::vector<PV>& gate_w, const int32_t* row_group, int k,
+                  float capacity_factor, int64_t N, int64_t d, int64_t f) {
+  gate_route(p, z, x, w, gate_w, row_group, k, capacity_factor, N, d);
+  RrePlan q;
+  gate_expert_plan(q, p);
   const int64_t A = p.assigned;
-  std::vector<float> dgate(size_t(N) * 2, 0.0f);
-  // Per kept (row, choice): the expert sees gate * dy; the gate sees dy . expert output.
+  gate_gather(gx, p, x, d);
+  std::fill(yg, yg + A * d, 0.0f);
+  rre_forward(yg, pre, act, scratch, scratch + A * d, gx, w, q, whole_plan(q), A, d, f);
+  gate_combine(y, yg, p, N, d);
+}
+
+void gate_expert_dy(float* gdy, std::vector<float>& dgate, const float* dy, const float* yg,
+                    const GatePlan& p, int64_t N, int64_t d) {
+  dgate.assign(size_t(N) * 2, 0.0f);
 #pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
   for (int64_t r = 0; r < N; ++r)
     for (int slot = 0; slot < 2; ++slot) {
@@ -174,15 +193,14 @@ void gate_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx,
         acc += dyr[c] * out[c];
       }
       dgate[size_t(r) * 2 + slot] = acc;
-      std::memcpy(gx + int64_t(j) * d, x + r * d, size_t(d) * sizeof(float));
     }
-  std::fill(gdx, gdx + A * d, 0.0f);
-  for (int e = 0; e < E; ++e) {
-    const int64_t s = p.start[size_t(e)], n = p.rows(e);
-    if (n > 0)
-      ffn_backward(gdx + s * d, w.expert_grad[size_t(e)], scratch, gdy + s * d, gx + s * d,
-                   pre + s * f, act + s * f, w.expert[size_t(e)], n, d, f);
-  }
+}
+
+void gate_backward_rest(float* dx, float* dz, const float* gdx, const std::vector<float>& dgate,
+                        const float* x, const GatePlan& p, const RreWeights& w,
+                        const std::vector<PV>& gate_w, const int32_t* row_group,
+                        float aux_scale, int64_t N, int64_t d) {
+  const int Kmax = p.Kmax;
 #pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
   for (int64_t r = 0; r < N; ++r)
     for (int slot = 0; slot < 2; ++slot) {
@@ -192,7 +210,6 @@ void gate_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx,
       float* dst = dx + r * d;
       for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
     }
-
   // d(loss)/dp: the combine weights, plus aux_scale * K_g * f_e / N through P_e.
   std::fill(dz, dz + N * Kmax, 0.0f);
   for (int64_t r = 0; r < N; ++r) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/rre.h"
 #include "model/weights.h"
 
 namespace sigma {
@@ -34,20 +35,37 @@ struct GatePlan {
   int64_t rows(int e) const { return start[size_t(e) + 1] - start[size_t(e)]; }
 };
 
-// Forward of a gated expert block over N rows. y[N,d] += combined expert outputs.
-// yg [k*N, d] keeps each expert's output (backward needs it); pre, act [k*N, f]; gx: scratch
-// [k*N, d]; z: scratch [N, Kmax].
-void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float* z, GatePlan& p,
-                  const float* x, const RreWeights& w, const std::vector<PV>& gate_w,
-                  const int32_t* row_group, int k, float capacity_factor, int64_t N, int64_t d,
-                  int64_t f);
+// A gated block runs in pieces, so that its experts run through an ExpertExecutor (local, or
+// on the ranks holding them) exactly as RRE experts do, over the gathered rows:
+//   gate_route        gate softmax, top-k, capacity, the gathered layout and the aux loss;
+//   gate_expert_plan  that layout as an RrePlan over the A gathered rows (identity order);
+//   gate_gather       gx[A,d] = x[row_of[j]], the experts' input;
+//   (the executor)    yg[A,d] = FFN_e(gx) per expert;
+//   gate_combine      y[r] += gate * yg[pos].
+// Backward: gate_expert_dy (the experts' dy and the gates' dot products), the executor's
+// backward into gdx[A,d], then gate_backward_rest (dx through the combine, the softmax and the
+// gate weights, with aux_scale = d(total loss)/d(aux) of this block).
+void gate_route(GatePlan& p, float* z, const float* x, const RreWeights& w,
+                const std::vector<PV>& gate_w, const int32_t* row_group, int k,
+                float capacity_factor, int64_t N, int64_t d);
+void gate_expert_plan(RrePlan& q, const GatePlan& p);
+void gate_gather(float* gx, const GatePlan& p, const float* x, int64_t d);
+void gate_combine(float* y, const float* yg, const GatePlan& p, int64_t N, int64_t d);
+// gdy[A,d] = gate * dy[row]; dgate[N*2] = dy[row] . yg[pos] per kept choice (0 elsewhere).
+void gate_expert_dy(float* gdy, std::vector<float>& dgate, const float* dy, const float* yg,
+                    const GatePlan& p, int64_t N, int64_t d);
+// dx[N,d] += gdx of each kept choice, plus the gate path; dz: scratch [N, Kmax].
+void gate_backward_rest(float* dx, float* dz, const float* gdx, const std::vector<float>& dgate,
+                        const float* x, const GatePlan& p, const RreWeights& w,
+                        const std::vector<PV>& gate_w, const int32_t* row_group,
+                        float aux_scale, int64_t N, int64_t d);
 
-// Backward: accumulates dx[N,d], the experts' and the gates' gradients, with aux_scale =
-// d(total loss)/d(aux) of this block. scratch: 2*k*N*f; gx, gdy, gdx: [k*N, d]; dz: [N, Kmax].
-void gate_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, float* dz,
-                   const float* dy, const float* x, const float* yg, const float* pre,
-                   const float* act, const GatePlan& p, const RreWeights& w,
-                   const std::vector<PV>& gate_w, const int32_t* row_group, float aux_scale,
-                   int64_t N, int64_t d, int64_t f);
+// The pieces composed with the experts run here (rre_forward over the gathered plan): a gated
+// block in one call, for tests. y[N,d] += combined expert outputs; yg, gx [k*N,d]; pre, act
+// [k*N,f]; scratch [2 k*N, d]; z [N,Kmax].
+void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float* scratch,
+                  float* z, GatePlan& p, const float* x, const RreWeights& w,
+                  const std::vector<PV>& gate_w, const int32_t* row_group, int k,
+                  float capacity_factor, int64_t N, int64_t d, int64_t f);
 
 }  // namespace sigma

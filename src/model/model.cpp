@@ -54,9 +54,8 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, b
     : cfg_(cfg), seed_(seed), external_experts_(external_experts), w_(new ModelWeights),
       own_(new Activations) {
   cfg_.validate();
-  SIGMA_CHECK(!external_experts || (cfg_.rre_layers > 0 && !cfg_.gated()),
-              "experts in a store need a sparse model routed by tables (model.rre_layers > 0, "
-              "model.router = rre)");
+  SIGMA_CHECK(!external_experts || cfg_.rre_layers > 0,
+              "experts in a store need a sparse model (model.rre_layers > 0)");
   const int L = cfg_.layers;
   register_params(params_, cfg_, !external_experts);
   register_buffers(buffers_, cfg_);
@@ -300,7 +299,7 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_) {
     gx = t({k * N, d}), gy = t({k * N, d}), gdx = t({k * N, d});
     int Kmax = 1;
     for (const auto& g : cfg.groups) Kmax = std::max(Kmax, g.experts);
-    if (cfg.gated()) z = t({N, Kmax});
+    if (cfg.gated()) z = t({N, Kmax}), gate_x = t({k * N, d}), gate_dy = t({k * N, d}), gate_dx = t({k * N, d});
   }
 }
 
@@ -506,24 +505,28 @@ void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* 
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = acts.block(l);
   BlockLoad& load = load_[size_t(l - cfg_.first_rre_block())];
-  if (cfg_.gated()) {
-    gate_forward(out, k.yg.f(), k.pre.f(), k.act.f(), acts.gx.f(), acts.z.f(), k.gplan, k.a2.f(),
-                 w.rre, w.gate, acts.row_group.data(), cfg_.experts_per_token(),
-                 cfg_.capacity_factor, N, d, f);
+  const ExpertBuffers buf{k.pre.f(), k.act.f(), acts.gx.f(), acts.gy.f(), acts.gdx.f(), acts.dffn.f()};
+  if (cfg_.gated()) {  // the gate picks the rows' experts; the executor runs them
+    GatePlan& gp = k.gplan;
+    gate_route(gp, acts.z.f(), k.a2.f(), w.rre, w.gate, acts.row_group.data(),
+               cfg_.experts_per_token(), cfg_.capacity_factor, N, d);
+    gate_expert_plan(k.plan, gp);
+    gate_gather(acts.gate_x.f(), gp, k.a2.f(), d);
+    std::fill_n(k.yg.f(), gp.assigned * d, 0.0f);
+    executor_->forward(l, w.rre, k.plan, buf, k.yg.f(), acts.gate_x.f(), gp.assigned, d, f);
+    gate_combine(out, k.yg.f(), gp, N, d);
     if (recompute) return;
-    aux_loss_ += double(cfg_.aux_loss_weight) * k.gplan.aux;
-    load.dropped += k.gplan.dropped;
+    aux_loss_ += double(cfg_.aux_loss_weight) * gp.aux;
+    load.dropped += gp.dropped;
   } else {
     rre_plan(k.plan, w.rre, batch.tokens.data(), acts.row_group.data(), N);
-    executor_->forward(l, w.rre, k.plan, {k.pre.f(), k.act.f(), acts.gx.f(), acts.gy.f(),
-                                          acts.gdx.f(), acts.dffn.f()},
-                       out, k.a2.f(), N, d, f);
+    executor_->forward(l, w.rre, k.plan, buf, out, k.a2.f(), N, d, f);
   }
   if (recompute) return;
   for (size_t g = 0; g < load.tokens.size(); ++g)
     for (size_t e = 0; e < load.tokens[g].size(); ++e) {
       const int ge = w.rre.offset[g] + int(e);
-      load.tokens[g][e] += cfg_.gated() ? k.gplan.rows(ge) : k.plan.rows(ge);
+      load.tokens[g][e] += k.plan.rows(ge);
     }
 }
 
@@ -589,17 +592,29 @@ void Model::block_backward(int l, const Batch& batch, Activations& a, float* dh)
   if (!w.is_rre())
     ffn_backward(a.da.f(), w.ffn_grad(), a.dffn.f(), dh, k.a2.f(), k.pre.f(), k.act.f(), w.ffn(),
                  N, d, f);
-  else if (!cfg_.gated())
-    executor_->backward(l, w.rre, k.plan, {k.pre.f(), k.act.f(), a.gx.f(), a.gy.f(), a.gdx.f(),
-                                           a.dffn.f()},
-                        a.da.f(), dh, k.a2.f(), N, d, f);
   else
-    gate_backward(a.da.f(), a.dffn.f(), a.gx.f(), a.gy.f(), a.gdx.f(), a.z.f(), dh, k.a2.f(),
-                  k.yg.f(), k.pre.f(), k.act.f(), k.gplan, w.rre, w.gate, a.row_group.data(),
-                  float(a.weight_sum * cfg_.aux_loss_weight), N, d, f);
+    expert_backward(l, a, dh);
   ops::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.f(), k.mid.f(), k.mean2.f(),
                           k.rstd2.f(), w.ln2_w.v, N, d);  // dh is now dL/d(mid)
   attention_backward(l, batch, a, dh);
+}
+
+// An expert block's backward: RRE through the executor, or the learned gate around it.
+void Model::expert_backward(int l, Activations& a, float* dh) {
+  const int64_t N = int64_t(a.B) * a.T, d = cfg_.d_model, f = cfg_.ffn();
+  const BlockWeights& w = w_->blocks[l];
+  BlockActs& k = a.block(l);
+  const ExpertBuffers buf{k.pre.f(), k.act.f(), a.gx.f(), a.gy.f(), a.gdx.f(), a.dffn.f()};
+  if (!cfg_.gated())
+    return executor_->backward(l, w.rre, k.plan, buf, a.da.f(), dh, k.a2.f(), N, d, f);
+  const GatePlan& gp = k.gplan;
+  gate_expert_dy(a.gate_dy.f(), a.dgate, dh, k.yg.f(), gp, N, d);
+  gate_gather(a.gate_x.f(), gp, k.a2.f(), d);
+  std::fill_n(a.gate_dx.f(), gp.assigned * d, 0.0f);
+  executor_->backward(l, w.rre, k.plan, buf, a.gate_dx.f(), a.gate_dy.f(), a.gate_x.f(),
+                      gp.assigned, d, f);
+  gate_backward_rest(a.da.f(), a.z.f(), a.gate_dx.f(), a.dgate, k.a2.f(), gp, w.rre, w.gate,
+                     a.row_group.data(), float(a.weight_sum * cfg_.aux_loss_weight), N, d);
 }
 
 // The attention branch of block l; dh: dL/d(mid) on entry, dL/d(block input) on return.

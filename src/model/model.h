@@ -162,6 +162,7 @@ class Model {
   void head(const Batch& b, Activations& a, float* token_loss, const float* loss_weight);
   void head_backward(const Batch& b, Activations& a);
   void block_backward(int l, const Batch& b, Activations& a, float* dh);
+  void expert_backward(int l, Activations& a, float* dh);
   void attention_backward(int l, const Batch& b, Activations& a, float* dh);
 
   ModelConfig cfg_;
