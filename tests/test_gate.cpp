@@ -217,6 +217,16 @@ TEST(Gate, TrainingLogsAuxLossAndDrops) {
     }
   }
   EXPECT_EQ(records, 2);
+  // summary.json: the whole run's drops, per block, with the same accounting over 4 steps.
+  std::ifstream summary_file(tmp / "o/summary.json");
+  const auto summary = nlohmann::json::parse(summary_file);
+  ASSERT_TRUE(summary.contains("dropped")) << summary.dump();
+  for (const auto& [block, groups] : summary["expert_load"].items()) {
+    int64_t kept = 0;
+    for (const auto& [g, experts] : groups.items())
+      for (const auto& n : experts) kept += n.get<int64_t>();
+    EXPECT_EQ(kept + summary["dropped"][block].get<int64_t>(), 2 * 4 * 6 * 8) << summary.dump();
+  }
   r = sigma_cmd("inspect --json --ckpt " + tmp / "o/checkpoints");
   ASSERT_EQ(r.code, 0) << r.out;
   auto j = nlohmann::json::parse(r.out);

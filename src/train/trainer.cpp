@@ -574,6 +574,11 @@ void RunLoop::write_summary(const TrainSummary& sum) {
   if (!sum.expert_load.empty()) {
     summary["expert_load"] = expert_load_json(sum.expert_load, cfg_.model);
     summary["load_imbalance"] = load_imbalance_json(sum.expert_load);
+    if (cfg_.model.gated()) {  // the baseline's (token, choice) pairs over capacity, whole run
+      nlohmann::json dropped = nlohmann::json::object();
+      for (const BlockLoad& b : sum.expert_load) dropped[std::to_string(b.block)] = b.dropped;
+      summary["dropped"] = dropped;
+    }
   }
   std::ofstream out(run_.out_dir + "/summary.json");
   out << summary.dump(2) << "\n";
