@@ -265,6 +265,31 @@ TEST(ExpertParallel, OneRankMatchesEcss) {
   EXPECT_TRUE(same_bits(shared[0], shared[1]));
 }
 
+// Checkpoint files: each (RRE block, group) pair is written by one rank of its group, the
+// blocks taking the group's ranks in turn, and every rank agrees on who writes what (rank 0
+// records the others' files in the manifest from that list).
+TEST(ExpertParallel, EachGroupsCheckpointFilesAreWrittenByItsOwnRanksInTurn) {
+  const GroupPlacement split{{{0, 1}, {2, 3}}};
+  std::vector<std::vector<std::vector<std::string>>> views(4);  // [viewer][rank] files
+  std::mutex mu;
+  test_ranks::run_ranks(4, [&](Communicator& comm) {
+    omp_set_num_threads(1);
+    Model m(ep_config(), 5, nullptr, true);
+    ExpertParallel ep(m, comm, split, OptimConfig{}, "", false);
+    std::lock_guard<std::mutex> lock(mu);
+    for (int r = 0; r < 4; ++r) views[size_t(comm.rank())].push_back(ep.files_of_rank(r));
+    for (int l = 1; l < 3; ++l)
+      for (int g = 0; g < 2; ++g)
+        EXPECT_EQ(ep.writer_of(l, g), split.ranks[size_t(g)][size_t(l - 1 + g) % 2]);
+  });
+  for (int v = 1; v < 4; ++v) EXPECT_EQ(views[size_t(v)], views[0]) << "rank " << v << "'s view";
+  // Each rank writes one (block, group) pair, two files.
+  EXPECT_EQ(views[0][0], (std::vector<std::string>{"experts.1.a.safetensors", "experts.1.a.adam.safetensors"}));
+  EXPECT_EQ(views[0][1], (std::vector<std::string>{"experts.2.a.safetensors", "experts.2.a.adam.safetensors"}));
+  EXPECT_EQ(views[0][2], (std::vector<std::string>{"experts.2.b.safetensors", "experts.2.b.adam.safetensors"}));
+  EXPECT_EQ(views[0][3], (std::vector<std::string>{"experts.1.b.safetensors", "experts.1.b.adam.safetensors"}));
+}
+
 // A rank handed rows of a group it is not placed with says so instead of exchanging them.
 TEST(ExpertParallel, ARowOfAGroupPlacedElsewhereIsAnError) {
   test_ranks::run_ranks(2, [&](Communicator& comm) {

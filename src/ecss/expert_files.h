@@ -24,11 +24,14 @@ class ExpertFiles {
  public:
   virtual ~ExpertFiles() = default;
   // Every rank calls it before any rank writes (a collective where experts are spread over
-  // ranks: the writing rank receives them).
+  // ranks: each group's writing rank receives it).
   virtual void collect() {}
-  // The writing rank (rank 0) adds the expert group files.
+  // Each rank adds the expert group files it writes (into its own writer, or rank 0's).
   virtual void add_checkpoint_files(CheckpointWriter& w) const = 0;
-  // The writing rank, after the checkpoint `dir` is committed.
+  // The files rank `rank` (> 0) adds, in an order every rank knows: rank 0 records their
+  // sizes and checksums in the one manifest. Default: rank 0 writes them all.
+  virtual std::vector<std::string> files_of_rank(int /*rank*/) const { return {}; }
+  // Every rank, after the checkpoint `dir` is committed.
   virtual void checkpoint_written(const std::string& /*dir*/) {}
   // Every rank restores its experts from checkpoint directory `dir`.
   virtual void load(const std::string& dir) = 0;

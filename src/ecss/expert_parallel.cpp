@@ -492,8 +492,15 @@ void ExpertParallel::update(float lr, float grad_scale) {
   if (!update.empty()) store_->apply_grads(update, grads, a);
 }
 
-// Checkpoints. Each expert's record travels as its weights, m and v (P floats each) and its
-// step count (an int64's bits in two floats: moved, never added).
+// Checkpoints. Each (RRE block, group) pair's file pair is written by one member of the group,
+// the pairs taking the members in turn, so that the ranks write in parallel and none holds
+// more than its share. Each expert's record travels to the writer as its weights, m and v (P
+// floats each) and its step count (an int64's bits in two floats: moved, never added).
+int ExpertParallel::writer_of(int block, int g) const {
+  const std::vector<int>& ranks = placement_.ranks[size_t(g)];  // blocks in turn, from g on
+  return ranks[size_t(block - first_block_ + g) % ranks.size()];
+}
+
 void ExpertParallel::collect() {
   const ModelConfig& cfg = model_.config();
   const int R = world_.size(), me = world_.rank();
@@ -504,8 +511,9 @@ void ExpertParallel::collect() {
     for (size_t g = 0; g < groups_.size(); ++g) {
       const Group& gr = groups_[g];
       const std::vector<int>& ranks = placement_.ranks[g];
+      const int writer = writer_of(l, int(g));
       std::vector<int64_t> send_counts(size_t(R), 0), recv_counts(size_t(R), 0);
-      for (size_t m = 0; me == 0 && m < ranks.size(); ++m)
+      for (size_t m = 0; me == writer && m < ranks.size(); ++m)
         recv_counts[size_t(ranks[m])] = rec * (GroupPlacement::first(gr.K, ranks.size(), m + 1) -
                                                GroupPlacement::first(gr.K, ranks.size(), m));
       send.resize(size_t(rec * gr.count));
@@ -518,10 +526,10 @@ void ExpertParallel::collect() {
         const int64_t step = store_->step(id);
         std::memcpy(r + 3 * P_, &step, sizeof step);
       }
-      send_counts[0] = rec * gr.count;
+      send_counts[size_t(writer)] = rec * gr.count;
       recv.resize(size_t(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t(0))));
       world_.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
-      if (me == 0) collected_.push_back(std::move(recv));
+      if (me == writer) collected_.push_back({l, int(g), std::move(recv)});
       recv = {};
     }
 }
@@ -529,23 +537,31 @@ void ExpertParallel::collect() {
 void ExpertParallel::add_checkpoint_files(CheckpointWriter& w) const {
   const ModelConfig& cfg = model_.config();
   const int64_t rec = 3 * P_ + kStepFloats;
-  size_t i = 0;
+  for (const Collected& c : collected_) {
+    const float* all = c.records.data();
+    const ExpertGroupSpec gs = rre_group_spec(c.block, int32_t(c.group), groups_[size_t(c.group)].K,
+                                              cfg.d_model, cfg.ffn());
+    const ExpertViews views{[&](int32_t k) { return all + k * rec; },
+                            [&](int32_t k) { return all + k * rec + P_; },
+                            [&](int32_t k) { return all + k * rec + 2 * P_; },
+                            [&](int32_t k) {
+                              int64_t step;
+                              std::memcpy(&step, all + k * rec + 3 * P_, sizeof step);
+                              return step;
+                            }};
+    add_expert_weights_file(w, gs, cfg.groups[size_t(c.group)].name, views);
+    add_expert_adam_file(w, gs, cfg.groups[size_t(c.group)].name, views);
+  }
+}
+
+std::vector<std::string> ExpertParallel::files_of_rank(int rank) const {
+  const ModelConfig& cfg = model_.config();
+  std::vector<std::string> files;
   for (int l = first_block_; l < cfg.layers; ++l)
-    for (size_t g = 0; g < groups_.size(); ++g, ++i) {
-      SIGMA_CHECK(i < collected_.size(), "ExpertParallel: checkpoint files without collect()");
-      const float* all = collected_[i].data();
-      const ExpertGroupSpec gs = rre_group_spec(l, int32_t(g), groups_[g].K, cfg.d_model, cfg.ffn());
-      const ExpertViews views{[&](int32_t k) { return all + k * rec; },
-                              [&](int32_t k) { return all + k * rec + P_; },
-                              [&](int32_t k) { return all + k * rec + 2 * P_; },
-                              [&](int32_t k) {
-                                int64_t step;
-                                std::memcpy(&step, all + k * rec + 3 * P_, sizeof step);
-                                return step;
-                              }};
-      add_expert_weights_file(w, gs, cfg.groups[g].name, views);
-      add_expert_adam_file(w, gs, cfg.groups[g].name, views);
-    }
+    for (size_t g = 0; g < groups_.size(); ++g)
+      if (writer_of(l, int(g)) == rank)
+        for (bool adam : {false, true}) files.push_back(expert_group_file(l, cfg.groups[g].name, adam));
+  return files;
 }
 
 void ExpertParallel::checkpoint_written(const std::string&) { collected_.clear(); }

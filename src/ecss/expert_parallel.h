@@ -90,11 +90,14 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   void append_grad_sq_parts(std::vector<double>& parts) const override;
   void update(float lr, float grad_scale) override;
 
-  // Checkpoints: every group's records come to rank 0 (gathered group by group into memory
-  // there), which writes ecss/expert_files.h's pair of files per group; a checkpoint of any
+  // Checkpoints: the records of each (RRE block, group) pair come to one member of the group
+  // (the pairs take the members in turn: writer_of), which writes ecss/expert_files.h's pair
+  // of files for it, all ranks in parallel (in dist.ckpt_writers waves); a checkpoint of any
   // rank count, or an ECSS or in-model one, loads on any other.
   void collect() override;
   void add_checkpoint_files(CheckpointWriter& w) const override;
+  std::vector<std::string> files_of_rank(int rank) const override;
+  int writer_of(int block, int group) const;
   void checkpoint_written(const std::string& dir) override;
   void load(const std::string& dir) override;
 
@@ -139,7 +142,11 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   std::vector<TreeAccumulator> trees_;    // [world rank]: its micro-batches so far
   std::vector<float> total_;              // the step's summed gradients [ids_, stride_]
   std::vector<std::unique_ptr<BlockState>> state_;  // [RRE block]
-  std::vector<std::vector<float>> collected_;  // collect(): rank 0's copy, per (block, group)
+  struct Collected {  // collect(): a (block, group) pair this rank writes, all its records
+    int block = 0, group = 0;
+    std::vector<float> records;
+  };
+  std::vector<Collected> collected_;
   std::vector<uint8_t> source_;  // [world rank]: shares a group with this rank
   std::vector<uint8_t> mine_;    // [global expert]: held here
 };

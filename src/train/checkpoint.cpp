@@ -80,6 +80,41 @@ void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, con
   if (experts) experts->add_checkpoint_files(w);
 }
 
+// The files each rank r > 0 writes, in an order every rank knows.
+std::vector<std::vector<std::string>> peer_files(int R, bool optimizer, const ExpertFiles* experts) {
+  std::vector<std::vector<std::string>> files(static_cast<size_t>(R));
+  for (int r = 1; r < R; ++r) {
+    if (optimizer) files[size_t(r)].push_back(optimizer_shard_file(r));
+    if (experts)
+      for (std::string& f : experts->files_of_rank(r)) files[size_t(r)].push_back(std::move(f));
+  }
+  return files;
+}
+
+// Each peer's (size, checksum) of each of its files to rank 0's manifest, as four exact
+// 32-bit halves per file in one all-gather.
+void record_peer_files(Communicator& c, CheckpointWriter& w,
+                       const std::vector<std::vector<std::string>>& files) {
+  const int R = c.size(), me = c.rank();
+  size_t most = 0;
+  for (const auto& f : files) most = std::max(most, f.size());
+  if (most == 0) return;
+  std::vector<double> mine(4 * most, 0.0), all(4 * most * size_t(R));
+  for (size_t i = 0; me != 0 && i < files[size_t(me)].size(); ++i) {
+    const auto [size, sum] = w.recorded(files[size_t(me)][i]);
+    double* v = mine.data() + 4 * i;
+    v[0] = double(size >> 32), v[1] = double(size & 0xffffffffu);
+    v[2] = double(sum >> 32), v[3] = double(sum & 0xffffffffu);
+  }
+  c.all_gather(all.data(), mine.data(), int64_t(mine.size()));
+  for (int r = 1; me == 0 && r < R; ++r)
+    for (size_t i = 0; i < files[size_t(r)].size(); ++i) {
+      const double* v = all.data() + 4 * (most * size_t(r) + i);
+      w.add_peer_file(files[size_t(r)][i], (uint64_t(v[0]) << 32) | uint64_t(v[1]),
+                      (uint64_t(v[2]) << 32) | uint64_t(v[3]));
+    }
+}
+
 }  // namespace
 
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
@@ -90,7 +125,7 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   Communicator& c = comm ? *comm : one;
   const int R = c.size(), me = c.rank();
   const std::string name = fmt::format("step-{:08d}", st.step);
-  if (experts) experts->collect();  // experts spread over ranks come to rank 0
+  if (experts) experts->collect();  // each expert group comes to the rank writing it
   std::optional<CheckpointWriter> w;
   if (me == 0) w.emplace(root, name);
   const std::string tmp = R > 1 ? broadcast_string(c, me == 0 ? w->temp_dir() : "") : w->temp_dir();
@@ -100,35 +135,22 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   for (int wave = 0; wave * writers < R; ++wave) {
     if (me / writers == wave) {
       if (me == 0) write_rank0_files(*w, cfg, model, opt, st, tokenizer_path, experts);
-      else if (opt) {
-        std::vector<Tensor> keep;
-        w->add_safetensors(optimizer_shard_file(me), optimizer_refs(model, *opt, keep),
-                           {{"format", "sigma-adamw"}, {"version", "1"}});
+      else {
+        if (opt) {
+          std::vector<Tensor> keep;
+          w->add_safetensors(optimizer_shard_file(me), optimizer_refs(model, *opt, keep),
+                             {{"format", "sigma-adamw"}, {"version", "1"}});
+        }
+        if (experts) experts->add_checkpoint_files(*w);
       }
     }
     if (R > 1) c.barrier();
   }
-  if (R > 1 && opt) {  // each peer's (size, checksum) to rank 0, as four exact 32-bit halves
-    double mine[4] = {0, 0, 0, 0};
-    if (me != 0) {
-      const auto [size, sum] = w->recorded(optimizer_shard_file(me));
-      mine[0] = double(size >> 32), mine[1] = double(size & 0xffffffffu);
-      mine[2] = double(sum >> 32), mine[3] = double(sum & 0xffffffffu);
-    }
-    std::vector<double> all(4 * size_t(R));
-    c.all_gather(all.data(), mine, 4);
-    for (int r = 1; me == 0 && r < R; ++r) {
-      const double* v = all.data() + 4 * r;
-      w->add_peer_file(optimizer_shard_file(r), (uint64_t(v[0]) << 32) | uint64_t(v[1]),
-                       (uint64_t(v[2]) << 32) | uint64_t(v[3]));
-    }
-  }
+  if (R > 1) record_peer_files(c, *w, peer_files(R, opt != nullptr, experts));
   std::string dir = (std::filesystem::path(root) / name).string();
-  if (me == 0) {
-    dir = w->commit();
-    if (experts) experts->checkpoint_written(dir);
-  }
+  if (me == 0) dir = w->commit();
   if (R > 1) c.barrier();  // nobody reads or writes the next one before this one is in place
+  if (experts) experts->checkpoint_written(dir);
   return dir;
 }
 
