@@ -64,10 +64,14 @@ std::vector<int32_t> some_tokens(const ModelConfig& c, int n) {
 
 }  // namespace
 
-// Each output element is one fixed FMA sequence: a row gives the same bits alone as among
-// four, with one thread or two (the split is by columns).
-TEST(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
-  const int64_t in = 257, out = 301;  // past the threading threshold, odd tails
+// Each output element is one fixed sequence of FMAs and chunk sums: a row gives the same bits
+// alone as among four, with one thread or two (the split is by fixed chunks of w's rows, and
+// by columns when the threads outnumber the chunks: the second shape).
+class Gemv : public ::testing::TestWithParam<std::pair<int64_t, int64_t>> {};
+INSTANTIATE_TEST_SUITE_P(Shapes, Gemv, ::testing::Values(std::pair<int64_t, int64_t>{257, 301},
+                                                         std::pair<int64_t, int64_t>{40, 2000}));
+TEST_P(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
+  const auto [in, out] = GetParam();  // past the threading threshold, odd tails
   const auto x = randn(4 * in, 1), w = randn(in * out, 2), b = randn(out, 3);
   std::vector<uint16_t> w16;
   for (float v : w) w16.push_back(to_bf16(v));

@@ -196,18 +196,47 @@ struct NT {
   };
 };
 
+// The reduction over w's rows is cut into fixed chunks of kChunkRows, each summed into its own
+// partial vector, so that a thread streams whole rows of a contiguous block of w (one stream
+// the prefetchers follow, instead of a column slice of every row; docs/benchmarks.md, issue
+// 12). The chunk bounds do not depend on the thread count, so neither do the bits.
+constexpr int64_t kChunkRows = 64;
+
 template <class W>
 void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t in, int64_t out,
         bool accumulate, Strides ld) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
   if (M == 0 || out == 0) return;
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
+  const int64_t chunks = std::max<int64_t>(1, (in + kChunkRows - 1) / kChunkRows);
+  const int64_t stride = M * out;
+  thread_local std::vector<float> partial;  // [chunks][M][out]
+  partial.resize(size_t(chunks * stride));
+  float* p = partial.data();
 #pragma omp parallel if (in * out >= kParallelWeights)
   {
+    // Work items: chunk x column block, the column blocks only as many as the threads need.
+    const int64_t nt = omp_get_num_threads(), blocks = (nt + chunks - 1) / chunks;
+    const Range items = share(chunks * blocks, 1);
+    for (int64_t it = items.lo; it < items.hi; ++it) {
+      const int64_t c = it / blocks, blk = it % blocks, units = (out + 15) / 16;
+      const int64_t per = (units + blocks - 1) / blocks;
+      const Range cols{std::min(out, blk * per * 16), std::min(out, (blk + 1) * per * 16)};
+      float* pc = p + c * stride;
+      for (int64_t r = 0; r < M; ++r) std::fill(pc + r * out + cols.lo, pc + r * out + cols.hi, 0.0f);
+      const int64_t i0 = c * kChunkRows, rows = std::min(kChunkRows, in - i0);
+      if (cols.lo < cols.hi)
+        with_rows<NN<W>::template K>(M, pc, out, x + i0, ldx, w + i0 * ldw, ldw, rows, cols);
+    }
+#pragma omp barrier
     const Range c = share(out, 16);
     init_rows(y, ldy, b, M, accumulate, c);
-    if (c.lo < c.hi && in > 0)
-      with_rows<NN<W>::template K>(M, y, ldy, x, ldx, w, ldw, in, c);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t k = 0; k < chunks; ++k) {
+        float* yr = y + r * ldy;
+        const float* pr = p + k * stride + r * out;
+        for (int64_t j = c.lo; j < c.hi; ++j) yr[j] += pr[j];
+      }
   }
 }
 

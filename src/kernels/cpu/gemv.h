@@ -7,9 +7,10 @@
 // Weights are fp32, or bf16 copies made once at load (Model::use_bf16_weights): a bf16 weight
 // is widened to fp32 exactly, and the products and sums are fp32, so only the weights round.
 //
-// Each output element is one fixed sequence of fp32 FMAs over k = 0..K-1 whatever the number
-// of rows and threads: a row's result does not depend on the rows computed with it (serving
-// with up to kGemvMaxRows slots is batch-invariant bit for bit).
+// Each output element is one fixed sequence of fp32 operations whatever the number of rows and
+// threads (FMAs over fixed chunks of k, the chunk sums added in order): a row's result does not
+// depend on the rows computed with it (serving with up to kGemvMaxRows slots is
+// batch-invariant bit for bit).
 #pragma once
 #include <cstdint>
 
