@@ -53,6 +53,9 @@ class Model {
   // of the experts a step uses; a forward pass that routes a row to an unbound expert throws.
   Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts = nullptr,
         bool external_experts = false);
+  // A model whose parameters are zeros, for a load that sets every one of them (load_model
+  // refuses a checkpoint that misses one): skips drawing the random initialisation.
+  static std::unique_ptr<Model> for_loading(const ModelConfig& cfg, uint64_t seed);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -164,6 +167,9 @@ class Model {
   void block_backward(int l, const Batch& b, Activations& a, float* dh);
   void expert_backward(int l, Activations& a, float* dh);
   void attention_backward(int l, const Batch& b, Activations& a, float* dh);
+
+  Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, bool external_experts,
+        bool initialise);
 
   ModelConfig cfg_;
   uint64_t seed_;

@@ -318,7 +318,7 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) 
 
 std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info) {
   CheckpointInfo ck = open_checkpoint(path);
-  auto model = std::make_unique<Model>(ck.cfg.model, ck.cfg.train.seed);
+  auto model = Model::for_loading(ck.cfg.model, ck.cfg.train.seed);
   load_model(*model, ck.dir);
   if (info) *info = std::move(ck);
   return model;
