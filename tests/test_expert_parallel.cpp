@@ -109,6 +109,21 @@ Trained train_ep(int R, const GroupPlacement& placement, int steps, int micro,
   return out;
 }
 
+// `steps` one-process training steps of m, a micro-batch each from make; their losses.
+std::vector<double> train_one_process(Model& m, const OptimConfig& oc, int steps,
+                                      std::vector<Batch> (*make)(const ModelConfig&, int, uint64_t)) {
+  SingleProcess comm;
+  AdamW opt(oc, m.params());
+  TrainStep step(m, opt, comm, oc, plan_shards(m.params(), 1));
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    const auto mb = make(m.config(), 1, uint64_t(s) + 1);
+    step.prepare(mb);
+    losses.push_back(step.run(mb, oc.lr, UpdateMask{}).loss);
+  }
+  return losses;
+}
+
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -222,13 +237,7 @@ TEST(ExpertParallel, OneRankOfTheGateMatchesTheInModelGate) {
     SingleProcess comm;
     std::unique_ptr<ExpertParallel> ep;
     if (run == 0) ep = std::make_unique<ExpertParallel>(m, comm, GroupPlacement::everywhere(2, 1), oc, "", false);
-    AdamW opt(oc, m.params());
-    TrainStep step(m, opt, comm, oc, plan_shards(m.params(), 1));
-    for (int s = 0; s < 4; ++s) {
-      const auto mb = both(c, 1, uint64_t(s) + 1);
-      step.prepare(mb);
-      losses[size_t(run)].push_back(step.run(mb, oc.lr, UpdateMask{}).loss);
-    }
+    losses[size_t(run)] = train_one_process(m, oc, 4, both);
   }
   ASSERT_EQ(losses[0].size(), 4u);
   for (size_t s = 0; s < 4; ++s)
@@ -251,13 +260,7 @@ TEST(ExpertParallel, OneRankMatchesEcss) {
     std::unique_ptr<ExpertExecutor> ex;
     if (run == 0) ex = std::make_unique<ExpertParallel>(m, comm, GroupPlacement::everywhere(2, 1), oc, "", false);
     else ex = std::make_unique<EcssExperts>(m, ExpertMode::Ecss, oc, "", false, int64_t(1) << 30);
-    AdamW opt(oc, m.params());
-    TrainStep step(m, opt, comm, oc, plan_shards(m.params(), 1));
-    for (int s = 0; s < 5; ++s) {
-      const auto mb = mixed(c, 1, uint64_t(s) + 1);
-      step.prepare(mb);
-      losses[size_t(run)].push_back(step.run(mb, oc.lr, UpdateMask{}).loss);
-    }
+    losses[size_t(run)] = train_one_process(m, oc, 5, mixed);
     for (const Param& p : m.params().all())
       shared[size_t(run)].insert(shared[size_t(run)].end(), p.value.f(), p.value.f() + p.value.numel());
   }
