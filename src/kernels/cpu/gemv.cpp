@@ -80,6 +80,8 @@ SIGMA_AVX512 inline __mmask16 tail_mask(int64_t left) {
 // that y (in L1) is loaded and stored once per four weights. The next sweep's rows are
 // prefetched: the hardware prefetcher loses each row's stream at the jump to the next sweep
 // (single-thread stream rate 6.5 -> 13.7 GB/s against a 17.6 GB/s read, bench/bench_gemv).
+// Into L2, not L1: a sweep of the model's widest rows (4 x 2048 floats) is L1's whole 32 KiB,
+// so lines prefetched into L1 were evicted before their use (docs/benchmarks.md, issue 12).
 template <class W, int M>
 SIGMA_AVX512 void nn_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w,
                             int64_t ldw, int64_t in, Range c) {
@@ -95,7 +97,7 @@ SIGMA_AVX512 void nn_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, 
                    cc = load_w(w0 + 2 * ldw + j, m), d = load_w(w0 + 3 * ldw + j, m);
       if (i + 8 <= in)
         for (int k = 4; k < 8; ++k)
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j), _MM_HINT_T1);
       for (int r = 0; r < M; ++r) {
         float* yr = y + r * ldy + j;
         __m512 acc = _mm512_maskz_loadu_ps(m, yr);
