@@ -304,7 +304,7 @@ PoolRun run_pool(int64_t slots, const std::vector<std::vector<int>>& domains, in
       EXPECT_EQ(after.gathered_bytes + after.reused_bytes - before.gathered_bytes - before.reused_bytes,
                 passes * bytes) << "step " << s;
     }
-    EXPECT_LE(after.compute_bytes, std::max<int64_t>(slots, int64_t(active.size())) * bytes);
+    EXPECT_LE(after.compute_bytes, slots * bytes);  // the pool never outgrows the budget
     out.copied += copied;
     out.minimum += int64_t(active.size());
     out.passes += passes;
