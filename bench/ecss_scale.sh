@@ -9,13 +9,17 @@
 #   bench/ecss_scale.sh [--experts 176] [--steps 6] [--accum 1] [--batch 8]
 #                       [--store /var/tmp/ecss-scale.bin | --store ram] [--budget auto]
 #                       [--work runs/ecss-scale] [--keep-store] [--set key=value ...]
+#                       [--sigma build/sigma]
 #
 # The first run prepares the data in --work (corpus split, a 4,096-token tokenizer, shards).
+# The run's summary.json gives the ECSS counters (gathers, bytes gathered and updated per step);
+# its output folder, with the final checkpoint, is deleted afterwards. --sigma: another binary
+# (a before/after comparison).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 experts=176 steps=6 accum=1 batch=8 store=/var/tmp/ecss-scale.bin budget=auto
-work=runs/ecss-scale keep=0 corpus=../shared/data/corpus
+work=runs/ecss-scale keep=0 corpus=../shared/data/corpus sigma=./build/sigma
 sets=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -28,10 +32,10 @@ while [[ $# -gt 0 ]]; do
     --work) work=$2; shift 2 ;;
     --keep-store) keep=1; shift ;;
     --set) sets+=(--set "$2"); shift 2 ;;
+    --sigma) sigma=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
-sigma=./build/sigma
 [[ -x $sigma ]] || { echo "build first: $sigma is missing" >&2; exit 1; }
 
 # ---- data: once ------------------------------------------------------------------------------
@@ -70,10 +74,10 @@ if [[ $store != ram ]]; then
   store_args=(--expert-store "$store")
 fi
 
-log=$(mktemp) samples=$(mktemp)
-trap 'rm -f "$log" "$samples"; [[ $keep == 1 || $store == ram ]] || rm -f "$store"' EXIT
+log=$(mktemp) samples=$(mktemp) out=$(mktemp -d "$work/out.XXXXXX")
+trap 'rm -rf "$log" "$samples" "$out"; [[ $keep == 1 || $store == ram ]] || rm -f "$store"' EXIT
 start=$(date +%s.%N)
-"$sigma" train --config "$work/train.json" "${store_args[@]}" "${sets[@]}" 2> >(
+"$sigma" train --config "$work/train.json" --out "$out" --overwrite "${store_args[@]}" "${sets[@]}" 2> >(
   while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$log") &
 pid=$!
 # Sample memory once a second; I/O counters at the end of each sample.
@@ -89,9 +93,9 @@ end=$(date +%s.%N)
 sleep 0.2
 
 grep -v '^[0-9.]* step ' "$log" | cut -d' ' -f2- | head -n 8
-python3 - "$log" "$samples" "$batch" "$accum" "$start" "$end" <<'EOF'
-import re, statistics, sys
-log, samples, batch, accum, start, end = sys.argv[1:]
+python3 - "$log" "$samples" "$batch" "$accum" "$start" "$end" "$out/summary.json" <<'EOF'
+import json, re, statistics, sys
+log, samples, batch, accum, start, end, summary = sys.argv[1:]
 tokens = int(batch) * int(accum) * 128
 t = [float(l.split()[0]) for l in open(log) if re.search(r' step +\d+/', l)]
 steps = [b - a for a, b in zip(t, t[1:])]
@@ -118,4 +122,9 @@ if len(t) >= 2:
     print(f"process I/O per step (steps 2..{len(t)}): read {(b[1] - a[1]) / n / 2**30:.2f} GiB, "
           f"wrote {(b[2] - a[2]) / n / 2**30:.2f} GiB")
 print(f"whole run {float(end) - float(start):.0f} s (store creation and evaluation included)")
+e = json.load(open(summary)).get("ecss")
+if e:
+    print(f"ECSS per step (all steps): {e['pieces_per_step']:.1f} gathers, gathered "
+          f"{e['gathered_gib_per_step']:.3f} GiB, records updated {e['records_gib_per_step']:.3f} GiB; "
+          f"compute buffer {e['compute_buffer_mib']:.0f} MiB")
 EOF

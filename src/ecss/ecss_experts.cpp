@@ -139,30 +139,60 @@ void EcssExperts::join_prefetch() {
   stats_.wait_s += since(t);
 }
 
-void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
-  const int64_t n = int64_t(ids.size());
-  if (w_.numel() < n * stride_) {  // grows to the largest set seen (slicing: to the budget)
-    const int64_t slots = whole_step_ ? n : budget_experts_;
+void EcssExperts::reset_pool(int64_t slots) {
+  for (size_t i = 0; i < slot_id_.size(); ++i)
+    if (slot_full_[i]) {
+      const ExpertId id = slot_id_[i];
+      model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, nullptr, nullptr);
+    }
+  if (w_.numel() < slots * stride_) {
     w_ = Tensor();  // freed first: old and new together could be twice the budget
     w_ = Tensor::f32({slots, stride_});
     stats_.compute_bytes = w_.numel() * 4;
   }
-  std::vector<float*> dst(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) dst[size_t(i)] = w_.f() + i * stride_;
+  slot_id_.assign(size_t(slots), ExpertId{});
+  slot_full_.assign(size_t(slots), 0);
+  slot_used_.assign(size_t(slots), 0);
+  slot_of_.assign(size_t(store_.num_experts()), -1);
+  uses_ = 0;
+}
+
+void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
+  const size_t n = ids.size();
+  SIGMA_CHECK(n <= slot_id_.size(), "ECSS: {} experts for a pool of {} slots", n, slot_id_.size());
+  // The n least recently used slots (empty ones have never been used); ties by slot number.
+  std::vector<int32_t> victims(slot_id_.size());
+  for (size_t i = 0; i < victims.size(); ++i) victims[i] = int32_t(i);
+  std::partial_sort(victims.begin(), victims.begin() + std::ptrdiff_t(n), victims.end(),
+                    [&](int32_t a, int32_t b) {
+                      return std::pair(slot_used_[size_t(a)], a) < std::pair(slot_used_[size_t(b)], b);
+                    });
+  std::vector<float*> dst(n);
+  for (size_t i = 0; i < n; ++i) dst[i] = w_.f() + int64_t(victims[i]) * stride_;
   const auto t = Clock::now();
   store_.gather(ids, dst);
   stats_.gather_s += since(t);
   step_pieces_ += 1;  // counted when the step is applied (an evaluation's gathers are not)
-  step_gathered_ += n * P_ * 4;
-  for (int64_t i = 0; i < n; ++i) {
-    const ExpertId id = ids[size_t(i)];
-    model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, dst[size_t(i)], grad_of(id));
+  step_gathered_ += int64_t(n) * P_ * 4;
+  for (size_t i = 0; i < n; ++i) {
+    const size_t s = size_t(victims[i]);
+    if (slot_full_[s]) {
+      const ExpertId old = slot_id_[s];
+      model_.bind_expert(old.block, first_[size_t(old.group)] + old.expert, nullptr, nullptr);
+      slot_of_[size_t(store_.ordinal(old))] = -1;
+    }
+    const ExpertId id = ids[i];
+    model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, dst[i], grad_of(id));
+    slot_id_[s] = id;
+    slot_full_[s] = 1;
+    slot_used_[s] = ++uses_;
+    slot_of_[size_t(store_.ordinal(id))] = int32_t(s);
   }
-  bound_.assign(ids.begin(), ids.end());
 }
 
-void EcssExperts::unbind(std::span<const ExpertId> ids) {
-  for (ExpertId id : ids) model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, nullptr, nullptr);
+ExpertId EcssExperts::expert_id(int block, int e) const {
+  const int32_t g = int32_t(std::upper_bound(first_.begin(), first_.end(), e) - first_.begin()) - 1;
+  return {block, g, e - first_[size_t(g)]};
 }
 
 void EcssExperts::release_grads() {
@@ -175,11 +205,10 @@ void EcssExperts::release_grads() {
 void EcssExperts::begin_step(std::span<const Batch> micro) {
   join_prefetch();
   if (grads_pending_) release_grads();  // the last step was not applied: its gradients go
-  unbind(bound_);
-  bound_.clear();
   ids_ = active_ids(micro);
-  step_pieces_ = step_gathered_ = 0;
+  step_pieces_ = step_gathered_ = step_reused_ = 0;
   whole_step_ = int64_t(ids_.size()) <= budget_experts_;
+  reset_pool(whole_step_ ? int64_t(ids_.size()) : budget_experts_);
   if (whole_step_) gather_and_bind(ids_);
   grads_pending_ = true;
 }
@@ -187,23 +216,41 @@ void EcssExperts::begin_step(std::span<const Batch> micro) {
 template <class Pass>
 void EcssExperts::by_slices(int block, const RrePlan& p, Pass pass) {
   const ExpertSlice whole = whole_plan(p);
-  int e = whole.begin;
-  while (e < whole.end) {
-    // The next slice: up to budget_experts_ experts with rows, from e on.
-    std::vector<ExpertId> ids;
-    int end = e;
-    for (; end < whole.end && int64_t(ids.size()) < budget_experts_; ++end) {
-      if (p.rows(end) == 0) continue;
-      const int32_t g = int32_t(std::upper_bound(first_.begin(), first_.end(), end) - first_.begin()) - 1;
-      ids.push_back({block, g, end - first_[size_t(g)]});
+  // The experts with rows, each tagged with its piece: 0 = in the pool already, k = the k-th
+  // pool-full to gather.
+  std::vector<int> busy, piece;
+  std::vector<ExpertId> ids;  // [busy]
+  int pieces = 0, in_piece = 0;
+  for (int e = whole.begin; e < whole.end; ++e) {
+    if (p.rows(e) == 0) continue;
+    const ExpertId id = expert_id(block, e);
+    const int32_t s = slot_of_[size_t(store_.ordinal(id))];
+    if (s >= 0) {
+      slot_used_[size_t(s)] = ++uses_;  // the pool-fulls below evict these last
+      step_reused_ += P_ * 4;
+    } else if (in_piece++ % budget_experts_ == 0) {
+      ++pieces;
     }
-    if (!ids.empty()) {
-      gather_and_bind(ids);
-      pass(ExpertSlice{e, end, whole.side_by_side});
-      unbind(ids);
-      bound_.clear();
+    busy.push_back(e);
+    piece.push_back(s >= 0 ? 0 : pieces);
+    ids.push_back(id);
+  }
+  for (int k = 0; k <= pieces; ++k) {
+    if (k > 0) {
+      std::vector<ExpertId> load;
+      for (size_t i = 0; i < busy.size(); ++i)
+        if (piece[i] == k) load.push_back(ids[i]);
+      gather_and_bind(load);
     }
-    e = end;
+    // One call per run of piece k's experts that no other busy expert interrupts: the bits do
+    // not depend on how a pass is cut (each expert writes only its own rows and gradients).
+    for (size_t i = 0; i < busy.size();) {
+      if (piece[i] != k) { ++i; continue; }
+      size_t j = i;
+      while (j + 1 < busy.size() && piece[j + 1] == k) ++j;
+      pass(ExpertSlice{busy[i], busy[j] + 1, whole.side_by_side});
+      i = j + 1;
+    }
   }
 }
 
@@ -284,6 +331,8 @@ void EcssExperts::update(float lr, float grad_scale) {
   stats_.experts_updated += int64_t(update.size());
   stats_.pieces += step_pieces_;
   stats_.gathered_bytes += step_gathered_;
+  stats_.reused_bytes += step_reused_;
+  reset_pool(0);  // the copies are stale now
 }
 
 void EcssExperts::add_checkpoint_files(CheckpointWriter& w) const {

@@ -6,9 +6,12 @@
 //
 // Memory budget (train.expert_memory): the compute buffers hold at most budget / (4 P) experts'
 // weights. A step whose active experts fit is gathered once, at its start. A larger one runs
-// in pieces: each RRE block's forward and backward pass gathers, runs and drops its experts a
-// slice at a time. Gradients never sit in the compute buffers: they accumulate in a
-// GradientArea (page cache beside a file store), in micro-batch order, which makes the bits
+// in pieces: the buffers become a pool of that many slots, and each RRE block's forward and
+// backward pass first runs the experts an earlier pass of the step left in the pool (the
+// weights change only in update(), so a copy stays valid for the whole step), then gathers the
+// rest a pool-full at a time into the slots used least recently. Gradients never sit in the
+// compute buffers: they accumulate in a GradientArea (page cache beside a file store), in
+// micro-batch order; each expert runs once per pass whatever the slicing, which makes the bits
 // independent of the budget.
 #pragma once
 #include <cstdint>
@@ -44,8 +47,9 @@ struct OffloadStats {
   double update_s = 0;    // the store's Adam over the active experts
   int64_t steps = 0, experts_updated = 0;
   int64_t pieces = 0;            // gathers of applied steps: one per step that fits the
-                                 // budget, else one per slice of each RRE pass
+                                 // budget, else one per pool-full an RRE pass copied
   int64_t gathered_bytes = 0;    // weights those gathers copied from the store
+  int64_t reused_bytes = 0;      // weights a pass found in the pool, not copied again
   int64_t record_bytes = 0;      // store records the Adam updates read and wrote (each once)
   int64_t compute_bytes = 0;     // the largest compute buffer (expert weights) so far
   int64_t prefetches_skipped = 0;  // next steps whose records outgrew the budget
@@ -123,10 +127,14 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
  private:
   void join_prefetch();
   std::vector<ExpertId> active_ids(std::span<const Batch> micro) const;
-  // Copies `ids` into compute buffers and binds them (gradients: their GradientArea slots).
+  // Empties the pool and gives it `slots` slots (the buffers grow to the largest seen).
+  void reset_pool(int64_t slots);
+  // Copies `ids` from the store into the pool's least recently used slots and binds them
+  // (gradients: their GradientArea slots), unbinding what those slots held.
   void gather_and_bind(std::span<const ExpertId> ids);
-  void unbind(std::span<const ExpertId> ids);
-  // Runs `pass` over block `block`'s experts with rows in plan p, a budget-sized slice at a time.
+  ExpertId expert_id(int block, int e) const;  // e: the expert's index in the block
+  // Runs `pass` over block `block`'s experts with rows in plan p: those in the pool first, then
+  // the others a pool-full at a time.
   template <class Pass>
   void by_slices(int block, const RrePlan& p, Pass pass);
   float* grad_of(ExpertId id) const { return grads_.slot(store_.ordinal(id)); }
@@ -145,9 +153,14 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   bool whole_step_ = false;        // ids_ fit the budget: bound for the whole step
   bool grads_pending_ = false;     // ids_' gradients not yet applied and released
   int64_t budget_experts_ = 0, memory_budget_ = 0;
-  int64_t step_pieces_ = 0, step_gathered_ = 0;  // this step's, added to stats_ by update()
-  std::vector<ExpertId> bound_;    // bound now, in compute slot order
-  Tensor w_;                       // compute buffers [slots, stride_]: slot i = bound_[i]
+  int64_t step_pieces_ = 0, step_gathered_ = 0, step_reused_ = 0;  // added to stats_ by update()
+  Tensor w_;                       // compute buffers [>= slots, stride_]
+  // The pool over w_'s first slots: what each holds (bound to the model), when it was last used.
+  std::vector<ExpertId> slot_id_;
+  std::vector<uint8_t> slot_full_;
+  std::vector<int64_t> slot_used_;
+  std::vector<int32_t> slot_of_;   // [store ordinal] its slot, -1 when not in the pool
+  int64_t uses_ = 0;
   GradientArea grads_;
   std::thread prefetcher_;
   OffloadStats stats_;

@@ -267,6 +267,8 @@ ExpertStore& ExpertStore::operator=(ExpertStore&& o) noexcept {
     path_ = std::move(o.path_);
     created_ = o.created_;
     clean_on_open_ = o.clean_on_open_;
+    records_gathered_ = std::exchange(o.records_gathered_, 0);
+    gathers_ = std::exchange(o.gathers_, 0);
     dirty_ = std::exchange(o.dirty_, std::make_unique<DirtyState>());
   }
   return *this;
@@ -329,6 +331,8 @@ void ExpertStore::gather(std::span<const ExpertId> ids, std::span<float* const> 
   std::vector<const Slot*> slots;
   for (ExpertId id : ids) slots.push_back(&slot(id));  // validate before any copy
   const int64_t n = int64_t(ids.size());
+  records_gathered_ += n;
+  gathers_ += n > 0;
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
   for (int64_t i = 0; i < n; ++i)
     std::memcpy(dst[size_t(i)], data_ + slots[size_t(i)]->offset + kRecordHead,

@@ -109,6 +109,10 @@ class ExpertStore {
   // Copies each expert's P weights to dst[i] (ids.size() == dst.size()), in parallel over
   // experts. The compute dtype is fp32 on CPU.
   void gather(std::span<const ExpertId> ids, std::span<float* const> dst) const;
+  // What gather() has copied since the store was opened: weight records, and calls that copied
+  // at least one (the store's own count, against which the executor's counters are tested).
+  int64_t records_gathered() const { return records_gathered_; }
+  int64_t gathers() const { return gathers_; }
   // Sets an expert's weights (initialisation); moments and step are untouched.
   void set_weights(ExpertId id, const float* src);
   // Sets an expert's Adam moments (P floats each) and step count (restoring a checkpoint).
@@ -182,6 +186,7 @@ class ExpertStore {
   int fd_ = -1;
   std::string path_;
   bool created_ = false, clean_on_open_ = true;
+  mutable int64_t records_gathered_ = 0, gathers_ = 0;  // gather() runs on one thread at a time
   std::unique_ptr<DirtyState> dirty_ = std::make_unique<DirtyState>();
 };
 
