@@ -9,6 +9,11 @@ set -euo pipefail
 build=$1 out=$2 seconds=$3
 shift 3
 repo=$(cd "$(dirname "$0")" && pwd)
+# With the kernel's autogroup scheduling (sched_autogroup_enabled = 1) `nice` only ranks tasks
+# inside one session's group: a campaign started in its own session (setsid, nohup from
+# another terminal) otherwise takes a full share of the cores from everyone else's builds.
+# Lower the whole group instead.
+echo 19 > /proc/self/autogroup 2>/dev/null || true
 for name in "$@"; do
   dir=$out/$name
   mkdir -p "$dir/corpus" "$dir/crashes"
