@@ -2,6 +2,7 @@
 // the in-model path; resume and crash recovery; bad store files.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -647,3 +648,24 @@ TEST(EcssTrain, CheckpointsLinkUnchangedExpertGroups) {
 
 }  // namespace
 }  // namespace sigma
+
+// What `sigma train` reports of the pool (summary.json's ecss object): with a budget of about
+// three experts a step gathers its experts in many pieces, reuses some copies, and gathers at
+// least each active expert once (what the whole-step run gathers, reusing nothing).
+TEST(EcssTrain, TheSummaryReportsGatheredAndReusedBytes) {
+  sigma::testing::TempDir tmp("ecss-summary");
+  auto ecss_of = [&](const std::string& budget) {
+    const std::string out = tmp / budget;
+    const auto r = sigma::testing::sigma_cmd("train --set train.steps=4 --set train.accum=4 --set "
+                                  "train.expert_memory=" + budget + " --quiet --out " + out);
+    EXPECT_EQ(r.code, 0) << r.out;
+    std::ifstream in(out + "/summary.json");
+    return nlohmann::json::parse(in).at("ecss");
+  };
+  const auto whole = ecss_of("auto"), small = ecss_of("400000");
+  EXPECT_EQ(whole["reused_gib_per_step"].get<double>(), 0.0) << whole.dump();
+  EXPECT_GT(small["reused_gib_per_step"].get<double>(), 0.0) << small.dump();
+  EXPECT_GT(small["pieces_per_step"].get<double>(), whole["pieces_per_step"].get<double>()) << small.dump();
+  EXPECT_GE(small["gathered_gib_per_step"].get<double>(), whole["gathered_gib_per_step"].get<double>());
+  EXPECT_EQ(small["records_gib_per_step"], whole["records_gib_per_step"]);  // the same experts updated
+}

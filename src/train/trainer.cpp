@@ -98,6 +98,7 @@ nlohmann::json offload_json(const OffloadStats& o, int64_t steps) {
   const double per = double(std::max<int64_t>(steps, 1));
   return {{"pieces_per_step", double(o.pieces) / per},
           {"gathered_gib_per_step", double(o.gathered_bytes) / GiB / per},
+          {"reused_gib_per_step", double(o.reused_bytes) / GiB / per},
           {"records_gib_per_step", double(o.record_bytes) / GiB / per},
           {"compute_buffer_mib", double(o.compute_bytes) / MiB},
           {"prefetches_skipped", o.prefetches_skipped},
