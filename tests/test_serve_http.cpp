@@ -207,10 +207,14 @@ TEST(ServeHttp, TokenizeModelsAndMetrics) {
   EXPECT_EQ(models["data"][0]["id"], "tiny");
   EXPECT_EQ(models["data"][0]["domains"], json({"prose", "code"}));
   f.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "domain": "code"})");
-  // A request is counted once its response is written, which the client may see first.
+  // A request is counted once its response is written, and its slot freed by the engine's
+  // next step, both of which the client may see after its response.
   const std::string counted = "sigma_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 1";
   std::string m = f.cli.Get("/metrics")->body;
-  for (int i = 0; i < 200 && m.find(counted) == std::string::npos; ++i) {
+  auto settled = [&] {
+    return m.find(counted) != std::string::npos && m.find("sigma_busy_slots 0") != std::string::npos;
+  };
+  for (int i = 0; i < 200 && !settled(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
     m = f.cli.Get("/metrics")->body;
   }
