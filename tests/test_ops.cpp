@@ -43,7 +43,6 @@
 #include "kernels/ref/attention.h"
 #include "kernels/ref/layers.h"
 #include "kernels/ref/linear.h"
-#include "kernels/ref/linear_w16.h"
 #include "train/config.h"
 #include "train/trainer.h"
 

@@ -1,6 +1,6 @@
-// Registers the reference formulas (ref/linear.h, ref/linear_w16.h, ref/layers.h,
-// ref/attention.h), evaluated in double, as the "ref" backend of the ops front, with its exact
-// ops (data movement) and its fp32 Adam.
+// Registers the reference formulas (ref/linear.h, ref/layers.h, ref/attention.h), evaluated
+// in double, as the "ref" backend of the ops front, with its exact ops (data movement) and its
+// fp32 Adam.
 #include <cmath>
 #include <cstring>
 
@@ -10,7 +10,6 @@
 #include "kernels/ref/attention.h"
 #include "kernels/ref/layers.h"
 #include "kernels/ref/linear.h"
-#include "kernels/ref/linear_w16.h"
 
 namespace sigma::ref {
 

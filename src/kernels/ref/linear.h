@@ -1,21 +1,27 @@
-// ref: gemm, linear_forward/backward, column_sum_accumulate (see ref/io.h for the rules).
+// ref: gemm, linear_forward/backward, column_sum_accumulate, and their bf16 forms (see
+// ref/io.h for the rules).
 #pragma once
 #include "core/bf16.h"
 #include "kernels/ref/io.h"
 
 namespace sigma::ref {
 
-// A GEMM input as the formula reads it: exact, or first rounded to bf16 (the *_bf16 ops).
+// A GEMM input as the formula reads it: exact, or first rounded to bf16 (the *_bf16 ops); a
+// bf16 weight copy (the *_w16 ops) widened, which is exact.
 template <bool Bf16>
 inline float in(float x) {
   if constexpr (Bf16) return round_bf16(x);
   return x;
 }
+template <bool Bf16>
+inline float in(uint16_t w16) {
+  return from_bf16(w16);
+}
 
 // C[M,N] = alpha * op(A) op(B) + beta * C; beta = 0 ignores C (BLAS semantics).
-template <class T, bool Bf16 = false>
+template <class T, bool Bf16 = false, class BT = float>
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
-          int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+          int64_t lda, const BT* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
       T s = 0;
@@ -29,8 +35,8 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
 }
 
 // y = (accumulate ? y : 0) + b + x w.
-template <class T, bool Bf16 = false>
-void linear_forward(float* y, const float* x, const float* w, const float* b, int64_t N,
+template <class T, bool Bf16 = false, class W = float>
+void linear_forward(float* y, const float* x, const W* w, const float* b, int64_t N,
                     int64_t in, int64_t out, bool accumulate, Strides ld) {
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
   for (int64_t i = 0; i < N; ++i)
@@ -93,6 +99,19 @@ template <class T>
 void linear_backward_bf16(float* dx, float* dw, float* db, const float* dy, const float* x,
                           const float* w, int64_t N, int64_t in, int64_t out, Strides ld) {
   linear_backward<T, true>(dx, dw, db, dy, x, w, N, in, out, ld);
+}
+
+// The ops on bf16 weight copies: the fp32 formulas over the widened weights.
+template <class T>
+void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b, int64_t N,
+                        int64_t in, int64_t out, bool accumulate, Strides ld) {
+  linear_forward<T>(y, x, w16, b, N, in, out, accumulate, ld);
+}
+// y[N,out] = x[N,in] w16[out,in]^T (the head).
+template <class T>
+void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
+                 int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
+  gemm<T>(false, true, N, out, in, 1.0f, x, ldx, w16, ldw, 0.0f, y, ldy);
 }
 
 }  // namespace sigma::ref
