@@ -27,6 +27,16 @@ void for_each_group_run(const int32_t* row_group, int64_t N, Fn&& fn) {
   }
 }
 
+// Calls fn(row, slot, j) for each kept (row, choice), j its row in the gathered buffers; rows
+// in parallel (each call touches only its own row's outputs).
+template <class Fn>
+void for_each_kept(const GatePlan& p, int64_t N, int64_t d, Fn&& fn) {
+#pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
+  for (int64_t r = 0; r < N; ++r)
+    for (int slot = 0; slot < 2; ++slot)
+      if (const int32_t j = p.pos[size_t(r) * 2 + slot]; j >= 0) fn(r, slot, int64_t(j));
+}
+
 }  // namespace
 
 void gate_route(GatePlan& p, float* z, const float* x, const RreWeights& w,
@@ -149,16 +159,10 @@ void gate_gather(float* gx, const GatePlan& p, const float* x, int64_t d) {
 }
 
 void gate_combine(float* y, const float* yg, const GatePlan& p, int64_t N, int64_t d) {
-#pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
-  for (int64_t r = 0; r < N; ++r)
-    for (int slot = 0; slot < 2; ++slot) {
-      const int32_t j = p.pos[size_t(r) * 2 + slot];
-      if (j < 0) continue;
-      const float gv = p.gate[size_t(r) * 2 + slot];
-      const float* src = yg + int64_t(j) * d;
-      float* dst = y + r * d;
-      for (int64_t c = 0; c < d; ++c) dst[c] += gv * src[c];
-    }
+  for_each_kept(p, N, d, [&](int64_t r, int slot, int64_t j) {
+    const float gv = p.gate[size_t(r) * 2 + slot];
+    for (int64_t c = 0; c < d; ++c) y[r * d + c] += gv * yg[j * d + c];
+  });
 }
 
 void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float* scratch,
@@ -178,22 +182,15 @@ void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float*
 void gate_expert_dy(float* gdy, std::vector<float>& dgate, const float* dy, const float* yg,
                     const GatePlan& p, int64_t N, int64_t d) {
   dgate.assign(size_t(N) * 2, 0.0f);
-#pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
-  for (int64_t r = 0; r < N; ++r)
-    for (int slot = 0; slot < 2; ++slot) {
-      const int32_t j = p.pos[size_t(r) * 2 + slot];
-      if (j < 0) continue;
-      const float gv = p.gate[size_t(r) * 2 + slot];
-      const float* dyr = dy + r * d;
-      const float* out = yg + int64_t(j) * d;
-      float* dst = gdy + int64_t(j) * d;
-      float acc = 0;
-      for (int64_t c = 0; c < d; ++c) {
-        dst[c] = gv * dyr[c];
-        acc += dyr[c] * out[c];
-      }
-      dgate[size_t(r) * 2 + slot] = acc;
+  for_each_kept(p, N, d, [&](int64_t r, int slot, int64_t j) {
+    const float gv = p.gate[size_t(r) * 2 + slot];
+    float acc = 0;
+    for (int64_t c = 0; c < d; ++c) {
+      gdy[j * d + c] = gv * dy[r * d + c];
+      acc += dy[r * d + c] * yg[j * d + c];
     }
+    dgate[size_t(r) * 2 + slot] = acc;
+  });
 }
 
 void gate_backward_rest(float* dx, float* dz, const float* gdx, const std::vector<float>& dgate,
@@ -201,15 +198,9 @@ void gate_backward_rest(float* dx, float* dz, const float* gdx, const std::vecto
                         const std::vector<PV>& gate_w, const int32_t* row_group,
                         float aux_scale, int64_t N, int64_t d) {
   const int Kmax = p.Kmax;
-#pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
-  for (int64_t r = 0; r < N; ++r)
-    for (int slot = 0; slot < 2; ++slot) {
-      const int32_t j = p.pos[size_t(r) * 2 + slot];
-      if (j < 0) continue;
-      const float* src = gdx + int64_t(j) * d;
-      float* dst = dx + r * d;
-      for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
-    }
+  for_each_kept(p, N, d, [&](int64_t r, int, int64_t j) {
+    for (int64_t c = 0; c < d; ++c) dx[r * d + c] += gdx[j * d + c];
+  });
   // d(loss)/dp: the combine weights, plus aux_scale * K_g * f_e / N through P_e.
   std::fill(dz, dz + N * Kmax, 0.0f);
   for (int64_t r = 0; r < N; ++r) {
