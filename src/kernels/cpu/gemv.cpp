@@ -47,7 +47,8 @@ void nn_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, i
   for (int64_t i = 0; i < in; ++i)
     for (int64_t r = 0; r < M; ++r) {
       const float xi = x[r * ldx + i];
-      for (int64_t j = c.lo; j < c.hi; ++j) y[r * ldy + j] = std::fma(xi, widen(w[i * ldw + j]), y[r * ldy + j]);
+      for (int64_t j = c.lo; j < c.hi; ++j)
+        y[r * ldy + j] = std::fma(xi, widen(w[i * ldw + j]), i == 0 ? 0.0f : y[r * ldy + j]);
     }
 }
 
@@ -76,7 +77,8 @@ SIGMA_AVX512 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
 }
 
-// y[r, c] += sum_i x[r, i] w[i, c] over this thread's columns c, four rows of w per sweep so
+// y[r, c] = sum_i x[r, i] w[i, c] over this thread's columns c (y is overwritten: the first
+// sweep starts from zero, so nobody clears it first), four rows of w per sweep so
 // that y (in L1) is loaded and stored once per four weights. The next sweep's rows are
 // prefetched: the hardware prefetcher loses each row's stream at the jump to the next sweep
 // (single-thread stream rate 6.5 -> 13.7 GB/s against a 17.6 GB/s read, bench/bench_gemv).
@@ -100,7 +102,7 @@ SIGMA_AVX512 void nn_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, 
           _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j), _MM_HINT_T1);
       for (int r = 0; r < M; ++r) {
         float* yr = y + r * ldy + j;
-        __m512 acc = _mm512_maskz_loadu_ps(m, yr);
+        __m512 acc = i == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, yr);
         acc = _mm512_fmadd_ps(xs[r][0], a, acc);
         acc = _mm512_fmadd_ps(xs[r][1], b, acc);
         acc = _mm512_fmadd_ps(xs[r][2], cc, acc);
@@ -115,8 +117,8 @@ SIGMA_AVX512 void nn_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, 
       const __m512 a = load_w(w + i * ldw + j, m);
       for (int r = 0; r < M; ++r) {
         float* yr = y + r * ldy + j;
-        _mm512_mask_storeu_ps(yr, m, _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), a,
-                                                     _mm512_maskz_loadu_ps(m, yr)));
+        const __m512 acc = i == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, yr);
+        _mm512_mask_storeu_ps(yr, m, _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), a, acc));
       }
     }
 }
@@ -225,15 +227,14 @@ void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t
       const int64_t per = (units + blocks - 1) / blocks;
       const Range cols{std::min(out, blk * per * 16), std::min(out, (blk + 1) * per * 16)};
       float* pc = p + c * stride;
-      for (int64_t r = 0; r < M; ++r) std::fill(pc + r * out + cols.lo, pc + r * out + cols.hi, 0.0f);
       const int64_t i0 = c * kChunkRows, rows = std::min(kChunkRows, in - i0);
-      if (cols.lo < cols.hi)
+      if (cols.lo < cols.hi && rows > 0)
         with_rows<NN<W>::template K>(M, pc, out, x + i0, ldx, w + i0 * ldw, ldw, rows, cols);
     }
 #pragma omp barrier
     const Range c = share(out, 16);
     init_rows(y, ldy, b, M, accumulate, c);
-    for (int64_t r = 0; r < M; ++r)
+    for (int64_t r = 0; r < M && in > 0; ++r)
       for (int64_t k = 0; k < chunks; ++k) {
         float* yr = y + r * ldy;
         const float* pr = p + k * stride + r * out;
