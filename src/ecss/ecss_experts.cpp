@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstring>
+#include <tuple>
 
 #include "core/error.h"
 #include "ecss/expert_files.h"
@@ -160,12 +162,20 @@ void EcssExperts::reset_pool(int64_t slots) {
 void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
   const size_t n = ids.size();
   SIGMA_CHECK(n <= slot_id_.size(), "ECSS: {} experts for a pool of {} slots", n, slot_id_.size());
-  // The n least recently used slots (empty ones have never been used); ties by slot number.
+  // The n slots to refill: empty ones, then those whose expert's next use in the step is
+  // farthest (never again first), then the least recently used; ties by slot number.
   std::vector<int32_t> victims(slot_id_.size());
-  for (size_t i = 0; i < victims.size(); ++i) victims[i] = int32_t(i);
+  std::vector<int64_t> next(slot_id_.size(), INT64_MAX);
+  for (size_t i = 0; i < victims.size(); ++i) {
+    victims[i] = int32_t(i);
+    if (slot_full_[i] && micro_ >= 0) next[i] = next_use(slot_id_[i]);
+  }
   std::partial_sort(victims.begin(), victims.begin() + std::ptrdiff_t(n), victims.end(),
                     [&](int32_t a, int32_t b) {
-                      return std::pair(slot_used_[size_t(a)], a) < std::pair(slot_used_[size_t(b)], b);
+                      const auto key = [&](int32_t s) {
+                        return std::tuple(slot_full_[size_t(s)], -next[size_t(s)], slot_used_[size_t(s)], s);
+                      };
+                      return key(a) < key(b);
                     });
   std::vector<float*> dst(n);
   for (size_t i = 0; i < n; ++i) dst[i] = w_.f() + int64_t(victims[i]) * stride_;
@@ -190,6 +200,25 @@ void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
   }
 }
 
+// A training step's passes in order: per micro-batch j, the RRE blocks forward, then backward
+// in reverse (a Remat::Blocks recompute counts as its block's backward).
+int64_t EcssExperts::pass_position(int block, bool backward) const {
+  const ModelConfig& cfg = model_.config();
+  const int64_t L = cfg.rre_layers, l = block - cfg.first_rre_block();
+  return micro_ * 2 * L + (backward ? 2 * L - 1 - l : l);
+}
+
+int64_t EcssExperts::next_use(ExpertId id) const {
+  const int64_t o = store_.ordinal(id);
+  const int64_t L = model_.config().rre_layers, l = id.block - model_.config().first_rre_block();
+  for (int64_t j = micro_; j < int64_t(used_in_.size()); ++j) {
+    if (!used_in_[size_t(j)][size_t(o)]) continue;
+    for (const int64_t at : {j * 2 * L + l, j * 2 * L + 2 * L - 1 - l})
+      if (at > pass_at_) return at;
+  }
+  return INT64_MAX;
+}
+
 ExpertId EcssExperts::expert_id(int block, int e) const {
   const int32_t g = int32_t(std::upper_bound(first_.begin(), first_.end(), e) - first_.begin()) - 1;
   return {block, g, e - first_[size_t(g)]};
@@ -209,6 +238,14 @@ void EcssExperts::begin_step(std::span<const Batch> micro) {
   step_pieces_ = step_gathered_ = step_reused_ = 0;
   whole_step_ = int64_t(ids_.size()) <= budget_experts_;
   reset_pool(whole_step_ ? int64_t(ids_.size()) : budget_experts_);
+  used_in_.clear();
+  micro_ = -1;
+  for (size_t j = 0; !whole_step_ && j < micro.size(); ++j) {
+    std::vector<uint8_t>& used = used_in_.emplace_back(size_t(store_.num_experts()), 0);
+    const auto active = model_.active_experts(micro[j]);
+    for (size_t bi = 0; bi < active.size(); ++bi)
+      for (int e : active[bi]) used[size_t(store_.ordinal(expert_id(model_.config().first_rre_block() + int(bi), e)))] = 1;
+  }
   if (whole_step_) gather_and_bind(ids_);
   grads_pending_ = true;
 }
@@ -257,6 +294,7 @@ void EcssExperts::by_slices(int block, const RrePlan& p, Pass pass) {
 void EcssExperts::forward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
                           float* y, const float* x, int64_t N, int64_t d, int64_t f) {
   if (whole_step_) return LocalExperts::forward(block, w, p, b, y, x, N, d, f);
+  if (micro_ >= 0) pass_at_ = pass_position(block, false);
   by_slices(block, p, [&](const ExpertSlice& s) {
     rre_forward(y, b.pre, b.act, b.gx, b.gy, x, w, p, s, N, d, f);
   });
@@ -266,6 +304,7 @@ void EcssExperts::backward(int block, const RreWeights& w, const RrePlan& p,
                            const ExpertBuffers& b, float* dx, const float* dy, const float* x,
                            int64_t N, int64_t d, int64_t f) {
   if (whole_step_) return LocalExperts::backward(block, w, p, b, dx, dy, x, N, d, f);
+  if (micro_ >= 0) pass_at_ = pass_position(block, true);
   by_slices(block, p, [&](const ExpertSlice& s) {
     rre_backward(dx, b.scratch, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, s, N, d, f);
   });

@@ -85,6 +85,10 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   // of a step that was not applied (skipped as non-finite) are dropped. Waits for a running
   // prefetch first.
   void begin_step(std::span<const Batch> micro) override;
+  // The pool evicts the expert whose next use in the step is farthest (Belady's rule): the
+  // step knows every micro-batch's experts, and its passes run in a known order.
+  void begin_micro_batch(size_t j) override { micro_ = int64_t(j); }
+  void end_micro_batch() override { micro_ = -1; }
   // One RRE block's pass: over the bound experts, or slice by slice under the budget.
   void forward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b, float* y,
                const float* x, int64_t N, int64_t d, int64_t f) override;
@@ -161,6 +165,12 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   std::vector<int64_t> slot_used_;
   std::vector<int32_t> slot_of_;   // [store ordinal] its slot, -1 when not in the pool
   int64_t uses_ = 0;
+  // Farthest-next-use eviction: used_in_[j][store ordinal] = micro-batch j runs that expert;
+  // the current pass (micro_ = -1 outside a training micro-batch: least recently used then).
+  std::vector<std::vector<uint8_t>> used_in_;
+  int64_t micro_ = -1, pass_at_ = 0;
+  int64_t next_use(ExpertId id) const;  // position of its next pass in the step, or INT64_MAX
+  int64_t pass_position(int block, bool backward) const;
   GradientArea grads_;
   std::thread prefetcher_;
   OffloadStats stats_;
