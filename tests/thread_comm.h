@@ -52,7 +52,7 @@ class ThreadComm final : public Communicator {
     count_uniform(counts[rank_] * 4);
     post(in);
     for (int r = 0; r < size(); ++r) {
-      std::memcpy(out, s_->posted[size_t(r)], size_t(counts[r]) * sizeof(float));
+      if (counts[r] > 0) std::memcpy(out, s_->posted[size_t(r)], size_t(counts[r]) * sizeof(float));
       out += counts[r];
     }
     s_->sync.arrive_and_wait();
@@ -68,8 +68,9 @@ class ThreadComm final : public Communicator {
       int64_t off = 0;
       for (int q = 0; q < rank_; ++q) off += s_->counts[size_t(r)][q];
       if (s_->counts[size_t(r)][rank_] != recv_counts[r]) std::abort();  // a test bug
-      std::memcpy(recv, static_cast<const float*>(s_->posted[size_t(r)]) + off,
-                  size_t(recv_counts[r]) * sizeof(float));
+      if (recv_counts[r] > 0)  // empty buffers may be null, and memcpy takes no null
+        std::memcpy(recv, static_cast<const float*>(s_->posted[size_t(r)]) + off,
+                    size_t(recv_counts[r]) * sizeof(float));
       recv += recv_counts[r];
     }
     s_->sync.arrive_and_wait();
