@@ -115,12 +115,15 @@ EcssExperts::~EcssExperts() {
 
 int64_t EcssExperts::params() const { return store_.num_experts() * P_; }
 
-std::vector<ExpertId> EcssExperts::active_ids(std::span<const Batch> micro) const {
+std::vector<EcssExperts::Active> EcssExperts::active_of(std::span<const Batch> micro) const {
+  std::vector<Active> active;
+  for (const Batch& b : micro) active.push_back(model_.active_experts(b));
+  return active;
+}
+
+std::vector<ExpertId> EcssExperts::active_ids(const std::vector<Active>& active) const {
   const ModelConfig& cfg = model_.config();
   const int first = cfg.first_rre_block(), E = first_.back();
-  std::vector<std::vector<std::vector<int>>> active;  // [micro][RRE block] -> experts
-  if (mode_ == ExpertMode::Ecss)
-    for (const Batch& b : micro) active.push_back(model_.active_experts(b));
   std::vector<ExpertId> ids;
   std::vector<uint8_t> used;
   for (int l = first; l < cfg.layers; ++l) {
@@ -234,17 +237,18 @@ void EcssExperts::release_grads() {
 void EcssExperts::begin_step(std::span<const Batch> micro) {
   join_prefetch();
   if (grads_pending_) release_grads();  // the last step was not applied: its gradients go
-  ids_ = active_ids(micro);
+  const std::vector<Active> active = active_of(micro);
+  ids_ = active_ids(active);
   step_pieces_ = step_gathered_ = step_reused_ = 0;
   whole_step_ = int64_t(ids_.size()) <= budget_experts_;
   reset_pool(whole_step_ ? int64_t(ids_.size()) : budget_experts_);
   used_in_.clear();
   micro_ = -1;
-  for (size_t j = 0; !whole_step_ && j < micro.size(); ++j) {
+  const int first = model_.config().first_rre_block();
+  for (size_t j = 0; !whole_step_ && j < active.size(); ++j) {  // for the eviction rule
     std::vector<uint8_t>& used = used_in_.emplace_back(size_t(store_.num_experts()), 0);
-    const auto active = model_.active_experts(micro[j]);
-    for (size_t bi = 0; bi < active.size(); ++bi)
-      for (int e : active[bi]) used[size_t(store_.ordinal(expert_id(model_.config().first_rre_block() + int(bi), e)))] = 1;
+    for (size_t bi = 0; bi < active[j].size(); ++bi)
+      for (int e : active[j][bi]) used[size_t(store_.ordinal(expert_id(first + int(bi), e)))] = 1;
   }
   if (whole_step_) gather_and_bind(ids_);
   grads_pending_ = true;
@@ -313,7 +317,7 @@ void EcssExperts::backward(int block, const RreWeights& w, const RrePlan& p,
 void EcssExperts::prefetch(std::span<const Batch> next) {
   if (!store_.file_backed()) return;
   join_prefetch();
-  std::vector<ExpertId> ids = active_ids(next);
+  std::vector<ExpertId> ids = active_ids(active_of(next));
   // Records that outgrow the budget would only evict this step's pages (and each other)
   // before they are used: a 27 GB prefetch through a 16 GB page cache read everything twice.
   uint64_t bytes = 0;

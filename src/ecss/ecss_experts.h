@@ -9,7 +9,7 @@
 // in pieces: the buffers become a pool of that many slots, and each RRE block's forward and
 // backward pass first runs the experts an earlier pass of the step left in the pool (the
 // weights change only in update(), so a copy stays valid for the whole step), then gathers the
-// rest a pool-full at a time into the slots used least recently. Gradients never sit in the
+// rest a pool-full at a time into the slots whose experts the step needs farthest ahead. Gradients never sit in the
 // compute buffers: they accumulate in a GradientArea (page cache beside a file store), in
 // micro-batch order; each expert runs once per pass whatever the slicing, which makes the bits
 // independent of the budget.
@@ -77,7 +77,7 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   int64_t budget_experts() const { return budget_experts_; }  // experts the budget holds
   bool grads_in_file() const { return grads_.file_backed(); }
   // The experts these micro-batches activate (every expert in vanilla mode).
-  int64_t count_active(std::span<const Batch> micro) const { return int64_t(active_ids(micro).size()); }
+  int64_t count_active(std::span<const Batch> micro) const { return int64_t(active_ids(active_of(micro)).size()); }
 
   // Step start: the experts the micro-batches route to (every expert in vanilla mode) become
   // the step's set; when they fit the budget they are copied into compute buffers and bound to
@@ -130,7 +130,10 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
 
  private:
   void join_prefetch();
-  std::vector<ExpertId> active_ids(std::span<const Batch> micro) const;
+  using Active = std::vector<std::vector<int>>;  // [RRE block] -> a micro-batch's experts
+  std::vector<Active> active_of(std::span<const Batch> micro) const;  // per micro-batch
+  // The step's experts: those `active` names (vanilla: every expert).
+  std::vector<ExpertId> active_ids(const std::vector<Active>& active) const;
   // Empties the pool and gives it `slots` slots (the buffers grow to the largest seen).
   void reset_pool(int64_t slots);
   // Copies `ids` from the store into the pool's least recently used slots and binds them

@@ -164,9 +164,9 @@ void ExpertParallel::bind_step_experts(std::span<const Batch> micro) {
   for (const ExpertId& id : ids_) model_.bind_expert(id.block, groups_[size_t(id.group)].E0 + id.expert, nullptr, nullptr);
   // A learned gate picks experts only inside the forward pass: every expert may be used (the
   // update touches only those that received rows, update()).
-  std::vector<uint8_t> used(size_t(blocks_) * size_t(E_), model_.config().gated() ? 1 : 0);
-  for (const Batch& b : micro) {
-    if (model_.config().gated()) break;
+  const bool gated = model_.config().gated();
+  std::vector<uint8_t> used(size_t(blocks_) * size_t(E_), gated ? 1 : 0);
+  for (const Batch& b : gated ? std::span<const Batch>{} : micro) {
     const auto active = model_.active_experts(b);
     for (int bi = 0; bi < blocks_; ++bi)
       for (int e : active[size_t(bi)]) used[size_t(bi) * size_t(E_) + size_t(e)] = 1;
@@ -284,17 +284,9 @@ void ExpertParallel::exchange_plans(int block, Communicator& c, const RrePlan& p
   for (size_t e = 0; e < E; ++e) mine[e] = double(p.rows(int(e)));
   c.all_gather(all.data(), mine.data(), int64_t(E));
   for (size_t m = 0; m < n; ++m) {
-    RrePlan& q = s.plans[size_t(c.world_rank(int(m)))];
-    q.start.assign(E + 1, 0);
-    q.expert.clear();
-    for (size_t e = 0; e < E; ++e) {
-      const int64_t rows = int64_t(all[m * E + e]);
-      q.start[e + 1] = q.start[e] + rows;
-      q.expert.insert(q.expert.end(), size_t(rows), int32_t(e));
-    }
-    q.order.resize(q.expert.size());
-    std::iota(q.order.begin(), q.order.end(), 0);
-    q.single = -1;
+    std::vector<int64_t> start(E + 1, 0);
+    for (size_t e = 0; e < E; ++e) start[e + 1] = start[e] + int64_t(all[m * E + e]);
+    grouped_plan(s.plans[size_t(c.world_rank(int(m)))], std::move(start));
   }
 }
 

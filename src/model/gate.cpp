@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 
 #include "kernels/ops.h"
 #include "model/ffn.h"
@@ -140,16 +139,7 @@ void gate_route(GatePlan& p, float* z, const float* x, const RreWeights& w,
 
 }
 
-void gate_expert_plan(RrePlan& q, const GatePlan& p) {
-  const int64_t A = p.assigned;
-  q.start = p.start;
-  q.expert.resize(size_t(A));
-  for (size_t e = 0; e + 1 < p.start.size(); ++e)
-    std::fill(q.expert.begin() + p.start[e], q.expert.begin() + p.start[e + 1], int32_t(e));
-  q.order.resize(size_t(A));
-  std::iota(q.order.begin(), q.order.end(), 0);
-  q.single = -1;
-}
+void gate_expert_plan(RrePlan& q, const GatePlan& p) { grouped_plan(q, p.start); }
 
 void gate_gather(float* gx, const GatePlan& p, const float* x, int64_t d) {
   const int64_t A = p.assigned;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "core/error.h"
 #include "kernels/ops.h"
@@ -32,6 +33,17 @@ ExpertSlice whole_plan(const RrePlan& p) {
   int busy = 0;
   for (int e = 0; e < E; ++e) busy += p.rows(e) > 0;
   return {0, E, busy >= 2 * omp_get_max_threads() && !omp_in_parallel()};
+}
+
+void grouped_plan(RrePlan& p, std::vector<int64_t> start) {
+  p.start = std::move(start);
+  const int64_t N = p.start.back();
+  p.expert.resize(size_t(N));
+  for (size_t e = 0; e + 1 < p.start.size(); ++e)
+    std::fill(p.expert.begin() + p.start[e], p.expert.begin() + p.start[e + 1], int32_t(e));
+  p.order.resize(size_t(N));
+  std::iota(p.order.begin(), p.order.end(), 0);
+  p.single = -1;
 }
 
 void rre_plan(RrePlan& p, const RreWeights& w, const int32_t* tokens, const int32_t* row_group,

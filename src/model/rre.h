@@ -24,6 +24,9 @@ struct RrePlan {
 // Fills `p` for N rows: row i has input token tokens[i] and belongs to group row_group[i].
 void rre_plan(RrePlan& p, const RreWeights& w, const int32_t* tokens, const int32_t* row_group,
               int64_t N);
+// A plan of rows already grouped by expert (a learned gate's gathered rows): expert e holds
+// rows start[e] .. start[e+1]; the order is the identity.
+void grouped_plan(RrePlan& p, std::vector<int64_t> start);
 
 // The experts [begin, end) of a block (global indices), run in one call; rows of the others are
 // left alone. side_by_side: run the experts one per thread (else each forks over all threads),
