@@ -675,6 +675,8 @@ std::vector<Case> all_cases() {
   add_attention(cs, 2, 5, 33, 3, 4, false, seed += 10);     // queries behind an offset
   add_attention(cs, 1, 1, 33, 2, 7, false, seed += 10);     // one decoding step
   add_attention(cs, 1, 130, 131, 1, 3, false, seed += 10);  // offset 1, two row blocks
+  // Past kParallelMacs: the threaded oneDNN path (the cases above run on the calling thread).
+  add_attention(cs, 2, 131, 131, 4, 16, false, seed += 10);
   add_attention_bf16(cs, 2, 7, 7, 3, 5, false, seed += 10);
   add_attention_bf16(cs, 2, 131, 131, 2, 5, false, seed += 10);  // two row blocks
   add_attention_bf16(cs, 2, 33, 33, 1, 7, true, seed += 10);

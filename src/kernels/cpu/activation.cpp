@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/vexp.h"
 
 namespace sigma::cpu {
@@ -11,7 +12,7 @@ constexpr float kGeluAlpha = 1.702f;
 constexpr int64_t kChunk = 4096;  // sigmoid scratch per chunk stays in L1/L2
 
 void fast_gelu_forward(float* y, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * kExpMacs > kParallelMacs)
   for (int64_t c = 0; c < n; c += kChunk) {
     const int64_t m = std::min(kChunk, n - c);
     float s[kChunk];
@@ -21,7 +22,7 @@ void fast_gelu_forward(float* y, const float* x, int64_t n) {
 }
 
 void fast_gelu_backward(float* dx, const float* dy, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * kExpMacs > kParallelMacs)
   for (int64_t c = 0; c < n; c += kChunk) {
     const int64_t m = std::min(kChunk, n - c);
     float s[kChunk];

@@ -9,6 +9,7 @@
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/bf16_vec.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/vexp.h"
 
 namespace sigma::cpu {
@@ -22,6 +23,10 @@ void check_shape(const AttnShape& s) {
   SIGMA_CHECK(s.Tq >= 0 && s.Tq <= s.Tk && s.hd > 0 && s.H > 0,
               "attention: need 0 <= Tq <= Tk and H, hd > 0 (got B={} Tq={} Tk={} H={} hd={})",
               s.B, s.Tq, s.Tk, s.H, s.hd);
+}
+// A forward pass's two products; a decode step's (one query a row) run on the calling thread.
+bool worth_threads(const AttnShape& s) {
+  return 2 * s.B * s.H * s.Tq * s.Tk * s.hd > kParallelMacs;
 }
 }  // namespace
 
@@ -109,11 +114,50 @@ void block_scores(float* S, int64_t ld, const float* qb, int64_t ldq, const floa
                   int64_t ldk, int64_t i0, int64_t i1, int64_t off, int64_t hd, float scale) {
   gemm(false, true, i1 - i0, off + i1, hd, scale, qb + i0 * ldq, ldq, kb, ldk, 0.0f, S, ld);
 }
+
+// The same attention for little work (a decode step: one query a row, a few hundred keys) on
+// the calling thread, without oneDNN: a product of one row is a GEMV, which oneDNN would run
+// in a parallel region of its own (woken threads, and new ones when nested).
+void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k, AttnOperand v,
+                            AttnShape s, float scale) {
+  const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, hd = s.hd, d = s.H * s.hd;
+  thread_local std::vector<float> scores;
+  scores.resize(size_t(Tk));
+  float* S = scores.data();
+  for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
+    const int64_t b = bh / s.H, h = bh % s.H;
+    const float* kb = k.p + b * k.bs + h * hd;
+    const float* vb = v.p + b * v.bs + h * hd;
+    for (int64_t i = 0; i < Tq; ++i) {
+      const float* qi = q.p + b * q.bs + i * q.ld + h * hd;
+      const int64_t n = off + i + 1;  // keys this row sees
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kj = kb + j * k.ld;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t c = 0; c < hd; ++c) dot += qi[c] * kj[c];
+        S[j] = scale * dot;
+      }
+      const float mx = max_of(S, n), sum = exp_shift_sum(S, n, mx);
+      lse[bh * Tq + i] = mx + std::log(sum);
+      scale_into(S, S, n, 1.0f / sum);
+      float* o = out + (b * Tq + i) * d + h * hd;
+      std::fill_n(o, hd, 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vj = vb + j * v.ld;
+        const float p = S[j];
+#pragma omp simd
+        for (int64_t c = 0; c < hd; ++c) o[c] += p * vj[c];
+      }
+    }
+  }
+}
 }  // namespace
 
 void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand k, AttnOperand v,
                              AttnShape s, float scale) {
   check_shape(s);
+  if (!worth_threads(s)) return attention_rows_forward(out, lse, q, k, v, s, scale);
   const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, hd = s.hd, d = s.H * s.hd;
   const int64_t blocks = (Tq + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel
@@ -213,7 +257,7 @@ Bf16Operand convert(const float* p, int64_t ld, int64_t bs, int64_t B, int64_t r
                     int64_t hd, std::vector<uint16_t>& buf) {
   const int64_t nb = bs == 0 ? 1 : B;
   buf.resize(size_t(nb * H * rows * hd));
-#pragma omp parallel for collapse(2) schedule(static) if (nb * H * rows * hd > (1 << 16))
+#pragma omp parallel for collapse(2) schedule(static) if (nb * H * rows * hd > kParallelFloats)
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t r = 0; r < rows; ++r)

@@ -1,10 +1,12 @@
 #include "kernels/cpu/embedding.h"
 
+#include "kernels/cpu/parallel.h"
+
 namespace sigma::cpu {
 
 void embedding_forward(float* out, const int32_t* rows, const float* table, const float* pos,
                        int64_t B, int64_t T, int64_t d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (B * T * d > kParallelFloats)
   for (int64_t i = 0; i < B * T; ++i) {
     const float* e = table + static_cast<int64_t>(rows[i]) * d;
     const float* p = pos + (i % T) * d;

@@ -1,7 +1,6 @@
 #include "kernels/cpu/gemv.h"
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -10,32 +9,34 @@
 #include "core/bf16.h"
 #include "core/error.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/spin_team.h"
 
 namespace sigma::cpu {
 
 namespace {
 
-// Below this many weights one thread streams them faster than two can be woken.
+// Below this many weights one thread streams them faster than two can start.
 constexpr int64_t kParallelWeights = int64_t(1) << 16;
 
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return from_bf16(w); }
 
-// [lo, hi) of this thread's share of n items, in units of `unit` (SIMD width or row group).
+// [lo, hi): columns or rows of w.
 struct Range {
   int64_t lo, hi;
 };
-Range share(int64_t n, int64_t unit) {
-  const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-  const int64_t units = (n + unit - 1) / unit, per = (units + nt - 1) / nt;
-  return {std::min(n, t * per * unit), std::min(n, (t + 1) * per * unit)};
-}
 
-// y rows [M, lo..hi) = (accumulate ? y : 0) + b.
-void init_rows(float* y, int64_t ldy, const float* b, int64_t M, bool accumulate, Range c) {
+// y rows [M, lo..hi) = (accumulate ? y : 0) + b + the partials p [chunks][M][out], in chunk
+// order.
+void sum_rows(float* y, int64_t ldy, const float* b, int64_t M, bool accumulate, Range c,
+              const float* p, int64_t chunks, int64_t out) {
   for (int64_t r = 0; r < M; ++r) {
     float* row = y + r * ldy;
     for (int64_t j = c.lo; j < c.hi; ++j) row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[j] : 0.0f);
+    for (int64_t k = 0; k < chunks; ++k) {
+      const float* pr = p + (k * M + r) * out;
+      for (int64_t j = c.lo; j < c.hi; ++j) row[j] += pr[j];
+    }
   }
 }
 
@@ -206,6 +207,20 @@ struct NT {
 // 12). The chunk bounds do not depend on the thread count, so neither do the bits.
 constexpr int64_t kChunkRows = 64;
 
+// The items of a product of `weights` weights, on the spin team (kernels/cpu/spin_team.h) when
+// it is large enough: a decode step runs dozens of these back to back.
+template <class Fn>
+void run_items(int64_t weights, int64_t items, Fn&& fn) {
+  if (weights >= kParallelWeights) return for_each_item(items, fn);
+  for (int64_t i = 0; i < items; ++i) fn(i);
+}
+
+// Columns [lo, hi) of block `blk` of `blocks` over out columns, in SIMD widths.
+Range column_block(int64_t out, int64_t blk, int64_t blocks) {
+  const int64_t per = ((out + 15) / 16 + blocks - 1) / blocks;
+  return {std::min(out, blk * per * 16), std::min(out, (blk + 1) * per * 16)};
+}
+
 template <class W>
 void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t in, int64_t out,
         bool accumulate, Strides ld) {
@@ -217,30 +232,21 @@ void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t
   thread_local std::vector<float> partial;  // [chunks][M][out]
   partial.resize(size_t(chunks * stride));
   float* p = partial.data();
-#pragma omp parallel if (in * out >= kParallelWeights)
-  {
-    // Work items: chunk x column block, the column blocks only as many as the threads need.
-    const int64_t nt = omp_get_num_threads(), blocks = (nt + chunks - 1) / chunks;
-    const Range items = share(chunks * blocks, 1);
-    for (int64_t it = items.lo; it < items.hi; ++it) {
-      const int64_t c = it / blocks, blk = it % blocks, units = (out + 15) / 16;
-      const int64_t per = (units + blocks - 1) / blocks;
-      const Range cols{std::min(out, blk * per * 16), std::min(out, (blk + 1) * per * 16)};
-      float* pc = p + c * stride;
-      const int64_t i0 = c * kChunkRows, rows = std::min(kChunkRows, in - i0);
-      if (cols.lo < cols.hi && rows > 0)
-        with_rows<NN<W>::template K>(M, pc, out, x + i0, ldx, w + i0 * ldw, ldw, rows, cols);
-    }
-#pragma omp barrier
-    const Range c = share(out, 16);
-    init_rows(y, ldy, b, M, accumulate, c);
-    for (int64_t r = 0; r < M && in > 0; ++r)
-      for (int64_t k = 0; k < chunks; ++k) {
-        float* yr = y + r * ldy;
-        const float* pr = p + k * stride + r * out;
-        for (int64_t j = c.lo; j < c.hi; ++j) yr[j] += pr[j];
-      }
-  }
+  // An item is a chunk of whole rows (one contiguous stream), split into column blocks only
+  // when there are too few chunks for the threads.
+  const int64_t blocks = std::max<int64_t>(1, (2 * team_threads() + chunks - 1) / chunks);
+  run_items(in * out, chunks * blocks, [&](int64_t it) {
+    const int64_t c = it / blocks, i0 = c * kChunkRows, rows = std::min(kChunkRows, in - i0);
+    const Range cols = column_block(out, it % blocks, blocks);
+    if (cols.lo < cols.hi && rows > 0)
+      with_rows<NN<W>::template K>(M, p + c * stride, out, x + i0, ldx, w + i0 * ldw, ldw, rows,
+                                   cols);
+  });
+  // The chunk sums, in order, by column blocks.
+  const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 511) / 512;
+  run_items(sum_chunks * stride, sum_blocks, [&](int64_t blk) {
+    sum_rows(y, ldy, b, M, accumulate, column_block(out, blk, sum_blocks), p, sum_chunks, out);
+  });
 }
 
 template <class W>
@@ -248,11 +254,11 @@ void nt(float* y, const float* x, const W* w, int64_t M, int64_t in, int64_t out
         int64_t ldw, int64_t ldy) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
   if (M == 0 || out == 0) return;
-#pragma omp parallel if (in * out >= kParallelWeights)
-  {
-    const Range rows = share(out, 4);
-    if (rows.lo < rows.hi) with_rows<NT<W>::template K>(M, y, ldy, x, ldx, w, ldw, in, rows);
-  }
+  constexpr int64_t kGroup = 64;  // rows of w an item streams
+  run_items(in * out, (out + kGroup - 1) / kGroup, [&](int64_t g) {
+    const Range rows{g * kGroup, std::min(out, (g + 1) * kGroup)};
+    with_rows<NT<W>::template K>(M, y, ldy, x, ldx, w, ldw, in, rows);
+  });
 }
 
 // dst[rows, cols] (contiguous) = src16 widened, row stride ld.

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/parallel.h"
+
 namespace sigma::cpu {
 
 // The row sums run in SIMD lanes (omp simd reductions: partial sums per lane, then combined).
@@ -25,7 +27,7 @@ float row_sq_dev(const float* x, float m, int64_t C) {
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,
                        const float* b, int64_t N, int64_t C) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * C > kParallelFloats)
   for (int64_t i = 0; i < N; ++i) {
     const float* xi = x + i * C;
     const float m = row_sum(xi, C) / C;
@@ -41,7 +43,7 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, con
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x,
                         const float* mean, const float* rstd, const float* w, int64_t N,
                         int64_t C) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * C > kParallelFloats)
   for (int64_t i = 0; i < N; ++i) {
     const float* xi = x + i * C;
     const float* di = dout + i * C;
@@ -63,7 +65,7 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
   // Parameter gradients: each thread owns a column range, rows summed in order.
   constexpr int64_t kChunk = 64;
   const int64_t chunks = (C + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * C > kParallelFloats)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t j0 = c * kChunk, j1 = std::min(C, j0 + kChunk);
     float aw[kChunk] = {}, ab[kChunk] = {};

@@ -3,11 +3,9 @@
 #include <algorithm>
 #include <cstring>
 
-namespace sigma::cpu {
+#include "kernels/cpu/parallel.h"
 
-// Row copies are memory-bound and cheap: only a large batch is worth an OpenMP region (on a
-// busy machine, waking a second thread costs more than copying a megabyte).
-constexpr int64_t kParallelFloats = int64_t(1) << 18;
+namespace sigma::cpu {
 
 void copy(float* dst, const float* src, int64_t n) {
   if (n > 0) std::memcpy(dst, src, size_t(n) * sizeof(float));

@@ -3,13 +3,14 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/vexp.h"
 
 namespace sigma::cpu {
 
 void softmax_xent(float* logits, float* loss, const int32_t* targets, const float* grad_scale,
                   int64_t N, int64_t V) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * V > kParallelFloats)
   for (int64_t i = 0; i < N; ++i) {
     float* row = logits + i * V;
     const float target_logit = row[targets[i]];

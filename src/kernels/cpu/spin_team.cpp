@@ -1,0 +1,112 @@
+#include "kernels/cpu/spin_team.h"
+
+#include <immintrin.h>
+#include <omp.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+
+namespace sigma::cpu {
+
+namespace {
+
+thread_local bool t_helper = false;  // a job's items run their own nested jobs alone
+
+// Spins until done() or the budget has passed (forever for a zero budget); between checks a
+// pause, and every 64 a sched_yield, so that a thread that wants this core gets it.
+template <class Done>
+bool spin_until(Done&& done, std::chrono::microseconds budget) {
+  const auto start = std::chrono::steady_clock::now();
+  for (uint32_t i = 1;; ++i) {
+    if (done()) return true;
+    _mm_pause();
+    if (i % 64 == 0) {
+      if (budget.count() > 0 && std::chrono::steady_clock::now() - start > budget) return false;
+      sched_yield();
+    }
+  }
+}
+
+struct Job {
+  void (*fn)(void*, int64_t);
+  void* ctx;
+  int64_t items;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void claim_items() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      fn(ctx, i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+class Team {
+ public:
+  explicit Team(int helpers) {
+    for (int t = 0; t < helpers; ++t) std::thread([this] { serve(); }).detach();
+  }
+
+  // False (nothing run) when another thread's job is running.
+  bool run(void (*fn)(void*, int64_t), void* ctx, int64_t items) {
+    if (busy_.exchange(true, std::memory_order_acquire)) return false;
+    Job job{fn, ctx, items};
+    job_.store(&job);
+    generation_.fetch_add(1);  // seq_cst, like every access below: ordered before sleeping_
+    if (sleeping_.load() > 0) generation_.notify_all();
+    job.claim_items();
+    spin_until([&] { return job.done.load(std::memory_order_acquire) == items; },
+               std::chrono::microseconds(0));
+    // A helper that took &job before this store has counted itself in active_ first.
+    job_.store(nullptr);
+    spin_until([&] { return active_.load() == 0; }, std::chrono::microseconds(0));
+    busy_.store(false, std::memory_order_release);
+    return true;
+  }
+
+ private:
+  [[noreturn]] void serve() {
+    t_helper = true;
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t now = 0;
+      auto moved = [&] { return (now = generation_.load()) != seen; };
+      if (!spin_until(moved, kSpinBudget)) {
+        sleeping_.fetch_add(1);  // a run() that reads 0 here has moved generation_ already
+        while (!moved()) generation_.wait(seen);
+        sleeping_.fetch_sub(1);
+      }
+      seen = now;
+      active_.fetch_add(1);
+      if (Job* job = job_.load()) job->claim_items();
+      active_.fetch_sub(1);
+    }
+  }
+
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<Job*> job_{nullptr};
+  std::atomic<int> sleeping_{0}, active_{0};
+  std::atomic<bool> busy_{false};
+};
+
+// Helpers for OpenMP's thread count at first use. Never destroyed: a job may still run on
+// another thread while the process exits.
+Team* team() {
+  static Team* t = new Team(std::max(0, omp_get_max_threads() - 1));
+  return t;
+}
+
+}  // namespace
+
+int team_threads() { return omp_get_max_threads(); }
+
+void detail::for_each_item(int64_t items, void (*fn)(void*, int64_t), void* ctx) {
+  if (items > 1 && !t_helper && !omp_in_parallel() && omp_get_max_threads() > 1 &&
+      team()->run(fn, ctx, items))
+    return;
+  for (int64_t i = 0; i < items; ++i) fn(ctx, i);
+}
+
+}  // namespace sigma::cpu

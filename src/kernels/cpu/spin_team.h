@@ -1,0 +1,38 @@
+// Helper threads that wait for work by spinning, for kernels of tens of microseconds that run
+// back to back: batch-1 decoding streams one GEMV per weight matrix, 33 a token at d = 512.
+// Under OpenMP's passive wait (sigma's default, apps/sigma.cpp) an idle thread sleeps at once,
+// and waking a sleeping core costs 55-70 us on this machine (a VM without halt polling:
+// docs/benchmarks.md, issue 12), about what a decode GEMV takes. A helper here spins for up to
+// kSpinBudget after each job, yielding its core to any other runnable thread as it spins, then
+// sleeps until the next job.
+//
+// A job is a count of items that the caller and the helpers claim one at a time, so the caller
+// never waits for a helper that has not started (one preempted on a busy machine, or asleep):
+// it runs the unclaimed items itself, and waits only for items already running.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <type_traits>
+
+namespace sigma::cpu {
+
+constexpr auto kSpinBudget = std::chrono::microseconds(200);
+
+namespace detail {
+void for_each_item(int64_t items, void (*fn)(void* ctx, int64_t item), void* ctx);
+}
+
+// Threads that may run a job's items (OpenMP's thread count): for sizing the items.
+int team_threads();
+
+// Runs fn(item) once for each item in [0, items), on the calling thread and any free helpers,
+// and returns when all have run. Only the calling thread inside an OpenMP region, on a helper,
+// or while another thread's job runs. fn must not throw.
+template <class Fn>
+void for_each_item(int64_t items, Fn&& fn) {
+  using F = std::remove_reference_t<Fn>;
+  detail::for_each_item(
+      items, [](void* c, int64_t i) { (*static_cast<F*>(c))(i); }, &fn);
+}
+
+}  // namespace sigma::cpu

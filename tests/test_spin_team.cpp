@@ -1,0 +1,108 @@
+// The spin team (kernels/cpu/spin_team.h): every item of a job runs exactly once, whoever
+// claims it; helpers take part, also after sleeping past their spin budget; nested jobs,
+// jobs inside OpenMP regions and jobs from two threads at once run correctly.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "kernels/cpu/spin_team.h"
+
+using namespace sigma;
+
+namespace {
+
+// Runs a job of `items` items of about `micros` each; counts each item's runs, and whether an
+// item ran on a thread other than the caller.
+struct Probe {
+  std::vector<std::atomic<int>> runs;
+  std::atomic<bool> helped{false};
+  explicit Probe(int64_t items) : runs(size_t(items)) {}
+  void run(int64_t micros) {
+    const auto caller = std::this_thread::get_id();
+    cpu::for_each_item(int64_t(runs.size()), [&](int64_t i) {
+      runs[size_t(i)].fetch_add(1);
+      if (std::this_thread::get_id() != caller) helped = true;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(micros);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+    });
+  }
+  bool each_once() const {
+    for (const auto& r : runs)
+      if (r.load() != 1) return false;
+    return true;
+  }
+};
+
+// Jobs until a helper took an item (at most 2 s); with `pause` between jobs, past the budget.
+bool helpers_take_part(std::chrono::microseconds pause) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (std::chrono::steady_clock::now() < deadline) {
+    Probe p(16);
+    p.run(50);
+    EXPECT_TRUE(p.each_once());
+    if (p.helped) return true;
+    std::this_thread::sleep_for(pause);
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST(SpinTeam, EveryItemRunsOnceAndHelpersTakePart) {
+  omp_set_num_threads(2);
+  ASSERT_EQ(cpu::team_threads(), 2);
+  for (int64_t items : {0, 1, 2, 7, 1000}) {
+    Probe p(items);
+    p.run(1);
+    EXPECT_TRUE(p.each_once()) << items << " items";
+  }
+  EXPECT_TRUE(helpers_take_part(std::chrono::microseconds(0)));
+}
+
+TEST(SpinTeam, SleepingHelpersWakeForTheNextJob) {
+  omp_set_num_threads(2);
+  // Well past kSpinBudget between jobs: the helper sleeps, and the next job must wake it.
+  EXPECT_TRUE(helpers_take_part(10 * cpu::kSpinBudget));
+}
+
+TEST(SpinTeam, OneThreadAndOpenMpRegionsRunTheItemsOnTheCaller) {
+  omp_set_num_threads(1);
+  Probe alone(64);
+  alone.run(5);
+  EXPECT_TRUE(alone.each_once());
+  EXPECT_FALSE(alone.helped);
+  omp_set_num_threads(2);
+#pragma omp parallel num_threads(2)
+  {
+    Probe inside(64);  // one job per OpenMP thread, each on its own thread
+    inside.run(5);
+    EXPECT_TRUE(inside.each_once());
+    EXPECT_FALSE(inside.helped);
+  }
+}
+
+TEST(SpinTeam, NestedJobsAndJobsFromTwoThreadsRunEachItemOnce) {
+  omp_set_num_threads(2);
+  std::vector<std::atomic<int>> runs(64 * 8);
+  cpu::for_each_item(64, [&](int64_t i) {
+    cpu::for_each_item(8, [&](int64_t j) { runs[size_t(i * 8 + j)].fetch_add(1); });
+  });
+  for (const auto& r : runs) EXPECT_EQ(r.load(), 1);
+  std::atomic<int> failures{0};
+  auto client = [&] {
+    for (int k = 0; k < 200; ++k) {
+      Probe p(33);
+      p.run(0);
+      if (!p.each_once()) ++failures;
+    }
+  };
+  std::thread a(client), b(client);
+  a.join();
+  b.join();
+  EXPECT_EQ(failures.load(), 0);
+}
