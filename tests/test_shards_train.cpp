@@ -204,3 +204,26 @@ TEST_F(ShardsTrain, RelativeDataPathResumesFromAnotherDirectory) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(open_checkpoint(*dir / "rel/checkpoints").state.step, 6);
 }
+
+// One domain per micro-batch: `sigma train` runs a step's micro-batches in expert-group order,
+// so under a memory budget that holds one group's experts (3 of the 5) but not both groups',
+// ECSS gathers each active expert once a step, as a budget that holds the whole step does,
+// and needs one piece per group. In the order drawn (groups alternating) it gathered 1.8x that.
+TEST_F(ShardsTrain, OneDomainMicroBatchesRunInGroupOrderAndGatherEachExpertOnce) {
+  const int64_t d = 32, f = 4 * d, expert_floats = d * f + f + f * d + d;
+  auto ecss_of = [&](const std::string& budget) {
+    const std::string out = *dir / ("order-" + budget);
+    auto r = sigma_cmd(train_args() + "--set train.experts=ecss --set train.accum=8 "
+                       "--set train.steps=4 --set 'data.sampler={\"one_domain_per_batch\": true}' "
+                       "--set train.expert_memory=" + budget + " --out " + out);
+    EXPECT_EQ(r.code, 0) << r.out;
+    std::ifstream in(out + "/summary.json");
+    return nlohmann::json::parse(in).at("ecss");
+  };
+  const auto whole = ecss_of("auto"), small = ecss_of(std::to_string(3 * 4 * expert_floats + 1000));
+  EXPECT_EQ(small["compute_buffer_mib"].get<double>() * (1 << 20), 3.0 * 4 * expert_floats)
+      << small.dump();
+  EXPECT_EQ(small["gathered_gib_per_step"], whole["gathered_gib_per_step"]) << small.dump();
+  EXPECT_EQ(small["pieces_per_step"].get<double>(), 2.0) << small.dump();
+  EXPECT_EQ(small["records_gib_per_step"], whole["records_gib_per_step"]);
+}

@@ -4,6 +4,7 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "data/sampler.h"
 #include "dist/communicator.h"
 #include "kernels/ops.h"
 #include "model/routing.h"
@@ -216,6 +218,7 @@ class RunLoop {
   // ECSS reads step t+1's batches during step t to prefetch its experts.
   std::vector<Batch> micro_, next_;
   bool have_next_ = false;
+  bool group_order_ = false;  // a step's micro-batches sorted by expert group (fetch)
   nlohmann::json cursor_after_step_;  // the data cursor before step t+1's batches were read
   double exchanged_[2] = {0, 0};      // expert exchange calls and bytes at the last log
   nlohmann::json exchange_summary_;   // the whole run's, for summary.json
@@ -295,6 +298,9 @@ void RunLoop::build() {
   if (mode_ == ExpertMode::Parallel) build_expert_parallel();
   micro_.resize(size_t(cfg_.train.accum));
   next_.resize(size_t(cfg_.train.accum));
+  group_order_ = cfg_.train.accum > 1 && !cfg_.model.groups.empty() &&
+                 cfg_.dist.placement != "by_group" &&
+                 data::SamplerConfig::from_json(cfg_.data.sampler, "data.sampler").one_domain_per_batch;
 }
 
 // Expert parallelism: each rank's share of every group in a store of its own (a file store
@@ -407,6 +413,14 @@ void RunLoop::fetch(std::vector<Batch>& micro, int64_t step) {
                        uint64_t(step) * cfg_.train.accum + m);
     for (auto& d : micro[size_t(m)].domain) d = data_to_model_[size_t(d)];
   }
+  // One domain per micro-batch: the step's micro-batches in expert-group order (stable), so that
+  // consecutive ones run the same experts and ECSS's compute buffers keep them from one to the
+  // next instead of gathering them again (docs/ecss.md). Only the order of the sum of the
+  // micro-batches' gradients changes. (dist.placement = by_group fixes each slot's group.)
+  if (group_order_)
+    std::stable_sort(micro.begin(), micro.end(), [&](const Batch& a, const Batch& b) {
+      return model_->domain_group(a.domain[0]) < model_->domain_group(b.domain[0]);
+    });
 }
 
 TrainSummary RunLoop::run() {
