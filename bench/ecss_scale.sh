@@ -88,13 +88,18 @@ while kill -0 $pid 2>/dev/null; do
     echo; } >> "$samples" 2>/dev/null || true
   sleep 1
 done
-wait $pid
+status=0
+wait $pid || status=$?
 end=$(date +%s.%N)
 sleep 0.2
+if [[ $status != 0 ]]; then  # the steps already run are still reported below
+  echo "ecss_scale: sigma train exited with status $status; its last lines:"
+  tail -n 5 "$log" | cut -d' ' -f2-
+fi
 
 grep -v '^[0-9.]* step ' "$log" | cut -d' ' -f2- | head -n 8
 python3 - "$log" "$samples" "$batch" "$accum" "$start" "$end" "$out/summary.json" <<'EOF'
-import json, re, statistics, sys
+import json, os, re, statistics, sys
 log, samples, batch, accum, start, end, summary = sys.argv[1:]
 tokens = int(batch) * int(accum) * 128
 t = [float(l.split()[0]) for l in open(log) if re.search(r' step +\d+/', l)]
@@ -122,9 +127,10 @@ if len(t) >= 2:
     print(f"process I/O per step (steps 2..{len(t)}): read {(b[1] - a[1]) / n / 2**30:.2f} GiB, "
           f"wrote {(b[2] - a[2]) / n / 2**30:.2f} GiB")
 print(f"whole run {float(end) - float(start):.0f} s (store creation and evaluation included)")
-e = json.load(open(summary)).get("ecss")
+e = json.load(open(summary)).get("ecss") if os.path.exists(summary) else None
 if e:
     print(f"ECSS per step (all steps): {e['pieces_per_step']:.1f} gathers, gathered "
           f"{e['gathered_gib_per_step']:.3f} GiB, records updated {e['records_gib_per_step']:.3f} GiB; "
           f"compute buffer {e['compute_buffer_mib']:.0f} MiB")
 EOF
+exit $status

@@ -1,6 +1,5 @@
 #include "kernels/cpu/spin_team.h"
 
-#include <immintrin.h>
 #include <omp.h>
 #include <sched.h>
 
@@ -8,9 +7,19 @@
 #include <atomic>
 #include <thread>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace sigma::cpu {
 
 namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
 
 thread_local bool t_helper = false;  // a job's items run their own nested jobs alone
 
@@ -21,7 +30,7 @@ bool spin_until(Done&& done, std::chrono::microseconds budget) {
   const auto start = std::chrono::steady_clock::now();
   for (uint32_t i = 1;; ++i) {
     if (done()) return true;
-    _mm_pause();
+    cpu_relax();
     if (i % 64 == 0) {
       if (budget.count() > 0 && std::chrono::steady_clock::now() - start > budget) return false;
       sched_yield();
