@@ -1,7 +1,7 @@
 // Helper threads that wait for work by spinning, for kernels of tens of microseconds that run
 // back to back: batch-1 decoding streams one GEMV per weight matrix, 33 a token at d = 512.
 // Under OpenMP's passive wait (sigma's default, apps/sigma.cpp) an idle thread sleeps at once,
-// and waking a sleeping core costs 55-70 us on this machine (a VM without halt polling:
+// and waking a sleeping core costs 45-65 us on this machine (a VM without halt polling:
 // docs/benchmarks.md, issue 12), about what a decode GEMV takes. A helper here spins for up to
 // kSpinBudget after each job, yielding its core to any other runnable thread as it spins, then
 // sleeps until the next job.
