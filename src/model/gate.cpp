@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/ops.h"
 #include "model/ffn.h"
 
@@ -11,9 +12,7 @@ namespace sigma {
 
 namespace {
 
-// Row copies are memory-bound and cheap: only a large batch is worth an OpenMP region (on a
-// busy machine, waking a second thread costs more than copying a megabyte).
-constexpr int64_t kParallelFloats = int64_t(1) << 18;
+using cpu::kParallelFloats;  // row copies: only a large batch is worth an OpenMP region
 
 // Calls fn(r0, n, g) for each run of consecutive rows of one group (a batch row is one run).
 template <class Fn>
