@@ -18,7 +18,7 @@
 #include "kernels/ops.h"
 #include "model/routing.h"
 #include "optim/adamw.h"
-#include "ecss/expert_parallel.h"
+#include "parallel/expert_parallel.h"
 #include "train/checkpoint.h"
 #include "train/freeze.h"
 #include "train/nonfinite.h"

@@ -1,4 +1,4 @@
-#include "ecss/expert_parallel.h"
+#include "parallel/expert_parallel.h"
 
 #include <omp.h>
 
