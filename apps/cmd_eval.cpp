@@ -210,6 +210,16 @@ const RegisterCommand reg([](CLI::App& root) {
               "\"skipped\": {NAME: WHY}}; with --task {\"choice\", \"generate\", \"code\"} "
               "scores (docs/evaluation.md)");
   c->callback([a, c] {
+    if (a->task.empty())
+      refuse_given(*c, {"--samples", "--k", "--temperature", "--top-k", "--top-p", "--seed",
+                        "--max-new", "--timeout", "--memory-mb"},
+                   "without --task, sigma eval measures held-out loss and generates nothing");
+    else
+      refuse_given(*c, {"--domains", "--rows", "--batch"},
+                   "they choose held-out loss windows, and --task scores a task file");
+    if (!a->task.empty() && a->opt.temperature <= 0)
+      refuse_given(*c, {"--top-k", "--top-p", "--seed"}, "--temperature 0 (the default) decodes "
+                   "greedily; give --temperature > 0 to sample");
     a->rows_given = c->count("--rows") > 0;
     a->batch_given = c->count("--batch") > 0;
     run_eval(*a);

@@ -39,7 +39,6 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 }
 
 void run_generate(GenerateArgs a) {
-  a.s.validate();  // before the model loads: CLI11's ranges let NaN through
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
   if (a.precision == "bf16") model->use_bf16_weights();
@@ -99,7 +98,13 @@ const RegisterCommand reg([](CLI::App& root) {
                  "bytes per token; activations and sums stay fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   c->add_flag("--no-cache", a->no_cache, "Recompute the whole prefix each step (reference path)");
-  c->callback([a] { run_generate(*a); });
+  c->callback([a, c] {
+    a->s.validate();  // before the model loads: CLI11's ranges let NaN through
+    if (a->s.temperature <= 0.0f)
+      refuse_given(*c, {"--top-k", "--top-p", "--seed"}, "--temperature 0 (the default) decodes "
+                   "greedily; give --temperature > 0 to sample");
+    run_generate(*a);
+  });
 });
 
 }  // namespace

@@ -4,7 +4,11 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <initializer_list>
+#include <string>
 #include <vector>
+
+#include "core/error.h"
 
 namespace sigma::cli {
 
@@ -16,5 +20,13 @@ std::vector<AddCommand>& commands();
 struct RegisterCommand {
   explicit RegisterCommand(AddCommand add) { commands().push_back(std::move(add)); }
 };
+
+// Options given on the command line that the command's mode ignores are refused, not dropped:
+// the first of `options` that `c` was given is an error naming it and `why` (the mode).
+inline void refuse_given(const CLI::App& c, std::initializer_list<const char*> options,
+                         const std::string& why) {
+  for (const char* o : options)
+    SIGMA_CHECK(c.count(o) == 0, "{} does not apply: {}", o, why);
+}
 
 }  // namespace sigma::cli

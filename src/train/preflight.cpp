@@ -1,5 +1,6 @@
 #include "train/preflight.h"
 
+#include <fmt/format.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -7,8 +8,6 @@
 #include <exception>
 #include <string>
 #include <utility>
-
-#include <fmt/format.h>
 
 #include "core/error.h"
 
@@ -88,6 +87,44 @@ int64_t expert_memory_bytes(const TrainConfig& t) {
     if (used && unit == name && number > 0 && number * scale < 0x1p62) return int64_t(number * scale);
   fail("train.expert_memory = '{}': expected auto or a positive size such as 6GiB, 512MiB, 2GB "
        "or a number of bytes", s);
+}
+
+void refuse_inapplicable_options(const Config& cfg, const std::string& experts, int ranks,
+                                 bool out_dir) {
+  expert_memory_bytes(cfg.train);  // a bad size is refused even where it would not be used
+  Config def;
+  const nlohmann::json now = Config(cfg).to_json(), was = def.to_json();
+  // The option `key` ("train.expert_store"), when set away from its default, needs `needs`.
+  auto refuse = [&](const char* key, bool applies, const std::string& why) {
+    const std::string section(key, std::string_view(key).find('.')), field(key + section.size() + 1);
+    const nlohmann::json& v = now[section][field];
+    SIGMA_CHECK(applies || v == was[section][field], "{} = {} does not apply to this run: {}", key,
+                v.is_string() ? v.get<std::string>() : v.dump(), why);
+  };
+  const bool store = experts == "ecss" || experts == "vanilla";
+  const std::string mode = cfg.train.experts == experts
+                               ? fmt::format("train.experts = {}", experts)
+                               : fmt::format("train.experts = {} (here: {})", cfg.train.experts, experts);
+  refuse("train.expert_store", experts != "model",
+         fmt::format("there is no expert store, the experts train in the model ({})", mode));
+  refuse("train.expert_memory", store,
+         fmt::format("it sizes the ECSS compute buffers, and this run has {}", mode));
+  const bool sparse = cfg.model.rre_layers > 0, gated = sparse && cfg.model.gated();
+  for (const char* key : {"model.router", "model.routing", "model.routing_seed"})
+    refuse(key, sparse, "the model is dense (model.rre_layers = 0), it has no expert blocks");
+  for (const char* key : {"model.capacity_factor", "model.aux_loss_weight"})
+    refuse(key, gated, fmt::format("it belongs to the learned gate, and this model has model.router "
+           "= {}{}", cfg.model.router, sparse ? "" : " and no expert blocks"));
+  refuse("model.routing", !gated, fmt::format("routing tables are not used by the learned gate "
+         "(model.router = {})", cfg.model.router));
+  const bool synthetic = cfg.data.source == "synthetic";
+  for (const char* key : {"data.path", "data.tokenizer", "data.finetune"})
+    refuse(key, !synthetic, "it reads prepared shards, and this run has data.source = synthetic");
+  refuse("data.mask_prompt", cfg.data.finetune && !synthetic, "it masks the prompts of fine-tuning "
+         "rows, and this run packs windows (data.finetune = false) or uses the synthetic data");
+  refuse("train.ckpt_every", out_dir, "this run writes no checkpoints (no output directory, --out)");
+  for (const char* key : {"dist.timeout_s", "dist.ckpt_writers"})
+    refuse(key, ranks > 1, "it applies to distributed runs, and this run has one process");
 }
 
 void check_memory(const Config& cfg) {

@@ -33,6 +33,13 @@ int64_t dense_training_bytes(const Config& cfg);
 // "6GiB", "512MiB", "1.5GB" or a number of bytes. Throws sigma::Error naming the key.
 int64_t expert_memory_bytes(const TrainConfig& t);
 
+// Options the run would ignore are refused, not dropped: each one set away from its default in
+// a run that cannot apply it is an error naming the option and the run's mode (`experts`: the
+// resolved train.experts, "model", "ecss", "vanilla" or "parallel"; `ranks`: the processes;
+// `out_dir`: whether the run writes anything). train.expert_memory is checked in every mode.
+void refuse_inapplicable_options(const Config& cfg, const std::string& experts, int ranks,
+                                 bool out_dir);
+
 // Throws a sigma::Error stating the estimate when it exceeds the machine's physical memory.
 void check_memory(const Config& cfg);
 

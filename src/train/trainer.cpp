@@ -225,8 +225,9 @@ void RunLoop::build() {
     check_same_model(cfg_, ck_->cfg);
   }
   check_memory(cfg_);  // a sized error instead of bad_alloc for a model too big for the machine
-  const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
   mode_ = resolve_expert_mode(cfg_.train.experts, cfg_.model, comm_.size());
+  refuse_inapplicable_options(cfg_, expert_mode_name(mode_), comm_.size(), !run_.out_dir.empty());
+  const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
                                    mode_ != ExpertMode::InModel);
   model_->set_remat(remat_from_name(cfg_.train.remat));
