@@ -60,6 +60,22 @@ std::string broadcast_string(Communicator& comm, std::string s) {
   return s;
 }
 
+// The domains of the data a tokenizer came with: the prepared data's manifest.json beside it
+// (training on shards), or data_domains.json beside it (a checkpoint's tokenizer, as surgery
+// passes it on).
+std::optional<nlohmann::json> data_domains_beside(const std::string& tokenizer_path) {
+  if (tokenizer_path.empty()) return std::nullopt;
+  const std::filesystem::path dir = std::filesystem::path(tokenizer_path).parent_path();
+  for (const char* name : {kDataDomainsFile, "manifest.json"}) {
+    std::ifstream in(dir / name);
+    if (!in) continue;
+    const auto j = parse_json_or_discard(in);
+    if (!j.is_discarded() && j.is_object() && j.contains("domains") && j["domains"].is_array())
+      return j["domains"];
+  }
+  return std::nullopt;
+}
+
 // Rank 0's files: the model, its optimizer shard, the trainer state, tokenizer and experts.
 void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, const AdamW* opt,
                        const TrainerState& st, const std::string& tokenizer_path,
@@ -77,6 +93,8 @@ void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, con
   w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config},
                             {"data_cursor", st.data_cursor}});
   if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
+  if (const auto domains = data_domains_beside(tokenizer_path))
+    w.add_json(kDataDomainsFile, {{"domains", *domains}});
   if (experts) experts->add_checkpoint_files(w);
 }
 
@@ -322,6 +340,15 @@ std::unique_ptr<Model> load_checkpoint_model(const std::string& path, Checkpoint
   load_model(*model, ck.dir);
   if (info) *info = std::move(ck);
   return model;
+}
+
+std::optional<nlohmann::json> checkpoint_data_domains(const std::string& dir) {
+  std::ifstream in(dir + "/" + kDataDomainsFile);
+  if (!in) return std::nullopt;
+  const auto j = parse_json_or_discard(in);
+  SIGMA_CHECK(!j.is_discarded() && j.is_object() && j.contains("domains") && j["domains"].is_array(),
+              "{}/{}: not a data registry ({{\"domains\": [...]}})", dir, kDataDomainsFile);
+  return j["domains"];
 }
 
 std::string checkpoint_tokenizer_path(const std::string& dir) {

@@ -1,6 +1,7 @@
 // Training checkpoints (DESIGN §6) on top of checkpoint_io: which tensors go where, and
 // loading them back with every name and shape checked.
 #pragma once
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include <memory>
@@ -60,5 +61,13 @@ std::unique_ptr<Model> load_checkpoint_model(const std::string& path, Checkpoint
 
 // The tokenizer file stored in checkpoint `dir`, or "" when it holds none.
 std::string checkpoint_tokenizer_path(const std::string& dir);
+
+// The data registry a checkpoint carries beside its tokenizer: {"domains": [...]} as the
+// prepared data's manifest.json had them (prefix controls, line tags, format), so that eval
+// formats text as training did after the shards are gone. Written when the tokenizer comes
+// with a sigma prepare manifest beside it (or from another checkpoint that carries one).
+inline constexpr const char* kDataDomainsFile = "data_domains.json";
+// Its "domains" array, or nullopt for a checkpoint without one (older, or token-id data).
+std::optional<nlohmann::json> checkpoint_data_domains(const std::string& dir);
 
 }  // namespace sigma
