@@ -235,3 +235,43 @@ TEST(StopSequences, CutBeforeTheFirstAndDefaultForCode) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(FewShot, SeededShotsFromTheSameKindAndDomainNeverTheItemItself) {
+  std::vector<TaskItem> items;
+  for (int i = 0; i < 4; ++i) {
+    TaskItem it;
+    it.kind = TaskKind::Choice;
+    it.domain = "english";
+    it.source = "t.jsonl";
+    it.line = uint64_t(i + 1);
+    it.context = "Q" + std::to_string(i) + ":";
+    it.choices = {" yes", " no"};
+    it.answer = i % 2;
+    items.push_back(it);
+  }
+  items[3].domain = "chinese";  // alone in its domain: no shot for it
+  const auto three = std::vector<TaskItem>(items.begin(), items.begin() + 3);
+  const auto a = with_fewshot(three, 2, 7), b = with_fewshot(three, 2, 7);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].context, b[i].context);  // seeded
+    const std::string own = three[i].context;
+    ASSERT_TRUE(a[i].context.ends_with("\n\n" + own)) << a[i].context;
+    EXPECT_EQ(a[i].context.find(own), a[i].context.size() - own.size()) << "the item is its own shot";
+    // Both other items, each followed by its right answer.
+    for (size_t j = 0; j < three.size(); ++j)
+      if (j != i)
+        EXPECT_NE(a[i].context.find(three[j].context + three[j].choices[size_t(three[j].answer)] + "\n\n"),
+                  std::string::npos) << a[i].context;
+  }
+  EXPECT_EQ(with_fewshot(three, 0, 7)[0].context, "Q0:");
+  try {
+    with_fewshot(items, 1, 7);
+    ADD_FAILURE() << "no shot for the chinese item";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("t.jsonl:4: --num-fewshot 1: only 0 other choice items"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace

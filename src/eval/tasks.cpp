@@ -70,6 +70,134 @@ double loglik(const TaskContext& ctx, const TaskItem& it, std::vector<int32_t> p
   return sum;
 }
 
+// The choice items' log-likelihoods, batched (TaskOptions::score_batch rows at a time, items
+// sorted by length so rows of a batch are alike) with the context computed once per item: its
+// tokens but the last go into a KV-cache row, then each choice runs [last context token, choice
+// tokens but the last] from the cached prefix (the row's length is set back between choices).
+// Rows are padded at their end; causal attention and per-row kernels keep a row's real
+// positions independent of the padding and of the other rows (Model::forward_cached). Items
+// whose context must be cut for some choice take the unbatched path (their prefix differs per
+// choice). Same order of summation as loglik(); docs/benchmarks.md compares the two.
+void loglik_batched(const TaskContext& ctx, const std::vector<TaskItem>& items,
+                    const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
+  struct Row {
+    size_t item;
+    std::vector<int32_t> prompt;              // at least one token
+    std::vector<std::vector<int32_t>> rests;  // per choice
+    size_t total;                             // for the sort
+  };
+  const int context = ctx.model.config().context;
+  std::vector<Row> todo;
+  for (size_t i : which) {
+    const TaskItem& it = items[i];
+    Row r{i, {}, {}, 0};
+    std::vector<int32_t> prompt, rest;
+    bool fits = true;
+    for (const std::string& c : it.choices) {
+      format(ctx, it, c, prompt, rest);
+      if (rest.empty() || int(rest.size()) >= context) fits = false;  // loglik() says why
+      r.rests.push_back(rest);
+    }
+    r.prompt = prompt.empty() ? std::vector<int32_t>{int32_t(data::kEotId)} : prompt;
+    size_t longest = 0;
+    for (const auto& x : r.rests) longest = std::max(longest, x.size());
+    if (!fits || r.prompt.size() + longest > size_t(context) + 1) {  // a cut: the reference path
+      for (size_t c = 0; c < it.choices.size(); ++c) {
+        format(ctx, it, it.choices[c], prompt, rest);
+        outs[i].loglik.push_back(loglik(ctx, it, prompt, rest, it.choices[c]));
+        outs[i].tokens.push_back(int64_t(rest.size()));
+      }
+      continue;
+    }
+    r.total = r.prompt.size() + longest;
+    todo.push_back(std::move(r));
+  }
+  std::stable_sort(todo.begin(), todo.end(), [](const Row& a, const Row& b) { return a.total < b.total; });
+  KvCache cache;
+  cache.reset(ctx.model.config(), rows);
+  Activations acts;
+  Batch b;
+  std::vector<float> loss;
+  std::vector<int> cache_rows;
+  // One forward_cached over `members` (rows of the cache): row k gets tokens[k] after its
+  // cached prefix, targets[k] its next tokens; pads (EOT, target 0) fill up to the longest.
+  auto run = [&](const std::vector<int>& members, const std::vector<const Row*>& of,
+                 const std::vector<std::vector<int32_t>>& tokens,
+                 const std::vector<std::vector<int32_t>>& targets) {
+    size_t T = 1;
+    for (const auto& t : tokens) T = std::max(T, t.size());
+    b.resize(int(members.size()), int(T));
+    for (size_t k = 0; k < members.size(); ++k) {
+      std::fill_n(b.tokens.begin() + int64_t(k * T), T, int32_t(data::kEotId));
+      std::copy(tokens[k].begin(), tokens[k].end(), b.tokens.begin() + int64_t(k * T));
+      std::copy(targets[k].begin(), targets[k].end(), b.targets.begin() + int64_t(k * T));
+      b.domain[k] = ctx.model.config().domain_index(items[of[k]->item].domain);
+    }
+    loss.assign(members.size() * T, 0.0f);
+    ctx.model.expert_executor().begin_step({&b, 1});
+    ctx.model.forward_cached(b, cache, acts, loss.data(), members.data());
+    return T;
+  };
+  for (size_t start = 0; start < todo.size(); start += size_t(rows)) {
+    const size_t n = std::min(todo.size() - start, size_t(rows));
+    std::vector<int> members;
+    std::vector<const Row*> of;
+    std::vector<std::vector<int32_t>> tok, tgt;
+    for (size_t k = 0; k < n; ++k) {
+      const Row& r = todo[start + k];
+      members.push_back(int(k));
+      of.push_back(&r);
+      cache.clear(int(k));
+      tok.emplace_back(r.prompt.begin(), r.prompt.end() - 1);
+      tgt.emplace_back(r.prompt.begin() + 1, r.prompt.end());
+    }
+    if (std::any_of(tok.begin(), tok.end(), [](const auto& t) { return !t.empty(); })) run(members, of, tok, tgt);
+    size_t most = 0;
+    for (const Row* r : of) most = std::max(most, r->rests.size());
+    for (size_t c = 0; c < most; ++c) {
+      // Rows in groups whose longest prefix plus longest choice fits the context (padding
+      // lengthens every row of a pass to its longest).
+      std::vector<std::vector<size_t>> groups;
+      size_t max_p = 0, max_r = 0;
+      for (size_t k = 0; k < n; ++k) {
+        const Row& r = *of[k];
+        if (c >= r.rests.size()) continue;
+        const size_t p = std::max(max_p, r.prompt.size() - 1), q = std::max(max_r, r.rests[c].size());
+        if (groups.empty() || p + q > size_t(context)) {
+          groups.emplace_back();
+          max_p = r.prompt.size() - 1, max_r = r.rests[c].size();
+        } else {
+          max_p = p, max_r = q;
+        }
+        groups.back().push_back(k);
+      }
+      for (const auto& g : groups) {
+        std::vector<int> sub;
+        std::vector<const Row*> sub_of;
+        tok.clear(), tgt.clear();
+        for (size_t k : g) {
+          const Row& r = *of[k];
+          cache.length[k] = int(r.prompt.size()) - 1;  // back to the shared prefix
+          sub.push_back(int(k));
+          sub_of.push_back(&r);
+          std::vector<int32_t> t = {r.prompt.back()};
+          t.insert(t.end(), r.rests[c].begin(), r.rests[c].end() - 1);
+          tok.push_back(std::move(t));
+          tgt.push_back(r.rests[c]);
+        }
+        const size_t T = run(sub, sub_of, tok, tgt);
+        for (size_t k = 0; k < sub.size(); ++k) {
+          double sum = 0;
+          for (size_t t = 0; t < tgt[k].size(); ++t) sum -= loss[k * T + t];
+          ItemOutput& o = outs[sub_of[k]->item];
+          o.loglik.push_back(sum);
+          o.tokens.push_back(int64_t(tgt[k].size()));
+        }
+      }
+    }
+  }
+}
+
 // One answer: decoded until <EOT> or max_new tokens, control tokens left out of the text, cut
 // before the item's first stop sequence.
 std::string answer(const TaskContext& ctx, const TaskItem& it, const TaskOptions& opt, int sample) {
@@ -292,15 +420,44 @@ int best_choice(const std::vector<double>& loglik, const std::vector<double>& di
   return best;
 }
 
+std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed) {
+  std::vector<TaskItem> out = items;
+  if (n <= 0) return out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const TaskItem& it = items[i];
+    SIGMA_CHECK(it.kind != TaskKind::Code, "{}:{}: --num-fewshot: code items take no shots "
+                "(their tests are not an answer to show)", it.source, it.line);
+    std::vector<size_t> pool;
+    for (size_t j = 0; j < items.size(); ++j)
+      if (j != i && items[j].kind == it.kind && items[j].domain == it.domain) pool.push_back(j);
+    SIGMA_CHECK(int(pool.size()) >= n, "{}:{}: --num-fewshot {}: only {} other {} items of domain "
+                "'{}' to draw from", it.source, it.line, n, pool.size(), kind_name(it.kind), it.domain);
+    std::string shots;
+    for (int k = 0; k < n; ++k) {  // a partial Fisher-Yates shuffle
+      const size_t pick = size_t(k) + size_t(rng_u64(seed, it.line, uint64_t(k)) % (pool.size() - size_t(k)));
+      std::swap(pool[size_t(k)], pool[pick]);
+      const TaskItem& s = items[pool[size_t(k)]];
+      shots += s.context + (s.kind == TaskKind::Choice ? s.choices[size_t(s.answer)] : s.references[0]) + "\n\n";
+    }
+    out[i].context = shots + it.context;
+  }
+  return out;
+}
+
 std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<TaskItem>& items,
                                   const TaskOptions& opt) {
   std::vector<ItemOutput> outs(items.size());
+  std::vector<size_t> choice;
+  for (size_t i = 0; i < items.size(); ++i)
+    if (items[i].kind == TaskKind::Choice) choice.push_back(i);
+  if (opt.score_batch > 1 && !choice.empty()) loglik_batched(ctx, items, choice, opt.score_batch, outs);
   for (size_t i = 0; i < items.size(); ++i) {
     const TaskItem& it = items[i];
     ItemOutput& o = outs[i];
     std::vector<int32_t> prompt, rest;
     format(ctx, it, "", prompt, rest);
     o.prompt = prompt_text(ctx, prompt);
+    if (it.kind == TaskKind::Choice && opt.score_batch > 1) continue;  // done above
     if (it.kind == TaskKind::Choice) {
       for (const std::string& c : it.choices) {
         format(ctx, it, c, prompt, rest);
@@ -344,7 +501,8 @@ json run_tasks(const TaskContext& ctx, const std::vector<TaskItem>& items, const
     for (int k : opt.k)  // checked before any scoring: a bad k should not waste a run
       SIGMA_CHECK(k >= 1 && k <= opt.samples, "pass@{} needs at least {} samples per problem "
                   "(--samples {})", k, k, opt.samples);
-  return score_items(items, run_model(ctx, items, opt), opt, log);
+  return score_items(items, run_model(ctx, with_fewshot(items, opt.num_fewshot, opt.fewshot_seed), opt),
+                     opt, log);
 }
 
 void read_sample_log(const std::string& path, std::vector<TaskItem>& items, std::vector<ItemOutput>& outs) {

@@ -63,6 +63,9 @@ struct TaskOptions {
   uint64_t seed = 0;
   int max_new = 64;          // tokens generated at most per answer
   int bootstrap = 1000;      // resamples for the standard errors (0 = none)
+  int score_batch = 32;      // choice items: rows per batched pass; 1 = one sequence per choice
+  int num_fewshot = 0;       // solved examples before each item (with_fewshot)
+  uint64_t fewshot_seed = 1234;
   SandboxLimits sandbox;
 };
 
@@ -82,6 +85,13 @@ struct ItemOutput {
   std::vector<int64_t> tokens;           // choice: tokens per choice
   std::vector<std::string> generations;  // generate: one answer; code: --samples completions
 };
+
+// The items with `n` solved examples before each one's context: other items of the same kind
+// and domain from the same file (never the item itself), drawn without replacement by a
+// sampler seeded with (seed, item line), so a rerun shows the same shots. Layout per shot:
+// context + answer (a choice item's right choice, a generation item's first reference, a code
+// item's tests are not an answer: code items take no shots) + "\n\n"; then the item's context.
+std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed);
 
 // Runs the model on every item.
 std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<TaskItem>& items,
