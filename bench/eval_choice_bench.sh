@@ -17,7 +17,7 @@ set -euo pipefail
 build=${1:-build}
 items=${2:-100000}
 batch=${3:-64}
-sigma="$build/sigma"
+sigma="$(cd "$build" && pwd)/sigma"
 python=${PYTHON:-/usr/bin/python3}
 work=${EVAL_BENCH_DIR:-/tmp/sigma-eval-bench}
 export OMP_WAIT_POLICY=passive

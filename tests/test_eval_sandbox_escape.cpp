@@ -75,7 +75,8 @@ struct Outcome {
 // otherwise as the current user), with its own TMPDIR; the result comes back on a pipe.
 Outcome run_as(uid_t uid, const std::string& program, const SandboxLimits& l = limits()) {
   sigma::testing::TempDir tmp("sandbox-user");
-  if (geteuid() == 0) chown(tmp.path.c_str(), uid, uid);
+  if (geteuid() == 0) (void)!chown(tmp.path.c_str(), uid, uid);
+  fs::permissions(tmp.path, fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);  // as /tmp: nobody may pass
   int fds[2];
   EXPECT_EQ(pipe(fds), 0);
   const pid_t pid = fork();

@@ -260,10 +260,11 @@ TEST(FewShot, SeededShotsFromTheSameKindAndDomainNeverTheItemItself) {
     ASSERT_TRUE(a[i].context.ends_with("\n\n" + own)) << a[i].context;
     EXPECT_EQ(a[i].context.find(own), a[i].context.size() - own.size()) << "the item is its own shot";
     // Both other items, each followed by its right answer.
-    for (size_t j = 0; j < three.size(); ++j)
-      if (j != i)
-        EXPECT_NE(a[i].context.find(three[j].context + three[j].choices[size_t(three[j].answer)] + "\n\n"),
-                  std::string::npos) << a[i].context;
+    for (size_t j = 0; j < three.size(); ++j) {
+      if (j == i) continue;
+      EXPECT_NE(a[i].context.find(three[j].context + three[j].choices[size_t(three[j].answer)] + "\n\n"),
+                std::string::npos) << a[i].context;
+    }
   }
   EXPECT_EQ(with_fewshot(three, 0, 7)[0].context, "Q0:");
   try {

@@ -296,7 +296,10 @@ double now_seconds() {
     if (unshare(kAll) == 0) p.got |= kNetns | kPidns | kQuota;
     else if (unshare(CLONE_NEWNET) == 0) p.got |= kNetns;
   } else if (unshare(CLONE_NEWUSER | kAll) == 0) {
-    // Map our own uid and gid, so files are ours and nothing gains a privilege outside.
+    // Map our own uid and gid, so files are ours and nothing gains a privilege outside. A
+    // process that changed its uid (a setuid wrapper, su) is not dumpable, and /proc/self's
+    // map files are then root's: make it dumpable again (the sample runs as this user anyway).
+    prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
     if (!write_file("/proc/self/setgroups", "deny", O_WRONLY, 0) ||
         !write_file("/proc/self/uid_map", p.uid_map, O_WRONLY, 0) ||
         !write_file("/proc/self/gid_map", p.gid_map, O_WRONLY, 0))

@@ -115,7 +115,9 @@ void loglik_batched(const TaskContext& ctx, const std::vector<TaskItem>& items,
   std::stable_sort(todo.begin(), todo.end(), [](const Row& a, const Row& b) { return a.total < b.total; });
   KvCache cache;
   cache.reset(ctx.model.config(), rows);
-  Activations acts;
+  // Activations are sized per (rows, length) and re-allocating them costs more than the pass
+  // itself on a small model: lengths are rounded up to a multiple of 8 and a few shapes kept.
+  std::map<std::pair<int, int>, Activations> acts_of;
   Batch b;
   std::vector<float> loss;
   std::vector<int> cache_rows;
@@ -124,8 +126,10 @@ void loglik_batched(const TaskContext& ctx, const std::vector<TaskItem>& items,
   auto run = [&](const std::vector<int>& members, const std::vector<const Row*>& of,
                  const std::vector<std::vector<int32_t>>& tokens,
                  const std::vector<std::vector<int32_t>>& targets) {
-    size_t T = 1;
+    size_t T = 1, cached = 0;
     for (const auto& t : tokens) T = std::max(T, t.size());
+    for (int m : members) cached = std::max(cached, size_t(cache.length[size_t(m)]));
+    T = std::max(T, std::min((T + 7) / 8 * 8, size_t(context) - cached));
     b.resize(int(members.size()), int(T));
     for (size_t k = 0; k < members.size(); ++k) {
       std::fill_n(b.tokens.begin() + int64_t(k * T), T, int32_t(data::kEotId));
@@ -135,7 +139,8 @@ void loglik_batched(const TaskContext& ctx, const std::vector<TaskItem>& items,
     }
     loss.assign(members.size() * T, 0.0f);
     ctx.model.expert_executor().begin_step({&b, 1});
-    ctx.model.forward_cached(b, cache, acts, loss.data(), members.data());
+    if (acts_of.size() > 6 && !acts_of.count({b.B, b.T})) acts_of.clear();
+    ctx.model.forward_cached(b, cache, acts_of[{b.B, b.T}], loss.data(), members.data());
     return T;
   };
   for (size_t start = 0; start < todo.size(); start += size_t(rows)) {

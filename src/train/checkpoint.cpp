@@ -60,14 +60,17 @@ std::string broadcast_string(Communicator& comm, std::string s) {
   return s;
 }
 
-// The domains of the data a tokenizer came with: the prepared data's manifest.json beside it
-// (training on shards), or data_domains.json beside it (a checkpoint's tokenizer, as surgery
-// passes it on).
-std::optional<nlohmann::json> data_domains_beside(const std::string& tokenizer_path) {
-  if (tokenizer_path.empty()) return std::nullopt;
-  const std::filesystem::path dir = std::filesystem::path(tokenizer_path).parent_path();
-  for (const char* name : {kDataDomainsFile, "manifest.json"}) {
-    std::ifstream in(dir / name);
+// The domains of the data the model was trained on: the prepared shards' manifest.json (a run
+// on shards), else data_domains.json beside the tokenizer (a checkpoint made from another
+// checkpoint, as surgery passes the tokenizer on).
+std::optional<nlohmann::json> data_domains_of(const Config& cfg, const std::string& tokenizer_path) {
+  std::vector<std::filesystem::path> files;
+  if (cfg.data.source == "shards" && !cfg.data.path.empty())
+    files.push_back(std::filesystem::path(cfg.data.path) / "manifest.json");
+  if (!tokenizer_path.empty())
+    files.push_back(std::filesystem::path(tokenizer_path).parent_path() / kDataDomainsFile);
+  for (const auto& f : files) {
+    std::ifstream in(f);
     if (!in) continue;
     const auto j = parse_json_or_discard(in);
     if (!j.is_discarded() && j.is_object() && j.contains("domains") && j["domains"].is_array())
@@ -93,7 +96,7 @@ void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, con
   w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config},
                             {"data_cursor", st.data_cursor}});
   if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
-  if (const auto domains = data_domains_beside(tokenizer_path))
+  if (const auto domains = data_domains_of(cfg, tokenizer_path))
     w.add_json(kDataDomainsFile, {{"domains", *domains}});
   if (experts) experts->add_checkpoint_files(w);
 }

@@ -64,8 +64,8 @@ std::string checkpoint_tokenizer_path(const std::string& dir);
 
 // The data registry a checkpoint carries beside its tokenizer: {"domains": [...]} as the
 // prepared data's manifest.json had them (prefix controls, line tags, format), so that eval
-// formats text as training did after the shards are gone. Written when the tokenizer comes
-// with a sigma prepare manifest beside it (or from another checkpoint that carries one).
+// formats text as training did after the shards are gone. Written for a run on prepared shards
+// (from their manifest.json) and for a checkpoint made from one that carries it.
 inline constexpr const char* kDataDomainsFile = "data_domains.json";
 // Its "domains" array, or nullopt for a checkpoint without one (older, or token-id data).
 std::optional<nlohmann::json> checkpoint_data_domains(const std::string& dir);
