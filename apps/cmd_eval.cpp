@@ -21,7 +21,7 @@ namespace sigma::cli {
 namespace {
 
 struct EvalArgs {
-  std::string ckpt, data, domains, task, k = "1";
+  std::string ckpt, data, domains, task, k = "1", log_samples, score_generations;
   int rows = 256, batch = 8;
   bool rows_given = false, batch_given = false, json = false;
   double memory_mb = 1024;
@@ -93,32 +93,101 @@ void print_table(const std::vector<DomainLoss>& result) {
   }
 }
 
-// The prepared data's domain registry (prefix controls, format) to format task text as the
-// model saw it in training: --data, else the run's training shards; null when neither exists.
+// The domain registry (prefix controls, line tags, format) to format task text as the model
+// saw it in training: the checkpoint's own copy (written with it since issue 28); for an older
+// checkpoint, --data's or the training shards' manifest.json, with a warning, since that
+// folder may have changed or gone; else plain text, with a warning.
 std::optional<DomainRegistry> data_registry(const EvalArgs& a, const CheckpointInfo& info) {
+  if (auto own = checkpoint_data_domains(info.dir))
+    return DomainRegistry::from_json(*own, info.dir + "/" + kDataDomainsFile, DomainForm::Data);
   std::string dir = a.data;
   if (dir.empty() && info.cfg.data.source == "shards") dir = info.cfg.data.path;
   const std::string path = dir + "/manifest.json";
-  if (dir.empty() || !std::filesystem::exists(path)) return std::nullopt;
+  if (dir.empty() || !std::filesystem::exists(path)) {
+    fmt::print(stderr, "sigma eval: warning: {} carries no data registry ({}) and {}; task text "
+               "is formatted as plain text, without the domains' prefixes and line tags\n",
+               info.dir, kDataDomainsFile, dir.empty() ? "no --data was given"
+                                                        : "there is no " + path);
+    return std::nullopt;
+  }
+  fmt::print(stderr, "sigma eval: warning: {} carries no data registry ({}); the prompt format "
+             "is read from {}, which may differ from what the model was trained on\n", info.dir,
+             kDataDomainsFile, path);
   std::ifstream in(path);
   const auto m = parse_json_or_discard(in);
   SIGMA_CHECK(!m.is_discarded() && m.contains("domains"), "{}: not a manifest made by sigma prepare", path);
   return DomainRegistry::from_json(m["domains"], path, DomainForm::Data);
 }
 
+// "0.75 ± 0.04" when the metric has a standard error.
+std::string with_stderr(const nlohmann::json& group, const std::string& key, const nlohmann::json& v) {
+  const auto se = group.find(key + "_stderr");
+  if (se == group.end()) return v.dump();
+  return fmt::format("{} ± {:.4f}", v.dump(), se->get<double>());
+}
+
 void print_task_table(const nlohmann::json& r) {
   fmt::print("task {} ({} items)\n", r["task"].get<std::string>(), r["items"].get<int64_t>());
   for (const char* kind : {"choice", "generate", "code"}) {
     if (!r.contains(kind)) continue;
-    for (const auto& [key, v] : r[kind].items())
-      if (v.is_number()) fmt::print("  {:<9} {:<12} {}\n", kind, key, v.dump());
+    const nlohmann::json& g = r[kind];
+    for (const auto& [key, v] : g.items())
+      if (v.is_number() && !key.ends_with("_stderr"))
+        fmt::print("  {:<9} {:<12} {}\n", kind, key, with_stderr(g, key, v));
       else if (key == "bleu")
         for (const auto& [tok, b] : v.items())
-          fmt::print("  {:<9} {:<12} {:.2f} (BP {:.3f}, {} / {} tokens)\n", kind, "bleu." + tok,
-                     b["score"].get<double>(), b["bp"].get<double>(), b["sys_len"].dump(), b["ref_len"].dump());
+          fmt::print("  {:<9} {:<12} {:.2f} ± {:.2f} (BP {:.3f}, {} / {} tokens) {}\n", kind,
+                     "bleu." + tok, b["score"].get<double>(), b["stderr"].get<double>(),
+                     b["bp"].get<double>(), b["sys_len"].dump(), b["ref_len"].dump(),
+                     b["signature"].get<std::string>());
+      else if (key == "chrf")
+        fmt::print("  {:<9} {:<12} {:.2f} ± {:.2f} {}\n", kind, "chrf", v["score"].get<double>(),
+                   v["stderr"].get<double>(), v["signature"].get<std::string>());
   }
   if (r.contains("code"))
     fmt::print("  sandbox: {}; failures {}\n", r["code"]["sandbox"].get<std::string>(), r["code"]["failures"].dump());
+}
+
+std::vector<int> parse_k(const std::string& text) {
+  std::vector<int> ks;
+  for (const std::string& k : split_names(text)) {
+    size_t used = 0;
+    int v = 0;
+    try { v = std::stoi(k, &used); } catch (...) {}
+    SIGMA_CHECK(used == k.size() && v >= 1, "--k: '{}' is not a positive integer", k);
+    ks.push_back(v);
+  }
+  SIGMA_CHECK(!ks.empty(), "--k: '{}' names no k (give e.g. --k 1,10)", text);
+  return ks;
+}
+
+// Writes the --log-samples file: one JSON object per item, in the task file's order.
+void write_log(const std::string& path, const std::vector<nlohmann::json>& log) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  SIGMA_CHECK(out.good(), "--log-samples: cannot write {}", path);
+  for (const nlohmann::json& j : log) out << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  out.flush();
+  SIGMA_CHECK(out.good(), "--log-samples: writing {} failed", path);
+}
+
+void print_result(nlohmann::json& r, const EvalArgs& a, const std::vector<nlohmann::json>& log) {
+  if (!a.log_samples.empty()) write_log(a.log_samples, log);
+  if (a.json) fmt::print("{}\n", r.dump());
+  else print_task_table(r);
+}
+
+// --score-generations: the scores of a --log-samples file (or one written by another tool in
+// its format) without a model; code samples run in the sandbox again.
+void run_score_generations(EvalArgs a) {
+  a.opt.k = parse_k(a.k);
+  a.opt.sandbox.memory_bytes = uint64_t(a.memory_mb * (1 << 20));
+  std::vector<eval::TaskItem> items;
+  std::vector<eval::ItemOutput> outs;
+  eval::read_sample_log(a.score_generations, items, outs);
+  std::vector<nlohmann::json> log;
+  nlohmann::json r = eval::score_items(items, outs, a.opt, a.log_samples.empty() ? nullptr : &log);
+  r["task"] = a.score_generations;
+  print_result(r, a, log);
 }
 
 void run_task(EvalArgs a) {
@@ -129,24 +198,20 @@ void run_task(EvalArgs a) {
               "synthetic data); tasks are text, so evaluate a model trained on prepared shards", info.dir);
   const data::Tokenizer tok = data::Tokenizer::load(tok_path);
   const auto items = eval::read_task_file(a.task, model->config().domains.names());
+  a.opt.k = parse_k(a.k);
   const auto registry = data_registry(a, info);
-  a.opt.k.clear();
-  for (const std::string& k : split_names(a.k)) {
-    size_t used = 0;
-    int v = 0;
-    try { v = std::stoi(k, &used); } catch (...) {}
-    SIGMA_CHECK(used == k.size() && v >= 1, "--k: '{}' is not a positive integer", k);
-    a.opt.k.push_back(v);
-  }
   a.opt.sandbox.memory_bytes = uint64_t(a.memory_mb * (1 << 20));
-  nlohmann::json r = eval::run_tasks({*model, tok, registry ? &*registry : nullptr}, items, a.opt);
+  std::vector<nlohmann::json> log;
+  nlohmann::json r = eval::run_tasks({*model, tok, registry ? &*registry : nullptr}, items, a.opt,
+                                     a.log_samples.empty() ? nullptr : &log);
   r["task"] = a.task;
   r["checkpoint"] = info.dir;
-  if (a.json) fmt::print("{}\n", r.dump());
-  else print_task_table(r);
+  print_result(r, a, log);
 }
 
 void run_eval(const EvalArgs& a) {
+  if (!a.score_generations.empty()) return run_score_generations(a);
+  SIGMA_CHECK(!a.ckpt.empty(), "--ckpt is required (except with --score-generations)");
   if (!a.task.empty()) return run_task(a);
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
@@ -180,7 +245,8 @@ void run_eval(const EvalArgs& a) {
 const RegisterCommand reg([](CLI::App& root) {
   auto a = std::make_shared<EvalArgs>();
   CLI::App* c = root.add_subcommand("eval", "Held-out loss and perplexity per domain");
-  c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root)")->required();
+  c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root); required "
+                "except with --score-generations");
   c->add_option("--data", a->data, "Held-out directory made by sigma prepare (default: the "
                 "checkpoint's own data: the synthetic held-out stream, or data.eval_path)");
   c->add_option("--domains", a->domains, "Evaluate only these domains, comma-separated "
@@ -206,6 +272,20 @@ const RegisterCommand reg([](CLI::App& root) {
       ->check(CLI::Range(0.1, 3600.0));
   c->add_option("--memory-mb", a->memory_mb, "Code tasks: address-space limit per sample (default 1024)")
       ->check(CLI::Range(64.0, 1e6));
+  c->add_option("--log-samples", a->log_samples, "With --task or --score-generations: write "
+                "one JSON line per item (prompt, generations, per-choice log-likelihoods, metric "
+                "values, sandbox outcomes) to this file");
+  c->add_option("--score-generations", a->score_generations, "Score a --log-samples file "
+                "(saved generations and log-likelihoods) without a model; code samples run again");
+  c->add_option("--score-batch", a->opt.score_batch, "Multiple choice: items per batched pass, "
+                "each context computed once for all its choices (default 32; 1 = one full pass "
+                "per choice, the reference path)")->check(CLI::Range(1, 4096));
+  c->add_option("--num-fewshot", a->opt.num_fewshot, "Solved examples (other items of the same "
+                "kind and domain, never the item itself) before each item's context")
+      ->check(CLI::Range(0, 1000));
+  c->add_option("--fewshot-seed", a->opt.fewshot_seed, "Seed of the few-shot sampler (default 1234)");
+  c->add_option("--bootstrap", a->opt.bootstrap, "Resamples for the standard errors (default "
+                "1000, 0 = none)")->check(CLI::Range(0, 1000000));
   c->add_flag("--json", a->json, "Print {\"domains\": {NAME: {\"loss\", \"ppl\", \"tokens\"}}, "
               "\"skipped\": {NAME: WHY}}; with --task {\"choice\", \"generate\", \"code\"} "
               "scores (docs/evaluation.md)");

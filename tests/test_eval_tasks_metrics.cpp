@@ -180,3 +180,99 @@ TEST(TaskFile, BadLinesAreOneLineErrorsNamingFileAndLine) {
 }
 
 }  // namespace
+
+namespace {
+
+// sacrebleu right-strips a segment before tokenising, so 13a's "-\n" join never sees a final
+// newline: "h-\n" keeps its dash. hyp "a b c d e f g h" against ref "a b c d e f g h-\n": the
+// last token differs ("h" against "h-"): 7/8, 6/7, 5/6, 4/5, BLEU = (4/8)^(1/4) = 84.09.
+// Joining first (the old behaviour) made the reference "... h" and scored 100.
+TEST(CorpusBleu, AReferenceEndingInDashNewlineKeepsItsDash) {
+  const BleuScore b = corpus_bleu({"a b c d e f g h"}, {{"a b c d e f g h-\n"}}, BleuTokenizer::V13a);
+  EXPECT_NEAR(b.score, 100 * std::pow(0.5, 0.25), 1e-9);
+  EXPECT_EQ(b.correct[0], 7);
+  // Inside a line the join still applies: "sta-\ntion" is "station".
+  EXPECT_EQ(tokenize_13a("sta-\ntion"), "station");
+}
+
+// chrF (sacrebleu CHRF defaults) by hand. "abc" against "abd": order 1 2/3 (a, b), order 2 1/2
+// (ab), order 3 0/1, orders 4-6 have no n-grams and do not count (effective order 3):
+// precision = recall = (2/3 + 1/2 + 0) / 3 = 7/18, F2 = 7/18 = 38.89.
+TEST(Chrf, ByHand) {
+  EXPECT_NEAR(corpus_chrf({"abc"}, {{"abd"}}), 100.0 * 7 / 18, 1e-9);
+  EXPECT_NEAR(corpus_chrf({"a bc"}, {{"ab d"}}), 100.0 * 7 / 18, 1e-9);  // whitespace removed
+  EXPECT_NEAR(corpus_chrf({"ab"}, {{"ab"}}), 100.0, 1e-9);
+  EXPECT_EQ(corpus_chrf({"xyz"}, {{"abc"}}), 0.0);
+  // Several references: the segment takes the best one.
+  EXPECT_NEAR(corpus_chrf({"abc"}, {{"xyz", "abd"}}), 100.0 * 7 / 18, 1e-9);
+  // Recall weighs 4x (beta = 2): hyp "ab", ref "abcd": order 1 p = 1, r = 1/2; order 2 p = 1,
+  // r = 1/3; averaged p = 1, r = 5/12; F2 = 5 * p * r / (4p + r) = (25/12) / (53/12) = 25/53.
+  EXPECT_NEAR(corpus_chrf({"ab"}, {{"abcd"}}), 100.0 * 25 / 53, 1e-9);
+}
+
+TEST(Signatures, NameTheSacrebleuSettings) {
+  EXPECT_EQ(bleu_signature({{"a"}, {"b"}}, BleuTokenizer::V13a),
+            "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0");
+  EXPECT_EQ(bleu_signature({{"a"}, {"b", "c"}}, BleuTokenizer::Zh),
+            "nrefs:var|case:mixed|eff:no|tok:zh|smooth:exp|version:2.6.0");
+  EXPECT_EQ(chrf_signature({{"a", "b"}}), "nrefs:2|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.6.0");
+}
+
+TEST(StopSequences, CutBeforeTheFirstAndDefaultForCode) {
+  EXPECT_EQ(cut_at_stop("    return a + b\n\ndef junk():\n", kCodeStops), "    return a + b\n");
+  EXPECT_EQ(cut_at_stop("    return 1\nprint(2)\n#x", kCodeStops), "    return 1");
+  EXPECT_EQ(cut_at_stop("abc", {}), "abc");
+  EXPECT_EQ(cut_at_stop("a STOP b END", {"END", "STOP"}), "a ");
+  const nlohmann::json code = {{"domain", "python"}, {"prompt", "def f():\n"}, {"tests", "assert f()"}};
+  EXPECT_EQ(parse_task_item(code, "t.jsonl", 1, {}).stop, kCodeStops);
+  nlohmann::json own = code;
+  own["stop"] = nlohmann::json::array({"\nEND"});
+  EXPECT_EQ(parse_task_item(own, "t.jsonl", 1, {}).stop, std::vector<std::string>{"\nEND"});
+  own["stop"] = nlohmann::json::array();  // [] turns the default off
+  EXPECT_TRUE(parse_task_item(own, "t.jsonl", 1, {}).stop.empty());
+  own["stop"] = "x";
+  EXPECT_THROW(parse_task_item(own, "t.jsonl", 1, {}), std::exception);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(FewShot, SeededShotsFromTheSameKindAndDomainNeverTheItemItself) {
+  std::vector<TaskItem> items;
+  for (int i = 0; i < 4; ++i) {
+    TaskItem it;
+    it.kind = TaskKind::Choice;
+    it.domain = "english";
+    it.source = "t.jsonl";
+    it.line = uint64_t(i + 1);
+    it.context = "Q" + std::to_string(i) + ":";
+    it.choices = {" yes", " no"};
+    it.answer = i % 2;
+    items.push_back(it);
+  }
+  items[3].domain = "chinese";  // alone in its domain: no shot for it
+  const auto three = std::vector<TaskItem>(items.begin(), items.begin() + 3);
+  const auto a = with_fewshot(three, 2, 7), b = with_fewshot(three, 2, 7);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].context, b[i].context);  // seeded
+    const std::string own = three[i].context;
+    ASSERT_TRUE(a[i].context.ends_with("\n\n" + own)) << a[i].context;
+    EXPECT_EQ(a[i].context.find(own), a[i].context.size() - own.size()) << "the item is its own shot";
+    // Both other items, each followed by its right answer.
+    for (size_t j = 0; j < three.size(); ++j) {
+      if (j == i) continue;
+      EXPECT_NE(a[i].context.find(three[j].context + three[j].choices[size_t(three[j].answer)] + "\n\n"),
+                std::string::npos) << a[i].context;
+    }
+  }
+  EXPECT_EQ(with_fewshot(three, 0, 7)[0].context, "Q0:");
+  try {
+    with_fewshot(items, 1, 7);
+    ADD_FAILURE() << "no shot for the chinese item";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("t.jsonl:4: --num-fewshot 1: only 0 other choice items"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace

@@ -168,37 +168,55 @@ std::string bleu_tokenize(std::string_view line, BleuTokenizer t) {
   return std::string(line);
 }
 
-// sacrebleu BLEU.compute_bleu with smooth_method="exp", effective_order=False.
-BleuScore corpus_bleu(const std::vector<std::string>& hyps,
-                      const std::vector<std::vector<std::string>>& refs, BleuTokenizer t) {
-  SIGMA_CHECK(hyps.size() == refs.size(), "BLEU: {} hypotheses but {} reference sets",
-              hyps.size(), refs.size());
-  BleuScore b;
-  for (size_t i = 0; i < hyps.size(); ++i) {
-    SIGMA_CHECK(!refs[i].empty(), "BLEU: hypothesis {} has no reference", i);
-    // sacrebleu strips trailing whitespace before tokenising; the split below drops it anyway.
-    const std::string h = bleu_tokenize(hyps[i], t);
-    const auto hw = py_split(h);
-    Ngrams best;  // the most times each n-gram occurs in any one reference (clipping)
-    int64_t closest = -1;
-    std::vector<std::string> toks(refs[i].size());
-    for (size_t r = 0; r < refs[i].size(); ++r) {
-      toks[r] = bleu_tokenize(refs[i][r], t);
-      const auto rw = py_split(toks[r]);
-      const int64_t len = int64_t(rw.size()), diff = std::llabs(len - int64_t(hw.size()));
-      const int64_t cdiff = std::llabs(closest - int64_t(hw.size()));
-      if (closest < 0 || diff < cdiff || (diff == cdiff && len < closest)) closest = len;
-      for (const auto& [g, c] : ngrams(rw)) best[g] = std::max(best[g], c);
-    }
-    b.sys_len += int64_t(hw.size());
-    b.ref_len += closest;
-    for (const auto& [g, c] : ngrams(hw)) {
-      const size_t n = g.size() - 1;
-      b.total[n] += c;
-      auto it = best.find(g);
-      if (it != best.end()) b.correct[n] += std::min(c, it->second);
-    }
+namespace {
+
+// Python's str.rstrip(): sacrebleu strips each segment before tokenising.
+std::string_view rstrip_py(std::string_view s) {
+  size_t end = 0;
+  for (size_t i = 0, len = 0; i < s.size(); i += len)
+    if (!py_space(next_cp(s, i, len))) end = i + len;
+  return s.substr(0, end);
+}
+
+}  // namespace
+
+BleuStats& BleuStats::operator+=(const BleuStats& o) {
+  for (size_t n = 0; n < 4; ++n) correct[n] += o.correct[n], total[n] += o.total[n];
+  sys_len += o.sys_len, ref_len += o.ref_len;
+  return *this;
+}
+
+BleuStats bleu_segment(const std::string& hyp, const std::vector<std::string>& refs, BleuTokenizer t) {
+  SIGMA_CHECK(!refs.empty(), "BLEU: a hypothesis has no reference");
+  BleuStats b;
+  const std::string h = bleu_tokenize(rstrip_py(hyp), t);
+  const auto hw = py_split(h);
+  Ngrams best;  // the most times each n-gram occurs in any one reference (clipping)
+  int64_t closest = -1;
+  std::vector<std::string> toks(refs.size());
+  for (size_t r = 0; r < refs.size(); ++r) {
+    toks[r] = bleu_tokenize(rstrip_py(refs[r]), t);
+    const auto rw = py_split(toks[r]);
+    const int64_t len = int64_t(rw.size()), diff = std::llabs(len - int64_t(hw.size()));
+    const int64_t cdiff = std::llabs(closest - int64_t(hw.size()));
+    if (closest < 0 || diff < cdiff || (diff == cdiff && len < closest)) closest = len;
+    for (const auto& [g, c] : ngrams(rw)) best[g] = std::max(best[g], c);
   }
+  b.sys_len = int64_t(hw.size());
+  b.ref_len = closest;
+  for (const auto& [g, c] : ngrams(hw)) {
+    const size_t n = g.size() - 1;
+    b.total[n] += c;
+    auto it = best.find(g);
+    if (it != best.end()) b.correct[n] += std::min(c, it->second);
+  }
+  return b;
+}
+
+// sacrebleu BLEU.compute_bleu with smooth_method="exp", effective_order=False.
+BleuScore bleu_from_stats(const BleuStats& s) {
+  BleuScore b;
+  b.correct = s.correct, b.total = s.total, b.sys_len = s.sys_len, b.ref_len = s.ref_len;
   b.bp = b.sys_len < b.ref_len
              ? (b.sys_len > 0 ? std::exp(1.0 - double(b.ref_len) / double(b.sys_len)) : 0.0)
              : 1.0;
@@ -216,6 +234,113 @@ BleuScore corpus_bleu(const std::vector<std::string>& hyps,
   for (double p : b.precisions) log_sum += p > 0 ? std::log(p) : -9999999999.0;
   b.score = b.bp * std::exp(log_sum / 4.0);
   return b;
+}
+
+BleuScore corpus_bleu(const std::vector<std::string>& hyps,
+                      const std::vector<std::vector<std::string>>& refs, BleuTokenizer t) {
+  SIGMA_CHECK(hyps.size() == refs.size(), "BLEU: {} hypotheses but {} reference sets",
+              hyps.size(), refs.size());
+  BleuStats sum;
+  for (size_t i = 0; i < hyps.size(); ++i) sum += bleu_segment(hyps[i], refs[i], t);
+  return bleu_from_stats(sum);
+}
+
+namespace {
+
+constexpr int kChrOrder = 6;
+constexpr double kChrBeta = 2;
+
+// Code points of `s` with Python whitespace removed (sacrebleu: ''.join(s.split())).
+std::vector<uint32_t> chrf_chars(std::string_view s) {
+  std::vector<uint32_t> out;
+  for (size_t i = 0, len = 0; i < s.size(); i += len) {
+    const uint32_t c = next_cp(s, i, len);
+    if (!py_space(c)) out.push_back(c == 0xFFFFFFFFu ? 0xFFFFFF00u + uint8_t(s[i]) : c);
+  }
+  return out;
+}
+
+std::map<std::vector<uint32_t>, int64_t> char_ngrams(const std::vector<uint32_t>& c, int n) {
+  std::map<std::vector<uint32_t>, int64_t> out;
+  for (size_t i = 0; i + size_t(n) <= c.size(); ++i) ++out[std::vector<uint32_t>(c.begin() + i, c.begin() + i + n)];
+  return out;
+}
+
+ChrfStats chrf_pair(const std::vector<uint32_t>& h, const std::vector<uint32_t>& r) {
+  ChrfStats s;
+  for (int n = 1; n <= kChrOrder; ++n) {
+    const auto hg = char_ngrams(h, n), rg = char_ngrams(r, n);
+    int64_t nh = 0, nr = 0, m = 0;
+    for (const auto& [g, c] : hg) {
+      nh += c;
+      if (auto it = rg.find(g); it != rg.end()) m += std::min(c, it->second);
+    }
+    for (const auto& [g, c] : rg) nr += c;
+    s.v[size_t(3 * (n - 1))] = nh, s.v[size_t(3 * (n - 1) + 1)] = nr, s.v[size_t(3 * (n - 1) + 2)] = m;
+  }
+  return s;
+}
+
+}  // namespace
+
+ChrfStats& ChrfStats::operator+=(const ChrfStats& o) {
+  for (size_t i = 0; i < v.size(); ++i) v[i] += o.v[i];
+  return *this;
+}
+
+double chrf_from_stats(const ChrfStats& s) {
+  double prec = 0, rec = 0;
+  int effective = 0;
+  for (size_t n = 0; n < size_t(kChrOrder); ++n) {
+    const int64_t nh = s.v[3 * n], nr = s.v[3 * n + 1], m = s.v[3 * n + 2];
+    if (nh > 0 && nr > 0) {
+      prec += double(m) / double(nh);
+      rec += double(m) / double(nr);
+      ++effective;
+    }
+  }
+  if (effective == 0) return 0;
+  prec /= effective, rec /= effective;
+  if (prec + rec == 0) return 0;
+  const double f = kChrBeta * kChrBeta;
+  return 100 * (1 + f) * prec * rec / (f * prec + rec);
+}
+
+ChrfStats chrf_segment(const std::string& hyp, const std::vector<std::string>& refs) {
+  SIGMA_CHECK(!refs.empty(), "chrF: a hypothesis has no reference");
+  const auto h = chrf_chars(hyp);
+  ChrfStats best;
+  double best_f = -1;
+  for (const std::string& r : refs) {
+    const ChrfStats s = chrf_pair(h, chrf_chars(r));
+    const double f = chrf_from_stats(s);
+    if (f > best_f) best = s, best_f = f;
+  }
+  return best;
+}
+
+double corpus_chrf(const std::vector<std::string>& hyps, const std::vector<std::vector<std::string>>& refs) {
+  SIGMA_CHECK(hyps.size() == refs.size(), "chrF: {} hypotheses but {} reference sets", hyps.size(), refs.size());
+  ChrfStats sum;
+  for (size_t i = 0; i < hyps.size(); ++i) sum += chrf_segment(hyps[i], refs[i]);
+  return chrf_from_stats(sum);
+}
+
+namespace {
+std::string nrefs(const std::vector<std::vector<std::string>>& refs) {
+  for (const auto& r : refs)
+    if (r.size() != refs.front().size()) return "var";
+  return refs.empty() ? "0" : std::to_string(refs.front().size());
+}
+}  // namespace
+
+std::string bleu_signature(const std::vector<std::vector<std::string>>& refs, BleuTokenizer t) {
+  const char* tok = t == BleuTokenizer::V13a ? "13a" : t == BleuTokenizer::Zh ? "zh" : "none";
+  return fmt::format("nrefs:{}|case:mixed|eff:no|tok:{}|smooth:exp|version:2.6.0", nrefs(refs), tok);
+}
+
+std::string chrf_signature(const std::vector<std::vector<std::string>>& refs) {
+  return fmt::format("nrefs:{}|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.6.0", nrefs(refs));
 }
 
 }  // namespace sigma::eval

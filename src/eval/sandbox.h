@@ -1,11 +1,16 @@
 // Runs untrusted Python (a model's code sample and the problem's tests) in a child process that
-// cannot hang, exhaust or escape the evaluator (docs/evaluation.md, "The sandbox"):
-// - a fresh temporary directory as its working directory and home, removed afterwards;
-// - wall-clock limit: the whole process group is killed with SIGKILL when it runs out; CPU,
-//   address-space, file-size, open-file and process limits (setrlimit);
-// - no network: a new network namespace (unshare), and Landlock denies TCP bind/connect;
-// - no writes outside its directory: Landlock (kernel >= 5.13) where the kernel has it; as
-//   root the child also drops to user nobody;
+// cannot hang, exhaust, fool or escape the evaluator (docs/evaluation.md, "The sandbox"):
+// - a pass means the program reached its end: the guard writes a sentinel to a pipe after the
+//   tests, so sys.exit(0) or os._exit(0) before them is a failure;
+// - its own PID namespace (root, or a user namespace where unprivileged ones are allowed): when
+//   the sample's first process ends, every process it started dies with the namespace; the
+//   supervisor is also a subreaper that kills every descendant left at the end of a sample;
+// - a per-sample tmpfs as its directory (a total disk quota), removed afterwards;
+// - wall-clock limit, CPU, address-space, file-size, open-file and process limits (setrlimit);
+// - no network: a new network namespace, and Landlock denies TCP bind/connect;
+// - no writes outside its directory and no reads outside it and the system: Landlock; no
+//   signals to processes outside the sandbox: Landlock signal scoping (ABI >= 6); as root the
+//   sample also runs as user nobody;
 // - a Python audit hook refuses fork/exec/subprocess, sockets, ctypes and writes outside the
 //   directory, as a second line where the kernel features are missing.
 // Whatever the sample does, the result is pass or fail with a reason.
@@ -19,20 +24,27 @@ struct SandboxLimits {
   double seconds = 10;                 // wall clock
   uint64_t memory_bytes = 1ull << 30;  // address space
   uint64_t file_bytes = 16ull << 20;   // largest file it may write (and its captured output)
+  uint64_t disk_bytes = 64ull << 20;   // all its files together (the tmpfs' size)
+  int processes = 64;                  // RLIMIT_NPROC for the sample's user
   std::string python = "";             // interpreter; "" = /usr/bin/python3, else python3 on PATH
 };
 
 struct SandboxResult {
   bool passed = false;
   bool timed_out = false;
-  int exit_code = -1;  // when it exited
-  int signal = 0;      // when a signal ended it
-  std::string why;     // "ok", "timeout after 2 s", "exit 1: AssertionError ...", "signal 6"
-  std::string protections;  // what the child got, e.g. "rlimits process-group-kill netns nobody
-                            // landlock-abi7 audit-hook" ("" when it failed before reporting)
+  bool finished = false;  // the program ran to its end (the sentinel arrived)
+  int exit_code = -1;     // when it exited
+  int signal = 0;         // when a signal ended it
+  // "passed", "failed" (a non-zero exit: an exception such as AssertionError), "early_exit"
+  // (exit 0 before the end), "timeout", "killed" (a signal), "error" (the sandbox failed).
+  std::string outcome;
+  std::string why;  // "ok", "timeout after 2 s", "exit 1: AssertionError ...", "signal 6"
+  std::string protections;  // what the child got, e.g. "rlimits pidns netns disk-quota nobody
+                            // landlock-abi7 signal-scope audit-hook" ("" when it failed first)
 };
 
-// Runs `program` (Python source) with python3 -I -B; passed = exit status 0 within the limits.
+// Runs `program` (Python source) with python3 -I -B; passed = it ran to its end and exited 0
+// within the limits.
 SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimits& limits);
 
 }  // namespace sigma::eval

@@ -58,8 +58,8 @@ void check_keys(const json& j, TaskKind k, const LineCheck& at) {
   static const std::set<std::string> common = {"type", "domain", "id"};
   const std::set<std::string> own =
       k == TaskKind::Choice     ? std::set<std::string>{"context", "choices", "answer"}
-      : k == TaskKind::Generate ? std::set<std::string>{"prompt", "references", "tokenize"}
-                                : std::set<std::string>{"prompt", "tests"};
+      : k == TaskKind::Generate ? std::set<std::string>{"prompt", "references", "tokenize", "stop"}
+                                : std::set<std::string>{"prompt", "tests", "stop"};
   for (const auto& [key, v] : j.items())
     if (!common.count(key) && !own.count(key)) at.fail("unknown key \"{}\"", key);
 }
@@ -68,9 +68,11 @@ TaskItem parse_item(const json& j, const LineCheck& at, const std::vector<std::s
   TaskItem it;
   it.kind = kind_of(j, at);
   it.line = at.line;
+  it.source = at.path;
   check_keys(j, it.kind, at);
   it.domain = at.text(j, "domain");
-  if (std::find(domains.begin(), domains.end(), it.domain) == domains.end())
+  it.doc = j;
+  if (!domains.empty() && std::find(domains.begin(), domains.end(), it.domain) == domains.end())
     at.fail("unknown domain '{}' (the model has {})", it.domain, fmt::join(domains, ", "));
   if (it.kind == TaskKind::Choice) {
     it.context = at.text(j, "context");
@@ -94,11 +96,35 @@ TaskItem parse_item(const json& j, const LineCheck& at, const std::vector<std::s
       it.tokenize = bleu_tokenizer(t);
     }
   }
-  if (it.kind == TaskKind::Code) it.tests = at.text(j, "tests");
+  if (it.kind == TaskKind::Code) {
+    it.tests = at.text(j, "tests");
+    it.stop = kCodeStops;
+  }
+  if (j.contains("stop")) {  // [] turns the code default off
+    if (!j["stop"].is_array()) at.fail("\"stop\" must be an array of strings");
+    it.stop.clear();
+    for (const json& v : j["stop"]) {
+      if (!v.is_string() || v.get<std::string>().empty()) at.fail("\"stop\" must be an array of non-empty strings");
+      it.stop.push_back(v.get<std::string>());
+    }
+  }
   return it;
 }
 
 }  // namespace
+
+TaskItem parse_task_item(const json& j, const std::string& path, uint64_t line,
+                         const std::vector<std::string>& domains) {
+  const LineCheck at{path, line};
+  if (!j.is_object()) at.fail("not a JSON object");
+  return parse_item(j, at, domains);
+}
+
+std::string cut_at_stop(const std::string& text, const std::vector<std::string>& stops) {
+  size_t end = text.size();
+  for (const std::string& s : stops) end = std::min(end, text.find(s));
+  return text.substr(0, end);
+}
 
 std::vector<TaskItem> read_task_file(const std::string& path, const std::vector<std::string>& domains) {
   data::LineReader lines(path, 16u << 20);

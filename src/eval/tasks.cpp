@@ -1,13 +1,17 @@
 // Scoring task items with a model: log-likelihoods for multiple choice, decoding for generation
-// and code, then the metrics.
+// and code (run_model); then the metrics from those outputs alone (score_items), so that a
+// --log-samples file can be scored again without the model.
 #include "eval/tasks.h"
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <map>
 
 #include "core/error.h"
+#include "core/json_depth.h"
 #include "core/rng.h"
+#include "data/jsonl.h"
 #include "data/prepare.h"
 #include "eval/pass_at_k.h"
 #include "infer/generate.h"
@@ -36,13 +40,19 @@ void format(const TaskContext& ctx, const TaskItem& it, const std::string& answe
   rest.assign(ids.begin() + plen, ids.end());
 }
 
+std::string prompt_text(const TaskContext& ctx, const std::vector<int32_t>& prompt) {
+  return ctx.tok.decode(std::vector<uint32_t>(prompt.begin(), prompt.end()));
+}
+
 // log p(rest | prompt) under the model, the prompt cut from the left to fit the context.
 double loglik(const TaskContext& ctx, const TaskItem& it, std::vector<int32_t> prompt,
-              const std::vector<int32_t>& rest) {
+              const std::vector<int32_t>& rest, const std::string& choice) {
   const int context = ctx.model.config().context;
-  SIGMA_CHECK(int(rest.size()) < context, "line {}: a choice of {} tokens does not fit the "
-              "model's context of {}", it.line, rest.size(), context);
-  SIGMA_CHECK(!rest.empty(), "line {}: a choice encodes to no tokens", it.line);
+  const std::string where = it.source.empty() ? fmt::format("line {}", it.line)
+                                              : fmt::format("{}:{}", it.source, it.line);
+  SIGMA_CHECK(int(rest.size()) < context, "{}: the choice '{}' is {} tokens, longer than the "
+              "model's context of {} allows", where, choice.substr(0, 40), rest.size(), context);
+  SIGMA_CHECK(!rest.empty(), "{}: the choice '{}' encodes to no tokens", where, choice.substr(0, 40));
   if (prompt.empty()) prompt.push_back(int32_t(data::kEotId));  // start-of-text: an <EOT>
   const size_t keep = std::min(prompt.size(), size_t(context) + 1 - rest.size());
   std::vector<int32_t> seq(prompt.end() - keep, prompt.end());
@@ -60,26 +70,141 @@ double loglik(const TaskContext& ctx, const TaskItem& it, std::vector<int32_t> p
   return sum;
 }
 
-json score_choices(const TaskContext& ctx, const std::vector<const TaskItem*>& items) {
-  int64_t acc = 0, norm = 0, bytes = 0;
-  for (const TaskItem* it : items) {
-    std::vector<double> ll, chars, nbytes;
-    for (const std::string& c : it->choices) {
-      std::vector<int32_t> prompt, rest;
-      format(ctx, *it, c, prompt, rest);
-      ll.push_back(loglik(ctx, *it, prompt, rest));
-      chars.push_back(double(utf8_chars(c)));
-      nbytes.push_back(double(c.size()));
+// The choice items' log-likelihoods, batched (TaskOptions::score_batch rows at a time, items
+// sorted by length so rows of a batch are alike) with the context computed once per item: its
+// tokens but the last go into a KV-cache row, then each choice runs [last context token, choice
+// tokens but the last] from the cached prefix (the row's length is set back between choices).
+// Rows are padded at their end; causal attention and per-row kernels keep a row's real
+// positions independent of the padding and of the other rows (Model::forward_cached). Items
+// whose context must be cut for some choice take the unbatched path (their prefix differs per
+// choice). Same order of summation as loglik(); docs/benchmarks.md compares the two.
+void loglik_batched(const TaskContext& ctx, const std::vector<TaskItem>& items,
+                    const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
+  struct Row {
+    size_t item;
+    std::vector<int32_t> prompt;              // at least one token
+    std::vector<std::vector<int32_t>> rests;  // per choice
+    size_t total;                             // for the sort
+  };
+  const int context = ctx.model.config().context;
+  std::vector<Row> todo;
+  for (size_t i : which) {
+    const TaskItem& it = items[i];
+    Row r{i, {}, {}, 0};
+    std::vector<int32_t> prompt, rest;
+    bool fits = true;
+    for (const std::string& c : it.choices) {
+      format(ctx, it, c, prompt, rest);
+      if (rest.empty() || int(rest.size()) >= context) fits = false;  // loglik() says why
+      r.rests.push_back(rest);
     }
-    acc += best_choice(ll, std::vector<double>(ll.size(), 1.0)) == it->answer;
-    norm += best_choice(ll, chars) == it->answer;
-    bytes += best_choice(ll, nbytes) == it->answer;
+    r.prompt = prompt.empty() ? std::vector<int32_t>{int32_t(data::kEotId)} : prompt;
+    size_t longest = 0;
+    for (const auto& x : r.rests) longest = std::max(longest, x.size());
+    if (!fits || r.prompt.size() + longest > size_t(context) + 1) {  // a cut: the reference path
+      for (size_t c = 0; c < it.choices.size(); ++c) {
+        format(ctx, it, it.choices[c], prompt, rest);
+        outs[i].loglik.push_back(loglik(ctx, it, prompt, rest, it.choices[c]));
+        outs[i].tokens.push_back(int64_t(rest.size()));
+      }
+      continue;
+    }
+    r.total = r.prompt.size() + longest;
+    todo.push_back(std::move(r));
   }
-  const double n = double(items.size());
-  return {{"items", items.size()}, {"acc", acc / n}, {"acc_norm", norm / n}, {"acc_bytes", bytes / n}};
+  std::stable_sort(todo.begin(), todo.end(), [](const Row& a, const Row& b) { return a.total < b.total; });
+  KvCache cache;
+  cache.reset(ctx.model.config(), rows);
+  // Activations are sized per (rows, length) and re-allocating them costs more than the pass
+  // itself on a small model: lengths are rounded up to a multiple of 8 and a few shapes kept.
+  std::map<std::pair<int, int>, Activations> acts_of;
+  Batch b;
+  std::vector<float> loss;
+  std::vector<int> cache_rows;
+  // One forward_cached over `members` (rows of the cache): row k gets tokens[k] after its
+  // cached prefix, targets[k] its next tokens; pads (EOT, target 0) fill up to the longest.
+  auto run = [&](const std::vector<int>& members, const std::vector<const Row*>& of,
+                 const std::vector<std::vector<int32_t>>& tokens,
+                 const std::vector<std::vector<int32_t>>& targets) {
+    size_t T = 1, cached = 0;
+    for (const auto& t : tokens) T = std::max(T, t.size());
+    for (int m : members) cached = std::max(cached, size_t(cache.length[size_t(m)]));
+    T = std::max(T, std::min((T + 7) / 8 * 8, size_t(context) - cached));
+    b.resize(int(members.size()), int(T));
+    for (size_t k = 0; k < members.size(); ++k) {
+      std::fill_n(b.tokens.begin() + int64_t(k * T), T, int32_t(data::kEotId));
+      std::copy(tokens[k].begin(), tokens[k].end(), b.tokens.begin() + int64_t(k * T));
+      std::copy(targets[k].begin(), targets[k].end(), b.targets.begin() + int64_t(k * T));
+      b.domain[k] = ctx.model.config().domain_index(items[of[k]->item].domain);
+    }
+    loss.assign(members.size() * T, 0.0f);
+    ctx.model.expert_executor().begin_step({&b, 1});
+    if (acts_of.size() > 6 && !acts_of.count({b.B, b.T})) acts_of.clear();
+    ctx.model.forward_cached(b, cache, acts_of[{b.B, b.T}], loss.data(), members.data());
+    return T;
+  };
+  for (size_t start = 0; start < todo.size(); start += size_t(rows)) {
+    const size_t n = std::min(todo.size() - start, size_t(rows));
+    std::vector<int> members;
+    std::vector<const Row*> of;
+    std::vector<std::vector<int32_t>> tok, tgt;
+    for (size_t k = 0; k < n; ++k) {
+      const Row& r = todo[start + k];
+      members.push_back(int(k));
+      of.push_back(&r);
+      cache.clear(int(k));
+      tok.emplace_back(r.prompt.begin(), r.prompt.end() - 1);
+      tgt.emplace_back(r.prompt.begin() + 1, r.prompt.end());
+    }
+    if (std::any_of(tok.begin(), tok.end(), [](const auto& t) { return !t.empty(); })) run(members, of, tok, tgt);
+    size_t most = 0;
+    for (const Row* r : of) most = std::max(most, r->rests.size());
+    for (size_t c = 0; c < most; ++c) {
+      // Rows in groups whose longest prefix plus longest choice fits the context (padding
+      // lengthens every row of a pass to its longest).
+      std::vector<std::vector<size_t>> groups;
+      size_t max_p = 0, max_r = 0;
+      for (size_t k = 0; k < n; ++k) {
+        const Row& r = *of[k];
+        if (c >= r.rests.size()) continue;
+        const size_t p = std::max(max_p, r.prompt.size() - 1), q = std::max(max_r, r.rests[c].size());
+        if (groups.empty() || p + q > size_t(context)) {
+          groups.emplace_back();
+          max_p = r.prompt.size() - 1, max_r = r.rests[c].size();
+        } else {
+          max_p = p, max_r = q;
+        }
+        groups.back().push_back(k);
+      }
+      for (const auto& g : groups) {
+        std::vector<int> sub;
+        std::vector<const Row*> sub_of;
+        tok.clear(), tgt.clear();
+        for (size_t k : g) {
+          const Row& r = *of[k];
+          cache.length[k] = int(r.prompt.size()) - 1;  // back to the shared prefix
+          sub.push_back(int(k));
+          sub_of.push_back(&r);
+          std::vector<int32_t> t = {r.prompt.back()};
+          t.insert(t.end(), r.rests[c].begin(), r.rests[c].end() - 1);
+          tok.push_back(std::move(t));
+          tgt.push_back(r.rests[c]);
+        }
+        const size_t T = run(sub, sub_of, tok, tgt);
+        for (size_t k = 0; k < sub.size(); ++k) {
+          double sum = 0;
+          for (size_t t = 0; t < tgt[k].size(); ++t) sum -= loss[k * T + t];
+          ItemOutput& o = outs[sub_of[k]->item];
+          o.loglik.push_back(sum);
+          o.tokens.push_back(int64_t(tgt[k].size()));
+        }
+      }
+    }
+  }
 }
 
-// One answer: decoded until <EOT> or max_new tokens, control tokens left out of the text.
+// One answer: decoded until <EOT> or max_new tokens, control tokens left out of the text, cut
+// before the item's first stop sequence.
 std::string answer(const TaskContext& ctx, const TaskItem& it, const TaskOptions& opt, int sample) {
   std::vector<int32_t> prompt, rest;
   format(ctx, it, "", prompt, rest);
@@ -98,7 +223,7 @@ std::string answer(const TaskContext& ctx, const TaskItem& it, const TaskOptions
   for (int32_t id : out)
     if (id >= 0 && !ctx.tok.is_control(uint32_t(id)) && id < int32_t(ctx.tok.vocab_size()))
       text.push_back(uint32_t(id));
-  return ctx.tok.decode(text);
+  return cut_at_stop(ctx.tok.decode(text), it.stop);
 }
 
 std::string trim(const std::string& s) {
@@ -106,54 +231,182 @@ std::string trim(const std::string& s) {
   return b == std::string::npos ? "" : s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
 }
 
-json score_generation(const TaskContext& ctx, const std::vector<const TaskItem*>& items,
-                      const TaskOptions& opt) {
-  int64_t exact = 0;
-  std::map<BleuTokenizer, std::pair<std::vector<std::string>, std::vector<std::vector<std::string>>>> by_tok;
-  for (const TaskItem* it : items) {
-    const std::string out = trim(answer(ctx, *it, opt, 0));
-    exact += std::any_of(it->references.begin(), it->references.end(),
-                         [&](const std::string& r) { return trim(r) == out; });
-    by_tok[it->tokenize].first.push_back(out);
-    by_tok[it->tokenize].second.push_back(it->references);
+// The bootstrap standard error of a statistic of the items: `stat(idx)` over `n` items drawn
+// with replacement, `reps` times (seeded, so a rerun prints the same figure).
+template <class Stat>
+double bootstrap_stderr(size_t n, int reps, Stat stat) {
+  if (n < 2 || reps < 2) return 0;
+  std::vector<size_t> idx(n);
+  double sum = 0, sq = 0;
+  for (int b = 0; b < reps; ++b) {
+    for (size_t i = 0; i < n; ++i) idx[i] = size_t(rng_u64(0x28b007, uint64_t(b), i) % n);
+    const double v = stat(idx);
+    sum += v, sq += v * v;
   }
-  json bleu = json::object();
-  for (const auto& [t, hr] : by_tok) {
-    const BleuScore b = corpus_bleu(hr.first, hr.second, t);
-    const char* name = t == BleuTokenizer::V13a ? "13a" : t == BleuTokenizer::Zh ? "zh" : "none";
-    bleu[name] = {{"score", b.score}, {"precisions", b.precisions}, {"bp", b.bp},
-                  {"sys_len", b.sys_len}, {"ref_len", b.ref_len}, {"items", hr.first.size()}};
-  }
-  return {{"items", items.size()}, {"exact_match", double(exact) / double(items.size())},
-          {"bleu", bleu}};
+  const double mean = sum / reps;
+  return std::sqrt(std::max(0.0, (sq - reps * mean * mean) / (reps - 1)));
 }
 
-json score_code(const TaskContext& ctx, const std::vector<const TaskItem*>& items,
-                const TaskOptions& opt) {
-  std::vector<double> sums(opt.k.size(), 0.0);
+double mean_of(const std::vector<double>& v, const std::vector<size_t>& idx) {
+  double s = 0;
+  for (size_t i : idx) s += v[i];
+  return s / double(idx.size());
+}
+
+// Adds "NAME" (the mean) and "NAME_stderr" for per-item values.
+void add_mean(json& out, const std::string& name, const std::vector<double>& v, int reps) {
+  std::vector<size_t> all(v.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  out[name] = mean_of(v, all);
+  out[name + "_stderr"] = bootstrap_stderr(v.size(), reps, [&](const auto& idx) { return mean_of(v, idx); });
+}
+
+json score_choices(const std::vector<const TaskItem*>& items, const std::vector<const ItemOutput*>& outs,
+                   const TaskOptions& opt, std::vector<json*>& log) {
+  std::vector<double> acc, norm, bytes;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const TaskItem& it = *items[i];
+    const ItemOutput& o = *outs[i];
+    SIGMA_CHECK(o.loglik.size() == it.choices.size(), "line {}: {} log-likelihoods for {} choices",
+                it.line, o.loglik.size(), it.choices.size());
+    std::vector<double> chars, nbytes;
+    for (const std::string& c : it.choices) {
+      chars.push_back(double(utf8_chars(c)));
+      nbytes.push_back(double(c.size()));
+    }
+    const int p_acc = best_choice(o.loglik, std::vector<double>(o.loglik.size(), 1.0));
+    const int p_norm = best_choice(o.loglik, chars), p_bytes = best_choice(o.loglik, nbytes);
+    acc.push_back(p_acc == it.answer);
+    norm.push_back(p_norm == it.answer);
+    bytes.push_back(p_bytes == it.answer);
+    if (log[i]) {
+      json& r = *log[i];
+      r["loglik"] = o.loglik;
+      r["tokens"] = o.tokens;
+      r["chars"] = chars;
+      r["bytes"] = nbytes;
+      r["pred"] = {{"acc", p_acc}, {"acc_norm", p_norm}, {"acc_bytes", p_bytes}};
+      r["metrics"] = {{"acc", acc.back()}, {"acc_norm", norm.back()}, {"acc_bytes", bytes.back()}};
+    }
+  }
+  json out = {{"items", items.size()}};
+  add_mean(out, "acc", acc, opt.bootstrap);
+  add_mean(out, "acc_norm", norm, opt.bootstrap);
+  add_mean(out, "acc_bytes", bytes, opt.bootstrap);
+  return out;
+}
+
+const char* tok_name(BleuTokenizer t) {
+  return t == BleuTokenizer::V13a ? "13a" : t == BleuTokenizer::Zh ? "zh" : "none";
+}
+
+json score_generation(const std::vector<const TaskItem*>& items, const std::vector<const ItemOutput*>& outs,
+                      const TaskOptions& opt, std::vector<json*>& log) {
+  std::vector<double> exact;
+  std::vector<std::string> hyps;
+  std::vector<std::vector<std::string>> refs;
+  std::vector<ChrfStats> chrf;
+  std::map<BleuTokenizer, std::vector<size_t>> by_tok;  // item indices per tokeniser
+  for (size_t i = 0; i < items.size(); ++i) {
+    const TaskItem& it = *items[i];
+    SIGMA_CHECK(outs[i]->generations.size() == 1, "line {}: a generation item needs one "
+                "generation, not {}", it.line, outs[i]->generations.size());
+    const std::string out = trim(cut_at_stop(outs[i]->generations[0], it.stop));
+    exact.push_back(std::any_of(it.references.begin(), it.references.end(),
+                                [&](const std::string& r) { return trim(r) == out; }));
+    hyps.push_back(out);
+    refs.push_back(it.references);
+    chrf.push_back(chrf_segment(out, it.references));
+    by_tok[it.tokenize].push_back(i);
+    if (log[i]) {
+      (*log[i])["generations"] = json::array({cut_at_stop(outs[i]->generations[0], it.stop)});
+      (*log[i])["metrics"] = {{"exact_match", exact.back()}, {"chrf", chrf_from_stats(chrf.back())}};
+    }
+  }
+  json out = {{"items", items.size()}};
+  add_mean(out, "exact_match", exact, opt.bootstrap);
+  json bleu = json::object();
+  for (const auto& [t, which] : by_tok) {
+    std::vector<BleuStats> seg;
+    std::vector<std::vector<std::string>> r;
+    BleuStats sum;
+    for (size_t i : which) {
+      seg.push_back(bleu_segment(hyps[i], refs[i], t));
+      r.push_back(refs[i]);
+      sum += seg.back();
+    }
+    const BleuScore b = bleu_from_stats(sum);
+    const double se = bootstrap_stderr(seg.size(), opt.bootstrap, [&](const auto& idx) {
+      BleuStats s;
+      for (size_t i : idx) s += seg[i];
+      return bleu_from_stats(s).score;
+    });
+    bleu[tok_name(t)] = {{"score", b.score}, {"stderr", se}, {"precisions", b.precisions},
+                         {"bp", b.bp}, {"sys_len", b.sys_len}, {"ref_len", b.ref_len},
+                         {"items", which.size()}, {"signature", bleu_signature(r, t)}};
+  }
+  out["bleu"] = bleu;
+  ChrfStats sum;
+  for (const ChrfStats& s : chrf) sum += s;
+  out["chrf"] = {{"score", chrf_from_stats(sum)},
+                 {"stderr", bootstrap_stderr(chrf.size(), opt.bootstrap, [&](const auto& idx) {
+                    ChrfStats s;
+                    for (size_t i : idx) s += chrf[i];
+                    return chrf_from_stats(s);
+                  })},
+                 {"signature", chrf_signature(refs)}};
+  return out;
+}
+
+json score_code(const std::vector<const TaskItem*>& items, const std::vector<const ItemOutput*>& outs,
+                const TaskOptions& opt, std::vector<json*>& log) {
+  const int n = int(outs.empty() ? opt.samples : outs[0]->generations.size());
+  for (int k : opt.k)
+    SIGMA_CHECK(k >= 1 && k <= n, "pass@{} needs at least {} samples per problem (there are {})", k, k, n);
+  std::vector<std::vector<double>> per_k(opt.k.size());
   int64_t passed = 0;
   std::string protections;  // as the first sample's child reported them
-  json failures = json::object();  // why samples failed, counted by reason's first word
-  for (const TaskItem* it : items) {
+  json failures = json::object();  // why samples failed, counted by outcome
+  for (size_t i = 0; i < items.size(); ++i) {
+    const TaskItem& it = *items[i];
+    SIGMA_CHECK(int(outs[i]->generations.size()) == n, "line {}: {} samples where the other "
+                "problems have {}", it.line, outs[i]->generations.size(), n);
     int c = 0;
-    for (int j = 0; j < opt.samples; ++j) {
-      const std::string program = it->context + answer(ctx, *it, opt, j) + "\n\n" + it->tests + "\n";
+    json outcomes = json::array(), cut = json::array();
+    for (const std::string& raw : outs[i]->generations) {  // saved ones may not be cut yet
+      const std::string completion = cut_at_stop(raw, it.stop);
+      cut.push_back(completion);
+      const std::string program = it.context + completion + "\n\n" + it.tests + "\n";
       const SandboxResult r = run_python_sandboxed(program, opt.sandbox);
       c += r.passed;
       if (protections.empty()) protections = r.protections;
-      if (!r.passed) {
-        const std::string kind = r.why.substr(0, r.why.find(' '));
-        failures[kind] = failures.value(kind, 0) + 1;
-      }
+      if (!r.passed) failures[r.outcome] = failures.value(r.outcome, 0) + 1;
+      json o = {{"outcome", r.outcome}, {"why", r.why}};
+      if (r.exit_code >= 0) o["exit_code"] = r.exit_code;
+      if (r.signal) o["signal"] = r.signal;
+      outcomes.push_back(o);
     }
     passed += c;
-    for (size_t i = 0; i < opt.k.size(); ++i) sums[i] += pass_at_k(opt.samples, c, opt.k[i]);
+    json m = json::object();
+    for (size_t j = 0; j < opt.k.size(); ++j) {
+      per_k[j].push_back(pass_at_k(n, c, opt.k[j]));
+      m[fmt::format("pass@{}", opt.k[j])] = per_k[j].back();
+    }
+    if (log[i]) {
+      (*log[i])["generations"] = cut;
+      (*log[i])["outcomes"] = outcomes;
+      (*log[i])["passed"] = c;
+      (*log[i])["metrics"] = m;
+    }
   }
-  json out = {{"items", items.size()}, {"samples", opt.samples}, {"passed", passed},
+  json out = {{"items", items.size()}, {"samples", n}, {"passed", passed},
               {"failures", failures}, {"sandbox", protections}};
-  for (size_t i = 0; i < opt.k.size(); ++i)
-    out[fmt::format("pass@{}", opt.k[i])] = sums[i] / double(items.size());
+  for (size_t j = 0; j < opt.k.size(); ++j) add_mean(out, fmt::format("pass@{}", opt.k[j]), per_k[j], opt.bootstrap);
   return out;
+}
+
+const char* kind_name(TaskKind k) {
+  return k == TaskKind::Choice ? "choice" : k == TaskKind::Generate ? "generate" : "code";
 }
 
 }  // namespace
@@ -172,18 +425,122 @@ int best_choice(const std::vector<double>& loglik, const std::vector<double>& di
   return best;
 }
 
-json run_tasks(const TaskContext& ctx, const std::vector<TaskItem>& items, const TaskOptions& opt) {
+std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed) {
+  std::vector<TaskItem> out = items;
+  if (n <= 0) return out;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const TaskItem& it = items[i];
+    SIGMA_CHECK(it.kind != TaskKind::Code, "{}:{}: --num-fewshot: code items take no shots "
+                "(their tests are not an answer to show)", it.source, it.line);
+    std::vector<size_t> pool;
+    for (size_t j = 0; j < items.size(); ++j)
+      if (j != i && items[j].kind == it.kind && items[j].domain == it.domain) pool.push_back(j);
+    SIGMA_CHECK(int(pool.size()) >= n, "{}:{}: --num-fewshot {}: only {} other {} items of domain "
+                "'{}' to draw from", it.source, it.line, n, pool.size(), kind_name(it.kind), it.domain);
+    std::string shots;
+    for (int k = 0; k < n; ++k) {  // a partial Fisher-Yates shuffle
+      const size_t pick = size_t(k) + size_t(rng_u64(seed, it.line, uint64_t(k)) % (pool.size() - size_t(k)));
+      std::swap(pool[size_t(k)], pool[pick]);
+      const TaskItem& s = items[pool[size_t(k)]];
+      shots += s.context + (s.kind == TaskKind::Choice ? s.choices[size_t(s.answer)] : s.references[0]) + "\n\n";
+    }
+    out[i].context = shots + it.context;
+  }
+  return out;
+}
+
+std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<TaskItem>& items,
+                                  const TaskOptions& opt) {
+  std::vector<ItemOutput> outs(items.size());
+  std::vector<size_t> choice;
+  for (size_t i = 0; i < items.size(); ++i)
+    if (items[i].kind == TaskKind::Choice) choice.push_back(i);
+  if (opt.score_batch > 1 && !choice.empty()) loglik_batched(ctx, items, choice, opt.score_batch, outs);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const TaskItem& it = items[i];
+    ItemOutput& o = outs[i];
+    std::vector<int32_t> prompt, rest;
+    format(ctx, it, "", prompt, rest);
+    o.prompt = prompt_text(ctx, prompt);
+    if (it.kind == TaskKind::Choice && opt.score_batch > 1) continue;  // done above
+    if (it.kind == TaskKind::Choice) {
+      for (const std::string& c : it.choices) {
+        format(ctx, it, c, prompt, rest);
+        o.loglik.push_back(loglik(ctx, it, prompt, rest, c));
+        o.tokens.push_back(int64_t(rest.size()));
+      }
+    } else {
+      const int n = it.kind == TaskKind::Code ? opt.samples : 1;
+      for (int j = 0; j < n; ++j) o.generations.push_back(answer(ctx, it, opt, j));
+    }
+  }
+  return outs;
+}
+
+json score_items(const std::vector<TaskItem>& items, const std::vector<ItemOutput>& outs,
+                 const TaskOptions& opt, std::vector<json>* log) {
+  SIGMA_CHECK(items.size() == outs.size(), "score_items: {} items, {} outputs", items.size(), outs.size());
   std::vector<const TaskItem*> by_kind[3];
-  for (const TaskItem& it : items) by_kind[int(it.kind)].push_back(&it);
-  if (!by_kind[2].empty())  // checked before any scoring: a bad k should not waste a run
-    for (int k : opt.k)
+  std::vector<const ItemOutput*> out_kind[3];
+  std::vector<json*> log_kind[3];
+  if (log) log->assign(items.size(), json::object());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int k = int(items[i].kind);
+    by_kind[k].push_back(&items[i]);
+    out_kind[k].push_back(&outs[i]);
+    log_kind[k].push_back(log ? &(*log)[i] : nullptr);
+    if (log)
+      (*log)[i] = {{"line", items[i].line}, {"type", kind_name(items[i].kind)}, {"domain", items[i].domain},
+                   {"doc", items[i].doc}, {"prompt", outs[i].prompt}};
+  }
+  json out = {{"items", items.size()}};
+  if (!by_kind[0].empty()) out["choice"] = score_choices(by_kind[0], out_kind[0], opt, log_kind[0]);
+  if (!by_kind[1].empty()) out["generate"] = score_generation(by_kind[1], out_kind[1], opt, log_kind[1]);
+  if (!by_kind[2].empty()) out["code"] = score_code(by_kind[2], out_kind[2], opt, log_kind[2]);
+  return out;
+}
+
+json run_tasks(const TaskContext& ctx, const std::vector<TaskItem>& items, const TaskOptions& opt,
+               std::vector<json>* log) {
+  if (std::any_of(items.begin(), items.end(), [](const TaskItem& it) { return it.kind == TaskKind::Code; }))
+    for (int k : opt.k)  // checked before any scoring: a bad k should not waste a run
       SIGMA_CHECK(k >= 1 && k <= opt.samples, "pass@{} needs at least {} samples per problem "
                   "(--samples {})", k, k, opt.samples);
-  json out = {{"items", items.size()}};
-  if (!by_kind[0].empty()) out["choice"] = score_choices(ctx, by_kind[0]);
-  if (!by_kind[1].empty()) out["generate"] = score_generation(ctx, by_kind[1], opt);
-  if (!by_kind[2].empty()) out["code"] = score_code(ctx, by_kind[2], opt);
-  return out;
+  return score_items(items, run_model(ctx, with_fewshot(items, opt.num_fewshot, opt.fewshot_seed), opt),
+                     opt, log);
+}
+
+void read_sample_log(const std::string& path, std::vector<TaskItem>& items, std::vector<ItemOutput>& outs) {
+  data::LineReader lines(path, 64u << 20);
+  std::string line;
+  bool too_long = false;
+  while (lines.next(line, too_long)) {
+    const uint64_t no = lines.line_no();
+    SIGMA_CHECK(!too_long, "{}:{}: line longer than 64 MiB", path, no);
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const json j = parse_json_or_discard(line);
+    SIGMA_CHECK(!j.is_discarded() && j.is_object() && j.contains("doc"), "{}:{}: not a line of "
+                "--log-samples (a JSON object with \"doc\")", path, no);
+    TaskItem it = parse_task_item(j["doc"], path, no, {});
+    if (j.contains("line") && j["line"].is_number_unsigned()) it.line = j["line"].get<uint64_t>();
+    ItemOutput o;
+    try {
+      o.prompt = j.value("prompt", "");
+      if (it.kind == TaskKind::Choice) {
+        o.loglik = j.at("loglik").get<std::vector<double>>();
+        o.tokens = j.value("tokens", std::vector<int64_t>{});
+      } else {
+        o.generations = j.at("generations").get<std::vector<std::string>>();
+      }
+    } catch (const json::exception&) {
+      fail("{}:{}: a {} line needs \"{}\" (an array of {})", path, no, kind_name(it.kind),
+           it.kind == TaskKind::Choice ? "loglik" : "generations",
+           it.kind == TaskKind::Choice ? "numbers" : "strings");
+    }
+    items.push_back(std::move(it));
+    outs.push_back(std::move(o));
+  }
+  SIGMA_CHECK(!items.empty(), "{}: no line to score", path);
 }
 
 }  // namespace sigma::eval

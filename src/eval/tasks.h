@@ -22,6 +22,7 @@ enum class TaskKind { Choice, Generate, Code };
 struct TaskItem {
   TaskKind kind = TaskKind::Choice;
   std::string domain;
+  std::string source;                   // the task file, for messages
   uint64_t line = 0;
   std::string context;                  // choice: the context; generate and code: the prompt
   std::vector<std::string> choices;     // choice
@@ -29,11 +30,24 @@ struct TaskItem {
   std::vector<std::string> references;  // generate
   BleuTokenizer tokenize = BleuTokenizer::V13a;  // generate
   std::string tests;                    // code: Python run after prompt + completion
+  std::vector<std::string> stop;        // generate and code: the answer ends before the first
+                                        // (code: kCodeStops unless the item says otherwise)
+  nlohmann::json doc;                   // the line as read (kept in --log-samples)
 };
+
+// Where a code completion ends when the item names no "stop" (HumanEval's: the next top-level
+// statement after the function).
+inline const std::vector<std::string> kCodeStops = {"\ndef", "\nclass", "\nif", "\nprint", "\n#"};
 
 // Reads and checks a whole task file; any problem throws "FILE:LINE: what" (one line).
 // `domains` are the model's; a task naming another domain is an error.
 std::vector<TaskItem> read_task_file(const std::string& path, const std::vector<std::string>& domains);
+// One item from its JSON object (`where` = "FILE:LINE" for errors); an empty `domains` accepts
+// any domain (scoring saved generations, where no model says which exist).
+TaskItem parse_task_item(const nlohmann::json& j, const std::string& path, uint64_t line,
+                         const std::vector<std::string>& domains);
+// `text` cut before the first occurrence of any of `stops`.
+std::string cut_at_stop(const std::string& text, const std::vector<std::string>& stops);
 
 // acc picks the largest log-likelihood; acc_norm divides it by the continuation's length in
 // characters, acc_bytes by its length in UTF-8 bytes. Ties go to the first choice.
@@ -48,6 +62,10 @@ struct TaskOptions {
   float top_p = 1;
   uint64_t seed = 0;
   int max_new = 64;          // tokens generated at most per answer
+  int bootstrap = 1000;      // resamples for the standard errors (0 = none)
+  int score_batch = 32;      // choice items: rows per batched pass; 1 = one sequence per choice
+  int num_fewshot = 0;       // solved examples before each item (with_fewshot)
+  uint64_t fewshot_seed = 1234;
   SandboxLimits sandbox;
 };
 
@@ -59,9 +77,40 @@ struct TaskContext {
   const DomainRegistry* data_domains = nullptr;  // may be null
 };
 
-// Runs every item; returns {"items", "choice": {...}, "generate": {...}, "code": {...}} with
-// only the kinds present.
+// What the model produced for one item: everything its scores need (--log-samples keeps it,
+// --score-generations reads it back).
+struct ItemOutput {
+  std::string prompt;                    // the formatted prompt, control tokens spelled out
+  std::vector<double> loglik;            // choice: log p(choice | context) per choice
+  std::vector<int64_t> tokens;           // choice: tokens per choice
+  std::vector<std::string> generations;  // generate: one answer; code: --samples completions
+};
+
+// The items with `n` solved examples before each one's context: other items of the same kind
+// and domain from the same file (never the item itself), drawn without replacement by a
+// sampler seeded with (seed, item line), so a rerun shows the same shots. Layout per shot:
+// context + answer (a choice item's right choice, a generation item's first reference, a code
+// item's tests are not an answer: code items take no shots) + "\n\n"; then the item's context.
+std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed);
+
+// Runs the model on every item.
+std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<TaskItem>& items,
+                                  const TaskOptions& opt);
+
+// The scores of `items` given the model's outputs (code samples run in the sandbox here):
+// {"items", "choice": {...}, "generate": {...}, "code": {...}} with only the kinds present,
+// each metric with its bootstrap standard error ("acc_stderr"...). With `log`, one record per
+// item (the --log-samples line: doc, prompt, outputs, per-item metric values, code outcomes).
+nlohmann::json score_items(const std::vector<TaskItem>& items, const std::vector<ItemOutput>& outs,
+                           const TaskOptions& opt, std::vector<nlohmann::json>* log = nullptr);
+
+// run_model then score_items.
 nlohmann::json run_tasks(const TaskContext& ctx, const std::vector<TaskItem>& items,
-                         const TaskOptions& opt);
+                         const TaskOptions& opt, std::vector<nlohmann::json>* log = nullptr);
+
+// Reads a --log-samples file back: the items (from each line's "doc") and their outputs.
+// Errors name the file and line.
+void read_sample_log(const std::string& path, std::vector<TaskItem>& items,
+                     std::vector<ItemOutput>& outs);
 
 }  // namespace sigma::eval

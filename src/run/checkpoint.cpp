@@ -187,6 +187,15 @@ std::unique_ptr<Model> load_checkpoint_model(const std::string& path, Checkpoint
   return model;
 }
 
+std::optional<nlohmann::json> checkpoint_data_domains(const std::string& dir) {
+  std::ifstream in(dir + "/" + kDataDomainsFile);
+  if (!in) return std::nullopt;
+  const auto j = parse_json_or_discard(in);
+  SIGMA_CHECK(!j.is_discarded() && j.is_object() && j.contains("domains") && j["domains"].is_array(),
+              "{}/{}: not a data registry ({{\"domains\": [...]}})", dir, kDataDomainsFile);
+  return j["domains"];
+}
+
 std::string checkpoint_tokenizer_path(const std::string& dir) {
   const std::string p = dir + "/" + kTokenizerFile;
   return std::filesystem::exists(p) ? p : "";

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "io/safetensors.h"
@@ -51,5 +52,13 @@ std::unique_ptr<Model> load_checkpoint_model(const std::string& path, Checkpoint
 
 // The tokenizer file stored in checkpoint `dir`, or "" when it holds none.
 std::string checkpoint_tokenizer_path(const std::string& dir);
+
+// The data registry a checkpoint carries beside its tokenizer: {"domains": [...]} as the
+// prepared data's manifest.json had them (prefix controls, line tags, format), so that eval
+// formats text as training did after the shards are gone. Written for a run on prepared shards
+// (from their manifest.json) and for a checkpoint made from one that carries it.
+inline constexpr const char* kDataDomainsFile = "data_domains.json";
+// Its "domains" array, or nullopt for a checkpoint without one (older, or token-id data).
+std::optional<nlohmann::json> checkpoint_data_domains(const std::string& dir);
 
 }  // namespace sigma

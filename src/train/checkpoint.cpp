@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 
+#include "core/json_depth.h"
 #include "io/checkpoint_dir.h"
 #include "io/safetensors.h"
 
@@ -49,6 +51,25 @@ std::string broadcast_string(Communicator& comm, std::string s) {
   return s;
 }
 
+// The domains of the data the model was trained on: the prepared shards' manifest.json (a run
+// on shards), else data_domains.json beside the tokenizer (a checkpoint made from another
+// checkpoint, as surgery passes the tokenizer on).
+std::optional<nlohmann::json> data_domains_of(const Config& cfg, const std::string& tokenizer_path) {
+  std::vector<std::filesystem::path> files;
+  if (cfg.data.source == "shards" && !cfg.data.path.empty())
+    files.push_back(std::filesystem::path(cfg.data.path) / "manifest.json");
+  if (!tokenizer_path.empty())
+    files.push_back(std::filesystem::path(tokenizer_path).parent_path() / kDataDomainsFile);
+  for (const auto& f : files) {
+    std::ifstream in(f);
+    if (!in) continue;
+    const auto j = parse_json_or_discard(in);
+    if (!j.is_discarded() && j.is_object() && j.contains("domains") && j["domains"].is_array())
+      return j["domains"];
+  }
+  return std::nullopt;
+}
+
 // Rank 0's files: the model, its optimizer shard, the trainer state, tokenizer and experts.
 void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, const AdamW* opt,
                        const TrainerState& st, const std::string& tokenizer_path,
@@ -66,6 +87,8 @@ void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, con
   w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config},
                             {"data_cursor", st.data_cursor}});
   if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
+  if (const auto domains = data_domains_of(cfg, tokenizer_path))
+    w.add_json(kDataDomainsFile, {{"domains", *domains}});
   if (experts) experts->add_checkpoint_files(w);
 }
 

@@ -1,0 +1,234 @@
+// Evaluation that can be audited (issue 28): `--log-samples` keeps every item's prompt, outputs
+// and outcomes, and the printed metrics are recomputed here from that file alone;
+// `--score-generations` scores the file again without a model; the checkpoint carries its data
+// registry, so deleting the training shards changes nothing; and the small errors.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "eval/bleu.h"
+#include "eval/pass_at_k.h"
+
+using namespace sigma::testing;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Pair {
+  const char *q, *a;
+};
+const Pair kColours[] = {{"zorp", "red"}, {"blick", "blue"}, {"quan", "green"}, {"mif", "yellow"}};
+const Pair kWords[] = {{"the cat is sleeping", "猫在睡觉"}, {"the dog runs fast", "狗跑得很快"},
+                       {"good morning teacher", "老师早上好"}};
+const Pair kCode[] = {{"add(a, b)", "a + b"}, {"sub(a, b)", "a - b"}};
+
+std::string question(const Pair& p) { return std::string("Q: what colour is a ") + p.q + "?\nA:"; }
+
+class Audit : public ::testing::Test {
+ public:
+  // A few steps of fine-tuning on prefixed (<Python>) and bilingual (<EN>/<CN>) domains: the
+  // scores do not matter, the prompt format does.
+  static void SetUpTestSuite() {
+    dir = new TempDir("audit");
+    std::ofstream c(*dir / "pairs.jsonl");
+    for (const Pair& p : kColours)
+      c << json{{"domain", "dialogue"}, {"prompt", question(p)}, {"answer", std::string(" ") + p.a}}.dump() << "\n";
+    for (const Pair& p : kWords)
+      c << json{{"domain", "translation"}, {"prompt", p.q}, {"answer", p.a}}.dump() << "\n";
+    for (const Pair& p : kCode)
+      c << json{{"domain", "python"}, {"prompt", std::string("def ") + p.q + ":\n"},
+                {"answer", std::string("    return ") + p.a + "\n"}}.dump() << "\n";
+    c.close();
+    auto r = sigma_cmd("tokenizer train --corpus " + *dir / "pairs.jsonl" + " --vocab-size 300 --out " + *dir / "tok.json");
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::ofstream(*dir / "data.json") << json{
+        {"tokenizer", "tok.json"}, {"corpus", {"pairs.jsonl"}},
+        {"domains", {{{"name", "dialogue"}},
+                     {{"name", "translation"}, {"format", "bilingual"}},
+                     {{"name", "python"}, {"prefix", {"<Python>"}}}}}}.dump();
+    r = sigma_cmd("prepare --config " + *dir / "data.json" + " --out " + *dir / "shards");
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::ofstream t(*dir / "tasks.jsonl");
+    for (const Pair& p : kColours)
+      t << json{{"domain", "dialogue"}, {"context", question(p)},
+                {"choices", {" red", " blue", " green", " yellow"}}, {"answer", 1}}.dump() << "\n";
+    for (const Pair& p : kWords)
+      t << json{{"domain", "translation"}, {"prompt", p.q}, {"references", {p.a}}, {"tokenize", "zh"}}.dump() << "\n";
+    for (const Pair& p : kCode)
+      t << json{{"domain", "python"}, {"prompt", std::string("def ") + p.q + ":\n"},
+                {"tests", "assert add(2, 3) == 5" + std::string(p.q[0] == 's' ? "\ndef add(a, b): return a + b" : "")}}.dump() << "\n";
+    t.close();
+    r = sigma_cmd("train --quiet --set data.source=shards --set data.path=" + *dir / "shards" +
+                  " --set data.finetune=true --set model.d_model=32 --set model.heads=2"
+                  " --set model.layers=2 --set model.context=32 --set model.rre_layers=1"
+                  " --set 'model.groups=[{\"name\":\"dialogue\",\"experts\":1},{\"name\":"
+                  "\"translation\",\"experts\":1},{\"name\":\"python\",\"experts\":1}]'"
+                  " --set train.batch=4 --set train.steps=4 --set train.eval_rows=2 --out " + *dir / "run");
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  static void TearDownTestSuite() { delete dir; }
+  static std::string ckpt() { return *dir / "run/checkpoints"; }
+  static TempDir* dir;
+};
+TempDir* Audit::dir = nullptr;
+
+json last_json(const CmdResult& r) { return json::parse(r.out.substr(r.out.rfind("\n{") + 1)); }
+
+std::vector<json> read_lines(const std::string& path) {
+  std::vector<json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+  return out;
+}
+
+std::string trim(const std::string& s) {
+  const size_t b = s.find_first_not_of(" \t\r\n");
+  return b == std::string::npos ? "" : s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+size_t code_points(const std::string& s) {
+  size_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
+int argmax(const std::vector<double>& v, const std::vector<double>& div) {
+  int best = 0;
+  for (size_t i = 1; i < v.size(); ++i)
+    if (v[i] / div[i] > v[size_t(best)] / div[size_t(best)]) best = int(i);
+  return best;
+}
+
+TEST_F(Audit, LogSamplesReproduceThePrintedScoresAndScoreGenerationsAgrees) {
+  const std::string log = *dir / "log.jsonl";
+  const auto r = sigma_cmd("eval --ckpt " + ckpt() + " --task " + *dir / "tasks.jsonl" +
+                           " --samples 2 --k 1,2 --temperature 1 --seed 5 --max-new 12"
+                           " --timeout 30 --json --log-samples " + log);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const json printed = last_json(r);
+  const auto lines = read_lines(log);
+  ASSERT_EQ(lines.size(), 9u);
+  // Recomputed from the file alone: the items ("doc") and the model's outputs.
+  double acc = 0, norm = 0, bytes = 0, exact = 0, pass1 = 0, pass2 = 0;
+  int nc = 0, ng = 0, nk = 0;
+  std::vector<std::string> hyps;
+  std::vector<std::vector<std::string>> refs;
+  for (const json& l : lines) {
+    const json& doc = l["doc"];
+    EXPECT_FALSE(l["prompt"].get<std::string>().empty());
+    if (l["type"] == "choice") {
+      const auto ll = l["loglik"].get<std::vector<double>>();
+      std::vector<double> ones(ll.size(), 1), chars, nbytes;
+      for (const auto& c : doc["choices"]) {
+        chars.push_back(double(code_points(c.get<std::string>())));
+        nbytes.push_back(double(c.get<std::string>().size()));
+      }
+      const int answer = doc["answer"];
+      acc += argmax(ll, ones) == answer, norm += argmax(ll, chars) == answer;
+      bytes += argmax(ll, nbytes) == answer, ++nc;
+      EXPECT_EQ(l["tokens"].size(), ll.size());
+    } else if (l["type"] == "generate") {
+      const std::string h = trim(l["generations"][0].get<std::string>());
+      const auto rs = doc["references"].get<std::vector<std::string>>();
+      exact += std::any_of(rs.begin(), rs.end(), [&](const std::string& x) { return trim(x) == h; });
+      hyps.push_back(h), refs.push_back(rs), ++ng;
+    } else {
+      ASSERT_EQ(l["generations"].size(), 2u);
+      ASSERT_EQ(l["outcomes"].size(), 2u);
+      int c = 0;
+      for (const json& o : l["outcomes"]) {
+        c += o["outcome"] == "passed";
+        EXPECT_FALSE(o["why"].get<std::string>().empty());
+      }
+      // The "stop" default: no completion carries on past the function.
+      for (const json& g : l["generations"]) EXPECT_EQ(g.get<std::string>().find("\ndef"), std::string::npos);
+      pass1 += sigma::eval::pass_at_k(2, c, 1), pass2 += sigma::eval::pass_at_k(2, c, 2), ++nk;
+    }
+  }
+  EXPECT_EQ(printed["choice"]["acc"].get<double>(), acc / nc);
+  EXPECT_EQ(printed["choice"]["acc_norm"].get<double>(), norm / nc);
+  EXPECT_EQ(printed["choice"]["acc_bytes"].get<double>(), bytes / nc);
+  EXPECT_EQ(printed["generate"]["exact_match"].get<double>(), exact / ng);
+  const auto bleu = sigma::eval::corpus_bleu(hyps, refs, sigma::eval::BleuTokenizer::Zh);
+  EXPECT_EQ(printed["generate"]["bleu"]["zh"]["score"].get<double>(), bleu.score);
+  EXPECT_EQ(printed["generate"]["chrf"]["score"].get<double>(), sigma::eval::corpus_chrf(hyps, refs));
+  EXPECT_EQ(printed["code"]["pass@1"].get<double>(), pass1 / nk);
+  EXPECT_EQ(printed["code"]["pass@2"].get<double>(), pass2 / nk);
+  EXPECT_TRUE(printed["choice"].contains("acc_stderr"));
+
+  // Without a model (--ckpt not given): the same scores, standard errors included.
+  const auto again = sigma_cmd("eval --score-generations " + log + " --k 1,2 --timeout 30 --json");
+  ASSERT_EQ(again.code, 0) << again.out;
+  const json rescored = last_json(again);
+  for (const char* kind : {"choice", "generate", "code"}) {
+    json a = printed[kind], b = rescored[kind];
+    a.erase("sandbox"), b.erase("sandbox");
+    EXPECT_EQ(a, b) << kind;
+  }
+}
+
+// The prompt format comes from the checkpoint: with the shards gone, eval prints the same.
+TEST_F(Audit, DeletingTheTrainingShardsChangesNothing) {
+  ASSERT_TRUE(fs::exists(ckpt() + "/latest/data_domains.json") ||
+              fs::exists(fs::path(ckpt()) / "step-00000004" / "data_domains.json"));
+  const std::string cmd = "eval --ckpt " + ckpt() + " --task " + *dir / "tasks.jsonl" +
+                          " --max-new 12 --timeout 30 --json --log-samples ";
+  const auto before = sigma_cmd(cmd + *dir / "before.jsonl");
+  ASSERT_EQ(before.code, 0) << before.out;
+  EXPECT_EQ(before.out.find("warning"), std::string::npos) << before.out;
+  fs::rename(*dir / "shards", *dir / "shards.moved");
+  const auto after = sigma_cmd(cmd + *dir / "after.jsonl");
+  fs::rename(*dir / "shards.moved", *dir / "shards");
+  ASSERT_EQ(after.code, 0) << after.out;
+  EXPECT_EQ(before.out, after.out);
+  const auto a = read_lines(*dir / "before.jsonl"), b = read_lines(*dir / "after.jsonl");
+  EXPECT_EQ(a, b);
+  // The format was applied: the code prompt starts with its domain's prefix control.
+  EXPECT_EQ(a.back()["prompt"].get<std::string>().rfind("<Python>", 0), 0u) << a.back().dump();
+}
+
+TEST_F(Audit, SmallMistakesAreClearErrors) {
+  auto r = sigma_cmd("eval --ckpt " + ckpt() + " --task " + *dir / "tasks.jsonl --k ''");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("--k: '' names no k"), std::string::npos) << r.out;
+  std::string long_choice;
+  for (int i = 0; i < 60; ++i) long_choice += " zorp blick";
+  std::ofstream(*dir / "long.jsonl") << "\n" << json{{"domain", "dialogue"}, {"context", "Q:"},
+      {"choices", {" red", long_choice}}, {"answer", 0}}.dump() << "\n";
+  r = sigma_cmd("eval --ckpt " + ckpt() + " --task " + *dir / "long.jsonl");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find(*dir / "long.jsonl:2: the choice"), std::string::npos) << r.out;
+  r = sigma_cmd("eval --task " + *dir / "tasks.jsonl");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("--ckpt is required"), std::string::npos) << r.out;
+}
+
+// Saved completions are cut at the item's stop sequences when scored: a right function
+// followed by more text passes by default, and fails where the item turns the stops off.
+TEST(ScoreGenerations, StopSequencesApplyToSavedCompletions) {
+  TempDir d("stops");
+  const json doc = {{"domain", "python"}, {"prompt", "def add(a, b):\n"}, {"tests", "assert add(2, 3) == 5"}};
+  json no_stops = doc;
+  no_stops["stop"] = json::array();
+  const std::string completion = "    return a + b\nprint(undefined_name)\n";
+  std::ofstream(d / "gen.jsonl") << json{{"doc", doc}, {"generations", {completion}}}.dump() << "\n"
+                                 << json{{"doc", no_stops}, {"generations", {completion}}}.dump() << "\n";
+  const auto r = sigma_cmd("eval --score-generations " + d / "gen.jsonl" + " --json --log-samples " + d / "out.jsonl");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(last_json(r)["code"]["pass@1"].get<double>(), 0.5) << r.out;
+  const auto lines = read_lines(d / "out.jsonl");
+  EXPECT_EQ(lines[0]["outcomes"][0]["outcome"], "passed");
+  EXPECT_EQ(lines[1]["outcomes"][0]["outcome"], "failed");
+  EXPECT_NE(lines[1]["outcomes"][0]["why"].get<std::string>().find("NameError"), std::string::npos);
+  // A line that is not a log line names the file and line.
+  std::ofstream(d / "bad.jsonl") << json{{"doc", doc}}.dump() << "\n";
+  const auto bad = sigma_cmd("eval --score-generations " + d / "bad.jsonl");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.out.find(d / "bad.jsonl:1: a code line needs \"generations\""), std::string::npos) << bad.out;
+}
+
+}  // namespace
