@@ -2,6 +2,8 @@
 // domain's held-out loss beside its optimum.
 #include <fmt/format.h>
 
+#include <csignal>
+
 #include "command.h"
 #include "train/checkpoint.h"
 #include "train/resume.h"
@@ -60,6 +62,12 @@ void run_train(TrainArgs a) {
   RunOptions run{a.out, a.resume, a.stop_at, !a.quiet, a.overwrite, world.get()};
   TrainSummary s = train(cfg, run);
   if (world->rank() != 0) return;
+  if (s.stopped_by) {  // SIGTERM/SIGINT: saved, not evaluated; exit 0
+    fmt::print("stopped by {} after step {} with a checkpoint{}\n",
+               s.stopped_by == SIGINT ? "SIGINT" : "SIGTERM", s.steps,
+               a.out.empty() ? "" : "; continue with --resume " + a.out + "/checkpoints");
+    return;
+  }
   fmt::print("trained {} steps, {} tokens, {:.0f} tokens/s\n", s.steps, s.tokens, s.tokens_per_s);
   fmt::print("{:<12} {:>10} {:>10} {:>10}\n", "domain", "loss", "optimum", "gap");
   for (const auto& d : s.domains) {

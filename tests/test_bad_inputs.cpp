@@ -103,7 +103,7 @@ TEST(BadInputs, AFlippedTokenOrOffsetInAShardIsRefused) {
   old[8] = 1;
   spit(path, old);
   e = error_of([&] { data::Shard::open(path, 0x1234); });
-  EXPECT_NE(e.find("version 1, this build reads 2 (older shards carry no checksum)"), std::string::npos) << e;
+  EXPECT_NE(e.find("version 1, this build reads 3 (older shards do not check their header)"), std::string::npos) << e;
 }
 
 // ---- checkpoints ---------------------------------------------------------------------------

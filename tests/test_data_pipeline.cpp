@@ -370,8 +370,10 @@ TEST(Shards, RoundTripBothTokenWidths) {
 
 // The shard bytes with the header's body checksum recomputed (a forgery, or a bug in prepare).
 std::string with_body_checksum(std::string b) {
-  const uint64_t sum = XXH3_64bits(b.data() + sizeof(ShardHeader), b.size() - sizeof(ShardHeader));
-  std::memcpy(b.data() + offsetof(ShardHeader, body_xxh3), &sum, sizeof sum);
+  ShardHeader h;
+  std::memcpy(&h, b.data(), sizeof h);
+  h.checksum = shard_checksum(h, XXH3_64bits(b.data() + sizeof(ShardHeader), b.size() - sizeof(ShardHeader)));
+  std::memcpy(b.data(), &h, sizeof h);
   return b;
 }
 

@@ -238,10 +238,11 @@ uint64_t domain_inputs_hash(const PrepareConfig& cfg, const Tokenizer& tok, cons
 
 // What the shard at `path` holds, and whether it was made from these inputs.
 DomainReport existing_shard(const std::string& path, const DomainSpec& d, const Tokenizer& tok,
-                            uint64_t inputs_hash) {
+                            uint64_t inputs_hash, uint64_t& checksum) {
   DomainReport r{d.name};
   try {
     ShardHeader h = Shard::read_header(path);
+    checksum = h.checksum;
     r.reused = h.inputs_hash == inputs_hash && h.tokenizer_hash == tok.hash() && h.domain_id == d.id;
     r.tokens = h.n_tokens;
     r.samples = h.n_samples;
@@ -254,6 +255,7 @@ DomainReport existing_shard(const std::string& path, const DomainSpec& d, const 
 struct ShardPlan {
   std::vector<std::unique_ptr<ShardWriter>> writers;  // null: the shard on disk is current, kept
   std::vector<uint64_t> inputs_hash;                  // see domain_inputs_hash
+  std::vector<uint64_t> checksum;                     // each shard's, for the manifest
 };
 
 // Which files feed which domain; a shard is current when the hash of all that matches. Opens a
@@ -266,11 +268,12 @@ ShardPlan plan_shards(const PrepareConfig& cfg, const Tokenizer& tok, const std:
   ShardPlan plan;
   plan.writers.resize(nd);
   plan.inputs_hash.resize(nd);
+  plan.checksum.resize(nd);
   for (size_t i = 0; i < nd; ++i) {
     const DomainSpec& d = cfg.domains[i];
     plan.inputs_hash[i] = domain_inputs_hash(cfg, tok, d, sources, content);
     std::string path = out_dir + "/" + d.name + ".shard";
-    DomainReport r = existing_shard(path, d, tok, plan.inputs_hash[i]);
+    DomainReport r = existing_shard(path, d, tok, plan.inputs_hash[i], plan.checksum[i]);
     if (!r.reused) plan.writers[i] = std::make_unique<ShardWriter>(path, d, tok.vocab_size(), tok.hash(),
                                                                    plan.inputs_hash[i]);
     report.domains.push_back(r);
@@ -392,14 +395,19 @@ void write_stale_shards(const PrepareConfig& cfg, const Tokenizer& tok,
   progress.end();
 }
 
-// Completes the new shards; their sizes replace those read from the stale ones.
+// Completes every new shard, then renames them all into place; their sizes replace those read
+// from the stale ones. Until write_manifest the folder is refused by readers (the manifest
+// names the old shards' checksums), never taken for a whole preparation.
 void finish_shards(ShardPlan& plan, PrepareReport& report) {
   for (size_t i = 0; i < plan.writers.size(); ++i) {
     if (!plan.writers[i]) continue;
     plan.writers[i]->finish();
     report.domains[i].tokens = plan.writers[i]->n_tokens();
     report.domains[i].samples = plan.writers[i]->n_samples();
+    plan.checksum[i] = plan.writers[i]->checksum();
   }
+  for (auto& w : plan.writers)
+    if (w) w->commit();
 }
 
 void write_manifest(const PrepareConfig& cfg, const Tokenizer& tok, const std::string& out_dir,
@@ -410,13 +418,14 @@ void write_manifest(const PrepareConfig& cfg, const Tokenizer& tok, const std::s
                       {"file", report.domains[i].name + ".shard"},
                       {"tokens", report.domains[i].tokens},
                       {"samples", report.domains[i].samples},
+                      {"xxh3_64", fmt::format("{:016x}", plan.checksum[i])},
                       {"inputs_hash", fmt::format("{:016x}", plan.inputs_hash[i])}});
   // The tokenizer relative to the manifest's folder (readers resolve it against that folder),
   // so the run reads it from any directory, and a folder moved with its tokenizer still works.
   const std::string tokenizer =
       fs::relative(fs::absolute(cfg.tokenizer), fs::absolute(out_dir)).lexically_normal().string();
   json manifest = {{"format", "sigma-shards"},
-                   {"version", 1},
+                   {"version", 2},
                    {"tokenizer", tokenizer.empty() ? cfg.tokenizer : tokenizer},
                    {"tokenizer_hash", fmt::format("{:016x}", tok.hash())},
                    {"vocab_size", tok.vocab_size()},
@@ -440,6 +449,7 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
   check_prefixes(cfg, tok);
   std::vector<Source> sources = expand_corpus(cfg.corpus);
   fs::create_directories(out_dir);
+  remove_dead_temporaries(out_dir);  // NAME.shard.tmp-<pid> of a killed prepare
   PrepareReport report;
   ShardPlan plan = plan_shards(cfg, tok, sources, out_dir, report);
   note_undeclared_domains(cfg, sources, opt);
@@ -447,6 +457,8 @@ PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, cons
   const std::vector<size_t> todo = sources_to_read(cfg, sources, plan, total);
   write_stale_shards(cfg, tok, sources, todo, total, opt, plan, report.stats);
   finish_shards(plan, report);
+  // The commit: fsync the renames, then the manifest that names every shard, last.
+  fsync_path(out_dir, true);
   write_manifest(cfg, tok, out_dir, report, plan);
   if (opt.progress) print_summary(report, !todo.empty());
   return report;

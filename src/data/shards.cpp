@@ -1,14 +1,17 @@
 #include "data/shards.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -18,6 +21,13 @@
 #include "io/file.h"
 
 namespace sigma::data {
+namespace {
+nlohmann::json json_any() { return nlohmann::json(); }
+}  // namespace
+
+uint64_t shard_checksum(const ShardHeader& h, uint64_t body_xxh3) {
+  return XXH3_64bits_withSeed(&h, offsetof(ShardHeader, checksum), body_xxh3);
+}
 
 uint64_t shard_file_size(const ShardHeader& h) {
   uint64_t tok = (h.n_tokens * h.token_bytes + 7) / 8 * 8;
@@ -35,7 +45,8 @@ struct ShardWriter::HashState {
 
 ShardWriter::ShardWriter(std::string path, const DomainSpec& d, uint32_t vocab_size,
                          uint64_t tokenizer_hash, uint64_t inputs_hash)
-    : path_(std::move(path)), tmp_(path_ + ".tmp"), hash_(std::make_unique<HashState>()) {
+    : path_(std::move(path)), tmp_(path_ + ".tmp-" + std::to_string(::getpid())),
+      hash_(std::make_unique<HashState>()) {
   std::memcpy(hdr_.magic, kShardMagic, 8);
   hdr_.version = kShardVersion;
   hdr_.token_bytes = vocab_size <= 65536 ? 2 : 4;
@@ -52,10 +63,8 @@ ShardWriter::ShardWriter(std::string path, const DomainSpec& d, uint32_t vocab_s
 }
 
 ShardWriter::~ShardWriter() {
-  if (f_) {  // not finished: drop the partial file
-    std::fclose(f_);
-    std::remove(tmp_.c_str());
-  }
+  if (f_) std::fclose(f_);
+  if (f_ || finished_) std::remove(tmp_.c_str());  // not committed: drop the file
 }
 
 void ShardWriter::write(const void* p, size_t n) {
@@ -89,16 +98,21 @@ void ShardWriter::finish() {
   write_body(zeros, (8 - (hdr_.n_tokens * hdr_.token_bytes) % 8) % 8);
   write_body(offsets_.data(), offsets_.size() * 8);
   write_body(prompt_.data(), prompt_.size() * 4);
-  hdr_.body_xxh3 = XXH3_64bits_digest(hash_->st);
+  hdr_.checksum = shard_checksum(hdr_, XXH3_64bits_digest(hash_->st));
   SIGMA_CHECK(std::fseek(f_, 0, SEEK_SET) == 0, "shard: seek in {} failed", tmp_);
   write(&hdr_, sizeof(hdr_));
   int rc = std::fclose(f_);
   f_ = nullptr;
   SIGMA_CHECK(rc == 0, "shard: closing {} failed: {}", tmp_, errno_str());
   fsync_path(tmp_, false);  // durable before it gets its name
+  finished_ = true;
+}
+
+void ShardWriter::commit() {
+  SIGMA_CHECK(finished_, "shard {}: committed before it was finished", path_);
   SIGMA_CHECK(std::rename(tmp_.c_str(), path_.c_str()) == 0, "shard: cannot rename {} to {}: {}", tmp_,
               path_, errno_str());
-  fsync_parent(path_);
+  finished_ = false;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -111,7 +125,7 @@ void check_header(const ShardHeader& h, uint64_t file_size, const std::string& p
               "shard {}: not a Sigma token shard (bad magic)", path);
   SIGMA_CHECK(h.version == kShardVersion, "shard {}: format version {}, this build reads {}{}; "
               "re-run sigma prepare", path, h.version, kShardVersion,
-              h.version < kShardVersion ? " (older shards carry no checksum)" : "");
+              h.version < kShardVersion ? " (older shards do not check their header)" : "");
   SIGMA_CHECK(h.token_bytes == 2 || h.token_bytes == 4, "shard {}: token size {} is not 2 or 4", path,
               h.token_bytes);
   SIGMA_CHECK(std::memchr(h.domain, 0, sizeof(h.domain)), "shard {}: domain name is not terminated", path);
@@ -154,9 +168,10 @@ std::shared_ptr<const Shard> Shard::open(const std::string& path, uint64_t expec
     fail("shard {}: mmap failed: {}", path, std::strerror(errno));
   }
   const char* base = static_cast<const char*>(s->map_);
-  const uint64_t body = XXH3_64bits(base + sizeof(ShardHeader), s->map_size_ - sizeof(ShardHeader));
-  SIGMA_CHECK(body == h.body_xxh3, "shard {}: corrupted: its tokens and index hash to {:016x} but "
-              "the header says {:016x}; re-run sigma prepare", path, body, h.body_xxh3);
+  const uint64_t sum = shard_checksum(
+      h, XXH3_64bits(base + sizeof(ShardHeader), s->map_size_ - sizeof(ShardHeader)));
+  SIGMA_CHECK(sum == h.checksum, "shard {}: corrupted: its header, tokens and index hash to {:016x} "
+              "but the header says {:016x}; re-run sigma prepare", path, sum, h.checksum);
   s->tokens_ = base + sizeof(ShardHeader);
   uint64_t tok_bytes = (h.n_tokens * h.token_bytes + 7) / 8 * 8;
   s->offsets_ = reinterpret_cast<const uint64_t*>(base + sizeof(ShardHeader) + tok_bytes);
@@ -205,8 +220,10 @@ ShardSet ShardSet::open(const std::string& dir, uint64_t expect_tokenizer_hash) 
   ss << f.rdbuf();
   auto m = nlohmann::json::parse(ss.str(), json_depth_limit(mpath), false);
   SIGMA_CHECK(!m.is_discarded() && m.is_object(), "{}: not valid JSON", mpath);
-  SIGMA_CHECK(m.value("format", "") == "sigma-shards" && m.value("version", 0) == 1,
-              "{}: not a version-1 sigma-shards manifest", mpath);
+  SIGMA_CHECK(m.value("format", "") == "sigma-shards",  "{}: not a sigma-shards manifest", mpath);
+  SIGMA_CHECK(m.value("version", 0) == 2, "{}: sigma-shards manifest version {}, this build reads "
+              "version 2 (which records each shard's checksum); re-run sigma prepare", mpath,
+              m.value("version", 0));
   ShardSet set;
   SIGMA_CHECK(m.contains("domains"), "{}: missing key \"domains\"", mpath);
   set.domains = DomainRegistry::from_json(m["domains"], mpath + ": domains", DomainForm::Data);
@@ -221,11 +238,30 @@ ShardSet ShardSet::open(const std::string& dir, uint64_t expect_tokenizer_hash) 
               "{}: shards were made by tokenizer {:016x}, but the tokenizer in use is {:016x}; "
               "re-run sigma prepare with this tokenizer", mpath, set.tokenizer_hash,
               expect_tokenizer_hash);
+  // Each domain's entry: its file, token count and checksum, which the shard must match.
+  std::map<std::string, nlohmann::json> entries;
+  SIGMA_CHECK(m.contains("shards") && m["shards"].is_array(), "{}: missing key \"shards\"", mpath);
+  for (const auto& e : m["shards"]) {
+    SIGMA_CHECK(e.is_object() && e.value("domain", json_any()).is_string() &&
+                    e.value("tokens", json_any()).is_number_unsigned() &&
+                    e.value("xxh3_64", json_any()).is_string(),
+                "{}: a \"shards\" entry lacks domain, tokens or xxh3_64", mpath);
+    entries[e["domain"].get<std::string>()] = e;
+  }
   for (const DomainSpec& d : set.domains) {
     auto shard = Shard::open(dir + "/" + d.name + ".shard", set.tokenizer_hash);
     SIGMA_CHECK(shard->domain() == d.name && shard->domain_id() == d.id,
                 "shard {} holds domain '{}' (id {}), the manifest expects '{}' (id {})",
                 shard->path(), shard->domain(), shard->domain_id(), d.name, d.id);
+    auto it = entries.find(d.name);
+    SIGMA_CHECK(it != entries.end(), "{}: no \"shards\" entry for domain '{}'", mpath, d.name);
+    const std::string sum = fmt::format("{:016x}", shard->header().checksum);
+    const uint64_t tokens = it->second["tokens"].get<uint64_t>();
+    SIGMA_CHECK(it->second["xxh3_64"] == sum && tokens == shard->n_tokens(),
+                "shard {} ({} tokens, checksum {}) is not the one {} names ({} tokens, checksum {}): "
+                "the folder mixes two preparations (a prepare stopped part-way?); re-run sigma "
+                "prepare", shard->path(), shard->n_tokens(), sum, mpath, tokens,
+                it->second["xxh3_64"].get<std::string>());
     if (set.vocab_size == 0) set.vocab_size = shard->header().vocab_size;
     set.shards.push_back(std::move(shard));
   }

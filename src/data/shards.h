@@ -4,8 +4,10 @@
 //   tokens        n_tokens x (2 or 4 bytes), zero-padded to a multiple of 8 bytes
 //   offsets       (n_samples + 1) x u64: sample i is tokens [offsets[i], offsets[i+1])
 //   prompt_len    n_samples x u32: leading tokens of the sample that are prompt (0 = none)
-// body_xxh3 is the xxh3_64 of everything after the header (version 2; version 1 had none, so
-// a flipped token or offset went unseen: such shards are refused and `prepare` remakes them).
+// `checksum` covers the whole file: the xxh3_64 of the header's other 120 bytes seeded with the
+// xxh3_64 of everything after the header (shard_checksum). Version 3; version 2 checked only
+// the body (a changed vocab_size or domain id went unseen) and version 1 nothing: such shards
+// are refused and `prepare` remakes them.
 #pragma once
 #include <nlohmann/json_fwd.hpp>
 
@@ -21,7 +23,7 @@
 namespace sigma::data {
 
 inline constexpr char kShardMagic[8] = {'S', 'I', 'G', 'S', 'H', 'R', 'D', '\0'};
-inline constexpr uint32_t kShardVersion = 2;
+inline constexpr uint32_t kShardVersion = 3;
 
 struct ShardHeader {
   char magic[8];
@@ -34,12 +36,18 @@ struct ShardHeader {
   uint32_t domain_id;
   uint32_t vocab_size;
   char domain[64];  // NUL-padded name
-  uint64_t body_xxh3;  // xxh3_64 of the bytes after the header
+  uint64_t checksum;  // shard_checksum: header fields and body
 };
 static_assert(sizeof(ShardHeader) == 128);
 
-// Streams samples to DIR/NAME.tmp and renames it into place on finish(), so a crash never
-// leaves a shard that looks complete.
+// The checksum of a shard with header `h` (its `checksum` field ignored) and a body whose
+// xxh3_64 is `body_xxh3`.
+uint64_t shard_checksum(const ShardHeader& h, uint64_t body_xxh3);
+
+// Streams samples to PATH.tmp-<pid>; finish() completes and fsyncs it, commit() renames it to
+// PATH. `sigma prepare` finishes every shard before it commits any, and writes the manifest
+// (which names each shard's checksum and token count) last: a folder killed in between has
+// shards its manifest does not name, which readers refuse (ShardSet::open).
 class ShardWriter {
  public:
   ShardWriter(std::string path, const DomainSpec& d, uint32_t vocab_size, uint64_t tokenizer_hash,
@@ -49,7 +57,9 @@ class ShardWriter {
   ShardWriter& operator=(const ShardWriter&) = delete;
   void add(std::span<const uint32_t> tokens, uint32_t prompt_len = 0);
   void finish();
+  void commit();
   uint64_t n_tokens() const { return hdr_.n_tokens; }
+  uint64_t checksum() const { return hdr_.checksum; }
   uint64_t n_samples() const { return hdr_.n_samples; }
 
  private:
@@ -59,6 +69,7 @@ class ShardWriter {
   struct HashState;
   std::unique_ptr<HashState> hash_;
   std::FILE* f_ = nullptr;
+  bool finished_ = false;
   ShardHeader hdr_{};
   std::vector<uint64_t> offsets_{0};
   std::vector<uint32_t> prompt_;
@@ -100,14 +111,16 @@ class Shard {
   const uint32_t* prompt_ = nullptr;
 };
 
-// A prepared folder: manifest.json (domain registry, tokenizer hash) plus one shard per domain.
+// A prepared folder: manifest.json (domain registry, tokenizer hash, and each shard's file,
+// token count and checksum) plus one shard per domain.
 struct ShardSet {
   DomainRegistry domains;
   uint64_t tokenizer_hash = 0;
   uint32_t vocab_size = 0;
   std::vector<std::shared_ptr<const Shard>> shards;  // shards[i] belongs to domains[i]
 
-  // Throws when the folder, manifest or any shard is missing, corrupt or from another tokenizer.
+  // Throws when the folder, manifest or any shard is missing, corrupt, from another tokenizer,
+  // or not the shard the manifest names (a prepare killed between its renames).
   static ShardSet open(const std::string& dir, uint64_t expect_tokenizer_hash);
 };
 

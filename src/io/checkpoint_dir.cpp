@@ -254,10 +254,44 @@ std::string resolve_checkpoint(const std::string& path) {
   SIGMA_CHECK(plain_name(name), "'{}' holds '{}', which is not a checkpoint name",
               latest.string(), name);
   const fs::path dir = p / name;
-  SIGMA_CHECK(fs::exists(dir / kManifestFile, ec),
-              "'{}' names checkpoint '{}', but '{}' is missing or has no {}", latest.string(),
-              name, dir.string(), kManifestFile);
-  return dir.string();
+  if (fs::exists(dir / kManifestFile, ec)) return dir.string();
+  // A dangling `latest` (a copy of a live run taken between a save and the next prune, or a
+  // checkpoint deleted by hand): the newest complete checkpoint, said aloud.
+  const std::string newest = newest_complete(path);
+  SIGMA_CHECK(!newest.empty(), "'{}' names checkpoint '{}', but '{}' is missing or has no {}, "
+              "and '{}' holds no other complete checkpoint", latest.string(), name, dir.string(),
+              kManifestFile, path);
+  fmt::print(stderr, "sigma: warning: '{}' names checkpoint '{}', which is missing or incomplete; "
+             "using the newest complete one, '{}'\n", latest.string(), name, newest);
+  return newest;
+}
+
+int prune_checkpoints(const std::string& root, int64_t keep_last, int64_t keep_every) {
+  if (keep_last <= 0) return 0;
+  const std::string latest = fs::path(resolve_checkpoint(root)).filename().string();
+  std::vector<std::pair<int64_t, std::string>> steps;  // complete step-N checkpoints
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!name.starts_with("step-") || name.size() == 5 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos ||
+        !fs::exists(e.path() / kManifestFile, ec))
+      continue;
+    steps.emplace_back(std::strtoll(name.c_str() + 5, nullptr, 10), name);
+  }
+  std::sort(steps.rbegin(), steps.rend());  // newest first
+  int removed = 0;
+  for (size_t i = size_t(keep_last); i < steps.size(); ++i) {
+    const auto& [step, name] = steps[i];
+    if (name == latest || (keep_every > 0 && step % keep_every == 0)) continue;
+    const fs::path dir = fs::path(root) / name;
+    const fs::path aside = fs::path(root) / fmt::format("{}.old-{}", name, ::getpid());
+    if (::rename(dir.c_str(), aside.c_str()) != 0) continue;  // retried after the next save
+    fs::remove_all(aside, ec);
+    ++removed;
+  }
+  if (removed) fsync_path(root, true);
+  return removed;
 }
 
 std::map<std::string, ManifestEntry> read_manifest(const std::string& dir) {

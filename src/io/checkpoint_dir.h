@@ -83,6 +83,13 @@ class CheckpointWriter {
 // sorts last. Throws sigma::Error saying what is wrong.
 std::string resolve_checkpoint(const std::string& path);
 
+// Retention (train.keep_checkpoints, train.keep_every): of ROOT's complete checkpoints named
+// step-<number>, keeps the newest `keep_last` (0 = all: nothing is deleted), those whose step
+// is a multiple of `keep_every` (0 = none) and always the one `latest` names; the others are
+// renamed to NAME.old-<pid> (so that a kill mid-delete leaves no half checkpoint that looks
+// complete) and deleted. Call it after a commit. Returns how many were deleted.
+int prune_checkpoints(const std::string& root, int64_t keep_last, int64_t keep_every);
+
 // Checks that manifest.json is present and that every file it lists exists with the recorded
 // size and checksum; throws sigma::Error naming the first file that does not.
 void verify_checkpoint(const std::string& dir);

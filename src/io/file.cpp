@@ -1,10 +1,12 @@
 #include "io/file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -69,8 +71,30 @@ void write_file_synced(const std::string& path, const std::string& text) {
   f.close_checked(path);
 }
 
+int remove_dead_temporaries(const std::string& dir, const std::string& prefix) {
+  namespace fs = std::filesystem;
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir.empty() ? "." : dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!name.starts_with(prefix)) continue;
+    size_t at = name.rfind(".tmp-");
+    if (at == std::string::npos) at = name.rfind(".old-");
+    if (at == std::string::npos || at + 5 == name.size() ||
+        name.find_first_not_of("0123456789", at + 5) != std::string::npos)
+      continue;
+    const long pid = std::strtol(name.c_str() + at + 5, nullptr, 10);
+    if (pid <= 0 || pid == ::getpid() || ::kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;
+    std::error_code rm;
+    if (fs::remove_all(e.path(), rm) > 0 && !rm) ++removed;
+  }
+  return removed;
+}
+
 void write_file_atomic(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  const std::filesystem::path p(path);
+  remove_dead_temporaries(p.parent_path().string(), p.filename().string() + ".tmp-");
   try {
     write_file_synced(tmp, text);
     SIGMA_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '{}' to '{}': {}", tmp,

@@ -40,8 +40,14 @@ void fsync_parent(const std::string& path);
 // Writes `text` to `path` and fsyncs it (no rename: callers inside a temporary directory).
 void write_file_synced(const std::string& path, const std::string& text);
 // Durable replacement: writes path.tmp-<pid>, fsyncs it, renames it over `path`, fsyncs the
-// directory. A crash leaves either the old file or the new one, never a mix.
+// directory. A crash leaves either the old file or the new one, never a mix (and a
+// path.tmp-<pid> that the next write_file_atomic of `path` removes).
 void write_file_atomic(const std::string& path, const std::string& text);
+
+// Removes what killed processes left in `dir`: entries named PREFIX*.tmp-<pid> or
+// PREFIX*.old-<pid> (this file's and CheckpointWriter's temporaries) whose pid is no live
+// process. Returns how many went. A live writer's temporaries are kept.
+int remove_dead_temporaries(const std::string& dir, const std::string& prefix = "");
 
 // A whole small file; more than `limit` bytes is an error naming the file.
 std::string read_small_file(const std::string& path, size_t limit);

@@ -45,6 +45,10 @@ void TrainConfig::describe(Options& o, const std::string& p) {
   o.add(p + "eval_rows", &eval_rows, "held-out rows per domain for evaluation", 1, 1 << 24);
   o.add(p + "ckpt_every", &ckpt_every, "steps between checkpoints (0 = only at the end)", 0,
         int64_t(1) << 40);
+  o.add(p + "keep_checkpoints", &keep_checkpoints, "newest checkpoints kept in OUT/checkpoints; "
+        "older ones are deleted once a newer one is committed (0 = keep all)", 0, int64_t(1) << 40);
+  o.add(p + "keep_every", &keep_every, "with keep_checkpoints: also keep each checkpoint whose "
+        "step is a multiple of this, as milestones (0 = none)", 0, int64_t(1) << 40);
   o.add(p + "threads", &threads, "CPU threads (0 = every core; more than the machine's cores are "
         "capped to them)", 0, 4096);
   o.add(p + "max_nonfinite_steps", &max_nonfinite_steps,

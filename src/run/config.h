@@ -18,6 +18,8 @@ struct TrainConfig {
   int log_every = 50;
   int eval_rows = 240;     // held-out rows per domain at evaluation
   int64_t ckpt_every = 0;  // 0 = only at the end (when an output directory is given)
+  int64_t keep_checkpoints = 0;  // newest step checkpoints kept (0 = all)
+  int64_t keep_every = 0;        // also kept: those whose step is a multiple of this (0 = none)
   int threads = 0;         // 0 = every core (more than the machine has are capped to it)
   int max_nonfinite_steps = 10;  // consecutive skipped non-finite steps before the run stops
   std::string experts = "auto";  // where RRE experts train: auto, ecss, vanilla, model

@@ -10,6 +10,7 @@
 #include "surgery/surgery.h"
 #include "train/checkpoint.h"
 #include "io/checkpoint_dir.h"
+#include "io/file.h"
 
 namespace sigma::surgery {
 
@@ -29,6 +30,9 @@ NamedModel read_model(const std::string& path) {
 std::string write_model(const std::string& out, NamedModel& m) {
   std::error_code ec;
   const bool existed = fs::exists(out, ec);
+  // A killed extract/inherit/domains add left only its temporaries (NAME.tmp-<pid>): not a
+  // model, and no reason to refuse the rerun.
+  if (existed && fs::is_directory(out, ec)) remove_dead_temporaries(out);
   SIGMA_CHECK(!existed || (fs::is_directory(out, ec) && fs::is_empty(out, ec)),
               "output directory '{}' already exists and is not empty: choose a new --out", out);
   // The config's registry decides which tensors a model has; the result must match it exactly

@@ -4,9 +4,14 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "core/error.h"
 #include "core/json_depth.h"
@@ -19,14 +24,31 @@ namespace fs = std::filesystem;
 namespace {
 constexpr const char* kLockFile = ".lock";
 constexpr const char* kRunFiles[] = {"metrics.jsonl", "summary.json", "checkpoints"};
+constexpr const char* kReplaced = ".replaced-";  // OUT/.replaced-<pid>: an old run set aside
 
-// The pid a lock file names (written by its owner), for the error message; "?" if none.
+// The pid holding the flock on `fd`'s file, as the kernel records it (/proc/locks lines read
+// "N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE ..."); the file's own text (the pid its owner
+// wrote just after locking) only where /proc/locks is unreadable, so that the message never
+// shows an empty or an earlier owner's pid while the new owner is between lock and write.
 std::string lock_owner(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) == 0) {
+    const std::string id = fmt::format("{:02x}:{:02x}:{}", major(st.st_dev), minor(st.st_dev),
+                                       uint64_t(st.st_ino));
+    std::ifstream locks("/proc/locks");
+    for (std::string line; std::getline(locks, line);) {
+      if (line.find("->") != std::string::npos || line.find(" FLOCK ") == std::string::npos)
+        continue;  // a waiter, or a POSIX lock
+      std::istringstream in(line);
+      std::string n, kind, adv, rw, pid, file;
+      if (in >> n >> kind >> adv >> rw >> pid >> file && file == id) return pid;
+    }
+  }
   char buf[32] = {};
   const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
   std::string s = n > 0 ? std::string(buf, size_t(n)) : "";
   while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  return s.empty() ? "?" : s;
+  return s.empty() ? "unknown" : s;
 }
 }  // namespace
 
@@ -42,11 +64,22 @@ RunDir::RunDir(std::string out, RunDirMode mode) : out_(std::move(out)) {
   fs::create_directories(out_, ec);
   SIGMA_CHECK(!ec, "cannot create output directory '{}': {}", out_, ec.message());
   lock();
+  recover_replaced();
   check_mode(mode);
   remove_stale_checkpoints();
 }
 
 RunDir::~RunDir() {
+  if (metrics_fd_ >= 0) ::close(metrics_fd_);
+  if (!aside_.empty()) {
+    try {
+      restore_old_run();
+      fmt::print(stderr, "sigma train: the new run stopped before its first checkpoint; the "
+                 "run it was to replace is back in '{}'\n", out_);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "sigma train: error: {} (the replaced run is in '{}')\n", e.what(), aside_);
+    }
+  }
   if (fd_ >= 0) ::close(fd_);  // releases the lock; the file stays (its pid is only a hint)
 }
 
@@ -63,8 +96,94 @@ void RunDir::lock() {
                 "wait for it to finish or choose another --out", out_, owner);
     fail("cannot lock '{}': {}", path, errno_str(e));
   }
+  // Written over the old text, then cut to length: the file is never empty in between.
   const std::string pid = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(fd_, 0) == 0) write_all(fd_, pid.data(), pid.size(), path);
+  if (::pwrite(fd_, pid.data(), pid.size(), 0) == ssize_t(pid.size()))
+    (void)::ftruncate(fd_, off_t(pid.size()));
+}
+
+// A --overwrite killed before the new run's first checkpoint left the old run in
+// OUT/.replaced-<pid>: it comes back (the new run saved nothing). After that checkpoint the
+// old run was only not yet deleted: it goes.
+void RunDir::recover_replaced() {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(out_, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!name.starts_with(kReplaced)) continue;
+    if (fs::exists(fs::path(out_) / "checkpoints", ec)) {
+      fs::remove_all(e.path(), ec);
+      continue;
+    }
+    aside_ = e.path().string();
+    restore_old_run();
+    fmt::print(stderr, "sigma train: warning: an earlier --overwrite of '{}' was interrupted "
+               "before the new run saved a checkpoint; the run it was replacing is restored\n",
+               out_);
+  }
+}
+
+void RunDir::set_old_run_aside() {
+  if (!holds_run(out_)) return;
+  aside_ = out_ + "/" + kReplaced + std::to_string(::getpid());
+  std::error_code ec;
+  fs::remove_all(aside_, ec);
+  SIGMA_CHECK(fs::create_directory(aside_, ec), "--overwrite: cannot create '{}': {}", aside_,
+              ec.message());
+  for (const char* f : kRunFiles) {
+    const fs::path from = fs::path(out_) / f;
+    if (!fs::exists(fs::symlink_status(from, ec))) continue;
+    fs::rename(from, fs::path(aside_) / f, ec);
+    SIGMA_CHECK(!ec, "--overwrite: cannot move '{}' aside: {}", from.string(), ec.message());
+  }
+  fsync_path(out_, true);
+}
+
+// The new run's files go and the old run's come back from aside_.
+void RunDir::restore_old_run() {
+  if (metrics_fd_ >= 0) ::close(metrics_fd_), metrics_fd_ = -1;
+  std::error_code ec;
+  for (const char* f : kRunFiles) {
+    const fs::path old = fs::path(aside_) / f, now = fs::path(out_) / f;
+    fs::remove_all(now, ec);
+    if (!fs::exists(fs::symlink_status(old, ec))) continue;
+    fs::rename(old, now, ec);
+    SIGMA_CHECK(!ec, "cannot move '{}' back to '{}': {}", old.string(), now.string(), ec.message());
+  }
+  fs::remove_all(aside_, ec);
+  aside_.clear();
+  fsync_path(out_, true);
+}
+
+void RunDir::drop_old_run() {
+  if (aside_.empty()) return;
+  std::error_code ec;
+  fs::remove_all(aside_, ec);
+  aside_.clear();
+}
+
+void RunDir::append_metrics(const std::string& record) {
+  const std::string path = metrics();
+  if (metrics_fd_ < 0) {
+    metrics_fd_ = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    SIGMA_CHECK(metrics_fd_ >= 0, "cannot open '{}': {}", path, errno_str());
+  }
+  const off_t end = ::lseek(metrics_fd_, 0, SEEK_END);
+  const std::string line = record + "\n";
+  try {
+    write_all(metrics_fd_, line.data(), line.size(), path);
+  } catch (...) {
+    if (end >= 0) (void)::ftruncate(metrics_fd_, end);  // no torn last line
+    throw;
+  }
+}
+
+void RunDir::sync_metrics() {
+  if (metrics_fd_ >= 0)
+    SIGMA_CHECK(::fsync(metrics_fd_) == 0, "cannot fsync '{}': {}", metrics(), errno_str());
+}
+
+void RunDir::write_summary(const std::string& text) {
+  write_file_atomic(out_ + "/summary.json", text);
 }
 
 void RunDir::check_mode(RunDirMode mode) {
@@ -73,11 +192,7 @@ void RunDir::check_mode(RunDirMode mode) {
               "output directory '{}' already holds a training run (metrics.jsonl, summary.json or "
               "checkpoints/): continue it with --resume {}/checkpoints, pass --overwrite to "
               "replace it, or choose another --out", out_, out_);
-  std::error_code ec;
-  for (const char* f : kRunFiles) {
-    fs::remove_all(fs::path(out_) / f, ec);
-    SIGMA_CHECK(!ec, "--overwrite: cannot remove '{}/{}': {}", out_, f, ec.message());
-  }
+  // The old run stays in place until the new one has been built: set_old_run_aside.
 }
 
 // Under the lock no other process writes checkpoints here, so every temporary directory is a

@@ -14,7 +14,7 @@ namespace sigma {
 enum class RunDirMode {
   Fresh,      // OUT must hold no run yet
   Resume,     // OUT may hold the run being continued (metrics after the resumed step dropped)
-  Overwrite,  // an existing run in OUT is deleted first (--overwrite)
+  Overwrite,  // an existing run in OUT is replaced (--overwrite): see set_old_run_aside
 };
 
 class RunDir {
@@ -22,7 +22,11 @@ class RunDir {
   // Creates and locks OUT, checks it against `mode`, then removes checkpoint directories a
   // killed save left behind (checkpoints/NAME.tmp-<pid>, NAME.old-<pid>, which no live
   // process can own while we hold the lock).
+  // An old run a killed --overwrite left in OUT/.replaced-<pid> comes back first when the new
+  // run committed no checkpoint, else it is deleted.
   RunDir(std::string out, RunDirMode mode);
+  // An old run still set aside (the new run failed before its first checkpoint) is put back
+  // and the new run's files removed: a failed --overwrite deletes nothing.
   ~RunDir();
   RunDir(const RunDir&) = delete;
   RunDir& operator=(const RunDir&) = delete;
@@ -37,13 +41,32 @@ class RunDir {
   // that died before its next checkpoint, and logged again now) and a torn last line.
   void drop_metrics_after(int64_t step);
 
+  // --overwrite, once the new run has been built (config, data, memory checked): moves the old
+  // run's files into OUT/.replaced-<pid>. They stay there until drop_old_run().
+  void set_old_run_aside();
+  // The new run committed a checkpoint or finished: the old run set aside is deleted.
+  void drop_old_run();
+
+  // One metrics.jsonl record (a line is appended). The file is created on the first record, so
+  // a run that fails before it leaves none. A failed write is an error naming the file, and
+  // the file is cut back to its last whole record.
+  void append_metrics(const std::string& record);
+  // fsyncs metrics.jsonl (with each checkpoint: the records up to it are as durable as it is).
+  void sync_metrics();
+  // summary.json, replaced durably (io/file.h: temp + fsync + rename).
+  void write_summary(const std::string& text);
+
  private:
   void lock();
   void check_mode(RunDirMode mode);
   void remove_stale_checkpoints();
+  void recover_replaced();
+  void restore_old_run();
 
   std::string out_;
   int fd_ = -1;
+  int metrics_fd_ = -1;
+  std::string aside_;  // OUT/.replaced-<pid> while the old run waits there
   int stale_removed_ = 0, metrics_dropped_ = 0;
 };
 

@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <cmath>
 #include <optional>
@@ -15,6 +17,7 @@
 
 #include "data/sampler.h"
 #include "dist/communicator.h"
+#include "io/checkpoint_dir.h"
 #include "kernels/ops.h"
 #include "model/routing.h"
 #include "optim/adamw.h"
@@ -122,6 +125,58 @@ void sum_over_ranks(Communicator& comm, std::vector<BlockLoad>& load) {
   }
 }
 
+// SIGTERM / SIGINT during the steps (schedulers send SIGTERM before they kill): the first asks
+// the run to stop after the current step with a checkpoint; a second one ends the process at
+// once with the default action (a save in progress stays a temporary directory, removed by the
+// next run in OUT).
+std::atomic<int> g_stop_signal{0};
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal.exchange(sig) != 0) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    return;
+  }
+  const char msg[] = "\nsigma train: signal received: stopping after this step with a checkpoint "
+                     "(send it again to stop at once, without saving)\n";
+  (void)!::write(STDERR_FILENO, msg, sizeof msg - 1);
+}
+
+class StopSignals {
+ public:
+  explicit StopSignals(bool install) : installed_(install) {
+    if (!installed_) return;
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    ::sigaction(SIGTERM, &sa, &old_term_);
+    ::sigaction(SIGINT, &sa, &old_int_);
+  }
+  ~StopSignals() {
+    if (!installed_) return;
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+    ::sigaction(SIGINT, &old_int_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  // The signal that asked to stop (0 = none). Collective over the ranks, so that they all stop
+  // after the same step even when only some got the signal.
+  int requested(Communicator& comm) const {
+    if (!installed_) return 0;
+    const int sig = g_stop_signal.load();
+    if (comm.size() == 1) return sig;
+    double any = sig ? 1.0 : 0.0;
+    comm.all_reduce_sum(&any, 1);
+    return sig ? sig : any > 0 ? SIGTERM : 0;
+  }
+
+ private:
+  bool installed_;
+  struct sigaction old_term_ {}, old_int_ {};
+};
+
 // One training run: set-up, the loop of TrainSteps, metrics, checkpoints, final evaluation.
 class RunLoop {
  public:
@@ -136,7 +191,7 @@ class RunLoop {
   void restore();
   void open_outputs();
   void fetch(std::vector<Batch>& micro, int64_t step);
-  void one_step(int64_t step);
+  void one_step(int64_t step, const StopSignals& signals);
   void log(double grad_norm, float lr);
   nlohmann::json exchange_since_last(int64_t steps);
   void checkpoint();
@@ -164,7 +219,7 @@ class RunLoop {
   std::vector<int32_t> data_to_model_;  // data domain index -> model domain index
   std::unique_ptr<RunDir> run_dir_;  // locked for the whole run
   NonfiniteGuard guard_{0};
-  std::ofstream metrics_;
+  int stopped_by_ = 0;  // the signal that stopped the run after a step (its checkpoint saved)
   std::string ckpt_root_;
   bool tty_ = false;
   // ECSS reads step t+1's batches during step t to prefetch its experts.
@@ -203,6 +258,9 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   if (lead_) claim_out_dir();  // rank 0 owns the directory; the others write only checkpoints
   build();
   restore();
+  // --overwrite: the new run is built and checked; only now does the old run move aside (and it
+  // comes back if the new run fails before its first checkpoint: train/run_dir.h).
+  if (run_dir_ && run_.overwrite && run_.resume.empty()) run_dir_->set_old_run_aside();
   open_outputs();
 }
 
@@ -306,11 +364,8 @@ void RunLoop::restore() {
 // metrics.jsonl, the checkpoint root and the banner.
 void RunLoop::open_outputs() {
   if (!run_.out_dir.empty()) ckpt_root_ = run_.out_dir + "/checkpoints";
-  if (run_dir_) {
-    if (ck_) run_dir_->drop_metrics_after(state_.step);  // the dead run's steps are redone
-    metrics_.open(run_.out_dir + "/metrics.jsonl", std::ios::app);
-    SIGMA_CHECK(metrics_.good(), "cannot write {}/metrics.jsonl", run_.out_dir);
-  }
+  // metrics.jsonl is created with the first record (RunDir::append_metrics).
+  if (run_dir_ && ck_) run_dir_->drop_metrics_after(state_.step);  // the dead run's steps are redone
   tty_ = isatty(STDERR_FILENO);
   std::vector<double> shares(2 * size_t(comm_.size()), 0.0);  // every rank's experts and bytes
   if (parallel_) {
@@ -381,12 +436,13 @@ TrainSummary RunLoop::run() {
   run_load_ = model_->expert_load();  // zero counts, summed at each log
   model_->reset_expert_load();
   t_start_ = Clock::now();
-  for (int64_t step = state_.step; step < last_; ++step) one_step(step);
+  const StopSignals signals(!ckpt_root_.empty());  // without --out there is nothing to save
+  for (int64_t step = state_.step; step < last_ && !stopped_by_; ++step) one_step(step, signals);
   if (tty_ && run_.progress) fmt::print(stderr, "\n");
   return finish();
 }
 
-void RunLoop::one_step(int64_t step) {
+void RunLoop::one_step(int64_t step, const StopSignals& signals) {
   if (have_next_) {
     std::swap(micro_, next_);
     have_next_ = false;
@@ -398,7 +454,7 @@ void RunLoop::one_step(int64_t step) {
                          step + 1 == last_);
   step_->prepare(micro_);
   if (experts_ && step + 1 < last_) {  // overlap the next step's expert prefetch with this one
-    if (ckpt_now) cursor_after_step_ = data_->cursor();
+    cursor_after_step_ = data_->cursor();  // a checkpoint after this step resumes from here
     fetch(next_, step + 1);
     have_next_ = true;
     experts_->prefetch(next_);
@@ -418,8 +474,10 @@ void RunLoop::one_step(int64_t step) {
   tokens_this_run_ += tokens;
   steps_this_run_ += 1;
   steps_in_window_ += 1;
-  if (state_.step % cfg_.train.log_every == 0 || state_.step == last_) log(r.grad_norm, lr);
-  if (ckpt_now) checkpoint();
+  if (state_.step < last_) stopped_by_ = signals.requested(comm_);
+  if (state_.step % cfg_.train.log_every == 0 || state_.step == last_ || stopped_by_)
+    log(r.grad_norm, lr);
+  if (ckpt_now || stopped_by_) checkpoint();
 }
 
 // A progress line, a metrics.jsonl record, and the window's expert load into the run's.
@@ -434,7 +492,7 @@ void RunLoop::log(double grad_norm, float lr) {
   std::vector<BlockLoad> load = model_->expert_load();
   sum_over_ranks(comm_, load);
   const nlohmann::json exchange = exchange_since_last(steps_in_window_);  // every rank
-  if (metrics_.is_open()) {
+  if (run_dir_) {
     nlohmann::json dom = nlohmann::json::object();
     for (size_t d = 0; d < names_.size(); ++d)
       if (window_.count[d]) dom[names_[d]] = window_.loss[d] / double(window_.count[d]);
@@ -454,8 +512,7 @@ void RunLoop::log(double grad_norm, float lr) {
       for (const BlockLoad& b : load) dropped[std::to_string(b.block)] = b.dropped;
       rec["dropped"] = dropped;
     }
-    metrics_ << rec.dump() << "\n";
-    metrics_.flush();
+    run_dir_->append_metrics(rec.dump());  // checked: a failed write stops the run
   }
   window_ = DomainSums(names_.size());
   for (size_t b = 0; b < run_load_.size(); ++b) {
@@ -492,10 +549,17 @@ void RunLoop::checkpoint() {
   state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
   save_checkpoint(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
                   expert_files(), &comm_);
+  if (!run_dir_) return;
+  run_dir_->sync_metrics();
+  run_dir_->drop_old_run();  // --overwrite: the new run has a checkpoint now
+  const int removed = prune_checkpoints(ckpt_root_, cfg_.train.keep_checkpoints,
+                                        cfg_.train.keep_every);
+  (void)removed;
 }
 
 TrainSummary RunLoop::finish() {
   TrainSummary sum;
+  sum.stopped_by = stopped_by_;
   sum.steps = state_.step;
   sum.tokens = state_.tokens;
   sum.skipped_steps = guard_.skipped_total();
@@ -512,12 +576,20 @@ TrainSummary RunLoop::finish() {
     exchange_summary_ = exchange_since_last(steps_this_run_);
     exchange_summary_["placement"] = cfg_.dist.placement;
   }
+  if (stopped_by_) return sum;  // stopped early: no evaluation, no summary of an unfinished run
+  if (run_dir_) run_dir_->drop_old_run();  // finished (a run of no steps saves no checkpoint)
   std::unique_ptr<DataSource> held_out;
   if (!cfg_.data.eval_path.empty())
     held_out = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
   sum.domains = evaluate(*model_, held_out ? *held_out : *data_, cfg_.train.batch,
                          cfg_.model.context, cfg_.train.eval_rows);
-  if (!run_.out_dir.empty() && lead_) write_summary(sum);
+  // A resumed run that had no step left to train keeps the summary its training wrote (this
+  // process trained nothing: its throughput and expert load would be zeros).
+  std::error_code ec;
+  if (run_dir_ && steps_this_run_ == 0 && std::filesystem::exists(run_dir_->path() + "/summary.json", ec))
+    fmt::print(stderr, "sigma train: no step left to train; {}/summary.json kept\n", run_.out_dir);
+  else if (run_dir_)
+    write_summary(sum);
   return sum;
 }
 
@@ -548,9 +620,7 @@ void RunLoop::write_summary(const TrainSummary& sum) {
       summary["dropped"] = dropped;
     }
   }
-  std::ofstream out(run_.out_dir + "/summary.json");
-  out << summary.dump(2) << "\n";
-  SIGMA_CHECK(out.good(), "cannot write {}/summary.json", run_.out_dir);
+  run_dir_->write_summary(summary.dump(2) + "\n");  // durable: temp + fsync + rename
 }
 
 }  // namespace

@@ -38,6 +38,8 @@ struct TrainSummary {
   double seconds = 0;                  // wall time of the training steps
   std::string expert_mode;             // "ecss" / "vanilla", empty when experts are in the model
   OffloadStats offload;                // ECSS time split (this run's steps)
+  int stopped_by = 0;  // SIGTERM/SIGINT that stopped the run after a step with a checkpoint
+                       // (no evaluation then: `domains` is empty); 0 = ran to the end
 };
 
 // {"<block>": {"<group>": [tokens per expert], ...}, ...} and {"<block>": imbalance, ...}.

@@ -1,0 +1,357 @@
+// Reliability of a training run's files (issue 29): a failed --overwrite keeps the old run, a
+// full disk is an error naming the file (never a silent loss), SIGTERM/SIGINT save and exit 0,
+// retention, a dangling `latest`, the lock's pid, and temporaries of killed commands.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/file.h>
+#include <sys/mount.h>
+
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "core/error.h"
+#include "io/checkpoint_dir.h"
+#include "io/file.h"
+#include "train/run_dir.h"
+#include "train/trainer.h"
+
+using namespace sigma;
+using namespace sigma::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kTiny =
+    "train --quiet --set model.d_model=16 --set model.layers=2 --set model.heads=2 "
+    "--set model.context=8 --set train.batch=2 --set train.log_every=5 --set train.eval_rows=4 ";
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::vector<std::string> entries(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Every line of metrics.jsonl parses (no torn record); returns the logged steps.
+std::vector<int64_t> logged_steps(const std::string& out) {
+  std::vector<int64_t> steps;
+  std::ifstream in(out + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) steps.push_back(nlohmann::json::parse(line)["step"]);
+  return steps;
+}
+
+// Everything under OUT with its bytes: a run "kept intact" compares equal.
+std::map<std::string, std::string> snapshot(const std::string& out) {
+  std::map<std::string, std::string> m;
+  for (const auto& e : fs::recursive_directory_iterator(out))
+    if (e.is_regular_file() && e.path().filename() != ".lock")
+      m[fs::relative(e.path(), out).string()] = slurp(e.path().string());
+  return m;
+}
+
+// A small tmpfs (a full disk on demand), unmounted when the object dies; skips the test where
+// mounting is not allowed (not root, or no CAP_SYS_ADMIN in a container).
+struct SmallDisk {
+  std::string path;
+  bool mounted = false;
+  SmallDisk(const std::string& dir, const std::string& size) : path(dir) {
+    fs::create_directories(path);
+    mounted = ::mount("tmpfs", path.c_str(), "tmpfs", 0, ("size=" + size).c_str()) == 0;
+  }
+  ~SmallDisk() {
+    if (mounted) ::umount2(path.c_str(), MNT_DETACH);
+  }
+  // Fills what is left with one file (the last bytes a write can get).
+  void fill() const {
+    std::ofstream f(path + "/filler", std::ios::binary);
+    const std::string block(4096, 'x');
+    while (f.write(block.data(), block.size())) {}
+    std::ofstream g(path + "/filler2", std::ios::binary);
+    while (g.put('x')) {}
+  }
+};
+
+// ---- 1. --overwrite validates the new run first; a failed start keeps the old run ----------
+
+TEST(Reliability, AFailedOverwriteStartKeepsTheOldRun) {
+  TempDir tmp("rel-overwrite");
+  const std::string out = tmp / "out";
+  auto r = sigma_cmd(kTiny + "--set train.steps=10 --set train.ckpt_every=5 --out " + out);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto before = snapshot(out);
+  ASSERT_GE(before.size(), 10u);
+  for (const std::string bad : {"--set data.source=shards --set data.path=" + tmp / "missing",
+                                std::string("--set model.d_model=16384 --set model.layers=64")}) {
+    r = sigma_cmd(kTiny + "--set train.steps=5 " + bad + " --overwrite --out " + out);
+    EXPECT_NE(r.code, 0) << r.out;
+    EXPECT_EQ(snapshot(out), before) << "a failed --overwrite changed the old run: " << r.out;
+  }
+  // The corrected rerun replaces it.
+  r = sigma_cmd(kTiny + "--set train.steps=5 --overwrite --out " + out);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(entries(out + "/checkpoints"), (std::vector<std::string>{"latest", "step-00000005"}));
+  EXPECT_EQ(logged_steps(out), (std::vector<int64_t>{5}));
+  EXPECT_EQ(entries(out), (std::vector<std::string>{".lock", "checkpoints", "metrics.jsonl",
+                                                    "summary.json"}));
+}
+
+Config tiny_run(int64_t steps) {
+  Config c;
+  c.model.d_model = 16;
+  c.model.layers = 2;
+  c.model.heads = 2;
+  c.model.context = 8;
+  c.train.batch = 2;
+  c.train.steps = steps;
+  c.train.log_every = 1;
+  c.train.eval_rows = 4;
+  c.train.ckpt_every = 4;
+  c.train.max_nonfinite_steps = 0;
+  return c;
+}
+
+RunOptions poisoned(const std::string& out, bool overwrite, int64_t at_step) {
+  RunOptions run{out, "", -1, false, overwrite};
+  run.before_step = [at_step](int64_t step, std::vector<Batch>& micro) {
+    if (step == at_step) micro[0].mask[0] = std::numeric_limits<float>::infinity();
+  };
+  return run;
+}
+
+// A run that fails in its first steps (here: a non-finite step with max_nonfinite_steps = 0)
+// leaves nothing that blocks the corrected rerun, and an --overwrite that fails so brings the
+// old run back.
+TEST(Reliability, ARunThatFailsBeforeItsFirstCheckpointLeavesNothingInTheWay) {
+  TempDir tmp("rel-early-fail");
+  const std::string out = tmp / "out";
+  EXPECT_NE(error_of([&] { train(tiny_run(8), poisoned(out, false, 1)); }), "");
+  EXPECT_FALSE(holds_run(out)) << "stray run files: " << fmt::format("{}", fmt::join(entries(out), " "));
+  ASSERT_NO_THROW(train(tiny_run(4), RunOptions{out, "", -1, false}));  // no --overwrite needed
+  const auto before = snapshot(out);
+  EXPECT_NE(error_of([&] { train(tiny_run(8), poisoned(out, true, 2)); }), "");
+  EXPECT_EQ(snapshot(out), before) << "the failed --overwrite lost the old run";
+}
+
+// A --overwrite killed before the new run's first checkpoint: the next start in OUT puts the
+// old run back (it was only set aside).
+TEST(Reliability, AnOverwriteKilledBeforeItsFirstCheckpointIsUndoneByTheNextStart) {
+  TempDir tmp("rel-overwrite-kill");
+  const std::string out = tmp / "out";
+  auto r = sigma_cmd(kTiny + "--set train.steps=5 --out " + out);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto before = snapshot(out);
+  // What the killed run left: the old run aside, its own first metrics.
+  fs::create_directories(out + "/.replaced-999999");
+  for (const char* f : {"metrics.jsonl", "summary.json", "checkpoints"})
+    fs::rename(out + "/" + f, out + "/.replaced-999999/" + f);
+  std::ofstream(out + "/metrics.jsonl") << "{\"step\": 1}\n";
+  { RunDir d(out, RunDirMode::Resume); }
+  EXPECT_EQ(snapshot(out), before);
+  EXPECT_FALSE(fs::exists(out + "/.replaced-999999"));
+  // After the new run's first checkpoint the old run is only deleted.
+  fs::create_directories(out + "/.replaced-999998/checkpoints");
+  { RunDir d(out, RunDirMode::Resume); }
+  EXPECT_EQ(snapshot(out), before);
+  EXPECT_FALSE(fs::exists(out + "/.replaced-999998"));
+}
+
+// Resuming a run that has no step left keeps its summary.json (here on a full disk, where
+// rewriting it in place would leave it empty).
+TEST(Reliability, ResumingAFinishedRunKeepsItsSummary) {
+  TempDir tmp("rel-finished");
+  SmallDisk disk(tmp / "disk", "1m");
+  if (!disk.mounted) GTEST_SKIP() << "cannot mount a tmpfs here";
+  const std::string out = disk.path + "/out";
+  auto r = sigma_cmd(kTiny + "--set train.steps=5 --out " + out);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string summary = slurp(out + "/summary.json");
+  ASSERT_FALSE(summary.empty());
+  disk.fill();
+  r = sigma_cmd(kTiny + "--resume " + out + "/checkpoints --out " + out);
+  EXPECT_EQ(slurp(out + "/summary.json"), summary) << r.out;
+}
+
+// ---- 2. a full disk: every log write checked, summary.json durable ---------------------------
+
+TEST(Reliability, AFullDiskDuringTheRunIsAnErrorNamingTheMetricsFile) {
+  TempDir tmp("rel-full");
+  SmallDisk disk(tmp / "disk", "48k");
+  if (!disk.mounted) GTEST_SKIP() << "cannot mount a tmpfs here";
+  const std::string out = disk.path + "/out";
+  // ~250 bytes a record, 1,000 records: the disk fills long before the end.
+  auto r = sigma_cmd(kTiny + "--set train.steps=1000 --set train.log_every=1 --out " + out);
+  EXPECT_NE(r.code, 0) << "a run that lost metrics claimed success: " << r.out;
+  EXPECT_NE(r.out.find("metrics.jsonl"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("No space left on device"), std::string::npos) << r.out;
+  const auto steps = logged_steps(out);  // throws on a torn line
+  ASSERT_FALSE(steps.empty());
+  for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(steps[i], int64_t(i) + 1);
+}
+
+TEST(Reliability, RunDirWritesAreCheckedAndTheSummaryIsReplacedWhole) {
+  TempDir tmp("rel-rundir-full");
+  SmallDisk disk(tmp / "disk", "64k");
+  if (!disk.mounted) GTEST_SKIP() << "cannot mount a tmpfs here";
+  RunDir d(disk.path + "/out", RunDirMode::Fresh);
+  d.write_summary("{\"steps\": 1}\n");
+  d.append_metrics("{\"step\": 1}");
+  disk.fill();
+  const std::string big(20000, ' ');
+  std::string e = error_of([&] { d.write_summary("{\"steps\": 2" + big + "}\n"); });
+  EXPECT_NE(e.find("summary.json"), std::string::npos) << e;
+  EXPECT_EQ(slurp(disk.path + "/out/summary.json"), "{\"steps\": 1}\n");
+  EXPECT_EQ(entries(disk.path + "/out"), (std::vector<std::string>{".lock", "metrics.jsonl",
+                                                                   "summary.json"}));
+  e = error_of([&] { d.append_metrics("{\"step\": 2, \"pad\": \"" + big + "\"}"); });
+  EXPECT_NE(e.find("metrics.jsonl"), std::string::npos) << e;
+  EXPECT_EQ(slurp(disk.path + "/out/metrics.jsonl"), "{\"step\": 1}\n") << "torn record left";
+}
+
+// ---- 4. SIGTERM / SIGINT ---------------------------------------------------------------------
+
+// Starts a long run in the background, waits for its first metrics record, sends `signals`
+// (kill arguments, in order, at once) and returns "rc=N".
+std::string signalled_run(const std::string& out, const std::string& signals) {
+  const std::string cmd =
+      std::string(SIGMA_BINARY) + " " + kTiny +
+      "--set model.d_model=128 --set model.context=64 --set train.batch=8 "
+      "--set train.steps=100000 --set train.log_every=1 --out " + out + " >/dev/null 2>&1 & pid=$!; "
+      "for i in $(seq 600); do [ -s " + out + "/metrics.jsonl ] && break; sleep 0.05; done; " +
+      signals + "; wait $pid; echo rc=$?";
+  return run_cmd("bash -c '" + cmd + "'").out;
+}
+
+TEST(Reliability, SigtermFinishesTheStepSavesAndExitsZero) {
+  TempDir tmp("rel-sigterm");
+  const std::string out = tmp / "out";
+  const std::string r = signalled_run(out, "kill -TERM $pid");
+  EXPECT_NE(r.find("rc=0"), std::string::npos) << r;
+  const auto steps = logged_steps(out);
+  ASSERT_FALSE(steps.empty());
+  const std::string ck = resolve_checkpoint(out + "/checkpoints");
+  EXPECT_EQ(ck, out + fmt::format("/checkpoints/step-{:08d}", steps.back()))
+      << "the checkpoint is not of the last step";
+  for (const auto& e : entries(out + "/checkpoints")) EXPECT_EQ(e.find(".tmp-"), std::string::npos) << e;
+  EXPECT_NO_THROW(verify_checkpoint(ck));
+  // It resumes from there.
+  const auto again = sigma_cmd(kTiny + "--set model.d_model=128 --set model.context=64 "
+                               "--set train.batch=8 --set train.log_every=1 --set train.steps=" +
+                               std::to_string(steps.back() + 1) + " --resume " + out +
+                               "/checkpoints --out " + out);
+  EXPECT_EQ(again.code, 0) << again.out;
+  EXPECT_EQ(logged_steps(out).back(), steps.back() + 1);
+}
+
+TEST(Reliability, ASecondSignalStopsAtOnceWithoutASave) {
+  TempDir tmp("rel-sigterm2");
+  const std::string out = tmp / "out";
+  const std::string r = signalled_run(out, "kill -TERM $pid; kill -INT $pid");
+  EXPECT_NE(r.find("rc=130"), std::string::npos) << r;  // ended by the second signal (SIGINT)
+  // No checkpoint was committed; a rerun with --resume is not possible but a fresh one is
+  // refused only because of the metrics (the run's own, kept).
+  EXPECT_FALSE(fs::exists(out + "/checkpoints/latest")) << r;
+}
+
+// ---- 5. retention ----------------------------------------------------------------------------
+
+TEST(Reliability, KeepCheckpointsKeepsTheNewestAndTheMilestones) {
+  TempDir tmp("rel-keep");
+  const std::string out = tmp / "out";
+  auto r = sigma_cmd(kTiny + "--set train.steps=20 --set train.ckpt_every=2 "
+                     "--set train.keep_checkpoints=2 --set train.keep_every=8 --out " + out);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(entries(out + "/checkpoints"),
+            (std::vector<std::string>{"latest", "step-00000008", "step-00000016", "step-00000018",
+                                      "step-00000020"}));
+  EXPECT_EQ(resolve_checkpoint(out + "/checkpoints"), out + "/checkpoints/step-00000020");
+}
+
+// The checkpoint `latest` names is never deleted, even when newer ones exist (a run resumed
+// from an earlier checkpoint).
+TEST(Reliability, PruningNeverDeletesTheCheckpointLatestNames) {
+  TempDir tmp("rel-keep-latest");
+  const std::string out = tmp / "out";
+  auto r = sigma_cmd(kTiny + "--set train.steps=8 --set train.ckpt_every=2 --out " + out);
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ofstream(out + "/checkpoints/latest") << "step-00000002\n";
+  EXPECT_EQ(prune_checkpoints(out + "/checkpoints", 1, 0), 2);  // 4 and 6 go
+  EXPECT_EQ(entries(out + "/checkpoints"),
+            (std::vector<std::string>{"latest", "step-00000002", "step-00000008"}));
+  EXPECT_EQ(prune_checkpoints(out + "/checkpoints", 0, 0), 0);  // 0 = keep all
+}
+
+// ---- 7. small ones ---------------------------------------------------------------------------
+
+TEST(Reliability, ADanglingLatestFallsBackToTheNewestCompleteCheckpoint) {
+  TempDir tmp("rel-dangling");
+  const std::string out = tmp / "out";
+  auto r = sigma_cmd(kTiny + "--set train.steps=10 --set train.ckpt_every=5 --out " + out);
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ofstream(out + "/checkpoints/latest") << "step-00000015\n";  // a copy taken mid-save
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(resolve_checkpoint(out + "/checkpoints"), out + "/checkpoints/step-00000010");
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("warning"), std::string::npos) << err;
+  r = sigma_cmd(kTiny + "--set train.steps=12 --resume " + out + "/checkpoints --out " + out);
+  EXPECT_EQ(r.code, 0) << r.out;
+  // Nothing complete: still an error.
+  fs::remove_all(out + "/checkpoints/step-00000010");
+  fs::remove_all(out + "/checkpoints/step-00000005");
+  fs::remove_all(out + "/checkpoints/step-00000012");
+  EXPECT_NE(error_of([&] { resolve_checkpoint(out + "/checkpoints"); }).find("no other complete"),
+            std::string::npos);
+}
+
+// The owner's pid comes from the kernel's lock table, not from text the owner may not have
+// written yet: here the file still holds an earlier (dead) owner's pid.
+TEST(Reliability, TheLockMessageNamesTheLiveOwner) {
+  TempDir tmp("rel-lockpid");
+  fs::create_directories(tmp / "out");
+  std::ofstream(tmp / "out/.lock") << "999999\n";
+  Fd held(::open((tmp / "out/.lock").c_str(), O_RDWR | O_CLOEXEC));
+  ASSERT_EQ(::flock(held.fd, LOCK_EX | LOCK_NB), 0);
+  const std::string e = error_of([&] { RunDir d(tmp / "out", RunDirMode::Fresh); });
+  EXPECT_NE(e.find("(pid " + std::to_string(::getpid()) + ")"), std::string::npos) << e;
+}
+
+// extract / inherit killed mid-save leave OUT/NAME.tmp-<pid>; tokenizer train leaves
+// FILE.tmp-<pid>. Neither blocks nor outlives the rerun; a live writer's are kept.
+TEST(Reliability, TemporariesOfKilledCommandsDoNotBlockARerun) {
+  TempDir tmp("rel-leftovers");
+  auto r = sigma_cmd(kTiny + "--set train.steps=2 --out " + tmp / "run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  fs::create_directories(tmp / "ext/step-00000000.tmp-999999");
+  std::ofstream(tmp / "ext/step-00000000.tmp-999999/model.safetensors") << "partial";
+  std::ofstream(tmp / "ext/latest.tmp-999998") << "step-";
+  r = sigma_cmd("extract --ckpt " + tmp / "run/checkpoints --domain copy --out " + tmp / "ext");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(entries(tmp / "ext"), (std::vector<std::string>{"latest", "step-00000000"}));
+
+  fs::create_directories(tmp / "tok");
+  std::ofstream(tmp / "tok/t.json.tmp-999999") << "{";
+  std::ofstream(tmp / "tok/t.json.tmp-1") << "{";  // a live process's (init): kept
+  std::ofstream(tmp / "tok/other.tmp-999999") << "{";  // not this file's: kept
+  write_file_atomic(tmp / "tok/t.json", "{}\n");
+  EXPECT_EQ(entries(tmp / "tok"),
+            (std::vector<std::string>{"other.tmp-999999", "t.json", "t.json.tmp-1"}));
+}
+
+}  // namespace
