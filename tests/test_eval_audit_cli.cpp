@@ -160,6 +160,21 @@ TEST_F(Audit, LogSamplesReproduceThePrintedScoresAndScoreGenerationsAgrees) {
   EXPECT_EQ(printed["code"]["pass@2"].get<double>(), pass2 / nk);
   EXPECT_TRUE(printed["choice"].contains("acc_stderr"));
 
+  // Batched scoring (3 items a pass, the contexts cached once) gives the same log-likelihoods
+  // but for the last bits (docs/benchmarks.md) and the same token counts.
+  const auto batched = sigma_cmd("eval --ckpt " + ckpt() + " --task " + *dir / "tasks.jsonl" +
+                                 " --samples 2 --k 1,2 --temperature 1 --seed 5 --max-new 12 --timeout 30"
+                                 " --json --score-batch 3 --log-samples " + *dir / "batched.jsonl");
+  ASSERT_EQ(batched.code, 0) << batched.out;
+  const auto blines = read_lines(*dir / "batched.jsonl");
+  ASSERT_EQ(blines.size(), lines.size());
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (lines[i]["type"] != "choice") continue;
+    EXPECT_EQ(blines[i]["tokens"], lines[i]["tokens"]) << i;
+    for (size_t c = 0; c < lines[i]["loglik"].size(); ++c)
+      EXPECT_NEAR(blines[i]["loglik"][c].get<double>(), lines[i]["loglik"][c].get<double>(), 1e-4) << i;
+  }
+
   // Without a model (--ckpt not given): the same scores, standard errors included.
   const auto again = sigma_cmd("eval --score-generations " + log + " --k 1,2 --timeout 30 --json");
   ASSERT_EQ(again.code, 0) << again.out;
