@@ -139,13 +139,13 @@ RunOptions poisoned(const std::string& out, bool overwrite, int64_t at_step) {
   return run;
 }
 
-// A run that fails in its first steps (here: a non-finite step with max_nonfinite_steps = 0)
-// leaves nothing that blocks the corrected rerun, and an --overwrite that fails so brings the
-// old run back.
+// A run that fails at its first step (here: a non-finite step with max_nonfinite_steps = 0)
+// leaves nothing that blocks the corrected rerun, and an --overwrite that fails before its
+// first checkpoint brings the old run back.
 TEST(Reliability, ARunThatFailsBeforeItsFirstCheckpointLeavesNothingInTheWay) {
   TempDir tmp("rel-early-fail");
   const std::string out = tmp / "out";
-  EXPECT_NE(error_of([&] { train(tiny_run(8), poisoned(out, false, 1)); }), "");
+  EXPECT_NE(error_of([&] { train(tiny_run(8), poisoned(out, false, 0)); }), "");
   EXPECT_FALSE(holds_run(out)) << "stray run files: " << fmt::format("{}", fmt::join(entries(out), " "));
   ASSERT_NO_THROW(train(tiny_run(4), RunOptions{out, "", -1, false}));  // no --overwrite needed
   const auto before = snapshot(out);
@@ -308,10 +308,8 @@ TEST(Reliability, SigtermFinishesTheStepSavesAndExitsZero) {
   for (const auto& e : entries(out + "/checkpoints")) EXPECT_EQ(e.find(".tmp-"), std::string::npos) << e;
   EXPECT_NO_THROW(verify_checkpoint(ck));
   // It resumes from there.
-  const auto again = sigma_cmd(kTiny + "--set model.d_model=128 --set model.context=64 "
-                               "--set train.batch=8 --set train.log_every=1 --set train.steps=" +
-                               std::to_string(steps.back() + 1) + " --resume " + out +
-                               "/checkpoints --out " + out);
+  const auto again = sigma_cmd("train --quiet --set train.steps=" + std::to_string(steps.back() + 1) +
+                               " --resume " + out + "/checkpoints --out " + out);
   EXPECT_EQ(again.code, 0) << again.out;
   EXPECT_EQ(logged_steps(out).back(), steps.back() + 1);
 }

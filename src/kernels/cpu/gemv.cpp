@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/spin_team.h"
+#include "kernels/ops.h"
 
 namespace sigma::cpu {
 
