@@ -7,7 +7,7 @@
 #  - the rerun succeeds and leaves no temporary file behind.
 # Usage: prepare_kill_campaign.sh SIGMA [KILLS]   (bounded: a few seconds per kill)
 set -euo pipefail
-SIGMA=$1
+SIGMA=$(realpath "$1")
 KILLS=${2:-8}
 W=$(mktemp -d "${TMPDIR:-/tmp}/sigma-prepare-kills-XXXXXX")
 trap 'rm -rf "$W"' EXIT
@@ -43,8 +43,9 @@ same_as() { # DIR REF: manifest and every shard byte-identical
 }
 accepted() { # DIR: sigma train takes it
   "$SIGMA" train --quiet --set data.source=shards --set "data.path=$1" --set model.d_model=16 \
-    --set model.heads=2 --set model.layers=1 --set model.context=16 --set train.batch=2 \
-    --set train.steps=1 --set train.eval_rows=2 >/dev/null 2>&1
+    --set model.heads=2 --set model.layers=2 --set model.context=16 --set train.batch=2 \
+    --set train.steps=1 --set train.eval_rows=2 \
+    --set 'model.groups=[{"name":"prose","experts":2},{"name":"code","experts":2}]' >/dev/null 2>&1
 }
 fail() { echo "FAIL: $*"; exit 1; }
 

@@ -6,6 +6,8 @@
 #include <sys/file.h>
 #include <sys/mount.h>
 
+#include <cstddef>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -13,6 +15,7 @@
 
 #include "cli_util.h"
 #include "core/error.h"
+#include "data/shards.h"
 #include "io/checkpoint_dir.h"
 #include "io/file.h"
 #include "train/run_dir.h"
@@ -136,13 +139,15 @@ RunOptions poisoned(const std::string& out, bool overwrite, int64_t at_step) {
   return run;
 }
 
-// A run that fails in its first steps (here: a non-finite step with max_nonfinite_steps = 0)
-// leaves nothing that blocks the corrected rerun, and an --overwrite that fails so brings the
-// old run back.
+// A run that fails at its first step (here: a non-finite step with max_nonfinite_steps = 0)
+// leaves nothing that blocks the corrected rerun, and an --overwrite that fails before its
+// first checkpoint brings the old run back.
 TEST(Reliability, ARunThatFailsBeforeItsFirstCheckpointLeavesNothingInTheWay) {
   TempDir tmp("rel-early-fail");
   const std::string out = tmp / "out";
-  EXPECT_NE(error_of([&] { train(tiny_run(8), poisoned(out, false, 1)); }), "");
+  Config first = tiny_run(8);
+  first.train.log_every = 100;  // it fails before its first metrics record
+  EXPECT_NE(error_of([&] { train(first, poisoned(out, false, 0)); }), "");
   EXPECT_FALSE(holds_run(out)) << "stray run files: " << fmt::format("{}", fmt::join(entries(out), " "));
   ASSERT_NO_THROW(train(tiny_run(4), RunOptions{out, "", -1, false}));  // no --overwrite needed
   const auto before = snapshot(out);
@@ -225,6 +230,59 @@ TEST(Reliability, RunDirWritesAreCheckedAndTheSummaryIsReplacedWhole) {
   EXPECT_EQ(slurp(disk.path + "/out/metrics.jsonl"), "{\"step\": 1}\n") << "torn record left";
 }
 
+// ---- 3. a prepared folder is committed whole -------------------------------------------------
+
+TEST(Reliability, AChangedShardHeaderFieldIsRefused) {
+  TempDir tmp("rel-shard-header");
+  DomainSpec d("prose", "prose", 0);
+  {
+    data::ShardWriter w(tmp / "prose.shard", d, 400, 0x1234, 7);
+    const std::vector<uint32_t> t{1, 2, 3, 399};
+    w.add(t, 1);
+    w.finish();
+    w.commit();
+  }
+  EXPECT_NO_THROW(data::Shard::open(tmp / "prose.shard", 0x1234));
+  const std::string good = slurp(tmp / "prose.shard");
+  auto with = [&](size_t offset, uint32_t v) {
+    std::string b = good;
+    std::memcpy(b.data() + offset, &v, sizeof v);
+    std::ofstream(tmp / "prose.shard", std::ios::binary | std::ios::trunc) << b;
+    return error_of([&] { data::Shard::open(tmp / "prose.shard", 0x1234); });
+  };
+  EXPECT_NE(with(offsetof(data::ShardHeader, vocab_size), 401).find("corrupted"), std::string::npos);
+  EXPECT_NE(with(offsetof(data::ShardHeader, domain_id), 3).find("corrupted"), std::string::npos);
+}
+
+// A folder holding a shard of another preparation beside its manifest (what a prepare killed
+// between its renames and its manifest leaves) is refused by the readers.
+TEST(Reliability, AShardTheManifestDoesNotNameIsRefused) {
+  TempDir tmp("rel-mixed");
+  for (const char* name : {"a", "b"}) {
+    std::ofstream c(tmp / (std::string(name) + ".jsonl"));
+    for (int i = 0; i < 60; ++i)
+      c << nlohmann::json{{"domain", "prose"}, {"text", std::string(name) + " the cat " +
+                           std::to_string(i * (name[0] == 'a' ? 1 : 3)) + " sat."}}.dump() << "\n";
+  }
+  auto r = sigma_cmd("tokenizer train --corpus " + tmp / "a.jsonl" + " --vocab-size 300 --out " + tmp / "tok.json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* name : {"a", "b"}) {
+    std::ofstream(tmp / (std::string(name) + ".json")) << nlohmann::json{
+        {"tokenizer", "tok.json"}, {"corpus", {std::string(name) + ".jsonl"}},
+        {"domains", {{{"name", "prose"}, {"slot", 0}}}}}.dump();
+    r = sigma_cmd("prepare --config " + tmp / (std::string(name) + ".json") + " --out " + tmp / name);
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  EXPECT_NO_THROW(data::ShardSet::open(tmp / "a", 0));
+  fs::copy_file(tmp / "b/prose.shard", tmp / "a/prose.shard", fs::copy_options::overwrite_existing);
+  const std::string e = error_of([&] { data::ShardSet::open(tmp / "a", 0); });
+  EXPECT_NE(e.find("mixes two preparations"), std::string::npos) << e;
+  // The rerun puts it right.
+  r = sigma_cmd("prepare --config " + tmp / "a.json" + " --out " + tmp / "a");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NO_THROW(data::ShardSet::open(tmp / "a", 0));
+}
+
 // ---- 4. SIGTERM / SIGINT ---------------------------------------------------------------------
 
 // Starts a long run in the background, waits for its first metrics record, sends `signals`
@@ -252,10 +310,8 @@ TEST(Reliability, SigtermFinishesTheStepSavesAndExitsZero) {
   for (const auto& e : entries(out + "/checkpoints")) EXPECT_EQ(e.find(".tmp-"), std::string::npos) << e;
   EXPECT_NO_THROW(verify_checkpoint(ck));
   // It resumes from there.
-  const auto again = sigma_cmd(kTiny + "--set model.d_model=128 --set model.context=64 "
-                               "--set train.batch=8 --set train.log_every=1 --set train.steps=" +
-                               std::to_string(steps.back() + 1) + " --resume " + out +
-                               "/checkpoints --out " + out);
+  const auto again = sigma_cmd("train --quiet --set train.steps=" + std::to_string(steps.back() + 1) +
+                               " --resume " + out + "/checkpoints --out " + out);
   EXPECT_EQ(again.code, 0) << again.out;
   EXPECT_EQ(logged_steps(out).back(), steps.back() + 1);
 }
@@ -296,6 +352,51 @@ TEST(Reliability, PruningNeverDeletesTheCheckpointLatestNames) {
   EXPECT_EQ(entries(out + "/checkpoints"),
             (std::vector<std::string>{"latest", "step-00000002", "step-00000008"}));
   EXPECT_EQ(prune_checkpoints(out + "/checkpoints", 0, 0), 0);  // 0 = keep all
+}
+
+// ---- 6. eval is batch-invariant ---------------------------------------------------------------
+
+// A row's loss is the same whatever else its batch holds: at --batch 1 and --batch 7, and for
+// one domain evaluated alone or among all (a sparse model: the RRE experts' products see a
+// different number of rows each time, and so do the dense ones).
+TEST(Reliability, EvalIsBitIdenticalAcrossBatchSizesAndDomainMixes) {
+  TempDir tmp("rel-eval-invariant");
+  {
+    std::ofstream c(tmp / "corpus.jsonl");
+    for (int i = 0; i < 150; ++i) {
+      c << nlohmann::json{{"domain", "prose"}, {"text", "the cat sat on the mat number " +
+                           std::to_string(i % 17) + " and the dog ran."}}.dump() << "\n";
+      c << nlohmann::json{{"domain", "code"}, {"text", "def f" + std::to_string(i % 13) +
+                           "(x):\n    return x + " + std::to_string(i % 7) + "\n"}}.dump() << "\n";
+    }
+  }
+  auto r = sigma_cmd("tokenizer train --corpus " + tmp / "corpus.jsonl" + " --vocab-size 320 --out " +
+                     tmp / "tok.json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::ofstream(tmp / "data.json") << nlohmann::json{
+      {"tokenizer", "tok.json"}, {"corpus", {"corpus.jsonl"}},
+      {"domains", {{{"name", "prose"}, {"slot", 0}}, {{"name", "code"}, {"slot", 1}}}}}.dump();
+  r = sigma_cmd("prepare --config " + tmp / "data.json" + " --out " + tmp / "shards");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("train --quiet --set data.source=shards --set data.path=" + tmp / "shards" +
+                " --set model.d_model=48 --set model.heads=2 --set model.layers=2 --set model.context=24"
+                " --set train.batch=4 --set train.steps=6 --set train.eval_rows=8 --set model.rre_layers=1"
+                " --set 'model.groups=[{\"name\":\"prose\",\"experts\":2},{\"name\":\"code\",\"experts\":3}]'"
+                " --out " + tmp / "run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto eval = [&](const std::string& extra) {
+    const auto e = run_cmd(std::string(SIGMA_BINARY) + " eval --json --rows 21 --ckpt " + tmp / "run/checkpoints" +
+                           " --data " + tmp / "shards " + extra + " 2>/dev/null");
+    EXPECT_EQ(e.code, 0) << e.out;
+    return nlohmann::json::parse(e.out)["domains"];
+  };
+  const auto b1 = eval("--batch 1"), b7 = eval("--batch 7"), b5 = eval("--batch 5");
+  const auto alone = eval("--batch 7 --domains code");
+  for (const char* d : {"prose", "code"}) {
+    EXPECT_EQ(b1[d]["loss"].get<double>(), b7[d]["loss"].get<double>()) << d;
+    EXPECT_EQ(b1[d]["loss"].get<double>(), b5[d]["loss"].get<double>()) << d;
+  }
+  EXPECT_EQ(alone["code"]["loss"].get<double>(), b7["code"]["loss"].get<double>());
 }
 
 // ---- 7. small ones ---------------------------------------------------------------------------

@@ -42,6 +42,13 @@ void use_backend(std::string_view name) {
   fail("unknown ops backend '{}' (known: {})", name, backend_names());
 }
 
+namespace {
+thread_local bool t_few_row_kernels = false;
+}
+FewRowKernels::FewRowKernels() : prev_(t_few_row_kernels) { t_few_row_kernels = true; }
+FewRowKernels::~FewRowKernels() { t_few_row_kernels = prev_; }
+bool FewRowKernels::on() { return t_few_row_kernels; }
+
 void use_precision(Precision p) { detail::precision = p; }
 
 void use_precision(std::string_view name) {

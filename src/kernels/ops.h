@@ -144,6 +144,22 @@ void use_precision(Precision p);
 void use_precision(std::string_view name);  // "fp32" or "bf16"; throws sigma::Error otherwise
 Precision precision();
 
+// Products of a few rows may run on kernels tuned for them (the cpu backend's GEMVs, which give
+// a row other bits than the many-row product) only inside a FewRowKernels scope: a decode step
+// (Model::forward_cached) opens one. Everywhere else (eval, training) a row's bits do not
+// depend on how many rows share its product, so losses are batch-invariant. Per thread.
+class FewRowKernels {
+ public:
+  FewRowKernels();
+  ~FewRowKernels();
+  FewRowKernels(const FewRowKernels&) = delete;
+  FewRowKernels& operator=(const FewRowKernels&) = delete;
+  static bool on();
+
+ private:
+  bool prev_;
+};
+
 namespace detail {
 extern const Backend* active;  // never null; the cpu backend until use_backend says otherwise
 extern Precision precision;    // Fp32 until use_precision says otherwise

@@ -370,6 +370,7 @@ void KvCache::reset(const ModelConfig& cfg, int rows) {
 
 void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, float* token_loss,
                            const int* cache_rows) {
+  const ops::FewRowKernels decode;  // a decode step's few rows may take the GEMVs (kernels/ops.h)
   const int B = batch.B, T = batch.T;
   check_batch(batch);
   if (cache.kv.empty()) cache.reset(cfg_, B);

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/bf16_matmul.h"
+#include "kernels/ops.h"
 
 namespace sigma::cpu {
 
@@ -17,12 +18,38 @@ void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
 }
 
+// oneDNN's sgemm picks its kernels by the number of rows: measured here (Zen 5, oneDNN 2.6,
+// K 16..2048, N 8..8192, 1 and 2 threads) a row gets the same bits for every M >= 16, but
+// fewer rows take other kernels (with op(B) = B^T below 16 rows, with B at one row). Outside a
+// decode step fewer rows are padded to kInvariantRows with zero rows, so that a row's result
+// does not depend on how many rows share its product: eval is batch-invariant (alone or among
+// other domains, at any --batch; docs/reliability.md). Such products are small (a few tokens
+// of an expert), so the padding costs nothing that shows; decode keeps its own kernels.
+constexpr int64_t kInvariantRows = 16;
+
+void gemm_padded(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                 int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  thread_local std::vector<float> a, c;
+  a.assign(size_t(kInvariantRows * K), 0.0f);
+  c.assign(size_t(kInvariantRows * N), 0.0f);
+  for (int64_t i = 0; i < M; ++i) {
+    std::copy_n(A + i * lda, K, a.data() + i * K);
+    if (beta != 0.0f) std::copy_n(C + i * ldc, N, c.data() + i * N);
+  }
+  dnnl_status_t st = dnnl_sgemm('N', tb ? 'T' : 'N', kInvariantRows, N, K, alpha, a.data(), K, B,
+                                ldb, beta, c.data(), N);
+  SIGMA_CHECK(st == dnnl_success, "oneDNN sgemm failed (status {}) for M={} N={} K={}",
+              static_cast<int>(st), M, N, K);
+  for (int64_t i = 0; i < M; ++i) std::copy_n(c.data() + i * N, N, C + i * ldc);
+}
 }  // namespace
 
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_c(M, N, beta, C, ldc);  // oneDNN leaves C untouched for K = 0
+  if (!ta && M < kInvariantRows && !ops::FewRowKernels::on())
+    return gemm_padded(tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb,
                                 beta, C, ldc);
   SIGMA_CHECK(st == dnnl_success, "oneDNN sgemm failed (status {}) for M={} N={} K={}",

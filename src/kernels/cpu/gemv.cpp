@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/spin_team.h"
+#include "kernels/ops.h"
 
 namespace sigma::cpu {
 
@@ -291,9 +292,12 @@ void gemv_nt(float* y, const float* x, const uint16_t* w, int64_t M, int64_t in,
   nt(y, x, w, M, in, out, ldx, ldw, ldy);
 }
 
+// The GEMVs only inside a decode step (ops::FewRowKernels); elsewhere oneDNN, which gives a row
+// the same bits for any number of rows (gemm.h), so that eval is batch-invariant.
 void gemm_rows(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (ta || M > kGemvMaxRows || alpha != 1.0f || beta != 0.0f || K == 0)
+  if (!ops::FewRowKernels::on() || ta || M > kGemvMaxRows || alpha != 1.0f || beta != 0.0f ||
+      K == 0)
     return gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   if (tb) return gemv_nt(C, A, B, M, K, N, lda, ldb, ldc);
   gemv_nn(C, A, B, nullptr, M, K, N, false, {lda, ldb, ldc});
@@ -301,7 +305,8 @@ void gemm_rows(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
 
 void linear_forward_rows(float* y, const float* x, const float* w, const float* b, int64_t N,
                          int64_t in, int64_t out, bool accumulate, Strides ld) {
-  if (N > kGemvMaxRows) return linear_forward(y, x, w, b, N, in, out, accumulate, ld);
+  if (!ops::FewRowKernels::on() || N > kGemvMaxRows)
+    return linear_forward(y, x, w, b, N, in, out, accumulate, ld);
   gemv_nn(y, x, w, b, N, in, out, accumulate, ld);
 }
 
