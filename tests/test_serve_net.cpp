@@ -351,7 +351,7 @@ TEST(ServeNet, DrainCutsWhatOutlivesItsDeadline) {
   server.wait();
   const double took = std::chrono::duration<double>(Clock::now() - t0).count();
   EXPECT_GT(took, 0.4);
-  EXPECT_LT(took, 3.0);
+  EXPECT_LT(took, 6.0);  // the deadline, then handlers and the engine notice the cut (polls of 100 ms)
   const int again = connect_to(port);
   EXPECT_LT(again, 0) << "still listening after the drain";
   if (again >= 0) close(again);
