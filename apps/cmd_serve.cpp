@@ -42,10 +42,11 @@ Loaded load(const std::string& ckpt, const std::string& precision) {
   if (precision == "bf16") l.model->use_bf16_weights();
   if (const std::string path = checkpoint_tokenizer_path(info.dir); !path.empty())
     l.tok = data::Tokenizer::load(path);
-  // A run's checkpoints/step-N names the run; an extract's folder names itself.
+  // A run's checkpoints/step-N names the run; an extract's folder (holding its step-N) itself.
   std::filesystem::path dir = std::filesystem::absolute(info.dir).lexically_normal();
   if (dir.filename().empty()) dir = dir.parent_path();
-  if (dir.parent_path().filename() == "checkpoints") dir = dir.parent_path().parent_path();
+  if (dir.filename().string().rfind("step-", 0) == 0) dir = dir.parent_path();
+  if (dir.filename() == "checkpoints") dir = dir.parent_path();
   l.name = dir.filename().string().empty() ? "sigma" : dir.filename().string();
   return l;
 }
