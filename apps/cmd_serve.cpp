@@ -3,12 +3,16 @@
 #include <fmt/format.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
 #include <thread>
+#include <vector>
+
+#include "core/error.h"
 
 #include "command.h"
 #include "data/tokenizer.h"
@@ -20,8 +24,50 @@ namespace {
 
 struct ServeArgs {
   std::string ckpt, name, precision = "fp32";
+  std::vector<std::string> extra;  // NAME=CKPT
   serve::ServerOptions o;
 };
+
+// A served checkpoint: the model, its tokenizer, and the name clients select it by.
+struct Loaded {
+  std::unique_ptr<Model> model;
+  std::optional<data::Tokenizer> tok;
+  std::string name;
+};
+
+Loaded load(const std::string& ckpt, const std::string& precision) {
+  CheckpointInfo info;
+  Loaded l;
+  l.model = load_checkpoint_model(ckpt, &info);
+  if (precision == "bf16") l.model->use_bf16_weights();
+  if (const std::string path = checkpoint_tokenizer_path(info.dir); !path.empty())
+    l.tok = data::Tokenizer::load(path);
+  // A run's checkpoints/step-N names the run; an extract's folder (holding its step-N) itself.
+  std::filesystem::path dir = std::filesystem::absolute(info.dir).lexically_normal();
+  if (dir.filename().empty()) dir = dir.parent_path();
+  if (dir.filename().string().rfind("step-", 0) == 0) dir = dir.parent_path();
+  if (dir.filename() == "checkpoints") dir = dir.parent_path();
+  l.name = dir.filename().string().empty() ? "sigma" : dir.filename().string();
+  return l;
+}
+
+// Every connection costs a descriptor: raise the soft limit to the hard one, and keep
+// --max-connections below it (with room for checkpoints and logs).
+void fit_descriptor_limit(serve::ServerOptions& o) {
+  rlimit r{};
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0) return;
+  if (r.rlim_cur < r.rlim_max) {
+    r.rlim_cur = r.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &r);
+    getrlimit(RLIMIT_NOFILE, &r);
+  }
+  const rlim_t room = r.rlim_cur > 128 ? r.rlim_cur - 64 : 64;
+  if (rlim_t(o.max_connections) > room) {
+    fmt::print(stderr, "sigma serve: --max-connections {} lowered to {} (the descriptor limit is {})\n",
+               o.max_connections, room, r.rlim_cur);
+    o.max_connections = int(room);
+  }
+}
 
 void run_serve(ServeArgs a) {
   // Signals go to one waiting thread only (blocked here, before any thread starts).
@@ -30,6 +76,7 @@ void run_serve(ServeArgs a) {
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  fit_descriptor_limit(a.o);
   serve::Server server(a.o);
   const int port = server.start();
   fmt::print("sigma serve: listening on http://{}:{} (loading {})\n", a.o.host, port, a.ckpt);
@@ -41,24 +88,28 @@ void run_serve(ServeArgs a) {
     if (finished) return;
     fmt::print(stderr, "sigma serve: {} received: finishing the requests in flight\n",
                sig == SIGTERM ? "SIGTERM" : "SIGINT");
+    fmt::print(stderr, "sigma serve: requests still running after {} s are cut (--drain-timeout)\n",
+               a.o.drain_timeout);
     server.stop();
   });
-  CheckpointInfo info;
-  auto model = load_checkpoint_model(a.ckpt, &info);
-  if (a.precision == "bf16") model->use_bf16_weights();
-  std::optional<data::Tokenizer> tok;
-  if (const std::string path = checkpoint_tokenizer_path(info.dir); !path.empty())
-    tok = data::Tokenizer::load(path);
-  // A run's checkpoints/step-N names the run; an extract's folder names itself.
-  std::filesystem::path dir = std::filesystem::absolute(info.dir).lexically_normal();
-  if (dir.filename().empty()) dir = dir.parent_path();
-  if (dir.parent_path().filename() == "checkpoints") dir = dir.parent_path().parent_path();
-  const std::string name = a.name.empty() ? dir.filename().string() : a.name;
-  server.serve_model(*model, tok ? &*tok : nullptr, name.empty() ? "sigma" : name);
-  std::string domains;
-  for (const auto& d : model->config().domains) domains += (domains.empty() ? "" : ", ") + d.name;
-  fmt::print("sigma serve: ready: model '{}' (domains: {}), {} slots, {} weights\n", name, domains,
-             a.o.slots, a.precision);
+  std::vector<Loaded> models;
+  models.push_back(load(a.ckpt, a.precision));
+  if (!a.name.empty()) models[0].name = a.name;
+  for (const std::string& spec : a.extra) {
+    const size_t eq = spec.find('=');
+    SIGMA_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
+                "--model takes NAME=CKPT, not '{}'", spec);
+    models.push_back(load(spec.substr(eq + 1), a.precision));
+    models.back().name = spec.substr(0, eq);
+  }
+  std::string listed;
+  for (Loaded& m : models) {
+    server.serve_model(*m.model, m.tok ? &*m.tok : nullptr, m.name);
+    listed += fmt::format("{}'{}' (domains:", listed.empty() ? "" : "; ", m.name);
+    for (const auto& d : m.model->config().domains) listed += " " + d.name;
+    listed += ")";
+  }
+  fmt::print("sigma serve: ready: {}, {} slots each, {} weights\n", listed, a.o.slots, a.precision);
   std::fflush(stdout);
   server.wait();
   finished = true;
@@ -85,7 +136,27 @@ const RegisterCommand reg([](CLI::App& root) {
                  "Weights decoding reads: fp32, or bf16 (copies made at load: half the bytes per "
                  "token; activations and sums stay fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
-  c->add_option("--name", a->name, "Model name in responses (default: the run's folder)");
+  c->add_option("--name", a->name,
+                 "Name of the --ckpt model (default: the run's folder); NAME:DOMAIN selects a domain");
+  c->add_option("--model", a->extra,
+                 "Also serve CKPT (an extract, or another model) under NAME; repeatable (NAME=CKPT)");
+  c->add_flag("--no-prefix-cache", [a](int64_t) { a->o.prefix_cache = false; },
+              "Recompute every prompt (the prefix cache reuses shared prefixes' keys and values, same outputs)");
+  c->add_option("--max-connections", a->o.max_connections, "Open connections; past it a 503 and close")
+      ->check(CLI::Range(1, 1 << 20));
+  c->add_option("--drain-timeout", a->o.drain_timeout,
+                 "Seconds SIGTERM lets requests in flight finish before cutting them (then exit 0)")
+      ->check(CLI::Range(0.0, 86400.0));
+  c->add_option("--head-timeout", a->o.head_timeout, "Seconds a request's head may take to arrive")
+      ->check(CLI::Range(0.1, 3600.0));
+  c->add_option("--request-timeout", a->o.request_timeout,
+                 "Seconds a whole request (head and body) may take to arrive")
+      ->check(CLI::Range(0.1, 3600.0));
+  c->add_option("--idle-timeout", a->o.idle_timeout, "Seconds an idle keep-alive connection stays open")
+      ->check(CLI::Range(0.1, 86400.0));
+  c->add_option("--write-timeout", a->o.write_timeout,
+                 "Seconds a response may make no progress (a client that stopped reading) before it is cut")
+      ->check(CLI::Range(0.1, 3600.0));
   c->callback([a] { run_serve(*a); });
 });
 

@@ -3,6 +3,7 @@
 // the KV cache or without it (the full forward pass over the prefix).
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <map>
 
 #include "infer/batch_decoder.h"
@@ -222,4 +223,60 @@ TEST(ServeSampling, FrequencyAndPresencePenaltiesFollowTheirDefinition) {
   s.frequency_penalty = -1.0f;  // negative values encourage repeats
   s.presence_penalty = 0.0f;
   EXPECT_EQ(sample_next(l3.data(), 4, {1}, s, 0), 1);  // 2.5 + 1 > 3
+}
+
+// The prefix cache: prompts sharing a prefix of full prefill chunks reuse its keys and values,
+// and every token and log-probability is the same bits as with the cache off.
+TEST(ServeEngine, PrefixCacheReusesSharedPrefixesWithTheSameBits) {
+  ModelConfig c = small_config(true);
+  c.context = 200;
+  c.validate();
+  Model m(c, 17);
+  const std::vector<int32_t> shared = prompt_of(150, 3, c.vocab);  // two full chunks of 64
+  struct Req { int domain; std::vector<int32_t> prompt; };
+  std::vector<Req> reqs;
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> p = shared;
+    if (i == 4) p.resize(70);  // shares one chunk
+    for (int t = 0; t < 3 + i; ++t) p.push_back((7 * t + i) % c.vocab);
+    reqs.push_back({i == 5 ? 1 : 0, p});  // the last in another domain: nothing to reuse
+  }
+  auto run = [&](bool cache, int64_t* reused) {
+    serve::Engine engine(m, 2, 16, nullptr, cache);
+    std::vector<std::vector<std::pair<int32_t, double>>> out;
+    for (const Req& r : reqs) {  // one at a time, so each finds the previous in the cache
+      auto ch = std::make_shared<serve::Channel>(1);
+      serve::Job j;
+      j.domain = r.domain;
+      j.prompt = r.prompt;
+      j.s.max_new_tokens = 8;
+      j.s.temperature = 0.8f;
+      j.s.seed = 5;
+      j.top_logprobs = 2;
+      j.out = ch;
+      EXPECT_TRUE(engine.submit({j}));
+      std::vector<std::pair<int32_t, double>> got;
+      for (;;) {
+        auto e = ch->pop(10000);
+        if (!e || !e->finish_reason.empty()) break;
+        got.emplace_back(e->token, e->logprob);
+        for (const auto& [id, lp] : e->top) got.emplace_back(id, lp);
+      }
+      out.push_back(got);
+    }
+    *reused = engine.stats().prefix_tokens_reused;
+    return out;
+  };
+  int64_t with = 0, without = 0;
+  const auto a = run(true, &with), b = run(false, &without);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].size(), b[i].size()) << "request " << i;
+    for (size_t k = 0; k < a[i].size(); ++k) {
+      EXPECT_EQ(a[i][k].first, b[i][k].first) << "request " << i;
+      EXPECT_EQ(std::memcmp(&a[i][k].second, &b[i][k].second, sizeof(double)), 0) << "request " << i << " at " << k;
+    }
+  }
+  EXPECT_EQ(without, 0);
+  EXPECT_EQ(with, 3 * 128 + 64);  // requests 1-3 reuse two chunks, request 4 one, 0 and 5 none
 }

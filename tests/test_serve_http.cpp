@@ -16,6 +16,7 @@
 #include "data/tokenizer.h"
 #include "kernels/ops.h"
 #include "serve/choice.h"
+#include "serve/json_prefix.h"
 #include "serve/server.h"
 
 using namespace sigma;
@@ -295,4 +296,160 @@ TEST(ServeHttp, AModelFaultIsA500AndTheServerServesOn) {
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200) << r->body;
   EXPECT_EQ(f.cli.Get("/health")->status, 200);
+}
+
+// Domains and extracts as models: NAME and NAME:DOMAIN are listed and selectable; `domain` is a
+// synonym; an unknown model is a 404 with OpenAI's model_not_found code.
+TEST(ServeHttp, DomainsAreModels) {
+  Fixture f;
+  const json models = json::parse(f.cli.Get("/v1/models")->body);
+  std::vector<std::string> ids;
+  for (const json& m : models["data"]) ids.push_back(m["id"]);
+  EXPECT_EQ(ids, (std::vector<std::string>{"tiny", "tiny:prose", "tiny:code"}));
+  auto logprobs = [&](const json& body) {
+    json b = body;
+    b.update({{"prompt", "abcdef"}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 0}});
+    auto r = f.post("/v1/completions", b.dump());
+    return json::parse(r->body)["choices"][0]["logprobs"]["token_logprobs"];
+  };
+  const json by_model = logprobs({{"model", "tiny:code"}}), by_domain = logprobs({{"model", "tiny"}, {"domain", "code"}});
+  EXPECT_EQ(by_model, by_domain);
+  EXPECT_NE(by_model, logprobs({{"model", "tiny:prose"}}));
+  EXPECT_EQ(logprobs({}), logprobs({{"model", "tiny:prose"}}));  // the first domain by default
+  auto r = f.post("/v1/completions", R"({"model": "python", "prompt": "a"})");
+  EXPECT_EQ(error_of(r).first, 404);
+  EXPECT_EQ(json::parse(r->body)["error"]["code"], "model_not_found");
+  EXPECT_NE(error_of(r).second.find("tiny, tiny:prose, tiny:code"), std::string::npos) << r->body;
+  EXPECT_EQ(error_of(f.post("/v1/completions", R"({"model": "tiny:code", "domain": "prose", "prompt": "a"})")).first, 400);
+}
+
+// Every OpenAI field is honoured or refused by name; numbers out of range are 400s.
+TEST(ServeHttp, OpenAIFieldsAreHonouredOrRefused) {
+  Fixture f;
+  struct Case { std::string body, param; };
+  const std::vector<Case> refused = {
+      {R"({"prompt": "a", "best_of": 2})", "best_of"},
+      {R"({"prompt": "a", "suffix": "z"})", "suffix"},
+      {R"({"prompt": "a", "frobnicate": true})", "frobnicate"},
+      {R"({"prompt": "a", "temperature": 1e400})", ""},
+      {R"({"prompt": "a", "temperature": 3})", "temperature"},
+      {R"({"prompt": "a", "logit_bias": {"x": 1}})", "logit_bias"},
+      {R"({"prompt": "a", "logit_bias": {"5": 101}})", "logit_bias"},
+      {R"({"prompt": "a", "response_format": {"type": "json_schema"}})", "response_format"},
+      {R"({"prompt": "a", "stream_options": {"include_usage": true}})", "stream_options"},
+      {R"({"prompt": "a", "max_tokens": 3, "max_completion_tokens": 4})", "max_completion_tokens"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})", "tools"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "echo": true})", "echo"},
+  };
+  for (const Case& c : refused) {
+    const std::string path = c.body.find("messages") != std::string::npos ? "/v1/chat/completions" : "/v1/completions";
+    auto r = f.post(path, c.body);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400) << c.body << ": " << r->body;
+    const json e = json::parse(r->body);
+    if (!c.param.empty()) EXPECT_EQ(e["error"]["param"], c.param) << c.body;
+  }
+  // best_of 1, tools [] and user are accepted (they change nothing).
+  EXPECT_EQ(f.post("/v1/completions", R"({"prompt": "a", "max_tokens": 1, "best_of": 1, "user": "u"})")->status, 200);
+  // max_completion_tokens, with <EOT> (id 0) banned so that the count is exact.
+  auto r = f.post("/v1/completions", R"({"prompt": "a", "max_completion_tokens": 20, "logit_bias": {"0": -100}})");
+  EXPECT_EQ(json::parse(r->body)["usage"]["completion_tokens"], 20) << r->body;
+  // logit_bias +100 on 'e' makes greedy decoding say only 'e'.
+  const int e_id = int(f.tok.byte_id('e'));
+  r = f.post("/v1/completions", json{{"prompt", "a"}, {"max_tokens", 6}, {"temperature", 0},
+                                     {"logit_bias", {{std::to_string(e_id), 100}}}}.dump());
+  EXPECT_EQ(json::parse(r->body)["choices"][0]["text"], "eeeeee") << r->body;
+  // stop "" stops nothing.
+  const std::string g = R"({"prompt": "the cat", "max_tokens": 10, "temperature": 0, "logit_bias": {"0": -100})";
+  const std::string plain = json::parse(f.post("/v1/completions", g + "}")->body)["choices"][0]["text"];
+  EXPECT_EQ(json::parse(f.post("/v1/completions", g + R"(, "stop": ""})")->body)["choices"][0]["text"], plain);
+  // No seed: fresh entropy (two 24-token samples from a near-uniform model differ).
+  const std::string free = R"({"prompt": "a", "max_tokens": 24, "temperature": 1, "logit_bias": {"0": -100}})";
+  EXPECT_NE(json::parse(f.post("/v1/completions", free)->body)["choices"][0]["text"],
+            json::parse(f.post("/v1/completions", free)->body)["choices"][0]["text"]);
+  // Streams: logprobs per chunk and a usage chunk, equal to the plain response's.
+  const std::string lp = R"({"prompt": "the", "max_tokens": 12, "temperature": 0, "logprobs": 3, "logit_bias": {"0": -100})";
+  const json whole = json::parse(f.post("/v1/completions", lp + "}")->body);
+  r = f.post("/v1/completions", lp + R"(, "stream": true, "stream_options": {"include_usage": true}})");
+  json tokens = json::array(), values = json::array(), offsets = json::array(), usage;
+  size_t pos = 0;
+  while ((pos = r->body.find("data: {", pos)) != std::string::npos) {
+    const size_t end = r->body.find("\n\n", pos);
+    const json c = json::parse(r->body.substr(pos + 6, end - pos - 6));
+    if (!c["usage"].is_null()) usage = c["usage"];
+    for (const json& ch : c["choices"])
+      for (size_t i = 0; i < ch["logprobs"]["tokens"].size(); ++i) {
+        tokens.push_back(ch["logprobs"]["tokens"][i]);
+        values.push_back(ch["logprobs"]["token_logprobs"][i]);
+        offsets.push_back(ch["logprobs"]["text_offset"][i]);
+      }
+    pos = end;
+  }
+  EXPECT_EQ(tokens, whole["choices"][0]["logprobs"]["tokens"]);
+  EXPECT_EQ(values, whole["choices"][0]["logprobs"]["token_logprobs"]);
+  EXPECT_EQ(offsets, whole["choices"][0]["logprobs"]["text_offset"]);
+  EXPECT_EQ(usage, whole["usage"]);
+  // Chat streams carry logprobs too.
+  r = f.post("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                         "temperature": 0, "logprobs": true, "top_logprobs": 1, "stream": true})");
+  EXPECT_NE(r->body.find("\"logprobs\":{\"content\":[{"), std::string::npos) << r->body;
+}
+
+// text_offset counts characters, and a token inside a character (byte fallback) is labelled by
+// its bytes, so top_logprobs never merges two such tokens under U+FFFD.
+TEST(ServeHttp, TextOffsetsAreCharactersAndPartialTokensKeepTheirBytes) {
+  Fixture f;
+  auto r = f.post("/v1/completions", R"({"prompt": "aéb€c", "max_tokens": 0, "echo": true, "logprobs": 0})");
+  const json lp = json::parse(r->body)["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json({"a", "bytes:\\xc3", "bytes:\\xa9", "b", "bytes:\\xe2", "bytes:\\x82", "bytes:\\xac", "c"}));
+  EXPECT_EQ(lp["text_offset"], json({0, 1, 1, 2, 3, 3, 3, 4}));
+  r = f.post("/v1/completions", R"({"prompt": "a", "max_tokens": 2, "logprobs": 20})");
+  for (const json& top : json::parse(r->body)["choices"][0]["logprobs"]["top_logprobs"])
+    EXPECT_EQ(top.size(), 20u) << top.dump();
+}
+
+// response_format json_object: the text is always a prefix of a JSON object and, once finished
+// with "stop", parses as one.
+TEST(ServeHttp, JsonObjectDecodingKeepsTheTextJson) {
+  Fixture f;
+  const int open_id = int(f.tok.byte_id('{')), close_id = int(f.tok.byte_id('}'));
+  auto r = f.post("/v1/chat/completions", json{{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"max_tokens", 20},
+                                               {"temperature", 0}, {"response_format", {{"type", "json_object"}}},
+                                               {"logit_bias", {{std::to_string(open_id), 30}, {std::to_string(close_id), 30}}}}.dump());
+  json j = json::parse(r->body);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop") << r->body;
+  EXPECT_TRUE(json::parse(j["choices"][0]["message"]["content"].get<std::string>()).is_object()) << r->body;
+  r = f.post("/v1/completions", R"({"prompt": "x", "max_tokens": 30, "temperature": 1, "seed": 3, "n": 4,
+                                    "response_format": {"type": "json_object"}})");
+  j = json::parse(r->body);
+  for (const json& c : j["choices"]) {
+    serve::JsonPrefix p;
+    EXPECT_TRUE(p.push(c["text"].get<std::string>())) << c["text"];
+    if (c["finish_reason"] == "stop") EXPECT_TRUE(json::parse(c["text"].get<std::string>()).is_object());
+  }
+}
+
+TEST(ServeHttp, JsonPrefixAcceptsExactlyJsonObjects) {
+  const std::vector<std::string> valid = {
+      "{}", " {\"a\": 1}", "{\"a\":[1,2.5e-3,-0,true,false,null,{\"b\":\"\\u00e9\\n\"}]}\n", "{\"\xc3\xa9\": \"\xe2\x82\xac\"}"};
+  for (const std::string& s : valid) {
+    ASSERT_TRUE(json::parse(s).is_object());
+    serve::JsonPrefix p;
+    for (size_t i = 0; i < s.size(); ++i) {
+      ASSERT_TRUE(p.push(s.substr(i, 1))) << s << " at " << i;
+      const bool closed = s.find_first_not_of(" \n", i + 1) == std::string::npos;
+      EXPECT_EQ(p.complete(), closed) << s << " at " << i;
+    }
+  }
+  // Each is a valid prefix up to its last byte, which no JSON object allows there.
+  const std::vector<std::string> invalid = {
+      "[", "{\"a\":01", "{\"a\":1,}", "{,", "{\"a\" 1", "{\"a\":tru}", "{\"\x01", "{\"a\":\"\xff",
+      "{\"a\":1}}", "{\"a\":-}", "{\"a\":1.}", "{\"a\":1e}", "{\"a\":\"\\u12G", "{\"a\":\"\\x", "{1", "{\"a\":]"};
+  for (const std::string& s : invalid) {
+    serve::JsonPrefix p;
+    EXPECT_TRUE(p.push(s.substr(0, s.size() - 1))) << s;
+    EXPECT_FALSE(p.push(s.substr(s.size() - 1))) << s;
+  }
+  serve::JsonPrefix deep;
+  EXPECT_FALSE(deep.push("{\"a\":" + std::string(40, '[')));  // nesting is bounded
 }

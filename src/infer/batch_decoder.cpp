@@ -30,17 +30,40 @@ void BatchDecoder::run_prompt(int slot, int domain, std::span<const int32_t> inp
 }
 
 const float* BatchDecoder::prefill(int slot, int domain, std::span<const int32_t> tokens,
-                                   float* prompt_logprobs) {
-  std::vector<int32_t> next(tokens.begin(), tokens.end());
-  if (!next.empty()) {
-    next.erase(next.begin());
-    next.push_back(0);  // the position after the prompt has no target
-  }
-  run_prompt(slot, domain, tokens, next.data());
+                                   float* prompt_logprobs, int reuse) {
+  const ModelConfig& c = model_.config();
   const int T = int(tokens.size());
+  SIGMA_CHECK(slot >= 0 && slot < slots(), "slot {} out of range [0, {})", slot, slots());
+  SIGMA_CHECK(T >= 1 && T <= c.context, "a prompt needs 1 to {} tokens, not {}", c.context, T);
+  SIGMA_CHECK(reuse >= 0 && reuse % kPrefillChunk == 0 && reuse < T && (reuse == 0 || !prompt_logprobs),
+              "cannot reuse {} positions of a {}-token prompt", reuse, T);
+  loss_.assign(size_t(T), 0.0f);
+  cache_.length[size_t(slot)] = reuse;
+  int len = 0;
+  for (int at = reuse; at < T; at += len) {
+    len = std::min(kPrefillChunk, T - at);
+    batch_.resize(1, len);
+    std::copy(tokens.begin() + at, tokens.begin() + at + len, batch_.tokens.begin());
+    for (int t = 0; t < len; ++t)  // the position after the prompt has no target
+      batch_.targets[size_t(t)] = at + t + 1 < T ? tokens[size_t(at + t + 1)] : 0;
+    batch_.domain[0] = domain;
+    model_.forward_cached(batch_, cache_, prefill_acts_, loss_.data() + at, &slot);
+  }
+  last_ = &prefill_acts_;
   if (prompt_logprobs)
     for (int t = 0; t + 1 < T; ++t) prompt_logprobs[t] = -loss_[size_t(t)];
-  return prefill_acts_.logits.f() + int64_t(T - 1) * model_.config().vocab;
+  return prefill_acts_.logits.f() + int64_t(len - 1) * c.vocab;
+}
+
+void BatchDecoder::copy_prefix(int from, int to, int n) {
+  SIGMA_CHECK(from >= 0 && from < slots() && to >= 0 && to < slots() && n >= 0 &&
+                  n <= cache_.length[size_t(from)] && n <= model_.config().context,
+              "cannot copy {} cached positions from slot {} to slot {}", n, from, to);
+  if (from == to || n == 0) return;
+  const int64_t row = int64_t(model_.config().context) * 2 * model_.config().d_model;
+  const int64_t width = 2 * int64_t(model_.config().d_model);
+  for (Tensor& kv : cache_.kv)
+    std::copy(kv.f() + from * row, kv.f() + from * row + n * width, kv.f() + to * row);
 }
 
 void BatchDecoder::score(int slot, int domain, std::span<const int32_t> tokens, float* logprobs) {

@@ -14,16 +14,26 @@ namespace sigma {
 
 class BatchDecoder {
  public:
+  // Prompts are prefilled in chunks of kPrefillChunk positions aligned to multiples of it, so
+  // that a chunk's keys and values depend only on the tokens up to its end and on the chunk's
+  // fixed shape: the full chunks of a prefix computed for one request are, bit for bit, those
+  // any later request with that prefix would compute, and can be reused (the prefix cache).
+  static constexpr int kPrefillChunk = 64;
+
   BatchDecoder(Model& model, int slots);
   int slots() const { return cache_.B; }
   int position(int slot) const { return cache_.length[size_t(slot)]; }
   const ModelConfig& config() const { return model_.config(); }
 
-  // Starts a sequence of `domain` in `slot` (forgetting what it held) with `tokens` (non-empty,
-  // at most the context). Returns the logits [V] after the last token. With prompt_logprobs
-  // (size tokens.size() - 1), entry i receives log p(tokens[i+1] | tokens[..i]).
+  // Starts a sequence of `domain` in `slot` with `tokens` (non-empty, at most the context),
+  // keeping the first `reuse` positions the slot already holds (a multiple of kPrefillChunk,
+  // less than tokens.size(); 0 forgets everything). Returns the logits [V] after the last token.
+  // With prompt_logprobs (size tokens.size() - 1, reuse 0), entry i receives
+  // log p(tokens[i+1] | tokens[..i]).
   const float* prefill(int slot, int domain, std::span<const int32_t> tokens,
-                       float* prompt_logprobs = nullptr);
+                       float* prompt_logprobs = nullptr, int reuse = 0);
+  // Copies the keys and values of the first n positions of slot `from` into slot `to`.
+  void copy_prefix(int from, int to, int n);
   // Scores `tokens` (2 to context + 1 of them) without generating: logprobs[i] = log p(tokens[i+1]
   // | tokens[..i]) for i < size - 1, from one pass over all but the last token (an evaluation
   // window of context + 1 tokens fits). Leaves `slot` holding size - 1 positions.

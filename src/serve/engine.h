@@ -3,7 +3,9 @@
 // counters /metrics reports. HTTP threads submit jobs and read their events from a Channel; the
 // engine thread alone touches the model.
 #pragma once
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -14,8 +16,10 @@
 #include <thread>
 #include <vector>
 
+#include "data/tokenizer.h"
 #include "infer/batch_decoder.h"
 #include "infer/generate.h"
+#include "serve/json_prefix.h"
 
 namespace sigma::serve {
 
@@ -54,18 +58,41 @@ struct Job {
   std::vector<int32_t> stop_tokens;  // a choice ends after emitting one of these
   int top_logprobs = -1;             // -1 = no logprobs; k >= 0: chosen token and top k
   bool prompt_logprobs = false;      // echo + logprobs: score the prompt's tokens
+  std::vector<std::pair<int32_t, float>> logit_bias;  // added to the logits before sampling
+  bool json_object = false;          // only tokens that keep the text a JSON object prefix
+  std::chrono::steady_clock::time_point submitted = std::chrono::steady_clock::now();
   std::shared_ptr<Channel> out;
+};
+
+// A Prometheus histogram of seconds with fixed buckets (upper bounds, then +Inf).
+struct Histogram {
+  static constexpr std::array<double, 12> kBounds = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                                     0.5,   1,    2.5,   5,    10,  30};
+  std::array<int64_t, kBounds.size() + 1> counts{};  // per bucket, not cumulative
+  double sum = 0;
+  int64_t count = 0;
+  void add(double seconds);
+  // The metric's lines: NAME_bucket{le=...} (cumulative), NAME_sum, NAME_count.
+  std::string prometheus(const std::string& name) const;
 };
 
 struct EngineStats {
   int64_t prompt_tokens = 0, generated_tokens = 0, decode_steps = 0, decode_tokens = 0;
   double decode_seconds = 0;  // time inside decode steps (not prefill)
   int busy_slots = 0, queued = 0;
+  int64_t prefix_tokens_reused = 0;  // prompt positions whose keys and values came from the prefix cache
+  Histogram time_to_first_token;  // a choice's submission to its first token
+  Histogram inter_token;          // between two tokens of one choice
 };
 
 class Engine {
  public:
-  Engine(Model& model, int slots, int queue_limit);
+  // `tok` (may be null) gives the token bytes that json_object decoding checks. With
+  // prefix_cache, a prompt that starts like one prefilled before (same domain) reuses the keys
+  // and values of their common full prefill chunks (BatchDecoder::kPrefillChunk): the same bits
+  // as computing them again, so outputs do not change.
+  Engine(Model& model, int slots, int queue_limit, const data::Tokenizer* tok = nullptr,
+         bool prefix_cache = true);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -82,6 +109,8 @@ class Engine {
     Job job;
     std::vector<int32_t> seq;  // prompt and the tokens generated so far
     int generated = 0;
+    JsonPrefix json;           // the text so far, for json_object
+    std::chrono::steady_clock::time_point last_token;
   };
   void loop();
   bool admit_waiting(std::vector<int>& fresh);
@@ -92,7 +121,24 @@ class Engine {
   void finish(int slot, const char* reason);
   void fail(int slot, const std::string& what);
 
+  // Sets the logits of tokens that cannot continue the slot's JSON object to -1e30.
+  void mask_json(const Active& a, float* logits) const;
+
+  // Prompt positions a prefill may take from the cache (a multiple of the chunk), and from
+  // which slot; 0 when nothing is shared.
+  std::pair<int, int> reusable(const Job& j) const;
+
+  // What each slot's cache rows hold in full prefill chunks (the prefix cache): a domain (-1:
+  // nothing reusable) and the tokens of those positions.
+  struct Held {
+    int domain = -1;
+    std::vector<int32_t> tokens;
+  };
+
   Model& model_;
+  const data::Tokenizer* tok_;
+  const bool prefix_cache_;
+  std::vector<Held> held_;  // [slots]
   BatchDecoder decoder_;
   const int queue_limit_;
   mutable std::mutex m_;

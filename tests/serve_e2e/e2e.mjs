@@ -55,10 +55,11 @@ function writeDataConfig(name, corpus) {
 // ---- servers -----------------------------------------------------------------------------
 // Starts `sigma serve --port 0` and resolves once it prints the port it bound.
 function startServer(ckpt, ...extra) {
+  const model = ckpt.endsWith('/code') ? 'code' : 'run';  // the name sigma serve gives it (its folder)
   return new Promise((resolve, reject) => {
     const proc = spawn(sigma, ['serve', '--ckpt', ckpt, '--port', '0', '--api-key', KEY, ...extra],
                        { stdio: ['ignore', 'pipe', 'pipe'] });
-    const srv = { proc, port: 0, out: '', err: '', exitCode: undefined };
+    const srv = { proc, port: 0, out: '', err: '', exitCode: undefined, model };
     srv.exited = new Promise((done) => proc.on('exit', (code) => { srv.exitCode = code; done(code); }));
     proc.stdout.on('data', (d) => {
       srv.out += d;
@@ -120,7 +121,7 @@ async function rawPost(srv, route, body, headers = {}) {
   return { status: r.status, j };
 }
 
-const complete = (srv, body) => srv.client.completions.create({ model: 'run', ...body });
+const complete = (srv, body, opts) => srv.client.completions.create({ model: srv.model, ...body }, opts);
 const textOf = async (srv, body) => (await complete(srv, body)).choices[0].text;
 
 // ---- the checks ----------------------------------------------------------------------------
@@ -128,10 +129,68 @@ const tests = [];
 const test = (name, fn) => tests.push({ name, fn });
 let full, sub;
 
-test('models lists the domains', async () => {
+test('models lists the model, each domain and each --model extract', async () => {
   const list = await full.client.models.list();
-  assert.equal(list.data.length, 1);
+  assert.deepEqual(list.data.map((m) => m.id), ['run', 'run:prose', 'run:code', 'code', 'code:code']);
   assert.deepEqual(list.data[0].domains, ['prose', 'code']);
+});
+
+test('a domain selected by model equals the domain field; an unknown model is NotFoundError', async () => {
+  const body = { prompt: 'def f2(x):\n    return', max_tokens: 0, echo: true, logprobs: 2 };
+  const byModel = await full.client.completions.create({ ...body, model: 'run:code' });
+  const byDomain = await full.client.completions.create({ ...body, model: 'run', domain: 'code' });
+  const byProse = await full.client.completions.create({ ...body, model: 'run:prose' });
+  assert.deepEqual(byModel.choices[0].logprobs, byDomain.choices[0].logprobs);
+  assert.notDeepEqual(byModel.choices[0].logprobs.token_logprobs, byProse.choices[0].logprobs.token_logprobs);
+  assert.equal(byModel.model, 'run:code');
+  const gen = { prompt: 'def f3(x):', max_tokens: 16, temperature: 0 };
+  // The extract loaded with --model code=DIR gives the full model's code-domain text.
+  assert.equal(await textOf(full, { ...gen, model: 'code' }), await textOf(full, { ...gen, model: 'run:code' }));
+  const e = await refuses(full.client.completions.create({ ...gen, model: 'python' }), 404, "the model 'python' does not exist");
+  assert.ok(e instanceof OpenAI.NotFoundError);
+  await refuses(full.client.completions.create({ ...gen, model: 'run:code', domain: 'prose' }), 400, "'model' names domain 'code'");
+});
+
+test('OpenAI fields: honoured, or refused by name', async () => {
+  // max_completion_tokens (EOT banned through logit_bias, so the count is exact).
+  let r = await complete(full, { prompt: 'the', max_completion_tokens: 40, logit_bias: { 0: -100 }, temperature: 0 });
+  assert.equal(r.usage.completion_tokens, 40);
+  const chat = await full.client.chat.completions.create({ model: 'run', messages: [{ role: 'user', content: 'the cat' }],
+                                                           max_completion_tokens: 30, logit_bias: { 0: -100 }, temperature: 0 });
+  assert.ok(chat.usage.completion_tokens > 16, `${chat.usage.completion_tokens} tokens`);
+  // Streams carry logprobs and, when asked, usage; both equal the plain response's.
+  const body = { prompt: 'the dog', max_tokens: 20, temperature: 0, logprobs: 2 };
+  const plain = await complete(full, body);
+  let tokens = [], lps = [], usage = null;
+  for await (const c of await complete(full, { ...body, stream: true, stream_options: { include_usage: true } })) {
+    if (c.usage) usage = c.usage;
+    for (const ch of c.choices) { tokens.push(...ch.logprobs.tokens); lps.push(...ch.logprobs.token_logprobs); }
+  }
+  assert.deepEqual(tokens, plain.choices[0].logprobs.tokens);
+  assert.deepEqual(lps, plain.choices[0].logprobs.token_logprobs);
+  assert.deepEqual(usage, plain.usage);
+  // top_logprobs never merges two tokens into one key.
+  r = await complete(full, { prompt: 'the', max_tokens: 4, temperature: 0, logprobs: 20 });
+  for (const top of r.choices[0].logprobs.top_logprobs) assert.equal(Object.keys(top).length, 20);
+  // No seed: fresh entropy, so two samples differ.
+  const free = { prompt: 'the', max_tokens: 24, temperature: 1, logit_bias: { 0: -100 } };
+  assert.notEqual(await textOf(full, free), await textOf(full, free));
+  // stop: "" stops nothing.
+  const g = { prompt: 'the cat', max_tokens: 12, temperature: 0 };
+  assert.equal(await textOf(full, { ...g, stop: '' }), await textOf(full, g));
+  // response_format json_object: a finished answer parses as a JSON object.
+  const j = await full.client.chat.completions.create({ model: 'run', messages: [{ role: 'user', content: 'give json' }],
+                                                        max_tokens: 120, temperature: 0.7, seed: 1,
+                                                        response_format: { type: 'json_object' } });
+  if (j.choices[0].finish_reason === 'stop') assert.equal(typeof JSON.parse(j.choices[0].message.content), 'object');
+  else assert.ok(j.choices[0].message.content.trimStart().startsWith('{'));
+  await refuses(complete(full, { prompt: 'a', best_of: 3 }), 400, "'best_of' is not supported");
+  await refuses(complete(full, { prompt: 'a', suffix: 'end' }), 400, "'suffix' is not supported");
+  await refuses(full.client.chat.completions.create({ model: 'run', messages: [{ role: 'user', content: 'x' }],
+    tools: [{ type: 'function', function: { name: 'f' } }] }), 400, "'tools' is not supported");
+  await refuses(complete(full, { prompt: 'a', frobnicate: 1 }), 400, "unsupported field 'frobnicate'");
+  const big = await rawPost(full, '/v1/completions', '{"prompt": "a", "temperature": 1e400}');
+  assert.equal(big.status, 400);
 });
 
 test('completion, usage and finish_reason', async () => {
@@ -215,10 +274,11 @@ test('echo + logprobs sums to sigma eval\'s loss on the same text', async () => 
 
 test('extracted sub-model serves its domain, like the full model', async () => {
   const list = await sub.client.models.list();
+  assert.deepEqual(list.data.map((m) => m.id), ['code', 'code:code']);
   assert.deepEqual(list.data[0].domains, ['code']);
   const body = { prompt: 'def f3(x):', max_tokens: 24, temperature: 0 };
   const fromSub = await textOf(sub, body);  // default: the extract's only domain
-  assert.equal(fromSub, await textOf(full, { ...body, domain: 'code' }));
+  assert.equal(fromSub, await textOf(full, { ...body, domain: 'code', model: 'run' }));
   assert.equal(await textOf(sub, { ...body, domain: 'code' }), fromSub);
   await refuses(complete(sub, { ...body, domain: 'prose' }), 400, "unknown domain 'prose'");
 });
@@ -320,7 +380,8 @@ test('bounded load: no failures, flat memory; decode tokens/s by slots', async (
 const t0 = performance.now();
 buildModel();
 console.log(`built the model in ${((performance.now() - t0) / 1000).toFixed(1)} s`);
-full = await ready(await startServer(`${tmp}/run/checkpoints`, '--slots', '4', '--max-body', '65536'));
+full = await ready(await startServer(`${tmp}/run/checkpoints`, '--slots', '4', '--max-body', '65536',
+                                    '--model', `code=${tmp}/code`));
 sub = await ready(await startServer(`${tmp}/code`, '--slots', '2'));
 let failed = 0;
 for (const t of tests) {
