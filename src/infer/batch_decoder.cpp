@@ -1,5 +1,7 @@
 #include "infer/batch_decoder.h"
 
+#include "kernels/ops.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -40,7 +42,11 @@ const float* BatchDecoder::prefill(int slot, int domain, std::span<const int32_t
   const int T = int(tokens.size());
   if (prompt_logprobs)
     for (int t = 0; t + 1 < T; ++t) prompt_logprobs[t] = -loss_[size_t(t)];
-  return prefill_acts_.logits.f() + int64_t(T - 1) * model_.config().vocab;
+  const int64_t V = model_.config().vocab;  // the last position's row, to the host
+  logits_.resize(size_t(V));
+  ops::download(logits_.data(), prefill_acts_.logits, size_t(V) * sizeof(float),
+                size_t(T - 1) * size_t(V) * sizeof(float));
+  return logits_.data();
 }
 
 void BatchDecoder::score(int slot, int domain, std::span<const int32_t> tokens, float* logprobs) {
@@ -62,11 +68,14 @@ void BatchDecoder::step(std::span<const int> slots, std::span<const int> domains
   Activations& acts = step_acts_[size_t(B) - 1];
   model_.forward_cached(batch_, cache_, acts, loss_.data(), slots.data());
   last_ = &acts;
+  logits_.resize(size_t(B) * size_t(model_.config().vocab));  // every row's, to the host
+  ops::download(logits_.data(), acts.logits, logits_.size() * sizeof(float));
 }
 
 const float* BatchDecoder::logits(int i) const {
-  SIGMA_CHECK(last_ && i >= 0 && i < last_->B, "no logits for decode row {}", i);
-  return last_->logits.f() + int64_t(i) * model_.config().vocab;
+  SIGMA_CHECK(last_ && last_ != &prefill_acts_ && i >= 0 && i < last_->B,
+              "no logits for decode row {}", i);
+  return logits_.data() + int64_t(i) * model_.config().vocab;
 }
 
 double token_logprob(const float* logits, int64_t V, int32_t id) {
