@@ -13,9 +13,9 @@
 #include "core/json_depth.h"
 #include "data/tokenizer.h"
 #include "eval/tasks.h"
-#include "train/checkpoint.h"
-#include "train/eval_domains.h"
-#include "train/trainer.h"
+#include "run/checkpoint.h"
+#include "run/eval_domains.h"
+#include "run/heldout.h"
 
 namespace sigma::cli {
 namespace {

@@ -7,7 +7,7 @@
 #include "command.h"
 #include "data/tokenizer.h"
 #include "infer/generate.h"
-#include "train/checkpoint.h"
+#include "run/checkpoint.h"
 
 namespace sigma::cli {
 namespace {

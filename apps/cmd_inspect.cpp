@@ -8,7 +8,7 @@
 
 #include "command.h"
 #include "model/names.h"
-#include "train/checkpoint.h"
+#include "run/checkpoint.h"
 
 namespace sigma::cli {
 namespace {

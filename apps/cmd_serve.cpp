@@ -13,7 +13,7 @@
 #include "command.h"
 #include "data/tokenizer.h"
 #include "serve/server.h"
-#include "train/checkpoint.h"
+#include "run/checkpoint.h"
 
 namespace sigma::cli {
 namespace {

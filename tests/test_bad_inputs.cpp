@@ -18,7 +18,7 @@
 #include "infer/generate.h"
 #include "io/checkpoint_dir.h"
 #include "train/checkpoint.h"
-#include "train/data_source.h"
+#include "run/data_source.h"
 #include "train/preflight.h"
 #include "train/trainer.h"
 

@@ -19,7 +19,7 @@
 #include "kernels/ops.h"
 #include "model/model.h"
 #include "optim/adamw.h"
-#include "train/config.h"
+#include "run/config.h"
 #include "train/trainer.h"
 
 using namespace sigma;

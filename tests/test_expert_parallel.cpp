@@ -1,4 +1,4 @@
-// Expert parallelism inside each expert group (issue 11, ecss/expert_parallel.h), on thread
+// Expert parallelism inside each expert group (issue 11, parallel/expert_parallel.h), on thread
 // ranks: the experts of a group spread over its ranks, rows exchanged inside the group only,
 // and the same bits as one process at the same global batch.
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 
 #include "core/rng.h"
 #include "ecss/ecss_experts.h"
-#include "ecss/expert_parallel.h"
+#include "parallel/expert_parallel.h"
 #include "model/model.h"
 #include "train/train_step.h"
 #include "step_config.h"

@@ -18,7 +18,7 @@
 #include "data/tokenizer.h"
 #include "eval/tasks.h"
 #include "io/checkpoint_dir.h"
-#include "train/config.h"
+#include "run/config.h"
 
 using namespace sigma;
 namespace fs = std::filesystem;

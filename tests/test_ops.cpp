@@ -43,7 +43,7 @@
 #include "kernels/ref/attention.h"
 #include "kernels/ref/layers.h"
 #include "kernels/ref/linear.h"
-#include "train/config.h"
+#include "run/config.h"
 #include "train/trainer.h"
 
 using namespace sigma;

@@ -15,7 +15,7 @@
 #include "model/names.h"
 #include "model/routing.h"
 #include "train/checkpoint.h"
-#include "train/config.h"
+#include "run/config.h"
 #include "io/safetensors.h"
 
 using namespace sigma;

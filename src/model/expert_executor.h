@@ -4,7 +4,7 @@
 //   LocalExperts  the experts are model tensors, or store copies bound by Model::bind_expert;
 //   EcssExperts   (src/ecss/) gathers the step's active experts from the expert store, binds
 //                 them, and updates them with the store's lazy Adam;
-//   ExpertParallel (src/ecss/expert_parallel.h) sends each row to the rank holding its expert,
+//   ExpertParallel (src/parallel/expert_parallel.h) sends each row to the rank holding its expert,
 //                 inside the row's expert group.
 // Step hooks let a training step drive the executor without knowing which one it is.
 #pragma once

@@ -49,7 +49,7 @@ struct UpdateMask {
 
 class AdamW {
  public:
-  // `owned` (ZeRO-1, train/shard_plan.h): this rank keeps state for and updates only the
+  // `owned` (ZeRO-1, parallel/shard_plan.h): this rank keeps state for and updates only the
   // parameters marked there; empty = all.
   AdamW(const OptimConfig& cfg, const ParamSet& params, std::vector<uint8_t> owned = {});
 

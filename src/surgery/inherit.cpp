@@ -15,7 +15,7 @@
 #include "model/routing.h"
 #include "model/weights.h"
 #include "surgery/surgery.h"
-#include "train/data_source.h"
+#include "run/data_source.h"
 
 namespace sigma::surgery {
 

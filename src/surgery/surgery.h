@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "train/config.h"
+#include "run/config.h"
 #include "io/safetensors.h"
 
 namespace sigma::surgery {

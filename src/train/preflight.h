@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "train/config.h"
+#include "run/config.h"
 
 namespace sigma {
 

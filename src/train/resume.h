@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "train/config.h"
+#include "run/config.h"
 
 namespace sigma {
 

@@ -18,7 +18,7 @@
 #include "model/activations.h"
 #include "model/model.h"
 #include "optim/adamw.h"
-#include "train/shard_plan.h"
+#include "parallel/shard_plan.h"
 
 namespace sigma {
 

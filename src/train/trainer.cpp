@@ -18,7 +18,8 @@
 #include "kernels/ops.h"
 #include "model/routing.h"
 #include "optim/adamw.h"
-#include "ecss/expert_parallel.h"
+#include "parallel/expert_parallel.h"
+#include "run/heldout.h"
 #include "train/checkpoint.h"
 #include "train/freeze.h"
 #include "train/nonfinite.h"
@@ -37,31 +38,6 @@ std::string fmt_duration(double s) {
   return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, t / 60 % 60)
                    : fmt::format("{}m{:02d}s", t / 60, t % 60);
 }
-
-// Per-domain sums of masked token losses.
-struct DomainSums {
-  std::vector<double> loss;
-  std::vector<int64_t> count;
-  explicit DomainSums(size_t n) : loss(n, 0.0), count(n, 0) {}
-  void add(const Batch& b, const std::vector<float>& token_loss) {
-    for (int r = 0; r < b.B; ++r)
-      for (int t = 0; t < b.T; ++t) {
-        const size_t i = size_t(r) * b.T + t;
-        if (b.mask[i] == 0.0f) continue;
-        loss[b.domain[r]] += token_loss[i];
-        count[b.domain[r]] += 1;
-      }
-  }
-  void add(const std::vector<double>& l, const std::vector<int64_t>& c) {
-    for (size_t d = 0; d < loss.size(); ++d) loss[d] += l[d], count[d] += c[d];
-  }
-  double total_mean() const {
-    double l = 0;
-    int64_t c = 0;
-    for (size_t i = 0; i < loss.size(); ++i) l += loss[i], c += count[i];
-    return c ? l / double(c) : 0.0;
-  }
-};
 
 void check_same_model(Config& a, Config& b) {
   const auto ja = a.to_json()["model"], jb = b.to_json()["model"];
@@ -109,30 +85,6 @@ nlohmann::json offload_json(const OffloadStats& o, int64_t steps) {
           {"process_write_gib", field("/proc/self/io", "write_bytes:") / GiB},
           {"rss_anon_mib", field("/proc/self/status", "RssAnon:") / 1024},
           {"rss_file_mib", field("/proc/self/status", "RssFile:") / 1024}};
-}
-
-std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
-                                 int rows_per_domain) {
-  // The source's domains are scored as the model's domains of the same names.
-  const auto names = data.domains();
-  std::vector<int32_t> to_model;
-  for (const auto& n : names) to_model.push_back(model.config().domain_index(n));
-  DomainSums sums(names.size());
-  std::vector<float> token_loss;
-  Batch mb;
-  data.eval_batches(B, T, rows_per_domain, [&](const Batch& b) {
-    mb = b;
-    for (auto& d : mb.domain) d = to_model[size_t(d)];
-    model.expert_executor().begin_step({&mb, 1});  // ECSS: bind the experts it routes to
-    token_loss.resize(size_t(b.B) * b.T);
-    model.forward(mb, token_loss.data());
-    sums.add(b, token_loss);
-  });
-  std::vector<DomainLoss> out;
-  for (size_t d = 0; d < names.size(); ++d)
-    out.push_back({names[d], sums.count[d] ? sums.loss[d] / double(sums.count[d]) : 0.0,
-                   sums.count[d], data.optimum(int(d), T)});
-  return out;
 }
 
 namespace {

@@ -7,8 +7,9 @@
 #include <vector>
 
 #include "model/model.h"
-#include "train/config.h"
-#include "train/data_source.h"
+#include "run/config.h"
+#include "run/data_source.h"
+#include "run/heldout.h"
 #include "dist/communicator.h"
 #include "ecss/ecss_experts.h"
 
@@ -28,13 +29,6 @@ struct RunOptions {
   std::function<void(int64_t step, ParamSet& params)> after_backward = {};
 };
 
-struct DomainLoss {
-  std::string name;
-  double loss = 0;
-  int64_t tokens = 0;
-  std::optional<double> optimum;
-};
-
 struct TrainSummary {
   int64_t steps = 0, tokens = 0;
   double tokens_per_s = 0;
@@ -49,11 +43,6 @@ struct TrainSummary {
 // {"<block>": {"<group>": [tokens per expert], ...}, ...} and {"<block>": imbalance, ...}.
 nlohmann::json expert_load_json(const std::vector<BlockLoad>& load, const ModelConfig& cfg);
 nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load);
-
-// Mean masked loss per domain over the source's held-out batches (the model's expert
-// executor makes each batch's experts usable first: ECSS binds them from its store).
-std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
-                                 int rows_per_domain);
 
 TrainSummary train(Config cfg, const RunOptions& run);
 

@@ -8,7 +8,7 @@
 #include "data/sampler.h"
 #include "fuzz.h"
 #include "model/domains.h"
-#include "train/config.h"
+#include "run/config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace sigma;

@@ -1,4 +1,4 @@
-#include "train/eval_domains.h"
+#include "run/eval_domains.h"
 
 #include <fmt/format.h>
 

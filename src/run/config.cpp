@@ -1,4 +1,4 @@
-#include "train/config.h"
+#include "run/config.h"
 
 #include <algorithm>
 #include <fstream>

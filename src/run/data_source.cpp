@@ -1,4 +1,4 @@
-#include "train/data_source.h"
+#include "run/data_source.h"
 
 #include <fmt/format.h>
 

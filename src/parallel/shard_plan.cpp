@@ -1,4 +1,4 @@
-#include "train/shard_plan.h"
+#include "parallel/shard_plan.h"
 
 #include <algorithm>
 #include <cstring>

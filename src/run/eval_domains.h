@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "model/config.h"
-#include "train/data_source.h"
+#include "run/data_source.h"
 
 namespace sigma {
 

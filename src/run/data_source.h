@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "model/batch.h"
-#include "train/config.h"
+#include "run/config.h"
 
 namespace sigma {
 

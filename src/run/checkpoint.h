@@ -1,0 +1,55 @@
+// Reading a checkpoint (DESIGN §6): its config and trainer state, its tensors, a model ready
+// for inference. Below train/ so that the commands that only read one (eval, generate, serve,
+// inspect) do not link the training layer; writing is train/checkpoint.h.
+#pragma once
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <string>
+
+#include "io/safetensors.h"
+#include "model/model.h"
+#include "optim/adamw.h"
+#include "run/config.h"
+
+namespace sigma {
+
+inline constexpr const char* kModelFormat = "sigma-model";  // model.safetensors' "format"
+inline constexpr const char* kTokenizerFile = "tokenizer.json";
+
+struct TrainerState {
+  int64_t step = 0;    // optimizer steps completed
+  int64_t tokens = 0;  // tokens trained on so far
+  nlohmann::json data_cursor;  // DataSource::cursor() (null for index-addressed data)
+};
+
+// Every weight of a checkpoint under its in-model name: model.safetensors plus the expert
+// group files.
+TensorMap read_model_tensors(const std::string& dir);
+// Every optimizer tensor: optimizer.safetensors plus the expert groups' Adam files.
+TensorMap read_optimizer_tensors(const std::string& dir);
+// Bytes of a checkpoint's weights (model.safetensors and the expert groups' weight files).
+int64_t checkpoint_model_bytes(const std::string& dir);
+
+// Resolves `path` (a checkpoint, or a root with `latest`), verifies its checksums and reads
+// its config and trainer state.
+struct CheckpointInfo {
+  std::string dir;
+  Config cfg;
+  TrainerState state;
+};
+CheckpointInfo open_checkpoint(const std::string& path);
+
+// Copies the checkpoint's tensors into `model` / `opt`; every tensor must exist with the
+// same shape (the error names the first that does not). A model with external experts (ECSS)
+// leaves the expert tensors (blocks.*.rre.*) unread: EcssExperts::load reads them.
+void load_model(Model& model, const std::string& dir);
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir);
+
+// The model of a checkpoint, ready for inference; `info` receives its config and state.
+std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info = nullptr);
+
+// The tokenizer file stored in checkpoint `dir`, or "" when it holds none.
+std::string checkpoint_tokenizer_path(const std::string& dir);
+
+}  // namespace sigma

@@ -1,0 +1,29 @@
+#include "run/heldout.h"
+
+namespace sigma {
+
+std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
+                                 int rows_per_domain) {
+  // The source's domains are scored as the model's domains of the same names.
+  const auto names = data.domains();
+  std::vector<int32_t> to_model;
+  for (const auto& n : names) to_model.push_back(model.config().domain_index(n));
+  DomainSums sums(names.size());
+  std::vector<float> token_loss;
+  Batch mb;
+  data.eval_batches(B, T, rows_per_domain, [&](const Batch& b) {
+    mb = b;
+    for (auto& d : mb.domain) d = to_model[size_t(d)];
+    model.expert_executor().begin_step({&mb, 1});  // ECSS: bind the experts it routes to
+    token_loss.resize(size_t(b.B) * b.T);
+    model.forward(mb, token_loss.data());
+    sums.add(b, token_loss);
+  });
+  std::vector<DomainLoss> out;
+  for (size_t d = 0; d < names.size(); ++d)
+    out.push_back({names[d], sums.count[d] ? sums.loss[d] / double(sums.count[d]) : 0.0,
+                   sums.count[d], data.optimum(int(d), T)});
+  return out;
+}
+
+}  // namespace sigma
