@@ -46,7 +46,7 @@ std::vector<float> logits_of(const std::string& root, const std::string& domain)
     for (auto& d : mb.domain) d = model->config().domain_index(domain);
     loss.resize(mb.tokens.size());
     model->forward(mb, loss.data());
-    out.insert(out.end(), model->logits(), model->logits() + mb.tokens.size() * size_t(c.model.vocab));
+    { const std::vector<float> l = model->logits(); out.insert(out.end(), l.begin(), l.end()); }
   });
   return out;
 }

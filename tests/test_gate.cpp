@@ -10,6 +10,7 @@
 #include "cli_util.h"
 #include "gradcheck.h"
 #include "infer/generate.h"
+#include "kernels/ops.h"
 #include "model/gate.h"
 #include "model/model.h"
 
@@ -121,7 +122,7 @@ TEST(Gate, AuxLossAndCapacityDropsOnAHandWorkedCase) {
   // row 3 does not fit. f = (3/4, 1/4), P = (5/8, 3/8): aux = 2 (3/4 * 5/8 + 1/4 * 3/8) = 9/8.
   gate_forward(y.data(), yg.data(), pre.data(), act.data(), gx.data(), scratch.data(), z.data(), p, x.data(), w,
                gate, group.data(), 1, 1.0f, N, d, f);
-  EXPECT_NEAR(p.probs[0], 0.75f, 1e-6);
+  EXPECT_NEAR(ops::to_host(p.probs).f()[0], 0.75f, 1e-6);
   EXPECT_NEAR(p.aux, 9.0 / 8.0, 1e-6);
   EXPECT_EQ(p.dropped, 1);
   EXPECT_EQ(p.assigned, 3);
@@ -139,7 +140,8 @@ TEST(Gate, AuxLossAndCapacityDropsOnAHandWorkedCase) {
                gate, group.data(), 2, 1.0f, N, d, f);
   EXPECT_EQ(p.dropped, 0);
   EXPECT_EQ(p.assigned, 8);
-  EXPECT_NEAR(p.gate[0] + p.gate[1], 1.0f, 1e-6);
+  const Tensor gates = ops::to_host(p.gate);
+  EXPECT_NEAR(gates.f()[0] + gates.f()[1], 1.0f, 1e-6);
   EXPECT_NEAR(p.aux, 9.0 / 8.0, 1e-6);  // the aux loss counts first choices only
   // Capacity 0.5, top-2: C = 2 per expert; first choices take 0, 1, 0 (row 3's first choice,
   // expert 0, is full) and second choices fill expert 1's last place: 4 dropped.
@@ -181,7 +183,7 @@ TEST(Gate, KVCacheDecoderMatchesTheFullForward) {
       b.domain[0] = dom;
       std::vector<float> loss(size_t(c.context));
       m.forward(b, loss.data());
-      std::vector<float> full(m.logits(), m.logits() + size_t(c.context) * c.vocab);
+      std::vector<float> full = m.logits();
       KVCacheDecoder dec(m, dom);
       for (int t = 0; t < c.context; ++t) {
         const float* l = dec.step(b.tokens[size_t(t)]);

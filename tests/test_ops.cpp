@@ -1090,6 +1090,93 @@ TEST(OpsBackend, AllocatesZeroedAlignedHostMemoryAndTensorsKnowTheirDevice) {
   EXPECT_EQ(u.device(), Device::Host);
 }
 
+// ---- the learned gate and the reductions (issue 25): cpu vs ref on their own outputs ----------
+// Their outputs include indices (the choices), so they are checked here rather than through the
+// float Case table: choices and gathered positions exactly, values to 1e-5 relative. Each op is
+// also broken once (one output perturbed) and the comparison must notice.
+struct GateRun {
+  std::vector<float> probs, gate, y, gdy, dgate, dx, dz;
+  std::vector<int32_t> choice;
+  double sq = 0;
+};
+
+GateRun run_gate_ops(const ops::Backend& b, int k, int perturb = -1) {
+  const int64_t N = 37, Kmax = 5, d = 19;
+  std::vector<int32_t> width(N), base(N), pos(size_t(N) * 2);
+  for (int64_t r = 0; r < N; ++r) {  // two groups: 5 experts from 0, 3 from 5 (and a group of 1)
+    const int g = int(r / 13);
+    width[size_t(r)] = g == 0 ? 5 : g == 1 ? 3 : 1;
+    base[size_t(r)] = g == 0 ? 0 : g == 1 ? 5 : 8;
+  }
+  const auto z = vec(N * Kmax, 901, 2.0f), dy = vec(N * d, 902), yg = vec(2 * N * d, 903);
+  const auto aux = vec(9, 904, 0.1f), gdx = vec(2 * N * d, 905);
+  for (int64_t r = 0; r < N; ++r)  // a few dropped choices
+    pos[size_t(r) * 2] = (r % 7 == 3) ? -1 : int32_t(r), pos[size_t(r) * 2 + 1] = k == 2 && r % 5 ? int32_t(N + r) : -1;
+  GateRun o;
+  o.probs.assign(size_t(N * Kmax), 9.0f), o.gate.assign(size_t(N) * 2, 9.0f);
+  o.choice.assign(size_t(N) * 2, 99);
+  o.y = vec(N * d, 906), o.gdy.assign(size_t(2 * N * d), 0.0f), o.dgate.assign(size_t(N) * 2, 9.0f);
+  o.dx = vec(N * d, 907), o.dz.assign(size_t(N * Kmax), 9.0f);
+  ops::use_backend(b);
+  ops::gate_softmax_topk(o.probs.data(), o.choice.data(), o.gate.data(), z.data(), width.data(),
+                         base.data(), k, N, Kmax);
+  for (int64_t r = 0; r < N; ++r)  // keep pos consistent with the choices made
+    if (o.choice[size_t(r) * 2 + 1] < 0) pos[size_t(r) * 2 + 1] = -1;
+  ops::gate_combine(o.y.data(), yg.data(), o.gate.data(), pos.data(), N, d);
+  ops::gate_expert_dy(o.gdy.data(), o.dgate.data(), dy.data(), yg.data(), o.gate.data(),
+                      pos.data(), N, d);
+  ops::gate_backward_dz(o.dx.data(), o.dz.data(), gdx.data(), o.dgate.data(), o.probs.data(),
+                        o.choice.data(), pos.data(), width.data(), base.data(), aux.data(), k, N,
+                        d, Kmax);
+  o.sq = ops::sum_sq(z.data(), N * Kmax);
+  ops::use_backend(ops::BackendKind::Cpu);
+  std::vector<float>* outs[] = {&o.probs, &o.gate, &o.y, &o.gdy, &o.dgate, &o.dx, &o.dz};
+  if (perturb >= 0 && perturb < 7) (*outs[perturb])[7] += 1e-3f * (1 + std::fabs((*outs[perturb])[7]));
+  if (perturb == 7) o.choice[14] = o.choice[14] == 5 ? 6 : 5;
+  if (perturb == 8) o.sq *= 1.0001;
+  return o;
+}
+
+// The number of disagreements between two runs (values to 1e-5 relative + 1e-6).
+int gate_mismatches(const GateRun& a, const GateRun& b) {
+  int bad = a.choice != b.choice;
+  auto cmp = [&](const std::vector<float>& x, const std::vector<float>& y) {
+    for (size_t i = 0; i < x.size(); ++i)
+      if (!(std::fabs(x[i] - y[i]) <= 1e-5 * std::fabs(y[i]) + 1e-6)) return ++bad, void();
+  };
+  cmp(a.probs, b.probs), cmp(a.gate, b.gate), cmp(a.y, b.y), cmp(a.gdy, b.gdy);
+  cmp(a.dgate, b.dgate), cmp(a.dx, b.dx), cmp(a.dz, b.dz);
+  bad += !(std::fabs(a.sq - b.sq) <= 1e-12 * b.sq);
+  return bad;
+}
+
+TEST(Ops, GateOpsAndSumSqMatchRef) {
+  for (int k : {1, 2}) {
+    const GateRun ref = run_gate_ops(ops::backend(ops::BackendKind::Ref), k);
+    const GateRun cpu = run_gate_ops(ops::backend(ops::BackendKind::Cpu), k);
+    EXPECT_EQ(gate_mismatches(cpu, ref), 0) << "top-" << k;
+    for (int m = 0; m < 9; ++m)
+      EXPECT_GT(gate_mismatches(run_gate_ops(ops::backend(ops::BackendKind::Cpu), k, m), ref), 0)
+          << "top-" << k << ": perturbing output " << m << " went unnoticed";
+  }
+}
+
+// A double-checked detail: the gate's combine weights of a top-2 row sum to 1 and its choices
+// are the two largest probabilities of its group.
+TEST(Ops, GateTopTwoPicksTheLargest) {
+  const GateRun g = run_gate_ops(ops::backend(ops::BackendKind::Cpu), 2);
+  for (int64_t r = 0; r < 26; ++r) {
+    const int b = r < 13 ? 0 : 5, K = r < 13 ? 5 : 3;
+    const float* p = g.probs.data() + r * 5;
+    std::vector<float> sorted(p, p + K);
+    std::sort(sorted.rbegin(), sorted.rend());
+    EXPECT_EQ(p[g.choice[size_t(r) * 2] - b], sorted[0]);
+    EXPECT_EQ(p[g.choice[size_t(r) * 2 + 1] - b], sorted[1]);
+    EXPECT_NEAR(g.gate[size_t(r) * 2] + g.gate[size_t(r) * 2 + 1], 1.0f, 1e-6f);
+  }
+}
+
+
 // The tiny synthetic main job, a few steps on each backend: the held-out losses agree to 1e-4
 // relative (the backends differ by fp32 rounding, which a few steps do not amplify much), and
 // they are not all identical (the run did use the ref backend). The calls that have moved to

@@ -54,6 +54,7 @@ std::string shape_str(const Shape& s) {
 const char* device_name(Device d) {
   switch (d) {
     case Device::Host: return "host";
+    case Device::Guard: return "guard";
   }
   return "?";
 }
@@ -70,8 +71,8 @@ void* host_alloc(size_t nbytes) {
 void host_free(void* p) { std::free(p); }
 
 namespace {
-constexpr size_t kDevices = 1;  // the values of Device
-DeviceAllocator g_allocators[kDevices] = {{&host_alloc, &host_free}};
+constexpr size_t kDevices = 2;  // the values of Device
+DeviceAllocator g_allocators[kDevices] = {{&host_alloc, &host_free}, {}};
 }  // namespace
 
 void set_device_allocator(Device d, DeviceAllocator a) {

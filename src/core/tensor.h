@@ -19,8 +19,10 @@ const char* dtype_name(DType t);  // safetensors spelling: "F32", "BF16", "I32",
 DType dtype_from_name(const std::string& name);  // throws Error on unknown names
 
 // Where a buffer lives. Core owns host memory; a device backend (kernels/ops.h) installs its
-// device's allocator at start-up, so core needs nothing from kernels.
-enum class Device : uint8_t { Host /*, Cuda later */ };
+// device's allocator at start-up, so core needs nothing from kernels. Guard is the guard
+// backend's memory (kernels/guard/): host pages that are inaccessible except while one of its
+// ops runs, the stand-in for an accelerator's memory that host code cannot dereference.
+enum class Device : uint8_t { Host, Guard /*, Cuda later */ };
 const char* device_name(Device d);
 
 // A device's allocator: alloc returns zeroed, 64-byte aligned memory and never null (it throws
@@ -53,7 +55,7 @@ class Tensor {
   Tensor& operator=(Tensor&&) noexcept = default;
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
-  Tensor clone() const;  // host tensors only (as zero())
+  Tensor clone() const;  // host tensors only (as zero()); ops::clone copies on any device
 
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "ecss/expert_files.h"
 #include "io/checkpoint_dir.h"
+#include "kernels/ops.h"
 #include "model/names.h"
 #include "optim/grad_norm.h"
 
@@ -152,7 +153,7 @@ void EcssExperts::reset_pool(int64_t slots) {
     }
   if (w_.numel() < slots * stride_) {
     w_ = Tensor();  // freed first: old and new together could be twice the budget
-    w_ = Tensor::f32({slots, stride_});
+    w_ = ops::empty(DType::F32, {slots, stride_});  // the compute pool, on the device
     stats_.compute_bytes = w_.numel() * 4;
   }
   slot_id_.assign(size_t(slots), ExpertId{});

@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "io/file.h"
+#include "kernels/ops.h"
 #include "model/names.h"
 
 namespace sigma {
@@ -333,9 +334,11 @@ void ExpertStore::gather(std::span<const ExpertId> ids, std::span<float* const> 
   const int64_t n = int64_t(ids.size());
   records_gathered_ += n;
   gathers_ += n > 0;
+  // The store is host memory; dst are compute buffers on the device: the ECSS boundary is
+  // this explicit host-to-device copy (ops::upload), as in the paper.
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
   for (int64_t i = 0; i < n; ++i)
-    std::memcpy(dst[size_t(i)], data_ + slots[size_t(i)]->offset + kRecordHead,
+    ops::upload(dst[size_t(i)], data_ + slots[size_t(i)]->offset + kRecordHead,
                 size_t(groups_[slots[size_t(i)]->group].params) * 4);
 }
 

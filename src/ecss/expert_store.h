@@ -107,7 +107,8 @@ class ExpertStore {
   const float* v(ExpertId id) const;
 
   // Copies each expert's P weights to dst[i] (ids.size() == dst.size()), in parallel over
-  // experts. The compute dtype is fp32 on CPU.
+  // experts: host memory (this store) to compute buffers on the active backend's device
+  // (ops::upload). The compute dtype is fp32.
   void gather(std::span<const ExpertId> ids, std::span<float* const> dst) const;
   // What gather() has copied since the store was opened: weight records, and calls that copied
   // at least one (the store's own count, against which the executor's counters are tested).

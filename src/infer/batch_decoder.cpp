@@ -1,5 +1,7 @@
 #include "infer/batch_decoder.h"
 
+#include "kernels/ops.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -52,7 +54,12 @@ const float* BatchDecoder::prefill(int slot, int domain, std::span<const int32_t
   last_ = &prefill_acts_;
   if (prompt_logprobs)
     for (int t = 0; t + 1 < T; ++t) prompt_logprobs[t] = -loss_[size_t(t)];
-  return prefill_acts_.logits.f() + int64_t(len - 1) * c.vocab;
+  // The last chunk's last position, to the host.
+  const int64_t V = c.vocab;
+  logits_.resize(size_t(V));
+  ops::download(logits_.data(), prefill_acts_.logits, size_t(V) * sizeof(float),
+                size_t(len - 1) * size_t(V) * sizeof(float));
+  return logits_.data();
 }
 
 void BatchDecoder::copy_prefix(int from, int to, int n) {
@@ -62,8 +69,8 @@ void BatchDecoder::copy_prefix(int from, int to, int n) {
   if (from == to || n == 0) return;
   const int64_t row = int64_t(model_.config().context) * 2 * model_.config().d_model;
   const int64_t width = 2 * int64_t(model_.config().d_model);
-  for (Tensor& kv : cache_.kv)
-    std::copy(kv.f() + from * row, kv.f() + from * row + n * width, kv.f() + to * row);
+  for (Tensor& kv : cache_.kv)  // device to device: the cache lives on the backend's device
+    ops::copy_bytes(kv.f() + to * row, kv.f() + from * row, size_t(n * width) * sizeof(float));
 }
 
 void BatchDecoder::score(int slot, int domain, std::span<const int32_t> tokens, float* logprobs) {
@@ -85,11 +92,14 @@ void BatchDecoder::step(std::span<const int> slots, std::span<const int> domains
   Activations& acts = step_acts_[size_t(B) - 1];
   model_.forward_cached(batch_, cache_, acts, loss_.data(), slots.data());
   last_ = &acts;
+  logits_.resize(size_t(B) * size_t(model_.config().vocab));  // every row's, to the host
+  ops::download(logits_.data(), acts.logits, logits_.size() * sizeof(float));
 }
 
 const float* BatchDecoder::logits(int i) const {
-  SIGMA_CHECK(last_ && i >= 0 && i < last_->B, "no logits for decode row {}", i);
-  return last_->logits.f() + int64_t(i) * model_.config().vocab;
+  SIGMA_CHECK(last_ && last_ != &prefill_acts_ && i >= 0 && i < last_->B,
+              "no logits for decode row {}", i);
+  return logits_.data() + int64_t(i) * model_.config().vocab;
 }
 
 double token_logprob(const float* logits, int64_t V, int32_t id) {

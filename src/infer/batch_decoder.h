@@ -54,6 +54,7 @@ class BatchDecoder {
   std::vector<Activations> step_acts_;  // [slots]: one per batch size, so none is resized
   Activations* last_ = nullptr;
   std::vector<float> loss_;
+  std::vector<float> logits_;  // host copy of the last pass's logits rows (prefill: its last)
 };
 
 // log softmax of logits[V] at `id`, in double.

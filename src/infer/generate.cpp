@@ -113,6 +113,7 @@ std::vector<int32_t> generate(Model& model, int domain, const std::vector<int32_
   for (int n = 0; n < budget; ++n) {
     const auto t0 = std::chrono::steady_clock::now();
     const float* l = nullptr;
+    std::vector<float> row;
     if (use_cache && n == 0) {  // the whole prompt in one pass
       dec = std::make_unique<BatchDecoder>(model, 1);
       l = dec->prefill(slot, domain, prompt);
@@ -126,7 +127,8 @@ std::vector<int32_t> generate(Model& model, int domain, const std::vector<int32_
       b.domain[0] = domain;
       loss.resize(seq.size());
       model.forward(b, loss.data());
-      l = model.logits() + (seq.size() - 1) * V;
+      row = model.logits_row(int64_t(seq.size()) - 1);
+      l = row.data();
     }
     std::copy(l, l + V, logits.begin());
     const int32_t next = sample_next(logits.data(), V, seq, s, uint64_t(n));

@@ -1,5 +1,8 @@
 #include "kernels/ops.h"
 
+#include <cstdlib>
+#include <cstring>
+
 #include "core/error.h"
 
 namespace sigma {
@@ -8,6 +11,9 @@ extern const ops::Backend kBackend;  // kernels/cpu/backend.cpp
 }
 namespace ref {
 extern const ops::Backend kBackend;  // kernels/ref/backend.cpp
+}
+namespace guard {
+extern const ops::Backend kBackend;  // kernels/guard/backend.cpp
 }
 
 namespace ops {
@@ -20,24 +26,53 @@ const Backend& backend(BackendKind kind) {
   switch (kind) {
     case BackendKind::Cpu: return cpu::kBackend;
     case BackendKind::Ref: return ref::kBackend;
+    case BackendKind::Guard: return guard::kBackend;
   }
   fail("unknown backend kind {}", int(kind));
 }
 
 const Backend& active_backend() { return *detail::active; }
 
-const char* backend_names() { return "cpu, ref"; }
+const char* backend_names() { return "cpu, ref, guard"; }
+
+namespace {
+// SIGMA_TEST_BACKEND=guard: the tests' guard job runs every cpu choice on the guard.
+BackendKind resolve(BackendKind kind) {
+  static const bool guard_for_cpu = [] {
+    const char* e = std::getenv("SIGMA_TEST_BACKEND");
+    return e && std::strcmp(e, "guard") == 0;
+  }();
+  return kind == BackendKind::Cpu && guard_for_cpu ? BackendKind::Guard : kind;
+}
+
+// The table that owns each device's memory (the last one installed for it): transfers of a
+// tensor go through its device's backend, whichever backend is active.
+const Backend* g_owner[2] = {&cpu::kBackend, nullptr};
+
+const Backend& owner(Device d) {
+  const Backend* b = size_t(d) < std::size(g_owner) ? g_owner[size_t(d)] : nullptr;
+  SIGMA_CHECK(b, "no backend owns {} memory", device_name(d));
+  return *b;
+}
+
+// Start-up: the guard job's environment applies before any tensor is made.
+[[maybe_unused]] const bool g_env_applied = [] {
+  if (resolve(BackendKind::Cpu) != BackendKind::Cpu) use_backend(BackendKind::Cpu);
+  return true;
+}();
+}  // namespace
 
 void use_backend(const Backend& b) {
   // A device backend's memory becomes that device's Tensor allocator; core owns host memory.
   if (b.device != Device::Host) set_device_allocator(b.device, {b.alloc, b.free});
+  if (size_t(b.device) < std::size(g_owner)) g_owner[size_t(b.device)] = &b;
   detail::active = &b;
 }
 
-void use_backend(BackendKind kind) { use_backend(backend(kind)); }
+void use_backend(BackendKind kind) { use_backend(backend(resolve(kind))); }
 
 void use_backend(std::string_view name) {
-  for (BackendKind k : {BackendKind::Cpu, BackendKind::Ref})
+  for (BackendKind k : {BackendKind::Cpu, BackendKind::Ref, BackendKind::Guard})
     if (name == backend(k).name) return use_backend(k);
   fail("unknown ops backend '{}' (known: {})", name, backend_names());
 }
@@ -48,6 +83,54 @@ thread_local bool t_few_row_kernels = false;
 FewRowKernels::FewRowKernels() : prev_(t_few_row_kernels) { t_few_row_kernels = true; }
 FewRowKernels::~FewRowKernels() { t_few_row_kernels = prev_; }
 bool FewRowKernels::on() { return t_few_row_kernels; }
+
+Device device() { return detail::active->device; }
+
+Tensor empty(DType dtype, Shape shape) { return Tensor(dtype, std::move(shape), device()); }
+
+Tensor to_device(const Tensor& host) {
+  SIGMA_CHECK(host.device() == Device::Host, "to_device: the tensor is already on {}",
+              device_name(host.device()));
+  Tensor t(host.dtype(), host.shape(), device());
+  upload(t, host.bytes(), host.nbytes());
+  return t;
+}
+
+Tensor to_host(const Tensor& t) {
+  Tensor h(t.dtype(), t.shape(), Device::Host);
+  download(h.bytes(), t, t.nbytes());
+  return h;
+}
+
+Tensor clone(const Tensor& t) {
+  Tensor c(t.dtype(), t.shape(), t.device());
+  if (t.nbytes()) owner(t.device()).copy_bytes(c.bytes(), t.bytes(), t.nbytes());
+  return c;
+}
+
+void zero(Tensor& t) {
+  if (t.device() == Device::Host) return t.zero();
+  // Bytes of zero are 0.0f, 0 and +0 bf16 alike: fill as floats, then the odd tail bytes.
+  const Backend& b = owner(t.device());
+  const size_t n = t.nbytes();
+  if (n >= 4) b.fill(reinterpret_cast<float*>(t.bytes()), 0.0f, int64_t(n / 4));
+  if (n % 4) {
+    const unsigned char z[4] = {};
+    b.upload(t.bytes() + n / 4 * 4, z, n % 4);
+  }
+}
+
+void upload(Tensor& dst, const void* host_src, size_t bytes, size_t offset) {
+  SIGMA_CHECK(offset <= dst.nbytes() && bytes <= dst.nbytes() - offset,
+              "upload of {} bytes at {} into a tensor of {} bytes", bytes, offset, dst.nbytes());
+  if (bytes) owner(dst.device()).upload(dst.bytes() + offset, host_src, bytes);
+}
+
+void download(void* host_dst, const Tensor& src, size_t bytes, size_t offset) {
+  SIGMA_CHECK(offset <= src.nbytes() && bytes <= src.nbytes() - offset,
+              "download of {} bytes at {} from a tensor of {} bytes", bytes, offset, src.nbytes());
+  if (bytes) owner(src.device()).download(host_dst, src.bytes() + offset, bytes);
+}
 
 void use_precision(Precision p) { detail::precision = p; }
 

@@ -36,6 +36,12 @@ struct Backend {
   Device device;
   void* (*alloc)(size_t bytes);
   void (*free)(void* p);
+  // Transfers in bytes (no overlap): host memory -> this device, this device -> host memory,
+  // and within this device. A host backend's are memcpy; the only ways host code reaches
+  // device memory (ops::upload, ops::download, ops::to_host below).
+  void (*upload)(void* dst, const void* host_src, size_t bytes);
+  void (*download)(void* host_dst, const void* src, size_t bytes);
+  void (*copy_bytes)(void* dst, const void* src, size_t bytes);
 
   // ---- dense algebra (kernels/cpu/gemm.h) ----
   // C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C (row-major; beta = 0 ignores C).
@@ -122,16 +128,50 @@ struct Backend {
   // dst[order[j]] = src[j] (or += with accumulate); order holds no repeats.
   void (*scatter_rows)(float* dst, const float* src, const int32_t* order, int64_t N, int64_t d,
                        bool accumulate);
+
+  // ---- reductions and conversions (issue 25: the engine's host loops, now ops) ----
+  // The sum of x[i]^2 in double, in fixed chunks of 2^14 elements (lanes of 16 inside a chunk,
+  // chunks added in order): the same bits for any thread count. The result is returned to the
+  // host (a reduction's one scalar).
+  double (*sum_sq)(const float* x, int64_t n);
+  // dst[i] = x[i] rounded to bf16 (nearest even; core/bf16.h): the inference weight copies.
+  void (*convert_bf16)(uint16_t* dst, const float* x, int64_t n);
+
+  // ---- the learned gate (model/gate.h states the maths; kernels/cpu/gate.h) ----
+  // Per row r of group width K = width[r] (<= Kmax): probs[r] = softmax(z[r, :K]) (fp32), then
+  // top-k of probs (ties: the lower index): choice[r,0] = base[r] + e1 and, with k = 2 and
+  // K > 1, choice[r,1] = base[r] + e2 (else -1); gate[r,:] the combine weights (top-1: p[e1];
+  // top-2: p[e]/(p1+p2); a group of one expert under top-2: 1).
+  void (*gate_softmax_topk)(float* probs, int32_t* choice, float* gate, const float* z,
+                            const int32_t* width, const int32_t* base, int k, int64_t N,
+                            int64_t Kmax);
+  // y[r] += gate[r,s] * yg[pos[r,s]] for each kept choice (pos >= 0), rows of width d.
+  void (*gate_combine)(float* y, const float* yg, const float* gate, const int32_t* pos,
+                       int64_t N, int64_t d);
+  // Backward of the combine: gdy[pos[r,s]] = gate[r,s] * dy[r] and dgate[r,s] = dy[r].yg[pos]
+  // (0 where the choice is not kept); dx[r] is not touched (gate_backward_dz's job).
+  void (*gate_expert_dy)(float* gdy, float* dgate, const float* dy, const float* yg,
+                         const float* gate, const int32_t* pos, int64_t N, int64_t d);
+  // dx[r] += gdx[pos[r,s]] over kept choices, and dz[r, :K] (overwritten; 0 beyond K) = the
+  // softmax backward of dp, where dp = d(loss)/d(gate weight) through the combine plus
+  // aux[choice base + e] (the load-balancing term per expert, already scaled).
+  void (*gate_backward_dz)(float* dx, float* dz, const float* gdx, const float* dgate,
+                           const float* probs, const int32_t* choice, const int32_t* pos,
+                           const int32_t* width, const int32_t* base, const float* aux,
+                           int k, int64_t N, int64_t d, int64_t Kmax);
 };
 
-enum class BackendKind : uint8_t { Cpu, Ref };
+enum class BackendKind : uint8_t { Cpu, Ref, Guard };
 
 const Backend& backend(BackendKind kind);  // the built-in tables
 const Backend& active_backend();
-const char* backend_names();  // "cpu, ref": for help texts and errors
+const char* backend_names();  // "cpu, ref, guard": for help texts and errors
 
 // Chooses the backend every ops:: call runs on. The name form throws sigma::Error for a name
-// that is not a backend, listing the known ones.
+// that is not a backend, listing the known ones. With the environment variable
+// SIGMA_TEST_BACKEND=guard (the tests' guard job, docs/ops.md), every choice of the cpu backend,
+// the start-up default included, installs the guard backend instead: the same kernels, over
+// memory host code cannot touch.
 void use_backend(BackendKind kind);
 void use_backend(std::string_view name);
 // Installs any table (tests: a cpu backend with one op perturbed). `b` must outlive its use.
@@ -170,6 +210,30 @@ inline bool bf16() { return precision == Precision::Bf16; }
 
 inline void* alloc(size_t bytes) { return detail::active->alloc(bytes); }
 inline void free(void* p) { detail::active->free(p); }
+
+// ---- tensors on the active backend's device, and the host <-> device boundary ----
+// Engine tensors (parameters, gradients, optimizer state, activations) live on device();
+// host memory that stays on the host (data, the expert store, checkpoint files, plans) is a
+// Host tensor or a std::vector. Host code reads or writes device tensors only through these.
+Device device();                                   // the active backend's device
+Tensor empty(DType dtype, Shape shape);            // zeroed, on device()
+Tensor to_device(const Tensor& host);              // a copy on device()
+Tensor to_host(const Tensor& t);                   // a Host copy of a tensor on any device
+Tensor clone(const Tensor& t);                     // a copy on t's device
+void zero(Tensor& t);                              // any device
+// Host bytes into / out of any tensor at a byte offset (bounds checked).
+void upload(Tensor& dst, const void* host_src, size_t bytes, size_t offset = 0);
+void download(void* host_dst, const Tensor& src, size_t bytes, size_t offset = 0);
+// Raw pointers on the active backend's device (the expert executor's compute buffers).
+inline void upload(void* dst, const void* host_src, size_t bytes) {
+  detail::active->upload(dst, host_src, bytes);
+}
+inline void download(void* host_dst, const void* src, size_t bytes) {
+  detail::active->download(host_dst, src, bytes);
+}
+inline void copy_bytes(void* dst, const void* src, size_t bytes) {
+  detail::active->copy_bytes(dst, src, bytes);
+}
 
 inline void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                  const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
@@ -298,6 +362,32 @@ inline void gather_rows(float* dst, const float* src, const int32_t* order, int6
 inline void scatter_rows(float* dst, const float* src, const int32_t* order, int64_t N,
                          int64_t d, bool accumulate) {
   detail::active->scatter_rows(dst, src, order, N, d, accumulate);
+}
+
+// ---- reductions, conversions, the learned gate (issue 25) ----
+inline double sum_sq(const float* x, int64_t n) { return detail::active->sum_sq(x, n); }
+inline void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
+  detail::active->convert_bf16(dst, x, n);
+}
+inline void gate_softmax_topk(float* probs, int32_t* choice, float* gate, const float* z,
+                              const int32_t* width, const int32_t* base, int k, int64_t N,
+                              int64_t Kmax) {
+  detail::active->gate_softmax_topk(probs, choice, gate, z, width, base, k, N, Kmax);
+}
+inline void gate_combine(float* y, const float* yg, const float* gate, const int32_t* pos,
+                         int64_t N, int64_t d) {
+  detail::active->gate_combine(y, yg, gate, pos, N, d);
+}
+inline void gate_expert_dy(float* gdy, float* dgate, const float* dy, const float* yg,
+                           const float* gate, const int32_t* pos, int64_t N, int64_t d) {
+  detail::active->gate_expert_dy(gdy, dgate, dy, yg, gate, pos, N, d);
+}
+inline void gate_backward_dz(float* dx, float* dz, const float* gdx, const float* dgate,
+                             const float* probs, const int32_t* choice, const int32_t* pos,
+                             const int32_t* width, const int32_t* base, const float* aux, int k,
+                             int64_t N, int64_t d, int64_t Kmax) {
+  detail::active->gate_backward_dz(dx, dz, gdx, dgate, probs, choice, pos, width, base, aux, k,
+                                   N, d, Kmax);
 }
 
 }  // namespace sigma::ops

@@ -1,7 +1,9 @@
 // What backward needs, filled by Model::forward (llm.c's activations struct): one record per
 // block plus the head's. Shapes use N = B*T rows, d = model width, f = FFN width, H heads,
 // k = experts per row (1 with RRE, 2 with a top-2 gate), Kmax = the widest expert group.
-// Buffers are Tensors allocated by the backend; Activations::ensure sizes them for (B, T).
+// Buffers are Tensors on the active backend's device (ops::empty); Activations::ensure sizes
+// them for (B, T). The host vectors are the host's plan of the pass (rows, groups), uploaded
+// to their device twins before an op reads them.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -42,6 +44,8 @@ struct Activations {
   int B = 0, T = 0;
   std::vector<int32_t> rows;       // [N] embedding rows: slot*V + token
   std::vector<int32_t> row_group;  // [N] expert group of each row (expert blocks)
+  Tensor rows_d, targets_d;        // [N] I32 on the device: rows and the batch's targets
+  Tensor loss_d, weight_d;         // [N] per-row loss out, loss weights in (device)
   std::vector<BlockActs> blocks;   // [L]
   Tensor h_final;                  // [N,d] output of the last block
   Tensor hf, meanf, rstdf;         // final LayerNorm output [N,d] and stats [N]
@@ -55,7 +59,7 @@ struct Activations {
   Tensor gx, gy, gdx;              // [k*N,d] expert gather buffers
   Tensor z;                        // [N,Kmax] learned gate: logits, then their gradient
   Tensor gate_x, gate_dy, gate_dx; // [k*N,d] learned gate: the experts' gathered x, dy, dx
-  std::vector<float> dgate;        // [N*2] learned gate: d(loss)/d(combine weight)
+  Tensor dgate;                    // [N*2] learned gate: d(loss)/d(combine weight)
   Remat remat = Remat::None;
   BlockActs work;                  // remat: the buffers blocks share (see Remat)
 

@@ -13,17 +13,25 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/tensor.h"
 #include "model/rre.h"
 #include "model/weights.h"
 
 namespace sigma {
 
+// The host plans (capacity, the gathered layout, the loss) from the choices it downloads; the
+// ops (kernels/ops.h, ops::gate_*) touch the tensors, which live on the device.
 struct GatePlan {
   int k = 1;                       // experts per row (1 or 2; at most K_g)
   int Kmax = 1;                    // widest group: the row stride of probs
-  std::vector<float> probs;        // [N, Kmax] gate softmax over the row's group
+  // Device: what the ops read and write.
+  Tensor probs;                    // [N, Kmax] gate softmax over the row's group
+  Tensor choice_d, gate, pos_d;    // [N, 2] choices, combine weights, gathered rows (below)
+  Tensor row_of_d;                 // [A] row_of
+  Tensor width_d, base_d;          // [N] the row's group: its expert count, its first expert
+  mutable Tensor aux_d;            // [E] backward scratch: d(aux term)/dp per expert, scaled
+  // Host: the plan.
   std::vector<int32_t> choice;     // [N, 2] chosen expert (global index), -1 = none
-  std::vector<float> gate;         // [N, 2] combine weight of each choice
   std::vector<int32_t> pos;        // [N, 2] row in the gathered buffers, -1 = dropped / none
   std::vector<int32_t> row_of;     // [A] row of gathered assignment j
   std::vector<int64_t> start;      // [E+1] expert e holds gathered rows start[e] .. start[e+1]
@@ -52,10 +60,10 @@ void gate_expert_plan(RrePlan& q, const GatePlan& p);
 void gate_gather(float* gx, const GatePlan& p, const float* x, int64_t d);
 void gate_combine(float* y, const float* yg, const GatePlan& p, int64_t N, int64_t d);
 // gdy[A,d] = gate * dy[row]; dgate[N*2] = dy[row] . yg[pos] per kept choice (0 elsewhere).
-void gate_expert_dy(float* gdy, std::vector<float>& dgate, const float* dy, const float* yg,
+void gate_expert_dy(float* gdy, float* dgate, const float* dy, const float* yg,
                     const GatePlan& p, int64_t N, int64_t d);
 // dx[N,d] += gdx of each kept choice, plus the gate path; dz: scratch [N, Kmax].
-void gate_backward_rest(float* dx, float* dz, const float* gdx, const std::vector<float>& dgate,
+void gate_backward_rest(float* dx, float* dz, const float* gdx, const float* dgate,
                         const float* x, const GatePlan& p, const RreWeights& w,
                         const std::vector<PV>& gate_w, const int32_t* row_group,
                         float aux_scale, int64_t N, int64_t d);

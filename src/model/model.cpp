@@ -19,6 +19,12 @@ namespace sigma {
 namespace {
 void zero(Tensor& t) { ops::fill(t.f(), 0.0f, t.numel()); }
 
+// A host plan (int32 indices) into its device twin, resized when needed.
+void upload_i32(Tensor& dst, const std::vector<int32_t>& v) {
+  if (dst.numel() != int64_t(v.size())) dst = ops::empty(DType::I32, {int64_t(v.size())});
+  ops::upload(dst, v.data(), v.size() * sizeof(int32_t));
+}
+
 void check_batch(const Batch& b) {
   SIGMA_CHECK(b.B > 0 && b.T > 0 && b.tokens.size() == size_t(b.B) * b.T &&
                   b.targets.size() == size_t(b.B) * b.T && b.domain.size() == size_t(b.B),
@@ -83,7 +89,8 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
   for (Param& p : params_.all()) {
     if (!initialise) break;
     const std::string& n = p.name;
-    float* v = p.value.f();
+    Tensor init(DType::F32, p.value.shape(), Device::Host);  // drawn on the host, uploaded
+    float* v = init.f();
     const int64_t count = p.value.numel();
     const float std = init_std_of(n, cfg_);
     if (names::is_ln_gain(n)) {
@@ -94,6 +101,7 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
     } else if (!p.expert && p.value.shape().size() >= 2) {
       fill_normal(v, count, std, seed, stream_of(n.c_str()));
     }
+    ops::upload(p.value, v, init.nbytes());
   }
 
   // Routing tables R[l][g] (DESIGN §2), independent per (block, group).
@@ -146,10 +154,9 @@ void Model::use_bf16_weights() {
                                   "the checkpoint with its experts for inference");
   if (bf16_weights()) return;
   auto copy = [&](const float* v, int64_t n) -> const uint16_t* {
-    bf16_.push_back(std::make_unique<uint16_t[]>(size_t(n)));
-    uint16_t* h = bf16_.back().get();
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; ++i) h[i] = to_bf16(v[i]);
+    bf16_.push_back(ops::empty(DType::U16, {n}));
+    uint16_t* h = bf16_.back().data<uint16_t>();
+    ops::convert_bf16(h, v, n);
     return h;
   };
   const int64_t d = cfg_.d_model, f = cfg_.ffn();
@@ -237,7 +244,19 @@ void Model::reset_expert_load() {
 
 Model::~Model() = default;
 
-const float* Model::logits() const { return own_->logits.f(); }
+std::vector<float> Model::logits() const {
+  std::vector<float> out(static_cast<size_t>(own_->logits.numel()));
+  ops::download(out.data(), own_->logits, out.size() * sizeof(float));
+  return out;
+}
+
+std::vector<float> Model::logits_row(int64_t r) const {
+  const int64_t V = cfg_.vocab;
+  SIGMA_CHECK(r >= 0 && (r + 1) * V <= own_->logits.numel(), "no logits row {}", r);
+  std::vector<float> out(static_cast<size_t>(V));
+  ops::download(out.data(), own_->logits, size_t(V) * sizeof(float), size_t(r * V) * sizeof(float));
+  return out;
+}
 
 double Model::train_flops_per_token() const {
   const double d = cfg_.d_model, V = cfg_.vocab, T = cfg_.context, L = cfg_.layers;
@@ -276,9 +295,11 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_) {
   remat = remat_;
   const int64_t N = int64_t(B) * T, d = cfg.d_model, f = cfg.ffn(), V = cfg.vocab, H = cfg.heads;
   const int64_t k = cfg.rre_layers > 0 ? cfg.experts_per_token() : 1;
-  auto t = [](Shape s) { return Tensor::f32(std::move(s)); };
+  auto t = [](Shape s) { return ops::empty(DType::F32, std::move(s)); };
   rows.assign(size_t(N), 0);
   row_group.assign(size_t(N), 0);
+  rows_d = ops::empty(DType::I32, {N}), targets_d = ops::empty(DType::I32, {N});
+  loss_d = t({N}), weight_d = t({N});
   blocks.clear();
   blocks.resize(size_t(cfg.layers));
   // One block's buffers, sized for block l (expert blocks hold k rows per token).
@@ -313,7 +334,10 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_) {
     gx = t({k * N, d}), gy = t({k * N, d}), gdx = t({k * N, d});
     int Kmax = 1;
     for (const auto& g : cfg.groups) Kmax = std::max(Kmax, g.experts);
-    if (cfg.gated()) z = t({N, Kmax}), gate_x = t({k * N, d}), gate_dy = t({k * N, d}), gate_dx = t({k * N, d});
+    if (cfg.gated()) {
+      z = t({N, Kmax}), gate_x = t({k * N, d}), gate_dy = t({k * N, d}), gate_dx = t({k * N, d});
+      dgate = t({N, 2});
+    }
   }
 }
 
@@ -335,12 +359,15 @@ void Model::embed(const Batch& batch, Activations& a, const int* first_pos) {
     std::fill_n(a.row_group.begin() + int64_t(b) * T, T, domain_group_[size_t(batch.domain[b])]);
   }
   const int64_t d = cfg_.d_model;
+  ops::upload(a.rows_d, a.rows.data(), a.rows.size() * sizeof(int32_t));
+  ops::upload(a.targets_d, batch.targets.data(), batch.targets.size() * sizeof(int32_t));
+  const int32_t* rows = a.rows_d.data<int32_t>();
   if (!first_pos) {
-    ops::embedding_forward(a.blocks[0].x.f(), a.rows.data(), w_->tokens.v, w_->positions.v, B, T, d);
+    ops::embedding_forward(a.blocks[0].x.f(), rows, w_->tokens.v, w_->positions.v, B, T, d);
     return;
   }
   for (int b = 0; b < B; ++b)  // each row from its own position
-    ops::embedding_forward(a.blocks[0].x.f() + int64_t(b) * T * d, a.rows.data() + int64_t(b) * T,
+    ops::embedding_forward(a.blocks[0].x.f() + int64_t(b) * T * d, rows + int64_t(b) * T,
                            w_->tokens.v, w_->positions.v + int64_t(first_pos[b]) * d, 1, T, d);
 }
 
@@ -365,7 +392,7 @@ void KvCache::reset(const ModelConfig& cfg, int rows) {
   length.assign(size_t(rows), 0);
   kv.clear();
   for (int l = 0; l < cfg.layers; ++l)
-    kv.push_back(Tensor::f32({rows, cfg.context, 2 * int64_t(cfg.d_model)}));
+    kv.push_back(ops::empty(DType::F32, {rows, cfg.context, 2 * int64_t(cfg.d_model)}));
 }
 
 void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, float* token_loss,
@@ -430,7 +457,7 @@ void Model::backward(const Batch& batch, Activations& a) {
     if (a.remat == Remat::Blocks && l < cfg_.layers - 1) block_forward(l, batch, a, nullptr, true);
     block_backward(l, batch, a, a.dh.f());
   }
-  ops::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.f(), a.rows.data(), batch.B,
+  ops::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.f(), a.rows_d.data<int32_t>(), batch.B,
                           batch.T, cfg_.d_model);
   ops::bf16_mirror_clear();  // the optimizer changes the weights next
 }
@@ -527,7 +554,7 @@ void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* 
                cfg_.experts_per_token(), cfg_.capacity_factor, N, d);
     gate_expert_plan(k.plan, gp);
     gate_gather(acts.gate_x.f(), gp, k.a2.f(), d);
-    std::fill_n(k.yg.f(), gp.assigned * d, 0.0f);
+    ops::fill(k.yg.f(), 0.0f, gp.assigned * d);
     executor_->forward(l, w.rre, k.plan, buf, k.yg.f(), acts.gate_x.f(), gp.assigned, d, f);
     gate_combine(out, k.yg.f(), gp, N, d);
     if (recompute) return;
@@ -574,7 +601,10 @@ void Model::head(const Batch& batch, Activations& a, float* token_loss,
       ops::gemm(false, true, rows, V, d, 1.0f, a.hf.f() + r0 * d, d, w_->tokens.v + e0, d,
                 0.0f, a.logits.f() + r0 * V, V);
   });
-  ops::softmax_xent(a.logits.f(), token_loss, batch.targets.data(), loss_weight, N, V);
+  if (loss_weight) ops::upload(a.weight_d, loss_weight, size_t(N) * sizeof(float));
+  ops::softmax_xent(a.logits.f(), a.loss_d.f(), a.targets_d.data<int32_t>(),
+                    loss_weight ? a.weight_d.f() : nullptr, N, V);
+  if (token_loss) ops::download(token_loss, a.loss_d, size_t(N) * sizeof(float));
   a.has_grad = loss_weight != nullptr;
   // dL/dlogits feeds both products of head_backward: in bf16, converted once for the two.
   if (a.has_grad && ops::precision() == ops::Precision::Bf16)
@@ -623,12 +653,12 @@ void Model::expert_backward(int l, Activations& a, float* dh) {
   if (!cfg_.gated())
     return executor_->backward(l, w.rre, k.plan, buf, a.da.f(), dh, k.a2.f(), N, d, f);
   const GatePlan& gp = k.gplan;
-  gate_expert_dy(a.gate_dy.f(), a.dgate, dh, k.yg.f(), gp, N, d);
+  gate_expert_dy(a.gate_dy.f(), a.dgate.f(), dh, k.yg.f(), gp, N, d);
   gate_gather(a.gate_x.f(), gp, k.a2.f(), d);
-  std::fill_n(a.gate_dx.f(), gp.assigned * d, 0.0f);
+  ops::fill(a.gate_dx.f(), 0.0f, gp.assigned * d);
   executor_->backward(l, w.rre, k.plan, buf, a.gate_dx.f(), a.gate_dy.f(), a.gate_x.f(),
                       gp.assigned, d, f);
-  gate_backward_rest(a.da.f(), a.z.f(), a.gate_dx.f(), a.dgate, k.a2.f(), gp, w.rre, w.gate,
+  gate_backward_rest(a.da.f(), a.z.f(), a.gate_dx.f(), a.dgate.f(), k.a2.f(), gp, w.rre, w.gate,
                      a.row_group.data(), float(a.weight_sum * cfg_.aux_loss_weight), N, d);
 }
 

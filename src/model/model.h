@@ -125,9 +125,10 @@ class Model {
     forward(batch, *own_, token_loss, loss_weight);
   }
   void backward(const Batch& batch) { backward(batch, *own_); }
-  // Logits of the last forward pass on the model's own activations, [B*T, V]; only valid when
-  // it ran without loss weights.
-  const float* logits() const;
+  // Row r of the logits of the last forward pass on the model's own activations ([B*T, V]),
+  // downloaded to the host; only valid when it ran without loss weights.
+  std::vector<float> logits_row(int64_t r) const;
+  std::vector<float> logits() const;  // every row, [B*T, V]
 
   // What backward recomputes instead of keeping (model/activations.h); default None.
   void set_remat(Remat r) { remat_ = r; }
@@ -183,7 +184,7 @@ class Model {
   double aux_loss_ = 0;
   Remat remat_ = Remat::None;
   std::unique_ptr<ModelWeights> w_;
-  std::vector<std::unique_ptr<uint16_t[]>> bf16_;  // the copies use_bf16_weights made
+  std::vector<Tensor> bf16_;  // the copies use_bf16_weights made (device)
   std::unique_ptr<Activations> own_;
   LocalExperts local_;
   ExpertExecutor* executor_ = &local_;

@@ -1,12 +1,15 @@
 #include "model/params.h"
 
+#include "kernels/ops.h"
+
 namespace sigma {
 
 Param& ParamSet::add(const std::string& name, Shape shape, bool decay, bool expert) {
   SIGMA_CHECK(!index_.count(name), "parameter '{}' registered twice", name);
   // Reserve up front elsewhere is not needed: callers keep names, never Param references, across adds.
   index_[name] = params_.size();
-  params_.push_back(Param{name, Tensor::f32(shape), Tensor::f32(shape), decay, expert});
+  params_.push_back(Param{name, ops::empty(DType::F32, shape), ops::empty(DType::F32, shape),
+                          decay, expert});  // on the active backend's device
   return params_.back();
 }
 
@@ -29,13 +32,13 @@ int64_t ParamSet::numel() const {
 }
 
 void ParamSet::zero_grad() {
-  for (auto& p : params_) p.grad.zero();
+  for (auto& p : params_) ops::zero(p.grad);
 }
 
 Buffer& BufferSet::add(const std::string& name, DType dtype, Shape shape) {
   SIGMA_CHECK(!index_.count(name), "buffer '{}' registered twice", name);
   index_[name] = buffers_.size();
-  buffers_.push_back(Buffer{name, Tensor(dtype, std::move(shape))});
+  buffers_.push_back(Buffer{name, Tensor(dtype, std::move(shape), Device::Host)});
   return buffers_.back();
 }
 

@@ -11,8 +11,8 @@ namespace sigma {
 
 struct Param {
   std::string name;
-  Tensor value;  // fp32 master weights
-  Tensor grad;   // same shape, accumulated by backward
+  Tensor value;  // fp32 master weights, on the active backend's device (ops::device())
+  Tensor grad;   // same shape and device, accumulated by backward
   bool decay;    // weight decay applies (linear weights only; not biases, LayerNorm, embeddings)
   bool expert;   // an RRE expert tensor (hybrid Adam uses eps_rre for these)
 };
@@ -35,7 +35,8 @@ class ParamSet {
 };
 
 // Non-trainable named tensors of a model (the RRE routing tables): saved and loaded with the
-// parameters, never seen by the optimizer.
+// parameters, never seen by the optimizer. Host memory: the RRE planner reads them on the host
+// to group a batch's rows by expert before any op runs.
 struct Buffer {
   std::string name;
   Tensor value;

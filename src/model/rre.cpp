@@ -22,6 +22,13 @@ std::vector<int> busy_experts(const RrePlan& p, const ExpertSlice& s) {
   return busy;
 }
 
+// The plan's order into its device twin.
+void upload_order(RrePlan& p) {
+  if (p.order_d.numel() != int64_t(p.order.size()))
+    p.order_d = ops::empty(DType::I32, {int64_t(p.order.size())});
+  ops::upload(p.order_d, p.order.data(), p.order.size() * sizeof(int32_t));
+}
+
 }  // namespace
 
 // Many small experts run better side by side: each runs its GEMMs on one thread instead of
@@ -44,6 +51,7 @@ void grouped_plan(RrePlan& p, std::vector<int64_t> start) {
   p.order.resize(size_t(N));
   std::iota(p.order.begin(), p.order.end(), 0);
   p.single = -1;
+  upload_order(p);
 }
 
 void rre_plan(RrePlan& p, const RreWeights& w, const int32_t* tokens, const int32_t* row_group,
@@ -65,6 +73,7 @@ void rre_plan(RrePlan& p, const RreWeights& w, const int32_t* tokens, const int3
   // Counting sort, stable: rows of one expert keep their order (determinism).
   std::vector<int64_t> next(p.start.begin(), p.start.end() - 1);
   for (int64_t i = 0; i < N; ++i) p.order[size_t(next[size_t(p.expert[size_t(i)])]++)] = int32_t(i);
+  if (p.single < 0) upload_order(p);  // a single expert runs without a gather
 }
 
 void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const float* x,
@@ -77,7 +86,7 @@ void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const f
   }
   // The slice's rows are contiguous in plan order: r0 .. r0 + n.
   const int64_t r0 = p.start[size_t(s.begin)], n = p.start[size_t(s.end)] - r0;
-  const int32_t* order = p.order.data() + r0;
+  const int32_t* order = p.order_d.data<int32_t>() + r0;
   // gy starts as the rows of y, so each expert adds onto them in place and the scatter is a
   // plain copy: every row gets y + FFN(x) in the same arithmetic as the dense block.
   ops::gather_rows(gx + r0 * d, x, order, n, d);
@@ -103,7 +112,7 @@ void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, 
     return;
   }
   const int64_t r0 = p.start[size_t(s.begin)], n = p.start[size_t(s.end)] - r0;
-  const int32_t* order = p.order.data() + r0;
+  const int32_t* order = p.order_d.data<int32_t>() + r0;
   ops::gather_rows(gx + r0 * d, x, order, n, d);
   ops::gather_rows(gdy + r0 * d, dy, order, n, d);
   ops::fill(gdx + r0 * d, 0.0f, n * d);

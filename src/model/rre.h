@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/tensor.h"
+
 #include "model/weights.h"
 
 namespace sigma {
@@ -16,6 +18,7 @@ namespace sigma {
 struct RrePlan {
   std::vector<int32_t> expert;  // [N] expert of each row (global index, RreWeights::expert)
   std::vector<int32_t> order;   // [N] row indices by expert, rows in their original order
+  Tensor order_d;               // [N] order on the device, for the gather and scatter ops
   std::vector<int64_t> start;   // [E+1] expert e holds order[start[e] .. start[e+1])
   int single = -1;              // the one expert holding every row (then order = identity)
   int64_t rows(int e) const { return start[size_t(e) + 1] - start[size_t(e)]; }

@@ -43,7 +43,8 @@ AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params, std::vector<uint8_t
               params.all().size());
   for (size_t i = 0; i < params.all().size(); ++i) {
     const Shape& s = params.all()[i].value.shape();
-    state_.push_back(owns(i) ? State{Tensor::f32(s), Tensor::f32(s), 0, {}} : State{});
+    state_.push_back(owns(i) ? State{ops::empty(DType::F32, s), ops::empty(DType::F32, s), 0, {}}
+                            : State{});  // beside the parameters, on the device
   }
 }
 
@@ -56,18 +57,18 @@ int64_t AdamW::state_bytes() const {
 void UpdateMask::mask_grads(ParamSet& params) const {
   auto& ps = params.all();
   for (size_t i = 0; i < ps.size(); ++i) {
-    float* g = ps[i].grad.f();
+    float* g = ps[i].grad.f();  // device memory: only ops touch it
     const int64_t n = ps[i].grad.numel();
     if (!frozen.empty() && frozen[i]) {
-      std::fill(g, g + n, 0.0f);
+      ops::fill(g, 0.0f, n);
     } else if (!rows.empty() && !rows[i].empty()) {
       const int64_t width = n / ps[i].grad.dim(0);
       int64_t next = 0;  // zero the gaps between the kept row ranges (sorted)
       for (auto [b, e] : rows[i]) {
-        std::fill(g + next * width, g + b * width, 0.0f);
+        ops::fill(g + next * width, 0.0f, (b - next) * width);
         next = e;
       }
-      std::fill(g + next * width, g + n, 0.0f);
+      ops::fill(g + next * width, 0.0f, n - next * width);
     }
   }
 }

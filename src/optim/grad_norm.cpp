@@ -1,43 +1,15 @@
 #include "optim/grad_norm.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <vector>
 
+#include "kernels/ops.h"
 #include "model/names.h"
 
 namespace sigma {
 
-namespace {
-
-constexpr int64_t kChunk = int64_t(1) << 14;
-
-double chunk_sq(const float* x, int64_t n) {
-  constexpr int kLanes = 16;
-  double lane[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int k = 0; k < kLanes; ++k) lane[k] += double(x[j + k]) * x[j + k];
-  for (; j < n; ++j) lane[0] += double(x[j]) * x[j];
-  double s = 0;
-  for (double v : lane) s += v;
-  return s;
-}
-
-}  // namespace
-
-double sum_sq(const float* x, int64_t n) {
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  if (chunks <= 1) return chunk_sq(x, n);
-  std::vector<double> part(size_t(chunks), 0.0);
-#pragma omp parallel for schedule(static) if (!omp_in_parallel())
-  for (int64_t c = 0; c < chunks; ++c)
-    part[size_t(c)] = chunk_sq(x + c * kChunk, std::min(kChunk, n - c * kChunk));
-  double s = 0;
-  for (double v : part) s += v;
-  return s;
-}
+// The chunked sum of squares is an op (ops::sum_sq): gradients live on the device.
+double sum_sq(const float* x, int64_t n) { return ops::sum_sq(x, n); }
 
 std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<uint8_t>& owned) {
   std::vector<double> parts;

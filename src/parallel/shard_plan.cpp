@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "kernels/ops.h"
 
 namespace sigma {
 
@@ -48,7 +49,7 @@ void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps) {
   for (size_t i = 0; i < all.size(); ++i) {
     const int o = plan.owner[i];
     const int64_t n = all[i].grad.numel();
-    std::memcpy(send.data() + at[size_t(o)], all[i].grad.f(), size_t(n) * sizeof(float));
+    ops::download(send.data() + at[size_t(o)], all[i].grad.f(), size_t(n) * sizeof(float));
     at[size_t(o)] += n;
   }
   const int64_t mine = plan.elements[size_t(me)];
@@ -61,7 +62,7 @@ void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps) {
   for (size_t i = 0; i < all.size(); ++i) {
     if (plan.owner[i] != me) continue;
     const int64_t n = all[i].grad.numel();
-    std::memcpy(all[i].grad.f(), sum.data() + off, size_t(n) * sizeof(float));
+    ops::upload(all[i].grad.f(), sum.data() + off, size_t(n) * sizeof(float));
     off += n;
   }
 }
@@ -74,7 +75,7 @@ void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps)
   int64_t off = 0;
   for (size_t i = 0; i < all.size(); ++i) {
     if (plan.owner[i] != me) continue;
-    std::memcpy(mine.data() + off, all[i].value.f(), size_t(all[i].value.numel()) * sizeof(float));
+    ops::download(mine.data() + off, all[i].value.f(), size_t(all[i].value.numel()) * sizeof(float));
     off += all[i].value.numel();
   }
   std::vector<float> every(size_t(std::accumulate(plan.elements.begin(), plan.elements.end(), int64_t(0))));
@@ -85,7 +86,7 @@ void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps)
     const int o = plan.owner[i];
     const int64_t n = all[i].value.numel();
     if (o != me)
-      std::memcpy(all[i].value.f(), every.data() + at[size_t(o)], size_t(n) * sizeof(float));
+      ops::upload(all[i].value.f(), every.data() + at[size_t(o)], size_t(n) * sizeof(float));
     at[size_t(o)] += n;
   }
 }

@@ -11,6 +11,7 @@
 
 #include "core/json_depth.h"
 #include "io/checkpoint_dir.h"
+#include "kernels/ops.h"
 #include "model/names.h"
 
 namespace sigma {
@@ -105,7 +106,7 @@ void load_model(Model& model, const std::string& dir) {
                 "{}: tensor '{}' is {} {} but the model expects F32 {}", path, p.name,
                 dtype_name(t.dtype()), shape_str(t.shape()), shape_str(p.value.shape()));
     check_finite(t, p.name, path);
-    std::memcpy(p.value.bytes(), t.bytes(), t.nbytes());
+    ops::upload(p.value, t.bytes(), t.nbytes());  // the file's host bytes to the device
   }
   // Buffers (routing tables): checked against the model's vocabulary and expert counts.
   for (const Buffer& b : model.buffers().all()) {
@@ -162,7 +163,7 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) 
                   "{}: optimizer tensor '{}{}' is missing or has the wrong shape", path,
                   ps[i].name, suffix);
       check_finite(it->second, ps[i].name + suffix, path);
-      std::memcpy(dst->bytes(), it->second.bytes(), dst->nbytes());
+      ops::upload(*dst, it->second.bytes(), dst->nbytes());
     }
     auto it = st.tensors.find(ps[i].name + ".step");
     SIGMA_CHECK(it != st.tensors.end() && it->second.dtype() == DType::I64 &&

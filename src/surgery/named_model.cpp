@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "kernels/ops.h"
 #include "model/model.h"
 #include "model/names.h"
 #include "optim/adamw.h"
@@ -45,7 +46,7 @@ std::string write_model(const std::string& out, NamedModel& m) {
                 "internal: tensor '{}' is {} {} but the config needs F32 {}", p.name,
                 dtype_name(it->second.dtype()), shape_str(it->second.shape()),
                 shape_str(p.value.shape()));
-    std::memcpy(p.value.bytes(), it->second.bytes(), p.value.nbytes());
+    ops::upload(p.value, it->second.bytes(), p.value.nbytes());
   }
   for (const Buffer& b : model.buffers().all()) {
     auto it = m.tensors.find(b.name);

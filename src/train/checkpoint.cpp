@@ -10,6 +10,7 @@
 #include "core/json_depth.h"
 #include "io/checkpoint_dir.h"
 #include "io/safetensors.h"
+#include "kernels/ops.h"
 
 namespace sigma {
 
@@ -17,6 +18,15 @@ namespace {
 
 // The Adam state of the parameters `opt` owns, under "<name>.m", ".v", ".step" and
 // ".row_steps" (lazy rows); `keep` holds the step scalars until they are written.
+// A tensor's bytes on the host for the writer (checkpoint files are host memory): a host
+// tensor as it is, a device tensor downloaded into `keep` (a moved Tensor keeps its buffer, so
+// the ref stays valid as `keep` grows).
+TensorRef host_ref(std::string name, const Tensor& t, std::vector<Tensor>& keep) {
+  if (t.device() == Device::Host) return tensor_ref(std::move(name), t);
+  keep.push_back(ops::to_host(t));
+  return tensor_ref(std::move(name), keep.back());
+}
+
 std::vector<TensorRef> optimizer_refs(const Model& model, const AdamW& opt, std::vector<Tensor>& keep) {
   std::vector<TensorRef> state;
   const auto& ps = model.params().all();
@@ -24,8 +34,8 @@ std::vector<TensorRef> optimizer_refs(const Model& model, const AdamW& opt, std:
   for (size_t i = 0; i < ps.size(); ++i) {
     if (!opt.owns(i)) continue;
     const auto& s = opt.state()[i];
-    state.push_back(tensor_ref(ps[i].name + ".m", s.m));
-    state.push_back(tensor_ref(ps[i].name + ".v", s.v));
+    state.push_back(host_ref(ps[i].name + ".m", s.m, keep));
+    state.push_back(host_ref(ps[i].name + ".v", s.v, keep));
   }
   for (size_t i = 0; i < ps.size(); ++i) {
     if (!opt.owns(i)) continue;
@@ -76,11 +86,11 @@ void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, con
                        const ExpertFiles* experts) {
   const nlohmann::json config = cfg.to_json();
   std::vector<TensorRef> params;
-  for (const Param& p : model.params().all()) params.push_back(tensor_ref(p.name, p.value));
+  std::vector<Tensor> keep;
+  for (const Param& p : model.params().all()) params.push_back(host_ref(p.name, p.value, keep));
   for (const Buffer& b : model.buffers().all()) params.push_back(tensor_ref(b.name, b.value));
   w.add_safetensors(kModelFile, params,
                     {{"format", kModelFormat}, {"version", "1"}, {"config", config.dump()}});
-  std::vector<Tensor> keep;
   if (opt)
     w.add_safetensors(kOptimizerFile, optimizer_refs(model, *opt, keep),
                       {{"format", "sigma-adamw"}, {"version", "1"}});

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "kernels/ops.h"
 #include "optim/grad_norm.h"
 #include "train/nonfinite.h"
 
@@ -11,29 +12,46 @@ namespace sigma {
 
 namespace {
 
-// Sums the gradients of successive micro-batches in tree_sum's order, so that the ranks'
-// block sums combine to the one-process sum bit for bit. Only the ParamSet's: an expert
+// Sums the gradients of successive micro-batches in tree_sum's order (dist/communicator.h),
+// so that the ranks' block sums combine to the one-process sum bit for bit: a binary counter
+// of partial sums (TreeAccumulator's), held on the device and added with ops::add_into (one
+// fp32 addition per element, the same as TreeAccumulator's). Only the ParamSet's: an expert
 // executor that keeps gradients of its own sums them itself.
 class GradTree {
  public:
   void push(const ParamSet& ps) {
-    std::vector<float> leaf;
-    leaf.reserve(size_t(ps.numel()));
-    for (const Param& p : ps.all()) leaf.insert(leaf.end(), p.grad.f(), p.grad.f() + p.grad.numel());
-    tree_.push(std::move(leaf));
+    Tensor leaf = ops::empty(DType::F32, {ps.numel()});
+    int64_t at = 0;
+    for (const Param& p : ps.all()) {
+      ops::copy(leaf.f() + at, p.grad.f(), p.grad.numel());
+      at += p.grad.numel();
+    }
+    stack_.push_back({0, std::move(leaf)});
+    while (stack_.size() >= 2 && stack_[stack_.size() - 2].first == stack_.back().first) {
+      Tensor right = std::move(stack_.back().second);
+      stack_.pop_back();
+      ops::add_into(stack_.back().second.f(), right.f(), right.numel());
+      stack_.back().first += 1;
+    }
   }
   // Writes the total into the gradients and empties the tree.
   void finish(ParamSet& ps) {
-    const std::vector<float> total = tree_.finish();
-    const float* at = total.data();
+    SIGMA_CHECK(!stack_.empty(), "GradTree: no leaf");
+    Tensor total = std::move(stack_.back().second);
+    for (size_t i = stack_.size() - 1; i-- > 0;) {  // S1 + (S2 + (... + Sm))
+      ops::add_into(stack_[i].second.f(), total.f(), total.numel());
+      std::swap(total, stack_[i].second);
+    }
+    stack_.clear();
+    int64_t at = 0;
     for (Param& p : ps.all()) {
-      std::memcpy(p.grad.f(), at, size_t(p.grad.numel()) * sizeof(float));
+      ops::copy(p.grad.f(), total.f() + at, p.grad.numel());
       at += p.grad.numel();
     }
   }
 
  private:
-  TreeAccumulator tree_;
+  std::vector<std::pair<int, Tensor>> stack_;  // (level, partial sum) on the device
 };
 
 bool power_of_two(size_t k) { return k && !(k & (k - 1)); }

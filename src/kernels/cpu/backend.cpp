@@ -5,6 +5,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gate.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/gemv.h"
 #include "kernels/cpu/layernorm.h"
@@ -28,6 +29,9 @@ const ops::Backend kBackend = {
     .device = Device::Host,
     .alloc = &host_alloc,
     .free = &host_free,
+    .upload = &copy_bytes,
+    .download = &copy_bytes,
+    .copy_bytes = &copy_bytes,
     .gemm = &gemm_rows,  // a few rows: the GEMV kernels (gemv.h); more: oneDNN
     .linear_forward = &linear_forward_rows,
     .linear_backward = &linear_backward,
@@ -58,6 +62,12 @@ const ops::Backend kBackend = {
     .add_into = &add_into,
     .gather_rows = &gather_rows,
     .scatter_rows = &scatter_rows,
+    .sum_sq = &sum_sq,
+    .convert_bf16 = &convert_bf16,
+    .gate_softmax_topk = &gate_softmax_topk,
+    .gate_combine = &gate_combine,
+    .gate_expert_dy = &gate_expert_dy,
+    .gate_backward_dz = &gate_backward_dz,
 };
 
 }  // namespace sigma::cpu

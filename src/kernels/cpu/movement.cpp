@@ -11,6 +11,10 @@ void copy(float* dst, const float* src, int64_t n) {
   if (n > 0) std::memcpy(dst, src, size_t(n) * sizeof(float));
 }
 
+void copy_bytes(void* dst, const void* src, size_t bytes) {
+  if (bytes) std::memcpy(dst, src, bytes);
+}
+
 void fill(float* dst, float value, int64_t n) {
   if (n > 0) std::fill(dst, dst + n, value);
 }

@@ -2,6 +2,7 @@
 // model does to its buffers between kernels, behind the front so that a device backend can own
 // the buffers. Exact: no rounding but add_into's one addition per element.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/cpu/contract.h"
@@ -9,6 +10,8 @@
 namespace sigma::cpu {
 
 void copy(float* dst, const float* src, int64_t n);         // dst = src (no overlap)
+// Bytes (no overlap): a host backend's upload, download and device copy alike.
+void copy_bytes(void* dst, const void* src, size_t bytes);
 void fill(float* dst, float value, int64_t n);              // dst = value
 void add_into(float* dst, const float* src, int64_t n);     // dst += src
 

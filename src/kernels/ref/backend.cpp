@@ -3,6 +3,9 @@
 // fp32 Adam.
 #include <cmath>
 #include <cstring>
+#include <vector>
+
+#include "core/bf16.h"
 
 #include "core/error.h"
 #include "core/tensor.h"
@@ -59,6 +62,106 @@ void scatter_rows(float* dst, const float* src, const int32_t* order, int64_t N,
     }
 }
 
+void copy_bytes(void* dst, const void* src, size_t bytes) {
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  for (size_t i = 0; i < bytes; ++i) d[i] = s[i];
+}
+
+double sum_sq(const float* x, int64_t n) {  // a plain sum in double (not the cpu's chunk order)
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += double(x[i]) * double(x[i]);
+  return s;
+}
+void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(x[i]);
+}
+
+// The learned gate in double: the softmax, the top-k on the double probabilities, the weights.
+void gate_softmax_topk(float* probs, int32_t* choice, float* gate, const float* z,
+                       const int32_t* width, const int32_t* base, int k, int64_t N,
+                       int64_t Kmax) {
+  std::vector<double> p(static_cast<size_t>(Kmax));
+  for (int64_t r = 0; r < N; ++r) {
+    const int K = width[r];
+    double mx = z[r * Kmax], sum = 0;
+    for (int e = 1; e < K; ++e) mx = std::max(mx, double(z[r * Kmax + e]));
+    for (int e = 0; e < K; ++e) sum += p[size_t(e)] = std::exp(double(z[r * Kmax + e]) - mx);
+    for (int e = 0; e < Kmax; ++e) probs[r * Kmax + e] = e < K ? float(p[size_t(e)] / sum) : 0.0f;
+    int e1 = 0;
+    for (int e = 1; e < K; ++e)
+      if (p[size_t(e)] > p[size_t(e1)]) e1 = e;
+    choice[r * 2] = base[r] + e1;
+    choice[r * 2 + 1] = -1;
+    gate[r * 2 + 1] = 0.0f;
+    if (k == 1 || K == 1) {
+      gate[r * 2] = k == 1 ? float(p[size_t(e1)] / sum) : 1.0f;
+      continue;
+    }
+    int e2 = e1 == 0 ? 1 : 0;
+    for (int e = 0; e < K; ++e)
+      if (e != e1 && p[size_t(e)] > p[size_t(e2)]) e2 = e;
+    const double s2 = p[size_t(e1)] + p[size_t(e2)];
+    choice[r * 2 + 1] = base[r] + e2;
+    gate[r * 2] = float(p[size_t(e1)] / s2);
+    gate[r * 2 + 1] = float(p[size_t(e2)] / s2);
+  }
+}
+void gate_combine(float* y, const float* yg, const float* gate, const int32_t* pos, int64_t N,
+                  int64_t d) {
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      double acc = y[r * d + c];
+      for (int s = 0; s < 2; ++s)
+        if (pos[r * 2 + s] >= 0) acc += double(gate[r * 2 + s]) * yg[pos[r * 2 + s] * d + c];
+      y[r * d + c] = float(acc);
+    }
+}
+void gate_expert_dy(float* gdy, float* dgate, const float* dy, const float* yg, const float* gate,
+                    const int32_t* pos, int64_t N, int64_t d) {
+  for (int64_t r = 0; r < N; ++r)
+    for (int s = 0; s < 2; ++s) {
+      const int64_t j = pos[r * 2 + s];
+      double acc = 0;
+      for (int64_t c = 0; j >= 0 && c < d; ++c) {
+        gdy[j * d + c] = float(double(gate[r * 2 + s]) * dy[r * d + c]);
+        acc += double(dy[r * d + c]) * yg[j * d + c];
+      }
+      dgate[r * 2 + s] = float(acc);
+    }
+}
+void gate_backward_dz(float* dx, float* dz, const float* gdx, const float* dgate,
+                      const float* probs, const int32_t* choice, const int32_t* pos,
+                      const int32_t* width, const int32_t* base, const float* aux, int k,
+                      int64_t N, int64_t d, int64_t Kmax) {
+  std::vector<double> dp(static_cast<size_t>(Kmax));
+  for (int64_t r = 0; r < N; ++r) {
+    for (int64_t c = 0; c < d; ++c) {
+      double acc = dx[r * d + c];
+      for (int s = 0; s < 2; ++s)
+        if (pos[r * 2 + s] >= 0) acc += gdx[pos[r * 2 + s] * d + c];
+      dx[r * d + c] = float(acc);
+    }
+    const int o = base[r], K = width[r];
+    const float* pr = probs + r * Kmax;
+    std::fill(dp.begin(), dp.end(), 0.0);
+    const int e1 = choice[r * 2] - o, e2 = choice[r * 2 + 1];
+    if (k == 1) {
+      if (K > 1) dp[size_t(e1)] += dgate[r * 2];
+    } else if (e2 >= 0) {  // d/dp1 of p1/(p1+p2) = p2/s^2, of p2/(p1+p2) = -p2/s^2
+      const int b = e2 - o;
+      const double s = double(pr[e1]) + pr[b], s2 = s * s;
+      dp[size_t(e1)] += pr[b] / s2 * (double(dgate[r * 2]) - dgate[r * 2 + 1]);
+      dp[size_t(b)] += pr[e1] / s2 * (double(dgate[r * 2 + 1]) - dgate[r * 2]);
+    }
+    if (aux)
+      for (int e = 0; e < K; ++e) dp[size_t(e)] += aux[o + e];
+    double dot = 0;
+    for (int e = 0; e < K; ++e) dot += double(pr[e]) * dp[size_t(e)];
+    for (int e = 0; e < Kmax; ++e) dz[r * Kmax + e] = e < K ? float(pr[e] * (dp[size_t(e)] - dot)) : 0.0f;
+  }
+}
+
 }  // namespace
 
 extern const ops::Backend kBackend;
@@ -67,6 +170,9 @@ const ops::Backend kBackend = {
     .device = Device::Host,
     .alloc = &host_alloc,
     .free = &host_free,
+    .upload = &copy_bytes,
+    .download = &copy_bytes,
+    .copy_bytes = &copy_bytes,
     .gemm = &gemm<double>,
     .linear_forward = &linear_forward<double>,
     .linear_backward = &linear_backward<double>,
@@ -97,6 +203,12 @@ const ops::Backend kBackend = {
     .add_into = &add_into,
     .gather_rows = &gather_rows,
     .scatter_rows = &scatter_rows,
+    .sum_sq = &sum_sq,
+    .convert_bf16 = &convert_bf16,
+    .gate_softmax_topk = &gate_softmax_topk,
+    .gate_combine = &gate_combine,
+    .gate_expert_dy = &gate_expert_dy,
+    .gate_backward_dz = &gate_backward_dz,
 };
 
 }  // namespace sigma::ref

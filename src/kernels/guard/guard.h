@@ -1,0 +1,20 @@
+// The guard backend (`train.backend = guard`; docs/ops.md): the cpu kernels over memory that
+// host code cannot touch. Its allocations are whole pages of one reserved arena, kept
+// PROT_NONE except while one of its ops runs: an op's entry makes the arena's used pages
+// readable and writable, its exit makes them inaccessible again (ops in flight are counted, so
+// concurrent ops from OpenMP threads nest). A host read or write of a device tensor outside an
+// op faults at once; the SIGSEGV handler the arena installs names the guard, the address and
+// the allocation, prints a backtrace and re-raises. So a test suite run under the guard proves
+// that no code outside kernels/ dereferences device memory, without a device.
+#pragma once
+#include <cstddef>
+
+namespace sigma::guard {
+
+// True for an address inside the arena (device memory of the guard backend).
+bool owns(const void* p);
+// Bytes of live allocations (whole pages) and ops entered so far: for tests and the cost note.
+size_t live_bytes();
+long long ops_entered();
+
+}  // namespace sigma::guard
