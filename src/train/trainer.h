@@ -55,6 +55,9 @@ nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load);
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
                                  int rows_per_domain);
 
+// This process's peak resident memory so far (VmHWM), MiB; 0 where /proc does not say.
+double peak_rss_mib();
+
 TrainSummary train(Config cfg, const RunOptions& run);
 
 }  // namespace sigma
