@@ -3,13 +3,13 @@
 # experts in the model (train.experts = model: every parameter data parallel, ZeRO-1),
 # accum = ranks (24 rows per rank), 2 steps, at R = 1, 2 and 4 ranks. Each rank's VmHWM comes
 # from /usr/bin/time (so a sigma without summary.json's peak_rss_mib_per_rank can be compared).
-#   bench/dp_memory.sh [path/to/sigma] [extra --set ...]
+#   [RANKS="1 2 4"] bench/dp_memory.sh [path/to/sigma] [extra --set ...]
 set -euo pipefail
 sigma=${1:-build/sigma}
 shift || true
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for R in 1 2 4; do
+for R in ${RANKS:-1 2 4}; do
   mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$R" \
     bash -c '/usr/bin/time -f "%M" -o "$0/rss.$OMPI_COMM_WORLD_RANK" "$@"' "$work" \
     "$sigma" train --set train.accum="$R" --set train.experts=model --set train.steps=2 \

@@ -303,7 +303,7 @@ TEST(Distributed, RanksStartedDifferentlyStopWithOneLine) {
   TempDir t("disagree");
   const std::string mpmd = "mpirun --allow-run-as-root --oversubscribe --bind-to none ";
   auto part = [&](int n, const std::string& extra) {
-    return fmt::format("-np {} {} {} {}", n, SIGMA_BINARY, train_args(kDense, 3, 4), extra);
+    return fmt::format("-np {} {} {} {}", n, SIGMA_BINARY, train_args(kDense, 3, 3), extra);
   };
   struct Case {
     std::string a, b, expect;

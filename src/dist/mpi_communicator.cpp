@@ -241,7 +241,7 @@ class MpiCommunicator final : public Communicator {
   // two ranks on one tag arrive in order, so each piece is reassembled in place.
   void exchange(const std::vector<Piece>& sends, const std::vector<Piece>& recvs, const char* what) {
     std::vector<MPI_Request> reqs;
-    std::vector<int> peer_of;  // receives only: the rank each request waits for
+    std::vector<int> peer_of;  // the rank each request waits for
     const size_t chunk = max_message_elements();
     for (const Piece& p : recvs)
       for (size_t off = 0; off < p.n; off += chunk) {
@@ -250,10 +250,10 @@ class MpiCommunicator final : public Communicator {
         MPI_Irecv(p.data + off, int(std::min(chunk, p.n - off)), MPI_FLOAT, p.peer, kExchangeTag,
                   comm_, &reqs.back());
       }
-    const size_t receives = reqs.size();
     for (const Piece& p : sends)
       for (size_t off = 0; off < p.n; off += chunk) {
         reqs.emplace_back();
+        peer_of.push_back(p.peer);
         MPI_Isend(p.data + off, int(std::min(chunk, p.n - off)), MPI_FLOAT, p.peer, kExchangeTag,
                   comm_, &reqs.back());
       }
@@ -265,13 +265,15 @@ class MpiCommunicator final : public Communicator {
       MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
       if (done) break;
       if (++polls < 200) continue;
-      if (timed_out(start)) {  // the ranks we still wait to hear from
+      if (timed_out(start)) {  // the ranks that neither sent to us nor took what we sent
         std::vector<int> silent;
-        for (size_t i = 0; i < receives; ++i) {
+        for (size_t i = 0; i < reqs.size(); ++i) {
           int got = 0;
           MPI_Test(&reqs[i], &got, MPI_STATUS_IGNORE);
-          if (!got) silent.push_back(peer_of[i]);
+          if (!got && std::find(silent.begin(), silent.end(), peer_of[i]) == silent.end())
+            silent.push_back(peer_of[i]);
         }
+        std::sort(silent.begin(), silent.end());
         give_up(what, start, silent);
       }
       std::this_thread::sleep_for(nap);
