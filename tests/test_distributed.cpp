@@ -367,7 +367,7 @@ TEST(DistributedChild, ChunkedCollectives) {
       ASSERT_EQ(mine, want) << chunk << " " << n;
       // all_gather_v and all_to_all_v with uneven counts: rank r sends n + r + q to rank q
       std::vector<int64_t> counts{int64_t(n), int64_t(n + 4), int64_t(2 * n + 1)};
-      std::vector<float> v(size_t(counts[size_t(me)])), gathered(size_t(3 * n + 5) + n);
+      std::vector<float> v(static_cast<size_t>(counts[size_t(me)])), gathered(4 * n + 5);
       for (size_t i = 0; i < v.size(); ++i) v[i] = value(me, i);
       world->all_gather_v(gathered.data(), v.data(), counts.data());
       size_t at = 0;
