@@ -328,7 +328,7 @@ TEST(Distributed, RanksStartedDifferentlyStopWithOneLine) {
 TEST(Distributed, ChunkedCollectivesGiveTheSameResults) {
   SKIP_WITHOUT_MPI();
   const CmdResult r = run_cmd("SIGMA_TEST_CHILD=1 " + kMpirun + "3 /proc/" + std::to_string(getpid()) +
-                              "/exe --gtest_filter=DistributedChild.* 2>&1");
+                              "/exe --gtest_color=no --gtest_filter=DistributedChild.* 2>&1");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("[  PASSED  ] 1 test"), std::string::npos) << r.out;
 }

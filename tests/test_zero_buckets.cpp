@@ -22,8 +22,9 @@ ParamSet make_params() {
   return ps;
 }
 
-float grad_of(int rank, size_t param, int64_t i) { return 0.1f * float(rank + 1) + 0.37f * float(param) + 1.0f / float(i + 3); }
-float value_of(size_t param, int64_t i) { return 3.0f * float(param) - 0.01f * float(i); }
+// Not inlined: one compiled body, so FMA contraction cannot make two call sites differ.
+[[gnu::noinline]] float grad_of(int rank, size_t param, int64_t i) { return 0.1f * float(rank + 1) + 0.37f * float(param) + 1.0f / float(i + 3); }
+[[gnu::noinline]] float value_of(size_t param, int64_t i) { return 3.0f * float(param) - 0.01f * float(i); }
 
 // Runs reduce + gather on R thread ranks with the given bucket; returns, per rank, the
 // owned gradients (concatenated in parameter order) and every value.
