@@ -6,6 +6,9 @@ against a learned top-2 gate (docs/scaling.md explains every input and where it 
     python3 bench/scaling_model.py --eta 0.3 --host-gbs 300 --imbalance 1.2
 
 Every time is per step and per server (8 devices), the slowest part of a synchronous step.
+The paper's layout ([S], its System section): 8-way op-level model parallelism (tp) inside a
+server, 64-way expert parallelism without replicas and 64-way data parallelism for the rest.
+--tp moves the first axis (dp = 512 / tp); --tp-table prints the step at tp = 1..16.
 Tags: [S] stated by the paper or the vendor, [D] derived here from stated figures, [M] measured
 on Sigma's machine (docs/benchmarks.md), [A] assumed.
 """
@@ -18,11 +21,13 @@ def inputs(a):
     d, L = 5120, 40                        # [S] PanGu-alpha 13B shape
     return dict(
         d=d, L=L, T=1024, V=40064,         # [S]
-        rre_blocks=8, experts=640,         # [D] the only round (N, E) that gives 1.085 T
-        groups=40, per_group=16,           # [A] one group per domain, 40 domains [S]
-        group_devices=16,                  # [A] a group's 128 experts (26.8 G) on 2 servers
-        devices=512, per_server=8,         # [S]
-        tokens_per_step=512 * 1024,        # [A] global batch 512 x 1024
+        rre_blocks=8, experts=640,         # [D] N = 8 from 1.085 T; 640 experts [S] (Fig. 11)
+        groups=40, per_group=16,           # [S] 640 experts in 40 domain groups; 16 = the mean
+        group_devices=16,                  # [D] 64-way expert parallel [S]: 10 experts per
+                                           #     server and block, a group of 16 over 2 servers
+        devices=512, per_server=8,         # [S] 64 nodes x 8 Ascend 910
+        tp=a.tp,                           # [S] 8-way model parallel (the default)
+        tokens_per_step=512 * 1024,        # [S] global batch 512 x sequence length 1024
         peak=256e12,                       # [S] Ascend 910 fp16 FLOP/s
         eta=a.eta,                         # [A] from [M] 0.51-0.74 of GEMM peak for a whole step
         hccs=30 * GB,                      # [S] one 240 Gb/s HCCS port; a device has 3
@@ -50,6 +55,8 @@ def model(p, router, active):
     dense_params = L * 12 * d * d + p["V"] * d            # what one token multiplies, RRE
     expert_params = p["rre_blocks"] * p["experts"] * ffn
     servers = p["devices"] // p["per_server"]
+    tp = p["tp"]                                          # devices sharing one model replica
+    dp = p["devices"] // tp                               # replicas of the shared part
     n = p["tokens_per_step"] / servers                    # tokens per server and step
     flops_dense = 6 * (dense_params - p["rre_blocks"] * ffn) + 12 * L * T * d
     expert_flops = 6 * p["rre_blocks"] * ffn              # one expert per token and RRE block
@@ -59,14 +66,20 @@ def model(p, router, active):
     t = {}
     t["dense compute"] = n * flops_dense / server_flops
     t["expert compute"] = n * expert_flops * rows * load / server_flops
-    # Op-level model parallelism inside the server: 2 all-reduces of [n, d] per block forward
-    # and 2 backward, ring over the 8 devices on HCCS.
-    ar = n * d * p["bytes_per"] * 2 * (p["per_server"] - 1) / p["per_server"]
-    t["op-parallel all-reduce (HCCS)"] = 4 * L * ar / (p["hccs"] * p["hccs_ports"] * p["a2a_eff"])
-    # Data-parallel gradient all-reduce of the shared parameters over the servers (RoCE), each
-    # device its 1/8 shard.
-    shared = (dense_params - p["rre_blocks"] * ffn + T * d) * p["bytes_per"] / p["per_server"]
-    t["gradient all-reduce (RoCE)"] = 2 * (servers - 1) / servers * shared / (p["roce"] * p["a2a_eff"])
+    # Op-level model parallelism (Megatron's split): 2 all-reduces of a replica's [tokens, d]
+    # per block forward and 2 backward, ring over its tp devices: on HCCS inside a server, on
+    # RoCE once tp spans servers. A server runs 8 / tp replicas side by side (tp <= 8).
+    if tp > 1:
+        replica_tokens = p["tokens_per_step"] / dp
+        ar = replica_tokens * d * p["bytes_per"] * 2 * (tp - 1) / tp
+        link = p["hccs"] * p["hccs_ports"] if tp <= p["per_server"] else p["roce"]
+        t["op-parallel all-reduce (HCCS)"] = 4 * L * ar / (link * p["a2a_eff"])
+    else:
+        t["op-parallel all-reduce (HCCS)"] = 0.0
+    # Data-parallel gradient all-reduce of the shared parameters over the dp replicas (RoCE),
+    # each device its 1/tp shard.
+    shared = (dense_params - p["rre_blocks"] * ffn + T * d) * p["bytes_per"] / tp
+    t["gradient all-reduce (RoCE)"] = 2 * (dp - 1) / dp * shared / (p["roce"] * p["a2a_eff"])
     # Expert exchange: 4 all-to-alls per block (dispatch and combine, forward and backward) of
     # each device's tokens' rows, to the devices holding the experts. RRE and the group's gate:
     # a group's experts on its own devices (group_devices, over 1-2 servers), the rows leave
@@ -88,7 +101,7 @@ def model(p, router, active):
     t["ECSS host Adam"] = mine * p["adam_bytes"] / (p["host"] * p["adam_frac"])
     pcie = mine * p["bytes_per"] / (p["pcie"] * p["per_server"])
     t["ECSS weights in + grads out (PCIe)"] = 2 * pcie
-    return t, dict(n=n, flops_dense=flops_dense, expert_flops=expert_flops, rows=rows, vol=vol,
+    return t, dict(shared_bytes=shared, n=n, flops_dense=flops_dense, expert_flops=expert_flops, rows=rows, vol=vol,
                    mine=mine, dense_params=dense_params, expert_params=expert_params)
 
 
@@ -116,6 +129,49 @@ def table(p, active):
         print(f"| {name} | " + " | ".join(f.format(v[r]) for r in routers) + " |")
 
 
+def rre_step(a, tp, active):
+    a.tp = tp
+    p = inputs(a)
+    t, info = model(p, "rre", active)
+    ecss = t["ECSS host Adam"] + t["ECSS weights in + grads out (PCIe)"]
+    total = sum(t.values())
+    return p, t, info, total, max(total - ecss, ecss)
+
+
+def tp_table(a):
+    print("| tp | dp | active groups | dense compute | op-parallel all-reduce | gradient all-reduce "
+          "| step, nothing overlapped | tokens/s | ECSS overlapped: tokens/s | shared fp16 weights + "
+          "grads per device |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for active in (1.0, 0.1):
+        for tp in (1, 2, 4, 8, 16):
+            p, t, info, total, overl = rre_step(a, tp, active)
+            gib = 2 * info["shared_bytes"] / 2**30
+            print(f"| {tp} | {p['devices'] // tp} | {active:.0%} | {t['dense compute']:.3f} | "
+                  f"{t['op-parallel all-reduce (HCCS)']:.3f} | {t['gradient all-reduce (RoCE)']:.3f} | "
+                  f"{total:.2f} | {p['tokens_per_step'] / total:,.0f} | "
+                  f"{p['tokens_per_step'] / overl:,.0f} | {gib:.1f} GiB |")
+
+
+def paper(a):
+    """The paper's own figures against the model at its layout (tp 8, dp 64, ep 64)."""
+    measured = 69905                               # [S] tokens/s, Introduction
+    print("| the model at tp 8 x dp 64 | step s | tokens/s | model / paper's 69,905 |")
+    print("|---|---:|---:|---:|")
+    steps = {}
+    for name, active, overlap in (("every group active, nothing overlapped", 1.0, False),
+                                  ("every group active, ECSS overlapped", 1.0, True),
+                                  ("stage 1: 4 of 40 groups active (0.1), nothing overlapped", 0.1, False),
+                                  ("stage 1, ECSS overlapped", 0.1, True)):
+        p, t, info, total, overl = rre_step(a, 8, active)
+        s = overl if overlap else total
+        steps[(active, overlap)] = s
+        print(f"| {name} | {s:.2f} | {p['tokens_per_step'] / s:,.0f} | {p['tokens_per_step'] / s / measured:.2f} |")
+    print(f"\nvanilla heterogeneous training (every expert through the host each step) / ECSS at "
+          f"0.1 active, nothing overlapped: {steps[(1.0, False)] / steps[(0.1, False)]:.2f}x "
+          f"(the paper: 6.3x with every technique combined)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--eta", type=float, default=0.5, help="fraction of the fp16 peak a step's FLOPs reach")
@@ -125,8 +181,19 @@ def main():
     ap.add_argument("--imbalance", type=float, default=1.5, help="RRE expert load max/mean")
     ap.add_argument("--active", type=float, nargs="*", default=[1.0, 0.25],
                     help="fractions of the groups one step draws from (one table each)")
+    ap.add_argument("--tp", type=int, default=8, help="op-level model-parallel degree (1-16)")
+    ap.add_argument("--tp-table", action="store_true",
+                    help="RRE's step at tp = 1, 2, 4, 8, 16 (every group active, and 0.1 active)")
+    ap.add_argument("--paper", action="store_true",
+                    help="the model's throughput against the paper's measured 69,905 tokens/s")
     a = ap.parse_args()
     p = inputs(a)
+    if a.tp_table:
+        tp_table(a)
+        return
+    if a.paper:
+        paper(a)
+        return
     _, info = model(p, "rre", 1.0)
     shared = info["dense_params"] - p["rre_blocks"] * 8 * p["d"] ** 2
     print(f"parameters: shared {shared:.4g}, experts {info['expert_params']:.4g}, total "

@@ -4,7 +4,10 @@
 // and a rank that dies or hangs must end the run within the timeout.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "dist/communicator.h"
 #include "train/checkpoint.h"
 
 using namespace sigma::testing;
@@ -252,12 +256,139 @@ TEST(Distributed, AnErrorOnOneRankEndsEveryRankAtOnce) {
   EXPECT_LT(seconds, 60.0) << "dist.timeout_s is 300: the other rank waited for it";
 }
 
-TEST(Distributed, ABatchTheRanksCannotSplitIsRefusedClearly) {
+// The global batch is the setting: ranks that cannot share its micro-batches as given get
+// smaller ones (the same rows), bit-identical to one rank run with those; a global batch the
+// ranks cannot share at all is refused with the nearest valid values.
+TEST(Distributed, RanksShareTheGlobalBatchOrAreRefusedWithTheNearestValidValues) {
   SKIP_WITHOUT_MPI();
   TempDir t("split");
-  const CmdResult r = train_on(2, train_args(kDense, 5, 3) + " --out " + (t / "o"));
+  // 4 x 3 = 12 rows on 2 ranks: 3 micro-batches cannot be shared, 4 of 3 rows can.
+  CmdResult r = train_on(2, train_args(kDense, 6, 3) + " --out " + (t / "two"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = train_on(1, train_args(kDense, 6, 4) + " --set train.batch=3 --out " + (t / "one"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(read_file(t / "two/checkpoints/step-00000006/model.safetensors") ==
+              read_file(t / "one/checkpoints/step-00000006/model.safetensors"));
+  EXPECT_EQ(metrics_without_speed(t / "two/metrics.jsonl"), metrics_without_speed(t / "one/metrics.jsonl"));
+  // The setting users think in: train.global_batch, train.accum derived.
+  r = train_on(2, train_args(kDense, 6, 1) + " --set train.global_batch=12 --set train.batch=3 "
+               "--out " + (t / "global"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(read_file(t / "global/checkpoints/step-00000006/model.safetensors") ==
+              read_file(t / "one/checkpoints/step-00000006/model.safetensors"));
+  // 10 rows on 4 ranks cannot be shared; nothing is left behind.
+  r = train_on(4, train_args(kDense, 5, 1) + " --set train.global_batch=10 --set train.batch=5 "
+               "--out " + (t / "o"));
   EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.out.find("train.accum must be the number of ranks times a power of two"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("4 ranks cannot share a global batch of 10 rows"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("nearest valid: train.global_batch = 8 or 12, or mpirun -np 2 or 5"),
+            std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(t / "o/metrics.jsonl"));
+}
+
+// mpirun -np 2 sigma train with nothing set: the main job's batch (1 x 24 rows) is shared.
+TEST(Distributed, TheDefaultJobRunsOnTwoRanks) {
+  SKIP_WITHOUT_MPI();
+  const CmdResult r = train_on(2, "train --set train.steps=2 --set train.threads=1 --set "
+                               "train.eval_rows=8");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("2 ranks share the global batch of 24 rows as 2 micro-batches of 12 rows"),
+            std::string::npos) << r.out;
+}
+
+// Ranks started with different configs or seeds: one line naming the first differing key and
+// the ranks on each side; every rank stops (mpirun exits non-zero) before any step.
+TEST(Distributed, RanksStartedDifferentlyStopWithOneLine) {
+  SKIP_WITHOUT_MPI();
+  TempDir t("disagree");
+  const std::string mpmd = "mpirun --allow-run-as-root --oversubscribe --bind-to none ";
+  auto part = [&](int n, const std::string& extra) {
+    return fmt::format("-np {} {} {} {}", n, SIGMA_BINARY, train_args(kDense, 3, 3), extra);
+  };
+  struct Case {
+    std::string a, b, expect;
+  };
+  for (const Case& c : {Case{"--set train.seed=1", "--set train.seed=7",
+                             "train.seed is 1 on ranks 0-1, 7 on rank 2"},
+                        Case{"", "--set model.d_model=48",
+                             "model.d_model is 32 on ranks 0-1, 48 on rank 2"}}) {
+    const CmdResult r = run_cmd(mpmd + part(2, c.a + " --out " + (t / "x")) + " : " + part(1, c.b));
+    EXPECT_NE(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("the ranks were started differently: " + c.expect), std::string::npos) << r.out;
+    size_t lines = 0;
+    for (size_t at = r.out.find("sigma: error:"); at != std::string::npos; at = r.out.find("sigma: error:", at + 1))
+      ++lines;
+    EXPECT_EQ(lines, 1u) << r.out;
+    EXPECT_FALSE(fs::exists(t / "x/metrics.jsonl"));
+  }
+}
+
+// Collectives longer than one MPI message go in chunks (here of 5 elements; in a run, of 2^30)
+// and give what one message gives. Runs as DistributedChild under mpirun -np 3.
+TEST(Distributed, ChunkedCollectivesGiveTheSameResults) {
+  SKIP_WITHOUT_MPI();
+  const CmdResult r = run_cmd("SIGMA_TEST_CHILD=1 " + kMpirun + "3 /proc/" + std::to_string(getpid()) +
+                              "/exe --gtest_color=no --gtest_filter=DistributedChild.* 2>&1");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("[  PASSED  ] 1 test"), std::string::npos) << r.out;
+}
+
+TEST(DistributedChild, ChunkedCollectives) {
+  if (!std::getenv("SIGMA_TEST_CHILD")) GTEST_SKIP() << "started by Distributed.ChunkedCollectives...";
+  auto world = sigma::make_world(60);
+  const int R = world->size(), me = world->rank();
+  ASSERT_EQ(R, 3);
+  auto value = [](int rank, size_t i) { return float(rank * 1000 + int(i)) * 0.37f + 1.0f / float(i + 1); };
+  for (size_t chunk : {size_t(1) << 30, size_t(5)}) {
+    sigma::set_max_message_elements(chunk);
+    for (size_t n : {size_t(0), size_t(1), size_t(5), size_t(13)}) {
+      // all_gather
+      std::vector<float> in(n), out(n * 3);
+      for (size_t i = 0; i < n; ++i) in[i] = value(me, i);
+      world->all_gather(out.data(), in.data(), n);
+      for (int r = 0; r < R; ++r)
+        for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[size_t(r) * n + i], value(r, i)) << chunk << " " << n;
+      // all_reduce_sum and reduce_scatter_sum: tree_sum over the ranks' parts
+      std::vector<float> parts(3 * n), want(n);
+      for (int r = 0; r < R; ++r)
+        for (size_t i = 0; i < n; ++i) parts[size_t(r) * n + i] = value(r, i);
+      const float* p[3] = {parts.data(), parts.data() + n, parts.data() + 2 * n};
+      sigma::tree_sum(want.data(), p, 3, int64_t(n));
+      std::vector<float> sum = in;
+      world->all_reduce_sum(sum.data(), n);
+      ASSERT_EQ(sum, want) << chunk << " " << n;
+      std::vector<float> full(3 * n), mine(n);
+      for (int r = 0; r < R; ++r)
+        for (size_t i = 0; i < n; ++i) full[size_t(r) * n + i] = value(me, size_t(r) * n + i);
+      world->reduce_scatter_sum(mine.data(), full.data(), n);
+      for (int r = 0; r < R; ++r)
+        for (size_t i = 0; i < n; ++i) parts[size_t(r) * n + i] = value(r, size_t(me) * n + i);
+      sigma::tree_sum(want.data(), p, 3, int64_t(n));
+      ASSERT_EQ(mine, want) << chunk << " " << n;
+      // all_gather_v and all_to_all_v with uneven counts: rank r sends n + r + q to rank q
+      std::vector<int64_t> counts{int64_t(n), int64_t(n + 4), int64_t(2 * n + 1)};
+      std::vector<float> v(static_cast<size_t>(counts[size_t(me)])), gathered(4 * n + 5);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = value(me, i);
+      world->all_gather_v(gathered.data(), v.data(), counts.data());
+      size_t at = 0;
+      for (int r = 0; r < R; ++r)
+        for (int64_t i = 0; i < counts[size_t(r)]; ++i) ASSERT_EQ(gathered[at++], value(r, size_t(i)));
+      std::vector<int64_t> sc(3), rc(3);
+      for (int q = 0; q < R; ++q) sc[size_t(q)] = int64_t(n) + me + q, rc[size_t(q)] = int64_t(n) + q + me;
+      std::vector<float> send, recv(size_t(rc[0] + rc[1] + rc[2]));
+      for (int q = 0; q < R; ++q)
+        for (int64_t i = 0; i < sc[size_t(q)]; ++i) send.push_back(value(me, size_t(q * 100 + i)));
+      world->all_to_all_v(send.data(), sc.data(), recv.data(), rc.data());
+      at = 0;
+      for (int q = 0; q < R; ++q)
+        for (int64_t i = 0; i < rc[size_t(q)]; ++i) ASSERT_EQ(recv[at++], value(q, size_t(me * 100 + i)));
+      // broadcast of bytes
+      std::vector<char> bytes(n * 3 + 1, char(me == 1 ? 'x' : 'y'));
+      world->broadcast(bytes.data(), bytes.size(), 1);
+      for (char c : bytes) ASSERT_EQ(c, 'x');
+    }
+  }
+  world->barrier();
 }
 
 // Starts a long 2-rank run, waits for its first checkpoint, sends `signal` to rank 1 and
@@ -313,5 +444,6 @@ TEST(Distributed, AHungRankEndsTheRunAfterTheTimeout) {
   EXPECT_GT(f.seconds, 4.0) << f.out;   // dist.timeout_s = 5
   EXPECT_LT(f.seconds, 60.0) << f.out;
   EXPECT_NE(f.out.find("a rank died or hangs"), std::string::npos) << f.out;
+  EXPECT_NE(f.out.find("rank 1 never entered it (waiting: rank 0)"), std::string::npos) << f.out;
   EXPECT_EQ(sigma_cmd("inspect --ckpt " + (t / "run") + "/checkpoints").code, 0);
 }

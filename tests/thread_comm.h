@@ -36,9 +36,9 @@ class ThreadComm final : public Communicator {
   int size() const override { return s_->size; }
   int world_rank(int r) const override { return s_->world.empty() ? r : s_->world[size_t(r)]; }
 
-  void all_reduce_sum(float* x, int64_t n) override { sum_all(x, n); }
-  void all_reduce_sum(double* x, int64_t n) override { sum_all(x, n); }
-  void reduce_scatter_sum(float* out, const float* in, int64_t n) override {
+  void all_reduce_sum(float* x, size_t n) override { sum_all(x, n); }
+  void all_reduce_sum(double* x, size_t n) override { sum_all(x, n); }
+  void reduce_scatter_sum(float* out, const float* in, size_t n) override {
     count_uniform(n * 4);
     post(in);
     std::vector<const float*> parts(static_cast<size_t>(size()));
@@ -46,8 +46,8 @@ class ThreadComm final : public Communicator {
     tree_sum(out, parts.data(), size(), n);
     s_->sync.arrive_and_wait();
   }
-  void all_gather(float* out, const float* in, int64_t n) override { gather(out, in, n); }
-  void all_gather(double* out, const double* in, int64_t n) override { gather(out, in, n); }
+  void all_gather(float* out, const float* in, size_t n) override { gather(out, in, n); }
+  void all_gather(double* out, const double* in, size_t n) override { gather(out, in, n); }
   void all_gather_v(float* out, const float* in, const int64_t* counts) override {
     count_uniform(counts[rank_] * 4);
     post(in);

@@ -23,16 +23,33 @@ void Communicator::count_uniform(int64_t bytes_each) {
   count(std::vector<int64_t>(size_t(size()), bytes_each));
 }
 
-void SingleProcess::reduce_scatter_sum(float* out, const float* in, int64_t n) {
-  if (out != in) std::memmove(out, in, size_t(n) * sizeof(float));
+// Every rank's record in turn: any implementation's broadcast gives it (MPI's overrides it).
+void Communicator::all_gather_bytes(void* out, const void* in, size_t bytes) {
+  char* o = static_cast<char*>(out);
+  std::memcpy(o + size_t(rank()) * bytes, in, bytes);
+  for (int r = 0; r < size(); ++r) broadcast(o + size_t(r) * bytes, bytes, r);
 }
 
-void SingleProcess::all_gather(float* out, const float* in, int64_t n) {
-  if (out != in) std::memmove(out, in, size_t(n) * sizeof(float));
+namespace {
+size_t g_max_message = size_t(1) << 30;  // elements; below INT_MAX for every MPI type
+}  // namespace
+
+size_t max_message_elements() { return g_max_message; }
+void set_max_message_elements(size_t n) {
+  SIGMA_CHECK(n >= 1 && n <= size_t(1) << 30, "max_message_elements: {} is not in [1, 2^30]", n);
+  g_max_message = n;
 }
 
-void SingleProcess::all_gather(double* out, const double* in, int64_t n) {
-  if (out != in) std::memmove(out, in, size_t(n) * sizeof(double));
+void SingleProcess::reduce_scatter_sum(float* out, const float* in, size_t n) {
+  if (out != in) std::memmove(out, in, n * sizeof(float));
+}
+
+void SingleProcess::all_gather(float* out, const float* in, size_t n) {
+  if (out != in) std::memmove(out, in, n * sizeof(float));
+}
+
+void SingleProcess::all_gather(double* out, const double* in, size_t n) {
+  if (out != in) std::memmove(out, in, n * sizeof(double));
 }
 
 void SingleProcess::all_gather_v(float* out, const float* in, const int64_t* counts) {

@@ -30,14 +30,18 @@ class Communicator {
   // This communicator's rank r as a rank of the world (the process group of the run).
   virtual int world_rank(int r) const { return r; }
 
+  // Counts are size_t: a collective may exceed MPI's int counts (2^31 elements); the MPI
+  // implementation sends such a one in chunks (max_message_elements).
   // data[n] = sum over ranks of data[n]: every rank gets the same bits (tree_sum in rank order).
-  virtual void all_reduce_sum(float* data, int64_t n) = 0;
-  virtual void all_reduce_sum(double* data, int64_t n) = 0;
+  virtual void all_reduce_sum(float* data, size_t n) = 0;
+  virtual void all_reduce_sum(double* data, size_t n) = 0;
   // out[n] = the sum over ranks of in[rank * n .. rank * n + n) (in holds size() * n).
-  virtual void reduce_scatter_sum(float* out, const float* in, int64_t n) = 0;
+  virtual void reduce_scatter_sum(float* out, const float* in, size_t n) = 0;
   // out[size() * n]: rank r's in[n] at out + r * n.
-  virtual void all_gather(float* out, const float* in, int64_t n) = 0;
-  virtual void all_gather(double* out, const double* in, int64_t n) = 0;
+  virtual void all_gather(float* out, const float* in, size_t n) = 0;
+  virtual void all_gather(double* out, const double* in, size_t n) = 0;
+  // out[size() * bytes]: rank r's bytes at out + r * bytes (start-up agreement, small records).
+  virtual void all_gather_bytes(void* out, const void* in, size_t bytes);
   // out[sum of counts]: rank r's in[counts[r]] packed in rank order.
   virtual void all_gather_v(float* out, const float* in, const int64_t* counts) = 0;
   // Personalised exchange: send_counts[r] elements of `send` (packed in rank order) go to rank
@@ -67,11 +71,11 @@ class SingleProcess final : public Communicator {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  void all_reduce_sum(float*, int64_t) override {}
-  void all_reduce_sum(double*, int64_t) override {}
-  void reduce_scatter_sum(float* out, const float* in, int64_t n) override;
-  void all_gather(float* out, const float* in, int64_t n) override;
-  void all_gather(double* out, const double* in, int64_t n) override;
+  void all_reduce_sum(float*, size_t) override {}
+  void all_reduce_sum(double*, size_t) override {}
+  void reduce_scatter_sum(float* out, const float* in, size_t n) override;
+  void all_gather(float* out, const float* in, size_t n) override;
+  void all_gather(double* out, const double* in, size_t n) override;
   void all_gather_v(float* out, const float* in, const int64_t* counts) override;
   void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
                     const int64_t* recv_counts) override;
@@ -79,6 +83,12 @@ class SingleProcess final : public Communicator {
   void barrier() override {}
   std::unique_ptr<Communicator> split(int) override { return std::make_unique<SingleProcess>(); }
 };
+
+// The most elements one MPI message carries (MPI counts are int): longer collectives go in
+// chunks of this many, which also bounds their temporary buffers. Settable for tests, which
+// check the chunked paths on small data.
+size_t max_message_elements();
+void set_max_message_elements(size_t n);
 
 // out[i] = the sum of parts[0..P)[i] added as a fixed binary tree: the first 2^k parts (the
 // largest power of two below P) and the rest summed recursively, then added. A tree over

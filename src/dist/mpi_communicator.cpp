@@ -1,16 +1,21 @@
 // Open MPI behind the Communicator seam (DESIGN §9). Built when SIGMA_MPI is on.
 //
 // Every collective is started non-blocking and then polled, so that a rank waiting for a peer
-// that died or hangs notices it: after dist.timeout_s it prints who waited where and aborts
-// the run (MPI_Abort ends every rank; mpirun exits non-zero). Polling backs off to short
-// sleeps, which also keeps waiting ranks from spinning on cores that working ranks need.
+// that died or hangs notices it: after dist.timeout_s it asks the other ranks which of them are
+// waiting too, names the ones that never entered the call, and aborts the run (MPI_Abort ends
+// every rank; mpirun exits non-zero). Polling backs off to short sleeps, which also keeps
+// waiting ranks from spinning on cores that working ranks need.
 // Sums are deterministic: the parts are gathered and added by tree_sum in rank order.
+// Counts beyond MPI's int go in chunks of max_message_elements(): a strided datatype places
+// each rank's chunk, and the personalised exchanges are point-to-point messages.
 #include <mpi.h>
 
 #include <exception>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <thread>
@@ -22,10 +27,28 @@ namespace sigma {
 
 namespace {
 
-int to_int(int64_t n, const char* what) {
-  SIGMA_CHECK(n >= 0 && n <= INT_MAX, "{}: {} elements do not fit one MPI message", what, n);
-  return int(n);
-}
+constexpr int kExchangeTag = 7100;  // point-to-point pieces of all_to_all_v / all_gather_v
+constexpr int kWaitingTag = 7101;   // "I am waiting in call #k" after a timeout
+
+template <class T> MPI_Datatype mpi_type();
+template <> MPI_Datatype mpi_type<float>() { return MPI_FLOAT; }
+template <> MPI_Datatype mpi_type<double>() { return MPI_DOUBLE; }
+
+// `len` elements of T whose copies for successive ranks lie `stride` elements apart: one
+// rank's chunk of a collective over more elements than an int counts.
+struct Strided {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  Strided(MPI_Datatype elem, size_t len, size_t stride) {
+    MPI_Datatype block;
+    MPI_Aint lb = 0, extent = 0;
+    MPI_Type_get_extent(elem, &lb, &extent);
+    MPI_Type_contiguous(int(len), elem, &block);
+    MPI_Type_create_resized(block, 0, MPI_Aint(stride) * extent, &type);
+    MPI_Type_commit(&type);
+    MPI_Type_free(&block);
+  }
+  ~Strided() { MPI_Type_free(&type); }
+};
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -60,64 +83,102 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   int world_rank(int r) const override { return world_ranks_[size_t(r)]; }
 
-  void all_reduce_sum(float* data, int64_t n) override { sum_all(data, n, MPI_FLOAT); }
-  void all_reduce_sum(double* data, int64_t n) override { sum_all(data, n, MPI_DOUBLE); }
+  void all_reduce_sum(float* data, size_t n) override { sum_all(data, n); }
+  void all_reduce_sum(double* data, size_t n) override { sum_all(data, n); }
 
-  void reduce_scatter_sum(float* out, const float* in, int64_t n) override {
-    std::vector<float> parts(size_t(n) * size_t(size_));
-    const int c = to_int(n, "reduce_scatter_sum");
-    count_uniform(n * int64_t(sizeof(float)));
-    MPI_Request req;
-    MPI_Ialltoall(in, c, MPI_FLOAT, parts.data(), c, MPI_FLOAT, comm_, &req);
-    wait(req, "reduce_scatter_sum");
+  // Chunk by chunk: rank r's part of each chunk, R parts summed by tree_sum.
+  void reduce_scatter_sum(float* out, const float* in, size_t n) override {
+    count_uniform(int64_t(n * sizeof(float)));
+    const size_t chunk = std::min(n, max_message_elements());
+    std::vector<float> parts(chunk * size_t(size_));
     std::vector<const float*> p(static_cast<size_t>(size_));
-    for (int r = 0; r < size_; ++r) p[size_t(r)] = parts.data() + size_t(r) * size_t(n);
-    tree_sum(out, p.data(), size_, n);
+    for (size_t off = 0; off < n; off += chunk) {
+      const size_t len = std::min(chunk, n - off);
+      const Strided each(MPI_FLOAT, len, n);  // rank r's len elements at in + r * n + off
+      MPI_Request req;
+      MPI_Ialltoall(in + off, 1, each.type, parts.data(), int(len), MPI_FLOAT, comm_, &req);
+      wait(req, "reduce_scatter_sum");
+      for (int r = 0; r < size_; ++r) p[size_t(r)] = parts.data() + size_t(r) * len;
+      tree_sum(out + off, p.data(), size_, int64_t(len));
+    }
   }
 
-  void all_gather(float* out, const float* in, int64_t n) override { gather(out, in, n, MPI_FLOAT, sizeof(float)); }
-  void all_gather(double* out, const double* in, int64_t n) override { gather(out, in, n, MPI_DOUBLE, sizeof(double)); }
+  void all_gather(float* out, const float* in, size_t n) override { gather(out, in, n); }
+  void all_gather(double* out, const double* in, size_t n) override { gather(out, in, n); }
+
+  void all_gather_bytes(void* out, const void* in, size_t bytes) override {
+    SIGMA_CHECK(bytes <= size_t(INT_MAX), "all_gather_bytes: {} bytes in one record", bytes);
+    count_uniform(int64_t(bytes));
+    MPI_Request req;
+    MPI_Iallgather(in, int(bytes), MPI_BYTE, out, int(bytes), MPI_BYTE, comm_, &req);
+    wait(req, "all_gather_bytes");
+  }
 
   void all_gather_v(float* out, const float* in, const int64_t* counts) override {
-    std::vector<int> c(static_cast<size_t>(size_)), displ(static_cast<size_t>(size_));
-    int64_t at = 0;
-    for (int r = 0; r < size_; ++r) {
-      c[size_t(r)] = to_int(counts[r], "all_gather_v");
-      displ[size_t(r)] = to_int(at, "all_gather_v");
-      at += counts[r];
-    }
     count_uniform(counts[rank_] * int64_t(sizeof(float)));
-    MPI_Request req;
-    MPI_Iallgatherv(in, c[size_t(rank_)], MPI_FLOAT, out, c.data(), displ.data(), MPI_FLOAT, comm_, &req);
-    wait(req, "all_gather_v");
+    // Every rank holds the same counts, so every rank takes the same path.
+    int64_t total = 0, most = 0;
+    for (int r = 0; r < size_; ++r) total += counts[r], most = std::max(most, counts[r]);
+    if (total <= int64_t(max_message_elements())) {
+      std::vector<int> c(static_cast<size_t>(size_)), displ(static_cast<size_t>(size_));
+      for (int r = 0, at = 0; r < size_; at += c[size_t(r)], ++r) {
+        c[size_t(r)] = int(counts[r]);
+        displ[size_t(r)] = at;
+      }
+      MPI_Request req;
+      MPI_Iallgatherv(in, c[size_t(rank_)], MPI_FLOAT, out, c.data(), displ.data(), MPI_FLOAT,
+                      comm_, &req);
+      wait(req, "all_gather_v");
+      return;
+    }
+    std::vector<Piece> sends, recvs;
+    int64_t at = 0;
+    for (int r = 0; r < size_; at += counts[r], ++r) {
+      if (r == rank_) {
+        std::copy(in, in + counts[r], out + at);
+        continue;
+      }
+      sends.push_back({const_cast<float*>(in), size_t(counts[rank_]), r});
+      recvs.push_back({out + at, size_t(counts[r]), r});
+    }
+    exchange(sends, recvs, "all_gather_v");
   }
 
+  // Point-to-point: each pair knows its own counts, so no rank needs another's to agree on a
+  // path, and a piece longer than an int goes in several messages.
   void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
                     const int64_t* recv_counts) override {
-    std::vector<int> sc(static_cast<size_t>(size_)), sd(static_cast<size_t>(size_)), rc(static_cast<size_t>(size_)), rd(static_cast<size_t>(size_));
     std::vector<int64_t> bytes(static_cast<size_t>(size_));
+    std::vector<Piece> sends, recvs;
     int64_t s_at = 0, r_at = 0;
     for (int r = 0; r < size_; ++r) {
-      sc[size_t(r)] = to_int(send_counts[r], "all_to_all_v");
-      rc[size_t(r)] = to_int(recv_counts[r], "all_to_all_v");
-      sd[size_t(r)] = to_int(s_at, "all_to_all_v");
-      rd[size_t(r)] = to_int(r_at, "all_to_all_v");
+      SIGMA_CHECK(send_counts[r] >= 0 && recv_counts[r] >= 0, "all_to_all_v: negative count");
+      bytes[size_t(r)] = send_counts[r] * int64_t(sizeof(float));
+      if (r == rank_) {
+        SIGMA_CHECK(send_counts[r] == recv_counts[r], "all_to_all_v: rank {} sends {} elements "
+                    "to itself but expects {}", r, send_counts[r], recv_counts[r]);
+        std::copy(send + s_at, send + s_at + send_counts[r], recv + r_at);
+      } else {
+        sends.push_back({const_cast<float*>(send + s_at), size_t(send_counts[r]), r});
+        recvs.push_back({recv + r_at, size_t(recv_counts[r]), r});
+      }
       s_at += send_counts[r];
       r_at += recv_counts[r];
-      bytes[size_t(r)] = send_counts[r] * int64_t(sizeof(float));
     }
     count(bytes);
-    MPI_Request req;
-    MPI_Ialltoallv(send, sc.data(), sd.data(), MPI_FLOAT, recv, rc.data(), rd.data(), MPI_FLOAT,
-                   comm_, &req);
-    wait(req, "all_to_all_v");
+    exchange(sends, recvs, "all_to_all_v");
   }
 
   void broadcast(void* data, size_t bytes, int root) override {
     count_uniform(rank_ == root ? int64_t(bytes) : 0);
-    MPI_Request req;
-    MPI_Ibcast(data, to_int(int64_t(bytes), "broadcast"), MPI_BYTE, root, comm_, &req);
-    wait(req, "broadcast");
+    char* p = static_cast<char*>(data);
+    const size_t chunk = max_message_elements();
+    for (size_t off = 0; off < bytes || off == 0; off += chunk) {
+      MPI_Request req;
+      MPI_Ibcast(p + off, int(std::min(chunk, bytes - off)), MPI_BYTE, root, comm_, &req);
+      wait(req, "broadcast");
+      if (bytes == 0) break;
+    }
   }
 
   void barrier() override {
@@ -134,53 +195,182 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  template <class T>
-  void gather(T* out, const T* in, int64_t n, MPI_Datatype type, size_t elem) {
-    count_uniform(n * int64_t(elem));
-    MPI_Request req;
-    const int c = to_int(n, "all_gather");
-    MPI_Iallgather(in, c, type, out, c, type, comm_, &req);
-    wait(req, "all_gather");
-  }
+  struct Piece {
+    float* data;
+    size_t n;
+    int peer;
+  };
 
   template <class T>
-  void sum_all(T* data, int64_t n, MPI_Datatype type) {
-    std::vector<T> parts(size_t(n) * size_t(size_));
-    gather(parts.data(), data, n, type, sizeof(T));
+  void gather(T* out, const T* in, size_t n) {
+    count_uniform(int64_t(n * sizeof(T)));
+    if (n <= max_message_elements()) {
+      MPI_Request req;
+      MPI_Iallgather(in, int(n), mpi_type<T>(), out, int(n), mpi_type<T>(), comm_, &req);
+      wait(req, "all_gather");
+      return;
+    }
+    for (size_t off = 0; off < n; off += max_message_elements()) {
+      const size_t len = std::min(max_message_elements(), n - off);
+      const Strided each(mpi_type<T>(), len, n);  // rank r's chunk lands at out + r * n + off
+      MPI_Request req;
+      MPI_Iallgather(in + off, int(len), mpi_type<T>(), out + off, 1, each.type, comm_, &req);
+      wait(req, "all_gather");
+    }
+  }
+
+  // Chunk by chunk, so the temporary holds R chunks, not R copies of the whole vector.
+  template <class T>
+  void sum_all(T* data, size_t n) {
+    count_uniform(int64_t(n * sizeof(T)));
+    const size_t chunk = std::min(n, max_message_elements());
+    std::vector<T> parts(chunk * size_t(size_));
     std::vector<const T*> p(static_cast<size_t>(size_));
-    for (int r = 0; r < size_; ++r) p[size_t(r)] = parts.data() + size_t(r) * size_t(n);
-    tree_sum(data, p.data(), size_, n);
+    for (size_t off = 0; off < n; off += chunk) {
+      const size_t len = std::min(chunk, n - off);
+      MPI_Request req;
+      MPI_Iallgather(data + off, int(len), mpi_type<T>(), parts.data(), int(len), mpi_type<T>(),
+                     comm_, &req);
+      wait(req, "all_reduce_sum");
+      for (int r = 0; r < size_; ++r) p[size_t(r)] = parts.data() + size_t(r) * len;
+      tree_sum(data + off, p.data(), size_, int64_t(len));
+    }
   }
 
-  // Polls until `req` completes; aborts the run past the timeout.
+  // Sends and receives pieces in messages of at most max_message_elements(); messages between
+  // two ranks on one tag arrive in order, so each piece is reassembled in place.
+  void exchange(const std::vector<Piece>& sends, const std::vector<Piece>& recvs, const char* what) {
+    std::vector<MPI_Request> reqs;
+    std::vector<int> peer_of;  // the rank each request waits for
+    const size_t chunk = max_message_elements();
+    for (const Piece& p : recvs)
+      for (size_t off = 0; off < p.n; off += chunk) {
+        reqs.emplace_back();
+        peer_of.push_back(p.peer);
+        MPI_Irecv(p.data + off, int(std::min(chunk, p.n - off)), MPI_FLOAT, p.peer, kExchangeTag,
+                  comm_, &reqs.back());
+      }
+    for (const Piece& p : sends)
+      for (size_t off = 0; off < p.n; off += chunk) {
+        reqs.emplace_back();
+        peer_of.push_back(p.peer);
+        MPI_Isend(p.data + off, int(std::min(chunk, p.n - off)), MPI_FLOAT, p.peer, kExchangeTag,
+                  comm_, &reqs.back());
+      }
+    const auto start = Clock::now();
+    int polls = 0;
+    auto nap = std::chrono::microseconds(20);
+    while (true) {
+      int done = 0;
+      MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
+      if (done) break;
+      if (++polls < 200) continue;
+      if (timed_out(start)) {  // the ranks that neither sent to us nor took what we sent
+        std::vector<int> silent;
+        for (size_t i = 0; i < reqs.size(); ++i) {
+          int got = 0;
+          MPI_Test(&reqs[i], &got, MPI_STATUS_IGNORE);
+          if (!got && std::find(silent.begin(), silent.end(), peer_of[i]) == silent.end())
+            silent.push_back(peer_of[i]);
+        }
+        std::sort(silent.begin(), silent.end());
+        give_up(what, start, silent);
+      }
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(1000));
+    }
+    ++calls_;
+  }
+
+  using Clock = std::chrono::steady_clock;
+
+  bool timed_out(Clock::time_point start) const {
+    return timeout_s_ > 0 && std::chrono::duration<double>(Clock::now() - start).count() > timeout_s_;
+  }
+
+  // Polls until `req` completes; past the timeout, finds who never entered and aborts the run.
   void wait(MPI_Request& req, const char* what) {
-    using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
     int done = 0, polls = 0;
     auto nap = std::chrono::microseconds(20);
     while (true) {
       MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-      if (done) return;
+      if (done) break;
       if (++polls < 200) continue;
-      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-      if (timeout_s_ > 0 && waited > timeout_s_) {
-        int me = 0;
-        MPI_Comm_rank(MPI_COMM_WORLD, &me);
-        fmt::print(stderr, "sigma: error: rank {} waited {:.0f} s in {} for the other ranks "
-                   "(dist.timeout_s = {}): a rank died or hangs; aborting the run\n", me,
-                   waited, what, timeout_s_);
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 3);
-      }
+      if (timed_out(start)) give_up(what, start, waiting_peers_missing());
       std::this_thread::sleep_for(nap);
       nap = std::min(nap * 2, std::chrono::microseconds(1000));
     }
+    ++calls_;
+  }
+
+  // After a timeout in a collective: every rank stuck in it announces so to the others; the
+  // ranks not heard from within a grace period never entered it (or hang inside it). Returns
+  // them in this communicator's numbering.
+  std::vector<int> waiting_peers_missing() {
+    // Members: the run aborts with these messages possibly still in flight.
+    announce_ = calls_;
+    const int64_t me = announce_;
+    std::vector<int64_t>& heard = heard_;
+    heard.assign(static_cast<size_t>(size_), -1);
+    std::vector<MPI_Request> reqs;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      reqs.emplace_back();
+      MPI_Isend(&announce_, 1, MPI_INT64_T, r, kWaitingTag, comm_, &reqs.back());
+      reqs.emplace_back();
+      MPI_Irecv(&heard[size_t(r)], 1, MPI_INT64_T, r, kWaitingTag, comm_, &reqs.back());
+    }
+    // Ranks that entered later time out later: wait for them a while (at most 10 s).
+    const auto grace = Clock::now() + std::chrono::duration<double>(std::min(timeout_s_, 10.0));
+    while (Clock::now() < grace) {
+      int done = 0;
+      MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
+      if (done) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    for (size_t i = 1; i < reqs.size(); i += 2) {  // the receives
+      int got = 0;
+      MPI_Test(&reqs[i], &got, MPI_STATUS_IGNORE);
+    }
+    std::vector<int> missing;
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_ && heard[size_t(r)] != me) missing.push_back(r);
+    return missing;
+  }
+
+  // One line naming the ranks (world numbering) that never entered, then MPI_Abort. When
+  // several ranks wait, the lowest of them prints; the others give it a moment first.
+  [[noreturn]] void give_up(const char* what, Clock::time_point start, const std::vector<int>& missing) {
+    int me = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &me);
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    std::vector<int> world_missing, waiting;
+    for (int r : missing) world_missing.push_back(world_rank(r));
+    for (int r = 0; r < size_; ++r)
+      if (std::find(missing.begin(), missing.end(), r) == missing.end()) waiting.push_back(world_rank(r));
+    if (waiting.front() != me) std::this_thread::sleep_for(std::chrono::seconds(2));
+    const std::string who =
+        world_missing.empty()
+            ? fmt::format("every one of its {} ranks entered it, but it did not finish", size_)
+            : fmt::format("rank{} {} never entered it (waiting: rank{} {})",
+                          world_missing.size() > 1 ? "s" : "", fmt::join(world_missing, ", "),
+                          waiting.size() > 1 ? "s" : "", fmt::join(waiting, ", "));
+    fmt::print(stderr, "sigma: error: rank {} waited {:.0f} s in {} (call {} on a communicator of "
+               "{} ranks): {}; a rank died or hangs (dist.timeout_s = {}); aborting the run\n",
+               me, waited, what, calls_ + 1, size_, who, timeout_s_);
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 3);
+    std::abort();
   }
 
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
   double timeout_s_;
   bool world_;
+  int64_t calls_ = 0;  // calls completed on this communicator (the same on every member)
+  int64_t announce_ = 0;       // after a timeout: the call this rank waits in
+  std::vector<int64_t> heard_;  // and the one each other rank said it waits in
   std::vector<int> world_ranks_;
 };
 

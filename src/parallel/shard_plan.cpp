@@ -36,58 +36,115 @@ ShardPlan plan_shards(const ParamSet& ps, int ranks) {
   return plan;
 }
 
-void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps) {
+namespace {
+
+// Owner o's stream: the elements of the tensors it owns, in parameter order. Buckets walk
+// every owner's stream at once, S elements of each per round, so that a round moves at most
+// R * S elements per rank and no buffer grows with the model (ZeRO's bucketed exchange).
+class OwnerStreams {
+ public:
+  OwnerStreams(const ShardPlan& plan, std::vector<Param>& all, bool grads) : plan_(plan) {
+    tensors_.resize(size_t(plan.ranks));
+    for (size_t i = 0; i < all.size(); ++i) {
+      Tensor& t = grads ? all[i].grad : all[i].value;
+      tensors_[size_t(plan.owner[i])].push_back({t.f(), size_t(t.numel())});
+    }
+  }
+  size_t length(int o) const { return size_t(plan_.elements[size_t(o)]); }
+  // Calls fn(pointer, n) over owner o's stream elements [begin, end) in order.
+  template <class Fn>
+  void spans(int o, size_t begin, size_t end, Fn&& fn) const {
+    size_t at = 0;
+    for (const auto& [p, n] : tensors_[size_t(o)]) {
+      const size_t b = std::max(begin, at), e = std::min(end, at + n);
+      if (b < e) fn(p + (b - at), e - b);
+      at += n;
+      if (at >= end) break;
+    }
+  }
+  // The tensors live on the backend's device; the exchange buffers are host memory.
+  void pack(int o, size_t begin, size_t end, float* out) const {
+    spans(o, begin, end, [&](const float* p, size_t n) {
+      ops::download(out, p, n * sizeof(float));
+      out += n;
+    });
+  }
+  void unpack(int o, size_t begin, size_t end, const float* in) const {
+    spans(o, begin, end, [&](float* p, size_t n) {
+      ops::upload(p, in, n * sizeof(float));
+      in += n;
+    });
+  }
+  // Owner o's share of round k: [begin, end) of its stream.
+  std::pair<size_t, size_t> slice(int o, size_t k, size_t S) const {
+    const size_t b = std::min(length(o), k * S);
+    return {b, std::min(length(o), b + S)};
+  }
+  size_t rounds(size_t S) const {
+    size_t most = 0;
+    for (int o = 0; o < plan_.ranks; ++o) most = std::max(most, length(o));
+    return (most + S - 1) / S;
+  }
+
+ private:
+  const ShardPlan& plan_;
+  std::vector<std::vector<std::pair<float*, size_t>>> tensors_;  // per owner
+};
+
+// Elements of each owner's stream per round: R of them make a bucket.
+size_t slice_elements(size_t bucket, int R) { return std::max<size_t>(1, bucket / size_t(R)); }
+
+}  // namespace
+
+void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, size_t bucket) {
   const int R = comm.size(), me = comm.rank();
   SIGMA_CHECK(plan.ranks == R, "shard plan for {} ranks used with {}", plan.ranks, R);
   if (R == 1) return;
-  auto& all = ps.all();
-  // Send: every gradient, packed by owner (in parameter order within each owner's block).
-  std::vector<int64_t> send_counts(plan.elements), recv_counts(size_t(R), plan.elements[size_t(me)]);
-  std::vector<int64_t> at(size_t(R), 0);
-  for (int r = 1; r < R; ++r) at[size_t(r)] = at[size_t(r - 1)] + send_counts[size_t(r - 1)];
-  std::vector<float> send(size_t(at.back() + send_counts.back()));
-  for (size_t i = 0; i < all.size(); ++i) {
-    const int o = plan.owner[i];
-    const int64_t n = all[i].grad.numel();
-    ops::download(send.data() + at[size_t(o)], all[i].grad.f(), size_t(n) * sizeof(float));
-    at[size_t(o)] += n;
-  }
-  const int64_t mine = plan.elements[size_t(me)];
-  std::vector<float> recv(size_t(mine) * size_t(R)), sum(static_cast<size_t>(mine));
-  comm.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
+  const OwnerStreams grads(plan, ps.all(), true);
+  const size_t S = slice_elements(bucket, R);
+  std::vector<float> send(S * size_t(R)), recv(S * size_t(R)), sum(S);
+  std::vector<int64_t> send_counts(static_cast<size_t>(R)), recv_counts(static_cast<size_t>(R));
   std::vector<const float*> parts(static_cast<size_t>(R));
-  for (int r = 0; r < R; ++r) parts[size_t(r)] = recv.data() + size_t(r) * size_t(mine);
-  tree_sum(sum.data(), parts.data(), R, mine);
-  int64_t off = 0;
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (plan.owner[i] != me) continue;
-    const int64_t n = all[i].grad.numel();
-    ops::upload(all[i].grad.f(), sum.data() + off, size_t(n) * sizeof(float));
-    off += n;
+  for (size_t k = 0, rounds = grads.rounds(S); k < rounds; ++k) {
+    // To each owner its slice of this round, straight from the gradient tensors.
+    float* at = send.data();
+    for (int o = 0; o < R; ++o) {
+      const auto [b, e] = grads.slice(o, k, S);
+      grads.pack(o, b, e, at);
+      at += e - b;
+      send_counts[size_t(o)] = int64_t(e - b);
+    }
+    const auto [b, e] = grads.slice(me, k, S);
+    std::fill(recv_counts.begin(), recv_counts.end(), int64_t(e - b));
+    comm.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
+    // The R ranks' parts of my slice, added in rank order (tree_sum), into my gradients.
+    for (int r = 0; r < R; ++r) parts[size_t(r)] = recv.data() + size_t(r) * (e - b);
+    tree_sum(sum.data(), parts.data(), R, int64_t(e - b));
+    grads.unpack(me, b, e, sum.data());
   }
 }
 
-void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps) {
+void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, size_t bucket) {
   const int R = comm.size(), me = comm.rank();
   if (R == 1) return;
-  auto& all = ps.all();
-  std::vector<float> mine(size_t(plan.elements[size_t(me)]));
-  int64_t off = 0;
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (plan.owner[i] != me) continue;
-    ops::download(mine.data() + off, all[i].value.f(), size_t(all[i].value.numel()) * sizeof(float));
-    off += all[i].value.numel();
-  }
-  std::vector<float> every(size_t(std::accumulate(plan.elements.begin(), plan.elements.end(), int64_t(0))));
-  comm.all_gather_v(every.data(), mine.data(), plan.elements.data());
-  std::vector<int64_t> at(size_t(R), 0);
-  for (int r = 1; r < R; ++r) at[size_t(r)] = at[size_t(r - 1)] + plan.elements[size_t(r - 1)];
-  for (size_t i = 0; i < all.size(); ++i) {
-    const int o = plan.owner[i];
-    const int64_t n = all[i].value.numel();
-    if (o != me)
-      ops::upload(all[i].value.f(), every.data() + at[size_t(o)], size_t(n) * sizeof(float));
-    at[size_t(o)] += n;
+  const OwnerStreams values(plan, ps.all(), false);
+  const size_t S = slice_elements(bucket, R);
+  std::vector<float> mine(S), every(S * size_t(R));
+  std::vector<int64_t> counts(static_cast<size_t>(R));
+  for (size_t k = 0, rounds = values.rounds(S); k < rounds; ++k) {
+    for (int o = 0; o < R; ++o) {
+      const auto [b, e] = values.slice(o, k, S);
+      counts[size_t(o)] = int64_t(e - b);
+    }
+    const auto [b, e] = values.slice(me, k, S);
+    values.pack(me, b, e, mine.data());
+    comm.all_gather_v(every.data(), mine.data(), counts.data());
+    const float* at = every.data();
+    for (int o = 0; o < R; ++o) {
+      const auto [ob, oe] = values.slice(o, k, S);
+      if (o != me) values.unpack(o, ob, oe, at);
+      at += oe - ob;
+    }
   }
 }
 

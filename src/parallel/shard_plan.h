@@ -26,10 +26,15 @@ struct ShardPlan {
 ShardPlan plan_shards(const ParamSet& ps, int ranks);
 
 // Each parameter's gradient, summed over the ranks, lands in its owner's grad (tree_sum in
-// rank order); the other ranks' copies are left as they were and must not be used.
-void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps);
+// rank order); the other ranks' copies are left as they were and must not be used. Moved in
+// rounds of fixed-size buckets straight from the gradient tensors (no copy of them all).
+// `bucket`: elements per round over all owners (tests shrink it to cross tensor boundaries).
+constexpr size_t kZeroBucketElements = size_t(1) << 22;  // 16 MiB of fp32
+void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
+                      size_t bucket = kZeroBucketElements);
 
-// Every rank receives every parameter's value from its owner.
-void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps);
+// Every rank receives every parameter's value from its owner, in the same fixed-size rounds.
+void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
+                        size_t bucket = kZeroBucketElements);
 
 }  // namespace sigma

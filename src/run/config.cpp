@@ -39,7 +39,12 @@ void add_name_list(Options& o, const std::string& key, std::vector<std::string>*
 void TrainConfig::describe(Options& o, const std::string& p) {
   o.add(p + "steps", &steps, "optimizer steps", 0, int64_t(1) << 40);
   o.add(p + "batch", &batch, "rows per micro-batch", 1, 1 << 20);
-  o.add(p + "accum", &accum, "micro-batches per optimizer step (gradient accumulation)", 1, 1 << 16);
+  o.add(p + "accum", &accum, "micro-batches per optimizer step (gradient accumulation; derived "
+        "from train.global_batch when that is set)", 1, 1 << 16);
+  o.add(p + "global_batch", &global_batch,
+        "rows per optimizer step over all ranks (0 = train.batch x train.accum). Each rank runs "
+        "an equal share of it as micro-batches of train.batch rows; mpirun -np R cuts them "
+        "smaller when R ranks cannot share them as given (docs/distributed.md)", 0, 1 << 30);
   o.add(p + "seed", &seed, "seed of initialisation and data order");
   o.add(p + "log_every", &log_every, "steps between progress lines and metrics records", 1, 1 << 30);
   o.add(p + "eval_rows", &eval_rows, "held-out rows per domain for evaluation", 1, 1 << 24);

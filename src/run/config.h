@@ -14,6 +14,7 @@ struct TrainConfig {
   int64_t steps = 3000;
   int batch = 24;          // rows per micro-batch
   int accum = 1;           // micro-batches per optimizer step
+  int global_batch = 0;    // rows per optimizer step over all ranks (0 = batch x accum)
   uint64_t seed = 1;
   int log_every = 50;
   int eval_rows = 240;     // held-out rows per domain at evaluation

@@ -8,6 +8,10 @@
 #include <exception>
 #include <string>
 #include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/error.h"
 
@@ -20,6 +24,74 @@ int usable_threads(int requested, std::string* note) {
     *note = fmt::format("train.threads = {} but this machine lets the process use {} cores; "
                         "using {}", requested, cores, cores);
   return cores;
+}
+
+namespace {
+
+bool power_of_two(int64_t k) { return k > 0 && !(k & (k - 1)); }
+
+// The micro-batch rows for global batch G on R ranks, at most `most` rows each: G = R * 2^k * b
+// with the smallest k (the largest micro-batches). 0 when there is none.
+int64_t micro_rows(int64_t G, int64_t R, int64_t most) {
+  for (int64_t m = R; m <= G; m *= 2)
+    if (G % m == 0 && G / m <= most) return G / m;
+  return 0;
+}
+
+// "a or b": the nearest values below and above `at` (excluded) for which ok(v) holds.
+template <class Ok>
+std::string nearest(int64_t at, int64_t lo, int64_t hi, Ok ok) {
+  std::vector<std::string> out;
+  for (int64_t v = at - 1; v >= lo; --v)
+    if (ok(v)) {
+      out.push_back(std::to_string(v));
+      break;
+    }
+  for (int64_t v = at + 1; v <= hi; ++v)
+    if (ok(v)) {
+      out.push_back(std::to_string(v));
+      break;
+    }
+  return out.empty() ? "none" : fmt::format("{}", fmt::join(out, " or "));
+}
+
+}  // namespace
+
+std::string resolve_batch(TrainConfig& t, int ranks) {
+  const int64_t R = ranks, b = t.batch;
+  int64_t G = int64_t(t.batch) * t.accum;
+  if (t.global_batch > 0) {  // train.accum follows from it (a resumed run's saved one too)
+    G = t.global_batch;
+    SIGMA_CHECK(G % b == 0, "train.global_batch = {} rows cannot be cut into micro-batches of "
+                "train.batch = {} rows; nearest valid: train.batch = {}, or train.global_batch = {}",
+                G, b, nearest(b, 1, G, [&](int64_t v) { return G % v == 0; }),
+                nearest(G, b, G + b * 2, [&](int64_t v) { return v % b == 0; }));
+  }
+  SIGMA_CHECK(G <= (int64_t(1) << 30), "the global batch of {} rows is more than 2^30", G);
+  t.global_batch = int(G);
+  const int64_t M = G / b;
+  if (M % R == 0 && (R == 1 || power_of_two(M / R))) {
+    t.accum = int(M);
+    return "";
+  }
+  const int64_t cut = micro_rows(G, R, b);
+  if (cut == 0) {
+    auto fits = [&](int64_t g, int64_t r) { return micro_rows(g, r, b) > 0; };
+    fail("{} ranks cannot share a global batch of {} rows (train.global_batch, or train.batch x "
+         "train.accum = {} x {}): each rank runs an equal power-of-two number of equal "
+         "micro-batches of at most train.batch = {} rows, which keeps every rank count "
+         "bit-identical; nearest valid: train.global_batch = {}, or mpirun -np {}", R, G, t.batch,
+         t.accum, b, nearest(G, 1, 2 * G + R, [&](int64_t g) { return fits(g, R); }),
+         nearest(R, 1, G, [&](int64_t r) { return fits(G, r); }));
+  }
+  const std::string note = fmt::format(
+      "{} ranks share the global batch of {} rows as {} micro-batches of {} rows ({} per rank; "
+      "train.batch = {} would make {}, which {} ranks cannot share in equal power-of-two blocks); "
+      "the result is bit-identical to any rank count run with train.batch = {}",
+      R, G, G / cut, cut, G / cut / R, b, M, R, cut);
+  t.batch = int(cut);
+  t.accum = int(G / cut);
+  return note;
 }
 
 ParamCount count_params(const ModelConfig& m) {

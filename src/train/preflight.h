@@ -13,6 +13,16 @@ namespace sigma {
 // steps in over 120 s). `note` receives a line saying so when the request was capped.
 int usable_threads(int requested, std::string* note);
 
+// The step's batch for `ranks` ranks (mpirun -np R). The global batch G (train.global_batch,
+// or train.batch x train.accum) is what a run means; it runs as M micro-batches of b rows,
+// each rank an aligned block of M / R, a power of two (the fixed tree that keeps every rank
+// count bit-identical: train/train_step.h). Sets train.accum = M and train.global_batch = G;
+// when R ranks cannot share the micro-batches of train.batch rows, cuts them smaller (the
+// largest b' <= train.batch with G = R * 2^k * b') and says so in the returned note (empty
+// otherwise). Throws naming the nearest valid global batches and rank counts when G itself
+// cannot be shared.
+std::string resolve_batch(TrainConfig& t, int ranks);
+
 // Parameters of the model `m` describes (weights only; routing tables excluded), counted from
 // the shapes model/weights.cpp registers. `experts`: the RRE experts' share of it.
 struct ParamCount {

@@ -23,6 +23,7 @@
 #include "optim/adamw.h"
 #include "parallel/expert_parallel.h"
 #include "run/heldout.h"
+#include "train/agreement.h"
 #include "train/checkpoint.h"
 #include "train/freeze.h"
 #include "train/nonfinite.h"
@@ -88,6 +89,13 @@ nlohmann::json offload_json(const OffloadStats& o, int64_t steps) {
           {"process_write_gib", field("/proc/self/io", "write_bytes:") / GiB},
           {"rss_anon_mib", field("/proc/self/status", "RssAnon:") / 1024},
           {"rss_file_mib", field("/proc/self/status", "RssFile:") / 1024}};
+}
+
+double peak_rss_mib() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.starts_with("VmHWM:")) return std::strtod(line.c_str() + 6, nullptr) / 1024;
+  return 0;
 }
 
 namespace {
@@ -235,6 +243,7 @@ class RunLoop {
   int64_t tokens_this_run_ = 0, steps_this_run_ = 0, steps_in_window_ = 0;
   std::vector<BlockLoad> run_load_;
   Clock::time_point t_start_;
+  std::vector<double> peak_rss_;  // MiB, per rank (finish)
 };
 
 // OpenMP threads per rank: train.threads, else the cores shared among the ranks on this node.
@@ -255,6 +264,14 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   omp_set_num_threads(usable_threads(threads_per_rank(cfg_.train.threads), &capped));
   if (!capped.empty() && lead_) fmt::print(stderr, "sigma train: warning: {}\n", capped);
   guard_ = NonfiniteGuard(cfg_.train.max_nonfinite_steps);
+  // Each rank's share of the global batch, checked before anything is written.
+  const std::string share = resolve_batch(cfg_.train, comm_.size());
+  if (!share.empty() && lead_ && run_.progress) fmt::print(stderr, "sigma train: {}\n", share);
+  data_ = make_data_source(cfg_);
+  bind_model_to_data(cfg_.model, *data_);
+  cfg_.model.validate();
+  // Every rank the same config, data and binary, before anything is written or exchanged.
+  if (comm_.size() > 1) check_ranks_agree(comm_, start_up_record(cfg_, *data_));
   if (lead_) claim_out_dir();  // rank 0 owns the directory; the others write only checkpoints
   build();
   restore();
@@ -273,11 +290,8 @@ void RunLoop::claim_out_dir() {
   run_dir_ = std::make_unique<RunDir>(run_.out_dir, mode);
 }
 
-// Data, model, optimizer, expert executor and the step; nothing written yet.
+// Model, optimizer, expert executor and the step (the data is open); nothing written yet.
 void RunLoop::build() {
-  data_ = make_data_source(cfg_);
-  bind_model_to_data(cfg_.model, *data_);
-  cfg_.model.validate();
   if (!run_.resume.empty()) {  // checked before the expert store is opened
     ck_ = open_checkpoint(run_.resume);
     check_same_model(cfg_, ck_->cfg);
@@ -583,6 +597,10 @@ TrainSummary RunLoop::finish() {
     held_out = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
   sum.domains = evaluate(*model_, held_out ? *held_out : *data_, cfg_.train.batch,
                          cfg_.model.context, cfg_.train.eval_rows);
+  // Each rank's peak resident memory (the high-water mark of the whole process), for summary.json.
+  const double peak = peak_rss_mib();
+  peak_rss_.assign(size_t(comm_.size()), 0.0);
+  comm_.all_gather(peak_rss_.data(), &peak, 1);
   // A resumed run that had no step left to train keeps the summary its training wrote (this
   // process trained nothing: its throughput and expert load would be zeros).
   std::error_code ec;
@@ -601,7 +619,8 @@ void RunLoop::write_summary(const TrainSummary& sum) {
   }
   nlohmann::json summary{{"steps", sum.steps}, {"tokens", sum.tokens},
                          {"skipped_steps", sum.skipped_steps},
-                         {"tokens_per_s", sum.tokens_per_s}, {"domains", dom}};
+                         {"tokens_per_s", sum.tokens_per_s}, {"domains", dom},
+                         {"peak_rss_mib_per_rank", peak_rss_}};
   if (experts_) {
     const OffloadStats& o = sum.offload;
     summary["ecss"] = offload_json(o, o.steps);

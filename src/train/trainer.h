@@ -46,6 +46,9 @@ struct TrainSummary {
 nlohmann::json expert_load_json(const std::vector<BlockLoad>& load, const ModelConfig& cfg);
 nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load);
 
+// This process's peak resident memory so far (VmHWM), MiB; 0 where /proc does not say.
+double peak_rss_mib();
+
 TrainSummary train(Config cfg, const RunOptions& run);
 
 }  // namespace sigma
