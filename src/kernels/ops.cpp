@@ -1,5 +1,6 @@
 #include "kernels/ops.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -78,11 +79,12 @@ void use_backend(std::string_view name) {
 }
 
 namespace {
-thread_local bool t_few_row_kernels = false;
+// Process-wide, not per thread: a decode step's kernels also run on OpenMP workers.
+std::atomic<int> g_few_row_kernels{0};
 }
-FewRowKernels::FewRowKernels() : prev_(t_few_row_kernels) { t_few_row_kernels = true; }
-FewRowKernels::~FewRowKernels() { t_few_row_kernels = prev_; }
-bool FewRowKernels::on() { return t_few_row_kernels; }
+FewRowKernels::FewRowKernels() : prev_(false) { g_few_row_kernels.fetch_add(1); }
+FewRowKernels::~FewRowKernels() { g_few_row_kernels.fetch_sub(1); }
+bool FewRowKernels::on() { return g_few_row_kernels.load(std::memory_order_relaxed) > 0; }
 
 Device device() { return detail::active->device; }
 

@@ -187,7 +187,8 @@ Precision precision();
 // Products of a few rows may run on kernels tuned for them (the cpu backend's GEMVs, which give
 // a row other bits than the many-row product) only inside a FewRowKernels scope: a decode step
 // (Model::forward_cached) opens one. Everywhere else (eval, training) a row's bits do not
-// depend on how many rows share its product, so losses are batch-invariant. Per thread.
+// depend on how many rows share its product, so losses are batch-invariant. Process-wide while
+// a scope is open (a decode step's products also run on OpenMP workers).
 class FewRowKernels {
  public:
   FewRowKernels();
