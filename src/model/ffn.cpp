@@ -24,7 +24,7 @@ void ffn_backward(float* dx, const FfnGrads& g, float* scratch, const float* dy,
                   int64_t f) {
   float* d_act = scratch;
   float* d_pre = scratch + N * f;
-  std::fill(scratch, scratch + 2 * N * f, 0.0f);
+  ops::fill(scratch, 0.0f, 2 * N * f);  // device scratch: zeroed by an op
   ops::linear_backward(d_act, g.w_out, g.b_out, dy, act, w.w_out, N, f, d);
   ops::fast_gelu_backward(d_pre, d_act, pre, N * f);
   ops::linear_backward(dx, g.w_in, g.b_in, d_pre, x, w.w_in, N, d, f);
