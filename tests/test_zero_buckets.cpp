@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-#include "train/shard_plan.h"
+#include "parallel/shard_plan.h"
 #include "thread_comm.h"
 
 using namespace sigma;

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "dist/communicator.h"
-#include "train/config.h"
-#include "train/data_source.h"
+#include "run/config.h"
+#include "run/data_source.h"
 
 namespace sigma {
 
