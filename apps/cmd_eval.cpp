@@ -290,7 +290,11 @@ const RegisterCommand reg([](CLI::App& root) {
               "\"skipped\": {NAME: WHY}}; with --task {\"choice\", \"generate\", \"code\"} "
               "scores (docs/evaluation.md)");
   c->callback([a, c] {
-    if (a->task.empty())
+    if (!a->score_generations.empty())  // scores saved completions: no model, no windows
+      refuse_given(*c, {"--samples", "--temperature", "--top-k", "--top-p", "--seed", "--max-new",
+                        "--domains", "--rows", "--batch"},
+                   "--score-generations scores saved completions and runs no model");
+    else if (a->task.empty())
       refuse_given(*c, {"--samples", "--k", "--temperature", "--top-k", "--top-p", "--seed",
                         "--max-new", "--timeout", "--memory-mb"},
                    "without --task, sigma eval measures held-out loss and generates nothing");

@@ -80,6 +80,7 @@ std::string write_shard(const std::string& dir) {
   w.add(std::vector<uint32_t>{5, 6, 7, 8, 9});
   w.add(std::vector<uint32_t>{10, 11, 12});
   w.finish();
+  w.commit();
   return path;
 }
 

@@ -81,6 +81,7 @@ std::string make_shard(const std::string& dir, const std::vector<std::vector<uin
   ShardWriter w(path, d, vocab, tok_hash, 7);
   for (size_t i = 0; i < samples.size(); ++i) w.add(samples[i], prompt.empty() ? 0 : prompt[i]);
   w.finish();
+  w.commit();
   return path;
 }
 

@@ -22,14 +22,13 @@ std::vector<int> busy_experts(const RrePlan& p, const ExpertSlice& s) {
   return busy;
 }
 
-// The plan's order into its device twin.
+}  // namespace
+
 void upload_order(RrePlan& p) {
   if (p.order_d.numel() != int64_t(p.order.size()))
     p.order_d = ops::empty(DType::I32, {int64_t(p.order.size())});
   ops::upload(p.order_d, p.order.data(), p.order.size() * sizeof(int32_t));
 }
-
-}  // namespace
 
 // Many small experts run better side by side: each runs its GEMMs on one thread instead of
 // forking every GEMM and activation over all threads (a fork and a join per kernel call, 13 per

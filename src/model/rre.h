@@ -30,6 +30,9 @@ void rre_plan(RrePlan& p, const RreWeights& w, const int32_t* tokens, const int3
 // A plan of rows already grouped by expert (a learned gate's gathered rows): expert e holds
 // rows start[e] .. start[e+1]; the order is the identity.
 void grouped_plan(RrePlan& p, std::vector<int64_t> start);
+// Copies a plan's host `order` into its device twin `order_d` (rre_plan and grouped_plan do;
+// a plan built by hand must call it before the gather and scatter ops read it).
+void upload_order(RrePlan& p);
 
 // The experts [begin, end) of a block (global indices), run in one call; rows of the others are
 // left alone. side_by_side: run the experts one per thread (else each forks over all threads),

@@ -308,6 +308,7 @@ ExpertParallel::Chunk ExpertParallel::chunk_from(int g, int member, int source, 
   cp.order.resize(size_t(ch.rows));
   std::iota(cp.order.begin(), cp.order.end(), 0);
   cp.single = q.single;  // the whole micro-batch to one expert: run as one dense FFN there too
+  if (cp.single < 0) upload_order(cp);
   ch.slice = {e0, e1, whole_plan(q).side_by_side};
   return ch;
 }
