@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "device_access.h"
 #include "core/bf16.h"
 #include "core/rng.h"
 #include "kernels/cpu/adam.h"
@@ -148,8 +149,8 @@ TEST(AdamKernelIsTheOnlyKernel, AdamwAndBothBackendsMatchTheStoresCallBitForBit)
   ParamSet ps;
   Param& p = ps.add("w", {n}, /*decay=*/true);
   State init = make_state(n, 7);
-  std::memcpy(p.value.f(), init.w.data(), n * 4);
-  std::memcpy(p.grad.f(), init.g.data(), n * 4);
+  ops::upload(p.value, init.w.data(), n * 4);
+  ops::upload(p.grad, init.g.data(), n * 4);
   AdamW opt(cfg, ps);
   State direct = make_state(n, 7), viaref = make_state(n, 7);
   std::fill(direct.m.begin(), direct.m.end(), 0.0f);  // AdamW's moments start at zero
@@ -165,9 +166,9 @@ TEST(AdamKernelIsTheOnlyKernel, AdamwAndBothBackendsMatchTheStoresCallBitForBit)
     ops::use_backend(ops::BackendKind::Cpu);
   }
   State viaadamw = direct;
-  std::memcpy(viaadamw.w.data(), p.value.f(), n * 4);
-  std::memcpy(viaadamw.m.data(), opt.state()[0].m.f(), n * 4);
-  std::memcpy(viaadamw.v.data(), opt.state()[0].v.f(), n * 4);
+  ops::download(viaadamw.w.data(), p.value, n * 4);
+  ops::download(viaadamw.m.data(), opt.state()[0].m, n * 4);
+  ops::download(viaadamw.v.data(), opt.state()[0].v, n * 4);
   EXPECT_TRUE(same_bits(direct, viaadamw)) << "AdamW::step differs from cpu::adam_step";
   EXPECT_TRUE(same_bits(direct, viaref)) << "the ref backend's adam_step differs from the cpu's";
   // And the result is the formula's, within the rounding bound.

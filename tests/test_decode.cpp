@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "device_access.h"
 #include "cli_util.h"
 #include "core/bf16.h"
 #include "core/rng.h"
@@ -108,8 +109,7 @@ bool is_matrix(const std::string& n) {
 void round_to_bf16(Model& m, bool tokens_only) {
   for (Param& p : m.params().all()) {
     if (!is_matrix(p.name) || (tokens_only && p.name != names::kTokens)) continue;
-    float* v = p.value.f();
-    for (int64_t i = 0; i < p.value.numel(); ++i) v[i] = round_bf16(v[i]);
+    sigma::testing::edit_floats(p.value, [](float* v, int64_t n) { for (int64_t i = 0; i < n; ++i) v[i] = round_bf16(v[i]); });
   }
 }
 
@@ -153,11 +153,12 @@ TEST(Bf16Weights, DecodeReadsOnlyTheCopies) {
   const auto before = cached_logits(m, 1, tokens);
   for (Param& p : m.params().all()) {
     if (!is_matrix(p.name)) continue;
-    float* v = p.value.f();
-    for (int64_t i = 0; i < p.value.numel(); ++i) {
-      const int64_t row = i / c.d_model % c.vocab;  // token id of an embedding row
-      if (p.name != names::kTokens || row < 3 || row > 8) v[i] = 1e3f * float(i % 7) - 2e3f;
-    }
+    sigma::testing::edit_floats(p.value, [&](float* v, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = i / c.d_model % c.vocab;  // token id of an embedding row
+        if (p.name != names::kTokens || row < 3 || row > 8) v[i] = 1e3f * float(i % 7) - 2e3f;
+      }
+    });
   }
   const auto after = cached_logits(m, 1, tokens);
   EXPECT_EQ(0, std::memcmp(before.data(), after.data(), before.size() * 4));

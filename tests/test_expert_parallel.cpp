@@ -9,6 +9,7 @@
 #include <map>
 #include <tuple>
 
+#include "device_access.h"
 #include "core/rng.h"
 #include "ecss/ecss_experts.h"
 #include "parallel/expert_parallel.h"
@@ -18,6 +19,7 @@
 #include "thread_comm.h"
 
 using namespace sigma;
+using sigma::testing::append_floats;
 
 namespace {
 
@@ -93,7 +95,7 @@ Trained train_ep(int R, const GroupPlacement& placement, int steps, int micro,
     out.traffic[size_t(comm.rank())] = ep.group_traffic();
     if (comm.rank() == 0)
       for (const Param& p : m.params().all())
-        out.shared.insert(out.shared.end(), p.value.f(), p.value.f() + p.value.numel());
+        append_floats(out.shared, p.value);
     if (!ep.store()) return;
     const ExpertStore& st = *ep.store();
     for (const ExpertGroupSpec& gs : st.spec().groups)
@@ -262,7 +264,7 @@ TEST(ExpertParallel, OneRankMatchesEcss) {
     else ex = std::make_unique<EcssExperts>(m, ExpertMode::Ecss, oc, "", false, int64_t(1) << 30);
     losses[size_t(run)] = train_one_process(m, oc, 5, mixed);
     for (const Param& p : m.params().all())
-      shared[size_t(run)].insert(shared[size_t(run)].end(), p.value.f(), p.value.f() + p.value.numel());
+      append_floats(shared[size_t(run)], p.value);
   }
   EXPECT_EQ(losses[0], losses[1]);
   EXPECT_TRUE(same_bits(shared[0], shared[1]));

@@ -57,7 +57,7 @@ TEST_P(GateGradient, MatchesFiniteDifferencesThroughGateAndAuxLoss) {
   Model m(c, 11);
   for (Param& p : m.params().all())
     if (p.value.shape().size() == 1)
-      for (int64_t i = 0; i < p.value.numel(); ++i) p.value.f()[i] += 0.2f * rng_normal(7, 3, i);
+      edit_floats(p.value, [](float* v, int64_t n) { for (int64_t i = 0; i < n; ++i) v[i] += 0.2f * rng_normal(7, 3, i); });
   Batch b = random_batch(c, {0, 1, 2}, 5, 1);
   std::vector<float> loss(b.tokens.size()), scale(b.mask);
   double scale_sum = 0;
@@ -74,18 +74,17 @@ TEST_P(GateGradient, MatchesFiniteDifferencesThroughGateAndAuxLoss) {
   EXPECT_GT(m.aux_loss(), 0.0);
   for (const BlockLoad& l : m.expert_load()) EXPECT_EQ(l.dropped, 0);
   for (Param& p : m.params().all()) {
-    std::vector<float> an(p.grad.f(), p.grad.f() + p.grad.numel());
+    const std::vector<float> an = host_floats(p.grad);
     std::vector<size_t> idx;
     const size_t n = p.value.numel(), stride = n > 40 ? n / 29 : 1;
     for (size_t i = 0; i < n; i += stride) idx.push_back(i);
     // A small step: a larger one could flip a top-k choice.
-    expect_grad_matches(p.name, p.value.f(), n, an, total, 2e-3, 3e-3, 3e-2, idx);
+    expect_grad_matches(p.name, p.value, an, total, 2e-3, 3e-3, 3e-2, idx);
   }
   // The gates received gradient from both the combine weights and the aux loss.
   for (const char* g : {"blocks.1.gate.g1.w", "blocks.2.gate.g2.w"}) {
-    const Tensor& t = m.params().at(g).grad;
     double norm = 0;
-    for (int64_t i = 0; i < t.numel(); ++i) norm += std::fabs(t.f()[i]);
+    for (float v : host_floats(m.params().at(g).grad)) norm += std::fabs(v);
     EXPECT_GT(norm, 0.0) << g;
   }
 }

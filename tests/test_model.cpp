@@ -38,7 +38,7 @@ TEST(Model, LossGradientMatchesFiniteDifferencesForEveryTensor) {
   // Non-trivial LayerNorm parameters and biases so their gradients are exercised too.
   for (Param& p : m.params().all())
     if (p.value.shape().size() == 1)
-      for (int64_t i = 0; i < p.value.numel(); ++i) p.value.f()[i] += 0.2f * rng_normal(7, 3, i);
+      edit_floats(p.value, [](float* v, int64_t n) { for (int64_t i = 0; i < n; ++i) v[i] += 0.2f * rng_normal(7, 3, i); });
   Batch b = tiny_batch(c, 3, 5, 1);
   std::vector<float> loss(b.tokens.size()), scale(b.mask);
   auto total = [&] {
@@ -51,11 +51,11 @@ TEST(Model, LossGradientMatchesFiniteDifferencesForEveryTensor) {
   m.forward(b, loss.data(), scale.data());
   m.backward(b);
   for (Param& p : m.params().all()) {
-    std::vector<float> an(p.grad.f(), p.grad.f() + p.grad.numel());
+    const std::vector<float> an = host_floats(p.grad);
     std::vector<size_t> idx;
     const size_t n = p.value.numel(), stride = n > 40 ? n / 23 : 1;
     for (size_t i = 0; i < n; i += stride) idx.push_back(i);
-    expect_grad_matches(p.name, p.value.f(), n, an, total, 1e-2, 2e-3, 2e-2, idx);
+    expect_grad_matches(p.name, p.value, an, total, 1e-2, 2e-3, 2e-2, idx);
   }
 }
 
@@ -68,10 +68,10 @@ TEST(Model, RowsOfUnusedSlotsAndPositionsGetNoGradient) {
   m.params().zero_grad();
   m.forward(b, loss.data(), scale.data());
   m.backward(b);
-  const Param& e = m.params().at("embed.tokens");
-  for (int64_t i = c.vocab * c.d_model; i < e.grad.numel(); ++i) ASSERT_EQ(e.grad.f()[i], 0.0f);
-  const Param& p = m.params().at("embed.positions");
-  for (int64_t i = 4 * c.d_model; i < p.grad.numel(); ++i) ASSERT_EQ(p.grad.f()[i], 0.0f);
+  const std::vector<float> e = host_floats(m.params().at("embed.tokens").grad);
+  for (size_t i = size_t(c.vocab * c.d_model); i < e.size(); ++i) ASSERT_EQ(e[i], 0.0f);
+  const std::vector<float> p = host_floats(m.params().at("embed.positions").grad);
+  for (size_t i = size_t(4 * c.d_model); i < p.size(); ++i) ASSERT_EQ(p[i], 0.0f);
 }
 
 TEST(Model, ForwardIsCausal) {

@@ -12,6 +12,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "device_access.h"
 #include "cli_util.h"
 #include "core/rng.h"
 #include "dist/communicator.h"
@@ -101,9 +102,10 @@ struct StepRig {
     const auto& ps = m->params().all();
     for (size_t i = 0; i < ps.size(); ++i) {
       const auto& st = opt->state()[i];
-      s.append(reinterpret_cast<const char*>(ps[i].value.bytes()), ps[i].value.nbytes());
-      s.append(reinterpret_cast<const char*>(st.m.bytes()), st.m.nbytes());
-      s.append(reinterpret_cast<const char*>(st.v.bytes()), st.v.nbytes());
+      for (const Tensor* t : {&ps[i].value, &st.m, &st.v}) {
+        const Tensor h = ops::to_host(*t);
+        s.append(reinterpret_cast<const char*>(h.bytes()), h.nbytes());
+      }
       s.append(reinterpret_cast<const char*>(&st.step), sizeof st.step);
     }
     return s;
@@ -132,7 +134,7 @@ TEST(Nonfinite, AnInfiniteGradientSkipsTheUpdateAndChangesNothing) {
   ASSERT_FALSE(rig.run(rig.batch(1)).skipped);
   const std::string before = rig.snapshot();
   const StepResult r = rig.run(rig.batch(2), [&](ParamSet& ps) {
-    ps.all()[3].grad.f()[1] = std::numeric_limits<float>::infinity();
+    set_element(ps.all()[3].grad, 1, std::numeric_limits<float>::infinity());
   });
   EXPECT_TRUE(r.skipped);
   EXPECT_TRUE(std::isfinite(r.loss)) << "only the gradient was poisoned";
@@ -195,7 +197,7 @@ TEST(Nonfinite, TheRunStopsAfterTooManySkipsInARowWithTheLastCheckpointIntact) {
   cfg.train.max_nonfinite_steps = 3;
   RunOptions run{tmp / "out", "", -1, false};
   run.after_backward = [](int64_t step, ParamSet& ps) {
-    if (step >= 5) ps.all()[0].grad.f()[0] = std::numeric_limits<float>::infinity();
+    if (step >= 5) set_element(ps.all()[0].grad, 0, std::numeric_limits<float>::infinity());
   };
   const std::string e = error_of([&] { train(cfg, run); });
   EXPECT_NE(e.find("4 consecutive steps (6..9)"), std::string::npos) << e;
@@ -219,7 +221,7 @@ TEST(Nonfinite, WeightsHoldingNaNAreRefusedOnLoadNamingTheTensor) {
     auto m = load_checkpoint_model(tmp / "out/checkpoints", &info);
     AdamW opt(info.cfg.optim, m->params());
     load_optimizer(opt, m->params(), info.dir);
-    m->params().at("blocks.0.ln1.b").value.f()[2] = std::numeric_limits<float>::quiet_NaN();
+    set_element(m->params().at("blocks.0.ln1.b").value, 2, std::numeric_limits<float>::quiet_NaN());
     save_checkpoint(tmp / "bad", info.cfg, *m, &opt, info.state);
   }
   const std::string bad = resolve_checkpoint(tmp / "bad");
@@ -250,7 +252,7 @@ TEST(Nonfinite, ExpertWeightsHoldingNaNAreRefusedByAnEcssResume) {
     auto m = load_checkpoint_model(tmp / "out/checkpoints", &info);
     AdamW opt(info.cfg.optim, m->params());
     load_optimizer(opt, m->params(), info.dir);
-    m->params().at(expert).value.f()[7] = std::numeric_limits<float>::infinity();
+    set_element(m->params().at(expert).value, 7, std::numeric_limits<float>::infinity());
     save_checkpoint(tmp / "bad", info.cfg, *m, &opt, info.state);
   }
   const auto r = sigma_cmd("train --quiet --resume " + tmp / "bad" + " --set train.steps=6 --set "

@@ -7,11 +7,13 @@
 #include <cstring>
 #include <vector>
 
+#include "device_access.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "model/model.h"
 
 using namespace sigma;
+using sigma::testing::append_floats;
 
 namespace {
 
@@ -53,7 +55,7 @@ Result run(const ModelConfig& c, Remat remat) {
     out.loss.insert(out.loss.end(), loss.begin(), loss.end());
   }
   for (const Param& p : m.params().all())
-    out.grads.insert(out.grads.end(), p.grad.f(), p.grad.f() + p.grad.numel());
+    append_floats(out.grads, p.grad);
   for (const BlockLoad& bl : m.expert_load())
     for (const auto& g : bl.tokens) out.load.insert(out.load.end(), g.begin(), g.end());
   return out;

@@ -71,8 +71,9 @@ Batch batch_without_expert(const Model& m, const std::vector<int>& domains, int 
 
 bool all_zero(const Tensor& t, int64_t begin = 0, int64_t end = -1) {
   if (end < 0) end = t.numel();
+  const std::vector<float> v = host_floats(t);
   for (int64_t i = begin; i < end; ++i)
-    if (t.f()[i] != 0.0f) return false;
+    if (v[size_t(i)] != 0.0f) return false;
   return true;
 }
 
@@ -163,7 +164,7 @@ TEST(Rre, LossGradientMatchesFiniteDifferencesAndAnIdleExpertGetsExactlyZero) {
   for (Param& p : m.params().all())  // non-trivial LayerNorm parameters and biases
     if (p.value.shape().size() == 1 || p.name.find("rre") != std::string::npos)
       if (p.value.shape().size() <= 2)
-        for (int64_t i = 0; i < p.value.numel(); ++i) p.value.f()[i] += 0.2f * rng_normal(7, 3, i);
+        edit_floats(p.value, [](float* v, int64_t n) { for (int64_t i = 0; i < n; ++i) v[i] += 0.2f * rng_normal(7, 3, i); });
   Batch b = batch_without_expert(m, {0, 1, 2}, 5, 1);
   std::vector<float> loss(b.tokens.size()), scale(b.mask);
   auto total = [&] {
@@ -186,7 +187,7 @@ TEST(Rre, LossGradientMatchesFiniteDifferencesAndAnIdleExpertGetsExactlyZero) {
     EXPECT_FALSE(all_zero(p.grad, per, p.grad.numel())) << p.name << ": other experts learn";
   }
   for (Param& p : m.params().all()) {
-    std::vector<float> an(p.grad.f(), p.grad.f() + p.grad.numel());
+    const std::vector<float> an = host_floats(p.grad);
     std::vector<size_t> idx;
     const size_t n = p.value.numel();
     const size_t K = p.expert ? size_t(p.value.dim(0)) : 1, per = n / K;
@@ -194,7 +195,7 @@ TEST(Rre, LossGradientMatchesFiniteDifferencesAndAnIdleExpertGetsExactlyZero) {
       const size_t stride = per > 40 ? per / 11 : 1;
       for (size_t i = 0; i < per; i += stride) idx.push_back(e * per + i);
     }
-    expect_grad_matches(p.name, p.value.f(), n, an, total, 1e-2, 2e-3, 2e-2, idx);
+    expect_grad_matches(p.name, p.value, an, total, 1e-2, 2e-3, 2e-2, idx);
   }
 }
 
@@ -232,7 +233,8 @@ static void copy_dense_into_experts(const Model& dense, Model& sparse) {
     const Tensor& src = dense.params().at(name).value;
     const int64_t K = p.expert ? p.value.dim(0) : 1;
     ASSERT_EQ(src.numel() * K, p.value.numel()) << p.name;
-    for (int64_t e = 0; e < K; ++e) std::memcpy(p.value.f() + e * src.numel(), src.f(), src.nbytes());
+    const std::vector<float> w = host_floats(src);
+    for (int64_t e = 0; e < K; ++e) ops::upload(p.value, w.data(), src.nbytes(), size_t(e) * src.nbytes());
   }
 }
 
@@ -312,13 +314,14 @@ TEST(Rre, OneExpertPerGroupComputesTheDenseFunction) {
   };
   for (const Param& p : dense.params().all()) {
     if (sparse.params().contains(p.name)) {
-      near(p.name, p.grad.f(), sparse.params().at(p.name).grad.f(), nullptr, p.grad.numel());
+      near(p.name, host_floats(p.grad).data(), host_floats(sparse.params().at(p.name).grad).data(),
+           nullptr, p.grad.numel());
       continue;
     }
     const std::string base = p.name.substr(0, p.name.find(".ffn.")),
                       leaf = p.name.substr(p.name.rfind('.'));
-    near(p.name, p.grad.f(), sparse.params().at(base + ".rre.g1" + leaf).grad.f(),
-         sparse.params().at(base + ".rre.g2" + leaf).grad.f(), p.grad.numel());
+    near(p.name, host_floats(p.grad).data(), host_floats(sparse.params().at(base + ".rre.g1" + leaf).grad).data(),
+         host_floats(sparse.params().at(base + ".rre.g2" + leaf).grad).data(), p.grad.numel());
   }
 }
 

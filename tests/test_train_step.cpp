@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "device_access.h"
 #include "core/rng.h"
 #include "dist/communicator.h"
 #include "model/model.h"
@@ -15,6 +16,7 @@
 #include "thread_comm.h"
 
 using namespace sigma;
+using sigma::testing::append_floats;
 using sigma::testing::step_config;
 
 namespace {
@@ -42,7 +44,7 @@ struct RunResult {
 
 std::vector<float> flat(const Model& m) {
   std::vector<float> w;
-  for (const Param& p : m.params().all()) w.insert(w.end(), p.value.f(), p.value.f() + p.value.numel());
+  for (const Param& p : m.params().all()) append_floats(w, p.value);
   return w;
 }
 

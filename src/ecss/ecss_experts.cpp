@@ -84,9 +84,9 @@ EcssExperts::EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim
   memory_budget_ = memory_budget;
   const int64_t area = int64_t(GradientArea::bytes_for(store_.num_experts(), P_));
   const bool grads_in_file = store_.file_backed() && area > memory_budget / 2;
-  budget_experts_ = (memory_budget - (store_.file_backed() && !grads_in_file ? area : 0)) / (stride_ * 4);
+  budget_experts_ = (memory_budget - (store_.file_backed() && !grads_in_file ? area : 0)) / expert_bytes();
   SIGMA_CHECK(budget_experts_ >= 1, "train.expert_memory = {} bytes cannot hold one expert's "
-              "weights ({} bytes); give it at least that", memory_budget, stride_ * 4);
+              "weights and gradients ({} bytes); give it at least that", memory_budget, expert_bytes());
   grads_ = GradientArea(store_.num_experts(), P_, grads_in_file ? store_path : "");
   changed_.assign(store_.spec().groups.size(), 1);
   model_.set_expert_executor(this);
@@ -153,8 +153,10 @@ void EcssExperts::reset_pool(int64_t slots) {
     }
   if (w_.numel() < slots * stride_) {
     w_ = Tensor();  // freed first: old and new together could be twice the budget
+    g_ = Tensor();
     w_ = ops::empty(DType::F32, {slots, stride_});  // the compute pool, on the device
-    stats_.compute_bytes = w_.numel() * 4;
+    g_ = ops::empty(DType::F32, {slots, stride_});
+    stats_.compute_bytes = (w_.numel() + g_.numel()) * 4;
   }
   slot_id_.assign(size_t(slots), ExpertId{});
   slot_full_.assign(size_t(slots), 0);
@@ -181,7 +183,7 @@ void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
                       };
                       return key(a) < key(b);
                     });
-  std::vector<float*> dst(n);
+  std::vector<float*> dst(n);  // device addresses: the store's gather uploads to them
   for (size_t i = 0; i < n; ++i) dst[i] = w_.f() + int64_t(victims[i]) * stride_;
   const auto t = Clock::now();
   store_.gather(ids, dst);
@@ -196,7 +198,7 @@ void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
       slot_of_[size_t(store_.ordinal(old))] = -1;
     }
     const ExpertId id = ids[i];
-    model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, dst[i], grad_of(id));
+    model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, dst[i], g_.f() + int64_t(s) * stride_);
     slot_id_[s] = id;
     slot_full_[s] = 1;
     slot_used_[s] = ++uses_;
@@ -305,13 +307,42 @@ void EcssExperts::forward(int block, const RreWeights& w, const RrePlan& p, cons
   });
 }
 
+template <class Pass>
+void EcssExperts::backward_pass(int block, const RrePlan& p, const ExpertSlice& s, Pass pass) {
+  std::vector<int> busy;
+  for (int e = s.begin; e < s.end; ++e)
+    if (p.rows(e) > 0) busy.push_back(e);
+  auto grads = [&](int e) {  // the device gradient buffer of expert e's slot
+    return g_.f() + int64_t(slot_of_[size_t(store_.ordinal(expert_id(block, e)))]) * stride_;
+  };
+  for (int e : busy) ops::fill(grads(e), 0.0f, P_);
+  pass();
+  const int64_t n = int64_t(busy.size());
+#pragma omp parallel if (n > 1)
+  {
+    std::vector<float> h(static_cast<size_t>(P_));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const int e = busy[size_t(i)];
+      ops::download(h.data(), grads(e), size_t(P_) * sizeof(float));
+      float* area = grad_of(expert_id(block, e));  // host memory
+      for (int64_t k = 0; k < P_; ++k) area[k] += h[size_t(k)];
+    }
+  }
+}
+
 void EcssExperts::backward(int block, const RreWeights& w, const RrePlan& p,
                            const ExpertBuffers& b, float* dx, const float* dy, const float* x,
                            int64_t N, int64_t d, int64_t f) {
-  if (whole_step_) return LocalExperts::backward(block, w, p, b, dx, dy, x, N, d, f);
+  if (whole_step_) {
+    return backward_pass(block, p, whole_plan(p),
+                         [&] { LocalExperts::backward(block, w, p, b, dx, dy, x, N, d, f); });
+  }
   if (micro_ >= 0) pass_at_ = pass_position(block, true);
   by_slices(block, p, [&](const ExpertSlice& s) {
-    rre_backward(dx, b.scratch, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, s, N, d, f);
+    backward_pass(block, p, s, [&] {
+      rre_backward(dx, b.scratch, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, s, N, d, f);
+    });
   });
 }
 
@@ -351,7 +382,7 @@ void EcssExperts::append_grad_sq_parts(std::vector<double>& parts) const {
     if (is_frozen(ids_[size_t(i)])) continue;
     const float* g = grad_of(ids_[size_t(i)]);
     for (size_t t = 0; t < leaves; ++t)
-      parts[first + size_t(i) * leaves + t] = sum_sq(g + gs.offset(t), shape_numel(gs.tensors[t].shape));
+      parts[first + size_t(i) * leaves + t] = host_sum_sq(g + gs.offset(t), shape_numel(gs.tensors[t].shape));
   }
 }
 

@@ -4,15 +4,18 @@
 // the local expert code, and updated by the store's lazy Adam with eps_rre. "vanilla" mode is
 // the baseline: the same store, but every expert is gathered, bound and updated every step.
 //
-// Memory budget (train.expert_memory): the compute buffers hold at most budget / (4 P) experts'
-// weights. A step whose active experts fit is gathered once, at its start. A larger one runs
+// Memory budget (train.expert_memory): the compute buffers hold at most budget / (8 P) experts'
+// weights and gradients. A step whose active experts fit is gathered once, at its start. A larger one runs
 // in pieces: the buffers become a pool of that many slots, and each RRE block's forward and
 // backward pass first runs the experts an earlier pass of the step left in the pool (the
 // weights change only in update(), so a copy stays valid for the whole step), then gathers the
-// rest a pool-full at a time into the slots whose experts the step needs farthest ahead. Gradients never sit in the
-// compute buffers: they accumulate in a GradientArea (page cache beside a file store), in
-// micro-batch order; each expert runs once per pass whatever the slicing, which makes the bits
-// independent of the budget.
+// rest a pool-full at a time into the slots whose experts the step needs farthest ahead.
+// Gradients do not stay in the compute buffers: a backward pass writes its experts' gradients
+// into the slots' gradient buffers (zeroed first), and they are then downloaded and added into a
+// GradientArea (host memory, or page cache beside a file store), in micro-batch order. That
+// gather (store -> compute weights) and scatter (compute gradients -> area) are the ECSS
+// boundary's two explicit copies (DESIGN §3); each expert runs once per pass whatever the
+// slicing, which makes the bits independent of the budget.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -73,7 +76,8 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
 
   const ExpertStore& store() const { return store_; }
   int64_t params() const;  // every expert's parameters
-  int64_t expert_bytes() const { return stride_ * 4; }  // one expert's compute buffer
+  // One expert's compute buffers: its weights and the gradients of the pass running it.
+  int64_t expert_bytes() const { return 2 * stride_ * 4; }
   int64_t budget_experts() const { return budget_experts_; }  // experts the budget holds
   bool grads_in_file() const { return grads_.file_backed(); }
   // The experts these micro-batches activate (every expert in vanilla mode).
@@ -144,6 +148,10 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   // the others a pool-full at a time.
   template <class Pass>
   void by_slices(int block, const RrePlan& p, Pass pass);
+  // A backward pass over slice `s` of block `block`: zeroes the gradient buffers of its experts
+  // with rows, runs `pass`, then adds those buffers into the GradientArea (the scatter out).
+  template <class Pass>
+  void backward_pass(int block, const RrePlan& p, const ExpertSlice& s, Pass pass);
   float* grad_of(ExpertId id) const { return grads_.slot(store_.ordinal(id)); }
   void release_grads();
 
@@ -161,7 +169,8 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   bool grads_pending_ = false;     // ids_' gradients not yet applied and released
   int64_t budget_experts_ = 0, memory_budget_ = 0;
   int64_t step_pieces_ = 0, step_gathered_ = 0, step_reused_ = 0;  // added to stats_ by update()
-  Tensor w_;                       // compute buffers [>= slots, stride_]
+  Tensor w_;                       // compute buffers [>= slots, stride_]: weights
+  Tensor g_;                       // and one backward pass's gradients, slot for slot
   // The pool over w_'s first slots: what each holds (bound to the model), when it was last used.
   std::vector<ExpertId> slot_id_;
   std::vector<uint8_t> slot_full_;

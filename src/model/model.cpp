@@ -507,7 +507,7 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
       linear(k.qtop.f(), w.query.v, w.qkv_w, w.qkv_b.v, T, d, d, false, {d, 3 * d, d});
       q = {k.qtop.f(), d, 0};
     } else {
-      if (k.qtop.numel() < N * d) k.qtop = Tensor::f32({N, d});
+      if (k.qtop.numel() < N * d) k.qtop = ops::empty(DType::F32, {N, d});
       for (int b = 0; b < B; ++b)
         linear(k.qtop.f() + int64_t(b) * T * d,
                w.query.v + int64_t(cache->length[size_t(cache_rows[b])]) * d, w.qkv_w,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels/cpu/gate.h"
 #include "kernels/ops.h"
 #include "model/names.h"
 
@@ -10,6 +11,7 @@ namespace sigma {
 
 // The chunked sum of squares is an op (ops::sum_sq): gradients live on the device.
 double sum_sq(const float* x, int64_t n) { return ops::sum_sq(x, n); }
+double host_sum_sq(const float* x, int64_t n) { return cpu::sum_sq(x, n); }
 
 std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<uint8_t>& owned) {
   std::vector<double> parts;

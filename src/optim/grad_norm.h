@@ -16,6 +16,9 @@ namespace sigma {
 // lane) added in a fixed order; chunks run on the OpenMP threads and are added in order. The
 // same values give the same bits for any thread count.
 double sum_sq(const float* x, int64_t n);
+// The same sum over host memory (an expert store's gradients, which the CPU Adam reads there),
+// by the cpu kernel behind ops::sum_sq: the bits of the in-model sum on the cpu backend.
+double host_sum_sq(const float* x, int64_t n);
 
 // Squared norm of the gradients of `ps` in the canonical order above (frozen or masked
 // gradients are zero and add nothing). Expert tensors are stacked [K, ...] per (block, group).

@@ -446,7 +446,7 @@ void ExpertParallel::append_grad_sq_parts(std::vector<double>& parts) const {
     if (slot_[at] < 0) continue;
     const float* g = total_.data() + slot_[at] * stride_;
     for (size_t t = 0; t < leaves; ++t)
-      parts[first + i * leaves + t] = sum_sq(g + layout.offset(t), shape_numel(layout.tensors[t].shape));
+      parts[first + i * leaves + t] = host_sum_sq(g + layout.offset(t), shape_numel(layout.tensors[t].shape));
   }
 }
 

@@ -400,7 +400,8 @@ void RunLoop::open_outputs() {
                st.file_backed() ? "file " + st.path() : "in RAM");
     fmt::print(stderr, "memory plan: dense part ~{:.2f} GiB (shared weights, gradients, Adam, "
                "activations); expert compute buffers {:.2f} GiB (train.expert_memory = {}) hold "
-               "{} experts of {:.1f} MiB; a step activating more runs each RRE pass in slices; "
+               "{} experts of {:.1f} MiB (weights and a pass's gradients); a step activating more runs "
+               "each RRE pass in slices; "
                "gradients accumulate {}\n",
                double(dense_training_bytes(cfg_)) / GiB,
                double(experts_->budget_experts() * experts_->expert_bytes()) / GiB,

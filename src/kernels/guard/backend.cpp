@@ -7,7 +7,9 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <map>
 #include <mutex>
 #include <new>
@@ -166,12 +168,46 @@ struct OpScope {
   OpScope& operator=(const OpScope&) = delete;
 };
 
+// A host address handed to an op as one of its memory arguments: on a device it would not be
+// device memory. Only upload's source and download's destination are host memory by design.
+std::atomic<long long> g_host_args{0};
+
+void on_host_arg(const void* p) {
+  g_host_args.fetch_add(1, std::memory_order_relaxed);
+  static const bool strict = [] {
+    const char* s = std::getenv("SIGMA_GUARD_STRICT");
+    return s && std::string_view(s) == "1";
+  }();
+  if (!strict) return;
+  say("\nsigma guard backend: an op was given host memory at ");
+  say_hex(uintptr_t(p));
+  say(" where device memory belongs (SIGMA_GUARD_STRICT=1). Backtrace:\n");
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
+  std::abort();
+}
+
+template <auto M>
+constexpr int kHostArg = -1;  // the argument that is host memory by design, if any
+template <>
+constexpr int kHostArg<&ops::Backend::upload> = 1;
+template <>
+constexpr int kHostArg<&ops::Backend::download> = 0;
+
+template <class T>
+void check_arg(T arg, bool host_by_design) {
+  if constexpr (std::is_pointer_v<T>)
+    if (arg && !host_by_design && !owns(arg)) on_host_arg(arg);
+}
+
 // The cpu op behind member M of the table, run inside a scope.
 template <auto M, class F = std::remove_cvref_t<decltype(std::declval<ops::Backend>().*M)>>
 struct Wrap;
 template <auto M, class R, class... A>
 struct Wrap<M, R (*)(A...)> {
   static R call(A... args) {
+    int i = 0;
+    (check_arg(args, i++ == kHostArg<M>), ...);
     OpScope open;
     return (cpu::kBackend.*M)(args...);
   }
@@ -194,6 +230,8 @@ size_t live_bytes() {
 }
 
 long long ops_entered() { return arena().entered.load(); }
+
+long long host_args() { return g_host_args.load(); }
 
 extern const ops::Backend kBackend;
 using B = ops::Backend;

@@ -5,7 +5,8 @@
 // concurrent ops from OpenMP threads nest). A host read or write of a device tensor outside an
 // op faults at once; the SIGSEGV handler the arena installs names the guard, the address and
 // the allocation, prints a backtrace and re-raises. So a test suite run under the guard proves
-// that no code outside kernels/ dereferences device memory, without a device.
+// that no code outside kernels/ dereferences device memory, without a device. It also checks
+// the other direction: an op given a host address where device memory belongs is counted.
 #pragma once
 #include <cstddef>
 
@@ -16,5 +17,9 @@ bool owns(const void* p);
 // Bytes of live allocations (whole pages) and ops entered so far: for tests and the cost note.
 size_t live_bytes();
 long long ops_entered();
+// Memory arguments of ops that were host addresses (upload's source and download's destination
+// excepted): each would be an invalid address on a device. SIGMA_GUARD_STRICT=1 makes the first
+// one fatal, with a backtrace.
+long long host_args();
 
 }  // namespace sigma::guard
