@@ -5,6 +5,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "kernels/guard/guard.h"
@@ -110,6 +112,38 @@ TEST(GuardDeathTest, AnOpWithoutItsBoundaryFaults) {
         ops::fill(t.f(), 1.0f, 16);
       },
       "sigma guard backend");
+}
+
+// The other direction: an op handed host memory where device memory belongs (what a device
+// kernel given a host pointer would crash on, or silently read garbage from) is counted, and
+// is fatal under SIGMA_GUARD_STRICT=1 (the guard job's setting). upload's source and
+// download's destination are host memory by design and are not counted.
+TEST(Guard, AnOpGivenHostMemoryIsCounted) {
+  UseGuard g;
+  Tensor t = ops::empty(DType::F32, {16});
+  std::vector<float> host(16, 2.0f);
+  const long long before = guard::host_args();
+  ops::upload(t, host.data(), 16 * sizeof(float));
+  ops::download(host.data(), t, 16 * sizeof(float));
+  ops::copy(t.f(), t.f(), 16);
+  EXPECT_EQ(guard::host_args(), before) << "device memory and the by-design host sides";
+  if (guard::host_args() != before) return;  // strict mode would have aborted already
+  if (const char* s = std::getenv("SIGMA_GUARD_STRICT"); s && std::string(s) == "1") return;
+  ops::copy(t.f(), host.data(), 16);  // host memory as an op's source
+  EXPECT_EQ(guard::host_args(), before + 1);
+}
+
+TEST(GuardDeathTest, StrictModeStopsAtAnOpGivenHostMemory) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        ::setenv("SIGMA_GUARD_STRICT", "1", 1);  // read once, in the re-executed child
+        UseGuard g;
+        Tensor t = ops::empty(DType::F32, {16});
+        std::vector<float> host(16, 2.0f);
+        ops::copy(t.f(), host.data(), 16);
+      },
+      "an op was given host memory");
 }
 
 // A model built under the guard: its parameters are device tensors, and a forward and backward
