@@ -283,8 +283,8 @@ TEST(Rre, DenseModeIsBitIdenticalToTheDenseModel) {
     std::string name = p.name;
     const size_t r = name.find(".rre.");
     if (r != std::string::npos) name = name.substr(0, r) + ".ffn." + name.substr(name.rfind('.') + 1);
-    const Tensor& g = dense.params().at(name).grad;
-    EXPECT_EQ(0, std::memcmp(g.bytes(), p.grad.bytes(), g.nbytes())) << p.name;
+    const Tensor g = ops::to_host(dense.params().at(name).grad), h = ops::to_host(p.grad);
+    EXPECT_EQ(0, std::memcmp(g.bytes(), h.bytes(), g.nbytes())) << p.name;
   }
 }
 
@@ -442,7 +442,9 @@ class RreCheckpoint : public ::testing::Test {
   void write_model(const Model& m, const std::string& dir, const Tensor* table) {
     std::filesystem::create_directories(dir);
     std::vector<TensorRef> refs;
-    for (const Param& p : m.params().all()) refs.push_back(tensor_ref(p.name, p.value));
+    std::vector<Tensor> host;  // the parameters' host copies (they live on the device)
+    host.reserve(m.params().all().size());
+    for (const Param& p : m.params().all()) refs.push_back(tensor_ref(p.name, host.emplace_back(ops::to_host(p.value))));
     for (const Buffer& b : m.buffers().all())
       refs.push_back(tensor_ref(b.name, (table && b.name == "routing.1.g1") ? *table : b.value));
     write_safetensors(dir + "/model.safetensors", refs, {{"format", "sigma-model"}});

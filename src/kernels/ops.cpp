@@ -37,11 +37,12 @@ const Backend& active_backend() { return *detail::active; }
 const char* backend_names() { return "cpu, ref, guard"; }
 
 namespace {
-// SIGMA_TEST_BACKEND=guard: the tests' guard job runs every cpu choice on the guard.
+// SIGMA_TEST_BACKEND=guard (or guard-strict, kernels/guard/guard.h): the tests' guard job runs
+// every cpu choice on the guard.
 BackendKind resolve(BackendKind kind) {
   static const bool guard_for_cpu = [] {
     const char* e = std::getenv("SIGMA_TEST_BACKEND");
-    return e && std::strcmp(e, "guard") == 0;
+    return e && (std::strcmp(e, "guard") == 0 || std::strcmp(e, "guard-strict") == 0);
   }();
   return kind == BackendKind::Cpu && guard_for_cpu ? BackendKind::Guard : kind;
 }

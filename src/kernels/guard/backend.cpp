@@ -176,7 +176,8 @@ void on_host_arg(const void* p) {
   g_host_args.fetch_add(1, std::memory_order_relaxed);
   static const bool strict = [] {
     const char* s = std::getenv("SIGMA_GUARD_STRICT");
-    return s && std::string_view(s) == "1";
+    const char* t = std::getenv("SIGMA_TEST_BACKEND");
+    return (s && std::string_view(s) == "1") || (t && std::string_view(t) == "guard-strict");
   }();
   if (!strict) return;
   say("\nsigma guard backend: an op was given host memory at ");

@@ -19,7 +19,7 @@ size_t live_bytes();
 long long ops_entered();
 // Memory arguments of ops that were host addresses (upload's source and download's destination
 // excepted): each would be an invalid address on a device. SIGMA_GUARD_STRICT=1 makes the first
-// one fatal, with a backtrace.
+// one fatal, with a backtrace (so does SIGMA_TEST_BACKEND=guard-strict, the guard job's setting).
 long long host_args();
 
 }  // namespace sigma::guard
