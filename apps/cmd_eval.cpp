@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "kernels/ops.h"
 #include "core/json_depth.h"
 #include "data/tokenizer.h"
 #include "eval/tasks.h"
@@ -21,7 +22,7 @@ namespace sigma::cli {
 namespace {
 
 struct EvalArgs {
-  std::string ckpt, data, domains, task, k = "1", log_samples, score_generations;
+  std::string ckpt, data, domains, task, k = "1", log_samples, score_generations, backend = "cpu";
   int rows = 256, batch = 8;
   bool rows_given = false, batch_given = false, json = false;
   double memory_mb = 1024;
@@ -211,6 +212,7 @@ void run_task(EvalArgs a) {
 
 void run_eval(const EvalArgs& a) {
   if (!a.score_generations.empty()) return run_score_generations(a);
+  ops::use_backend(a.backend);
   SIGMA_CHECK(!a.ckpt.empty(), "--ckpt is required (except with --score-generations)");
   if (!a.task.empty()) return run_task(a);
   CheckpointInfo info;
@@ -272,6 +274,7 @@ const RegisterCommand reg([](CLI::App& root) {
       ->check(CLI::Range(0.1, 3600.0));
   c->add_option("--memory-mb", a->memory_mb, "Code tasks: address-space limit per sample (default 1024)")
       ->check(CLI::Range(64.0, 1e6));
+  add_backend_option(*c, a->backend);
   c->add_option("--log-samples", a->log_samples, "With --task or --score-generations: write "
                 "one JSON line per item (prompt, generations, per-choice log-likelihoods, metric "
                 "values, sandbox outcomes) to this file");
@@ -291,7 +294,7 @@ const RegisterCommand reg([](CLI::App& root) {
               "scores (docs/evaluation.md)");
   c->callback([a, c] {
     if (!a->score_generations.empty())  // scores saved completions: no model, no windows
-      refuse_given(*c, {"--samples", "--temperature", "--top-k", "--top-p", "--seed", "--max-new",
+      refuse_given(*c, {"--backend", "--samples", "--temperature", "--top-k", "--top-p", "--seed", "--max-new",
                         "--domains", "--rows", "--batch"},
                    "--score-generations scores saved completions and runs no model");
     else if (a->task.empty())

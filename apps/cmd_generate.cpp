@@ -7,13 +7,14 @@
 #include "command.h"
 #include "data/tokenizer.h"
 #include "infer/generate.h"
+#include "kernels/ops.h"
 #include "run/checkpoint.h"
 
 namespace sigma::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string ckpt, prompt, domain, precision = "fp32";
+  std::string ckpt, prompt, domain, precision = "fp32", backend = "cpu";
   SamplingConfig s;
   bool no_cache = false;
 };
@@ -39,6 +40,7 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 }
 
 void run_generate(GenerateArgs a) {
+  ops::use_backend(a.backend);
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
   if (a.precision == "bf16") model->use_bf16_weights();
@@ -97,6 +99,7 @@ const RegisterCommand reg([](CLI::App& root) {
                  "Weights the forward pass reads: fp32, or bf16 (copies made at load: half the "
                  "bytes per token; activations and sums stay fp32)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  add_backend_option(*c, a->backend);
   c->add_flag("--no-cache", a->no_cache, "Recompute the whole prefix each step (reference path)");
   c->callback([a, c] {
     a->s.validate();  // before the model loads: CLI11's ranges let NaN through

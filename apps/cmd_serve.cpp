@@ -15,6 +15,7 @@
 #include "core/error.h"
 
 #include "command.h"
+#include "kernels/ops.h"
 #include "data/tokenizer.h"
 #include "serve/server.h"
 #include "run/checkpoint.h"
@@ -23,7 +24,7 @@ namespace sigma::cli {
 namespace {
 
 struct ServeArgs {
-  std::string ckpt, name, precision = "fp32";
+  std::string ckpt, name, precision = "fp32", backend = "cpu";
   std::vector<std::string> extra;  // NAME=CKPT
   serve::ServerOptions o;
 };
@@ -76,6 +77,7 @@ void run_serve(ServeArgs a) {
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  ops::use_backend(a.backend);
   fit_descriptor_limit(a.o);
   serve::Server server(a.o);
   const int port = server.start();
@@ -132,6 +134,7 @@ const RegisterCommand reg([](CLI::App& root) {
   c->add_option("--max-body", a->o.max_body, "Largest request body in bytes")->check(CLI::Range(64, 1 << 30));
   c->add_option("--max-tokens", a->o.max_tokens, "Largest max_tokens a request may ask for")
       ->check(CLI::Range(1, 1 << 20));
+  add_backend_option(*c, a->backend);
   c->add_option("--precision", a->precision,
                  "Weights decoding reads: fp32, or bf16 (copies made at load: half the bytes per "
                  "token; activations and sums stay fp32)")

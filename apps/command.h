@@ -29,4 +29,14 @@ inline void refuse_given(const CLI::App& c, std::initializer_list<const char*> o
     SIGMA_CHECK(c.count(o) == 0, "{} does not apply: {}", o, why);
 }
 
+// --backend for the commands that read a checkpoint (eval, generate, serve), as train.backend is
+// for training (docs/ops.md): installed before the model loads, so its tensors are the backend's.
+inline void add_backend_option(CLI::App& c, std::string& backend) {
+  c.add_option("--backend", backend,
+               "Kernel backend: cpu (default), ref (naive loops in double: slow, a check) or guard "
+               "(the cpu kernels over memory host code cannot touch: proves the command "
+               "device-clean)")
+      ->check(CLI::IsMember({"cpu", "ref", "guard"}));
+}
+
 }  // namespace sigma::cli

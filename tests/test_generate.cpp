@@ -108,3 +108,29 @@ TEST(GenerateCli, SaysWhenItStopsAtTheContextLength) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(r.out.find("stopped"), std::string::npos) << r.out;
 }
+
+// --backend for the commands that read a checkpoint (issue 25): generate and eval run on the
+// guard backend (device memory host code cannot touch) and print what the cpu backend prints,
+// bit for bit, with strict checking of the memory handed to each op.
+TEST(GenerateCli, GenerateAndEvalRunOnTheGuardBackendWithTheCpuBits) {
+  sigma::testing::TempDir tmp("gen-guard");
+  auto r = sigma::testing::sigma_cmd(
+      "train --quiet --set model.d_model=32 --set model.heads=2 --set model.context=16 "
+      "--set train.batch=4 --set train.steps=2 --set train.eval_rows=4 --out " + tmp / "a");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string gen = "generate --ckpt " + tmp / "a/checkpoints --prompt '1 5 6 7' --max-new 8 ";
+  const std::string eval = "eval --json --ckpt " + tmp / "a/checkpoints ";
+  for (const std::string& cmd : {gen, eval}) {
+    auto stdout_of = [&](const std::string& env, const std::string& backend) {  // no timings
+      return sigma::testing::run_cmd("(" + env + " " SIGMA_BINARY " " + cmd + "--backend " + backend +
+                                     " 2>/dev/null)");
+    };
+    const auto cpu = stdout_of("", "cpu"), guard = stdout_of("SIGMA_GUARD_STRICT=1", "guard");
+    ASSERT_EQ(cpu.code, 0) << cpu.out;
+    ASSERT_EQ(guard.code, 0) << guard.out;
+    EXPECT_EQ(cpu.out, guard.out) << cmd;
+  }
+  r = sigma::testing::sigma_cmd(gen + "--backend cuda");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("--backend"), std::string::npos) << r.out;
+}
