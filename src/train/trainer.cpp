@@ -17,6 +17,7 @@
 
 #include "data/sampler.h"
 #include "dist/communicator.h"
+#include "parallel/grid.h"
 #include "io/checkpoint_dir.h"
 #include "kernels/ops.h"
 #include "model/routing.h"
@@ -215,8 +216,12 @@ class RunLoop {
   std::unique_ptr<ExpertParallel> parallel_;  // expert parallel: this rank's share of the experts
   ExpertMode mode_ = ExpertMode::InModel;
   SingleProcess one_process_;
+  Communicator& world_;
+  // The rank grid (parallel/grid.h): comm_ is this rank's data group (data and expert
+  // parallelism), the world itself at dist.tp = 1; the model meets its tp group.
+  std::unique_ptr<RankGrid> grid_;
   Communicator& comm_;
-  bool lead_ = true;  // rank 0: prints, writes metrics and the summary
+  bool lead_ = true;  // world rank 0: prints, writes metrics and the summary
   ShardPlan plan_;
   std::unique_ptr<TrainStep> step_;
   std::optional<CheckpointInfo> ck_;
@@ -254,9 +259,21 @@ int threads_per_rank(int configured) {
   return std::max(1, omp_get_num_procs() / ranks_here);
 }
 
+// The rank grid of dist.tp, checked against the run first (the tp-specific refusals name keys;
+// the expert mode is resolved as build() will, over the data group's ranks).
+std::unique_ptr<RankGrid> make_grid(const Config& cfg, Communicator& world) {
+  const int tp = std::max(1, cfg.dist.tp);
+  if (world.size() % tp == 0)
+    check_tensor_parallel(cfg, world.size(),
+                          expert_mode_name(resolve_expert_mode(cfg.train.experts, cfg.model,
+                                                               world.size() / tp)));
+  return std::make_unique<RankGrid>(world, tp);
+}
+
 RunLoop::RunLoop(Config cfg, const RunOptions& run)
-    : cfg_(std::move(cfg)), run_(run), comm_(run.comm ? *run.comm : one_process_) {
-  lead_ = comm_.rank() == 0;
+    : cfg_(std::move(cfg)), run_(run), world_(run.comm ? *run.comm : one_process_),
+      grid_(make_grid(cfg_, world_)), comm_(grid_->data()) {
+  lead_ = world_.rank() == 0;
   if (!lead_) run_.progress = false;
   ops::use_backend(cfg_.train.backend);
   ops::use_precision(cfg_.train.precision);
@@ -271,7 +288,7 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   bind_model_to_data(cfg_.model, *data_);
   cfg_.model.validate();
   // Every rank the same config, data and binary, before anything is written or exchanged.
-  if (comm_.size() > 1) check_ranks_agree(comm_, start_up_record(cfg_, *data_));
+  if (world_.size() > 1) check_ranks_agree(world_, start_up_record(cfg_, *data_));
   if (lead_) claim_out_dir();  // rank 0 owns the directory; the others write only checkpoints
   build();
   restore();
@@ -301,7 +318,7 @@ void RunLoop::build() {
   refuse_inapplicable_options(cfg_, expert_mode_name(mode_), comm_.size(), !run_.out_dir.empty());
   const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
-                                   mode_ != ExpertMode::InModel);
+                                   mode_ != ExpertMode::InModel, grid_->tp_group());
   model_->set_remat(remat_from_name(cfg_.train.remat));
   plan_ = plan_shards(model_->params(), comm_.size());
   opt_ = std::make_unique<AdamW>(cfg_.optim, model_->params(),
@@ -314,6 +331,7 @@ void RunLoop::build() {
     experts_ = std::make_unique<EcssExperts>(*model_, mode_, cfg_.optim, cfg_.train.expert_store,
                                              ck_.has_value(), expert_memory_bytes(cfg_.train));
   step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim, plan_);
+  if (grid_->tp() > 1) step_->set_tensor_parallel(&grid_->tensor());
   names_ = cfg_.model.domains.names();
   for (const auto& n : data_->domains()) data_to_model_.push_back(cfg_.model.domain_index(n));
   SIGMA_CHECK(cfg_.dist.placement == "spread" || mode_ == ExpertMode::Parallel, "dist.placement = "
@@ -366,7 +384,7 @@ ExpertFiles* RunLoop::expert_files() {
 void RunLoop::restore() {
   if (ck_) {
     load_model(*model_, ck_->dir);
-    load_optimizer(*opt_, model_->params(), ck_->dir);
+    load_optimizer(*opt_, model_->params(), ck_->dir, model_->tp());
     if (expert_files()) expert_files()->load(ck_->dir);
     state_ = ck_->state;
     if (!state_.data_cursor.is_null()) data_->restore(state_.data_cursor);
@@ -488,7 +506,7 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
   tokens_this_run_ += tokens;
   steps_this_run_ += 1;
   steps_in_window_ += 1;
-  if (state_.step < last_) stopped_by_ = signals.requested(comm_);
+  if (state_.step < last_) stopped_by_ = signals.requested(world_);
   if (state_.step % cfg_.train.log_every == 0 || state_.step == last_ || stopped_by_)
     log(r.grad_norm, lr);
   if (ckpt_now || stopped_by_) checkpoint();
@@ -548,7 +566,7 @@ nlohmann::json RunLoop::exchange_since_last(int64_t steps) {
   for (const CommStats& s : parallel_->group_traffic()) {
     now[0] += double(s.calls);
     for (size_t r = 0; r < s.bytes_to.size(); ++r)
-      if (int(r) != comm_.rank()) now[1] += double(s.bytes_to[r]);
+      if (int(r) != world_.rank()) now[1] += double(s.bytes_to[r]);  // process-wide ranks
   }
   double delta[2] = {now[0] - exchanged_[0], now[1] - exchanged_[1]};
   exchanged_[0] = now[0], exchanged_[1] = now[1];
@@ -562,7 +580,7 @@ nlohmann::json RunLoop::exchange_since_last(int64_t steps) {
 void RunLoop::checkpoint() {
   state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
   save_checkpoint(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
-                  expert_files(), &comm_);
+                  expert_files(), &comm_, &grid_->tensor());
   if (!run_dir_) return;
   run_dir_->sync_metrics();
   run_dir_->drop_old_run();  // --overwrite: the new run has a checkpoint now
@@ -599,8 +617,8 @@ TrainSummary RunLoop::finish() {
                          cfg_.model.context, cfg_.train.eval_rows);
   // Each rank's peak resident memory (the high-water mark of the whole process), for summary.json.
   const double peak = peak_rss_mib();
-  peak_rss_.assign(size_t(comm_.size()), 0.0);
-  comm_.all_gather(peak_rss_.data(), &peak, 1);
+  peak_rss_.assign(size_t(world_.size()), 0.0);
+  world_.all_gather(peak_rss_.data(), &peak, 1);
   // A resumed run that had no step left to train keeps the summary its training wrote (this
   // process trained nothing: its throughput and expert load would be zeros).
   std::error_code ec;
