@@ -191,7 +191,7 @@ const char* kGateModel = "--set model.rre_layers=1 --set model.router=top1 --set
 std::string tp_args(const std::string& model, int steps, int tp) {
   return fmt::format("train --config {}/configs/tiny.json {} --set model.heads=4 --set "
                      "train.steps={} --set train.accum=4 --set train.batch=4 --set "
-                     "train.threads=1 --set train.log_every=5 --set dist.tp={} --quiet",
+                     "train.threads=1 --set train.log_every=2 --set train.eval_rows=8 --set dist.tp={} --quiet",
                      SIGMA_SOURCE_DIR, model, steps, tp);
 }
 
@@ -237,7 +237,7 @@ TEST(TensorParallelRuns, FixedTpIsBitIdenticalAcrossDataAndExpertRanksAndTp1IsCl
   SKIP_WITHOUT_MPI();
   for (const char* model : {kDenseModel, kRreModel, kGateModel}) {
     TempDir t("tp");
-    const int steps = 30;
+    const int steps = 10;
     const std::string one = t / "tp1", two = t / "tp2r2", four = t / "tp2r4";
     CmdResult r = on_ranks(1, tp_args(model, steps, 1) + " --out " + one);
     ASSERT_EQ(r.code, 0) << r.out;
@@ -260,11 +260,11 @@ TEST(TensorParallelRuns, ACheckpointAtTp2Dp2ResumesAtTp1Dp4AndTp4Dp1) {
   SKIP_WITHOUT_MPI();
   TempDir t("tpck");
   const std::string whole = t / "whole", split = t / "split";
-  CmdResult r = on_ranks(4, tp_args(kRreModel, 40, 2) + " --out " + whole);
+  CmdResult r = on_ranks(4, tp_args(kRreModel, 12, 2) + " --out " + whole);
   ASSERT_EQ(r.code, 0) << r.out;
-  r = on_ranks(4, tp_args(kRreModel, 40, 2) + " --out " + split + " --stop-at 20");
+  r = on_ranks(4, tp_args(kRreModel, 12, 2) + " --out " + split + " --stop-at 6");
   ASSERT_EQ(r.code, 0) << r.out;
-  const std::string ck = split + "/checkpoints/step-00000020";
+  const std::string ck = split + "/checkpoints/step-00000006";
   for (const std::string cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
                                 "generate --ckpt " + ck + " --prompt '1 2 3' --max-new 4"}) {
     const CmdResult c = sigma_cmd(cmd);
@@ -281,8 +281,8 @@ TEST(TensorParallelRuns, ACheckpointAtTp2Dp2ResumesAtTp1Dp4AndTp4Dp1) {
     const std::vector<double> got = loss_and_norms(out + "/metrics.jsonl");
     if (l.tp == 2) {
       EXPECT_EQ(got, ref) << "(tp 2, dp 1) after (tp 2, dp 2)";
-      EXPECT_TRUE(file_bytes(out + "/checkpoints/step-00000040/model.safetensors") ==
-                  file_bytes(whole + "/checkpoints/step-00000040/model.safetensors"));
+      EXPECT_TRUE(file_bytes(out + "/checkpoints/step-00000012/model.safetensors") ==
+                  file_bytes(whole + "/checkpoints/step-00000012/model.safetensors"));
     } else {
       EXPECT_LT(worst_rel(ref, got), 1e-5) << "tp " << l.tp << " on " << l.ranks << " ranks";
     }

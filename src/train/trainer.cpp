@@ -242,6 +242,7 @@ class RunLoop {
   nlohmann::json cursor_after_step_;  // the data cursor before step t+1's batches were read
   double exchanged_[2] = {0, 0};      // expert exchange calls and bytes at the last log
   nlohmann::json exchange_summary_;   // the whole run's, for summary.json
+  nlohmann::json tp_exchange_;        // tensor parallelism: rank 0's tp traffic per step
   // The logging window and this run's totals.
   DomainSums window_{0};
   double aux_window_ = 0;
@@ -608,6 +609,14 @@ TrainSummary RunLoop::finish() {
     exchange_summary_ = exchange_since_last(steps_this_run_);
     exchange_summary_["placement"] = cfg_.dist.placement;
   }
+  if (grid_->tp() > 1) {  // the tp group's all-reduces of the training steps (before evaluation's)
+    const CommStats& t = grid_->tensor().stats();
+    const double per = double(std::max<int64_t>(steps_this_run_, 1));
+    const size_t me = size_t(world_.rank());
+    const int64_t to_self = me < t.bytes_to.size() ? t.bytes_to[me] : 0;
+    tp_exchange_ = {{"tp", grid_->tp()}, {"calls_per_step", double(t.calls) / per},
+                    {"mib_per_step_per_rank", double(t.bytes() - to_self) / per / double(1 << 20)}};
+  }
   if (stopped_by_) return sum;  // stopped early: no evaluation, no summary of an unfinished run
   if (run_dir_) run_dir_->drop_old_run();  // finished (a run of no steps saves no checkpoint)
   std::unique_ptr<DataSource> held_out;
@@ -648,6 +657,7 @@ void RunLoop::write_summary(const TrainSummary& sum) {
     summary["ecss"]["experts_per_step"] = o.steps ? double(o.experts_updated) / o.steps : 0.0;
   }
   if (parallel_) summary["expert_exchange"] = exchange_summary_;
+  if (!tp_exchange_.is_null()) summary["tp_exchange"] = tp_exchange_;
   if (!sum.expert_load.empty()) {
     summary["expert_load"] = expert_load_json(sum.expert_load, cfg_.model);
     summary["load_imbalance"] = load_imbalance_json(sum.expert_load);
