@@ -23,10 +23,9 @@ import json, sys
 out, tp, rss = sys.argv[1], sys.argv[2], sys.argv[3]
 recs = [json.loads(l) for l in open(out + "/metrics.jsonl") if l.strip()]
 s = json.load(open(out + "/summary.json"))
-# the first steps warm up: the median of the rest
-tps = sorted(r["tokens_per_s"] for r in recs[2:]) or [recs[-1]["tokens_per_s"]]
 tp_x = s.get("tp_exchange", {})
-print(f"tp={tp}: loss {recs[-1]['loss']:.9f} tokens/s {tps[len(tps)//2]:.0f} "
+sec_per_step = s["steps"] and s["tokens"] / s["tokens_per_s"] / s["steps"]
+print(f"tp={tp}: loss {recs[-1]['loss']:.9f} s/step {sec_per_step:.2f} tokens/s {s['tokens_per_s']:.0f} "
       f"tp all-reduce MiB/step/rank {tp_x.get('mib_per_step_per_rank', 0):.2f} "
       f"calls/step {tp_x.get('calls_per_step', 0):.0f} peak RSS MiB per rank {rss}")
 PY

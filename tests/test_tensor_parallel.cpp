@@ -93,15 +93,32 @@ double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return diff / scale;
 }
 
+// Non-zero biases and LayerNorm parameters (they start at 0 and 1), the same whole values at
+// every tp: a bias added once per rank instead of once shows.
+void perturb_vectors(Model& m, int P, int rank) {
+  for (Param& p : m.params().all()) {
+    if (p.value.shape().size() != 1) continue;
+    const TpSplit s = P > 1 ? tp_split(p.name) : TpSplit{};
+    const int64_t n = p.value.numel() * (s.replicated() ? 1 : P);
+    std::vector<float> full(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) full[size_t(i)] = 0.2f * rng_normal(7, 3, uint64_t(i));
+    std::vector<float> mine(static_cast<size_t>(p.value.numel()));
+    tp_slice(mine.data(), full.data(), {n}, s, P, rank);
+    for (int64_t i = 0; i < p.value.numel(); ++i) p.value.f()[i] += mine[size_t(i)];
+  }
+}
+
 // Splits the model over P thread ranks and checks it against one rank.
 void expect_tp_matches_one_rank(const ModelConfig& c, int P) {
   const Batch b = tp_batch(c, 3, 5);
   Model one(c, 42);
+  perturb_vectors(one, 1, 0);
   const Pass ref = run_pass(one, b);
   std::vector<Pass> ranks(static_cast<size_t>(P));
   test_ranks::run_ranks(P, [&](Communicator& world) {
     RankGrid grid(world, P);
     Model m(c, 42, nullptr, false, grid.tp_group());
+    perturb_vectors(m, P, world.rank());
     ranks[size_t(world.rank())] = run_pass(m, b);
   });
   const auto& ps = one.params().all();
@@ -119,7 +136,7 @@ void expect_tp_matches_one_rank(const ModelConfig& c, int P) {
       EXPECT_EQ(int64_t(values[0].size()) * P, ps[i].value.numel()) << ps[i].name;
     }
     EXPECT_TRUE(assemble(values, ps[i].value.shape(), s) == ref.value[i])
-        << ps[i].name << ": the slices are not the one-rank initial weights";
+        << ps[i].name << ": the slices are not the one-rank weights";
     EXPECT_LT(max_rel_diff(ref.grad[i], assemble(grads, ps[i].value.shape(), s)), 2e-5)
         << ps[i].name << " at tp = " << P;
   }
