@@ -316,3 +316,16 @@ TEST(TensorParallelRuns, ATpThatDoesNotFitIsRefusedWithOneLine) {
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("dist.tp = 4 does not divide model.heads = 2"), std::string::npos) << r.out;
 }
+
+// train.experts = auto with tp 2 on 2 ranks (one data rank): expert parallel, not ECSS (whose
+// per-process store a tp group cannot share).
+TEST(TensorParallelRuns, TheDefaultExpertsTrainAtTp2OnTwoRanks) {
+  SKIP_WITHOUT_MPI();
+  TempDir t("tpauto");
+  const CmdResult r = on_ranks(2, fmt::format("train --config {}/configs/tiny.json --set model.heads=4 "
+                                              "--set train.steps=2 --set train.accum=2 --set train.batch=2 "
+                                              "--set train.threads=1 --set train.eval_rows=8 --set dist.tp=2 "
+                                              "--out {}", SIGMA_SOURCE_DIR, t / "a"));
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("experts: parallel"), std::string::npos) << r.out;
+}

@@ -260,14 +260,21 @@ int threads_per_rank(int configured) {
   return std::max(1, omp_get_num_procs() / ranks_here);
 }
 
+// train.experts over the data group's ranks. With tp > 1, auto keeps the experts expert
+// parallel even on one data rank (where it would pick ECSS): a per-process store cannot serve
+// the ranks of a tp group.
+ExpertMode expert_mode_of(const Config& cfg, int data_ranks, int tp) {
+  const bool auto_parallel = tp > 1 && cfg.train.experts == "auto";
+  return resolve_expert_mode(cfg.train.experts, cfg.model, auto_parallel ? 2 : data_ranks);
+}
+
 // The rank grid of dist.tp, checked against the run first (the tp-specific refusals name keys;
 // the expert mode is resolved as build() will, over the data group's ranks).
 std::unique_ptr<RankGrid> make_grid(const Config& cfg, Communicator& world) {
   const int tp = std::max(1, cfg.dist.tp);
   if (world.size() % tp == 0)
     check_tensor_parallel(cfg, world.size(),
-                          expert_mode_name(resolve_expert_mode(cfg.train.experts, cfg.model,
-                                                               world.size() / tp)));
+                          expert_mode_name(expert_mode_of(cfg, world.size() / tp, tp)));
   return std::make_unique<RankGrid>(world, tp);
 }
 
@@ -315,7 +322,7 @@ void RunLoop::build() {
     check_same_model(cfg_, ck_->cfg);
   }
   check_memory(cfg_);  // a sized error instead of bad_alloc for a model too big for the machine
-  mode_ = resolve_expert_mode(cfg_.train.experts, cfg_.model, comm_.size());
+  mode_ = expert_mode_of(cfg_, comm_.size(), grid_->tp());
   refuse_inapplicable_options(cfg_, expert_mode_name(mode_), comm_.size(), !run_.out_dir.empty());
   const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
