@@ -109,15 +109,17 @@ void perturb_vectors(Model& m, int P, int rank) {
 }
 
 // Splits the model over P thread ranks and checks it against one rank.
-void expect_tp_matches_one_rank(const ModelConfig& c, int P) {
+void expect_tp_matches_one_rank(const ModelConfig& c, int P, Remat remat = Remat::None) {
   const Batch b = tp_batch(c, 3, 5);
   Model one(c, 42);
+  one.set_remat(remat);
   perturb_vectors(one, 1, 0);
   const Pass ref = run_pass(one, b);
   std::vector<Pass> ranks(static_cast<size_t>(P));
   test_ranks::run_ranks(P, [&](Communicator& world) {
     RankGrid grid(world, P);
     Model m(c, 42, nullptr, false, grid.tp_group());
+    m.set_remat(remat);
     perturb_vectors(m, P, world.rank());
     ranks[size_t(world.rank())] = run_pass(m, b);
   });
@@ -169,6 +171,13 @@ TEST(TensorParallel, TheShardTableSplitsByHeadsAndRows) {
 
 TEST(TensorParallel, TwoAndFourRanksComputeTheOneRankLossAndGradientsDense) {
   for (int P : {2, 4}) expect_tp_matches_one_rank(tp_config(0), P);
+}
+
+// What backward recomputes (train.remat) splits the same way: the recomputed blocks run on
+// this rank's heads and columns too.
+TEST(TensorParallel, RecomputedBlocksAndAttentionSplitTheSameWay) {
+  expect_tp_matches_one_rank(tp_config(0), 2, Remat::Attention);
+  expect_tp_matches_one_rank(tp_config(1), 2, Remat::Blocks);
 }
 
 TEST(TensorParallel, TwoRanksComputeTheOneRankLossAndGradientsWithExperts) {
