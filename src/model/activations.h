@@ -41,7 +41,7 @@ struct BlockActs {
 };
 
 struct Activations {
-  int B = 0, T = 0;
+  int B = 0, T = 0, tp = 1;
   std::vector<int32_t> rows;       // [N] embedding rows: slot*V + token
   std::vector<int32_t> row_group;  // [N] expert group of each row (expert blocks)
   Tensor rows_d, targets_d;        // [N] I32 on the device: rows and the batch's targets
@@ -60,11 +60,13 @@ struct Activations {
   Tensor z;                        // [N,Kmax] learned gate: logits, then their gradient
   Tensor gate_x, gate_dy, gate_dx; // [k*N,d] learned gate: the experts' gathered x, dy, dx
   Tensor dgate;                    // [N*2] learned gate: d(loss)/d(combine weight)
+  Tensor tp_sum;                   // [N,d] tensor parallel: a share before its all-reduce
   Remat remat = Remat::None;
   BlockActs work;                  // remat: the buffers blocks share (see Remat)
 
-  // Sizes every buffer for B rows of T positions (no-op when unchanged).
-  void ensure(const ModelConfig& cfg, int B, int T, Remat remat = Remat::None);
+  // Sizes every buffer for B rows of T positions (no-op when unchanged). With tp > 1 ranks
+  // splitting the dense blocks, qkv, att and a dense FFN's pre/act hold this rank's columns.
+  void ensure(const ModelConfig& cfg, int B, int T, Remat remat = Remat::None, int tp = 1);
   // Block l's buffers (the shared set under Remat::Blocks; its input x is always blocks[l].x)
   // and its attention output.
   BlockActs& block(int l) { return remat == Remat::Blocks ? work : blocks[size_t(l)]; }

@@ -30,6 +30,18 @@ void check_batch(const Batch& b) {
                   b.targets.size() == size_t(b.B) * b.T && b.domain.size() == size_t(b.B),
               "malformed batch (B={}, T={})", b.B, b.T);
 }
+// y[n] += the output of a layer whose every rank computes a partial sum over its slice: a
+// row-parallel layer's forward, a column-parallel layer's input gradient. `layer(out)` adds
+// this rank's share into out; with tp > 1 the shares meet in a zeroed scratch, one all-reduce
+// (the same bits on every rank), then y. With tp = 1 the layer adds straight into y.
+template <class Layer>
+void add_tp_sum(const TpGroup& tp, float* y, float* scratch, int64_t n, Layer&& layer) {
+  if (!tp.split()) return layer(y);
+  ops::fill(scratch, 0.0f, n);
+  layer(scratch);
+  tp.all_reduce(scratch, n);
+  ops::add_into(y, scratch, n);
+}
 }  // namespace
 
 double BlockLoad::imbalance() const {
@@ -62,22 +74,28 @@ void init_expert_matrix(float* v, const std::string& name, int64_t e, int64_t co
 }
 }  // namespace
 
-Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, bool external_experts)
-    : Model(cfg, seed, counts, external_experts, true) {}
+Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, bool external_experts,
+             TpGroup tp)
+    : Model(cfg, seed, counts, external_experts, true, tp) {}
 
 std::unique_ptr<Model> Model::for_loading(const ModelConfig& cfg, uint64_t seed) {
-  return std::unique_ptr<Model>(new Model(cfg, seed, nullptr, false, false));
+  return std::unique_ptr<Model>(new Model(cfg, seed, nullptr, false, false, TpGroup{}));
 }
 
 Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
-             bool external_experts, bool initialise)
-    : cfg_(cfg), seed_(seed), external_experts_(external_experts), w_(new ModelWeights),
+             bool external_experts, bool initialise, TpGroup tp)
+    : cfg_(cfg), seed_(seed), external_experts_(external_experts), tp_(tp), w_(new ModelWeights),
       own_(new Activations) {
   cfg_.validate();
+  SIGMA_CHECK(tp_.size >= 1 && tp_.rank >= 0 && tp_.rank < tp_.size && (tp_.size == 1 || tp_.reducer),
+              "tensor-parallel group: rank {} of {} without a reducer", tp_.rank, tp_.size);
+  SIGMA_CHECK(cfg_.heads % tp_.size == 0 && cfg_.ffn() % tp_.size == 0,
+              "dist.tp = {} must divide model.heads ({}) and the FFN width ({})", tp_.size,
+              cfg_.heads, cfg_.ffn());
   SIGMA_CHECK(!external_experts || cfg_.rre_layers > 0,
               "experts in a store need a sparse model (model.rre_layers > 0)");
   const int L = cfg_.layers;
-  register_params(params_, cfg_, !external_experts);
+  register_params(params_, cfg_, !external_experts, tp_.size);
   register_buffers(buffers_, cfg_);
   for (const DomainSpec& d : cfg_.domains)
     domain_group_.push_back(cfg_.rre_layers == 0 ? -1 : cfg_.group_index(d.group));
@@ -89,9 +107,14 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
   for (Param& p : params_.all()) {
     if (!initialise) break;
     const std::string& n = p.name;
-    Tensor init(DType::F32, p.value.shape(), Device::Host);  // drawn on the host, uploaded
+    // A tensor split over tp ranks: the whole one drawn (the values one rank starts from),
+    // this rank's slice kept.
+    const TpSplit split = tp_.split() ? tp_split(n) : TpSplit{};
+    Shape full = p.value.shape();
+    if (!split.replicated()) full[size_t(split.dim)] *= tp_.size;
+    Tensor init(DType::F32, full, Device::Host);  // drawn on the host, uploaded
     float* v = init.f();
-    const int64_t count = p.value.numel();
+    const int64_t count = init.numel();
     const float std = init_std_of(n, cfg_);
     if (names::is_ln_gain(n)) {
       std::fill(v, v + count, 1.0f);
@@ -101,7 +124,12 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
     } else if (!p.expert && p.value.shape().size() >= 2) {
       fill_normal(v, count, std, seed, stream_of(n.c_str()));
     }
-    ops::upload(p.value, v, init.nbytes());
+    if (!split.replicated()) {
+      Tensor local(DType::F32, p.value.shape(), Device::Host);
+      tp_slice(local.f(), v, full, split, tp_.size, tp_.rank);
+      init = std::move(local);
+    }
+    ops::upload(p.value, init.f(), init.nbytes());
   }
 
   // Routing tables R[l][g] (DESIGN §2), independent per (block, group).
@@ -150,6 +178,7 @@ void Model::bind_expert(int block, int e, const float* weights, float* grads) {
 }
 
 void Model::use_bf16_weights() {
+  SIGMA_CHECK(!tp_.split(), "bf16 weights: a tensor-parallel model is for training only");
   SIGMA_CHECK(!external_experts_, "bf16 weights: this model's experts live in a store; load "
                                   "the checkpoint with its experts for inference");
   if (bf16_weights()) return;
@@ -287,12 +316,13 @@ Remat remat_from_name(const std::string& name) {
   fail("unknown remat mode '{}' (known: none, attention, blocks)", name);
 }
 
-void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_) {
+void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_, int tp_) {
   SIGMA_CHECK(T_ <= cfg.context, "batch length {} exceeds model.context {}", T_, cfg.context);
-  if (B == B_ && T == T_ && remat == remat_) return;
+  if (B == B_ && T == T_ && remat == remat_ && tp == tp_) return;
   B = B_;
   T = T_;
   remat = remat_;
+  tp = tp_;
   const int64_t N = int64_t(B) * T, d = cfg.d_model, f = cfg.ffn(), V = cfg.vocab, H = cfg.heads;
   const int64_t k = cfg.rre_layers > 0 ? cfg.experts_per_token() : 1;
   auto t = [](Shape s) { return ops::empty(DType::F32, std::move(s)); };
@@ -305,14 +335,15 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_) {
   // One block's buffers, sized for block l (expert blocks hold k rows per token).
   auto fill = [&](BlockActs& a, int l, bool with_att) {
     const int64_t rows_ffn = cfg.is_rre_block(l) ? k * N : N;
+    const int64_t f_local = cfg.is_rre_block(l) ? f : f / tp;  // experts are not split
     a.a1 = t({N, d}), a.mean1 = t({N}), a.rstd1 = t({N});
-    a.qkv = t({N, 3 * d});
+    a.qkv = t({N, 3 * d / tp});
     if (l == cfg.layers - 1) a.qtop = t({T, d});
     a.lse = t({B, H, T});
-    if (with_att) a.att = t({N, d});
+    if (with_att) a.att = t({N, d / tp});
     a.mid = t({N, d});
     a.a2 = t({N, d}), a.mean2 = t({N}), a.rstd2 = t({N});
-    a.pre = t({rows_ffn, f}), a.act = t({rows_ffn, f});
+    a.pre = t({rows_ffn, f_local}), a.act = t({rows_ffn, f_local});
     if (cfg.is_rre_block(l) && cfg.gated()) a.yg = t({rows_ffn, d});
   };
   for (int l = 0; l < cfg.layers; ++l) {
@@ -320,7 +351,7 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_) {
     if (remat != Remat::Blocks) fill(blocks[size_t(l)], l, remat == Remat::None);
   }
   work = BlockActs{};
-  if (remat == Remat::Attention) work.att = t({N, d});
+  if (remat == Remat::Attention) work.att = t({N, d / tp});
   if (remat == Remat::Blocks) {  // the widest block: the query layer, an expert block if any
     fill(work, cfg.rre_layers > 0 ? cfg.layers - 1 : 0, true);
     if (!work.qtop.numel()) work.qtop = t({T, d});
@@ -330,6 +361,7 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_) {
   dh = t({N, d}), da = t({N, d}), datt = t({N, d}), dqkv = t({N, 3 * d});
   dffn = t({2 * k * N, f});
   dq_shared = t({T, d});
+  tp_sum = tp > 1 ? t({N, d}) : Tensor{};
   if (cfg.rre_layers > 0) {
     gx = t({k * N, d}), gy = t({k * N, d}), gdx = t({k * N, d});
     int Kmax = 1;
@@ -375,7 +407,7 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
                     const float* loss_weight) {
   const int B = batch.B, T = batch.T;
   check_batch(batch);
-  a.ensure(cfg_, B, T, remat_);
+  a.ensure(cfg_, B, T, remat_, tp_.size);
   check_routing_ready();
   mirror_weights(loss_weight != nullptr);
   embed(batch, a, nullptr);
@@ -485,27 +517,31 @@ void Model::mirror(const Activations& a, float* p, int64_t n) const {
 void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache* cache,
                           bool recompute, const int* cache_rows) {
   const int B = batch.B, T = batch.T;
-  const int64_t N = int64_t(B) * T, d = cfg_.d_model, f = cfg_.ffn(), hd = cfg_.head_dim();
+  const int64_t N = int64_t(B) * T, d = cfg_.d_model, hd = cfg_.head_dim();
+  // This rank's share of the heads and of the dense FFN's width (all of them at tp = 1).
+  const int64_t dl = d / tp_.size, fl = cfg_.ffn() / tp_.size, Hl = cfg_.heads / tp_.size;
   const bool query_layer = (l == cfg_.layers - 1);
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = acts.block(l);
   const float* x = acts.blocks[size_t(l)].x.f();
+  SIGMA_CHECK(!cache || !tp_.split(), "a tensor-parallel model has no KV cache (training only)");
 
   ops::layernorm_forward(k.a1.f(), k.mean1.f(), k.rstd1.f(), x, w.ln1_w.v, w.ln1_b.v, N, d);
   if (!cache && !recompute) mirror(acts, k.a1.f(), N * d);
   ops::AttnOperand q;
+  // QKV column-parallel: this rank's heads of each of Q, K, V (dl columns each).
   if (!query_layer) {
-    linear(k.qkv.f(), k.a1.f(), w.qkv_w, w.qkv_b.v, N, d, 3 * d);
-    q = {k.qkv.f(), 3 * d, T * 3 * d};
+    linear(k.qkv.f(), k.a1.f(), w.qkv_w, w.qkv_b.v, N, d, 3 * dl);
+    q = {k.qkv.f(), 3 * dl, T * 3 * dl};
   } else {
     // Keys and values from LN1(h): the K|V column slice of the QKV weight.
-    linear(k.qkv.f() + d, k.a1.f(), w.qkv_w, w.qkv_b.v + d, N, d, 2 * d, false,
-           {d, 3 * d, 3 * d}, d);
+    linear(k.qkv.f() + dl, k.a1.f(), w.qkv_w, w.qkv_b.v + dl, N, d, 2 * dl, false,
+           {d, 3 * dl, 3 * dl}, dl);
     // Queries from the learned position table (not normalised): shared by every row in
     // training; from each row's own positions with a cache.
     if (!cache) {
-      linear(k.qtop.f(), w.query.v, w.qkv_w, w.qkv_b.v, T, d, d, false, {d, 3 * d, d});
-      q = {k.qtop.f(), d, 0};
+      linear(k.qtop.f(), w.query.v, w.qkv_w, w.qkv_b.v, T, d, dl, false, {d, 3 * dl, dl});
+      q = {k.qtop.f(), dl, 0};
     } else {
       if (k.qtop.numel() < N * d) k.qtop = ops::empty(DType::F32, {N, d});
       for (int b = 0; b < B; ++b)
@@ -519,25 +555,31 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   if (cache) {
     cached_attention(l, batch, acts, *cache, cache_rows, q, att);
   } else {
-    ops::flash_attention_forward(att, k.lse.f(), q, {k.qkv.f() + d, 3 * d, T * 3 * d},
-                                 {k.qkv.f() + 2 * d, 3 * d, T * 3 * d}, {B, T, T, cfg_.heads, hd},
+    ops::flash_attention_forward(att, k.lse.f(), q, {k.qkv.f() + dl, 3 * dl, T * 3 * dl},
+                                 {k.qkv.f() + 2 * dl, 3 * dl, T * 3 * dl}, {B, T, T, Hl, hd},
                                  1.0f / std::sqrt(float(hd)));
   }
-  if (!cache && !recompute) mirror(acts, att, N * d);
+  if (!cache && !recompute) mirror(acts, att, N * dl);
   ops::copy(k.mid.f(), x, N * d);
-  linear(k.mid.f(), att, w.out_w, w.out_b.v, N, d, d, true);
+  // Attention output row-parallel: mid = x + the group's sum of att_r @ W_r (+ b once).
+  add_tp_sum(tp_, k.mid.f(), acts.tp_sum.f(), N * d, [&](float* y) {
+    linear(y, att, w.out_w, tp_.row_bias(w.out_b.v), N, dl, d, true);
+  });
   ops::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,
                          d);
   if (!cache && !recompute) {
     mirror(acts, k.a2.f(), N * d);
-    if (!w.is_rre()) mirror(acts, k.act.f(), N * f);  // written whole by FastGelu, then read
+    if (!w.is_rre()) mirror(acts, k.act.f(), N * fl);  // written whole by FastGelu, then read
   }
   float* out = (l + 1 < cfg_.layers) ? acts.blocks[size_t(l) + 1].x.f() : acts.h_final.f();
   ops::copy(out, k.mid.f(), N * d);
-  if (!w.is_rre())
-    ffn_forward(out, k.pre.f(), k.act.f(), k.a2.f(), w.ffn(), N, d, f);
-  else
-    expert_forward(l, batch, acts, out, recompute);
+  if (w.is_rre()) return expert_forward(l, batch, acts, out, recompute);
+  // Dense FFN: w_in column-parallel, w_out row-parallel (its bias added once).
+  FfnWeights fw = w.ffn();
+  fw.b_out = tp_.row_bias(fw.b_out);
+  add_tp_sum(tp_, out, acts.tp_sum.f(), N * d, [&](float* y) {
+    ffn_forward(y, k.pre.f(), k.act.f(), k.a2.f(), fw, N, d, fl);
+  });
 }
 
 // An expert block: the learned-gate baseline, or RRE through the executor; counts the load.
@@ -629,16 +671,18 @@ void Model::head_backward(const Batch& batch, Activations& a) {
 
 // dh: dL/d(block output) on entry, dL/d(block input) on return.
 void Model::block_backward(int l, const Batch& batch, Activations& a, float* dh) {
-  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, f = cfg_.ffn();
+  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, fl = cfg_.ffn() / tp_.size;
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = a.block(l);
   // FFN branch; the residual passes dh through unchanged.
   zero(a.da);
-  if (!w.is_rre())
+  if (!w.is_rre()) {
     ffn_backward(a.da.f(), w.ffn_grad(), a.dffn.f(), dh, k.a2.f(), k.pre.f(), k.act.f(), w.ffn(),
-                 N, d, f);
-  else
+                 N, d, fl);
+    tp_.all_reduce(a.da.f(), N * d);  // w_in is column-parallel: dL/da2 is the group's sum
+  } else {
     expert_backward(l, a, dh);
+  }
   ops::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.f(), k.mid.f(), k.mean2.f(),
                           k.rstd2.f(), w.ln2_w.v, N, d);  // dh is now dL/d(mid)
   attention_backward(l, batch, a, dh);
@@ -665,40 +709,46 @@ void Model::expert_backward(int l, Activations& a, float* dh) {
 // The attention branch of block l; dh: dL/d(mid) on entry, dL/d(block input) on return.
 void Model::attention_backward(int l, const Batch& batch, Activations& a, float* dh) {
   const int B = batch.B, T = batch.T;
-  const int64_t N = int64_t(B) * T, d = cfg_.d_model, H = cfg_.heads, hd = cfg_.head_dim();
+  const int64_t N = int64_t(B) * T, d = cfg_.d_model, hd = cfg_.head_dim();
+  const int64_t dl = d / tp_.size, Hl = cfg_.heads / tp_.size;  // this rank's heads
   const bool query_layer = (l == cfg_.layers - 1);
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = a.block(l);
   const float scale = 1.0f / std::sqrt(float(hd));
-  ops::AttnOperand q{k.qkv.f(), 3 * d, T * 3 * d};
-  if (query_layer) q = {k.qtop.f(), d, 0};
-  const ops::AttnOperand kk{k.qkv.f() + d, 3 * d, T * 3 * d};
-  const ops::AttnOperand vv{k.qkv.f() + 2 * d, 3 * d, T * 3 * d};
+  ops::AttnOperand q{k.qkv.f(), 3 * dl, T * 3 * dl};
+  if (query_layer) q = {k.qtop.f(), dl, 0};
+  const ops::AttnOperand kk{k.qkv.f() + dl, 3 * dl, T * 3 * dl};
+  const ops::AttnOperand vv{k.qkv.f() + 2 * dl, 3 * dl, T * 3 * dl};
   float* att = a.att(l);
   if (a.remat == Remat::Attention)  // the same call on the same inputs: the same bits
-    ops::flash_attention_forward(att, k.lse.f(), q, kk, vv, {B, T, T, H, hd}, scale);
+    ops::flash_attention_forward(att, k.lse.f(), q, kk, vv, {B, T, T, Hl, hd}, scale);
   zero(a.datt);
-  ops::linear_backward(a.datt.f(), w.out_w.g, w.out_b.g, dh, att, w.out_w.v, N, d, d);
+  // Row-parallel output: its input gradient and weight gradient are this rank's rows alone.
+  ops::linear_backward(a.datt.f(), w.out_w.g, w.out_b.g, dh, att, w.out_w.v, N, dl, d);
   zero(a.dqkv);
   // dq always gets per-row storage (the q third of dqkv), even when q is shared.
   float* dqkv = a.dqkv.f();
-  ops::flash_attention_backward({dqkv, 3 * d, T * 3 * d}, {dqkv + d, 3 * d, T * 3 * d},
-                                {dqkv + 2 * d, 3 * d, T * 3 * d}, a.datt.f(), att, k.lse.f(),
-                                q, kk, vv, {B, T, T, H, hd}, scale);
+  ops::flash_attention_backward({dqkv, 3 * dl, T * 3 * dl}, {dqkv + dl, 3 * dl, T * 3 * dl},
+                                {dqkv + 2 * dl, 3 * dl, T * 3 * dl}, a.datt.f(), att, k.lse.f(),
+                                q, kk, vv, {B, T, T, Hl, hd}, scale);
   zero(a.da);
   if (!query_layer) {
-    ops::linear_backward(a.da.f(), w.qkv_w.g, w.qkv_b.g, dqkv, k.a1.f(), w.qkv_w.v, N, d, 3 * d);
+    ops::linear_backward(a.da.f(), w.qkv_w.g, w.qkv_b.g, dqkv, k.a1.f(), w.qkv_w.v, N, d, 3 * dl);
   } else {
-    ops::linear_backward(a.da.f(), w.qkv_w.g + d, w.qkv_b.g + d, dqkv + d, k.a1.f(),
-                         w.qkv_w.v + d, N, d, 2 * d, {d, 3 * d, 3 * d});
-    // The shared query: sum dq over the batch, then back through W_q to the query table.
+    ops::linear_backward(a.da.f(), w.qkv_w.g + dl, w.qkv_b.g + dl, dqkv + dl, k.a1.f(),
+                         w.qkv_w.v + dl, N, d, 2 * dl, {d, 3 * dl, 3 * dl});
+    // The shared query: sum dq over the batch, then back through W_q to the query table
+    // (column-parallel: the table's gradient is the group's sum).
     zero(a.dq_shared);
     float* dq = a.dq_shared.f();
     for (int b = 0; b < B; ++b)
-      for (int t = 0; t < T; ++t) ops::add_into(dq + int64_t(t) * d, dqkv + (int64_t(b) * T + t) * 3 * d, d);
-    ops::linear_backward(w.query.g, w.qkv_w.g, w.qkv_b.g, dq, w.query.v, w.qkv_w.v, T, d, d,
-                         {d, 3 * d, d});
+      for (int t = 0; t < T; ++t) ops::add_into(dq + int64_t(t) * dl, dqkv + (int64_t(b) * T + t) * 3 * dl, dl);
+    add_tp_sum(tp_, w.query.g, a.tp_sum.f(), T * d, [&](float* dquery) {
+      ops::linear_backward(dquery, w.qkv_w.g, w.qkv_b.g, dq, w.query.v, w.qkv_w.v, T, d, dl,
+                           {d, 3 * dl, dl});
+    });
   }
+  tp_.all_reduce(a.da.f(), N * d);  // QKV is column-parallel: dL/da1 is the group's sum
   ops::layernorm_backward(dh, w.ln1_w.g, w.ln1_b.g, a.da.f(), a.blocks[size_t(l)].x.f(),
                           k.mean1.f(), k.rstd1.f(), w.ln1_w.v, N, d);  // dL/d(block input)
 }

@@ -15,6 +15,7 @@
 #include "model/expert_executor.h"
 #include "model/params.h"
 #include "model/routing.h"
+#include "model/tensor_parallel.h"
 #include "model/weights.h"
 
 namespace sigma {
@@ -51,8 +52,13 @@ class Model {
   // With external_experts the RRE experts are not model parameters: they live in an expert
   // store (ECSS, src/ecss/ecss_experts.h) and bind_expert() points the model at the copies
   // of the experts a step uses; a forward pass that routes a row to an unbound expert throws.
+  //
+  // With tp.size > 1 the model is this rank's part of a tensor-parallel group
+  // (model/tensor_parallel.h): split tensors hold its slice of the weights the same model on
+  // one rank would start from, and forward/backward meet the group in all-reduces (training
+  // only: no KV cache, no bf16 weight copies).
   Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts = nullptr,
-        bool external_experts = false);
+        bool external_experts = false, TpGroup tp = {});
   // A model whose parameters are zeros, for a load that sets every one of them (load_model
   // refuses a checkpoint that misses one): skips drawing the random initialisation.
   static std::unique_ptr<Model> for_loading(const ModelConfig& cfg, uint64_t seed);
@@ -61,6 +67,7 @@ class Model {
   Model& operator=(const Model&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
+  const TpGroup& tp() const { return tp_; }
   ParamSet& params() { return params_; }
   const ModelWeights& weights() const { return *w_; }
   const ParamSet& params() const { return params_; }
@@ -170,11 +177,12 @@ class Model {
   void attention_backward(int l, const Batch& b, Activations& a, float* dh);
 
   Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, bool external_experts,
-        bool initialise);
+        bool initialise, TpGroup tp);
 
   ModelConfig cfg_;
   uint64_t seed_;
   bool external_experts_;
+  TpGroup tp_;
   bool mirrored_ = false;  // this forward registered bf16 copies (mirror_weights)
   ParamSet params_;
   BufferSet buffers_;

@@ -2,6 +2,7 @@
 
 #include "kernels/ops.h"
 #include "model/names.h"
+#include "model/tensor_parallel.h"
 
 namespace sigma {
 
@@ -28,7 +29,14 @@ void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, in
     ops::linear_forward(y, x, w.v + col, b, N, in, out, accumulate, ld);
 }
 
-void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts) {
+void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts, int tp) {
+  struct Local {  // registers the shape this rank holds of a tensor split over tp ranks
+    ParamSet& ps;
+    int tp;
+    void add(const std::string& name, const Shape& full, bool decay) {
+      ps.add(name, tp_local_shape(full, tp_split(name), tp), decay);
+    }
+  } local{ps, tp};
   const int64_t V = cfg.vocab, d = cfg.d_model, f = cfg.ffn(), T = cfg.context;
   const int L = cfg.layers;
   ps.add(names::kTokens, {int64_t(cfg.slots) * V, d}, false);
@@ -36,15 +44,15 @@ void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts) {
   for (int l = 0; l < L; ++l) {
     ps.add(names::block(l, "ln1.w"), {d}, false);
     ps.add(names::block(l, "ln1.b"), {d}, false);
-    ps.add(names::block(l, "attn.qkv.w"), {d, 3 * d}, true);
-    ps.add(names::block(l, "attn.qkv.b"), {3 * d}, false);
-    ps.add(names::block(l, "attn.out.w"), {d, d}, true);
+    local.add(names::block(l, "attn.qkv.w"), {d, 3 * d}, true);
+    local.add(names::block(l, "attn.qkv.b"), {3 * d}, false);
+    local.add(names::block(l, "attn.out.w"), {d, d}, true);
     ps.add(names::block(l, "attn.out.b"), {d}, false);
     if (l == L - 1) ps.add(names::block(l, "attn.query_table"), {T, d}, false);
     ps.add(names::block(l, "ln2.w"), {d}, false);
     ps.add(names::block(l, "ln2.b"), {d}, false);
     if (!cfg.is_rre_block(l)) {
-      for (const FfnLeaf& t : ffn_leaves(d, f)) ps.add(names::ffn(l, t.name), t.shape, t.decay);
+      for (const FfnLeaf& t : ffn_leaves(d, f)) local.add(names::ffn(l, t.name), t.shape, t.decay);
       continue;
     }
     for (const GroupSpec& g : cfg.groups) {

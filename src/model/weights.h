@@ -61,7 +61,8 @@ void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, in
 // w_out [K,f,d], b_out [K,d]} (RRE, marked expert) and, with a learned gate,
 // gate.g.w [d,K]; final_ln.{w,b}. Without `experts` the rre.* tensors are left out: they live
 // in an expert store (ECSS) and the model sees only the ones bound for the current step.
-void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts = true);
+// With tp > 1 the tensors model/tensor_parallel.h splits get this rank's share of the shape.
+void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts = true, int tp = 1);
 
 // Adds the routing tables routing.{l}.{g}, int32 [V], for every RRE block l and group g, in
 // that order (zero-filled: the model builds or loads them); none with a learned gate.

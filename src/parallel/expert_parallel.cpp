@@ -18,7 +18,7 @@ namespace sigma {
 // grouped by expert, each expert's rows in the source's row order.
 struct ExpertParallel::Chunk {
   int g = 0, member = 0;  // the group and the source's member index in it
-  int source = 0;         // the source's world rank
+  int source = 0;         // the source's rank in world_ (the data group)
   int64_t rows = 0, at = 0;  // rows, and their first row in the block's buffers
   RrePlan plan;              // over the chunk's rows
   ExpertSlice slice;         // this rank's experts of g, run as in the source's whole pass
@@ -46,6 +46,11 @@ ExpertParallel::ExpertParallel(Model& model, Communicator& world, GroupPlacement
                                const OptimConfig& optim, const std::string& store_path,
                                bool resuming)
     : model_(model), world_(world), placement_(std::move(placement)), optim_(optim) {
+  for (int r = 0; r < world.size(); ++r) {
+    const size_t p = size_t(world.world_rank(r));
+    if (rank_of_process_.size() <= p) rank_of_process_.resize(p + 1, -1);
+    rank_of_process_[p] = r;
+  }
   const ModelConfig& cfg = model.config();
   SIGMA_CHECK(model.external_experts(), "ExpertParallel needs a model built with external experts");
   SIGMA_CHECK(cfg.rre_layers > 0, "expert parallelism needs expert blocks (model.rre_layers > 0)");
@@ -263,7 +268,7 @@ void ExpertParallel::exchange_plans(int block, Communicator& c, const RrePlan& p
   for (size_t m = 0; m < n; ++m) {
     std::vector<int64_t> start(E + 1, 0);
     for (size_t e = 0; e < E; ++e) start[e + 1] = start[e] + int64_t(all[m * E + e]);
-    grouped_plan(s.plans[size_t(c.world_rank(int(m)))], std::move(start));
+    grouped_plan(s.plans[size_t(source_of(c, int(m)))], std::move(start));
   }
 }
 
@@ -340,7 +345,7 @@ void ExpertParallel::forward(int block, const RreWeights& w, const RrePlan& p,
     const int64_t base = held;
     if (model_.config().gated()) exchange_plans(block, c, p);
     for (int m = 0; m < c.size(); ++m) {
-      const int source = c.world_rank(m);
+      const int source = source_of(c, m);
       Chunk ch = chunk_from(int(g), m, source, model_.config().gated()
                                                    ? s.plans[size_t(source)]
                                                    : plan_of(block, w, source));

@@ -110,6 +110,12 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
 
   Model& model_;
   Communicator& world_;
+  // A group member's rank in world_ from its process-wide rank (Communicator::world_rank):
+  // world_ is the data group of a tensor-parallel grid, not always the run's whole world.
+  std::vector<int> rank_of_process_;
+  int source_of(Communicator& group, int member) const {
+    return rank_of_process_[size_t(group.world_rank(member))];
+  }
   GroupPlacement placement_;
   OptimConfig optim_;
   std::optional<ExpertStore> store_;  // none when this rank holds no expert

@@ -89,6 +89,27 @@ CheckpointInfo open_checkpoint(const std::string& path) {
   return info;
 }
 
+namespace {
+// The tensor `t` read from `path` for a parameter held as `local` on this rank: checked
+// against the whole shape, and cut to this rank's slice when the tp group splits it.
+// `param` names the parameter (its split), `name` the tensor read (the parameter's, or its
+// Adam moment's).
+void upload_slice(Tensor& local, const Tensor& t, const std::string& param, const std::string& name,
+                  const std::string& path, const TpGroup& tp) {
+  const TpSplit split = tp.split() ? tp_split(param) : TpSplit{};
+  Shape full = local.shape();
+  if (!split.replicated()) full[size_t(split.dim)] *= tp.size;
+  SIGMA_CHECK(t.dtype() == DType::F32 && t.shape() == full,
+              "{}: tensor '{}' is {} {} but the model expects F32 {}", path, name,
+              dtype_name(t.dtype()), shape_str(t.shape()), shape_str(full));
+  check_finite(t, name, path);
+  if (split.replicated()) return ops::upload(local, t.bytes(), t.nbytes());  // host bytes to the device
+  Tensor mine(DType::F32, local.shape(), Device::Host);
+  tp_slice(mine.f(), t.f(), full, split, tp.size, tp.rank);
+  ops::upload(local, mine.bytes(), mine.nbytes());
+}
+}  // namespace
+
 void load_model(Model& model, const std::string& dir) {
   const std::string path = dir + "/" + kModelFile;
   auto want = [&](const std::string& name) {
@@ -101,12 +122,7 @@ void load_model(Model& model, const std::string& dir) {
   for (Param& p : model.params().all()) {
     auto it = st.tensors.find(p.name);
     SIGMA_CHECK(it != st.tensors.end(), "{}: tensor '{}' is missing", path, p.name);
-    const Tensor& t = it->second;
-    SIGMA_CHECK(t.dtype() == DType::F32 && t.shape() == p.value.shape(),
-                "{}: tensor '{}' is {} {} but the model expects F32 {}", path, p.name,
-                dtype_name(t.dtype()), shape_str(t.shape()), shape_str(p.value.shape()));
-    check_finite(t, p.name, path);
-    ops::upload(p.value, t.bytes(), t.nbytes());  // the file's host bytes to the device
+    upload_slice(p.value, it->second, p.name, p.name, path, model.tp());
   }
   // Buffers (routing tables): checked against the model's vocabulary and expert counts.
   for (const Buffer& b : model.buffers().all()) {
@@ -133,7 +149,8 @@ void load_model(Model& model, const std::string& dir) {
               st.index.size(), expected);
 }
 
-void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) {
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir,
+                    const TpGroup& tp) {
   const std::string path = dir + "/" + kOptimizerFile;
   // Expert state that is not in `params` (an expert store's) is left for EcssExperts::load.
   const bool has_experts = std::any_of(params.all().begin(), params.all().end(),
@@ -158,12 +175,9 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) 
     auto& s = opt.state()[i];
     for (auto [suffix, dst] : {std::pair{".m", &s.m}, std::pair{".v", &s.v}}) {
       auto it = st.tensors.find(ps[i].name + suffix);
-      SIGMA_CHECK(it != st.tensors.end() && it->second.dtype() == DType::F32 &&
-                      it->second.shape() == dst->shape(),
-                  "{}: optimizer tensor '{}{}' is missing or has the wrong shape", path,
+      SIGMA_CHECK(it != st.tensors.end(), "{}: optimizer tensor '{}{}' is missing", path,
                   ps[i].name, suffix);
-      check_finite(it->second, ps[i].name + suffix, path);
-      ops::upload(*dst, it->second.bytes(), dst->nbytes());
+      upload_slice(*dst, it->second, ps[i].name, ps[i].name + suffix, path, tp);
     }
     auto it = st.tensors.find(ps[i].name + ".step");
     SIGMA_CHECK(it != st.tensors.end() && it->second.dtype() == DType::I64 &&

@@ -119,6 +119,10 @@ void DistConfig::describe(Options& o, const std::string& p) {
         "a step's accum draws its domains from group i * groups / accum, so rows never leave "
         "their group's ranks)",
         {"spread", "by_group"});
+  o.add(p + "tp", &tp,
+        "tensor (op-level) model parallelism: ranks per group that split every attention and "
+        "dense FFN layer (Megatron-style, adjacent ranks); the rank count must divide by it, "
+        "and model.heads and the FFN width by tp", 1, 1 << 16);
 }
 
 Config::Config() {

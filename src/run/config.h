@@ -50,6 +50,7 @@ struct DistConfig {
   float timeout_s = 300;  // a collective that waits longer ends the run: a rank died or hangs
   int ckpt_writers = 4;   // ranks writing their checkpoint files at the same time
   std::string placement = "spread";  // expert groups over ranks (train.experts = parallel)
+  int tp = 1;  // tensor-parallel ranks per group (adjacent ranks; parallel/grid.h)
   void describe(Options& o, const std::string& prefix);
 };
 

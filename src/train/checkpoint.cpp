@@ -27,15 +27,63 @@ TensorRef host_ref(std::string name, const Tensor& t, std::vector<Tensor>& keep)
   return tensor_ref(std::move(name), keep.back());
 }
 
-std::vector<TensorRef> optimizer_refs(const Model& model, const AdamW& opt, std::vector<Tensor>& keep) {
+// Tensor parallelism: the whole tensors a checkpoint holds, assembled from the tp group's
+// slices (model/tensor_parallel.h), so that the files are those of the same model at tp = 1
+// and resume at any tp. value: every parameter (only data rank 0's group writes the model);
+// m, v: the Adam moments of the parameters this data rank owns. Host tensors; a tensor left
+// empty is read from the model or optimizer as it is (replicated, or not needed).
+struct WholeTensors {
+  std::vector<Tensor> value, m, v;  // [params]
+};
+
+// Every rank of the tp group calls it for the same tensors in the same order (collective).
+Tensor gather_whole(Communicator& tp, const std::string& name, const Tensor& local) {
+  const TpSplit split = tp_split(name);
+  Tensor mine = ops::to_host(local);
+  if (split.replicated()) return mine;
+  Shape full = local.shape();
+  full[size_t(split.dim)] *= tp.size();
+  const int64_t n = local.numel();
+  std::vector<float> all(size_t(n) * size_t(tp.size()));
+  tp.all_gather(all.data(), mine.f(), size_t(n));
+  std::vector<const float*> parts;
+  for (int r = 0; r < tp.size(); ++r) parts.push_back(all.data() + int64_t(r) * n);
+  Tensor whole(DType::F32, full, Device::Host);
+  tp_assemble(whole.f(), parts.data(), full, split, tp.size());
+  return whole;
+}
+
+WholeTensors gather_whole_tensors(Communicator& tp, bool model_file, const Model& model,
+                                  const AdamW* opt) {
+  const auto& ps = model.params().all();
+  WholeTensors w;
+  w.value.resize(ps.size()), w.m.resize(ps.size()), w.v.resize(ps.size());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (tp_split(ps[i].name).replicated()) continue;
+    if (model_file) w.value[i] = gather_whole(tp, ps[i].name, ps[i].value);
+    if (opt && opt->owns(i)) {
+      w.m[i] = gather_whole(tp, ps[i].name, opt->state()[i].m);
+      w.v[i] = gather_whole(tp, ps[i].name, opt->state()[i].v);
+    }
+  }
+  return w;
+}
+
+// t, or its whole assembled copy when there is one.
+const Tensor& whole_or(const std::vector<Tensor>* whole, size_t i, const Tensor& t) {
+  return whole && (*whole)[i].numel() ? (*whole)[i] : t;
+}
+
+std::vector<TensorRef> optimizer_refs(const Model& model, const AdamW& opt, std::vector<Tensor>& keep,
+                                      const WholeTensors* whole) {
   std::vector<TensorRef> state;
   const auto& ps = model.params().all();
   keep.reserve(2 * ps.size());  // TensorRefs point into it: no reallocation
   for (size_t i = 0; i < ps.size(); ++i) {
     if (!opt.owns(i)) continue;
     const auto& s = opt.state()[i];
-    state.push_back(host_ref(ps[i].name + ".m", s.m, keep));
-    state.push_back(host_ref(ps[i].name + ".v", s.v, keep));
+    state.push_back(host_ref(ps[i].name + ".m", whole_or(whole ? &whole->m : nullptr, i, s.m), keep));
+    state.push_back(host_ref(ps[i].name + ".v", whole_or(whole ? &whole->v : nullptr, i, s.v), keep));
   }
   for (size_t i = 0; i < ps.size(); ++i) {
     if (!opt.owns(i)) continue;
@@ -83,16 +131,19 @@ std::optional<nlohmann::json> data_domains_of(const Config& cfg, const std::stri
 // Rank 0's files: the model, its optimizer shard, the trainer state, tokenizer and experts.
 void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, const AdamW* opt,
                        const TrainerState& st, const std::string& tokenizer_path,
-                       const ExpertFiles* experts) {
+                       const ExpertFiles* experts, const WholeTensors* whole) {
   const nlohmann::json config = cfg.to_json();
   std::vector<TensorRef> params;
   std::vector<Tensor> keep;
-  for (const Param& p : model.params().all()) params.push_back(host_ref(p.name, p.value, keep));
+  const auto& ps = model.params().all();
+  keep.reserve(3 * ps.size());  // TensorRefs point into it: no reallocation
+  for (size_t i = 0; i < ps.size(); ++i)
+    params.push_back(host_ref(ps[i].name, whole_or(whole ? &whole->value : nullptr, i, ps[i].value), keep));
   for (const Buffer& b : model.buffers().all()) params.push_back(tensor_ref(b.name, b.value));
   w.add_safetensors(kModelFile, params,
                     {{"format", kModelFormat}, {"version", "1"}, {"config", config.dump()}});
   if (opt)
-    w.add_safetensors(kOptimizerFile, optimizer_refs(model, *opt, keep),
+    w.add_safetensors(kOptimizerFile, optimizer_refs(model, *opt, keep, whole),
                       {{"format", "sigma-adamw"}, {"version", "1"}});
   w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config},
                             {"data_cursor", st.data_cursor}});
@@ -142,10 +193,21 @@ void record_peer_files(Communicator& c, CheckpointWriter& w,
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
                             const std::string& tokenizer_path, ExpertFiles* experts,
-                            Communicator* comm) {
+                            Communicator* comm, Communicator* tp) {
   SingleProcess one;
   Communicator& c = comm ? *comm : one;
   const int R = c.size(), me = c.rank();
+  // Tensor parallelism: the group assembles the whole tensors, its rank 0 writes them as a
+  // tp = 1 run's data rank `me` would (with the other groups' rank 0s), the others wait.
+  std::optional<WholeTensors> whole_tensors;
+  if (tp && tp->size() > 1) {
+    whole_tensors = gather_whole_tensors(*tp, me == 0, model, opt);
+    if (tp->rank() != 0) {
+      tp->barrier();  // until the checkpoint is committed
+      return (std::filesystem::path(root) / fmt::format("step-{:08d}", st.step)).string();
+    }
+  }
+  const WholeTensors* whole = whole_tensors ? &*whole_tensors : nullptr;
   const std::string name = fmt::format("step-{:08d}", st.step);
   if (experts) experts->collect();  // each expert group comes to the rank writing it
   std::optional<CheckpointWriter> w;
@@ -156,11 +218,11 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   const int writers = std::max(1, cfg.dist.ckpt_writers);
   for (int wave = 0; wave * writers < R; ++wave) {
     if (me / writers == wave) {
-      if (me == 0) write_rank0_files(*w, cfg, model, opt, st, tokenizer_path, experts);
+      if (me == 0) write_rank0_files(*w, cfg, model, opt, st, tokenizer_path, experts, whole);
       else {
         if (opt) {
           std::vector<Tensor> keep;
-          w->add_safetensors(optimizer_shard_file(me), optimizer_refs(model, *opt, keep),
+          w->add_safetensors(optimizer_shard_file(me), optimizer_refs(model, *opt, keep, whole),
                              {{"format", "sigma-adamw"}, {"version", "1"}});
         }
         if (experts) experts->add_checkpoint_files(*w);
@@ -173,6 +235,7 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   if (me == 0) dir = w->commit();
   if (R > 1) c.barrier();  // nobody reads or writes the next one before this one is in place
   if (experts) experts->checkpoint_written(dir);
+  if (whole) tp->barrier();  // the group's other ranks go on once it is in place
   return dir;
 }
 

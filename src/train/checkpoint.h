@@ -19,9 +19,13 @@ namespace sigma {
 // With `comm` of R > 1 ranks every rank calls it: rank 0 writes the model, trainer state and
 // its optimizer shard, rank r its shard (optimizer.rank-R.safetensors), at most
 // dist.ckpt_writers ranks at a time; rank 0 commits one manifest over all of them.
+// With a tensor-parallel group `tp` of P > 1 ranks (comm: the data group), every tensor split
+// over it is written whole (gathered from the group's slices), by the group's rank 0: the
+// checkpoint is the one a tp = 1 run of comm's size writes, and loads at any tp.
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
                             const std::string& tokenizer_path = "",
-                            ExpertFiles* experts = nullptr, Communicator* comm = nullptr);
+                            ExpertFiles* experts = nullptr, Communicator* comm = nullptr,
+                            Communicator* tp = nullptr);
 
 }  // namespace sigma

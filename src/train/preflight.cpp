@@ -215,4 +215,18 @@ void check_memory(const Config& cfg) {
                   : "");
 }
 
+void check_tensor_parallel(const Config& cfg, int world, const std::string& experts) {
+  const int tp = cfg.dist.tp;
+  if (tp == 1) return;
+  SIGMA_CHECK(world % tp == 0, "dist.tp = {} does not divide the {} ranks of this run: the ranks "
+              "form groups of dist.tp adjacent ranks (use a dist.tp that divides {}, or mpirun -np "
+              "a multiple of {})", tp, world, world, tp);
+  SIGMA_CHECK(cfg.model.heads % tp == 0, "dist.tp = {} does not divide model.heads = {}: each "
+              "tensor-parallel rank computes whole heads (use a dist.tp that divides {})", tp,
+              cfg.model.heads, cfg.model.heads);
+  SIGMA_CHECK(experts != "ecss" && experts != "vanilla", "dist.tp = {} with train.experts = {}: "
+              "the experts' store belongs to one process; use train.experts = model or parallel",
+              tp, experts);
+}
+
 }  // namespace sigma

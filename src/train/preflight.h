@@ -50,6 +50,11 @@ int64_t expert_memory_bytes(const TrainConfig& t);
 void refuse_inapplicable_options(const Config& cfg, const std::string& experts, int ranks,
                                  bool out_dir);
 
+// dist.tp against the run: it divides the `world` ranks and model.heads (so d_model and the
+// FFN width too), and the experts are not in a per-process store (ECSS, vanilla offload).
+// One line naming the key and the values; called before the rank grid is made.
+void check_tensor_parallel(const Config& cfg, int world, const std::string& experts);
+
 // Throws a sigma::Error stating the estimate when it exceeds the machine's physical memory.
 void check_memory(const Config& cfg);
 

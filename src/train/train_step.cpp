@@ -1,5 +1,6 @@
 #include "train/train_step.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -101,6 +102,22 @@ void TrainStep::sum_losses(const Batch& b, size_t slot, std::vector<double>& per
     if (weight_[i] != 0.0f) s[2 * D + 1] += double(token_loss_[i]) * weight_[i];
 }
 
+// The norm's pieces over the tp group: a split tensor's piece is the sum of its slices' (added
+// in rank order: the same bits on every rank of the group), a replicated tensor's and every
+// expert's (whole on each rank) come from tp rank 0 alone. The pieces are grad_sq_parts'.
+void TrainStep::tp_norm_parts(std::vector<double>& parts) const {
+  if (tp_->rank() != 0) {
+    size_t j = 0;
+    for (const Param& p : model_.params().all()) {
+      if (p.expert && p.grad.shape().size() >= 2) continue;  // grad_sq_parts' expert pieces
+      if (tp_split(p.name).replicated()) parts[j] = 0.0;
+      ++j;
+    }
+    std::fill(parts.begin() + std::ptrdiff_t(j), parts.end(), 0.0);
+  }
+  tp_->all_reduce_sum(parts.data(), parts.size());
+}
+
 StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMask& mask) {
   const std::span<const Batch> mine = local(micro);
   const size_t first = size_t(comm_.rank()) * mine.size();
@@ -145,6 +162,7 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   if (!mask.all()) mask.mask_grads(model_.params());
   std::vector<double> parts = grad_sq_parts(model_.params(), owned);
   experts.append_grad_sq_parts(parts);
+  if (tp_) tp_norm_parts(parts);
   comm_.all_reduce_sum(parts.data(), int64_t(parts.size()));  // one owner per piece: exact
   r.grad_norm = std::sqrt(fold(parts));
   r.clip = (cfg_.grad_clip > 0 && r.grad_norm > cfg_.grad_clip) ? float(cfg_.grad_clip / r.grad_norm)

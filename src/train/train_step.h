@@ -52,16 +52,22 @@ class TrainStep {
 
   // The micro-batches of `micro` this rank runs.
   std::span<const Batch> local(std::span<const Batch> micro) const;
+  // Tensor parallelism: `tp` is this rank's tp group (parallel/grid.h), `comm` its data group.
+  // The gradient norm then adds each split tensor's slices over the group and counts each
+  // replicated tensor (and expert) once.
+  void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
   // Fault injection for tests: called after each micro-batch's backward (may poison gradients).
   void set_after_backward(std::function<void(ParamSet&)> f) { after_backward_ = std::move(f); }
 
  private:
   void check_split(size_t micro) const;
   void sum_losses(const Batch& b, size_t slot, std::vector<double>& per_slot) const;
+  void tp_norm_parts(std::vector<double>& parts) const;
 
   Model& model_;
   AdamW& opt_;
   Communicator& comm_;
+  Communicator* tp_ = nullptr;
   OptimConfig cfg_;
   ShardPlan plan_;
   Activations acts_;

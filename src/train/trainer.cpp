@@ -17,6 +17,7 @@
 
 #include "data/sampler.h"
 #include "dist/communicator.h"
+#include "parallel/grid.h"
 #include "io/checkpoint_dir.h"
 #include "kernels/ops.h"
 #include "model/routing.h"
@@ -215,8 +216,12 @@ class RunLoop {
   std::unique_ptr<ExpertParallel> parallel_;  // expert parallel: this rank's share of the experts
   ExpertMode mode_ = ExpertMode::InModel;
   SingleProcess one_process_;
+  Communicator& world_;
+  // The rank grid (parallel/grid.h): comm_ is this rank's data group (data and expert
+  // parallelism), the world itself at dist.tp = 1; the model meets its tp group.
+  std::unique_ptr<RankGrid> grid_;
   Communicator& comm_;
-  bool lead_ = true;  // rank 0: prints, writes metrics and the summary
+  bool lead_ = true;  // world rank 0: prints, writes metrics and the summary
   ShardPlan plan_;
   std::unique_ptr<TrainStep> step_;
   std::optional<CheckpointInfo> ck_;
@@ -237,6 +242,7 @@ class RunLoop {
   nlohmann::json cursor_after_step_;  // the data cursor before step t+1's batches were read
   double exchanged_[2] = {0, 0};      // expert exchange calls and bytes at the last log
   nlohmann::json exchange_summary_;   // the whole run's, for summary.json
+  nlohmann::json tp_exchange_;        // tensor parallelism: rank 0's tp traffic per step
   // The logging window and this run's totals.
   DomainSums window_{0};
   double aux_window_ = 0;
@@ -254,9 +260,28 @@ int threads_per_rank(int configured) {
   return std::max(1, omp_get_num_procs() / ranks_here);
 }
 
+// train.experts over the data group's ranks. With tp > 1, auto keeps the experts expert
+// parallel even on one data rank (where it would pick ECSS): a per-process store cannot serve
+// the ranks of a tp group.
+ExpertMode expert_mode_of(const Config& cfg, int data_ranks, int tp) {
+  const bool auto_parallel = tp > 1 && cfg.train.experts == "auto";
+  return resolve_expert_mode(cfg.train.experts, cfg.model, auto_parallel ? 2 : data_ranks);
+}
+
+// The rank grid of dist.tp, checked against the run first (the tp-specific refusals name keys;
+// the expert mode is resolved as build() will, over the data group's ranks).
+std::unique_ptr<RankGrid> make_grid(const Config& cfg, Communicator& world) {
+  const int tp = std::max(1, cfg.dist.tp);
+  if (world.size() % tp == 0)
+    check_tensor_parallel(cfg, world.size(),
+                          expert_mode_name(expert_mode_of(cfg, world.size() / tp, tp)));
+  return std::make_unique<RankGrid>(world, tp);
+}
+
 RunLoop::RunLoop(Config cfg, const RunOptions& run)
-    : cfg_(std::move(cfg)), run_(run), comm_(run.comm ? *run.comm : one_process_) {
-  lead_ = comm_.rank() == 0;
+    : cfg_(std::move(cfg)), run_(run), world_(run.comm ? *run.comm : one_process_),
+      grid_(make_grid(cfg_, world_)), comm_(grid_->data()) {
+  lead_ = world_.rank() == 0;
   if (!lead_) run_.progress = false;
   ops::use_backend(cfg_.train.backend);
   ops::use_precision(cfg_.train.precision);
@@ -271,7 +296,7 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   bind_model_to_data(cfg_.model, *data_);
   cfg_.model.validate();
   // Every rank the same config, data and binary, before anything is written or exchanged.
-  if (comm_.size() > 1) check_ranks_agree(comm_, start_up_record(cfg_, *data_));
+  if (world_.size() > 1) check_ranks_agree(world_, start_up_record(cfg_, *data_));
   if (lead_) claim_out_dir();  // rank 0 owns the directory; the others write only checkpoints
   build();
   restore();
@@ -297,11 +322,11 @@ void RunLoop::build() {
     check_same_model(cfg_, ck_->cfg);
   }
   check_memory(cfg_);  // a sized error instead of bad_alloc for a model too big for the machine
-  mode_ = resolve_expert_mode(cfg_.train.experts, cfg_.model, comm_.size());
+  mode_ = expert_mode_of(cfg_, comm_.size(), grid_->tp());
   refuse_inapplicable_options(cfg_, expert_mode_name(mode_), comm_.size(), !run_.out_dir.empty());
   const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
-                                   mode_ != ExpertMode::InModel);
+                                   mode_ != ExpertMode::InModel, grid_->tp_group());
   model_->set_remat(remat_from_name(cfg_.train.remat));
   plan_ = plan_shards(model_->params(), comm_.size());
   opt_ = std::make_unique<AdamW>(cfg_.optim, model_->params(),
@@ -314,6 +339,7 @@ void RunLoop::build() {
     experts_ = std::make_unique<EcssExperts>(*model_, mode_, cfg_.optim, cfg_.train.expert_store,
                                              ck_.has_value(), expert_memory_bytes(cfg_.train));
   step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim, plan_);
+  if (grid_->tp() > 1) step_->set_tensor_parallel(&grid_->tensor());
   names_ = cfg_.model.domains.names();
   for (const auto& n : data_->domains()) data_to_model_.push_back(cfg_.model.domain_index(n));
   SIGMA_CHECK(cfg_.dist.placement == "spread" || mode_ == ExpertMode::Parallel, "dist.placement = "
@@ -366,7 +392,7 @@ ExpertFiles* RunLoop::expert_files() {
 void RunLoop::restore() {
   if (ck_) {
     load_model(*model_, ck_->dir);
-    load_optimizer(*opt_, model_->params(), ck_->dir);
+    load_optimizer(*opt_, model_->params(), ck_->dir, model_->tp());
     if (expert_files()) expert_files()->load(ck_->dir);
     state_ = ck_->state;
     if (!state_.data_cursor.is_null()) data_->restore(state_.data_cursor);
@@ -489,7 +515,7 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
   tokens_this_run_ += tokens;
   steps_this_run_ += 1;
   steps_in_window_ += 1;
-  if (state_.step < last_) stopped_by_ = signals.requested(comm_);
+  if (state_.step < last_) stopped_by_ = signals.requested(world_);
   if (state_.step % cfg_.train.log_every == 0 || state_.step == last_ || stopped_by_)
     log(r.grad_norm, lr);
   if (ckpt_now || stopped_by_) checkpoint();
@@ -549,7 +575,7 @@ nlohmann::json RunLoop::exchange_since_last(int64_t steps) {
   for (const CommStats& s : parallel_->group_traffic()) {
     now[0] += double(s.calls);
     for (size_t r = 0; r < s.bytes_to.size(); ++r)
-      if (int(r) != comm_.rank()) now[1] += double(s.bytes_to[r]);
+      if (int(r) != world_.rank()) now[1] += double(s.bytes_to[r]);  // process-wide ranks
   }
   double delta[2] = {now[0] - exchanged_[0], now[1] - exchanged_[1]};
   exchanged_[0] = now[0], exchanged_[1] = now[1];
@@ -563,7 +589,7 @@ nlohmann::json RunLoop::exchange_since_last(int64_t steps) {
 void RunLoop::checkpoint() {
   state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
   save_checkpoint(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
-                  expert_files(), &comm_);
+                  expert_files(), &comm_, &grid_->tensor());
   if (!run_dir_) return;
   run_dir_->sync_metrics();
   run_dir_->drop_old_run();  // --overwrite: the new run has a checkpoint now
@@ -591,6 +617,14 @@ TrainSummary RunLoop::finish() {
     exchange_summary_ = exchange_since_last(steps_this_run_);
     exchange_summary_["placement"] = cfg_.dist.placement;
   }
+  if (grid_->tp() > 1) {  // the tp group's all-reduces of the training steps (before evaluation's)
+    const CommStats& t = grid_->tensor().stats();
+    const double per = double(std::max<int64_t>(steps_this_run_, 1));
+    const size_t me = size_t(world_.rank());
+    const int64_t to_self = me < t.bytes_to.size() ? t.bytes_to[me] : 0;
+    tp_exchange_ = {{"tp", grid_->tp()}, {"calls_per_step", double(t.calls) / per},
+                    {"mib_per_step_per_rank", double(t.bytes() - to_self) / per / double(1 << 20)}};
+  }
   if (stopped_by_) return sum;  // stopped early: no evaluation, no summary of an unfinished run
   if (run_dir_) run_dir_->drop_old_run();  // finished (a run of no steps saves no checkpoint)
   std::unique_ptr<DataSource> held_out;
@@ -600,8 +634,8 @@ TrainSummary RunLoop::finish() {
                          cfg_.model.context, cfg_.train.eval_rows);
   // Each rank's peak resident memory (the high-water mark of the whole process), for summary.json.
   const double peak = peak_rss_mib();
-  peak_rss_.assign(size_t(comm_.size()), 0.0);
-  comm_.all_gather(peak_rss_.data(), &peak, 1);
+  peak_rss_.assign(size_t(world_.size()), 0.0);
+  world_.all_gather(peak_rss_.data(), &peak, 1);
   // A resumed run that had no step left to train keeps the summary its training wrote (this
   // process trained nothing: its throughput and expert load would be zeros).
   std::error_code ec;
@@ -631,6 +665,7 @@ void RunLoop::write_summary(const TrainSummary& sum) {
     summary["ecss"]["experts_per_step"] = o.steps ? double(o.experts_updated) / o.steps : 0.0;
   }
   if (parallel_) summary["expert_exchange"] = exchange_summary_;
+  if (!tp_exchange_.is_null()) summary["tp_exchange"] = tp_exchange_;
   if (!sum.expert_load.empty()) {
     summary["expert_load"] = expert_load_json(sum.expert_load, cfg_.model);
     summary["load_imbalance"] = load_imbalance_json(sum.expert_load);

@@ -1,0 +1,80 @@
+#include "model/tensor_parallel.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "model/names.h"
+
+namespace sigma {
+
+TpSplit tp_split(const std::string& name) {
+  if (names::block_of(name) < 0 || names::is_expert(name) || names::is_gate(name)) return {};
+  auto ends = [&](std::string_view s) { return name.ends_with(s); };
+  if (ends(".attn.qkv.w")) return {1, 3};  // [d, 3d]: Q | K | V, each by heads
+  if (ends(".attn.qkv.b")) return {0, 3};
+  if (ends(".attn.out.w")) return {0, 1};  // [d, d]: the rows of this rank's heads
+  if (ends(".ffn.w_in")) return {1, 1};    // [d, f]
+  if (ends(".ffn.b_in")) return {0, 1};
+  if (ends(".ffn.w_out")) return {0, 1};   // [f, d]
+  return {};
+}
+
+namespace {
+// The full shape as [outer, dim, inner] around the split dimension.
+struct Frame {
+  int64_t outer = 1, dim = 1, inner = 1;
+};
+Frame frame(const Shape& full, TpSplit s, int size) {
+  SIGMA_CHECK(s.dim < int(full.size()), "tp split of dimension {} of a {}-dimensional tensor",
+              s.dim, full.size());
+  Frame f;
+  for (int i = 0; i < s.dim; ++i) f.outer *= full[size_t(i)];
+  f.dim = full[size_t(s.dim)];
+  for (size_t i = size_t(s.dim) + 1; i < full.size(); ++i) f.inner *= full[i];
+  SIGMA_CHECK(f.dim % (int64_t(s.parts) * size) == 0,
+              "dimension {} of size {} does not split into {} parts over {} tensor-parallel ranks",
+              s.dim, f.dim, s.parts, size);
+  return f;
+}
+
+// Copies between the full tensor and rank r's slice; to_local picks the direction.
+void move_slice(float* local, float* full, const Shape& shape, TpSplit s, int size, int r,
+                bool to_local) {
+  const Frame f = frame(shape, s, size);
+  const int64_t chunk = f.dim / (int64_t(s.parts) * size) * f.inner;  // one part's slice
+  for (int64_t o = 0; o < f.outer; ++o)
+    for (int p = 0; p < s.parts; ++p) {
+      float* l = local + (o * s.parts + p) * chunk;
+      float* g = full + o * f.dim * f.inner + (int64_t(p) * size + r) * chunk;
+      if (to_local) std::copy(g, g + chunk, l);
+      else std::copy(l, l + chunk, g);
+    }
+}
+}  // namespace
+
+Shape tp_local_shape(const Shape& full, TpSplit s, int size) {
+  if (s.replicated() || size == 1) return full;
+  (void)frame(full, s, size);
+  Shape local = full;
+  local[size_t(s.dim)] /= size;
+  return local;
+}
+
+void tp_slice(float* local, const float* full, const Shape& full_shape, TpSplit s, int size,
+              int rank) {
+  int64_t n = 1;
+  for (int64_t x : full_shape) n *= x;
+  if (s.replicated() || size == 1) return (void)std::copy(full, full + n, local);
+  move_slice(local, const_cast<float*>(full), full_shape, s, size, rank, true);
+}
+
+void tp_assemble(float* full, const float* const* locals, const Shape& full_shape, TpSplit s,
+                 int size) {
+  int64_t n = 1;
+  for (int64_t x : full_shape) n *= x;
+  if (s.replicated() || size == 1) return (void)std::copy(locals[0], locals[0] + n, full);
+  for (int r = 0; r < size; ++r)
+    move_slice(const_cast<float*>(locals[r]), full, full_shape, s, size, r, false);
+}
+
+}  // namespace sigma
