@@ -101,36 +101,35 @@ SIGMA_AVX512 inline __mmask16 tail_mask(int64_t left) {
 }
 
 // y[r, c] = sum_i x[r, i] w[i, c] over this thread's columns c (y is overwritten: the first
-// sweep starts from zero, so nobody clears it first), four rows of w per sweep so
-// that y (in L1) is loaded and stored once per four weights. The next sweep's rows are
-// prefetched: the hardware prefetcher loses each row's stream at the jump to the next sweep
-// (single-thread stream rate 6.5 -> 13.7 GB/s against a 17.6 GB/s read, bench/bench_gemv).
-// Into L2, not L1: a sweep of the model's widest rows (4 x 2048 floats) is L1's whole 32 KiB,
-// so lines prefetched into L1 were evicted before their use (docs/benchmarks.md, issue 12).
+// sweep starts from zero, so nobody clears it first), R rows of w per sweep so that y (in L1)
+// is loaded and stored once per R weights: 4 for fp32 and bf16, 8 for int8, whose 16 weights
+// are only 16 bytes, so that y's traffic and the loop's overhead per weight byte stay those of
+// bf16 (at 4 rows the int8 kernel was compute-bound at ~14 GB/s on one thread, in L2). The
+// next sweep's rows are prefetched: the hardware prefetcher loses each row's stream at the
+// jump to the next sweep (single-thread stream rate 6.5 -> 13.7 GB/s against a 17.6 GB/s read,
+// bench/bench_gemv). Into L2, not L1: a sweep of the model's widest rows (4 x 2048 floats) is
+// L1's whole 32 KiB, so lines prefetched into L1 were evicted before their use
+// (docs/benchmarks.md, issue 12). Each element's FMAs run in row order whatever R is.
 template <class W, int M>
 SIGMA_AVX512 void nn_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w,
                             int64_t ldw, int64_t in, Range c) {
+  constexpr int R = sizeof(W) == 1 ? 8 : 4;
   int64_t i = 0;
-  for (; i + 4 <= in; i += 4) {
-    __m512 xs[M][4];
-    for (int r = 0; r < M; ++r)
-      for (int k = 0; k < 4; ++k) xs[r][k] = _mm512_set1_ps(x[r * ldx + i + k]);
+  for (; i + R <= in; i += R) {
     const W* w0 = w + i * ldw;
     for (int64_t j = c.lo; j < c.hi; j += 16) {
       const __mmask16 m = tail_mask(c.hi - j);
-      const __m512 a = load_w(w0 + j, m), b = load_w(w0 + ldw + j, m),
-                   cc = load_w(w0 + 2 * ldw + j, m), d = load_w(w0 + 3 * ldw + j, m);
+      __m512 wv[R];
+      for (int k = 0; k < R; ++k) wv[k] = load_w(w0 + k * ldw + j, m);
       // One prefetch per 64-byte line (16 weights are 64, 32 or 16 bytes).
-      if (i + 8 <= in && (j - c.lo) % int64_t(64 / sizeof(W)) == 0)
-        for (int k = 4; k < 8; ++k)
+      if (i + 2 * R <= in && (j - c.lo) % int64_t(64 / sizeof(W)) == 0)
+        for (int k = R; k < 2 * R; ++k)
           _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j), _MM_HINT_T1);
       for (int r = 0; r < M; ++r) {
         float* yr = y + r * ldy + j;
+        const float* xr = x + r * ldx + i;
         __m512 acc = i == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, yr);
-        acc = _mm512_fmadd_ps(xs[r][0], a, acc);
-        acc = _mm512_fmadd_ps(xs[r][1], b, acc);
-        acc = _mm512_fmadd_ps(xs[r][2], cc, acc);
-        acc = _mm512_fmadd_ps(xs[r][3], d, acc);
+        for (int k = 0; k < R; ++k) acc = _mm512_fmadd_ps(_mm512_set1_ps(xr[k]), wv[k], acc);
         _mm512_mask_storeu_ps(yr, m, acc);
       }
     }
