@@ -96,6 +96,16 @@ SIGMA_AVX512 inline __m512 load_w(const uint16_t* p, __mmask16 m) {
 SIGMA_AVX512 inline __m512 load_w(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
+// Unmasked loads of 16 weights: the widening folds the load (vpmovsxbd zmm, m128), where a
+// masked load is a separate instruction.
+SIGMA_AVX512 inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
+SIGMA_AVX512 inline __m512 load_w(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+SIGMA_AVX512 inline __m512 load_w(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 SIGMA_AVX512 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
 }
@@ -110,29 +120,77 @@ SIGMA_AVX512 inline __mmask16 tail_mask(int64_t left) {
 // bench/bench_gemv). Into L2, not L1: a sweep of the model's widest rows (4 x 2048 floats) is
 // L1's whole 32 KiB, so lines prefetched into L1 were evicted before their use
 // (docs/benchmarks.md, issue 12). Each element's FMAs run in row order whatever R is.
+// One sweep's 32 columns at j: two independent FMA chains (each column's operations as in
+// nn_columns), so that the chains' latency overlaps.
+template <class W, int M, int R>
+SIGMA_AVX512 inline void nn_columns2(float* y, int64_t ldy, const float* x, int64_t ldx,
+                                     const W* w0, int64_t ldw, int64_t i, int64_t j, bool prefetch) {
+  __m512 wa[R], wb[R];
+  for (int k = 0; k < R; ++k) {
+    wa[k] = load_w(w0 + k * ldw + j);
+    wb[k] = load_w(w0 + k * ldw + j + 16);
+  }
+  if (prefetch)
+    for (int k = R; k < 2 * R; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j), _MM_HINT_T1);
+      if (sizeof(W) == 4) _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j + 16), _MM_HINT_T1);
+    }
+  for (int r = 0; r < M; ++r) {
+    float* yr = y + r * ldy + j;
+    const float* xr = x + r * ldx + i;
+    __m512 a = i == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yr);
+    __m512 b = i == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yr + 16);
+    for (int k = 0; k < R; ++k) {
+      const __m512 xk = _mm512_set1_ps(xr[k]);
+      a = _mm512_fmadd_ps(xk, wa[k], a);
+      b = _mm512_fmadd_ps(xk, wb[k], b);
+    }
+    _mm512_storeu_ps(yr, a);
+    _mm512_storeu_ps(yr + 16, b);
+  }
+}
+
+// One sweep's 16 columns at j (Full: all 16, unmasked loads and stores; else the mask m).
+template <class W, int M, int R, bool Full>
+SIGMA_AVX512 inline void nn_columns(float* y, int64_t ldy, const float* x, int64_t ldx,
+                                    const W* w0, int64_t ldw, int64_t i, int64_t j, __mmask16 m,
+                                    bool prefetch) {
+  __m512 wv[R];
+  for (int k = 0; k < R; ++k) wv[k] = Full ? load_w(w0 + k * ldw + j) : load_w(w0 + k * ldw + j, m);
+  if (prefetch)
+    for (int k = R; k < 2 * R; ++k)
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j), _MM_HINT_T1);
+  for (int r = 0; r < M; ++r) {
+    float* yr = y + r * ldy + j;
+    const float* xr = x + r * ldx + i;
+    __m512 acc = i == 0 ? _mm512_setzero_ps()
+                        : (Full ? _mm512_loadu_ps(yr) : _mm512_maskz_loadu_ps(m, yr));
+    for (int k = 0; k < R; ++k) acc = _mm512_fmadd_ps(_mm512_set1_ps(xr[k]), wv[k], acc);
+    if (Full)
+      _mm512_storeu_ps(yr, acc);
+    else
+      _mm512_mask_storeu_ps(yr, m, acc);
+  }
+}
+
 template <class W, int M>
 SIGMA_AVX512 void nn_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w,
                             int64_t ldw, int64_t in, Range c) {
   constexpr int R = sizeof(W) == 1 ? 8 : 4;
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights of a 64-byte line: one prefetch each
+  const int64_t full = c.lo + (c.hi - c.lo) / 16 * 16;
   int64_t i = 0;
   for (; i + R <= in; i += R) {
     const W* w0 = w + i * ldw;
-    for (int64_t j = c.lo; j < c.hi; j += 16) {
-      const __mmask16 m = tail_mask(c.hi - j);
-      __m512 wv[R];
-      for (int k = 0; k < R; ++k) wv[k] = load_w(w0 + k * ldw + j, m);
-      // One prefetch per 64-byte line (16 weights are 64, 32 or 16 bytes).
-      if (i + 2 * R <= in && (j - c.lo) % int64_t(64 / sizeof(W)) == 0)
-        for (int k = R; k < 2 * R; ++k)
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j), _MM_HINT_T1);
-      for (int r = 0; r < M; ++r) {
-        float* yr = y + r * ldy + j;
-        const float* xr = x + r * ldx + i;
-        __m512 acc = i == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, yr);
-        for (int k = 0; k < R; ++k) acc = _mm512_fmadd_ps(_mm512_set1_ps(xr[k]), wv[k], acc);
-        _mm512_mask_storeu_ps(yr, m, acc);
-      }
-    }
+    const bool ahead = i + 2 * R <= in;
+    int64_t j = c.lo;
+    for (; j + 32 <= full; j += 32)
+      nn_columns2<W, M, R>(y, ldy, x, ldx, w0, ldw, i, j, ahead && (j - c.lo) % kLine == 0);
+    for (; j < full; j += 16)
+      nn_columns<W, M, R, true>(y, ldy, x, ldx, w0, ldw, i, j, 0xffff,
+                                ahead && (j - c.lo) % kLine == 0);
+    if (full < c.hi)
+      nn_columns<W, M, R, false>(y, ldy, x, ldx, w0, ldw, i, full, tail_mask(c.hi - full), ahead);
   }
   for (; i < in; ++i)  // the last rows of w, one at a time (same order per element)
     for (int64_t j = c.lo; j < c.hi; j += 16) {
