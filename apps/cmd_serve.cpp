@@ -93,14 +93,22 @@ void run_serve(ServeArgs a) {
     server.stop();
   });
   std::vector<Loaded> models;
-  models.push_back(load(a.ckpt, a.precision));
-  if (!a.name.empty()) models[0].name = a.name;
-  for (const std::string& spec : a.extra) {
-    const size_t eq = spec.find('=');
-    SIGMA_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
-                "--model takes NAME=CKPT, not '{}'", spec);
-    models.push_back(load(spec.substr(eq + 1), a.precision));
-    models.back().name = spec.substr(0, eq);
+  try {
+    models.push_back(load(a.ckpt, a.precision));
+    if (!a.name.empty()) models[0].name = a.name;
+    for (const std::string& spec : a.extra) {
+      const size_t eq = spec.find('=');
+      SIGMA_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
+                  "--model takes NAME=CKPT, not '{}'", spec);
+      models.push_back(load(spec.substr(eq + 1), a.precision));
+      models.back().name = spec.substr(0, eq);
+    }
+  } catch (...) {  // a checkpoint that does not load: stop and join before the error surfaces
+    finished = true;
+    server.stop();
+    pthread_kill(waiter.native_handle(), SIGTERM);
+    waiter.join();
+    throw;
   }
   std::string listed;
   for (Loaded& m : models) {
