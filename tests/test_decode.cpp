@@ -269,3 +269,12 @@ TEST(Decode, StepsOfUpToFourRowsAreBatchInvariantBitForBit) {
     }
   }
 }
+
+// A checkpoint that does not load stops `sigma serve` with its error and exit status 1 (it used
+// to abort with std::terminate: the signal-waiting thread was still running).
+TEST(ServeCli, ACheckpointThatDoesNotLoadIsAnErrorNotAnAbort) {
+  TempDir dir("serve-bad");
+  const auto r = sigma_cmd("serve --ckpt " + dir.str() + " --port 0");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("is not a checkpoint"), std::string::npos) << r.out;
+}
