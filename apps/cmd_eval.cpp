@@ -22,7 +22,8 @@ namespace sigma::cli {
 namespace {
 
 struct EvalArgs {
-  std::string ckpt, data, domains, task, k = "1", log_samples, score_generations, backend = "cpu";
+  std::string ckpt, data, domains, task, k = "1", log_samples, score_generations,
+      precision = "fp32", backend = "cpu";
   int rows = 256, batch = 8;
   bool rows_given = false, batch_given = false, json = false;
   double memory_mb = 1024;
@@ -194,6 +195,7 @@ void run_score_generations(EvalArgs a) {
 void run_task(EvalArgs a) {
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
+  model->use_weights(weight_format_from_name(a.precision));
   const std::string tok_path = checkpoint_tokenizer_path(info.dir);
   SIGMA_CHECK(!tok_path.empty(), "{} has no tokenizer (it was trained on token ids, e.g. the "
               "synthetic data); tasks are text, so evaluate a model trained on prepared shards", info.dir);
@@ -217,6 +219,7 @@ void run_eval(const EvalArgs& a) {
   if (!a.task.empty()) return run_task(a);
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
+  model->use_weights(weight_format_from_name(a.precision));
   HeldOut held = open_held_out(a, info);
   SIGMA_CHECK(held.source->vocab() <= model->config().vocab,
               "{}: the data uses a vocabulary of {} but the model has {}", held.name,
@@ -249,6 +252,10 @@ const RegisterCommand reg([](CLI::App& root) {
   CLI::App* c = root.add_subcommand("eval", "Held-out loss and perplexity per domain");
   c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root); required "
                 "except with --score-generations");
+  c->add_option("--precision", a->precision,
+                 "Weights the forward passes read: fp32, bf16 or int8 (per-channel scales), "
+                 "converted at load as `sigma serve --precision` does")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8"}));
   c->add_option("--data", a->data, "Held-out directory made by sigma prepare (default: the "
                 "checkpoint's own data: the synthetic held-out stream, or data.eval_path)");
   c->add_option("--domains", a->domains, "Evaluate only these domains, comma-separated "

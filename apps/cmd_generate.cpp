@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <sstream>
 
+#include <unistd.h>
+
 #include "command.h"
 #include "data/tokenizer.h"
 #include "infer/generate.h"
@@ -39,11 +41,21 @@ std::vector<int32_t> parse_ids(const std::string& text) {
   return ids;
 }
 
+// The process's resident set (/proc/self/statm), 0 where it cannot be read.
+double resident_bytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (!f) return 0;
+  long pages = 0, resident = 0;
+  const bool ok = std::fscanf(f, "%ld %ld", &pages, &resident) == 2;
+  std::fclose(f);
+  return ok ? double(resident) * double(sysconf(_SC_PAGESIZE)) : 0;
+}
+
 void run_generate(GenerateArgs a) {
   ops::use_backend(a.backend);
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
-  if (a.precision == "bf16") model->use_bf16_weights();
+  model->use_weights(weight_format_from_name(a.precision));
   const ModelConfig& c = model->config();
   const int domain = a.domain.empty() ? 0 : c.domain_index(a.domain);
   const std::string tok_path = checkpoint_tokenizer_path(info.dir);
@@ -75,9 +87,11 @@ void run_generate(GenerateArgs a) {
   const double rate = st.decode_seconds > 0 ? st.decode_steps / st.decode_seconds : 0.0;
   const double bytes = double(weight_bytes_per_token(*model));
   fmt::print(stderr, "sigma generate: prompt of {} tokens and first token in {:.3f} s; {} more "
-             "tokens in {:.3f} s ({:.1f} tokens/s, {} weights: {:.1f} MB a token, {:.1f} GB/s)\n",
+             "tokens in {:.3f} s ({:.1f} tokens/s, {} weights: {:.1f} MB a token, {:.1f} GB/s; "
+             "{:.1f} MB of weights held, {:.1f} MB resident)\n",
              st.prompt_tokens, st.prefill_seconds, st.decode_steps, st.decode_seconds, rate,
-             a.precision, bytes * 1e-6, rate * bytes * 1e-9);
+             a.precision, bytes * 1e-6, rate * bytes * 1e-9, double(model->held_bytes()) * 1e-6,
+             resident_bytes() * 1e-6);
 }
 
 const RegisterCommand reg([](CLI::App& root) {
@@ -96,9 +110,10 @@ const RegisterCommand reg([](CLI::App& root) {
   c->add_option("--seed", a->s.seed, "Sampling seed");
   c->add_option("--stop-token", a->s.stop_token, "Stop after this token id (default <EOT> with a tokenizer)");
   c->add_option("--precision", a->precision,
-                 "Weights the forward pass reads: fp32, or bf16 (copies made at load: half the "
-                 "bytes per token; activations and sums stay fp32)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+                 "Weights the forward pass reads: fp32; bf16 (half the bytes per token); or int8 "
+                 "with a scale per output channel (a quarter). Converted at load, the fp32 "
+                 "matrices freed; activations and sums stay fp32")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8"}));
   add_backend_option(*c, a->backend);
   c->add_flag("--no-cache", a->no_cache, "Recompute the whole prefix each step (reference path)");
   c->callback([a, c] {

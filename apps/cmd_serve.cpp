@@ -40,7 +40,7 @@ Loaded load(const std::string& ckpt, const std::string& precision) {
   CheckpointInfo info;
   Loaded l;
   l.model = load_checkpoint_model(ckpt, &info);
-  if (precision == "bf16") l.model->use_bf16_weights();
+  l.model->use_weights(weight_format_from_name(precision));
   if (const std::string path = checkpoint_tokenizer_path(info.dir); !path.empty())
     l.tok = data::Tokenizer::load(path);
   // A run's checkpoints/step-N names the run; an extract's folder (holding its step-N) itself.
@@ -95,14 +95,22 @@ void run_serve(ServeArgs a) {
     server.stop();
   });
   std::vector<Loaded> models;
-  models.push_back(load(a.ckpt, a.precision));
-  if (!a.name.empty()) models[0].name = a.name;
-  for (const std::string& spec : a.extra) {
-    const size_t eq = spec.find('=');
-    SIGMA_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
-                "--model takes NAME=CKPT, not '{}'", spec);
-    models.push_back(load(spec.substr(eq + 1), a.precision));
-    models.back().name = spec.substr(0, eq);
+  try {
+    models.push_back(load(a.ckpt, a.precision));
+    if (!a.name.empty()) models[0].name = a.name;
+    for (const std::string& spec : a.extra) {
+      const size_t eq = spec.find('=');
+      SIGMA_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
+                  "--model takes NAME=CKPT, not '{}'", spec);
+      models.push_back(load(spec.substr(eq + 1), a.precision));
+      models.back().name = spec.substr(0, eq);
+    }
+  } catch (...) {  // a checkpoint that does not load: stop and join before the error surfaces
+    finished = true;
+    server.stop();
+    pthread_kill(waiter.native_handle(), SIGTERM);
+    waiter.join();
+    throw;
   }
   std::string listed;
   for (Loaded& m : models) {
@@ -111,7 +119,10 @@ void run_serve(ServeArgs a) {
     for (const auto& d : m.model->config().domains) listed += " " + d.name;
     listed += ")";
   }
-  fmt::print("sigma serve: ready: {}, {} slots each, {} weights\n", listed, a.o.slots, a.precision);
+  int64_t held = 0;
+  for (const Loaded& m : models) held += m.model->held_bytes();
+  fmt::print("sigma serve: ready: {}, {} slots each, {} weights ({:.1f} MB held)\n", listed,
+             a.o.slots, a.precision, double(held) * 1e-6);
   std::fflush(stdout);
   server.wait();
   finished = true;
@@ -136,9 +147,10 @@ const RegisterCommand reg([](CLI::App& root) {
       ->check(CLI::Range(1, 1 << 20));
   add_backend_option(*c, a->backend);
   c->add_option("--precision", a->precision,
-                 "Weights decoding reads: fp32, or bf16 (copies made at load: half the bytes per "
-                 "token; activations and sums stay fp32)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+                 "Weights decoding reads: fp32; bf16 (half the bytes per token); or int8 with a "
+                 "scale per output channel (a quarter). Converted at load, the fp32 matrices "
+                 "freed; activations and sums stay fp32")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8"}));
   c->add_option("--name", a->name,
                  "Name of the --ckpt model (default: the run's folder); NAME:DOMAIN selects a domain");
   c->add_option("--model", a->extra,

@@ -1,11 +1,12 @@
 // bench_gemv: the batch-1 decode's weight stream alone (bench/decode_bench.sh runs it): per
 // "token", the matrix-vector products of a d-wide, L-block decoder (QKV [d,3d], output [d,d],
 // FFN [d,4d] and [4d,d] per block) through the cpu backend's GEMV kernels (kernels/cpu/gemv.h),
-// on fp32 weights and on bf16 copies, against oneDNN's sgemm at M = 1 (what the backend ran
+// on fp32 weights, on bf16 copies and on int8 weights with a scale per column, against oneDNN's sgemm at M = 1 (what the backend ran
 // before), alternating with a read of the same number of bytes (the bandwidth bound, measured
 // the same way as bench/stream_probe.cpp). Medians of --samples tokens of each.
-// Prints one JSON line: {"gemv_fp32_gbs":..,"gemv_bf16_gbs":..,"onednn_fp32_gbs":..,"read_gbs":..}
-// where X_gbs = bytes of weights per token / time per token.
+// Prints one JSON line: {"gemv_fp32_gbs":..,"gemv_bf16_gbs":..,"gemv_int8_gbs":..,
+// "onednn_fp32_gbs":..,"read_gbs":..} where X_gbs = bytes of weights (and int8 scales) per
+// token / time per token.
 //
 //   bench_gemv [--d 512] [--layers 8] [--samples 15]
 #include <immintrin.h>
@@ -80,14 +81,19 @@ int main(int argc, char** argv) {
   const size_t n = size_t(total), nx = size_t(4 * d);
   std::vector<float> w(n), x(nx, 0.01f), y(nx);
   std::vector<uint16_t> w16(n);
+  std::vector<int8_t> w8(n);
+  int64_t columns = 0;  // int8: a scale per column of each matrix
+  for (Shape s : shapes) columns += s.out;
+  std::vector<float> scale(size_t(columns), 1e-3f);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < total; ++i) {
     w[size_t(i)] = float(i % 97) * 1e-3f;
     w16[size_t(i)] = sigma::to_bf16(w[size_t(i)]);
+    w8[size_t(i)] = int8_t(i % 97 - 48);
   }
-  auto token = [&](int kind) {  // 0: gemv fp32, 1: gemv bf16, 2: oneDNN fp32, 3: read
+  auto token = [&](int kind) {  // 0: gemv fp32, 1: gemv bf16, 2: oneDNN fp32, 3: read, 4: int8
     if (kind == 3) return read_all(w.data(), total);
-    int64_t off = 0;
+    int64_t off = 0, col = 0;
     for (Shape s : shapes) {
       if (kind == 0)
         sigma::cpu::gemv_nn(y.data(), x.data(), w.data() + off, nullptr, 1, s.in, s.out, false, {});
@@ -96,21 +102,27 @@ int main(int argc, char** argv) {
       if (kind == 2)
         sigma::cpu::gemm(false, false, 1, s.out, s.in, 1.0f, x.data(), s.in, w.data() + off, s.out,
                          0.0f, y.data(), s.out);
+      if (kind == 4)
+        sigma::cpu::gemv_nn(y.data(), x.data(), w8.data() + off, scale.data() + col, nullptr, 1,
+                            s.in, s.out, false, {});
       off += s.in * s.out;
+      col += s.out;
     }
   };
-  std::vector<std::vector<double>> gbs(4);
+  std::vector<std::vector<double>> gbs(5);
   for (int s = 0; s < samples + 1; ++s)
-    for (int kind = 0; kind < 4; ++kind) {  // alternating, the first sample warms up
+    for (int kind = 0; kind < 5; ++kind) {  // alternating, the first sample warms up
       const double t0 = now();
       token(kind);
       const double dt = now() - t0;
-      const double bytes = double(total) * (kind == 1 ? 2 : 4);
+      const double bytes = kind == 4 ? double(total) + 4.0 * double(columns)
+                                     : double(total) * (kind == 1 ? 2 : 4);
       if (s > 0) gbs[size_t(kind)].push_back(bytes / dt * 1e-9);
     }
   std::printf("{\"d\":%ld,\"layers\":%ld,\"threads\":%d,\"weights\":%ld,\"gemv_fp32_gbs\":%.2f,"
-              "\"gemv_bf16_gbs\":%.2f,\"onednn_fp32_gbs\":%.2f,\"read_gbs\":%.2f}\n",
+              "\"gemv_bf16_gbs\":%.2f,\"gemv_int8_gbs\":%.2f,\"onednn_fp32_gbs\":%.2f,"
+              "\"read_gbs\":%.2f}\n",
               long(d), long(layers), omp_get_max_threads(), long(total), median(gbs[0]),
-              median(gbs[1]), median(gbs[2]), median(gbs[3]));
+              median(gbs[1]), median(gbs[4]), median(gbs[2]), median(gbs[3]));
   return 0;
 }

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Batch-1 decode benchmark (issue 12; docs/benchmarks.md "Serving: batch-1 decode"): Sigma fp32
-# and bf16 weights (`sigma generate --precision`) against the PyTorch peer with a KV cache
-# (bench/torch_decode.py, fp32 and bf16) on the same shapes, and the memory bandwidth measured
-# in the same run (bench/stream_probe.cpp), alternating within each round; medians of ROUNDS.
+# Batch-1 decode benchmark (issues 12 and 27; docs/benchmarks.md "Serving: batch-1 decode"):
+# Sigma fp32, bf16 and int8 weights (`sigma generate --precision`) against the PyTorch peer with
+# a KV cache (bench/torch_decode.py, fp32 and bf16) on the same shapes, and the memory bandwidth
+# measured in the same run (bench/stream_probe.cpp), alternating within each round; medians of
+# ROUNDS. For Sigma also the weight bytes the model holds after loading (Model::held_bytes:
+# the converted matrices, their scales, the fp32 rest; no gradient, no fp32 copy) and the
+# process's resident set at the end, both as `sigma generate` prints them.
 #
 # Models: a dense d=512, 8-block model, and an extracted sub-model (`sigma extract --domain copy`)
 # of a sparse model with the same trunk and 4 RRE blocks (groups of 2, 3 and 4 experts); both
@@ -62,9 +65,11 @@ run_sigma() {  # model precision
         --precision "$2" 2>&1 >/dev/null)
   echo "$err" | "$python" -c '
 import json, re, sys
-m = re.search(r"\(([\d.]+) tokens/s, \w+ weights: ([\d.]+) MB", sys.stdin.read())
+m = re.search(r"\(([\d.]+) tokens/s, \w+ weights: ([\d.]+) MB a token.*?([\d.]+) MB of weights "
+              r"held, ([\d.]+) MB resident", sys.stdin.read())
 print(json.dumps({"impl": "sigma", "model": sys.argv[1], "precision": sys.argv[2],
-                  "tokens_per_s": float(m.group(1)), "weight_bytes_per_token": float(m.group(2)) * 1e6}))
+                  "tokens_per_s": float(m.group(1)), "weight_bytes_per_token": float(m.group(2)) * 1e6,
+                  "held_bytes": float(m.group(3)) * 1e6, "resident_bytes": float(m.group(4)) * 1e6}))
 ' "$1" "$2" >> "$results"
 }
 
@@ -87,7 +92,8 @@ import json, sys; r = json.loads(sys.stdin.read()); r["impl"] = "kernel"; print(
     # Alternate the order between rounds so that neither side always runs first.
     if [ $((r % 2)) = 1 ]; then order="sigma torch"; else order="torch sigma"; fi
     for impl in $order; do
-      for precision in fp32 bf16; do "run_$impl" "$model" "$precision"; done
+      if [ "$impl" = sigma ]; then precisions="fp32 bf16 int8"; else precisions="fp32 bf16"; fi
+      for precision in $precisions; do "run_$impl" "$model" "$precision"; done
     done
   done
 done
@@ -104,18 +110,19 @@ print(f"read bandwidth {bw * 1e-9:.2f} GB/s (median of {len(streams)} rounds; th
       f"triad {triad:.2f} GB/s")
 kern = [r for r in rows if r["impl"] == "kernel"]
 if kern:
-    med = {k: statistics.median(r[k] for r in kern) for k in ("gemv_fp32_gbs", "gemv_bf16_gbs", "onednn_fp32_gbs", "read_gbs")}
+    med = {k: statistics.median(r[k] for r in kern) for k in ("gemv_fp32_gbs", "gemv_bf16_gbs", "gemv_int8_gbs", "onednn_fp32_gbs", "read_gbs")}
     print("weight stream alone (bench_gemv, GB/s, median of rounds): " +
           ", ".join(f"{k[:-4]} {v:.2f}" for k, v in med.items()) +
           f"; GEMV fp32 / read {med['gemv_fp32_gbs'] / med['read_gbs']:.0%}, "
           f"bf16 / read {med['gemv_bf16_gbs'] / med['read_gbs']:.0%}, "
+          f"int8 / read {med['gemv_int8_gbs'] / med['read_gbs']:.0%}, "
           f"oneDNN M=1 / read {med['onednn_fp32_gbs'] / med['read_gbs']:.0%}")
 print(f"{'model':8} {'impl':8} {'precision':9} {'tokens/s':>9} {'rounds':28} {'MB/token':>9} "
       f"{'bound t/s':>9} {'of bound':>8}")
 summary = {}
 for model in ("dense", "extract"):
     for impl in ("sigma", "pytorch"):
-        for prec in ("fp32", "bf16"):
+        for prec in ("fp32", "bf16", "int8"):
             rs = [r for r in rows if r.get("model") == model and r["impl"] == impl and r["precision"] == prec]
             if not rs:
                 continue
@@ -129,4 +136,18 @@ for model in ("dense", "extract"):
         s, t = summary.get((model, "sigma", prec)), summary.get((model, "pytorch", prec))
         if s and t:
             print(f"{model} {prec}: sigma / pytorch = {s / t:.2f}x")
+# int8 against bf16 and fp32, within each round (the two ran back to back), then the median.
+for model in ("dense", "extract"):
+    def per_round(prec):
+        return [r for r in rows if r.get("model") == model and r["impl"] == "sigma" and r["precision"] == prec]
+    f32, b16, i8 = per_round("fp32"), per_round("bf16"), per_round("int8")
+    if not (f32 and b16 and i8):
+        continue
+    speed = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(i8, b16)]
+    held = {p: statistics.median(r["held_bytes"] for r in rs) for p, rs in (("fp32", f32), ("bf16", b16), ("int8", i8))}
+    rss = {p: statistics.median(r["resident_bytes"] for r in rs) for p, rs in (("fp32", f32), ("bf16", b16), ("int8", i8))}
+    print(f"{model} int8 / bf16 tokens/s: {statistics.median(speed):.2f}x (rounds {[round(x, 2) for x in speed]}); "
+          f"weights held (MB) fp32 {held['fp32'] * 1e-6:.1f}, bf16 {held['bf16'] * 1e-6:.1f} "
+          f"({held['bf16'] / held['fp32']:.2f}x), int8 {held['int8'] * 1e-6:.1f} ({held['int8'] / held['fp32']:.2f}x); "
+          f"process resident (MB) fp32 {rss['fp32'] * 1e-6:.1f}, bf16 {rss['bf16'] * 1e-6:.1f}, int8 {rss['int8'] * 1e-6:.1f}")
 EOF

@@ -99,7 +99,7 @@ TEST_P(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
   EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * 4));
 }
 
-// The weight matrices a decode step streams (Model::use_bf16_weights converts these).
+// The weight matrices a decode step streams (Model::use_weights converts these).
 bool is_matrix(const std::string& n) {
   return n == names::kTokens || n.find(".w_in") != std::string::npos ||
          n.find(".w_out") != std::string::npos || n.find("attn.qkv.w") != std::string::npos ||
@@ -121,8 +121,8 @@ TEST(Bf16Weights, DecodeMatchesTheRoundedModelAndStaysNearFp32) {
   Model fp32(c, 9), bf16(c, 9), rounded(c, 9);
   round_to_bf16(fp32, true);
   round_to_bf16(bf16, true);
-  bf16.use_bf16_weights();
-  ASSERT_TRUE(bf16.bf16_weights());
+  bf16.use_weights(WeightFormat::Bf16);
+  ASSERT_EQ(bf16.weight_format(), WeightFormat::Bf16);
   round_to_bf16(rounded, false);
   const auto tokens = some_tokens(c, c.context);
   for (int domain : {0, 1}) {
@@ -143,25 +143,17 @@ TEST(Bf16Weights, DecodeMatchesTheRoundedModelAndStaysNearFp32) {
   }
 }
 
-// After the copies are made, a decode step reads none of the fp32 matrices: scrambling them
-// (and the token rows the prompt does not look up) leaves the logits unchanged, bit for bit.
+// After the copies are made the fp32 matrices are gone (Model::use_weights frees them; the
+// byte accounting is in test_int8.cpp), so a decode step cannot read them.
 TEST(Bf16Weights, DecodeReadsOnlyTheCopies) {
   const ModelConfig c = decode_config();
   Model m(c, 10);
-  m.use_bf16_weights();
+  m.use_weights(WeightFormat::Bf16);
+  for (const Param& p : m.params().all())
+    EXPECT_EQ(p.value.empty(), is_matrix(p.name)) << p.name;
   const std::vector<int32_t> tokens = {3, 4, 5, 6, 7, 8};
-  const auto before = cached_logits(m, 1, tokens);
-  for (Param& p : m.params().all()) {
-    if (!is_matrix(p.name)) continue;
-    sigma::testing::edit_floats(p.value, [&](float* v, int64_t n) {
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t row = i / c.d_model % c.vocab;  // token id of an embedding row
-        if (p.name != names::kTokens || row < 3 || row > 8) v[i] = 1e3f * float(i % 7) - 2e3f;
-      }
-    });
-  }
-  const auto after = cached_logits(m, 1, tokens);
-  EXPECT_EQ(0, std::memcmp(before.data(), after.data(), before.size() * 4));
+  const auto logits = cached_logits(m, 1, tokens);
+  for (float l : logits) ASSERT_TRUE(std::isfinite(l));
 }
 
 // The KV cache on bf16 weights (GEMV kernels, one row) computes the full forward pass's logits
@@ -169,7 +161,7 @@ TEST(Bf16Weights, DecodeReadsOnlyTheCopies) {
 TEST(Bf16Weights, CachedDecodeMatchesTheFullForward) {
   const ModelConfig c = decode_config();
   Model m(c, 11);
-  m.use_bf16_weights();
+  m.use_weights(WeightFormat::Bf16);
   const auto tokens = some_tokens(c, c.context);
   Batch b;
   b.resize(1, c.context);
@@ -186,7 +178,7 @@ TEST(Bf16Weights, CachedDecodeMatchesTheFullForward) {
 TEST(Bf16Weights, RefusesBackward) {
   const ModelConfig c = decode_config();
   Model m(c, 12);
-  m.use_bf16_weights();
+  m.use_weights(WeightFormat::Bf16);
   Batch b;
   b.resize(1, 4);
   b.tokens = some_tokens(c, 4);
@@ -243,7 +235,7 @@ TEST(Generate, WeightBytesPerTokenCountsWhatAStepReads) {
   const int64_t idle_expert = c.rre_layers * (2 * d * f + f + d);  // the second expert
   EXPECT_EQ(weight_bytes_per_token(m), 4 * (params - tables - idle_expert));
   const int64_t matrices = c.layers * (4 * d * d + 2 * d * f) + int64_t(c.vocab) * d;
-  m.use_bf16_weights();
+  m.use_weights(WeightFormat::Bf16);
   EXPECT_EQ(weight_bytes_per_token(m), 4 * (params - tables - idle_expert) - 2 * matrices);
 }
 
@@ -253,7 +245,7 @@ TEST(Decode, StepsOfUpToFourRowsAreBatchInvariantBitForBit) {
   const ModelConfig c = decode_config();
   for (bool bf16 : {false, true}) {
     Model m(c, 15);
-    if (bf16) m.use_bf16_weights();
+    if (bf16) m.use_weights(WeightFormat::Bf16);
     const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3}, {4, 5}, {6, 7, 8, 9, 10, 11}, {12}};
     const std::vector<int> domains = {0, 1, 1, 0}, slots = {0, 1, 2, 3};
     BatchDecoder together(m, 4);
@@ -276,4 +268,13 @@ TEST(Decode, StepsOfUpToFourRowsAreBatchInvariantBitForBit) {
       }
     }
   }
+}
+
+// A checkpoint that does not load stops `sigma serve` with its error and exit status 1 (it used
+// to abort with std::terminate: the signal-waiting thread was still running).
+TEST(ServeCli, ACheckpointThatDoesNotLoadIsAnErrorNotAnAbort) {
+  TempDir dir("serve-bad");
+  const auto r = sigma_cmd("serve --ckpt " + dir.str() + " --port 0");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("is not a checkpoint"), std::string::npos) << r.out;
 }

@@ -406,6 +406,70 @@ void add_gemm_nt_w16(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, 
   }));
 }
 
+std::vector<int8_t> i8_vec(int64_t n, uint64_t seed) {
+  std::vector<int8_t> q;
+  for (int32_t v : ints(n, seed, 255)) q.push_back(int8_t(v - 127));
+  return q;
+}
+
+// Per-channel scales of trained matrices' spread (0.001 to 0.1).
+std::vector<float> scales(int64_t n, uint64_t seed) {
+  std::vector<float> s = vec(n, seed);
+  for (float& v : s) v = 0.001f * std::exp2(std::fabs(v) * 3.0f);
+  return s;
+}
+
+// linear_forward on int8 weights with a scale per column; strided as in add_linear.
+void add_linear_i8(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, bool bias, bool acc,
+                   bool strided, uint64_t seed) {
+  const Strides ld = strided ? Strides{in + 3, 3 * out, 2 * out + 1} : Strides{};
+  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
+  const int64_t woff = strided ? out : 0, yoff = strided ? 1 : 0;
+  const auto x = vec(N * ldx, seed), b = vec(out, seed + 2);
+  const auto q = i8_vec(in * ldw, seed + 1);
+  const auto sc = scales(woff + out, seed + 3);
+  const std::string label = fmt::format("N={} in={} out={}{}{}{}", N, in, out, bias ? " bias" : "",
+                                        acc ? " accumulate" : "", strided ? " strided" : "");
+  const std::vector<Out> outs = {{"y", vec(N * ldy + yoff, seed + 4)}};
+  cs.push_back(make_case(OP(linear_forward_i8), label, outs, [=](auto fn, Outs& o) {
+    fn(o[0].data() + yoff, x.data(), q.data() + woff, sc.data() + woff, bias ? b.data() : nullptr,
+       N, in, out, acc, ld);
+  }));
+}
+
+// The head on int8 rows with a scale per row, every operand `pad` wider.
+void add_gemm_nt_i8(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, int64_t pad,
+                    uint64_t seed) {
+  const int64_t ldx = in + pad, ldw = in + pad, ldy = out + pad;
+  const auto x = vec(N * ldx, seed);
+  const auto q = i8_vec(out * ldw, seed + 1);
+  const auto sc = scales(out, seed + 3);
+  const std::string label = fmt::format("N={} in={} out={} pad={}", N, in, out, pad);
+  const std::vector<Out> outs = {{"y", vec(N * ldy, seed + 2)}};
+  cs.push_back(make_case(OP(gemm_nt_i8), label, outs, [=](auto fn, Outs& o) {
+    fn(o[0].data(), x.data(), q.data(), sc.data(), N, in, out, ldx, ldw, ldy);
+  }));
+}
+
+// The embedding lookups on a bf16 and an int8 table.
+void add_embedding_q(std::vector<Case>& cs, int64_t B, int64_t T, int64_t d, int32_t rows,
+                     uint64_t seed) {
+  const auto ids = ints(B * T, seed, rows);
+  const auto t16 = bf16_vec(rows * d, seed + 1);
+  const auto q = i8_vec(rows * d, seed + 1);
+  const auto sc = scales(rows, seed + 3);
+  const auto pos = vec(T * d, seed + 2);
+  const std::string label = fmt::format("B={} T={} d={} rows={}", B, T, d, rows);
+  cs.push_back(make_case(OP(embedding_forward_w16), label, {{"out", vec(B * T * d, seed + 3)}},
+                         [=](auto fn, Outs& o) {
+                           fn(o[0].data(), ids.data(), t16.data(), pos.data(), B, T, d);
+                         }));
+  cs.push_back(make_case(OP(embedding_forward_i8), label, {{"out", vec(B * T * d, seed + 4)}},
+                         [=](auto fn, Outs& o) {
+                           fn(o[0].data(), ids.data(), q.data(), sc.data(), pos.data(), B, T, d);
+                         }));
+}
+
 void add_column_sum(std::vector<Case>& cs, int64_t N, int64_t C, int64_t ld, uint64_t seed) {
   const auto dy = vec(N * (ld ? ld : C), seed);
   cs.push_back(make_case(OP(column_sum_accumulate), fmt::format("N={} C={} ld={}", N, C, ld),
@@ -661,6 +725,18 @@ std::vector<Case> all_cases() {
   add_linear_w16(cs, 2, 257, 301, true, true, false, seed += 10);
   for (int64_t N : {1, 2, 3, 4, 7}) add_gemm_nt_w16(cs, N, 33, 131, N % 2, seed += 10);
   add_gemm_nt_w16(cs, 1, 257, 301, 0, seed += 10);
+  // int8 weights: the GEMVs (1-4 rows, past kParallelWeights too) and a prompt's panels.
+  for (bool bias : {false, true})
+    for (bool acc : {false, true}) {
+      add_linear_i8(cs, 1, 33, 131, bias, acc, false, seed += 10);
+      add_linear_i8(cs, 3, 131, 7, bias, acc, true, seed += 10);
+      add_linear_i8(cs, 7, 33, 131, bias, acc, true, seed += 10);
+    }
+  add_linear_i8(cs, 2, 257, 301, true, true, false, seed += 10);
+  add_linear_i8(cs, 9, 300, 700, true, false, false, seed += 10);  // several panels
+  for (int64_t N : {1, 2, 3, 4, 7}) add_gemm_nt_i8(cs, N, 33, 131, N % 2, seed += 10);
+  add_gemm_nt_i8(cs, 1, 257, 301, 0, seed += 10);
+  add_gemm_nt_i8(cs, 5, 600, 300, 1, seed += 10);  // several panels
   add_column_sum(cs, 131, 7, 0, seed += 10);
   add_column_sum(cs, 1, 33, 0, seed += 10);
   add_column_sum(cs, 33, 131, 140, seed += 10);
@@ -691,6 +767,7 @@ std::vector<Case> all_cases() {
   add_embedding(cs, 1, 1, 1, 1, seed += 10);
   add_embedding(cs, 2, 7, 33, 11, seed += 10);
   add_embedding(cs, 3, 5, 131, 4, seed += 10);
+  add_embedding_q(cs, 2, 7, 33, 11, seed += 10);
   add_adam(cs, 1, {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 1}, seed += 10);
   add_adam(cs, 131, {3e-3f, 0.9f, 0.95f, 1e-10f, 0.0f, 0.25f, 2}, seed += 10);
   add_adam(cs, 40009, {2e-4f, 0.8f, 0.999f, 1e-6f, 0.01f, 1.0f, 37}, seed += 10);  // threads
@@ -722,6 +799,7 @@ TEST(Ops, EveryOpOfTheFrontHasACase) {
   for (const char* op :
        {"gemm", "linear_forward", "linear_backward", "gemm_bf16", "linear_forward_bf16",
         "linear_backward_bf16", "column_sum_accumulate", "linear_forward_w16", "gemm_nt_w16",
+        "linear_forward_i8", "gemm_nt_i8", "embedding_forward_w16", "embedding_forward_i8",
         "layernorm_forward",
         "layernorm_backward", "attention_forward", "attention_backward",
         "flash_attention_forward", "flash_attention_backward", "flash_attention_forward_bf16",
@@ -729,7 +807,7 @@ TEST(Ops, EveryOpOfTheFrontHasACase) {
         "fast_gelu_backward", "softmax_xent", "embedding_forward", "embedding_backward",
         "adam_step", "copy", "fill", "add_into", "gather_rows", "scatter_rows"})
     EXPECT_TRUE(seen.count(op)) << op;
-  EXPECT_EQ(seen.size(), 28u);
+  EXPECT_EQ(seen.size(), 32u);
 }
 
 // cpu vs ref, element by element. Prints, per op, how far below its tolerance the worst

@@ -83,7 +83,15 @@ int64_t weight_bytes_per_token(const Model& model) {
   const int64_t d = c.d_model, f = c.ffn(), L = c.layers;
   const int64_t matrices = L * (4 * d * d + 2 * d * f) + int64_t(c.vocab) * d;
   const int64_t vectors = L * (3 * d + d + 4 * d + f + d) + 2 * d;
-  return matrices * (model.bf16_weights() ? 2 : 4) + vectors * 4;
+  switch (model.weight_format()) {
+    case WeightFormat::F32: return matrices * 4 + vectors * 4;
+    case WeightFormat::Bf16: return matrices * 2 + vectors * 4;
+    case WeightFormat::Int8: break;
+  }
+  // One fp32 scale per output channel: of QKV, the attention output, the FFN's two matrices,
+  // and the head's rows.
+  const int64_t scales = L * (3 * d + d + f + d) + int64_t(c.vocab);
+  return matrices + scales * 4 + vectors * 4;
 }
 
 namespace {

@@ -58,7 +58,8 @@ struct GenerateStats {
 
 // Bytes of weights one decode step reads: every weight matrix of the blocks (one expert per
 // RRE block), the tied head's V x d rows of one slot, in the model's weight precision (bf16
-// copies: 2 bytes), plus the fp32 biases and LayerNorms. The rows looked up in the embedding,
+// copies: 2 bytes; int8: 1, plus a 4-byte scale per output channel), plus the fp32 biases and
+// LayerNorms. The rows looked up in the embedding,
 // position and query tables (3d values), a learned gate's weights and the KV cache are not
 // counted. Divided by the memory bandwidth, the batch-1 decode time bound.
 int64_t weight_bytes_per_token(const Model& model);

@@ -66,7 +66,7 @@ struct Backend {
                                const float* w, int64_t N, int64_t in, int64_t out, Strides ld);
   // db[C] += column sums of dy[N,C] with row stride ld (0 = C).
   void (*column_sum_accumulate)(float* db, const float* dy, int64_t N, int64_t C, int64_t ld);
-  // Inference on bf16 weight copies (Model::use_bf16_weights; kernels/cpu/gemv.h): the weights
+  // Inference on bf16 weight copies (Model::use_weights; kernels/cpu/gemv.h): the weights
   // are bf16 values, widened exactly; x, b, the products and the sums stay fp32.
   // linear_forward with w16[in,out]:
   void (*linear_forward_w16)(float* y, const float* x, const uint16_t* w16, const float* b,
@@ -74,6 +74,16 @@ struct Backend {
   // y[N,out] = x[N,in] @ w16[out,in]^T (the tied head on bf16 embedding rows):
   void (*gemm_nt_w16)(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
                       int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
+  // Inference on int8 weights with per-output-channel scales (Model::use_weights; kernels/cpu/
+  // int8.h): w = scale * q, q in [-127, 127]. A product is scale[j] * (sum_k x[k] q[k,j]) in
+  // fp32 (the scale after the sum), then the bias; x, b and the sums stay fp32.
+  // linear_forward with q[in,out] and scale[out]:
+  void (*linear_forward_i8)(float* y, const float* x, const int8_t* q, const float* scale,
+                            const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
+                            Strides ld);
+  // y[N,out] = x[N,in] @ (scale * q)[out,in]^T, one scale per row of q (the tied head):
+  void (*gemm_nt_i8)(float* y, const float* x, const int8_t* q, const float* scale, int64_t N,
+                     int64_t in, int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
 
   // ---- layers (kernels/cpu/{layernorm,attention,activation,xent,embedding}.h) ----
   void (*layernorm_forward)(float* out, float* mean, float* rstd, const float* x, const float* w,
@@ -108,6 +118,13 @@ struct Backend {
                             int64_t B, int64_t T, int64_t d);
   void (*embedding_backward)(float* dtable, float* dpos, const float* dout, const int32_t* rows,
                              int64_t B, int64_t T, int64_t d);
+  // embedding_forward on a bf16 table (widened exactly), and on an int8 table with one scale
+  // per row: out = scale[row] * q[row, :] + pos.
+  void (*embedding_forward_w16)(float* out, const int32_t* rows, const uint16_t* table,
+                                const float* pos, int64_t B, int64_t T, int64_t d);
+  void (*embedding_forward_i8)(float* out, const int32_t* rows, const int8_t* q,
+                               const float* scale, const float* pos, int64_t B, int64_t T,
+                               int64_t d);
 
   // ---- optimizer (kernels/types.h states the formula) ----
   void (*adam_step)(float* w, float* m, float* v, const float* g, int64_t n,
@@ -136,6 +153,12 @@ struct Backend {
   double (*sum_sq)(const float* x, int64_t n);
   // dst[i] = x[i] rounded to bf16 (nearest even; core/bf16.h): the inference weight copies.
   void (*convert_bf16)(uint16_t* dst, const float* x, int64_t n);
+  // Symmetric int8 quantisation of w[rows, cols] with one scale per column (per_row false: the
+  // output channels of a linear's w[in,out]) or per row (the embedding table's rows):
+  // scale = max |w| / 127 over the channel, q = w / scale rounded to nearest even (a channel of
+  // zeros: scale 0, q 0). Returns the number of non-finite weights (their channels get scale 0).
+  int64_t (*quantize_i8)(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
+                         bool per_row);
 
   // ---- the learned gate (model/gate.h states the maths; kernels/cpu/gate.h) ----
   // Per row r of group width K = width[r] (<= Kmax): probs[r] = softmax(z[r, :K]) (fp32), then
@@ -281,6 +304,15 @@ inline void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N
                         int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
   detail::active->gemm_nt_w16(y, x, w16, N, in, out, ldx, ldw, ldy);
 }
+inline void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* scale,
+                              const float* b, int64_t N, int64_t in, int64_t out,
+                              bool accumulate = false, Strides ld = {}) {
+  detail::active->linear_forward_i8(y, x, q, scale, b, N, in, out, accumulate, ld);
+}
+inline void gemm_nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_t N,
+                       int64_t in, int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
+  detail::active->gemm_nt_i8(y, x, q, scale, N, in, out, ldx, ldw, ldy);
+}
 inline void layernorm_forward(float* out, float* mean, float* rstd, const float* x,
                               const float* w, const float* b, int64_t N, int64_t C) {
   detail::active->layernorm_forward(out, mean, rstd, x, w, b, N, C);
@@ -347,6 +379,15 @@ inline void embedding_backward(float* dtable, float* dpos, const float* dout,
                                const int32_t* rows, int64_t B, int64_t T, int64_t d) {
   detail::active->embedding_backward(dtable, dpos, dout, rows, B, T, d);
 }
+inline void embedding_forward_w16(float* out, const int32_t* rows, const uint16_t* table,
+                                  const float* pos, int64_t B, int64_t T, int64_t d) {
+  detail::active->embedding_forward_w16(out, rows, table, pos, B, T, d);
+}
+inline void embedding_forward_i8(float* out, const int32_t* rows, const int8_t* q,
+                                 const float* scale, const float* pos, int64_t B, int64_t T,
+                                 int64_t d) {
+  detail::active->embedding_forward_i8(out, rows, q, scale, pos, B, T, d);
+}
 inline void adam_step(float* w, float* m, float* v, const float* g, int64_t n,
                       const AdamStepArgs& a) {
   detail::active->adam_step(w, m, v, g, n, a);
@@ -369,6 +410,10 @@ inline void scatter_rows(float* dst, const float* src, const int32_t* order, int
 inline double sum_sq(const float* x, int64_t n) { return detail::active->sum_sq(x, n); }
 inline void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
   detail::active->convert_bf16(dst, x, n);
+}
+inline int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
+                           bool per_row) {
+  return detail::active->quantize_i8(q, scale, w, rows, cols, per_row);
 }
 inline void gate_softmax_topk(float* probs, int32_t* choice, float* gate, const float* z,
                               const int32_t* width, const int32_t* base, int k, int64_t N,

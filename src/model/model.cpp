@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "core/bf16.h"
 #include "core/rng.h"
@@ -177,31 +180,99 @@ void Model::bind_expert(int block, int e, const float* weights, float* grads) {
                                     : FfnGrads{};
 }
 
-void Model::use_bf16_weights() {
-  SIGMA_CHECK(!tp_.split(), "bf16 weights: a tensor-parallel model is for training only");
-  SIGMA_CHECK(!external_experts_, "bf16 weights: this model's experts live in a store; load "
-                                  "the checkpoint with its experts for inference");
-  if (bf16_weights()) return;
-  auto copy = [&](const float* v, int64_t n) -> const uint16_t* {
-    bf16_.push_back(ops::empty(DType::U16, {n}));
-    uint16_t* h = bf16_.back().data<uint16_t>();
-    ops::convert_bf16(h, v, n);
-    return h;
-  };
-  const int64_t d = cfg_.d_model, f = cfg_.ffn();
-  for (BlockWeights& b : w_->blocks) {
-    b.qkv_w.h = copy(b.qkv_w.v, d * 3 * d);
-    b.out_w.h = copy(b.out_w.v, d * d);
-    if (!b.is_rre()) {
-      b.w_in.h = copy(b.w_in.v, d * f);
-      b.w_out.h = copy(b.w_out.v, f * d);
+namespace {
+// The matrices use_weights converts: every linear weight but a learned gate's (decay marks the
+// linear weights), and the embedding table.
+bool streamed_matrix(const Param& p) {
+  return p.name == names::kTokens || (p.decay && !names::is_gate(p.name));
+}
+}  // namespace
+
+void Model::use_weights(WeightFormat f) {
+  SIGMA_CHECK(!tp_.split(), "{} weights: a tensor-parallel model is for training only",
+              weight_format_name(f));
+  SIGMA_CHECK(!external_experts_, "{} weights: this model's experts live in a store; load the "
+              "checkpoint with its experts for inference", weight_format_name(f));
+  SIGMA_CHECK(!inference_, "use_weights: this model already holds {} inference weights",
+              weight_format_name(format_));
+  inference_ = true;
+  format_ = f;
+  for (Param& p : params_.all()) p.grad = Tensor();  // inference reads no gradient
+  if (f != WeightFormat::F32)
+    for (Param& p : params_.all()) {
+      if (!streamed_matrix(p)) continue;
+      const int64_t cols = p.value.shape().back(), rows = p.value.numel() / std::max<int64_t>(cols, 1);
+      WeightCopy c;
+      if (f == WeightFormat::Bf16) {
+        c.data = ops::empty(DType::U16, {p.value.numel()});
+        ops::convert_bf16(c.data.data<uint16_t>(), p.value.f(), p.value.numel());
+      } else {
+        // A [K, rows', cols] stack of experts: each expert its own columns' scales.
+        const bool per_row = p.name == names::kTokens;
+        const int64_t slices = p.value.shape().size() == 3 ? p.value.dim(0) : 1;
+        const int64_t r = rows / slices;
+        c.data = ops::empty(DType::U8, {p.value.numel()});
+        c.scale = ops::empty(DType::F32, {per_row ? rows : slices * cols});
+        int64_t bad = 0;
+        for (int64_t k = 0; k < slices; ++k)
+          bad += ops::quantize_i8(c.data.data<int8_t>() + k * r * cols,
+                                  c.scale.f() + (per_row ? k * r : k * cols),
+                                  p.value.f() + k * r * cols, r, cols, per_row);
+        SIGMA_CHECK(bad == 0, "int8 weights: parameter '{}' holds {} non-finite values",
+                    p.name, bad);
+      }
+      copies_.emplace(p.name, std::move(c));
+      p.value = Tensor();  // the fp32 matrix is gone
     }
-    for (FfnWeights& e : b.rre.expert) {
-      e.w_in16 = copy(e.w_in, d * f);
-      e.w_out16 = copy(e.w_out, f * d);
+#if defined(__GLIBC__)
+  malloc_trim(0);  // hand the freed fp32 pages back to the system
+#endif
+  *w_ = ModelWeights::bind(params_, buffers_, cfg_);  // null pointers for what was freed
+  attach_copies();
+}
+
+// Points the weight view at the copies (after a rebind: the converted matrices' v are null).
+void Model::attach_copies() {
+  if (copies_.empty()) return;
+  const int64_t d = cfg_.d_model, f = cfg_.ffn();
+  auto set = [&](PV& pv, const std::string& name) {
+    const WeightCopy& c = copies_.at(name);
+    if (format_ == WeightFormat::Bf16) pv.h = c.data.data<uint16_t>();
+    else pv.q = c.data.data<int8_t>(), pv.s = c.scale.f();
+  };
+  set(w_->tokens, names::kTokens);
+  for (int l = 0; l < cfg_.layers; ++l) {
+    BlockWeights& b = w_->blocks[size_t(l)];
+    set(b.qkv_w, names::block(l, "attn.qkv.w"));
+    set(b.out_w, names::block(l, "attn.out.w"));
+    if (!b.is_rre()) {
+      set(b.w_in, names::ffn(l, names::kWIn));
+      set(b.w_out, names::ffn(l, names::kWOut));
+      continue;
+    }
+    for (size_t g = 0; g < cfg_.groups.size(); ++g) {
+      PV wi, wo;
+      set(wi, names::expert(l, cfg_.groups[g].name, names::kWIn));
+      set(wo, names::expert(l, cfg_.groups[g].name, names::kWOut));
+      for (int e = 0; e < cfg_.groups[g].experts; ++e) {
+        FfnWeights& x = b.rre.expert[size_t(b.rre.offset[g] + e)];
+        x.w_in = x.w_out = nullptr;
+        if (wi.h) x.w_in16 = wi.h + e * d * f, x.w_out16 = wo.h + e * f * d;
+        if (wi.q) {
+          x.w_in8 = wi.q + e * d * f, x.s_in = wi.s + e * f;
+          x.w_out8 = wo.q + e * f * d, x.s_out = wo.s + e * d;
+        }
+      }
     }
   }
-  w_->tokens.h = copy(w_->tokens.v, int64_t(cfg_.slots) * cfg_.vocab * d);
+}
+
+int64_t Model::held_bytes() const {
+  int64_t n = 0;
+  for (const Param& p : params_.all()) n += int64_t(p.value.nbytes() + p.grad.nbytes());
+  for (const Buffer& b : buffers_.all()) n += int64_t(b.value.nbytes());
+  for (const auto& [name, c] : copies_) n += int64_t(c.data.nbytes() + c.scale.nbytes());
+  return n;
 }
 
 void Model::init_expert(int block, int g, int k, float* dst) const {
@@ -394,13 +465,21 @@ void Model::embed(const Batch& batch, Activations& a, const int* first_pos) {
   ops::upload(a.rows_d, a.rows.data(), a.rows.size() * sizeof(int32_t));
   ops::upload(a.targets_d, batch.targets.data(), batch.targets.size() * sizeof(int32_t));
   const int32_t* rows = a.rows_d.data<int32_t>();
-  if (!first_pos) {
-    ops::embedding_forward(a.blocks[0].x.f(), rows, w_->tokens.v, w_->positions.v, B, T, d);
-    return;
-  }
+  // Rows [b0, b0 + n) from positions pos, on whichever table the model holds.
+  auto lookup = [&](int64_t b0, int64_t n, const float* pos) {
+    float* out = a.blocks[0].x.f() + b0 * T * d;
+    const int32_t* r = rows + b0 * T;
+    const PV& e = w_->tokens;
+    if (e.q)
+      ops::embedding_forward_i8(out, r, e.q, e.s, pos, n, T, d);
+    else if (e.h)
+      ops::embedding_forward_w16(out, r, e.h, pos, n, T, d);
+    else
+      ops::embedding_forward(out, r, e.v, pos, n, T, d);
+  };
+  if (!first_pos) return lookup(0, B, w_->positions.v);
   for (int b = 0; b < B; ++b)  // each row from its own position
-    ops::embedding_forward(a.blocks[0].x.f() + int64_t(b) * T * d, rows + int64_t(b) * T,
-                           w_->tokens.v, w_->positions.v + int64_t(first_pos[b]) * d, 1, T, d);
+    lookup(b, 1, w_->positions.v + int64_t(first_pos[b]) * d);
 }
 
 void Model::forward(const Batch& batch, Activations& a, float* token_loss,
@@ -478,8 +557,8 @@ void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCac
 }
 
 void Model::backward(const Batch& batch, Activations& a) {
-  SIGMA_CHECK(!bf16_weights(), "backward: this model computes on bf16 weight copies "
-                                "(Model::use_bf16_weights), for inference only");
+  SIGMA_CHECK(!inference_, "backward: this model holds {} inference weights and no gradients "
+              "(Model::use_weights), for inference only", weight_format_name(format_));
   SIGMA_CHECK(a.has_grad && a.B == batch.B && a.T == batch.T,
               "backward needs the forward pass of the same batch with loss weights first");
   a.has_grad = false;  // the head's gradient is consumed
@@ -636,7 +715,10 @@ void Model::head(const Batch& batch, Activations& a, float* token_loss,
   ops::layernorm_forward(a.hf.f(), a.meanf.f(), a.rstdf.f(), a.h_final.f(), w_->lnf_w.v,
                          w_->lnf_b.v, N, d);
   for_each_slot_run(cfg_, batch, [&](int64_t r0, int64_t rows, int64_t e0) {
-    if (w_->tokens.h)
+    if (w_->tokens.q)
+      ops::gemm_nt_i8(a.logits.f() + r0 * V, a.hf.f() + r0 * d, w_->tokens.q + e0,
+                      w_->tokens.s + e0 / d, rows, d, V, d, d, V);
+    else if (w_->tokens.h)
       ops::gemm_nt_w16(a.logits.f() + r0 * V, a.hf.f() + r0 * d, w_->tokens.h + e0, rows, d, V,
                        d, d, V);
     else

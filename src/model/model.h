@@ -5,7 +5,9 @@
 // Activations struct (model/activations.h); backward() accumulates into the ParamSet's
 // gradients. RRE blocks hand their rows to an ExpertExecutor (model/expert_executor.h).
 #pragma once
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/activations.h"
@@ -89,14 +91,22 @@ class Model {
   // values an in-model expert gets, from the same per-expert random streams.
   void init_expert(int block, int g, int k, float* dst) const;
 
-  // Inference in bf16: copies (rounded to nearest even) of every weight matrix a token's
-  // forward pass streams -- QKV, attention output, the FFN and expert matrices, the tied head's
-  // embedding table -- made once, here; forward passes then read the copies (activations,
-  // biases, LayerNorm, products and sums stay fp32), which halves the bytes a decode step
-  // reads. backward() is refused from then on. The fp32 values stay (the embedding lookup
-  // reads them). Not for experts in a store.
-  void use_bf16_weights();
-  bool bf16_weights() const { return !bf16_.empty(); }
+  // Inference weights (`--precision` of generate, eval and serve). Every weight matrix a
+  // token's forward pass streams -- QKV, attention output, the FFN and expert matrices, the
+  // embedding table (the tied head and the lookup) -- becomes, with Bf16, a copy rounded to
+  // nearest even, or with Int8, int8 values with one fp32 scale per output channel (a column
+  // of w[in,out]; a row of the embedding table): kernels/cpu/int8.h. One tensor at a time, each
+  // fp32 tensor is freed once converted, and every gradient is freed (F32 frees only those):
+  // the model then holds what inference reads and nothing else (held_bytes), so params()
+  // holds empty values for the converted matrices. Activations, biases, LayerNorms, the
+  // position and query tables, a learned gate, products and sums stay fp32. backward() is
+  // refused from then on. Once per model; not for experts in a store.
+  void use_weights(WeightFormat f);
+  WeightFormat weight_format() const { return format_; }
+  bool inference_only() const { return inference_; }
+  // Bytes of every tensor the model holds for its weights: parameter values and gradients,
+  // buffers (routing tables), and the inference copies with their scales.
+  int64_t held_bytes() const;
 
   // Expert group index of a domain (index into config().groups), -1 when the model has no groups.
   int domain_group(int domain) const { return domain_group_[size_t(domain)]; }
@@ -192,7 +202,14 @@ class Model {
   double aux_loss_ = 0;
   Remat remat_ = Remat::None;
   std::unique_ptr<ModelWeights> w_;
-  std::vector<Tensor> bf16_;  // the copies use_bf16_weights made (device)
+  // use_weights: the copies by parameter name (device): values, and int8 scales.
+  struct WeightCopy {
+    Tensor data, scale;
+  };
+  std::map<std::string, WeightCopy> copies_;
+  WeightFormat format_ = WeightFormat::F32;
+  bool inference_ = false;
+  void attach_copies();
   std::unique_ptr<Activations> own_;
   LocalExperts local_;
   ExpertExecutor* executor_ = &local_;

@@ -135,7 +135,7 @@ void LocalExperts::forward(int block, const RreWeights& w, const RrePlan& p,
                            const ExpertBuffers& b, float* y, const float* x, int64_t N, int64_t d,
                            int64_t f) {
   for (int e = 0; e < w.experts(); ++e)
-    SIGMA_CHECK(p.rows(e) == 0 || w.expert[size_t(e)].w_in,
+    SIGMA_CHECK(p.rows(e) == 0 || w.expert[size_t(e)].bound(),
                 "block {}: expert {} receives tokens but is not bound (not in the step's active "
                 "set)", block, e);
   rre_forward(y, b.pre, b.act, b.gx, b.gy, x, w, p, whole_plan(p), N, d, f);

@@ -21,9 +21,26 @@ std::vector<FfnLeaf> ffn_leaves(int64_t d, int64_t f) {
 
 }  // namespace
 
+const char* weight_format_name(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::F32: return "fp32";
+    case WeightFormat::Bf16: return "bf16";
+    case WeightFormat::Int8: return "int8";
+  }
+  return "?";
+}
+
+WeightFormat weight_format_from_name(std::string_view s) {
+  for (WeightFormat f : {WeightFormat::F32, WeightFormat::Bf16, WeightFormat::Int8})
+    if (s == weight_format_name(f)) return f;
+  fail("unknown weight precision '{}' (known: fp32, bf16, int8)", s);
+}
+
 void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, int64_t in,
             int64_t out, bool accumulate, kernels::Strides ld, int64_t col) {
-  if (w.h)
+  if (w.q)
+    ops::linear_forward_i8(y, x, w.q + col, w.s + col, b, N, in, out, accumulate, ld);
+  else if (w.h)
     ops::linear_forward_w16(y, x, w.h + col, b, N, in, out, accumulate, ld);
   else
     ops::linear_forward(y, x, w.v + col, b, N, in, out, accumulate, ld);

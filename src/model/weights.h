@@ -1,6 +1,7 @@
 // The model's parameter registry (DESIGN §4; the names are built by model/names.h) and the typed
 // pointer view that the training model and the KV-cache decoder both read.
 #pragma once
+#include <string_view>
 #include <vector>
 
 #include "kernels/types.h"
@@ -10,12 +11,21 @@
 
 namespace sigma {
 
-// Value and gradient pointers of one parameter (tensor buffers never move); h: the bf16 copy
-// of v that inference reads instead of v, for the matrices Model::use_bf16_weights converts.
+// The weights inference reads (Model::use_weights, `--precision`): fp32, bf16 copies, or int8
+// with one fp32 scale per output channel.
+enum class WeightFormat : uint8_t { F32, Bf16, Int8 };
+const char* weight_format_name(WeightFormat f);            // "fp32", "bf16", "int8"
+WeightFormat weight_format_from_name(std::string_view s);  // throws naming the known ones
+
+// Value and gradient pointers of one parameter (tensor buffers never move); for the matrices
+// Model::use_weights converts, the copy inference reads instead of v (v is then null): h, bf16;
+// or q, int8, with s its scales (one per column; per row for the embedding table).
 struct PV {
   float* v = nullptr;
   float* g = nullptr;
   const uint16_t* h = nullptr;
+  const int8_t* q = nullptr;
+  const float* s = nullptr;
 };
 
 // The RRE FFN of one block: the experts of every group, concatenated in group order, so group
@@ -38,7 +48,9 @@ struct BlockWeights {
   RreWeights rre;               // expert block only
   std::vector<PV> gate;         // learned-gate baseline: per group, W_g [d, K_g]
   bool is_rre() const { return !rre.expert.empty(); }
-  FfnWeights ffn() const { return {w_in.v, b_in.v, w_out.v, b_out.v, w_in.h, w_out.h}; }
+  FfnWeights ffn() const {
+    return {w_in.v, b_in.v, w_out.v, b_out.v, w_in.h, w_out.h, w_in.q, w_in.s, w_out.q, w_out.s};
+  }
   FfnGrads ffn_grad() const { return {w_in.g, b_in.g, w_out.g, b_out.g}; }
 };
 
@@ -48,8 +60,9 @@ struct ModelWeights {
   static ModelWeights bind(ParamSet& ps, const BufferSet& bs, const ModelConfig& cfg);
 };
 
-// y[N,out] (+)= x[N,in] @ w[:, col .. col+out) + b through the ops front: on w's bf16 copy
-// when it has one (PV::h), else on its fp32 values. Strides as in ops::linear_forward.
+// y[N,out] (+)= x[N,in] @ w[:, col .. col+out) + b through the ops front: on w's bf16 or int8
+// copy when it has one (PV::h, PV::q), else on its fp32 values. Strides as in
+// ops::linear_forward.
 void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, int64_t in,
             int64_t out, bool accumulate = false, kernels::Strides ld = {}, int64_t col = 0);
 

@@ -8,6 +8,7 @@
 #include "kernels/cpu/gate.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/gemv.h"
+#include "kernels/cpu/int8.h"
 #include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/movement.h"
 #include "kernels/cpu/xent.h"
@@ -41,6 +42,8 @@ const ops::Backend kBackend = {
     .column_sum_accumulate = &column_sum_accumulate,
     .linear_forward_w16 = &linear_forward_w16,
     .gemm_nt_w16 = &gemm_nt_w16,
+    .linear_forward_i8 = &linear_forward_i8,
+    .gemm_nt_i8 = &gemm_nt_i8,
     .layernorm_forward = &layernorm_forward,
     .layernorm_backward = &layernorm_backward,
     .attention_forward = &attention_forward,
@@ -54,6 +57,8 @@ const ops::Backend kBackend = {
     .softmax_xent = &softmax_xent,
     .embedding_forward = &embedding_forward,
     .embedding_backward = &embedding_backward,
+    .embedding_forward_w16 = &embedding_forward_w16,
+    .embedding_forward_i8 = &embedding_forward_i8,
     .adam_step = &adam_step_auto,
     .bf16_mirror_add = &bf16_mirror_add,
     .bf16_mirror_clear = &bf16_mirror_clear,
@@ -64,6 +69,7 @@ const ops::Backend kBackend = {
     .scatter_rows = &scatter_rows,
     .sum_sq = &sum_sq,
     .convert_bf16 = &convert_bf16,
+    .quantize_i8 = &quantize_i8,
     .gate_softmax_topk = &gate_softmax_topk,
     .gate_combine = &gate_combine,
     .gate_expert_dy = &gate_expert_dy,

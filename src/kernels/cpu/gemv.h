@@ -4,8 +4,10 @@
 // activations with bf16 weights, and its sgemm does not give a row the same bits for every
 // batch size. For fp32 at one row it streams about as fast (docs/benchmarks.md, issue 12).
 //
-// Weights are fp32, or bf16 copies made once at load (Model::use_bf16_weights): a bf16 weight
-// is widened to fp32 exactly, and the products and sums are fp32, so only the weights round.
+// Weights are fp32, or bf16 or int8 copies made once at load (Model::use_weights): a bf16 or
+// int8 weight is widened to fp32 exactly, and the products and sums are fp32, so only the
+// weights round. An int8 matrix has one fp32 scale per output channel, applied once to the
+// finished sum: y = scale * (x . q) + b.
 //
 // Each output element is one fixed sequence of fp32 operations whatever the number of rows and
 // threads (FMAs over fixed chunks of k, the chunk sums added in order): a row's result does not
@@ -33,6 +35,16 @@ void gemv_nt(float* y, const float* x, const float* w, int64_t M, int64_t in, in
              int64_t ldx, int64_t ldw, int64_t ldy);
 void gemv_nt(float* y, const float* x, const uint16_t* w, int64_t M, int64_t in, int64_t out,
              int64_t ldx, int64_t ldw, int64_t ldy);
+// The same on int8 weights q with per-output scales: scale[out] (nn: one per column of q[in,out];
+// nt: one per row of q[out,in]), strides of q as those of w.
+void gemv_nn(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
+             int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld);
+void gemv_nt(float* y, const float* x, const int8_t* q, const float* scale, int64_t M, int64_t in,
+             int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
+
+// Tests: run the portable scalar paths (the same order of operations per element, so the same
+// bits) instead of the AVX-512 ones. Not thread-safe: set it before the products run.
+void gemv_use_portable(bool on);
 
 // The cpu backend's gemm and linear_forward: a few rows go to the kernels above, the rest to
 // oneDNN (gemm.h).
@@ -44,10 +56,18 @@ void linear_forward_rows(float* y, const float* x, const float* w, const float* 
 
 // The ops with bf16 weight copies (kernels/ops.h): linear_forward with w16[in,out], and the
 // head's y[N,out] = x[N,in] @ w16[out,in]^T. More than kGemvMaxRows rows (a prompt) widen the
-// weights into per-thread fp32 scratch and run oneDNN's sgemm on them: the same values.
+// weights, one panel of about 512 KiB at a time, into per-thread fp32 scratch and run oneDNN's
+// sgemm on each panel: the same values, and never an fp32 copy of a whole matrix.
 void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b, int64_t N,
                         int64_t in, int64_t out, bool accumulate, Strides ld);
 void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
                  int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
+// The same two on int8 weights (ops::linear_forward_i8, ops::gemm_nt_i8); a prompt's panels hold
+// scale * q.
+void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* scale,
+                       const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
+                       Strides ld);
+void gemm_nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_t N,
+                int64_t in, int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
 
 }  // namespace sigma::cpu

@@ -1,6 +1,7 @@
 // Registers the reference formulas (ref/linear.h, ref/layers.h, ref/attention.h), evaluated
 // in double, as the "ref" backend of the ops front, with its exact ops (data movement) and its
 // fp32 Adam.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -75,6 +76,27 @@ double sum_sq(const float* x, int64_t n) {  // a plain sum in double (not the cp
 }
 void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(x[i]);
+}
+// The quantisation's definition (kernels/ops.h), channel by channel, in fp32 as specified.
+int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
+                    bool per_row) {
+  const int64_t channels = per_row ? rows : cols, n = per_row ? cols : rows;
+  int64_t bad = 0;
+  for (int64_t c = 0; c < channels; ++c) {
+    auto at = [&](int64_t i) { return per_row ? c * cols + i : i * cols + c; };
+    float amax = 0;
+    bool finite = true;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!std::isfinite(w[at(i)])) ++bad, finite = false;
+      else amax = std::max(amax, std::fabs(w[at(i)]));
+    }
+    scale[c] = finite ? amax / 127.0f : 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float r = scale[c] > 0 ? std::nearbyint(w[at(i)] / scale[c]) : 0.0f;
+      q[at(i)] = int8_t(std::clamp(r, -127.0f, 127.0f));
+    }
+  }
+  return bad;
 }
 
 // The learned gate in double: the softmax, the top-k on the double probabilities, the weights.
@@ -182,6 +204,8 @@ const ops::Backend kBackend = {
     .column_sum_accumulate = &column_sum_accumulate<double>,
     .linear_forward_w16 = &linear_forward_w16<double>,
     .gemm_nt_w16 = &gemm_nt_w16<double>,
+    .linear_forward_i8 = &linear_forward_i8<double>,
+    .gemm_nt_i8 = &gemm_nt_i8<double>,
     .layernorm_forward = &layernorm_forward<double>,
     .layernorm_backward = &layernorm_backward<double>,
     .attention_forward = &attention_forward<double>,
@@ -195,6 +219,8 @@ const ops::Backend kBackend = {
     .softmax_xent = &softmax_xent<double>,
     .embedding_forward = &embedding_forward<double>,
     .embedding_backward = &embedding_backward<double>,
+    .embedding_forward_w16 = &embedding_forward_w16<double>,
+    .embedding_forward_i8 = &embedding_forward_i8<double>,
     .adam_step = &adam_step,
     .bf16_mirror_add = nullptr,  // converts every bf16 input where it reads it
     .bf16_mirror_clear = nullptr,
@@ -205,6 +231,7 @@ const ops::Backend kBackend = {
     .scatter_rows = &scatter_rows,
     .sum_sq = &sum_sq,
     .convert_bf16 = &convert_bf16,
+    .quantize_i8 = &quantize_i8,
     .gate_softmax_topk = &gate_softmax_topk,
     .gate_combine = &gate_combine,
     .gate_expert_dy = &gate_expert_dy,

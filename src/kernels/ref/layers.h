@@ -5,6 +5,7 @@
 #include <map>
 #include <vector>
 
+#include "core/bf16.h"
 #include "kernels/ref/io.h"
 
 namespace sigma::ref {
@@ -120,6 +121,24 @@ void embedding_forward(float* out, const int32_t* rows, const float* table, cons
   for (int64_t i = 0; i < B * T_; ++i)
     for (int64_t c = 0; c < d; ++c)
       store<T>(out + i * d + c, T(table[int64_t(rows[i]) * d + c]) + T(pos[(i % T_) * d + c]));
+}
+
+// The lookups on a bf16 table (widened exactly) and on an int8 table with a scale per row.
+template <class T>
+void embedding_forward_w16(float* out, const int32_t* rows, const uint16_t* table,
+                           const float* pos, int64_t B, int64_t T_, int64_t d) {
+  for (int64_t i = 0; i < B * T_; ++i)
+    for (int64_t c = 0; c < d; ++c)
+      store<T>(out + i * d + c,
+               T(from_bf16(table[int64_t(rows[i]) * d + c])) + T(pos[(i % T_) * d + c]));
+}
+template <class T>
+void embedding_forward_i8(float* out, const int32_t* rows, const int8_t* q, const float* scale,
+                          const float* pos, int64_t B, int64_t T_, int64_t d) {
+  for (int64_t i = 0; i < B * T_; ++i)
+    for (int64_t c = 0; c < d; ++c)
+      store<T>(out + i * d + c, T(scale[rows[i]]) * T(float(q[int64_t(rows[i]) * d + c])) +
+                                    T(pos[(i % T_) * d + c]));
 }
 
 // dtable[rows[i]] += dout[i]; dpos[t] += sum_b dout[b,t].

@@ -114,4 +114,33 @@ void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64
   gemm<T>(false, true, N, out, in, 1.0f, x, ldx, w16, ldw, 0.0f, y, ldy);
 }
 
+// The ops on int8 weights: scale[j] * (the exact sum of x q), then the bias (kernels/ops.h; the
+// cpu kernels apply the scale once, to the finished sum, and so does this formula).
+template <class T>
+void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* scale,
+                       const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
+                       Strides ld) {
+  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < out; ++j) {
+      T dot = 0;
+      for (int64_t k = 0; k < in; ++k) dot += T(x[i * ldx + k]) * T(float(q[k * ldw + j]));
+      T s = accumulate ? T(y[i * ldy + j]) : T(0);
+      if (b) s += T(b[j]);
+      s += T(scale[j]) * dot;
+      store<T>(y + i * ldy + j, s);
+    }
+}
+// y[N,out] = x[N,in] (scale * q)[out,in]^T, a scale per row of q (the head).
+template <class T>
+void gemm_nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_t N,
+                int64_t in, int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < out; ++j) {
+      T dot = 0;
+      for (int64_t k = 0; k < in; ++k) dot += T(x[i * ldx + k]) * T(float(q[j * ldw + k]));
+      store<T>(y + i * ldy + j, T(scale[j]) * dot);
+    }
+}
+
 }  // namespace sigma::ref
