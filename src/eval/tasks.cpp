@@ -15,6 +15,7 @@
 #include "data/prepare.h"
 #include "eval/pass_at_k.h"
 #include "infer/generate.h"
+#include "kernels/ops.h"
 
 namespace sigma::eval {
 
@@ -44,86 +45,84 @@ std::string prompt_text(const TaskContext& ctx, const std::vector<int32_t>& prom
   return ctx.tok.decode(std::vector<uint32_t>(prompt.begin(), prompt.end()));
 }
 
-// log p(rest | prompt) under the model, the prompt cut from the left to fit the context.
-double loglik(const TaskContext& ctx, const TaskItem& it, std::vector<int32_t> prompt,
-              const std::vector<int32_t>& rest, const std::string& choice) {
-  const int context = ctx.model.config().context;
-  const std::string where = it.source.empty() ? fmt::format("line {}", it.line)
-                                              : fmt::format("{}:{}", it.source, it.line);
-  SIGMA_CHECK(int(rest.size()) < context, "{}: the choice '{}' is {} tokens, longer than the "
-              "model's context of {} allows", where, choice.substr(0, 40), rest.size(), context);
-  SIGMA_CHECK(!rest.empty(), "{}: the choice '{}' encodes to no tokens", where, choice.substr(0, 40));
-  if (prompt.empty()) prompt.push_back(int32_t(data::kEotId));  // start-of-text: an <EOT>
-  const size_t keep = std::min(prompt.size(), size_t(context) + 1 - rest.size());
-  std::vector<int32_t> seq(prompt.end() - keep, prompt.end());
-  seq.insert(seq.end(), rest.begin(), rest.end());
-  Batch b;
-  b.resize(1, int(seq.size()) - 1);
-  std::copy(seq.begin(), seq.end() - 1, b.tokens.begin());
-  std::copy(seq.begin() + 1, seq.end(), b.targets.begin());
-  b.domain[0] = ctx.model.config().domain_index(it.domain);
-  std::vector<float> loss(seq.size() - 1);
-  ctx.model.expert_executor().begin_step({&b, 1});
-  ctx.model.forward(b, loss.data());
-  double sum = 0;
-  for (size_t t = keep - 1; t < loss.size(); ++t) sum -= loss[t];
-  return sum;
-}
+// One item's choices as the model scores them: each choice's window is the prompt, cut from
+// the left so that the window has at most context + 1 tokens, then the choice; the choice's
+// log-likelihood sums the losses of its own tokens. Choices whose windows keep the same number
+// of prompt tokens share those positions (same tokens, same positions), so a Unit computes
+// them once into a KV-cache row and runs each of its choices from there.
+struct Unit {
+  size_t item;
+  std::vector<int32_t> prefix;              // window[0 .. keep-2]: computed once (may be empty)
+  int32_t last;                             // window[keep-1]: each choice pass starts with it
+  std::vector<size_t> choice;               // the item's choice indices
+  std::vector<std::vector<int32_t>> rests;  // their tokens (the targets of the choice passes)
+  size_t length = 0;                        // prefix + longest choice: the sort key
+};
 
-// The choice items' log-likelihoods, batched (TaskOptions::score_batch rows at a time, items
-// sorted by length so rows of a batch are alike) with the context computed once per item: its
-// tokens but the last go into a KV-cache row, then each choice runs [last context token, choice
-// tokens but the last] from the cached prefix (the row's length is set back between choices).
-// Rows are padded at their end; causal attention and per-row kernels keep a row's real
-// positions independent of the padding and of the other rows (Model::forward_cached). Items
-// whose context must be cut for some choice take the unbatched path (their prefix differs per
-// choice). Same order of summation as loglik(); docs/benchmarks.md compares the two.
-void loglik_batched(const TaskContext& ctx, const std::vector<TaskItem>& items,
-                    const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
-  struct Row {
-    size_t item;
-    std::vector<int32_t> prompt;              // at least one token
-    std::vector<std::vector<int32_t>> rests;  // per choice
-    size_t total;                             // for the sort
-  };
+// The units of the choice items, in item order; checks each choice fits the context.
+std::vector<Unit> units_of(const TaskContext& ctx, const std::vector<TaskItem>& items,
+                           const std::vector<size_t>& which, std::vector<ItemOutput>& outs) {
   const int context = ctx.model.config().context;
-  std::vector<Row> todo;
+  std::vector<Unit> units;
+  std::vector<int32_t> prompt, rest;
   for (size_t i : which) {
     const TaskItem& it = items[i];
-    Row r{i, {}, {}, 0};
-    std::vector<int32_t> prompt, rest;
-    bool fits = true;
-    for (const std::string& c : it.choices) {
-      format(ctx, it, c, prompt, rest);
-      if (rest.empty() || int(rest.size()) >= context) fits = false;  // loglik() says why
-      r.rests.push_back(rest);
-    }
-    r.prompt = prompt.empty() ? std::vector<int32_t>{int32_t(data::kEotId)} : prompt;
-    size_t longest = 0;
-    for (const auto& x : r.rests) longest = std::max(longest, x.size());
-    if (!fits || r.prompt.size() + longest > size_t(context) + 1) {  // a cut: the reference path
-      for (size_t c = 0; c < it.choices.size(); ++c) {
-        format(ctx, it, it.choices[c], prompt, rest);
-        outs[i].loglik.push_back(loglik(ctx, it, prompt, rest, it.choices[c]));
-        outs[i].tokens.push_back(int64_t(rest.size()));
+    const std::string where = it.source.empty() ? fmt::format("line {}", it.line)
+                                                : fmt::format("{}:{}", it.source, it.line);
+    std::map<size_t, Unit> by_keep;
+    for (size_t c = 0; c < it.choices.size(); ++c) {
+      const std::string& choice = it.choices[c];
+      format(ctx, it, choice, prompt, rest);
+      SIGMA_CHECK(int(rest.size()) < context, "{}: the choice '{}' is {} tokens, longer than the "
+                  "model's context of {} allows", where, choice.substr(0, 40), rest.size(), context);
+      SIGMA_CHECK(!rest.empty(), "{}: the choice '{}' encodes to no tokens", where, choice.substr(0, 40));
+      if (prompt.empty()) prompt.push_back(int32_t(data::kEotId));  // start-of-text: an <EOT>
+      const size_t keep = std::min(prompt.size(), size_t(context) + 1 - rest.size());
+      Unit& u = by_keep[keep];
+      if (u.choice.empty()) {
+        u.item = i;
+        u.prefix.assign(prompt.end() - keep, prompt.end() - 1);
+        u.last = prompt.back();
       }
-      continue;
+      u.choice.push_back(c);
+      u.length = std::max(u.length, keep - 1 + rest.size());
+      u.rests.push_back(rest);
     }
-    r.total = r.prompt.size() + longest;
-    todo.push_back(std::move(r));
+    for (auto& [keep, u] : by_keep) units.push_back(std::move(u));
+    outs[i].loglik.assign(it.choices.size(), 0.0);
+    outs[i].tokens.assign(it.choices.size(), 0);
   }
-  std::stable_sort(todo.begin(), todo.end(), [](const Row& a, const Row& b) { return a.total < b.total; });
+  return units;
+}
+
+// The choice items' log-likelihoods, `rows` units per pass: units sorted by length, each
+// unit's prefix computed once into its KV-cache row (one pass for the R units' prefixes), then
+// each choice as [last prefix token, choice tokens but the last] from there (one pass per
+// choice index, the rows' lengths set back to their prefixes in between). Rows are padded at
+// their end (causal attention keeps padding out of real positions).
+//
+// Inside ops::BatchInvariant a position's loss has the same bits whatever shares its pass and
+// however many positions its pass computes, so a log-likelihood does not depend on `rows`
+// (1 included), on the other items, or on the cut of the prompt being cached: tests/
+// test_eval_batch_invariance.cpp checks it to the bit.
+void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
+                    const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
+  const ops::BatchInvariant invariant;
+  std::vector<Unit> units = units_of(ctx, items, which, outs);
+  std::stable_sort(units.begin(), units.end(),
+                   [](const Unit& a, const Unit& b) { return a.length < b.length; });
+  const int context = ctx.model.config().context;
   KvCache cache;
   cache.reset(ctx.model.config(), rows);
-  // Activations are sized per (rows, length) and re-allocating them costs more than the pass
-  // itself on a small model: lengths are rounded up to a multiple of 8 and a few shapes kept.
+  // Activations are sized per (rows, length) and re-allocating them costs more than a pass
+  // on a small model: lengths are rounded up to a multiple of 8 and a few shapes kept (units
+  // come sorted by length, so consecutive passes share shapes).
   std::map<std::pair<int, int>, Activations> acts_of;
   Batch b;
   std::vector<float> loss;
-  std::vector<int> cache_rows;
-  // One forward_cached over `members` (rows of the cache): row k gets tokens[k] after its
-  // cached prefix, targets[k] its next tokens; pads (EOT, target 0) fill up to the longest.
-  auto run = [&](const std::vector<int>& members, const std::vector<const Row*>& of,
+  // One forward_cached: batch row k continues cache row members[k] with tokens[k] (targets[k]
+  // its next tokens); pads (<EOT>, target 0) fill each row up to the pass's length T.
+  auto run = [&](const std::vector<int>& members, const std::vector<const Unit*>& of,
                  const std::vector<std::vector<int32_t>>& tokens,
                  const std::vector<std::vector<int32_t>>& targets) {
     size_t T = 1, cached = 0;
@@ -139,64 +138,65 @@ void loglik_batched(const TaskContext& ctx, const std::vector<TaskItem>& items,
     }
     loss.assign(members.size() * T, 0.0f);
     ctx.model.expert_executor().begin_step({&b, 1});
-    if (acts_of.size() > 6 && !acts_of.count({b.B, b.T})) acts_of.clear();
+    if (acts_of.size() > 8 && !acts_of.count({b.B, b.T})) acts_of.clear();
     ctx.model.forward_cached(b, cache, acts_of[{b.B, b.T}], loss.data(), members.data());
     return T;
   };
-  for (size_t start = 0; start < todo.size(); start += size_t(rows)) {
-    const size_t n = std::min(todo.size() - start, size_t(rows));
-    std::vector<int> members;
-    std::vector<const Row*> of;
-    std::vector<std::vector<int32_t>> tok, tgt;
+  std::vector<int> members;
+  std::vector<const Unit*> of;
+  std::vector<std::vector<int32_t>> tok, tgt;
+  for (size_t start = 0; start < units.size(); start += size_t(rows)) {
+    const size_t n = std::min(units.size() - start, size_t(rows));
+    members.clear(), of.clear(), tok.clear(), tgt.clear();
     for (size_t k = 0; k < n; ++k) {
-      const Row& r = todo[start + k];
-      members.push_back(int(k));
-      of.push_back(&r);
+      const Unit& u = units[start + k];
       cache.clear(int(k));
-      tok.emplace_back(r.prompt.begin(), r.prompt.end() - 1);
-      tgt.emplace_back(r.prompt.begin() + 1, r.prompt.end());
+      if (u.prefix.empty()) continue;
+      members.push_back(int(k));
+      of.push_back(&u);
+      tok.push_back(u.prefix);
+      tgt.emplace_back(u.prefix.begin() + 1, u.prefix.end());
+      tgt.back().push_back(u.last);
     }
-    if (std::any_of(tok.begin(), tok.end(), [](const auto& t) { return !t.empty(); })) run(members, of, tok, tgt);
+    if (!members.empty()) run(members, of, tok, tgt);
     size_t most = 0;
-    for (const Row* r : of) most = std::max(most, r->rests.size());
+    for (size_t k = 0; k < n; ++k) most = std::max(most, units[start + k].rests.size());
     for (size_t c = 0; c < most; ++c) {
       // Rows in groups whose longest prefix plus longest choice fits the context (padding
       // lengthens every row of a pass to its longest).
       std::vector<std::vector<size_t>> groups;
       size_t max_p = 0, max_r = 0;
       for (size_t k = 0; k < n; ++k) {
-        const Row& r = *of[k];
-        if (c >= r.rests.size()) continue;
-        const size_t p = std::max(max_p, r.prompt.size() - 1), q = std::max(max_r, r.rests[c].size());
+        const Unit& u = units[start + k];
+        if (c >= u.rests.size()) continue;
+        const size_t p = std::max(max_p, u.prefix.size()), q = std::max(max_r, u.rests[c].size());
         if (groups.empty() || p + q > size_t(context)) {
           groups.emplace_back();
-          max_p = r.prompt.size() - 1, max_r = r.rests[c].size();
+          max_p = u.prefix.size(), max_r = u.rests[c].size();
         } else {
           max_p = p, max_r = q;
         }
         groups.back().push_back(k);
       }
       for (const auto& g : groups) {
-        std::vector<int> sub;
-        std::vector<const Row*> sub_of;
-        tok.clear(), tgt.clear();
+        members.clear(), of.clear(), tok.clear(), tgt.clear();
         for (size_t k : g) {
-          const Row& r = *of[k];
-          cache.length[k] = int(r.prompt.size()) - 1;  // back to the shared prefix
-          sub.push_back(int(k));
-          sub_of.push_back(&r);
-          std::vector<int32_t> t = {r.prompt.back()};
-          t.insert(t.end(), r.rests[c].begin(), r.rests[c].end() - 1);
+          const Unit& u = units[start + k];
+          cache.length[k] = int(u.prefix.size());  // back to the shared prefix
+          members.push_back(int(k));
+          of.push_back(&u);
+          std::vector<int32_t> t = {u.last};
+          t.insert(t.end(), u.rests[c].begin(), u.rests[c].end() - 1);
           tok.push_back(std::move(t));
-          tgt.push_back(r.rests[c]);
+          tgt.push_back(u.rests[c]);
         }
-        const size_t T = run(sub, sub_of, tok, tgt);
-        for (size_t k = 0; k < sub.size(); ++k) {
+        const size_t T = run(members, of, tok, tgt);
+        for (size_t k = 0; k < members.size(); ++k) {
           double sum = 0;
           for (size_t t = 0; t < tgt[k].size(); ++t) sum -= loss[k * T + t];
-          ItemOutput& o = outs[sub_of[k]->item];
-          o.loglik.push_back(sum);
-          o.tokens.push_back(int64_t(tgt[k].size()));
+          ItemOutput& o = outs[of[k]->item];
+          o.loglik[of[k]->choice[c]] = sum;
+          o.tokens[of[k]->choice[c]] = int64_t(tgt[k].size());
         }
       }
     }
@@ -455,24 +455,16 @@ std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<Task
   std::vector<size_t> choice;
   for (size_t i = 0; i < items.size(); ++i)
     if (items[i].kind == TaskKind::Choice) choice.push_back(i);
-  if (opt.score_batch > 1 && !choice.empty()) loglik_batched(ctx, items, choice, opt.score_batch, outs);
+  if (!choice.empty()) choice_logliks(ctx, items, choice, opt.score_batch, outs);
   for (size_t i = 0; i < items.size(); ++i) {
     const TaskItem& it = items[i];
     ItemOutput& o = outs[i];
     std::vector<int32_t> prompt, rest;
     format(ctx, it, "", prompt, rest);
     o.prompt = prompt_text(ctx, prompt);
-    if (it.kind == TaskKind::Choice && opt.score_batch > 1) continue;  // done above
-    if (it.kind == TaskKind::Choice) {
-      for (const std::string& c : it.choices) {
-        format(ctx, it, c, prompt, rest);
-        o.loglik.push_back(loglik(ctx, it, prompt, rest, c));
-        o.tokens.push_back(int64_t(rest.size()));
-      }
-    } else {
-      const int n = it.kind == TaskKind::Code ? opt.samples : 1;
-      for (int j = 0; j < n; ++j) o.generations.push_back(answer(ctx, it, opt, j));
-    }
+    if (it.kind == TaskKind::Choice) continue;  // done above
+    const int n = it.kind == TaskKind::Code ? opt.samples : 1;
+    for (int j = 0; j < n; ++j) o.generations.push_back(answer(ctx, it, opt, j));
   }
   return outs;
 }
