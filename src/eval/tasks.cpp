@@ -105,6 +105,8 @@ std::vector<Unit> units_of(const TaskContext& ctx, const std::vector<TaskItem>& 
 // however many positions its pass computes, so a log-likelihood does not depend on `rows`
 // (1 included), on the other items, or on the cut of the prompt being cached: tests/
 // test_eval_batch_invariance.cpp checks it to the bit.
+constexpr size_t kKeptShapes = 8;
+
 void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
                     const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
   const ops::BatchInvariant invariant;
@@ -115,9 +117,14 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
   KvCache cache;
   cache.reset(ctx.model.config(), rows);
   // Activations are sized per (rows, length) and re-allocating them costs more than a pass
-  // on a small model: lengths are rounded up to a multiple of 8 and a few shapes kept (units
-  // come sorted by length, so consecutive passes share shapes).
-  std::map<std::pair<int, int>, Activations> acts_of;
+  // on a small model: lengths are rounded up to a multiple of 8 and the shapes used last kept
+  // (units come sorted by length, so consecutive passes share shapes).
+  struct Kept {
+    Activations acts;
+    int64_t used = 0;
+  };
+  std::map<std::pair<int, int>, Kept> acts_of;
+  int64_t passes = 0;
   Batch b;
   std::vector<float> loss;
   // One forward_cached: batch row k continues cache row members[k] with tokens[k] (targets[k]
@@ -138,66 +145,101 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
     }
     loss.assign(members.size() * T, 0.0f);
     ctx.model.expert_executor().begin_step({&b, 1});
-    if (acts_of.size() > 8 && !acts_of.count({b.B, b.T})) acts_of.clear();
-    ctx.model.forward_cached(b, cache, acts_of[{b.B, b.T}], loss.data(), members.data());
+    if (acts_of.size() >= kKeptShapes && !acts_of.count({b.B, b.T}))
+      acts_of.erase(std::min_element(acts_of.begin(), acts_of.end(), [](const auto& x, const auto& y) {
+        return x.second.used < y.second.used;
+      }));
+    if (getenv("I28B_DEBUG")) fmt::print(stderr, "shape {} {} {}\n", b.B, b.T, acts_of.count({b.B, b.T}));
+    Kept& kept = acts_of[{b.B, b.T}];
+    kept.used = ++passes;
+    ctx.model.forward_cached(b, cache, kept.acts, loss.data(), members.data());
     return T;
   };
   std::vector<int> members;
   std::vector<const Unit*> of;
   std::vector<std::vector<int32_t>> tok, tgt;
-  for (size_t start = 0; start < units.size(); start += size_t(rows)) {
-    const size_t n = std::min(units.size() - start, size_t(rows));
+  auto add = [&](const Unit& u, int row, std::vector<int32_t> t, std::vector<int32_t> y) {
+    members.push_back(row);
+    of.push_back(&u);
+    tok.push_back(std::move(t));
+    tgt.push_back(std::move(y));
+  };
+  // Each row's choice c: the sum of the losses of its last rests[c].size() positions.
+  auto collect = [&](size_t T, const std::vector<size_t>& choice_of_row) {
+    for (size_t k = 0; k < members.size(); ++k) {
+      const Unit& u = *of[k];
+      const size_t c = choice_of_row[k], q = u.rests[c].size(), end = tok[k].size();
+      double sum = 0;
+      for (size_t t = end - q; t < end; ++t) sum -= loss[k * T + t];
+      outs[u.item].loglik[u.choice[c]] = sum;
+      outs[u.item].tokens[u.choice[c]] = int64_t(q);
+    }
+  };
+  // A unit of one choice (a prompt cut for it alone, or a one-choice item) shares nothing:
+  // its whole window is one row from position 0.
+  std::vector<const Unit*> whole, shared;
+  for (const Unit& u : units) (u.rests.size() == 1 ? whole : shared).push_back(&u);
+  for (size_t start = 0; start < whole.size(); start += size_t(rows)) {
+    const size_t n = std::min(whole.size() - start, size_t(rows));
     members.clear(), of.clear(), tok.clear(), tgt.clear();
     for (size_t k = 0; k < n; ++k) {
-      const Unit& u = units[start + k];
+      const Unit& u = *whole[start + k];
+      cache.clear(int(k));
+      std::vector<int32_t> t = u.prefix, y(u.prefix.begin() + std::min<size_t>(1, u.prefix.size()), u.prefix.end());
+      t.push_back(u.last);
+      t.insert(t.end(), u.rests[0].begin(), u.rests[0].end() - 1);
+      if (!u.prefix.empty()) y.push_back(u.last);
+      y.insert(y.end(), u.rests[0].begin(), u.rests[0].end());
+      add(u, int(k), std::move(t), std::move(y));
+    }
+    collect(run(members, of, tok, tgt), std::vector<size_t>(n, 0));
+  }
+  // Units of several choices: R prefixes in one pass, then each choice index from them.
+  for (size_t start = 0; start < shared.size(); start += size_t(rows)) {
+    const size_t n = std::min(shared.size() - start, size_t(rows));
+    members.clear(), of.clear(), tok.clear(), tgt.clear();
+    for (size_t k = 0; k < n; ++k) {
+      const Unit& u = *shared[start + k];
       cache.clear(int(k));
       if (u.prefix.empty()) continue;
-      members.push_back(int(k));
-      of.push_back(&u);
-      tok.push_back(u.prefix);
-      tgt.emplace_back(u.prefix.begin() + 1, u.prefix.end());
-      tgt.back().push_back(u.last);
+      std::vector<int32_t> y(u.prefix.begin() + 1, u.prefix.end());
+      y.push_back(u.last);
+      add(u, int(k), u.prefix, std::move(y));
     }
     if (!members.empty()) run(members, of, tok, tgt);
+    // Rows by prefix length, so that the rows of a pass leave room for its longest choice.
+    std::vector<size_t> order(n);
+    for (size_t k = 0; k < n; ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+      return shared[start + x]->prefix.size() < shared[start + y]->prefix.size();
+    });
     size_t most = 0;
-    for (size_t k = 0; k < n; ++k) most = std::max(most, units[start + k].rests.size());
+    for (size_t k = 0; k < n; ++k) most = std::max(most, shared[start + k]->rests.size());
     for (size_t c = 0; c < most; ++c) {
-      // Rows in groups whose longest prefix plus longest choice fits the context (padding
-      // lengthens every row of a pass to its longest).
-      std::vector<std::vector<size_t>> groups;
-      size_t max_p = 0, max_r = 0;
-      for (size_t k = 0; k < n; ++k) {
-        const Unit& u = units[start + k];
+      std::vector<std::vector<size_t>> groups;  // each: max prefix + max choice <= context
+      size_t max_r = 0;
+      for (size_t k : order) {
+        const Unit& u = *shared[start + k];
         if (c >= u.rests.size()) continue;
-        const size_t p = std::max(max_p, u.prefix.size()), q = std::max(max_r, u.rests[c].size());
-        if (groups.empty() || p + q > size_t(context)) {
+        const size_t q = std::max(max_r, u.rests[c].size());
+        if (groups.empty() || u.prefix.size() + q > size_t(context)) {
           groups.emplace_back();
-          max_p = u.prefix.size(), max_r = u.rests[c].size();
+          max_r = u.rests[c].size();
         } else {
-          max_p = p, max_r = q;
+          max_r = q;
         }
         groups.back().push_back(k);
       }
       for (const auto& g : groups) {
         members.clear(), of.clear(), tok.clear(), tgt.clear();
         for (size_t k : g) {
-          const Unit& u = units[start + k];
+          const Unit& u = *shared[start + k];
           cache.length[k] = int(u.prefix.size());  // back to the shared prefix
-          members.push_back(int(k));
-          of.push_back(&u);
           std::vector<int32_t> t = {u.last};
           t.insert(t.end(), u.rests[c].begin(), u.rests[c].end() - 1);
-          tok.push_back(std::move(t));
-          tgt.push_back(u.rests[c]);
+          add(u, int(k), std::move(t), u.rests[c]);
         }
-        const size_t T = run(members, of, tok, tgt);
-        for (size_t k = 0; k < members.size(); ++k) {
-          double sum = 0;
-          for (size_t t = 0; t < tgt[k].size(); ++t) sum -= loss[k * T + t];
-          ItemOutput& o = outs[of[k]->item];
-          o.loglik[of[k]->choice[c]] = sum;
-          o.tokens[of[k]->choice[c]] = int64_t(tgt[k].size());
-        }
+        collect(run(members, of, tok, tgt), std::vector<size_t>(g.size(), c));
       }
     }
   }
