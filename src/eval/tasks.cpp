@@ -105,7 +105,7 @@ std::vector<Unit> units_of(const TaskContext& ctx, const std::vector<TaskItem>& 
 // however many positions its pass computes, so a log-likelihood does not depend on `rows`
 // (1 included), on the other items, or on the cut of the prompt being cached: tests/
 // test_eval_batch_invariance.cpp checks it to the bit.
-constexpr size_t kKeptShapes = 8;
+constexpr size_t kKeptShapes = 4;
 
 void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
                     const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
@@ -115,7 +115,7 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
                    [](const Unit& a, const Unit& b) { return a.length < b.length; });
   const int context = ctx.model.config().context;
   KvCache cache;
-  cache.reset(ctx.model.config(), rows);
+  cache.reset(ctx.model.config(), rows == 1 ? 1 : 2 * rows);  // the second half: idle rows
   // Activations are sized per (rows, length) and re-allocating them costs more than a pass
   // on a small model: lengths are rounded up to a multiple of 8 and the shapes used last kept
   // (units come sorted by length, so consecutive passes share shapes).
@@ -129,6 +129,11 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
   std::vector<float> loss;
   // One forward_cached: batch row k continues cache row members[k] with tokens[k] (targets[k]
   // its next tokens); pads (<EOT>, target 0) fill each row up to the pass's length T.
+  // One forward_cached: batch row k continues cache row members[k] with tokens[k] (targets[k]
+  // its next tokens); pads (<EOT>, target 0) fill each row up to the pass's length T. A pass
+  // of fewer than `rows` rows is filled up with idle rows (spare cache rows from position 0),
+  // so that passes keep a few shapes.
+  std::vector<int> cache_rows;
   auto run = [&](const std::vector<int>& members, const std::vector<const Unit*>& of,
                  const std::vector<std::vector<int32_t>>& tokens,
                  const std::vector<std::vector<int32_t>>& targets) {
@@ -136,14 +141,23 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
     for (const auto& t : tokens) T = std::max(T, t.size());
     for (int m : members) cached = std::max(cached, size_t(cache.length[size_t(m)]));
     T = std::max(T, std::min((T + 7) / 8 * 8, size_t(context) - cached));
-    b.resize(int(members.size()), int(T));
-    for (size_t k = 0; k < members.size(); ++k) {
-      std::fill_n(b.tokens.begin() + int64_t(k * T), T, int32_t(data::kEotId));
+    const size_t B = std::max(members.size(), size_t(rows));
+    b.resize(int(B), int(T));
+    cache_rows = members;
+    std::fill(b.tokens.begin(), b.tokens.end(), int32_t(data::kEotId));
+    std::fill(b.targets.begin(), b.targets.end(), 0);
+    for (size_t k = 0; k < B; ++k) {
+      if (k >= members.size()) {  // idle
+        cache_rows.push_back(rows + int(k - members.size()));
+        cache.clear(cache_rows.back());
+        b.domain[k] = b.domain[0];
+        continue;
+      }
       std::copy(tokens[k].begin(), tokens[k].end(), b.tokens.begin() + int64_t(k * T));
       std::copy(targets[k].begin(), targets[k].end(), b.targets.begin() + int64_t(k * T));
       b.domain[k] = ctx.model.config().domain_index(items[of[k]->item].domain);
     }
-    loss.assign(members.size() * T, 0.0f);
+    loss.assign(B * T, 0.0f);
     ctx.model.expert_executor().begin_step({&b, 1});
     if (acts_of.size() >= kKeptShapes && !acts_of.count({b.B, b.T}))
       acts_of.erase(std::min_element(acts_of.begin(), acts_of.end(), [](const auto& x, const auto& y) {
@@ -152,7 +166,7 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
     if (getenv("I28B_DEBUG")) fmt::print(stderr, "shape {} {} {}\n", b.B, b.T, acts_of.count({b.B, b.T}));
     Kept& kept = acts_of[{b.B, b.T}];
     kept.used = ++passes;
-    ctx.model.forward_cached(b, cache, kept.acts, loss.data(), members.data());
+    ctx.model.forward_cached(b, cache, kept.acts, loss.data(), cache_rows.data());
     return T;
   };
   std::vector<int> members;
@@ -207,40 +221,32 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
       add(u, int(k), u.prefix, std::move(y));
     }
     if (!members.empty()) run(members, of, tok, tgt);
-    // Rows by prefix length, so that the rows of a pass leave room for its longest choice.
-    std::vector<size_t> order(n);
-    for (size_t k = 0; k < n; ++k) order[k] = k;
-    std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
-      return shared[start + x]->prefix.size() < shared[start + y]->prefix.size();
-    });
     size_t most = 0;
     for (size_t k = 0; k < n; ++k) most = std::max(most, shared[start + k]->rests.size());
     for (size_t c = 0; c < most; ++c) {
-      std::vector<std::vector<size_t>> groups;  // each: max prefix + max choice <= context
-      size_t max_r = 0;
-      for (size_t k : order) {
+      // The pass's length T fits every row's choice; a row whose prefix leaves less room than
+      // T starts at position context - T instead, its last cached positions computed again
+      // (the same bits), so that one pass of a few shapes takes every row.
+      size_t T = 1;
+      for (size_t k = 0; k < n; ++k)
+        if (c < shared[start + k]->rests.size()) T = std::max(T, shared[start + k]->rests[c].size());
+      T = std::min((T + 7) / 8 * 8, size_t(context));
+      members.clear(), of.clear(), tok.clear(), tgt.clear();
+      std::vector<size_t> which_c;
+      for (size_t k = 0; k < n; ++k) {
         const Unit& u = *shared[start + k];
         if (c >= u.rests.size()) continue;
-        const size_t q = std::max(max_r, u.rests[c].size());
-        if (groups.empty() || u.prefix.size() + q > size_t(context)) {
-          groups.emplace_back();
-          max_r = u.rests[c].size();
-        } else {
-          max_r = q;
-        }
-        groups.back().push_back(k);
+        const size_t from = std::min(u.prefix.size(), size_t(context) - T);
+        cache.length[k] = int(from);  // back to (part of) the shared prefix
+        std::vector<int32_t> t(u.prefix.begin() + int64_t(from), u.prefix.end()), y;
+        if (!t.empty()) y.assign(t.begin() + 1, t.end()), y.push_back(u.last);
+        t.push_back(u.last);
+        t.insert(t.end(), u.rests[c].begin(), u.rests[c].end() - 1);
+        y.insert(y.end(), u.rests[c].begin(), u.rests[c].end());
+        add(u, int(k), std::move(t), std::move(y));
+        which_c.push_back(c);
       }
-      for (const auto& g : groups) {
-        members.clear(), of.clear(), tok.clear(), tgt.clear();
-        for (size_t k : g) {
-          const Unit& u = *shared[start + k];
-          cache.length[k] = int(u.prefix.size());  // back to the shared prefix
-          std::vector<int32_t> t = {u.last};
-          t.insert(t.end(), u.rests[c].begin(), u.rests[c].end() - 1);
-          add(u, int(k), std::move(t), u.rests[c]);
-        }
-        collect(run(members, of, tok, tgt), std::vector<size_t>(g.size(), c));
-      }
+      collect(run(members, of, tok, tgt), which_c);
     }
   }
 }
