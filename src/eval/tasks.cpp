@@ -7,6 +7,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/json_depth.h"
@@ -56,7 +57,7 @@ struct Unit {
   int32_t last;                             // window[keep-1]: each choice pass starts with it
   std::vector<size_t> choice;               // the item's choice indices
   std::vector<std::vector<int32_t>> rests;  // their tokens (the targets of the choice passes)
-  size_t length = 0;                        // prefix + longest choice: the sort key
+  size_t longest = 0;                       // its longest choice
 };
 
 // The units of the choice items, in item order; checks each choice fits the context.
@@ -85,7 +86,7 @@ std::vector<Unit> units_of(const TaskContext& ctx, const std::vector<TaskItem>& 
         u.last = prompt.back();
       }
       u.choice.push_back(c);
-      u.length = std::max(u.length, keep - 1 + rest.size());
+      u.longest = std::max(u.longest, rest.size());
       u.rests.push_back(rest);
     }
     for (auto& [keep, u] : by_keep) units.push_back(std::move(u));
@@ -111,8 +112,12 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
                     const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
   const ops::BatchInvariant invariant;
   std::vector<Unit> units = units_of(ctx, items, which, outs);
-  std::stable_sort(units.begin(), units.end(),
-                   [](const Unit& a, const Unit& b) { return a.length < b.length; });
+  // Sorted so that a pass's rows are alike: by the length of a choice pass (the longest choice
+  // rounded up to 8 positions), then by prefix and choice length.
+  auto key = [](const Unit& u) {
+    return std::tuple((u.longest + 7) / 8, u.prefix.size(), u.longest);
+  };
+  std::stable_sort(units.begin(), units.end(), [&](const Unit& a, const Unit& b) { return key(a) < key(b); });
   const int context = ctx.model.config().context;
   KvCache cache;
   cache.reset(ctx.model.config(), rows == 1 ? 1 : 2 * rows);  // the second half: idle rows
@@ -163,7 +168,6 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
       acts_of.erase(std::min_element(acts_of.begin(), acts_of.end(), [](const auto& x, const auto& y) {
         return x.second.used < y.second.used;
       }));
-    if (getenv("I28B_DEBUG")) fmt::print(stderr, "shape {} {} {}\n", b.B, b.T, acts_of.count({b.B, b.T}));
     Kept& kept = acts_of[{b.B, b.T}];
     kept.used = ++passes;
     ctx.model.forward_cached(b, cache, kept.acts, loss.data(), cache_rows.data());
@@ -193,6 +197,9 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
   // its whole window is one row from position 0.
   std::vector<const Unit*> whole, shared;
   for (const Unit& u : units) (u.rests.size() == 1 ? whole : shared).push_back(&u);
+  std::stable_sort(whole.begin(), whole.end(), [](const Unit* a, const Unit* b) {
+    return a->prefix.size() + a->longest < b->prefix.size() + b->longest;
+  });
   for (size_t start = 0; start < whole.size(); start += size_t(rows)) {
     const size_t n = std::min(whole.size() - start, size_t(rows));
     members.clear(), of.clear(), tok.clear(), tgt.clear();
