@@ -105,7 +105,7 @@ std::vector<Unit> units_of(const TaskContext& ctx, const std::vector<TaskItem>& 
 // Inside ops::BatchInvariant a position's loss has the same bits whatever shares its pass and
 // however many positions its pass computes, so a log-likelihood does not depend on `rows`
 // (1 included), on the other items, or on the cut of the prompt being cached: tests/
-// test_eval_batch_invariance.cpp checks it to the bit.
+// test_eval_audit_cli.cpp checks it to the bit.
 constexpr size_t kKeptShapes = 4;
 
 void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
