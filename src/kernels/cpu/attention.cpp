@@ -146,12 +146,23 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
       lse[bh * Tq + i] = mx + std::log(sum);
       scale_into(S, S, n, 1.0f / sum);
       float* o = out + (b * Tq + i) * d + h * hd;
-      std::fill_n(o, hd, 0.0f);
+      int64_t c0 = 0;
+#if defined(__AVX512F__)
+      // 16 columns at a time in a register (the same fused multiply-adds, in the same order
+      // over j, as the loop below; without the store and reload of o each step).
+      for (; c0 + 16 <= hd; c0 += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; ++j)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(S[j]), _mm512_loadu_ps(vb + j * v.ld + c0), acc);
+        _mm512_storeu_ps(o + c0, acc);
+      }
+#endif
+      std::fill(o + c0, o + hd, 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         const float* vj = vb + j * v.ld;
         const float p = S[j];
 #pragma omp simd
-        for (int64_t c = 0; c < hd; ++c) o[c] += p * vj[c];
+        for (int64_t c = c0; c < hd; ++c) o[c] += p * vj[c];
       }
     }
   }
