@@ -287,9 +287,10 @@ const RegisterCommand reg([](CLI::App& root) {
                 "values, sandbox outcomes) to this file");
   c->add_option("--score-generations", a->score_generations, "Score a --log-samples file "
                 "(saved generations and log-likelihoods) without a model; code samples run again");
-  c->add_option("--score-batch", a->opt.score_batch, "Multiple choice: items per batched pass, "
-                "each context computed once for all its choices (default 1: one full pass per "
-                "choice, the reference path; docs/benchmarks.md compares them)")->check(CLI::Range(1, 4096));
+  c->add_option("--score-batch", a->opt.score_batch, "Multiple choice: items per forward pass, "
+                "each context computed once for all its choices (default 32); the "
+                "log-likelihoods have the same bits at any value (docs/evaluation.md)")
+      ->check(CLI::Range(1, 4096));
   c->add_option("--num-fewshot", a->opt.num_fewshot, "Solved examples (other items of the same "
                 "kind and domain, never the item itself) before each item's context")
       ->check(CLI::Range(0, 1000));

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/json_depth.h"
@@ -15,6 +16,7 @@
 #include "data/prepare.h"
 #include "eval/pass_at_k.h"
 #include "infer/generate.h"
+#include "kernels/ops.h"
 
 namespace sigma::eval {
 
@@ -44,161 +46,214 @@ std::string prompt_text(const TaskContext& ctx, const std::vector<int32_t>& prom
   return ctx.tok.decode(std::vector<uint32_t>(prompt.begin(), prompt.end()));
 }
 
-// log p(rest | prompt) under the model, the prompt cut from the left to fit the context.
-double loglik(const TaskContext& ctx, const TaskItem& it, std::vector<int32_t> prompt,
-              const std::vector<int32_t>& rest, const std::string& choice) {
-  const int context = ctx.model.config().context;
-  const std::string where = it.source.empty() ? fmt::format("line {}", it.line)
-                                              : fmt::format("{}:{}", it.source, it.line);
-  SIGMA_CHECK(int(rest.size()) < context, "{}: the choice '{}' is {} tokens, longer than the "
-              "model's context of {} allows", where, choice.substr(0, 40), rest.size(), context);
-  SIGMA_CHECK(!rest.empty(), "{}: the choice '{}' encodes to no tokens", where, choice.substr(0, 40));
-  if (prompt.empty()) prompt.push_back(int32_t(data::kEotId));  // start-of-text: an <EOT>
-  const size_t keep = std::min(prompt.size(), size_t(context) + 1 - rest.size());
-  std::vector<int32_t> seq(prompt.end() - keep, prompt.end());
-  seq.insert(seq.end(), rest.begin(), rest.end());
-  Batch b;
-  b.resize(1, int(seq.size()) - 1);
-  std::copy(seq.begin(), seq.end() - 1, b.tokens.begin());
-  std::copy(seq.begin() + 1, seq.end(), b.targets.begin());
-  b.domain[0] = ctx.model.config().domain_index(it.domain);
-  std::vector<float> loss(seq.size() - 1);
-  ctx.model.expert_executor().begin_step({&b, 1});
-  ctx.model.forward(b, loss.data());
-  double sum = 0;
-  for (size_t t = keep - 1; t < loss.size(); ++t) sum -= loss[t];
-  return sum;
-}
+// One item's choices as the model scores them: each choice's window is the prompt, cut from
+// the left so that the window has at most context + 1 tokens, then the choice; the choice's
+// log-likelihood sums the losses of its own tokens. Choices whose windows keep the same number
+// of prompt tokens share those positions (same tokens, same positions), so a Unit computes
+// them once into a KV-cache row and runs each of its choices from there.
+struct Unit {
+  size_t item;
+  std::vector<int32_t> prefix;              // window[0 .. keep-2]: computed once (may be empty)
+  int32_t last;                             // window[keep-1]: each choice pass starts with it
+  std::vector<size_t> choice;               // the item's choice indices
+  std::vector<std::vector<int32_t>> rests;  // their tokens (the targets of the choice passes)
+  size_t longest = 0;                       // its longest choice
+};
 
-// The choice items' log-likelihoods, batched (TaskOptions::score_batch rows at a time, items
-// sorted by length so rows of a batch are alike) with the context computed once per item: its
-// tokens but the last go into a KV-cache row, then each choice runs [last context token, choice
-// tokens but the last] from the cached prefix (the row's length is set back between choices).
-// Rows are padded at their end; causal attention and per-row kernels keep a row's real
-// positions independent of the padding and of the other rows (Model::forward_cached). Items
-// whose context must be cut for some choice take the unbatched path (their prefix differs per
-// choice). Same order of summation as loglik(); docs/benchmarks.md compares the two.
-void loglik_batched(const TaskContext& ctx, const std::vector<TaskItem>& items,
-                    const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
-  struct Row {
-    size_t item;
-    std::vector<int32_t> prompt;              // at least one token
-    std::vector<std::vector<int32_t>> rests;  // per choice
-    size_t total;                             // for the sort
-  };
+// The units of the choice items, in item order; checks each choice fits the context.
+std::vector<Unit> units_of(const TaskContext& ctx, const std::vector<TaskItem>& items,
+                           const std::vector<size_t>& which, std::vector<ItemOutput>& outs) {
   const int context = ctx.model.config().context;
-  std::vector<Row> todo;
+  std::vector<Unit> units;
+  std::vector<int32_t> prompt, rest;
   for (size_t i : which) {
     const TaskItem& it = items[i];
-    Row r{i, {}, {}, 0};
-    std::vector<int32_t> prompt, rest;
-    bool fits = true;
-    for (const std::string& c : it.choices) {
-      format(ctx, it, c, prompt, rest);
-      if (rest.empty() || int(rest.size()) >= context) fits = false;  // loglik() says why
-      r.rests.push_back(rest);
-    }
-    r.prompt = prompt.empty() ? std::vector<int32_t>{int32_t(data::kEotId)} : prompt;
-    size_t longest = 0;
-    for (const auto& x : r.rests) longest = std::max(longest, x.size());
-    if (!fits || r.prompt.size() + longest > size_t(context) + 1) {  // a cut: the reference path
-      for (size_t c = 0; c < it.choices.size(); ++c) {
-        format(ctx, it, it.choices[c], prompt, rest);
-        outs[i].loglik.push_back(loglik(ctx, it, prompt, rest, it.choices[c]));
-        outs[i].tokens.push_back(int64_t(rest.size()));
+    const std::string where = it.source.empty() ? fmt::format("line {}", it.line)
+                                                : fmt::format("{}:{}", it.source, it.line);
+    std::map<size_t, Unit> by_keep;
+    for (size_t c = 0; c < it.choices.size(); ++c) {
+      const std::string& choice = it.choices[c];
+      format(ctx, it, choice, prompt, rest);
+      SIGMA_CHECK(int(rest.size()) < context, "{}: the choice '{}' is {} tokens, longer than the "
+                  "model's context of {} allows", where, choice.substr(0, 40), rest.size(), context);
+      SIGMA_CHECK(!rest.empty(), "{}: the choice '{}' encodes to no tokens", where, choice.substr(0, 40));
+      if (prompt.empty()) prompt.push_back(int32_t(data::kEotId));  // start-of-text: an <EOT>
+      const size_t keep = std::min(prompt.size(), size_t(context) + 1 - rest.size());
+      Unit& u = by_keep[keep];
+      if (u.choice.empty()) {
+        u.item = i;
+        u.prefix.assign(prompt.end() - keep, prompt.end() - 1);
+        u.last = prompt.back();
       }
-      continue;
+      u.choice.push_back(c);
+      u.longest = std::max(u.longest, rest.size());
+      u.rests.push_back(rest);
     }
-    r.total = r.prompt.size() + longest;
-    todo.push_back(std::move(r));
+    for (auto& [keep, u] : by_keep) units.push_back(std::move(u));
+    outs[i].loglik.assign(it.choices.size(), 0.0);
+    outs[i].tokens.assign(it.choices.size(), 0);
   }
-  std::stable_sort(todo.begin(), todo.end(), [](const Row& a, const Row& b) { return a.total < b.total; });
+  return units;
+}
+
+// The choice items' log-likelihoods, `rows` units per pass: units sorted by length, each
+// unit's prefix computed once into its KV-cache row (one pass for the R units' prefixes), then
+// each choice as [last prefix token, choice tokens but the last] from there (one pass per
+// choice index, the rows' lengths set back to their prefixes in between). Rows are padded at
+// their end (causal attention keeps padding out of real positions).
+//
+// Inside ops::BatchInvariant a position's loss has the same bits whatever shares its pass and
+// however many positions its pass computes, so a log-likelihood does not depend on `rows`
+// (1 included), on the other items, or on the cut of the prompt being cached: tests/
+// test_eval_audit_cli.cpp checks it to the bit.
+constexpr size_t kKeptShapes = 4;
+
+void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
+                    const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
+  const ops::BatchInvariant invariant;
+  std::vector<Unit> units = units_of(ctx, items, which, outs);
+  // Sorted so that a pass's rows are alike: by the length of a choice pass (the longest choice
+  // rounded up to 8 positions), then by prefix and choice length.
+  auto key = [](const Unit& u) {
+    return std::tuple((u.longest + 7) / 8, u.prefix.size(), u.longest);
+  };
+  std::stable_sort(units.begin(), units.end(), [&](const Unit& a, const Unit& b) { return key(a) < key(b); });
+  const int context = ctx.model.config().context;
   KvCache cache;
-  cache.reset(ctx.model.config(), rows);
-  // Activations are sized per (rows, length) and re-allocating them costs more than the pass
-  // itself on a small model: lengths are rounded up to a multiple of 8 and a few shapes kept.
-  std::map<std::pair<int, int>, Activations> acts_of;
+  cache.reset(ctx.model.config(), rows == 1 ? 1 : 2 * rows);  // the second half: idle rows
+  // Activations are sized per (rows, length) and re-allocating them costs more than a pass
+  // on a small model: lengths are rounded up to a multiple of 8 and the shapes used last kept
+  // (units come sorted by length, so consecutive passes share shapes).
+  struct Kept {
+    Activations acts;
+    int64_t used = 0;
+  };
+  std::map<std::pair<int, int>, Kept> acts_of;
+  int64_t passes = 0;
   Batch b;
   std::vector<float> loss;
+  // One forward_cached: batch row k continues cache row members[k] with tokens[k] (targets[k]
+  // its next tokens); pads (<EOT>, target 0) fill each row up to the pass's length T.
+  // One forward_cached: batch row k continues cache row members[k] with tokens[k] (targets[k]
+  // its next tokens); pads (<EOT>, target 0) fill each row up to the pass's length T. A pass
+  // of fewer than `rows` rows is filled up with idle rows (spare cache rows from position 0),
+  // so that passes keep a few shapes.
   std::vector<int> cache_rows;
-  // One forward_cached over `members` (rows of the cache): row k gets tokens[k] after its
-  // cached prefix, targets[k] its next tokens; pads (EOT, target 0) fill up to the longest.
-  auto run = [&](const std::vector<int>& members, const std::vector<const Row*>& of,
+  auto run = [&](const std::vector<int>& members, const std::vector<const Unit*>& of,
                  const std::vector<std::vector<int32_t>>& tokens,
                  const std::vector<std::vector<int32_t>>& targets) {
     size_t T = 1, cached = 0;
     for (const auto& t : tokens) T = std::max(T, t.size());
     for (int m : members) cached = std::max(cached, size_t(cache.length[size_t(m)]));
     T = std::max(T, std::min((T + 7) / 8 * 8, size_t(context) - cached));
-    b.resize(int(members.size()), int(T));
-    for (size_t k = 0; k < members.size(); ++k) {
-      std::fill_n(b.tokens.begin() + int64_t(k * T), T, int32_t(data::kEotId));
+    const size_t B = std::max(members.size(), size_t(rows));
+    b.resize(int(B), int(T));
+    cache_rows = members;
+    std::fill(b.tokens.begin(), b.tokens.end(), int32_t(data::kEotId));
+    std::fill(b.targets.begin(), b.targets.end(), 0);
+    for (size_t k = 0; k < B; ++k) {
+      if (k >= members.size()) {  // idle
+        cache_rows.push_back(rows + int(k - members.size()));
+        cache.clear(cache_rows.back());
+        b.domain[k] = b.domain[0];
+        continue;
+      }
       std::copy(tokens[k].begin(), tokens[k].end(), b.tokens.begin() + int64_t(k * T));
       std::copy(targets[k].begin(), targets[k].end(), b.targets.begin() + int64_t(k * T));
       b.domain[k] = ctx.model.config().domain_index(items[of[k]->item].domain);
     }
-    loss.assign(members.size() * T, 0.0f);
+    loss.assign(B * T, 0.0f);
     ctx.model.expert_executor().begin_step({&b, 1});
-    if (acts_of.size() > 6 && !acts_of.count({b.B, b.T})) acts_of.clear();
-    ctx.model.forward_cached(b, cache, acts_of[{b.B, b.T}], loss.data(), members.data());
+    if (acts_of.size() >= kKeptShapes && !acts_of.count({b.B, b.T}))
+      acts_of.erase(std::min_element(acts_of.begin(), acts_of.end(), [](const auto& x, const auto& y) {
+        return x.second.used < y.second.used;
+      }));
+    Kept& kept = acts_of[{b.B, b.T}];
+    kept.used = ++passes;
+    ctx.model.forward_cached(b, cache, kept.acts, loss.data(), cache_rows.data());
     return T;
   };
-  for (size_t start = 0; start < todo.size(); start += size_t(rows)) {
-    const size_t n = std::min(todo.size() - start, size_t(rows));
-    std::vector<int> members;
-    std::vector<const Row*> of;
-    std::vector<std::vector<int32_t>> tok, tgt;
-    for (size_t k = 0; k < n; ++k) {
-      const Row& r = todo[start + k];
-      members.push_back(int(k));
-      of.push_back(&r);
-      cache.clear(int(k));
-      tok.emplace_back(r.prompt.begin(), r.prompt.end() - 1);
-      tgt.emplace_back(r.prompt.begin() + 1, r.prompt.end());
+  std::vector<int> members;
+  std::vector<const Unit*> of;
+  std::vector<std::vector<int32_t>> tok, tgt;
+  auto add = [&](const Unit& u, int row, std::vector<int32_t> t, std::vector<int32_t> y) {
+    members.push_back(row);
+    of.push_back(&u);
+    tok.push_back(std::move(t));
+    tgt.push_back(std::move(y));
+  };
+  // Each row's choice c: the sum of the losses of its last rests[c].size() positions.
+  auto collect = [&](size_t T, const std::vector<size_t>& choice_of_row) {
+    for (size_t k = 0; k < members.size(); ++k) {
+      const Unit& u = *of[k];
+      const size_t c = choice_of_row[k], q = u.rests[c].size(), end = tok[k].size();
+      double sum = 0;
+      for (size_t t = end - q; t < end; ++t) sum -= loss[k * T + t];
+      outs[u.item].loglik[u.choice[c]] = sum;
+      outs[u.item].tokens[u.choice[c]] = int64_t(q);
     }
-    if (std::any_of(tok.begin(), tok.end(), [](const auto& t) { return !t.empty(); })) run(members, of, tok, tgt);
+  };
+  // A unit of one choice (a prompt cut for it alone, or a one-choice item) shares nothing:
+  // its whole window is one row from position 0.
+  std::vector<const Unit*> whole, shared;
+  for (const Unit& u : units) (u.rests.size() == 1 ? whole : shared).push_back(&u);
+  std::stable_sort(whole.begin(), whole.end(), [](const Unit* a, const Unit* b) {
+    return a->prefix.size() + a->longest < b->prefix.size() + b->longest;
+  });
+  for (size_t start = 0; start < whole.size(); start += size_t(rows)) {
+    const size_t n = std::min(whole.size() - start, size_t(rows));
+    members.clear(), of.clear(), tok.clear(), tgt.clear();
+    for (size_t k = 0; k < n; ++k) {
+      const Unit& u = *whole[start + k];
+      cache.clear(int(k));
+      std::vector<int32_t> t = u.prefix, y(u.prefix.begin() + std::min<size_t>(1, u.prefix.size()), u.prefix.end());
+      t.push_back(u.last);
+      t.insert(t.end(), u.rests[0].begin(), u.rests[0].end() - 1);
+      if (!u.prefix.empty()) y.push_back(u.last);
+      y.insert(y.end(), u.rests[0].begin(), u.rests[0].end());
+      add(u, int(k), std::move(t), std::move(y));
+    }
+    collect(run(members, of, tok, tgt), std::vector<size_t>(n, 0));
+  }
+  // Units of several choices: R prefixes in one pass, then each choice index from them.
+  for (size_t start = 0; start < shared.size(); start += size_t(rows)) {
+    const size_t n = std::min(shared.size() - start, size_t(rows));
+    members.clear(), of.clear(), tok.clear(), tgt.clear();
+    for (size_t k = 0; k < n; ++k) {
+      const Unit& u = *shared[start + k];
+      cache.clear(int(k));
+      if (u.prefix.empty()) continue;
+      std::vector<int32_t> y(u.prefix.begin() + 1, u.prefix.end());
+      y.push_back(u.last);
+      add(u, int(k), u.prefix, std::move(y));
+    }
+    if (!members.empty()) run(members, of, tok, tgt);
     size_t most = 0;
-    for (const Row* r : of) most = std::max(most, r->rests.size());
+    for (size_t k = 0; k < n; ++k) most = std::max(most, shared[start + k]->rests.size());
     for (size_t c = 0; c < most; ++c) {
-      // Rows in groups whose longest prefix plus longest choice fits the context (padding
-      // lengthens every row of a pass to its longest).
-      std::vector<std::vector<size_t>> groups;
-      size_t max_p = 0, max_r = 0;
+      // The pass's length T fits every row's choice; a row whose prefix leaves less room than
+      // T starts at position context - T instead, its last cached positions computed again
+      // (the same bits), so that one pass of a few shapes takes every row.
+      size_t T = 1;
+      for (size_t k = 0; k < n; ++k)
+        if (c < shared[start + k]->rests.size()) T = std::max(T, shared[start + k]->rests[c].size());
+      T = std::min((T + 7) / 8 * 8, size_t(context));
+      members.clear(), of.clear(), tok.clear(), tgt.clear();
+      std::vector<size_t> which_c;
       for (size_t k = 0; k < n; ++k) {
-        const Row& r = *of[k];
-        if (c >= r.rests.size()) continue;
-        const size_t p = std::max(max_p, r.prompt.size() - 1), q = std::max(max_r, r.rests[c].size());
-        if (groups.empty() || p + q > size_t(context)) {
-          groups.emplace_back();
-          max_p = r.prompt.size() - 1, max_r = r.rests[c].size();
-        } else {
-          max_p = p, max_r = q;
-        }
-        groups.back().push_back(k);
+        const Unit& u = *shared[start + k];
+        if (c >= u.rests.size()) continue;
+        const size_t from = std::min(u.prefix.size(), size_t(context) - T);
+        cache.length[k] = int(from);  // back to (part of) the shared prefix
+        std::vector<int32_t> t(u.prefix.begin() + int64_t(from), u.prefix.end()), y;
+        if (!t.empty()) y.assign(t.begin() + 1, t.end()), y.push_back(u.last);
+        t.push_back(u.last);
+        t.insert(t.end(), u.rests[c].begin(), u.rests[c].end() - 1);
+        y.insert(y.end(), u.rests[c].begin(), u.rests[c].end());
+        add(u, int(k), std::move(t), std::move(y));
+        which_c.push_back(c);
       }
-      for (const auto& g : groups) {
-        std::vector<int> sub;
-        std::vector<const Row*> sub_of;
-        tok.clear(), tgt.clear();
-        for (size_t k : g) {
-          const Row& r = *of[k];
-          cache.length[k] = int(r.prompt.size()) - 1;  // back to the shared prefix
-          sub.push_back(int(k));
-          sub_of.push_back(&r);
-          std::vector<int32_t> t = {r.prompt.back()};
-          t.insert(t.end(), r.rests[c].begin(), r.rests[c].end() - 1);
-          tok.push_back(std::move(t));
-          tgt.push_back(r.rests[c]);
-        }
-        const size_t T = run(sub, sub_of, tok, tgt);
-        for (size_t k = 0; k < sub.size(); ++k) {
-          double sum = 0;
-          for (size_t t = 0; t < tgt[k].size(); ++t) sum -= loss[k * T + t];
-          ItemOutput& o = outs[sub_of[k]->item];
-          o.loglik.push_back(sum);
-          o.tokens.push_back(int64_t(tgt[k].size()));
-        }
-      }
+      collect(run(members, of, tok, tgt), which_c);
     }
   }
 }
@@ -455,24 +510,16 @@ std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<Task
   std::vector<size_t> choice;
   for (size_t i = 0; i < items.size(); ++i)
     if (items[i].kind == TaskKind::Choice) choice.push_back(i);
-  if (opt.score_batch > 1 && !choice.empty()) loglik_batched(ctx, items, choice, opt.score_batch, outs);
+  if (!choice.empty()) choice_logliks(ctx, items, choice, opt.score_batch, outs);
   for (size_t i = 0; i < items.size(); ++i) {
     const TaskItem& it = items[i];
     ItemOutput& o = outs[i];
     std::vector<int32_t> prompt, rest;
     format(ctx, it, "", prompt, rest);
     o.prompt = prompt_text(ctx, prompt);
-    if (it.kind == TaskKind::Choice && opt.score_batch > 1) continue;  // done above
-    if (it.kind == TaskKind::Choice) {
-      for (const std::string& c : it.choices) {
-        format(ctx, it, c, prompt, rest);
-        o.loglik.push_back(loglik(ctx, it, prompt, rest, c));
-        o.tokens.push_back(int64_t(rest.size()));
-      }
-    } else {
-      const int n = it.kind == TaskKind::Code ? opt.samples : 1;
-      for (int j = 0; j < n; ++j) o.generations.push_back(answer(ctx, it, opt, j));
-    }
+    if (it.kind == TaskKind::Choice) continue;  // done above
+    const int n = it.kind == TaskKind::Code ? opt.samples : 1;
+    for (int j = 0; j < n; ++j) o.generations.push_back(answer(ctx, it, opt, j));
   }
   return outs;
 }

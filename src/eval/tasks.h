@@ -63,7 +63,7 @@ struct TaskOptions {
   uint64_t seed = 0;
   int max_new = 64;          // tokens generated at most per answer
   int bootstrap = 1000;      // resamples for the standard errors (0 = none)
-  int score_batch = 1;       // choice items: rows per batched pass; 1 = one full pass per choice
+  int score_batch = 32;      // choice items: units (an item's shared prompt) per forward pass
   int num_fewshot = 0;       // solved examples before each item (with_fewshot)
   uint64_t fewshot_seed = 1234;
   SandboxLimits sandbox;

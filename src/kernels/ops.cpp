@@ -82,10 +82,16 @@ void use_backend(std::string_view name) {
 namespace {
 // Process-wide, not per thread: a decode step's kernels also run on OpenMP workers.
 std::atomic<int> g_few_row_kernels{0};
+std::atomic<int> g_batch_invariant{0};
 }
 FewRowKernels::FewRowKernels() : prev_(false) { g_few_row_kernels.fetch_add(1); }
 FewRowKernels::~FewRowKernels() { g_few_row_kernels.fetch_sub(1); }
-bool FewRowKernels::on() { return g_few_row_kernels.load(std::memory_order_relaxed) > 0; }
+bool FewRowKernels::on() {
+  return g_few_row_kernels.load(std::memory_order_relaxed) > 0 && !BatchInvariant::on();
+}
+BatchInvariant::BatchInvariant() { g_batch_invariant.fetch_add(1); }
+BatchInvariant::~BatchInvariant() { g_batch_invariant.fetch_sub(1); }
+bool BatchInvariant::on() { return g_batch_invariant.load(std::memory_order_relaxed) > 0; }
 
 Device device() { return detail::active->device; }
 

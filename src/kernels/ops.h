@@ -218,10 +218,27 @@ class FewRowKernels {
   ~FewRowKernels();
   FewRowKernels(const FewRowKernels&) = delete;
   FewRowKernels& operator=(const FewRowKernels&) = delete;
-  static bool on();
+  static bool on();  // false inside a BatchInvariant scope
 
  private:
   bool prev_;
+};
+
+// Scoring (eval's log-likelihoods) needs a position's bits to depend only on its own row's
+// tokens: not on the other rows of the pass, nor on how many positions the pass computes, nor
+// on whether the row's earlier positions come from a KV cache. Inside a BatchInvariant scope
+// FewRowKernels is off (even inside a decode step) and the cpu backend's fp32 attention runs
+// its per-row kernel for every shape (each query row's scores, softmax and sum over the values
+// in one fixed order). With oneDNN's row invariance at >= 16 rows (cpu/gemm.cpp pads fewer) a
+// row's loss is then bit-identical whatever batch it is scored in (src/eval/tasks.cpp).
+// Process-wide, like FewRowKernels.
+class BatchInvariant {
+ public:
+  BatchInvariant();
+  ~BatchInvariant();
+  BatchInvariant(const BatchInvariant&) = delete;
+  BatchInvariant& operator=(const BatchInvariant&) = delete;
+  static bool on();
 };
 
 namespace detail {

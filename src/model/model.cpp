@@ -543,15 +543,24 @@ void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCac
   const int B = batch.B, T = batch.T;
   const int64_t d = cfg_.d_model, H = cfg_.heads, bs = int64_t(cfg_.context) * 2 * d;
   BlockActs& k = acts.block(l);
+  // Scoring (ops::BatchInvariant, where a row's bits do not depend on the call's shape): rows
+  // at the same position in consecutive cache rows share one call.
+  bool one_call = ops::BatchInvariant::on();
+  for (int b = 0; b < B && one_call; ++b)
+    one_call = cache_rows[b] == cache_rows[0] + b &&
+               cache.length[size_t(cache_rows[b])] == cache.length[size_t(cache_rows[0])];
   for (int b = 0; b < B; ++b) {
     const int r = cache_rows[b], p0 = cache.length[size_t(r)];
     float* kv = cache.kv[size_t(l)].f() + r * bs;
     for (int t = 0; t < T; ++t)
       ops::copy(kv + int64_t(p0 + t) * 2 * d, k.qkv.f() + (int64_t(b) * T + t) * 3 * d + d, 2 * d);
-    const ops::AttnOperand qb{q.p + b * q.bs, q.ld, q.bs};
-    ops::flash_attention_forward(att + int64_t(b) * T * d, k.lse.f() + int64_t(b) * H * T, qb,
-                                 {kv, 2 * d, bs}, {kv + d, 2 * d, bs},
-                                 {1, T, p0 + T, H, cfg_.head_dim()},
+    if (one_call && b + 1 < B) continue;
+    const int b0 = one_call ? 0 : b, n = one_call ? B : 1;
+    float* kv0 = cache.kv[size_t(l)].f() + cache_rows[b0] * bs;
+    const ops::AttnOperand qb{q.p + b0 * q.bs, q.ld, q.bs};
+    ops::flash_attention_forward(att + int64_t(b0) * T * d, k.lse.f() + int64_t(b0) * H * T, qb,
+                                 {kv0, 2 * d, bs}, {kv0 + d, 2 * d, bs},
+                                 {n, T, p0 + T, H, cfg_.head_dim()},
                                  1.0f / std::sqrt(float(cfg_.head_dim())));
   }
 }
