@@ -242,7 +242,7 @@ struct Pass {
   std::vector<float> logits, loss;
 };
 static Pass run_pass(Model& m, const Batch& b) {
-  const size_t N = b.tokens.size(), V = m.config().vocab;
+  const size_t N = b.tokens.size();
   Pass out;
   out.loss.resize(N);
   m.forward(b, out.loss.data());

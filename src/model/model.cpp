@@ -22,12 +22,6 @@ namespace sigma {
 namespace {
 void zero(Tensor& t) { ops::fill(t.f(), 0.0f, t.numel()); }
 
-// A host plan (int32 indices) into its device twin, resized when needed.
-void upload_i32(Tensor& dst, const std::vector<int32_t>& v) {
-  if (dst.numel() != int64_t(v.size())) dst = ops::empty(DType::I32, {int64_t(v.size())});
-  ops::upload(dst, v.data(), v.size() * sizeof(int32_t));
-}
-
 void check_batch(const Batch& b) {
   SIGMA_CHECK(b.B > 0 && b.T > 0 && b.tokens.size() == size_t(b.B) * b.T &&
                   b.targets.size() == size_t(b.B) * b.T && b.domain.size() == size_t(b.B),
