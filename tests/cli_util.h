@@ -4,10 +4,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include "core/error.h"
 
 namespace sigma::testing {
 
@@ -15,6 +18,16 @@ struct CmdResult {
   int code;
   std::string out;  // stdout and stderr together
 };
+
+// The message of the sigma::Error that f throws ("" when it throws none).
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 inline CmdResult run_cmd(const std::string& cmd) {
   CmdResult r{-1, ""};

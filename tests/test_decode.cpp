@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "decode_util.h"
 #include "device_access.h"
 #include "cli_util.h"
 #include "core/bf16.h"
@@ -20,6 +21,9 @@
 using namespace sigma;
 using sigma::testing::sigma_cmd;
 using sigma::testing::TempDir;
+using sigma::testing::cached_logits;
+using sigma::testing::decode_config;
+using sigma::testing::some_tokens;
 
 namespace {
 
@@ -29,39 +33,6 @@ std::vector<float> randn(int64_t n, uint64_t seed) {
   return v;
 }
 
-// A sparse model with every kind of weight a decode step reads: dense and RRE blocks, the
-// query layer, two embedding slots.
-ModelConfig decode_config() {
-  ModelConfig c;
-  c.vocab = 37;
-  c.d_model = 32;
-  c.heads = 4;
-  c.context = 24;
-  c.layers = 3;
-  c.rre_layers = 2;
-  c.slots = 2;
-  c.init_std = 0.3f;
-  c.groups = {{"g0", 2}, {"g1", 3}};
-  c.domains = {{"a", "g0", 0}, {"b", "g1", 1}};
-  return c;
-}
-
-// Logits of every position of `tokens` decoded one token at a time through the KV cache.
-std::vector<float> cached_logits(Model& m, int domain, const std::vector<int32_t>& tokens) {
-  KVCacheDecoder dec(m, domain);
-  std::vector<float> out;
-  for (int32_t t : tokens) {
-    const float* l = dec.step(t);
-    out.insert(out.end(), l, l + m.config().vocab);
-  }
-  return out;
-}
-
-std::vector<int32_t> some_tokens(const ModelConfig& c, int n) {
-  std::vector<int32_t> t;
-  for (int i = 0; i < n; ++i) t.push_back((11 * i + 5) % c.vocab);
-  return t;
-}
 
 }  // namespace
 

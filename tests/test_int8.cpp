@@ -16,6 +16,7 @@
 #include "cli_util.h"
 #include "core/bf16.h"
 #include "core/rng.h"
+#include "decode_util.h"
 #include "infer/generate.h"
 #include "kernels/cpu/gemv.h"
 #include "kernels/ops.h"
@@ -24,6 +25,9 @@
 using namespace sigma;
 using sigma::testing::sigma_cmd;
 using sigma::testing::TempDir;
+using sigma::testing::cached_logits;
+using sigma::testing::decode_config;
+using sigma::testing::some_tokens;
 
 namespace {
 
@@ -186,38 +190,6 @@ TEST(Int8Gemv, StaysWithinTheRoundingBoundOfTheDequantisedProduct) {
 
 namespace {
 
-// Every kind of weight a decode step reads: dense and RRE blocks, the query layer, two slots.
-ModelConfig small_config(int d = 32) {
-  ModelConfig c;
-  c.vocab = 37;
-  c.d_model = d;
-  c.heads = 4;
-  c.context = 24;
-  c.layers = 3;
-  c.rre_layers = 2;
-  c.slots = 2;
-  c.init_std = 0.3f;
-  c.groups = {{"g0", 2}, {"g1", 3}};
-  c.domains = {{"a", "g0", 0}, {"b", "g1", 1}};
-  return c;
-}
-
-std::vector<float> cached_logits(Model& m, int domain, const std::vector<int32_t>& tokens) {
-  KVCacheDecoder dec(m, domain);
-  std::vector<float> out;
-  for (int32_t t : tokens) {
-    const float* l = dec.step(t);
-    out.insert(out.end(), l, l + m.config().vocab);
-  }
-  return out;
-}
-
-std::vector<int32_t> some_tokens(const ModelConfig& c, int n) {
-  std::vector<int32_t> t;
-  for (int i = 0; i < n; ++i) t.push_back((11 * i + 5) % c.vocab);
-  return t;
-}
-
 bool streamed(const Param& p) {
   return p.name == names::kTokens || (p.decay && !names::is_gate(p.name));
 }
@@ -229,7 +201,7 @@ bool streamed(const Param& p) {
 // 4-byte scale per output channel (int8); no gradient and no fp32 matrix. At the decode
 // benchmark's proportions (d = 512, 8 blocks, a vocabulary of 32) int8 holds under 0.3x of fp32.
 TEST(Int8Weights, HeldBytesAreTheFormatsBytes) {
-  const ModelConfig c = small_config();
+  const ModelConfig c = decode_config();
   int64_t params = 0, matrices = 0, scales = 0, buffers = 0;
   {
     Model m(c, 1);
@@ -274,7 +246,7 @@ TEST(Int8Weights, HeldBytesAreTheFormatsBytes) {
 // its channel) but are not fp32's; decode steps of up to 4 rows stay batch-invariant bit for
 // bit; the cached decode (GEMVs) matches the full forward pass (dequantised panels, oneDNN).
 TEST(Int8Weights, DecodeIsNearFp32AndBatchInvariant) {
-  const ModelConfig c = small_config();
+  const ModelConfig c = decode_config();
   Model fp32(c, 9), i8(c, 9);
   i8.use_weights(WeightFormat::Int8);
   const auto tokens = some_tokens(c, c.context);
@@ -326,7 +298,7 @@ TEST(Int8Weights, DecodeIsNearFp32AndBatchInvariant) {
 // streamed matrix (the embedding table too: the lookup now reads the bf16 rows) was rounded to
 // bf16: the GEMVs widen bf16 exactly and run the fp32 kernels' operations.
 TEST(Bf16Weights, WithoutTheFp32CopyTheOutputsAreTheRoundedModels) {
-  const ModelConfig c = small_config();
+  const ModelConfig c = decode_config();
   Model bf16(c, 10), rounded(c, 10);
   for (Param& p : rounded.params().all())
     if (streamed(p))
@@ -341,7 +313,7 @@ TEST(Bf16Weights, WithoutTheFp32CopyTheOutputsAreTheRoundedModels) {
 }
 
 TEST(Int8Weights, RefusesBackwardAndASecondConversion) {
-  const ModelConfig c = small_config();
+  const ModelConfig c = decode_config();
   Model m(c, 12);
   m.use_weights(WeightFormat::Int8);
   Batch b;

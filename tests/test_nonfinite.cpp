@@ -31,15 +31,6 @@ namespace {
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 TEST(Nonfinite, AStepIsFiniteOnlyWhenLossAndNormAre) {
   EXPECT_TRUE(finite_step(2.5, 0.1));
   EXPECT_FALSE(finite_step(kNaN, 0.1));

@@ -31,15 +31,6 @@ const std::string kTiny =
     "train --quiet --set model.d_model=16 --set model.layers=2 --set model.heads=2 "
     "--set model.context=8 --set train.batch=2 --set train.log_every=5 --set train.eval_rows=4 ";
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 std::vector<std::string> entries(const std::string& dir) {
   std::vector<std::string> out;
   std::error_code ec;
