@@ -22,8 +22,11 @@
 #include "core/bf16.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/gemv.h"
+#include "simd.h"
 
 namespace {
+
+using namespace sigma::bench;
 
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -41,15 +44,12 @@ void read_all(const float* a, int64_t n) {
   {
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t per = (n / nt + 63) / 64 * 64, i0 = std::min(n, t * per), i1 = std::min(n, i0 + per);
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+    vfloat s[4] = {};
     int64_t i = i0;
-    for (; i + 32 <= i1; i += 32) {
-      s0 = _mm512_add_ps(s0, _mm512_loadu_ps(a + i));
-      s1 = _mm512_add_ps(s1, _mm512_loadu_ps(a + i + 16));
-    }
-    float s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-    for (; i < i1; ++i) s += a[i];
-    g_sink = s;
+    for (; i + 64 <= i1; i += 64) add64(s, a + i);
+    float total = sum(s[0] + s[1] + s[2] + s[3]);
+    for (; i < i1; ++i) total += a[i];
+    g_sink = total;
   }
 }
 

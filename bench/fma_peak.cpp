@@ -1,7 +1,8 @@
 // fma_peak: this machine's arithmetic peak on THREADS cores, the second MFU denominator of the
 // training benchmark (docs/benchmarks.md): what no GEMM can beat.
-//   fp32: 512-bit FMAs (vfmadd231ps, 32 FLOPs each) on 16 independent accumulators per thread,
-//         enough to cover the FMA latency on two pipes;
+//   fp32: FMAs of the widest registers (512-bit vfmadd231ps, 32 FLOPs each, or 256-bit ones
+//         on an AVX2 machine) on 16 (AVX2: 12) independent accumulators per thread, enough to
+//         cover the FMA latency on two pipes;
 //   bf16: 512-bit bf16 dot products (vdpbf16ps: 16 lanes x 2 products x 2 = 64 FLOPs) alike,
 //         where the CPU has avx512_bf16.
 // Each: `--samples` timed samples of `--iters` loop trips per thread; the figure is the median.
@@ -18,20 +19,25 @@
 #include <string>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int kAcc = 16;
+using namespace sigma::bench;
+
+// Registers: 32 with AVX-512, 16 with AVX2 (two for the constants).
+constexpr int kAcc = kLanes == 16 ? 16 : 12;
 
 // One thread's loop; returns a value derived from the accumulators so none is optimised away.
 float fp32_loop(long iters) {
-  __m512 acc[kAcc];
-  for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(float(i) * 1e-3f);
-  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+  vfloat acc[kAcc];
+  for (int i = 0; i < kAcc; ++i) acc[i] = splat(float(i) * 1e-3f);
+  const vfloat a = splat(0.999999f), b = splat(1e-7f);
   for (long t = 0; t < iters; ++t)
-    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
-  __m512 s = acc[0];
-  for (int i = 1; i < kAcc; ++i) s = _mm512_add_ps(s, acc[i]);
-  return _mm512_reduce_add_ps(s);
+    for (int i = 0; i < kAcc; ++i) acc[i] = acc[i] * a + b;  // contracted to FMAs
+  vfloat s = acc[0];
+  for (int i = 1; i < kAcc; ++i) s += acc[i];
+  return sum(s);
 }
 
 #ifdef __AVX512BF16__
@@ -81,7 +87,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const double fp32 = measure(fp32_loop, 32.0 * kAcc, iters, samples, threads);
+  const double fp32 = measure(fp32_loop, 2.0 * kLanes * kAcc, iters, samples, threads);
   double bf16 = 0;
 #ifdef __AVX512BF16__
   bf16 = measure(bf16_loop, 64.0 * kAcc, iters, samples, threads);

@@ -20,7 +20,11 @@
 #include <string>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+
+using namespace sigma::bench;
 
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -58,14 +62,11 @@ volatile float g_sink;  // keeps the read kernel's sums alive
 
 double read_gbs(const Arrays& x, int threads, int samples) {
   return bandwidth(threads, samples, x.n, 4.0, [&](int64_t i0, int64_t i1) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    vfloat s[4] = {};
     for (int64_t i = i0; i < i1; i += 64) {
-      s0 = _mm512_add_ps(s0, _mm512_load_ps(x.a + i));
-      s1 = _mm512_add_ps(s1, _mm512_load_ps(x.a + i + 16));
-      s2 = _mm512_add_ps(s2, _mm512_load_ps(x.a + i + 32));
-      s3 = _mm512_add_ps(s3, _mm512_load_ps(x.a + i + 48));
+      add64(s, x.a + i);
     }
-    g_sink = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+    g_sink = sum(s[0] + s[1] + s[2] + s[3]);
   });
 }
 
@@ -75,26 +76,23 @@ double read_gbs(const Arrays& x, int threads, int samples) {
 // the two.
 double read_prefetched_gbs(const Arrays& x, int threads, int samples, int64_t ahead) {
   return bandwidth(threads, samples, x.n, 4.0, [&](int64_t i0, int64_t i1) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    vfloat s[4] = {};
     for (int64_t i = i0; i < i1; i += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(x.a + i + ahead), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(x.a + i + ahead + 16), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(x.a + i + ahead + 32), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(x.a + i + ahead + 48), _MM_HINT_T1);
-      s0 = _mm512_add_ps(s0, _mm512_load_ps(x.a + i));
-      s1 = _mm512_add_ps(s1, _mm512_load_ps(x.a + i + 16));
-      s2 = _mm512_add_ps(s2, _mm512_load_ps(x.a + i + 32));
-      s3 = _mm512_add_ps(s3, _mm512_load_ps(x.a + i + 48));
+      add64(s, x.a + i);
     }
-    g_sink = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+    g_sink = sum(s[0] + s[1] + s[2] + s[3]);
   });
 }
 
 double triad_gbs(const Arrays& x, int threads, int samples) {
   return bandwidth(threads, samples, x.n, 12.0, [&](int64_t i0, int64_t i1) {
-    const __m512 s = _mm512_set1_ps(3.0f);
-    for (int64_t i = i0; i < i1; i += 16)
-      _mm512_store_ps(x.a + i, _mm512_fmadd_ps(s, _mm512_load_ps(x.c + i), _mm512_load_ps(x.b + i)));
+    const vfloat s = splat(3.0f);
+    for (int64_t i = i0; i < i1; i += kLanes)
+      store(x.a + i, s * load(x.c + i) + load(x.b + i));
   });
 }
 
