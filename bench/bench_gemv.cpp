@@ -4,11 +4,11 @@
 // on fp32 weights, on bf16 copies and on int8 weights with a scale per column, against oneDNN's sgemm at M = 1 (what the backend ran
 // before), alternating with a read of the same number of bytes (the bandwidth bound, measured
 // the same way as bench/stream_probe.cpp). Medians of --samples tokens of each.
-// Prints one JSON line: {"gemv_fp32_gbs":..,"gemv_bf16_gbs":..,"gemv_int8_gbs":..,
+// Prints one JSON line: {"isa":..,"gemv_fp32_gbs":..,"gemv_bf16_gbs":..,"gemv_int8_gbs":..,
 // "onednn_fp32_gbs":..,"read_gbs":..} where X_gbs = bytes of weights (and int8 scales) per
 // token / time per token.
 //
-//   bench_gemv [--d 512] [--layers 8] [--samples 15]
+//   bench_gemv [--d 512] [--layers 8] [--samples 15] [--isa best|avx512|avx2|portable]
 #include <immintrin.h>
 #include <omp.h>
 
@@ -63,16 +63,31 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int64_t d = 512, layers = 8;
   int samples = 15;
+  sigma::cpu::GemvIsa isa = sigma::cpu::GemvIsa::Best;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
+    if (k == "--isa") {
+      const std::string v = argv[i + 1];
+      isa = v == "avx512" ? sigma::cpu::GemvIsa::Avx512
+            : v == "avx2" ? sigma::cpu::GemvIsa::Avx2
+            : v == "portable" ? sigma::cpu::GemvIsa::Portable
+                              : sigma::cpu::GemvIsa::Best;
+      if (!sigma::cpu::gemv_isa_available(isa)) {
+        std::fprintf(stderr, "bench_gemv: this CPU cannot run --isa %s\n", v.c_str());
+        return 2;
+      }
+      continue;
+    }
     if (k == "--d") d = std::atol(argv[i + 1]);
     else if (k == "--layers") layers = std::atol(argv[i + 1]);
     else if (k == "--samples") samples = std::atoi(argv[i + 1]);
     else {
-      std::fprintf(stderr, "usage: bench_gemv [--d 512] [--layers 8] [--samples 15]\n");
+      std::fprintf(stderr, "usage: bench_gemv [--d 512] [--layers 8] [--samples 15] "
+                           "[--isa best|avx512|avx2|portable]\n");
       return 2;
     }
   }
+  sigma::cpu::gemv_use_isa(isa);
   std::vector<Shape> shapes;
   for (int64_t l = 0; l < layers; ++l)
     for (Shape s : {Shape{d, 3 * d}, Shape{d, d}, Shape{d, 4 * d}, Shape{4 * d, d}}) shapes.push_back(s);
@@ -119,10 +134,10 @@ int main(int argc, char** argv) {
                                      : double(total) * (kind == 1 ? 2 : 4);
       if (s > 0) gbs[size_t(kind)].push_back(bytes / dt * 1e-9);
     }
-  std::printf("{\"d\":%ld,\"layers\":%ld,\"threads\":%d,\"weights\":%ld,\"gemv_fp32_gbs\":%.2f,"
+  std::printf("{\"isa\":\"%s\",\"d\":%ld,\"layers\":%ld,\"threads\":%d,\"weights\":%ld,\"gemv_fp32_gbs\":%.2f,"
               "\"gemv_bf16_gbs\":%.2f,\"gemv_int8_gbs\":%.2f,\"onednn_fp32_gbs\":%.2f,"
               "\"read_gbs\":%.2f}\n",
-              long(d), long(layers), omp_get_max_threads(), long(total), median(gbs[0]),
+              sigma::cpu::gemv_isa_name(sigma::cpu::gemv_isa()), long(d), long(layers), omp_get_max_threads(), long(total), median(gbs[0]),
               median(gbs[1]), median(gbs[4]), median(gbs[2]), median(gbs[3]));
   return 0;
 }

@@ -70,6 +70,38 @@ TEST_P(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
   EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * 4));
 }
 
+// Every SIMD path the CPU has (AVX-512, AVX2) gives the portable path's bits, fp32 and bf16
+// weights, nn and nt, 1 to 4 rows, with tails (int8: test_int8).
+TEST_P(Gemv, EverySimdPathMatchesThePortablePathBitForBit) {
+  const auto [in, out] = GetParam();
+  const auto x = randn(4 * in, 4), w = randn(in * out, 5), b = randn(out, 6), y0 = randn(4 * out, 7);
+  std::vector<uint16_t> w16;
+  for (float v : w) w16.push_back(to_bf16(v));
+  auto run = [&](cpu::GemvIsa isa, int64_t M) {
+    cpu::gemv_use_isa(isa);
+    std::vector<float> a = y0, h = y0, t(size_t(M * out)), t16(size_t(M * out));
+    cpu::gemv_nn(a.data(), x.data(), w.data(), b.data(), M, in, out, true, {});
+    cpu::gemv_nn(h.data(), x.data(), w16.data(), nullptr, M, in, out, false, {});
+    cpu::gemv_nt(t.data(), x.data(), w.data(), M, in, out, in, in, out);
+    cpu::gemv_nt(t16.data(), x.data(), w16.data(), M, in, out, in, in, out);
+    cpu::gemv_use_isa(cpu::GemvIsa::Best);
+    for (const auto* v : {&h, &t, &t16}) a.insert(a.end(), v->begin(), v->end());
+    return a;
+  };
+  int compared = 0;
+  for (int64_t M = 1; M <= 4; ++M) {
+    const std::vector<float> want = run(cpu::GemvIsa::Portable, M);
+    for (cpu::GemvIsa isa : {cpu::GemvIsa::Avx512, cpu::GemvIsa::Avx2}) {
+      if (!cpu::gemv_isa_available(isa)) continue;
+      const std::vector<float> got = run(isa, M);
+      ++compared;
+      EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
+          << cpu::gemv_isa_name(isa) << " M " << M;
+    }
+  }
+  if (compared == 0) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2";
+}
+
 // The weight matrices a decode step streams (Model::use_weights converts these).
 bool is_matrix(const std::string& n) {
   return n == names::kTokens || n.find(".w_in") != std::string::npos ||

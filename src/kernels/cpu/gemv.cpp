@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "core/bf16.h"
@@ -23,8 +24,8 @@ inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return from_bf16(w); }
 inline float widen(int8_t w) { return float(w); }
 
-// Tests: the portable paths instead of AVX-512 (gemv_use_portable).
-bool g_portable = false;
+// The instruction set the products run on (gemv_use_isa; Best until a test picks one).
+GemvIsa g_isa = GemvIsa::Best;
 
 // [lo, hi): columns or rows of w.
 struct Range {
@@ -67,7 +68,7 @@ void nn_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, i
     }
 }
 
-// The AVX-512 path's order: 16 lanes, lane l summing k = l, l + 16, ..., then the lanes added
+// The SIMD paths' order: 16 lanes, lane l summing k = l, l + 16, ..., then the lanes added
 // as _mm512_reduce_add_ps does (halving: 16 -> 8 -> 4 -> 2 -> 1), then the row's scale.
 template <class W>
 void nt_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, int64_t ldw,
@@ -83,167 +84,100 @@ void nt_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, i
     }
 }
 
-// ---- AVX-512 paths ----
+// ---- SIMD paths: one kernel source (gemv_simd.inc), compiled once per instruction set ----
 #if defined(__x86_64__)
 #define SIGMA_GEMV_X86 1
-#define SIGMA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-SIGMA_AVX512 inline __m512 load_w(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-SIGMA_AVX512 inline __m512 load_w(const uint16_t* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+// GCC 12's AVX-512 intrinsics pass _mm512_undefined_* as the unused merge source, which
+// -Wuninitialized reports wherever AVX-512 is enabled by attribute rather than by -m flags (on a
+// machine without it): a false positive.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace avx512 {
+#define SIGMA_SIMD __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+using vec = __m512;
+constexpr int kLanes = 16;
+SIGMA_SIMD inline __mmask16 mask(int n) { return __mmask16((1u << n) - 1); }
+SIGMA_SIMD inline vec zero() { return _mm512_setzero_ps(); }
+SIGMA_SIMD inline vec set1(float v) { return _mm512_set1_ps(v); }
+SIGMA_SIMD inline vec loadu(const float* p) { return _mm512_loadu_ps(p); }
+SIGMA_SIMD inline vec load_masked(const float* p, int n) { return _mm512_maskz_loadu_ps(mask(n), p); }
+SIGMA_SIMD inline void storeu(float* p, vec v) { _mm512_storeu_ps(p, v); }
+SIGMA_SIMD inline void store_masked(float* p, vec v, int n) { _mm512_mask_storeu_ps(p, mask(n), v); }
+SIGMA_SIMD inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+SIGMA_SIMD inline vec widen_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-SIGMA_AVX512 inline __m512 load_w(const int8_t* p, __mmask16 m) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 // Unmasked loads of 16 weights: the widening folds the load (vpmovsxbd zmm, m128), where a
 // masked load is a separate instruction.
-SIGMA_AVX512 inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
-SIGMA_AVX512 inline __m512 load_w(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+SIGMA_SIMD inline vec load_w(const float* p) { return _mm512_loadu_ps(p); }
+SIGMA_SIMD inline vec load_w(const uint16_t* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-SIGMA_AVX512 inline __m512 load_w(const int8_t* p) {
+SIGMA_SIMD inline vec load_w(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-SIGMA_AVX512 inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+SIGMA_SIMD inline vec load_w_masked(const float* p, int n) { return load_masked(p, n); }
+SIGMA_SIMD inline vec load_w_masked(const uint16_t* p, int n) {
+  return widen_bf16(_mm256_maskz_loadu_epi16(mask(n), p));
 }
-
-// y[r, c] = sum_i x[r, i] w[i, c] over this thread's columns c (y is overwritten: the first
-// sweep starts from zero, so nobody clears it first), R rows of w per sweep so that y (in L1)
-// is loaded and stored once per R weights: 4 for fp32 and bf16, 8 for int8, whose 16 weights
-// are only 16 bytes, so that y's traffic and the loop's overhead per weight byte stay those of
-// bf16 (at 4 rows the int8 kernel was compute-bound at ~14 GB/s on one thread, in L2). The
-// next sweep's rows are prefetched: the hardware prefetcher loses each row's stream at the
-// jump to the next sweep (single-thread stream rate 6.5 -> 13.7 GB/s against a 17.6 GB/s read,
-// bench/bench_gemv). Into L2, not L1: a sweep of the model's widest rows (4 x 2048 floats) is
-// L1's whole 32 KiB, so lines prefetched into L1 were evicted before their use
-// (docs/benchmarks.md, issue 12). Each element's FMAs run in row order whatever R is.
-// One sweep's 32 columns at j: two independent FMA chains (each column's operations as in
-// nn_columns), so that the chains' latency overlaps.
-template <class W, int M, int R>
-SIGMA_AVX512 inline void nn_columns2(float* y, int64_t ldy, const float* x, int64_t ldx,
-                                     const W* w0, int64_t ldw, int64_t i, int64_t j, bool prefetch) {
-  __m512 wa[R], wb[R];
-  for (int k = 0; k < R; ++k) {
-    wa[k] = load_w(w0 + k * ldw + j);
-    wb[k] = load_w(w0 + k * ldw + j + 16);
-  }
-  if (prefetch)
-    for (int k = R; k < 2 * R; ++k) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j), _MM_HINT_T1);
-      if (sizeof(W) == 4) _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j + 16), _MM_HINT_T1);
-    }
-  for (int r = 0; r < M; ++r) {
-    float* yr = y + r * ldy + j;
-    const float* xr = x + r * ldx + i;
-    __m512 a = i == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yr);
-    __m512 b = i == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yr + 16);
-    for (int k = 0; k < R; ++k) {
-      const __m512 xk = _mm512_set1_ps(xr[k]);
-      a = _mm512_fmadd_ps(xk, wa[k], a);
-      b = _mm512_fmadd_ps(xk, wb[k], b);
-    }
-    _mm512_storeu_ps(yr, a);
-    _mm512_storeu_ps(yr + 16, b);
-  }
+SIGMA_SIMD inline vec load_w_masked(const int8_t* p, int n) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask(n), p)));
 }
+// 16 lanes added by halving: 16 -> 8 -> 4 -> 2 -> 1 (GCC's _mm512_reduce_add_ps).
+SIGMA_SIMD inline float reduce16(const vec* v) { return _mm512_reduce_add_ps(v[0]); }
+#include "kernels/cpu/gemv_simd.inc"
+#undef SIGMA_SIMD
+}  // namespace avx512
+#pragma GCC diagnostic pop
 
-// One sweep's 16 columns at j (Full: all 16, unmasked loads and stores; else the mask m).
-template <class W, int M, int R, bool Full>
-SIGMA_AVX512 inline void nn_columns(float* y, int64_t ldy, const float* x, int64_t ldx,
-                                    const W* w0, int64_t ldw, int64_t i, int64_t j, __mmask16 m,
-                                    bool prefetch) {
-  __m512 wv[R];
-  for (int k = 0; k < R; ++k) wv[k] = Full ? load_w(w0 + k * ldw + j) : load_w(w0 + k * ldw + j, m);
-  if (prefetch)
-    for (int k = R; k < 2 * R; ++k)
-      _mm_prefetch(reinterpret_cast<const char*>(w0 + k * ldw + j), _MM_HINT_T1);
-  for (int r = 0; r < M; ++r) {
-    float* yr = y + r * ldy + j;
-    const float* xr = x + r * ldx + i;
-    __m512 acc = i == 0 ? _mm512_setzero_ps()
-                        : (Full ? _mm512_loadu_ps(yr) : _mm512_maskz_loadu_ps(m, yr));
-    for (int k = 0; k < R; ++k) acc = _mm512_fmadd_ps(_mm512_set1_ps(xr[k]), wv[k], acc);
-    if (Full)
-      _mm512_storeu_ps(yr, acc);
-    else
-      _mm512_mask_storeu_ps(yr, m, acc);
+namespace avx2 {
+#define SIGMA_SIMD __attribute__((target("avx2,fma")))
+using vec = __m256;
+constexpr int kLanes = 8;
+SIGMA_SIMD inline __m256i mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+SIGMA_SIMD inline vec zero() { return _mm256_setzero_ps(); }
+SIGMA_SIMD inline vec set1(float v) { return _mm256_set1_ps(v); }
+SIGMA_SIMD inline vec loadu(const float* p) { return _mm256_loadu_ps(p); }
+SIGMA_SIMD inline vec load_masked(const float* p, int n) { return _mm256_maskload_ps(p, mask(n)); }
+SIGMA_SIMD inline void storeu(float* p, vec v) { _mm256_storeu_ps(p, v); }
+SIGMA_SIMD inline void store_masked(float* p, vec v, int n) { _mm256_maskstore_ps(p, mask(n), v); }
+SIGMA_SIMD inline vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+SIGMA_SIMD inline vec widen_bf16(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+SIGMA_SIMD inline vec load_w(const float* p) { return _mm256_loadu_ps(p); }
+SIGMA_SIMD inline vec load_w(const uint16_t* p) {
+  return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+SIGMA_SIMD inline vec load_w(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// AVX2 has no masked load of 8- or 16-bit elements: a tail goes through a zeroed copy.
+template <class W>
+SIGMA_SIMD inline vec load_w_masked(const W* p, int n) {
+  if constexpr (sizeof(W) == 4) {
+    return load_masked(p, n);
+  } else {
+    W t[kLanes] = {};
+    std::memcpy(t, p, size_t(n) * sizeof(W));
+    return load_w(t);
   }
 }
-
-template <class W, int M>
-SIGMA_AVX512 void nn_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w,
-                            int64_t ldw, int64_t in, Range c) {
-  constexpr int R = sizeof(W) == 1 ? 8 : 4;
-  constexpr int64_t kLine = 64 / sizeof(W);  // weights of a 64-byte line: one prefetch each
-  const int64_t full = c.lo + (c.hi - c.lo) / 16 * 16;
-  int64_t i = 0;
-  for (; i + R <= in; i += R) {
-    const W* w0 = w + i * ldw;
-    const bool ahead = i + 2 * R <= in;
-    int64_t j = c.lo;
-    for (; j + 32 <= full; j += 32)
-      nn_columns2<W, M, R>(y, ldy, x, ldx, w0, ldw, i, j, ahead && (j - c.lo) % kLine == 0);
-    for (; j < full; j += 16)
-      nn_columns<W, M, R, true>(y, ldy, x, ldx, w0, ldw, i, j, 0xffff,
-                                ahead && (j - c.lo) % kLine == 0);
-    if (full < c.hi)
-      nn_columns<W, M, R, false>(y, ldy, x, ldx, w0, ldw, i, full, tail_mask(c.hi - full), ahead);
-  }
-  for (; i < in; ++i)  // the last rows of w, one at a time (same order per element)
-    for (int64_t j = c.lo; j < c.hi; j += 16) {
-      const __mmask16 m = tail_mask(c.hi - j);
-      const __m512 a = load_w(w + i * ldw + j, m);
-      for (int r = 0; r < M; ++r) {
-        float* yr = y + r * ldy + j;
-        const __m512 acc = i == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, yr);
-        _mm512_mask_storeu_ps(yr, m, _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + i]), a, acc));
-      }
-    }
+// The 16 lanes v[0] (lanes 0-7) and v[1] (8-15) added by halving, as AVX-512's reduce16.
+SIGMA_SIMD inline float reduce16(const vec* v) {
+  const vec s8 = _mm256_add_ps(v[1], v[0]);
+  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
+#include "kernels/cpu/gemv_simd.inc"
+#undef SIGMA_SIMD
+}  // namespace avx2
 
-// y[r, j] = dot(x[r, :], w[j, :]) (times scale[j] with int8 weights) over this thread's rows j
-// of w, four at a time (independent accumulators); each (r, j) is the same lane-wise sum and
-// the same final reduction.
-template <class W, int M, int Q>
-SIGMA_AVX512 void nt_group(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w,
-                           int64_t ldw, const float* scale, int64_t in, int64_t j) {
-  __m512 acc[M][Q];
-  for (int r = 0; r < M; ++r)
-    for (int q = 0; q < Q; ++q) acc[r][q] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < in; k += 16) {
-    const __mmask16 m = tail_mask(in - k);
-    __m512 wv[Q];
-    for (int q = 0; q < Q; ++q) wv[q] = load_w(w + (j + q) * ldw + k, m);
-    for (int r = 0; r < M; ++r) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * ldx + k);
-      for (int q = 0; q < Q; ++q) acc[r][q] = _mm512_fmadd_ps(xv, wv[q], acc[r][q]);
-    }
-  }
-  for (int r = 0; r < M; ++r)
-    for (int q = 0; q < Q; ++q) {
-      const float dot = _mm512_reduce_add_ps(acc[r][q]);
-      y[r * ldy + j + q] = scale ? scale[j + q] * dot : dot;
-    }
-}
-
-template <class W, int M>
-SIGMA_AVX512 void nt_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w,
-                            int64_t ldw, const float* scale, int64_t in, Range rows) {
-  int64_t j = rows.lo;
-  for (; j + 4 <= rows.hi; j += 4) nt_group<W, M, 4>(y, ldy, x, ldx, w, ldw, scale, in, j);
-  for (; j < rows.hi; ++j) nt_group<W, M, 1>(y, ldy, x, ldx, w, ldw, scale, in, j);
-}
-
-bool has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  return has;
-}
-#else
-bool has_avx512() { return false; }
 #endif
 
 // Calls kernel<M> for the runtime M (1..kGemvMaxRows).
@@ -258,16 +192,38 @@ void with_rows(int64_t M, A&&... a) {
   SIGMA_CHECK(false, "gemv: {} rows (at most {})", M, kGemvMaxRows);
 }
 
+bool cpu_has(GemvIsa isa) {
+#if SIGMA_GEMV_X86
+  static const bool avx512 = __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == GemvIsa::Avx512) return avx512;
+  if (isa == GemvIsa::Avx2) return avx2;
+#endif
+  return isa == GemvIsa::Portable;
+}
+
+GemvIsa resolve(GemvIsa isa) {
+  if (isa != GemvIsa::Best) return isa;
+  static const GemvIsa best = cpu_has(GemvIsa::Avx512) ? GemvIsa::Avx512
+                              : cpu_has(GemvIsa::Avx2) ? GemvIsa::Avx2
+                                                       : GemvIsa::Portable;
+  return best;
+}
+
 template <class W>
 struct NN {
   template <int M>
   struct K {
     static void run(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, int64_t ldw,
                     int64_t in, Range c) {
+      switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
-      if (has_avx512() && !g_portable) return nn_avx512<W, M>(y, ldy, x, ldx, w, ldw, in, c);
+        case GemvIsa::Avx512: return avx512::nn_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, c);
+        case GemvIsa::Avx2: return avx2::nn_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, c);
 #endif
-      nn_scalar(y, ldy, x, ldx, w, ldw, M, in, c);
+        default: return nn_scalar(y, ldy, x, ldx, w, ldw, M, in, c);
+      }
     }
   };
 };
@@ -277,11 +233,14 @@ struct NT {
   struct K {
     static void run(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, int64_t ldw,
                     const float* scale, int64_t in, Range rows) {
+      switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
-      if (has_avx512() && !g_portable)
-        return nt_avx512<W, M>(y, ldy, x, ldx, w, ldw, scale, in, rows);
+        case GemvIsa::Avx512:
+          return avx512::nt_kernel<W, M>(y, ldy, x, ldx, w, ldw, scale, in, rows);
+        case GemvIsa::Avx2: return avx2::nt_kernel<W, M>(y, ldy, x, ldx, w, ldw, scale, in, rows);
 #endif
-      nt_scalar(y, ldy, x, ldx, w, ldw, scale, M, in, rows);
+        default: return nt_scalar(y, ldy, x, ldx, w, ldw, scale, M, in, rows);
+      }
     }
   };
 };
@@ -392,7 +351,21 @@ void nt_panels(float* y, const float* x, const W* w, const float* scale, int64_t
 
 }  // namespace
 
-void gemv_use_portable(bool on) { g_portable = on; }
+bool gemv_isa_available(GemvIsa isa) { return isa == GemvIsa::Best || cpu_has(isa); }
+void gemv_use_isa(GemvIsa isa) {
+  SIGMA_CHECK(gemv_isa_available(isa), "gemv: this CPU cannot run the {} kernels", gemv_isa_name(isa));
+  g_isa = isa;
+}
+GemvIsa gemv_isa() { return resolve(g_isa); }
+const char* gemv_isa_name(GemvIsa isa) {
+  switch (isa) {
+    case GemvIsa::Best: return "best";
+    case GemvIsa::Avx512: return "avx512";
+    case GemvIsa::Avx2: return "avx2";
+    case GemvIsa::Portable: return "portable";
+  }
+  return "?";
+}
 
 void gemv_nn(float* y, const float* x, const float* w, const float* b, int64_t M, int64_t in,
              int64_t out, bool accumulate, Strides ld) {

@@ -42,9 +42,15 @@ void gemv_nn(float* y, const float* x, const int8_t* q, const float* scale, cons
 void gemv_nt(float* y, const float* x, const int8_t* q, const float* scale, int64_t M, int64_t in,
              int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
 
-// Tests: run the portable scalar paths (the same order of operations per element, so the same
-// bits) instead of the AVX-512 ones. Not thread-safe: set it before the products run.
-void gemv_use_portable(bool on);
+// The kernels exist for AVX-512, AVX2 (+FMA) and in portable scalar code, each with the same
+// order of operations per element, so the same bits; Best (the default) is the widest the CPU
+// has. Tests and benchmarks pick one with gemv_use_isa (not thread-safe: set it before the
+// products run); gemv_isa() is the one in use.
+enum class GemvIsa { Best, Avx512, Avx2, Portable };
+bool gemv_isa_available(GemvIsa isa);
+void gemv_use_isa(GemvIsa isa);
+GemvIsa gemv_isa();
+const char* gemv_isa_name(GemvIsa isa);
 
 // The cpu backend's gemm and linear_forward: a few rows go to the kernels above, the rest to
 // oneDNN (gemm.h).
