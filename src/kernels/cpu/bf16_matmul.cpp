@@ -62,6 +62,41 @@ Matmul make_matmul(const MatmulKey& k) {
   return {pd, dnnl::matmul(pd)};
 }
 
+// Whether oneDNN multiplies bf16 on this CPU: it needs AVX-512 (native bf16 dot products or its
+// emulation on avx512_core) or AMX; on an AVX2-only CPU (this project's Zen 3 machines) it
+// cannot create the primitive. Asked once, with a small product.
+bool native_bf16() {
+  static const bool ok = [] {
+    try {
+      make_matmul({false, false, false, 2, 2, 2, 2, 2, 2, 1.0f, 0.0f});
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return ok;
+}
+
+// Without native bf16 products: the same product in fp32 on the widened operands (a product of
+// two bf16 values is exact in fp32, the sums are fp32 as oneDNN's bf16 path accumulates), so the
+// same numerics with no speed-up, in per-thread scratch.
+void matmul_widened(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16View A,
+                    Bf16View B, float beta, float* C, int64_t ldc, const float* bias) {
+  thread_local std::vector<float> a, b;
+  auto widen = [](std::vector<float>& dst, Bf16View v, int64_t rows, int64_t cols) {
+    dst.resize(size_t(rows * cols));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) dst[size_t(r * cols + c)] = sigma::from_bf16(v.p[r * v.ld + c]);
+  };
+  const int64_t a_cols = ta ? M : K, b_cols = tb ? K : N;
+  widen(a, A, ta ? K : M, a_cols);
+  widen(b, B, tb ? N : K, b_cols);
+  gemm(ta, tb, M, N, K, alpha, a.data(), a_cols, b.data(), b_cols, beta, C, ldc);
+  if (bias)
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] += bias[j];
+}
+
 struct ThreadMatmuls {
   std::map<MatmulKey, Matmul> cache;
   dnnl::stream stream{engine()};
@@ -118,6 +153,7 @@ void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                  Bf16View B, float beta, float* C, int64_t ldc, const float* bias) {
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_c(M, N, beta, C, ldc);
+  if (!native_bf16()) return matmul_widened(ta, tb, M, N, K, alpha, A, B, beta, C, ldc, bias);
   ThreadMatmuls& t = t_matmuls;
   const MatmulKey key{ta, tb, bias != nullptr, M, N, K, A.ld, B.ld, ldc, alpha, beta};
   auto it = t.cache.find(key);

@@ -1,4 +1,6 @@
-// bf16 products on oneDNN's matmul primitive (avx512_bf16 dot products where the CPU has them):
+// bf16 products on oneDNN's matmul primitive (avx512_bf16 dot products where the CPU has them;
+// on a CPU where oneDNN has no bf16 product, AVX2 only, the operands widened to fp32 and
+// oneDNN's sgemm: the same numerics, no speed-up):
 // bf16 operands given as strided views, fp32 result and accumulation. The *_bf16 ops of the
 // front (gemm.h, attention.h) convert their fp32 operands with bf16_operand and multiply here.
 #pragma once
