@@ -1,5 +1,7 @@
 #include "run/heldout.h"
 
+#include "kernels/ops.h"
+
 namespace sigma {
 
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
@@ -11,6 +13,9 @@ std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, in
   DomainSums sums(names.size());
   std::vector<float> token_loss;
   Batch mb;
+  // A row's loss must not depend on the rows it is batched with (--batch, --domains): the
+  // kernels' row-invariant paths (kernels/ops.h).
+  const ops::BatchInvariant invariant;
   data.eval_batches(B, T, rows_per_domain, [&](const Batch& b) {
     mb = b;
     for (auto& d : mb.domain) d = to_model[size_t(d)];

@@ -1,12 +1,14 @@
 #include "kernels/cpu/gemm.h"
 
 #include <oneapi/dnnl/dnnl.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <vector>
 
 #include "core/error.h"
 #include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/ops.h"
 
 namespace sigma::cpu {
@@ -18,15 +20,32 @@ void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
 }
 
-// oneDNN's sgemm picks its kernels by the number of rows: measured here (Zen 5, oneDNN 2.6,
-// K 16..2048, N 8..8192, 1 and 2 threads) a row gets the same bits for every M >= 16, but
-// fewer rows take other kernels (with op(B) = B^T below 16 rows, with B at one row). Outside a
-// decode step fewer rows are padded to kInvariantRows with zero rows, so that a row's result
-// does not depend on how many rows share its product: eval is batch-invariant (alone or among
-// other domains, at any --batch; docs/reliability.md). Such products are small (a few tokens
-// of an expert), so the padding costs nothing that shows; decode keeps its own kernels.
+// A row's bits must not depend on how many rows share its product where losses are compared
+// across batches: eval (alone or among other domains, at any --batch; docs/reliability.md) and
+// scoring, both inside ops::BatchInvariant. oneDNN's sgemm does not promise that: it picks
+// kernels by the shape (measured on Zen 5, oneDNN 2.6: below 16 rows; on Zen 3, AVX2: at
+// K = 48 the rows past the 16th of a 56- or 256-row call differ from the same rows in a 16-row
+// call), and with several threads it may split the sum over K between them (Zen 3, 2 threads,
+// N = 48, K >= 192). So inside BatchInvariant a product runs as tiles of exactly kInvariantRows
+// rows (the last padded with zero rows) by kColBlock columns, each one single-threaded sgemm
+// call, the tiles spread over the threads by us: every row is then computed by the same call
+// shape, and within a 16-row call a row's bits do not depend on its position (measured on both
+// machines; test_ops' GemmRowInvariance checks it here). It costs: 16-row calls run at ~0.3-0.6x
+// of one large call on Zen 3 (bench in docs/benchmarks.md), so training keeps oneDNN's own
+// kernels and threads; there, fewer than 16 rows are padded to 16, which keeps a small expert's
+// product on the many-row kernels. Decode keeps its own kernels (FewRowKernels).
 constexpr int64_t kInvariantRows = 16;
+constexpr int64_t kColBlock = 512;
 
+void sgemm_checked(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                   int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  const dnnl_status_t st =
+      dnnl_sgemm('N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  SIGMA_CHECK(st == dnnl_success, "oneDNN sgemm failed (status {}) for M={} N={} K={}",
+              static_cast<int>(st), M, N, K);
+}
+
+// One block: M < kInvariantRows rows padded with zero rows.
 void gemm_padded(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                  int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   thread_local std::vector<float> a, c;
@@ -36,11 +55,36 @@ void gemm_padded(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const fl
     std::copy_n(A + i * lda, K, a.data() + i * K);
     if (beta != 0.0f) std::copy_n(C + i * ldc, N, c.data() + i * N);
   }
-  dnnl_status_t st = dnnl_sgemm('N', tb ? 'T' : 'N', kInvariantRows, N, K, alpha, a.data(), K, B,
-                                ldb, beta, c.data(), N);
-  SIGMA_CHECK(st == dnnl_success, "oneDNN sgemm failed (status {}) for M={} N={} K={}",
-              static_cast<int>(st), M, N, K);
+  sgemm_checked(tb, kInvariantRows, N, K, alpha, a.data(), K, B, ldb, beta, c.data(), N);
   for (int64_t i = 0; i < M; ++i) std::copy_n(c.data() + i * N, N, C + i * ldc);
+}
+
+void gemm_row_tiles(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  const int64_t row_tiles = (M + kInvariantRows - 1) / kInvariantRows;
+  const int64_t col_tiles = (N + kColBlock - 1) / kColBlock, tiles = row_tiles * col_tiles;
+  auto tile = [&](int64_t t) {
+    const int64_t r0 = t / col_tiles * kInvariantRows, rows = std::min(kInvariantRows, M - r0);
+    const int64_t c0 = t % col_tiles * kColBlock, cols = std::min(kColBlock, N - c0);
+    const float* b = B + (tb ? c0 * ldb : c0);  // op(B)'s columns c0..: rows of B when tb
+    if (rows < kInvariantRows)
+      gemm_padded(tb, rows, cols, K, alpha, A + r0 * lda, lda, b, ldb, beta, C + r0 * ldc + c0, ldc);
+    else
+      sgemm_checked(tb, rows, cols, K, alpha, A + r0 * lda, lda, b, ldb, beta, C + r0 * ldc + c0, ldc);
+  };
+  if (omp_in_parallel()) {  // oneDNN runs on the calling thread inside an active team
+    for (int64_t t = 0; t < tiles; ++t) tile(t);
+    return;
+  }
+  if (tiles == 1 || M * N * K < kParallelMacs) {  // one thread, and oneDNN must not split it
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    for (int64_t t = 0; t < tiles; ++t) tile(t);
+    omp_set_num_threads(threads);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t t = 0; t < tiles; ++t) tile(t);
 }
 }  // namespace
 
@@ -48,6 +92,8 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_c(M, N, beta, C, ldc);  // oneDNN leaves C untouched for K = 0
+  if (!ta && ops::BatchInvariant::on())
+    return gemm_row_tiles(tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   if (!ta && M < kInvariantRows && !ops::FewRowKernels::on())
     return gemm_padded(tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb,
