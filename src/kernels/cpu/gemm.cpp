@@ -23,19 +23,20 @@ void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
 // A row's bits must not depend on how many rows share its product where losses are compared
 // across batches: eval (alone or among other domains, at any --batch; docs/reliability.md) and
 // scoring, both inside ops::BatchInvariant. oneDNN's sgemm does not promise that: it picks
-// kernels by the shape (measured on Zen 5, oneDNN 2.6: below 16 rows; on Zen 3, AVX2: at
-// K = 48 the rows past the 16th of a 56- or 256-row call differ from the same rows in a 16-row
-// call), and with several threads it may split the sum over K between them (Zen 3, 2 threads,
-// N = 48, K >= 192). So inside BatchInvariant a product runs as tiles of exactly kInvariantRows
-// rows (the last padded with zero rows) by kColBlock columns, each one single-threaded sgemm
-// call, the tiles spread over the threads by us: every row is then computed by the same call
-// shape, and within a 16-row call a row's bits do not depend on its position (measured on both
-// machines; test_ops' GemmRowInvariance checks it here). It costs: 16-row calls run at ~0.3-0.6x
-// of one large call on Zen 3 (bench in docs/benchmarks.md), so training keeps oneDNN's own
-// kernels and threads; there, fewer than 16 rows are padded to 16, which keeps a small expert's
-// product on the many-row kernels. Decode keeps its own kernels (FewRowKernels).
+// kernels by the shape (measured on Zen 5, oneDNN 2.6: below 16 rows; on Zen 3, AVX2: a tail of
+// 1-3 rows of 6 takes another kernel, e.g. rows past the 16th of a 56-row call at K = 48), and
+// with several threads it splits the sum over K between them by the shape (Zen 3, 2 threads:
+// N = 48, K >= 192; N = 1100, K = 512, M = 480). So inside BatchInvariant a product runs as
+// tiles of exactly kTileRows rows (the last padded with zero rows) by kColBlock columns, each
+// one single-threaded sgemm call, the tiles spread over the threads by us: every row is then
+// computed by the same call shape, and within a 48-row call a row's bits do not depend on its
+// place (measured on Zen 3 over K 16-2048, N 8-8192; test_ops' GemmRowInvariance checks it on
+// the machine it runs on). 48-row calls run at ~0.85-0.9x of one large call on Zen 3 (16-row
+// ones at 0.3-0.6x), so training keeps oneDNN's own kernels and threads, where fewer than
+// kInvariantRows rows are padded to 16, which keeps a small expert's product on the many-row
+// kernels. Decode keeps its own kernels (FewRowKernels).
 constexpr int64_t kInvariantRows = 16;
-constexpr int64_t kColBlock = 512;
+constexpr int64_t kTileRows = 48, kColBlock = 512;
 
 void sgemm_checked(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                    int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -45,30 +46,31 @@ void sgemm_checked(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
               static_cast<int>(st), M, N, K);
 }
 
-// One block: M < kInvariantRows rows padded with zero rows.
-void gemm_padded(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
-                 int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+// Rows [0, M) of the product computed as P > M rows, the others zero.
+void gemm_padded(bool tb, int64_t M, int64_t P, int64_t N, int64_t K, float alpha,
+                 const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                 int64_t ldc) {
   thread_local std::vector<float> a, c;
-  a.assign(size_t(kInvariantRows * K), 0.0f);
-  c.assign(size_t(kInvariantRows * N), 0.0f);
+  a.assign(size_t(P * K), 0.0f);
+  c.assign(size_t(P * N), 0.0f);
   for (int64_t i = 0; i < M; ++i) {
     std::copy_n(A + i * lda, K, a.data() + i * K);
     if (beta != 0.0f) std::copy_n(C + i * ldc, N, c.data() + i * N);
   }
-  sgemm_checked(tb, kInvariantRows, N, K, alpha, a.data(), K, B, ldb, beta, c.data(), N);
+  sgemm_checked(tb, P, N, K, alpha, a.data(), K, B, ldb, beta, c.data(), N);
   for (int64_t i = 0; i < M; ++i) std::copy_n(c.data() + i * N, N, C + i * ldc);
 }
 
 void gemm_row_tiles(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                     int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  const int64_t row_tiles = (M + kInvariantRows - 1) / kInvariantRows;
+  const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t col_tiles = (N + kColBlock - 1) / kColBlock, tiles = row_tiles * col_tiles;
   auto tile = [&](int64_t t) {
-    const int64_t r0 = t / col_tiles * kInvariantRows, rows = std::min(kInvariantRows, M - r0);
+    const int64_t r0 = t / col_tiles * kTileRows, rows = std::min(kTileRows, M - r0);
     const int64_t c0 = t % col_tiles * kColBlock, cols = std::min(kColBlock, N - c0);
     const float* b = B + (tb ? c0 * ldb : c0);  // op(B)'s columns c0..: rows of B when tb
-    if (rows < kInvariantRows)
-      gemm_padded(tb, rows, cols, K, alpha, A + r0 * lda, lda, b, ldb, beta, C + r0 * ldc + c0, ldc);
+    if (rows < kTileRows)
+      gemm_padded(tb, rows, kTileRows, cols, K, alpha, A + r0 * lda, lda, b, ldb, beta, C + r0 * ldc + c0, ldc);
     else
       sgemm_checked(tb, rows, cols, K, alpha, A + r0 * lda, lda, b, ldb, beta, C + r0 * ldc + c0, ldc);
   };
@@ -95,7 +97,7 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
   if (!ta && ops::BatchInvariant::on())
     return gemm_row_tiles(tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   if (!ta && M < kInvariantRows && !ops::FewRowKernels::on())
-    return gemm_padded(tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return gemm_padded(tb, M, kInvariantRows, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb,
                                 beta, C, ldc);
   SIGMA_CHECK(st == dnnl_success, "oneDNN sgemm failed (status {}) for M={} N={} K={}",
