@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/ops.h"
 
 namespace sigma::cli {
 
@@ -33,10 +34,10 @@ inline void refuse_given(const CLI::App& c, std::initializer_list<const char*> o
 // for training (docs/ops.md): installed before the model loads, so its tensors are the backend's.
 inline void add_backend_option(CLI::App& c, std::string& backend) {
   c.add_option("--backend", backend,
-               "Kernel backend: cpu (default), ref (naive loops in double: slow, a check) or guard "
-               "(the cpu kernels over memory host code cannot touch: proves the command "
-               "device-clean)")
-      ->check(CLI::IsMember({"cpu", "ref", "guard"}));
+               "Kernel backend, one of " + ops::backend_names() + ": cpu (default), ref (naive "
+               "loops in double: slow, a check), guard (the cpu kernels over memory host code "
+               "cannot touch: proves the command device-clean)")
+      ->check(CLI::IsMember(ops::backend_list()));
 }
 
 }  // namespace sigma::cli

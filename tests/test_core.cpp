@@ -17,6 +17,18 @@ TEST(Tensor, ZeroFilledAlignedAndCloneIsDeep) {
   EXPECT_THROW(t.reshape({4, 4}), Error);
 }
 
+// Device::Cuda is named in core ahead of its backend (docs/ops.md, "Adding a backend"): until a
+// backend installs its allocator, a tensor there is refused with the device's name.
+TEST(Tensor, ADeviceWithoutABackendIsRefused) {
+  EXPECT_STREQ(device_name(Device::Cuda), "cuda");
+  try {
+    Tensor t(DType::F32, {4}, Device::Cuda);
+    FAIL() << "a cuda tensor without a cuda backend";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no allocator for device cuda"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Rng, CounterBasedIsOrderIndependentAndRoughlyUniform) {
   EXPECT_EQ(rng_u64(1, 2, 3), rng_u64(1, 2, 3));
   EXPECT_NE(rng_u64(1, 2, 3), rng_u64(1, 2, 4));

@@ -131,6 +131,14 @@ TEST(Guard, AnOpGivenHostMemoryIsCounted) {
   if (const char* s = std::getenv("SIGMA_TEST_BACKEND"); s && std::string(s) == "guard-strict") return;
   ops::copy(t.f(), host.data(), 16);  // host memory as an op's source
   EXPECT_EQ(guard::host_args(), before + 1);
+  // An attention view carries its memory inside: one sequence, one head of width 16, one row.
+  const ops::AttnShape shape(1, 1, 1, 1, 16);
+  Tensor out = ops::empty(DType::F32, {16}), lse = ops::empty(DType::F32, {1});
+  const ops::AttnOperand dev{t.f(), 16, 16}, on_host{host.data(), 16, 16};
+  ops::flash_attention_forward(out.f(), lse.f(), dev, dev, dev, shape, 0.25f);
+  EXPECT_EQ(guard::host_args(), before + 1) << "device views";
+  ops::flash_attention_forward(out.f(), lse.f(), dev, on_host, dev, shape, 0.25f);
+  EXPECT_EQ(guard::host_args(), before + 2) << "a key view over host memory";
 }
 
 TEST(GuardDeathTest, StrictModeStopsAtAnOpGivenHostMemory) {

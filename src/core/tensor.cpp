@@ -55,6 +55,7 @@ const char* device_name(Device d) {
   switch (d) {
     case Device::Host: return "host";
     case Device::Guard: return "guard";
+    case Device::Cuda: return "cuda";
   }
   return "?";
 }
@@ -71,8 +72,8 @@ void* host_alloc(size_t nbytes) {
 void host_free(void* p) { std::free(p); }
 
 namespace {
-constexpr size_t kDevices = 2;  // the values of Device
-DeviceAllocator g_allocators[kDevices] = {{&host_alloc, &host_free}, {}};
+constexpr size_t kDevices = kDeviceCount;
+DeviceAllocator g_allocators[kDevices] = {{&host_alloc, &host_free}};
 }  // namespace
 
 void set_device_allocator(Device d, DeviceAllocator a) {

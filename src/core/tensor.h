@@ -21,8 +21,11 @@ DType dtype_from_name(const std::string& name);  // throws Error on unknown name
 // Where a buffer lives. Core owns host memory; a device backend (kernels/ops.h) installs its
 // device's allocator at start-up, so core needs nothing from kernels. Guard is the guard
 // backend's memory (kernels/guard/): host pages that are inaccessible except while one of its
-// ops runs, the stand-in for an accelerator's memory that host code cannot dereference.
-enum class Device : uint8_t { Host, Guard /*, Cuda later */ };
+// ops runs, the stand-in for an accelerator's memory that host code cannot dereference. Cuda
+// is the CUDA backend's, named here so that adding that backend changes nothing outside
+// kernels/ (docs/ops.md); until one installs its allocator, a Cuda tensor is refused.
+enum class Device : uint8_t { Host, Guard, Cuda };
+inline constexpr size_t kDeviceCount = 3;  // the values of Device
 const char* device_name(Device d);
 
 // A device's allocator: alloc returns zeroed, 64-byte aligned memory and never null (it throws

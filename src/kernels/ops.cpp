@@ -34,7 +34,21 @@ const Backend& backend(BackendKind kind) {
 
 const Backend& active_backend() { return *detail::active; }
 
-const char* backend_names() { return "cpu, ref, guard"; }
+namespace {
+constexpr BackendKind kKinds[] = {BackendKind::Cpu, BackendKind::Ref, BackendKind::Guard};
+}
+
+std::vector<std::string> backend_list() {
+  std::vector<std::string> names;
+  for (BackendKind k : kKinds) names.push_back(backend(k).name);
+  return names;
+}
+
+std::string backend_names() {
+  std::string s;
+  for (const std::string& n : backend_list()) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
 
 namespace {
 // SIGMA_TEST_BACKEND=guard (or guard-strict, kernels/guard/guard.h): the tests' guard job runs
@@ -49,7 +63,7 @@ BackendKind resolve(BackendKind kind) {
 
 // The table that owns each device's memory (the last one installed for it): transfers of a
 // tensor go through its device's backend, whichever backend is active.
-const Backend* g_owner[2] = {&cpu::kBackend, nullptr};
+const Backend* g_owner[kDeviceCount] = {&cpu::kBackend};
 
 const Backend& owner(Device d) {
   const Backend* b = size_t(d) < std::size(g_owner) ? g_owner[size_t(d)] : nullptr;
@@ -74,7 +88,7 @@ void use_backend(const Backend& b) {
 void use_backend(BackendKind kind) { use_backend(backend(resolve(kind))); }
 
 void use_backend(std::string_view name) {
-  for (BackendKind k : {BackendKind::Cpu, BackendKind::Ref, BackendKind::Guard})
+  for (BackendKind k : kKinds)
     if (name == backend(k).name) return use_backend(k);
   fail("unknown ops backend '{}' (known: {})", name, backend_names());
 }

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/tensor.h"
 #include "kernels/types.h"
@@ -188,7 +189,10 @@ enum class BackendKind : uint8_t { Cpu, Ref, Guard };
 
 const Backend& backend(BackendKind kind);  // the built-in tables
 const Backend& active_backend();
-const char* backend_names();  // "cpu, ref, guard": for help texts and errors
+// The backends' names ("cpu", "ref", "guard"): the choices of train.backend and --backend, so
+// a new backend is registered here only. backend_names joins them for help texts and errors.
+std::vector<std::string> backend_list();
+std::string backend_names();
 
 // Chooses the backend every ops:: call runs on. The name form throws sigma::Error for a name
 // that is not a backend, listing the known ones. With the environment variable

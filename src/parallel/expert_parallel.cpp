@@ -25,8 +25,8 @@ struct ExpertParallel::Chunk {
 };
 
 struct ExpertParallel::BlockState {
-  std::vector<Chunk> chunks;       // of the last forward pass, in (group, member) order
-  std::vector<float> x, pre, act;  // received rows [rows, d]; saved activations [rows, f]
+  std::vector<Chunk> chunks;  // of the last forward pass, in (group, member) order
+  Tensor x, pre, act;         // on the device: received rows [rows, d]; activations [rows, f]
   std::vector<RrePlan> plans;      // [world rank]: the plan of its micro-batch planned[r]
   std::vector<int64_t> planned;
 };
@@ -39,6 +39,41 @@ FfnGrads grads_at(float* g, const ExpertGroupSpec& gs) {
 }
 
 constexpr int64_t kStepFloats = 2;  // an int64 step count carried in two floats' bits
+
+// A device buffer of at least n floats whose first `keep` survive a regrowth. Buffers only
+// grow (a run's steps repeat their sizes), so a steady step allocates nothing.
+void reserve(Tensor& t, int64_t n, int64_t keep = 0) {
+  if (t.numel() >= n) return;
+  Tensor bigger = ops::empty(DType::F32, {n});
+  if (keep > 0) ops::copy(bigger.f(), t.f(), keep);
+  t = std::move(bigger);
+}
+
+// The communicator's buffers are host memory: rows cross the host boundary on either side of
+// every exchange (a device-aware MPI could skip both copies).
+void download_to(std::vector<float>& host, const float* src, int64_t n) {
+  host.resize(size_t(n));
+  if (n > 0) ops::download(host.data(), src, size_t(n) * sizeof(float));
+}
+void upload_from(float* dst, const std::vector<float>& host) {
+  if (!host.empty()) ops::upload(dst, host.data(), host.size() * sizeof(float));
+}
+
+// Rows [r0, r0 + n) of plan p's order: gathered from src into dst, or scattered from src into
+// dst. A plan whose rows all go to one expert has the identity order, not uploaded: a copy.
+void gather_plan_rows(float* dst, const float* src, const RrePlan& p, int64_t r0, int64_t n,
+                      int64_t d) {
+  if (n == 0) return;
+  if (p.single >= 0) return ops::copy(dst, src + r0 * d, n * d);
+  ops::gather_rows(dst, src, p.order_d.data<int32_t>() + r0, n, d);
+}
+void scatter_plan_rows(float* dst, const float* src, const RrePlan& p, int64_t r0, int64_t n,
+                       int64_t d, bool accumulate) {
+  if (n == 0) return;
+  if (p.single >= 0)
+    return accumulate ? ops::add_into(dst + r0 * d, src, n * d) : ops::copy(dst + r0 * d, src, n * d);
+  ops::scatter_rows(dst, src, p.order_d.data<int32_t>() + r0, n, d, accumulate);
+}
 
 }  // namespace
 
@@ -170,8 +205,8 @@ void ExpertParallel::bind_step_experts(std::span<const Batch> micro) {
   touched_.assign(ids_.size(), 0);
   const int64_t n = int64_t(ids_.size());
   if (w_.numel() < n * stride_) {
-    w_ = Tensor();
-    w_ = Tensor::f32({n, stride_});
+    w_ = Tensor();  // freed first: old and new together could be twice the step's experts
+    w_ = ops::empty(DType::F32, {n, stride_});  // the compute weights, on the device
   }
   std::vector<ExpertId> local_ids;
   std::vector<float*> dst;
@@ -208,10 +243,10 @@ void ExpertParallel::begin_global_step(std::span<const Batch> micro, size_t firs
   j_ = 0;
   in_micro_ = false;
   bind_step_experts(micro);
-  const size_t n = ids_.size() * size_t(stride_);
+  const int64_t n = int64_t(ids_.size()) * stride_;
   for (size_t r = 0; r < leaf_.size(); ++r) {
     trees_[r] = TreeAccumulator();
-    leaf_[r].assign(source_[r] ? n : 0, 0.0f);
+    if (source_[r]) reserve(leaf_[r], n);
   }
   total_.clear();
   for (auto& s : state_) std::fill(s->planned.begin(), s->planned.end(), -1);
@@ -220,13 +255,22 @@ void ExpertParallel::begin_global_step(std::span<const Batch> micro, size_t firs
 void ExpertParallel::begin_micro_batch(size_t j) {
   j_ = j;
   in_micro_ = true;
-  for (auto& l : leaf_) std::fill(l.begin(), l.end(), 0.0f);
+  const int64_t n = int64_t(ids_.size()) * stride_;
+  for (size_t r = 0; r < leaf_.size(); ++r)
+    if (source_[r] && n > 0) ops::fill(leaf_[r].f(), 0.0f, n);
 }
 
 void ExpertParallel::end_micro_batch() {
   in_micro_ = false;
+  // The leaves come to the host, where the store's Adam reads the step's sums (as ECSS's
+  // gradients come to its GradientArea), and are summed there in TrainStep's tree order.
+  const int64_t leaf = int64_t(ids_.size()) * stride_;
   for (size_t r = 0; r < leaf_.size(); ++r)
-    if (source_[r]) trees_[r].push(leaf_[r]);
+    if (source_[r]) {
+      std::vector<float> h;
+      download_to(h, leaf_[r].f(), leaf);
+      trees_[r].push(std::move(h));
+    }
   if (j_ + 1 < k_) return;
   // The step's last micro-batch: the source ranks' subtotals, added in rank order.
   const size_t n = ids_.size() * size_t(stride_);
@@ -272,6 +316,7 @@ void ExpertParallel::exchange_plans(int block, Communicator& c, const RrePlan& p
   }
 }
 
+// send and recv are host memory (the communicator's buffers; download_to, upload_from).
 void ExpertParallel::exchange(Communicator& c, const std::vector<float>& send,
                               const std::vector<int64_t>& send_rows, std::vector<float>& recv,
                               const std::vector<int64_t>& recv_rows, int64_t width) {
@@ -325,20 +370,21 @@ void ExpertParallel::forward(int block, const RreWeights& w, const RrePlan& p,
   BlockState& s = *state_[size_t(block - first_block_)];
   s.chunks.clear();
   int64_t held = 0;  // rows received so far in this block
-  std::vector<float> send, recv, out, back, gx, gy;
+  std::vector<float> send, recv, out, back;  // host: the exchanges' buffers
   for (size_t g = 0; g < groups_.size(); ++g) {
     const Group& gr = groups_[g];
     if (!gr.comm) continue;
     Communicator& c = *gr.comm;
     // Out: per holder, its rows of x, then the same rows of y (the residual the FFN adds to).
     const std::vector<int64_t> send_rows = rows_per_holder(gr, p);
-    const int64_t r0 = p.start[size_t(gr.E0)];
-    send.resize(size_t(2 * (p.start[size_t(gr.E0 + gr.K)] - r0) * d));
+    const int64_t r0 = p.start[size_t(gr.E0)], rows_g = p.start[size_t(gr.E0 + gr.K)] - r0;
+    reserve(rows_d_, 2 * rows_g * d);
     for (int64_t m = 0, at = 0; m < c.size(); at += send_rows[size_t(m)], ++m) {
-      const int32_t* rows = p.order.data() + r0 + at;
-      ops::gather_rows(send.data() + 2 * at * d, x, rows, send_rows[size_t(m)], d);
-      ops::gather_rows(send.data() + (2 * at + send_rows[size_t(m)]) * d, y, rows, send_rows[size_t(m)], d);
+      const int64_t n = send_rows[size_t(m)];
+      gather_plan_rows(rows_d_.f() + 2 * at * d, x, p, r0 + at, n, d);
+      gather_plan_rows(rows_d_.f() + (2 * at + n) * d, y, p, r0 + at, n, d);
     }
+    download_to(send, rows_d_.f(), 2 * rows_g * d);
     // In: each member's rows for this rank's experts, known from its plan.
     std::vector<int64_t> recv_rows(size_t(c.size()), 0);
     const size_t first_chunk = s.chunks.size();
@@ -359,25 +405,27 @@ void ExpertParallel::forward(int block, const RreWeights& w, const RrePlan& p,
       if (ch.rows > 0) s.chunks.push_back(std::move(ch));
     }
     exchange(c, send, send_rows, recv, recv_rows, 2 * d);
-    s.x.resize(size_t(held * d));
-    s.pre.resize(size_t(held * f));
-    s.act.resize(size_t(held * f));
-    out.resize(size_t((held - base) * d));
+    reserve(s.x, held * d, base * d);
+    reserve(s.pre, held * f, base * f);
+    reserve(s.act, held * f, base * f);
+    reserve(out_d_, (held - base) * d);
     for (size_t i = first_chunk; i < s.chunks.size(); ++i) {
       const Chunk& ch = s.chunks[i];
+      const size_t bytes = size_t(ch.rows * d) * sizeof(float);
       const float* in = recv.data() + 2 * (ch.at - base) * d;
-      std::memcpy(s.x.data() + ch.at * d, in, size_t(ch.rows * d) * sizeof(float));
-      float* yr = out.data() + (ch.at - base) * d;
-      std::memcpy(yr, in + ch.rows * d, size_t(ch.rows * d) * sizeof(float));
-      gx.resize(size_t(ch.rows * d));
-      gy.resize(size_t(ch.rows * d));
-      rre_forward(yr, s.pre.data() + ch.at * f, s.act.data() + ch.at * f, gx.data(), gy.data(),
-                  s.x.data() + ch.at * d, w, ch.plan, ch.slice, ch.rows, d, f);
+      float* yr = out_d_.f() + (ch.at - base) * d;
+      ops::upload(s.x.f() + ch.at * d, in, bytes);
+      ops::upload(yr, in + ch.rows * d, bytes);
+      reserve(gx_, ch.rows * d);
+      reserve(gy_, ch.rows * d);
+      rre_forward(yr, s.pre.f() + ch.at * f, s.act.f() + ch.at * f, gx_.f(), gy_.f(),
+                  s.x.f() + ch.at * d, w, ch.plan, ch.slice, ch.rows, d, f);
     }
     // Back: y + FFN(x) of every row, to the rank it came from.
+    download_to(out, out_d_.f(), (held - base) * d);
     exchange(c, out, recv_rows, back, send_rows, d);
-    ops::scatter_rows(y, back.data(), p.order.data() + r0, p.start[size_t(gr.E0 + gr.K)] - r0, d,
-                      /*accumulate=*/false);
+    upload_from(rows_d_.f(), back);
+    scatter_plan_rows(y, rows_d_.f(), p, r0, rows_g, d, /*accumulate=*/false);
   }
 }
 
@@ -388,56 +436,66 @@ void ExpertParallel::backward(int block, const RreWeights& w, const RrePlan& p,
   const int bi = block - first_block_;
   BlockState& s = *state_[size_t(bi)];
   const ExpertGroupSpec layout = rre_group_spec(block, 0, 1, d, f);
-  std::vector<float> send, recv, out, back, scratch, gx, gdy, gdx;
+  std::vector<float> send, recv, out, back;  // host: the exchanges' buffers
   for (size_t g = 0; g < groups_.size(); ++g) {
     const Group& gr = groups_[g];
     if (!gr.comm) continue;
     Communicator& c = *gr.comm;
     const std::vector<int64_t> send_rows = rows_per_holder(gr, p);
     const int64_t r0 = p.start[size_t(gr.E0)], rows_g = p.start[size_t(gr.E0 + gr.K)] - r0;
-    send.resize(size_t(rows_g * d));
-    ops::gather_rows(send.data(), dy, p.order.data() + r0, rows_g, d);
+    reserve(rows_d_, rows_g * d);
+    gather_plan_rows(rows_d_.f(), dy, p, r0, rows_g, d);
+    download_to(send, rows_d_.f(), rows_g * d);
     std::vector<int64_t> recv_rows(size_t(c.size()), 0);
     for (const Chunk& ch : s.chunks)
       if (ch.g == int(g)) recv_rows[size_t(ch.member)] = ch.rows;
     exchange(c, send, send_rows, recv, recv_rows, d);
-    out.assign(recv.size(), 0.0f);
+    const int64_t rows = int64_t(recv.size()) / d;  // this group's chunks' rows
+    reserve(in_d_, rows * d);
+    reserve(out_d_, rows * d);
+    upload_from(in_d_.f(), recv);
+    if (rows > 0) ops::fill(out_d_.f(), 0.0f, rows * d);
     int64_t o = 0;  // rows of this group's chunks so far
     for (const Chunk& ch : s.chunks) {
       if (ch.g != int(g)) continue;
       RreWeights wl = w;  // the experts' gradients go to the source's leaf
       for (int e = ch.slice.begin; e < ch.slice.end; ++e) {
         const int32_t slot = slot_[size_t(bi) * size_t(E_) + size_t(e)];
-        if (slot >= 0) wl.expert_grad[size_t(e)] = grads_at(leaf_[size_t(ch.source)].data() + slot * stride_, layout);
+        if (slot >= 0) wl.expert_grad[size_t(e)] = grads_at(leaf_[size_t(ch.source)].f() + slot * stride_, layout);
       }
-      scratch.resize(size_t(2 * ch.rows * f));
-      gx.resize(size_t(ch.rows * d));
-      gdy.resize(size_t(ch.rows * d));
-      gdx.resize(size_t(ch.rows * d));
-      rre_backward(out.data() + o * d, scratch.data(), gx.data(), gdy.data(), gdx.data(),
-                   recv.data() + o * d, s.x.data() + ch.at * d, s.pre.data() + ch.at * f,
-                   s.act.data() + ch.at * f, wl, ch.plan, ch.slice, ch.rows, d, f);
+      reserve(scratch_, 2 * ch.rows * f);
+      reserve(gx_, ch.rows * d);
+      reserve(gy_, ch.rows * d);
+      reserve(gdx_, ch.rows * d);
+      rre_backward(out_d_.f() + o * d, scratch_.f(), gx_.f(), gy_.f(), gdx_.f(),
+                   in_d_.f() + o * d, s.x.f() + ch.at * d, s.pre.f() + ch.at * f,
+                   s.act.f() + ch.at * f, wl, ch.plan, ch.slice, ch.rows, d, f);
       o += ch.rows;
     }
+    download_to(out, out_d_.f(), rows * d);
     exchange(c, out, recv_rows, back, send_rows, d);
-    ops::scatter_rows(dx, back.data(), p.order.data() + r0, rows_g, d, /*accumulate=*/true);
+    upload_from(rows_d_.f(), back);
+    scatter_plan_rows(dx, rows_d_.f(), p, r0, rows_g, d, /*accumulate=*/true);
   }
 }
 
 void ExpertParallel::forward_replicated(const RreWeights& w, const RrePlan& p,
                                         const ExpertBuffers& b, float* y, const float* x,
                                         int64_t N, int64_t d, int64_t f) {
-  std::vector<float> ours(y, y + N * d), mine(size_t(N * d), 0.0f);
+  reserve(out_d_, N * d);
+  ops::copy(out_d_.f(), y, N * d);
   const bool side = whole_plan(p).side_by_side;
   for (const Group& gr : groups_)
     if (gr.count > 0)
-      rre_forward(ours.data(), b.pre, b.act, b.gx, b.gy, x, w, p,
+      rre_forward(out_d_.f(), b.pre, b.act, b.gx, b.gy, x, w, p,
                   {gr.E0 + gr.first, gr.E0 + gr.first + gr.count, side}, N, d, f);
+  std::vector<float> ours, mine(size_t(N * d), 0.0f);  // host: the all-reduce's buffers
+  download_to(ours, out_d_.f(), N * d);
   for (int64_t i = 0; i < N; ++i)
     if (mine_[size_t(p.expert[size_t(i)])])
       std::memcpy(mine.data() + i * d, ours.data() + i * d, size_t(d) * sizeof(float));
   world_.all_reduce_sum(mine.data(), N * d);  // one holder per row, zeros elsewhere: exact
-  std::memcpy(y, mine.data(), size_t(N * d) * sizeof(float));
+  upload_from(y, mine);
 }
 
 void ExpertParallel::append_grad_sq_parts(std::vector<double>& parts) const {
@@ -449,7 +507,7 @@ void ExpertParallel::append_grad_sq_parts(std::vector<double>& parts) const {
     const ExpertId id = global_active_[i];
     const size_t at = size_t(id.block - first_block_) * size_t(E_) + size_t(groups_[size_t(id.group)].E0 + id.expert);
     if (slot_[at] < 0) continue;
-    const float* g = total_.data() + slot_[at] * stride_;
+    const float* g = total_.data() + slot_[at] * stride_;  // host, like the store's Adam
     for (size_t t = 0; t < leaves; ++t)
       parts[first + i * leaves + t] = host_sum_sq(g + layout.offset(t), shape_numel(layout.tensors[t].shape));
   }
@@ -491,7 +549,7 @@ void ExpertParallel::collect() {
       for (size_t m = 0; me == writer && m < ranks.size(); ++m)
         recv_counts[size_t(ranks[m])] = rec * (GroupPlacement::first(gr.K, ranks.size(), m + 1) -
                                                GroupPlacement::first(gr.K, ranks.size(), m));
-      send.resize(size_t(rec * gr.count));
+      send.resize(size_t(rec * gr.count));  // host: store records to the writer
       for (int32_t k = 0; k < gr.count; ++k) {
         const ExpertId id{l, int32_t(g), k};
         float* r = send.data() + k * rec;

@@ -130,10 +130,17 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   std::vector<ExpertId> ids_;            // this rank's of them (global expert numbers)
   std::vector<int32_t> slot_;            // [block * E + e]: compute slot, or -1
   std::vector<uint8_t> touched_;         // [ids_]: received rows this step (updated)
-  Tensor w_;                             // [ids_, stride_] the step's weights
-  std::vector<std::vector<float>> leaf_;  // [world rank]: this micro-batch's gradients from it
-  std::vector<TreeAccumulator> trees_;    // [world rank]: its micro-batches so far
-  std::vector<float> total_;              // the step's summed gradients [ids_, stride_]
+  // On the device: the step's weights [ids_, stride_], and per source (world rank) the
+  // gradients of its rows in this micro-batch, [ids_, stride_] (empty for non-sources).
+  Tensor w_;
+  std::vector<Tensor> leaf_;
+  // Device scratch of the passes: rows to and from the exchanges, the experts' inputs and
+  // outputs, rre_forward's and rre_backward's work buffers. They only grow.
+  Tensor rows_d_, in_d_, out_d_, gx_, gy_, gdx_, scratch_;
+  // Host: each source's leaves so far (downloaded after each micro-batch), and the step's sums
+  // [ids_, stride_] that the store's Adam reads.
+  std::vector<TreeAccumulator> trees_;
+  std::vector<float> total_;
   std::vector<std::unique_ptr<BlockState>> state_;  // [RRE block]
   struct Collected {  // collect(): a (block, group) pair this rank writes, all its records
     int block = 0, group = 0;

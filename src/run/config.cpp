@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/json_depth.h"
+#include "kernels/ops.h"
 
 namespace sigma {
 
@@ -73,10 +74,11 @@ void TrainConfig::describe(Options& o, const std::string& p) {
         "active experts need more runs each RRE pass in slices (same results). auto = a quarter "
         "of physical memory");
   o.add(p + "backend", &backend,
-        "kernel backend of the ops front: cpu (the fast kernels), ref (naive loops "
-        "accumulating in double, the tests' oracle; slow, for checking a run) or guard (the cpu "
-        "kernels over memory host code cannot touch outside an op: proves a run device-clean)",
-        {"cpu", "ref", "guard"});
+        fmt::format("kernel backend of the ops front, one of {}: cpu (the fast kernels), ref "
+                    "(naive loops accumulating in double, the tests' oracle; slow, for checking "
+                    "a run), guard (the cpu kernels over memory host code cannot touch outside "
+                    "an op: proves a run device-clean)", ops::backend_names()),
+        ops::backend_list());
   o.add(p + "precision", &precision,
         "GEMM inputs of training and evaluation: fp32, or bf16 (inputs rounded to bf16, fp32 "
         "accumulation; master weights, Adam, softmax, LayerNorm and the loss stay fp32)",

@@ -197,8 +197,11 @@ constexpr int kHostArg<&ops::Backend::download> = 0;
 
 template <class T>
 void check_arg(T arg, bool host_by_design) {
-  if constexpr (std::is_pointer_v<T>)
+  if constexpr (std::is_pointer_v<T>) {
     if (arg && !host_by_design && !owns(arg)) on_host_arg(arg);
+  } else if constexpr (std::is_same_v<T, ops::AttnOperand> || std::is_same_v<T, ops::AttnGrad>) {
+    check_arg(arg.p, false);  // the attention views carry their memory inside
+  }
 }
 
 // The cpu op behind member M of the table, run inside a scope.
