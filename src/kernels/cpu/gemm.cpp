@@ -26,18 +26,26 @@ void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
 // other domains, at any --batch; docs/reliability.md). Such products are small (a few tokens
 // of an expert), so the padding costs nothing that shows; decode keeps its own kernels.
 constexpr int64_t kInvariantRows = 16;
+// On AVX2 (Zen 3, oneDNN 2.6) that does not hold: a tail of 1-3 rows (of each thread's share
+// of M, in steps of 6) takes another kernel, with other bits. Measured there (K 128 and 512,
+// N 128-512, 1 and 2 threads, M up to 1,024): with M a multiple of 48 every row gets the same
+// bits (an fma chain over k, in blocks of 256). So scoring (ops::BatchInvariant) runs a
+// product's rows in multiples of 48, its last rows padded.
+constexpr int64_t kInvariantStep = 48;
 
-void gemm_padded(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
-                 int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+// Rows [0, M) of the product computed as P >= M rows, the others zero.
+void gemm_padded(bool tb, int64_t M, int64_t P, int64_t N, int64_t K, float alpha,
+                 const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                 int64_t ldc) {
   thread_local std::vector<float> a, c;
-  a.assign(size_t(kInvariantRows * K), 0.0f);
-  c.assign(size_t(kInvariantRows * N), 0.0f);
+  a.assign(size_t(P * K), 0.0f);
+  c.assign(size_t(P * N), 0.0f);
   for (int64_t i = 0; i < M; ++i) {
     std::copy_n(A + i * lda, K, a.data() + i * K);
     if (beta != 0.0f) std::copy_n(C + i * ldc, N, c.data() + i * N);
   }
-  dnnl_status_t st = dnnl_sgemm('N', tb ? 'T' : 'N', kInvariantRows, N, K, alpha, a.data(), K, B,
-                                ldb, beta, c.data(), N);
+  const dnnl_status_t st = dnnl_sgemm('N', tb ? 'T' : 'N', P, N, K, alpha, a.data(), K, B, ldb,
+                                      beta, c.data(), N);
   SIGMA_CHECK(st == dnnl_success, "oneDNN sgemm failed (status {}) for M={} N={} K={}",
               static_cast<int>(st), M, N, K);
   for (int64_t i = 0; i < M; ++i) std::copy_n(c.data() + i * N, N, C + i * ldc);
@@ -48,8 +56,16 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_c(M, N, beta, C, ldc);  // oneDNN leaves C untouched for K = 0
-  if (!ta && M < kInvariantRows && !ops::FewRowKernels::on())
-    return gemm_padded(tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  if (!ta && !ops::FewRowKernels::on()) {
+    if (ops::BatchInvariant::on() && M % kInvariantStep) {
+      const int64_t whole = M - M % kInvariantStep;
+      gemm(ta, tb, whole, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      return gemm_padded(tb, M - whole, kInvariantStep, N, K, alpha, A + whole * lda, lda, B,
+                         ldb, beta, C + whole * ldc, ldc);
+    }
+    if (M < kInvariantRows)
+      return gemm_padded(tb, M, kInvariantRows, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
   dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb,
                                 beta, C, ldc);
   SIGMA_CHECK(st == dnnl_success, "oneDNN sgemm failed (status {}) for M={} N={} K={}",
