@@ -44,11 +44,12 @@ with open("items.jsonl", "w") as f:
                             "choices": [" " + sentence(1, 4), " " + sentence(1, 4)],
                             "answer": rnd.randint(0, 1)}) + "\n")
 PY
+# Trained with the reference binary, so that an older one can read the checkpoint.
 if [ ! -d run/checkpoints ]; then
-  "$sigma" tokenizer train --corpus corpus.jsonl --vocab-size 300 --out tok.json >/dev/null
+  "$ref_sigma" tokenizer train --corpus corpus.jsonl --vocab-size 300 --out tok.json >/dev/null
   echo '{"tokenizer": "tok.json", "corpus": ["corpus.jsonl"], "domains": [{"name": "english"}]}' > data.json
-  "$sigma" prepare --config data.json --out shards >/dev/null
-  "$sigma" train --quiet --set data.source=shards --set data.path=shards --set model.d_model=128 \
+  "$ref_sigma" prepare --config data.json --out shards >/dev/null
+  "$ref_sigma" train --quiet --set data.source=shards --set data.path=shards --set model.d_model=128 \
     --set model.heads=4 --set model.layers=4 --set model.context=64 --set model.rre_layers=2 \
     --set 'model.groups=[{"name":"english","experts":2}]' --set train.batch=8 \
     --set train.steps=30 --set train.eval_rows=2 --out run >/dev/null

@@ -17,7 +17,11 @@ void fast_gelu_forward(float* y, const float* x, int64_t n) {
     const int64_t m = std::min(kChunk, n - c);
     float s[kChunk];
     sigmoid_scaled(s, x + c, m, kGeluAlpha);
+    // s[0..m) is written by sigmoid_scaled (through AVX stores GCC 12 does not follow).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
     for (int64_t i = 0; i < m; ++i) y[c + i] = x[c + i] * s[i];
+#pragma GCC diagnostic pop
   }
 }
 

@@ -109,6 +109,60 @@ void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout
 }
 
 namespace {
+#if defined(SIGMA_VEXP_AVX2)
+// AVX2 builds (hd a multiple of 8, at most 64): a query row's scores 8 keys at a time and its
+// output with the hd / 8 column blocks in registers. Key j's dot product is one sum in one
+// order wherever j falls (8 lanes over c, then lane i + i+4, i + i+2, i + i+1), and each output
+// column the same fma chain over j as the plain loop, so a row's bits depend on its own keys
+// only, as there. (AVX-512 builds keep the plain loops, whose bits earlier builds matched.)
+constexpr int64_t kMaxAvx2Hd = 64;
+
+void row_scores_avx2(float* S, const float* qi, const float* kb, int64_t ldk, int64_t n,
+                     int64_t hd, float scale) {
+  __m256 qv[kMaxAvx2Hd / 8];
+  const int64_t nc = hd / 8;
+  for (int64_t c = 0; c < nc; ++c) qv[c] = _mm256_loadu_ps(qi + 8 * c);
+  const __m256 sc = _mm256_set1_ps(scale);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t j = 0; j < n; j += 8) {
+    __m256 a[8];
+    for (int64_t t = 0; t < 8; ++t) {
+      const float* kj = kb + std::min(j + t, n - 1) * ldk;  // past n: a repeat, not stored
+      __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+      for (int64_t c = 1; c < nc; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), acc);
+      a[t] = acc;
+    }
+    __m256 u[4];
+    for (int t = 0; t < 4; ++t)  // [key 2t: lane i + lane i+4 | key 2t+1: the same]
+      u[t] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * t], a[2 * t + 1], 0x20),
+                           _mm256_permute2f128_ps(a[2 * t], a[2 * t + 1], 0x31));
+    const __m256 w0 = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x44), _mm256_shuffle_ps(u[0], u[1], 0xEE));
+    const __m256 w1 = _mm256_add_ps(_mm256_shuffle_ps(u[2], u[3], 0x44), _mm256_shuffle_ps(u[2], u[3], 0xEE));
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(w0, w1, 0x88), _mm256_shuffle_ps(w0, w1, 0xDD));
+    const __m256 dots = _mm256_mul_ps(sc, _mm256_permutevar8x32_ps(r, order));  // keys j..j+7
+    if (j + 8 <= n) {
+      _mm256_storeu_ps(S + j, dots);
+    } else {
+      alignas(32) float tail[8];
+      _mm256_store_ps(tail, dots);
+      std::copy(tail, tail + (n - j), S + j);
+    }
+  }
+}
+
+void row_output_avx2(float* o, const float* S, const float* vb, int64_t ldv, int64_t n, int64_t hd) {
+  __m256 acc[kMaxAvx2Hd / 8];
+  const int64_t nc = hd / 8;
+  for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 p = _mm256_set1_ps(S[j]);
+    const float* vj = vb + j * ldv;
+    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+}
+#endif
+
 // Scores of query rows [i0, i1) of one (b, h) over the keys they see, into S (row stride ld):
 // S = scale * q k^T; entries past a row's last key are left for the caller.
 void block_scores(float* S, int64_t ld, const float* qb, int64_t ldq, const float* kb,
@@ -132,6 +186,19 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
     const int64_t b = bh / s.H, h = bh % s.H;
     const float* kb = k.p + b * k.bs + h * hd;
     const float* vb = v.p + b * v.bs + h * hd;
+#if defined(SIGMA_VEXP_AVX2)
+    if (hd % 8 == 0 && hd <= kMaxAvx2Hd) {
+      for (int64_t i = 0; i < Tq; ++i) {
+        const int64_t n = off + i + 1;
+        row_scores_avx2(S, q.p + b * q.bs + i * q.ld + h * hd, kb, k.ld, n, hd, scale);
+        const float mx = max_of(S, n), sum = exp_shift_sum(S, n, mx);
+        lse[bh * Tq + i] = mx + std::log(sum);
+        scale_into(S, S, n, 1.0f / sum);
+        row_output_avx2(out + (b * Tq + i) * d + h * hd, S, vb, v.ld, n, hd);
+      }
+      continue;
+    }
+#endif
     for (int64_t i = 0; i < Tq; ++i) {
       const float* qi = q.p + b * q.bs + i * q.ld + h * hd;
       const int64_t n = off + i + 1;  // keys this row sees
