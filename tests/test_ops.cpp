@@ -631,20 +631,58 @@ void add_xent(std::vector<Case>& cs, int64_t N, int64_t V, bool grad, uint64_t s
       }));
 }
 
+// split: a vocabulary-parallel rank's lookup: every third row another rank's (-1), no positions.
 void add_embedding(std::vector<Case>& cs, int64_t B, int64_t T, int64_t d, int32_t rows,
-                   uint64_t seed) {
-  const auto ids = ints(B * T, seed, rows);  // repeats: backward sums several tokens per row
+                   uint64_t seed, bool split = false) {
+  auto ids = ints(B * T, seed, rows);  // repeats: backward sums several tokens per row
+  if (split)
+    for (size_t i = 1; i < ids.size(); i += 3) ids[i] = -1;
   const auto table = vec(rows * d, seed + 1), pos = vec(T * d, seed + 2), dout = vec(B * T * d, 4);
-  const std::string label = fmt::format("B={} T={} d={} rows={}", B, T, d, rows);
+  const std::string label = fmt::format("B={} T={} d={} rows={}{}", B, T, d, rows,
+                                        split ? " split (rows -1, no positions)" : "");
   cs.push_back(make_case(OP(embedding_forward), label, {{"out", vec(B * T * d, seed + 3)}},
                          [=](auto fn, Outs& o) {
-                           fn(o[0].data(), ids.data(), table.data(), pos.data(), B, T, d);
+                           fn(o[0].data(), ids.data(), table.data(), split ? nullptr : pos.data(),
+                              B, T, d);
                          }));
   cs.push_back(make_case(OP(embedding_backward), label,
                          {{"dtable", vec(rows * d, seed + 5)}, {"dpos", vec(T * d, seed + 6)}},
                          [=](auto fn, Outs& o) {
                            fn(o[0].data(), o[1].data(), dout.data(), ids.data(), B, T, d);
                          }));
+}
+
+// Vocabulary-parallel cross-entropy: rank 1 of P, its V columns of rows of P*V ids (targets
+// inside and outside its columns); the combination reads all P ranks' true statistics.
+void add_xent_parts(std::vector<Case>& cs, int64_t N, int64_t V, int64_t P, bool grad,
+                    uint64_t seed) {
+  const auto targets = ints(N, seed, int32_t(V * P));
+  auto gs = vec(N, seed + 1, 0.2f, 1.0f);
+  if (N > 1) gs[1] = 0.0f;
+  const auto full = vec(N * V * P, seed + 2, 2.0f, 1.0f);
+  auto slice = [&](int64_t r) {  // rank r's columns, contiguous
+    std::vector<float> s(size_t(N * V));
+    for (int64_t i = 0; i < N; ++i)
+      std::copy_n(full.begin() + (i * P + r) * V, V, s.begin() + i * V);
+    return s;
+  };
+  const std::string label = fmt::format("N={} V={} of {} ranks {}", N, V, P, grad ? "grad" : "loss-only");
+  const auto mine = slice(1);
+  cs.push_back(make_case(OP(xent_partial), label, {{"stats", vec(N * 3, seed + 3)}},
+                         [=](auto fn, Outs& o) {
+                           fn(o[0].data(), mine.data(), targets.data(), V, N, V);
+                         }));
+  std::vector<float> stats(size_t(P * N * 3));
+  ops::use_backend(ops::BackendKind::Ref);
+  for (int64_t r = 0; r < P; ++r)
+    ops::xent_partial(stats.data() + r * N * 3, slice(r).data(), targets.data(), r * V, N, V);
+  ops::use_backend(ops::BackendKind::Cpu);
+  cs.push_back(make_case(
+      OP(xent_combine), label, {{"logits", mine, grad}, {"loss", vec(N, seed + 4)}},
+      [=](auto fn, Outs& o) {
+        fn(o[0].data(), o[1].data(), stats.data(), targets.data(), grad ? gs.data() : nullptr, V,
+           P, N, V);
+      }));
 }
 
 void add_adam(std::vector<Case>& cs, int64_t n, AdamStepArgs a, uint64_t seed) {
@@ -767,6 +805,11 @@ std::vector<Case> all_cases() {
   add_embedding(cs, 1, 1, 1, 1, seed += 10);
   add_embedding(cs, 2, 7, 33, 11, seed += 10);
   add_embedding(cs, 3, 5, 131, 4, seed += 10);
+  add_embedding(cs, 2, 7, 33, 11, seed += 10, true);
+  for (bool grad : {false, true}) {
+    add_xent_parts(cs, 7, 33, 2, grad, seed += 10);
+    add_xent_parts(cs, 5, 131, 4, grad, seed += 10);
+  }
   add_embedding_q(cs, 2, 7, 33, 11, seed += 10);
   add_adam(cs, 1, {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 1}, seed += 10);
   add_adam(cs, 131, {3e-3f, 0.9f, 0.95f, 1e-10f, 0.0f, 0.25f, 2}, seed += 10);
@@ -804,10 +847,11 @@ TEST(Ops, EveryOpOfTheFrontHasACase) {
         "layernorm_backward", "attention_forward", "attention_backward",
         "flash_attention_forward", "flash_attention_backward", "flash_attention_forward_bf16",
         "flash_attention_backward_bf16", "fast_gelu_forward",
-        "fast_gelu_backward", "softmax_xent", "embedding_forward", "embedding_backward",
+        "fast_gelu_backward", "softmax_xent", "xent_partial", "xent_combine",
+        "embedding_forward", "embedding_backward",
         "adam_step", "copy", "fill", "add_into", "gather_rows", "scatter_rows"})
     EXPECT_TRUE(seen.count(op)) << op;
-  EXPECT_EQ(seen.size(), 32u);
+  EXPECT_EQ(seen.size(), 34u);
 }
 
 // cpu vs ref, element by element. Prints, per op, how far below its tolerance the worst
@@ -1111,6 +1155,39 @@ TEST(OpsGradients, SoftmaxXentGradientMatchesFiniteDifferences) {
     ref::softmax_xent<Bound>(p[0].data(), p[1].data(), targets.data(), gs.data(), N, V);
   });
   expect_fd("dlogits", logits, an[0], loss);
+}
+
+// The vocabulary-parallel loss over P ranks' columns is the whole rows' loss, and its gradient
+// the whole rows' gradient, to fp32 rounding (cpu kernels; P = 1 is the degenerate split).
+TEST(Ops, VocabularyParallelCrossEntropyIsTheWholeRowsLoss) {
+  const int64_t N = 6, V = 12;
+  const auto targets = ints(N, 3, int32_t(V));
+  const std::vector<float> gs = {1.0f, 0.5f, 0.0f, 2.0f, 0.25f, 1.0f};
+  const auto full = vec(N * V, 4, 3.0f);
+  std::vector<float> want = full, want_loss(N);
+  ops::softmax_xent(want.data(), want_loss.data(), targets.data(), gs.data(), N, V);
+  for (int64_t P : {1, 2, 3, 4}) {
+    const int64_t Vl = V / P;
+    std::vector<std::vector<float>> part(size_t(P), std::vector<float>(size_t(N * Vl)));
+    std::vector<float> stats(size_t(P * N * 3));
+    for (int64_t r = 0; r < P; ++r) {
+      for (int64_t i = 0; i < N; ++i)
+        std::copy_n(full.begin() + i * V + r * Vl, Vl, part[size_t(r)].begin() + i * Vl);
+      ops::xent_partial(stats.data() + r * N * 3, part[size_t(r)].data(), targets.data(), r * Vl, N, Vl);
+    }
+    for (int64_t r = 0; r < P; ++r) {
+      std::vector<float> loss(N);
+      ops::xent_combine(part[size_t(r)].data(), loss.data(), stats.data(), targets.data(), gs.data(),
+                        r * Vl, P, N, Vl);
+      for (int64_t i = 0; i < N; ++i) {
+        EXPECT_NEAR(loss[size_t(i)], want_loss[size_t(i)], 2e-6 * std::fabs(want_loss[size_t(i)]))
+            << "P=" << P << " rank " << r << " row " << i;
+        for (int64_t j = 0; j < Vl; ++j)
+          EXPECT_NEAR(part[size_t(r)][size_t(i * Vl + j)], want[size_t(i * V + r * Vl + j)], 1e-6)
+              << "P=" << P << " rank " << r << " row " << i << " column " << r * Vl + j;
+      }
+    }
+  }
 }
 
 TEST(OpsGradients, EmbeddingBackwardMatchesFiniteDifferences) {

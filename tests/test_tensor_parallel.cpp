@@ -4,6 +4,7 @@
 // and gradients to fp32 rounding, and replicated gradients identical on every rank.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/rng.h"
+#include "io/safetensors.h"
+#include "kernels/ops.h"
 #include "model/model.h"
 #include "model/names.h"
 #include "model/tensor_parallel.h"
@@ -28,7 +31,7 @@ namespace {
 
 ModelConfig tp_config(int rre_layers, const std::string& router = "rre") {
   ModelConfig c;
-  c.vocab = 17;
+  c.vocab = 40;  // 10 ids per rank at tp 4; no other operand of the model is 40 wide
   c.d_model = 16;
   c.heads = 4;
   c.context = 6;
@@ -98,7 +101,7 @@ double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
 void perturb_vectors(Model& m, int P, int rank) {
   for (Param& p : m.params().all()) {
     if (p.value.shape().size() != 1) continue;
-    const TpSplit s = P > 1 ? tp_split(p.name) : TpSplit{};
+    const TpSplit s = P > 1 ? tp_split(m.config(), p.name) : TpSplit{};
     const int64_t n = p.value.numel() * (s.replicated() ? 1 : P);
     std::vector<float> full(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) full[size_t(i)] = 0.2f * rng_normal(7, 3, uint64_t(i));
@@ -127,7 +130,7 @@ void expect_tp_matches_one_rank(const ModelConfig& c, int P, Remat remat = Remat
   for (int r = 0; r < P; ++r)
     EXPECT_LT(max_rel_diff(ref.loss, ranks[size_t(r)].loss), 1e-5) << "rank " << r << "'s losses";
   for (size_t i = 0; i < ps.size(); ++i) {
-    const TpSplit s = tp_split(ps[i].name);
+    const TpSplit s = tp_split(c, ps[i].name);
     std::vector<std::vector<float>> values, grads;
     for (const Pass& p : ranks) values.push_back(p.value[i]), grads.push_back(p.grad[i]);
     if (s.replicated()) {
@@ -147,15 +150,29 @@ void expect_tp_matches_one_rank(const ModelConfig& c, int P, Remat remat = Remat
 }  // namespace
 
 TEST(TensorParallel, TheShardTableSplitsByHeadsAndRows) {
-  EXPECT_EQ(tp_split(names::block(0, "attn.qkv.w")).dim, 1);
-  EXPECT_EQ(tp_split(names::block(0, "attn.qkv.w")).parts, 3);
-  EXPECT_EQ(tp_split(names::block(2, "attn.out.w")).dim, 0);
-  EXPECT_EQ(tp_split(names::ffn(1, names::kWIn)).dim, 1);
-  EXPECT_EQ(tp_split(names::ffn(1, names::kWOut)).dim, 0);
+  ModelConfig c = tp_config(1);
+  c.slots = 3;
+  EXPECT_EQ(tp_split(c, names::block(0, "attn.qkv.w")).dim, 1);
+  EXPECT_EQ(tp_split(c, names::block(0, "attn.qkv.w")).parts, 3);
+  EXPECT_EQ(tp_split(c, names::block(2, "attn.out.w")).dim, 0);
+  EXPECT_EQ(tp_split(c, names::ffn(1, names::kWIn)).dim, 1);
+  EXPECT_EQ(tp_split(c, names::ffn(1, names::kWOut)).dim, 0);
+  // The embedding: each of its 3 slots by token id.
+  EXPECT_EQ(tp_split(c, names::kTokens).dim, 0);
+  EXPECT_EQ(tp_split(c, names::kTokens).parts, 3);
   for (const std::string n : {names::block(0, "attn.out.b"), names::ffn(1, names::kBOut),
-                              names::block(0, "ln1.w"), std::string(names::kTokens),
+                              names::block(0, "ln1.w"), std::string(names::kPositions),
                               names::block(2, "attn.query_table"), names::expert(2, "a", names::kWIn)})
-    EXPECT_TRUE(tp_split(n).replicated()) << n;
+    EXPECT_TRUE(tp_split(c, n).replicated()) << n;
+  // Rows of a [3 slots * 8 ids] table over 2 ranks: rank 1 holds ids 4-7 of each slot.
+  std::vector<float> table(24);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = float(i);
+  std::vector<float> mine(12);
+  tp_slice(mine.data(), table.data(), {24, 1}, {0, 3}, 2, 1);
+  EXPECT_EQ(mine, (std::vector<float>{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23}));
+  // A freeze mask's rows (slots 1 and 2, and ids 2-5 of slot 0) as rank 1's local rows.
+  EXPECT_EQ(tp_local_rows({{2, 6}, {8, 24}}, 8, 2, 1), (RowRanges{{0, 2}, {4, 8}, {8, 12}}));
+  EXPECT_EQ(tp_local_rows({{2, 6}, {8, 24}}, 8, 2, 0), (RowRanges{{2, 4}, {4, 8}, {8, 12}}));
   // QKV [2, 3*4] over 2 ranks: rank 1 holds columns 2-3 of each of Q, K and V.
   std::vector<float> full(24);
   for (size_t i = 0; i < full.size(); ++i) full[i] = float(i);
@@ -201,6 +218,90 @@ TEST(TensorParallel, TheGridRefusesATpThatDoesNotDivideTheRanks) {
     RankGrid grid(world, 4);
     EXPECT_THROW(Model(c, 1, nullptr, false, grid.tp_group()), Error);
   });
+  c = tp_config(0);
+  c.vocab = 30;
+  test_ranks::run_ranks(4, [&](Communicator& world) {
+    RankGrid grid(world, 4);
+    try {
+      Model m(c, 1, nullptr, false, grid.tp_group());
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("dist.tp = 4 does not divide model.vocab = 30"),
+                std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("set model.vocab = 32"), std::string::npos) << e.what();
+    }
+  });
+}
+
+namespace {
+// A backend that counts every op given an operand as wide as the whole vocabulary: the tied
+// head's three GEMMs (M, N or K = V) and the loss (V columns). Nothing else in tp_config's
+// model is 40 wide, so at tp = 1 it counts the head and at tp > 1 it must count nothing.
+struct VocabWatch {
+  static inline std::atomic<int64_t> hits{0};
+  static inline int64_t V = 0;
+  static inline const ops::Backend* base = nullptr;
+  static inline ops::Backend table{};
+  static void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                   int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+    if (M == V || N == V || K == V) ++hits;
+    base->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  static void softmax_xent(float* l, float* loss, const int32_t* t, const float* g, int64_t N,
+                           int64_t cols) {
+    if (cols == V) ++hits;
+    base->softmax_xent(l, loss, t, g, N, cols);
+  }
+  static void xent_partial(float* s, const float* l, const int32_t* t, int64_t v0, int64_t N,
+                           int64_t cols) {
+    if (cols == V) ++hits;
+    base->xent_partial(s, l, t, v0, N, cols);
+  }
+  static void xent_combine(float* l, float* loss, const float* s, const int32_t* t, const float* g,
+                           int64_t v0, int64_t P, int64_t N, int64_t cols) {
+    if (cols == V) ++hits;
+    base->xent_combine(l, loss, s, t, g, v0, P, N, cols);
+  }
+  // Installs the watch over the active backend for the scope.
+  explicit VocabWatch(int64_t vocab) {
+    V = vocab;
+    hits = 0;
+    base = &ops::active_backend();
+    table = *base;
+    table.gemm = &gemm;
+    table.softmax_xent = &softmax_xent;
+    table.xent_partial = &xent_partial;
+    table.xent_combine = &xent_combine;
+    ops::use_backend(table);
+  }
+  ~VocabWatch() { ops::use_backend(*base); }
+};
+
+// Operations that saw a whole vocabulary row, over a training pass and an evaluation pass
+// (no loss weights) on P thread ranks; also checks the logits buffer each rank holds.
+int64_t full_vocabulary_ops(const ModelConfig& c, int P) {
+  const Batch b = tp_batch(c, 3, 5);
+  VocabWatch watch(c.vocab);
+  test_ranks::run_ranks(P, [&](Communicator& world) {
+    RankGrid grid(world, P);
+    Model m(c, 42, nullptr, false, grid.tp_group());
+    run_pass(m, b);
+    std::vector<float> loss(b.tokens.size());
+    m.forward(b, loss.data());
+    EXPECT_EQ(int64_t(m.logits().size()), int64_t(b.tokens.size()) * c.vocab / P);
+  });
+  return VocabWatch::hits;
+}
+}  // namespace
+
+// The acceptance of issue 26: no rank ever materialises the [N, V] logits with tp > 1. The
+// same watch on the replicated head (tp = 1) counts its GEMMs and loss, so it can fail.
+TEST(TensorParallel, NoRankMaterialisesTheWholeVocabularyLogits) {
+  for (const ModelConfig& c : {tp_config(0), tp_config(1)}) {
+    EXPECT_GT(full_vocabulary_ops(c, 1), 0) << "the watch misses the replicated head";
+    EXPECT_EQ(full_vocabulary_ops(c, 2), 0) << "tp = 2";
+    EXPECT_EQ(full_vocabulary_ops(c, 4), 0) << "tp = 4";
+  }
 }
 
 // ---- through the CLI: each test starts its own mpirun ----
@@ -233,6 +334,14 @@ std::string file_bytes(const std::string& path) {
   return s.str();
 }
 
+// Every tensor's bytes in name order (not the metadata, which holds the run's config).
+std::string tensor_bytes(const std::string& path) {
+  std::string out;
+  for (const auto& [name, t] : read_safetensors(path).tensors)
+    out += name + std::string(reinterpret_cast<const char*>(t.bytes()), t.nbytes());
+  return out;
+}
+
 // Each record's loss and gradient norm (the fields training arithmetic decides).
 std::vector<double> loss_and_norms(const std::string& metrics) {
   std::vector<double> v;
@@ -258,25 +367,37 @@ double worst_rel(const std::vector<double>& a, const std::vector<double>& b) {
 
 // At a fixed tp the promise of data and expert parallelism holds unchanged: tp 2 on 2 ranks
 // (one data rank) and on 4 ranks (tp 2 x dp 2, experts spread over 2) train the same bits.
-// Across tp degrees the sums are bracketed differently (docs/distributed.md): within 1e-5.
+// Across tp degrees the sums are bracketed differently (docs/distributed.md): tp 2 and tp 4
+// within 1e-5 of tp 1 (the embedding, the head and the loss vocabulary-parallel too). And
+// dist.zero = 2 (gradients sharded; on 4 ranks with one micro-batch each, every stage of
+// backward handed to its owners as it finishes) trains the bits of one rank.
 TEST(TensorParallelRuns, FixedTpIsBitIdenticalAcrossDataAndExpertRanksAndTp1IsClose) {
   SKIP_WITHOUT_MPI();
   for (const char* model : {kDenseModel, kRreModel, kGateModel}) {
     TempDir t("tp");
     const int steps = 10;
-    const std::string one = t / "tp1", two = t / "tp2r2", four = t / "tp2r4";
+    const std::string one = t / "tp1", two = t / "tp2r2", four = t / "tp2r4", tp4 = t / "tp4",
+                      zero2 = t / "zero2";
     CmdResult r = on_ranks(1, tp_args(model, steps, 1) + " --out " + one);
     ASSERT_EQ(r.code, 0) << r.out;
     r = on_ranks(2, tp_args(model, steps, 2) + " --out " + two);
     ASSERT_EQ(r.code, 0) << r.out;
     r = on_ranks(4, tp_args(model, steps, 2) + " --out " + four);
     ASSERT_EQ(r.code, 0) << r.out;
+    r = on_ranks(4, tp_args(model, steps, 4) + " --out " + tp4);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = on_ranks(4, tp_args(model, steps, 1) + " --set dist.zero=2 --out " + zero2);
+    ASSERT_EQ(r.code, 0) << r.out;
     const std::string ck = fmt::format("/checkpoints/step-{:08d}/model.safetensors", steps);
     EXPECT_FALSE(file_bytes(two + ck).empty());
     EXPECT_TRUE(file_bytes(two + ck) == file_bytes(four + ck)) << model << ": tp 2 x dp 2 weights differ from tp 2";
     EXPECT_EQ(loss_and_norms(two + "/metrics.jsonl"), loss_and_norms(four + "/metrics.jsonl")) << model;
+    EXPECT_TRUE(tensor_bytes(zero2 + ck) == tensor_bytes(one + ck)) << model << ": dist.zero = 2 differs";
+    EXPECT_EQ(loss_and_norms(zero2 + "/metrics.jsonl"), loss_and_norms(one + "/metrics.jsonl")) << model;
     EXPECT_LT(worst_rel(loss_and_norms(one + "/metrics.jsonl"), loss_and_norms(two + "/metrics.jsonl")), 1e-5)
         << model << ": tp 2 strays from tp 1";
+    EXPECT_LT(worst_rel(loss_and_norms(one + "/metrics.jsonl"), loss_and_norms(tp4 + "/metrics.jsonl")), 1e-5)
+        << model << ": tp 4 strays from tp 1";
   }
 }
 

@@ -4,6 +4,9 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "core/error.h"
 
 namespace sigma {
@@ -129,6 +132,18 @@ Tensor clone(const Tensor& t) {
   Tensor c(t.dtype(), t.shape(), t.device());
   if (t.nbytes()) owner(t.device()).copy_bytes(c.bytes(), t.bytes(), t.nbytes());
   return c;
+}
+
+void zero_release(Tensor& t) {
+  if (t.device() != Device::Host) return zero(t);
+  static const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  const uintptr_t b = uintptr_t(t.bytes()), e = b + t.nbytes();
+  const uintptr_t pb = (b + page - 1) & ~(page - 1), pe = e & ~(page - 1);
+  if (pe <= pb) return t.zero();
+  std::memset(reinterpret_cast<void*>(b), 0, pb - b);  // the partial pages at both ends
+  std::memset(reinterpret_cast<void*>(pe), 0, e - pe);
+  if (madvise(reinterpret_cast<void*>(pb), pe - pb, MADV_DONTNEED) != 0)
+    std::memset(reinterpret_cast<void*>(pb), 0, pe - pb);
 }
 
 void zero(Tensor& t) {

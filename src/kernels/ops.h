@@ -115,6 +115,12 @@ struct Backend {
   void (*fast_gelu_backward)(float* dx, const float* dy, const float* x, int64_t n);
   void (*softmax_xent)(float* logits, float* loss, const int32_t* targets,
                        const float* grad_scale, int64_t N, int64_t V);
+  // Vocabulary-parallel softmax cross-entropy in two parts around one exchange of the group's
+  // stats[P, N, 3] (kernels/cpu/xent.h): no rank holds a whole row of logits.
+  void (*xent_partial)(float* stats, const float* logits, const int32_t* targets, int64_t v0,
+                       int64_t N, int64_t V);
+  void (*xent_combine)(float* logits, float* loss, const float* stats, const int32_t* targets,
+                       const float* grad_scale, int64_t v0, int64_t P, int64_t N, int64_t V);
   void (*embedding_forward)(float* out, const int32_t* rows, const float* table, const float* pos,
                             int64_t B, int64_t T, int64_t d);
   void (*embedding_backward)(float* dtable, float* dpos, const float* dout, const int32_t* rows,
@@ -266,6 +272,9 @@ Tensor to_device(const Tensor& host);              // a copy on device()
 Tensor to_host(const Tensor& t);                   // a Host copy of a tensor on any device
 Tensor clone(const Tensor& t);                     // a copy on t's device
 void zero(Tensor& t);                              // any device
+// zero(t), and host memory's whole pages handed back to the system (madvise): they read as
+// zeros and take no memory until written again (ZeRO-2's gradients of other ranks' tensors).
+void zero_release(Tensor& t);
 // Host bytes into / out of any tensor at a byte offset (bounds checked).
 void upload(Tensor& dst, const void* host_src, size_t bytes, size_t offset = 0);
 void download(void* host_dst, const Tensor& src, size_t bytes, size_t offset = 0);
@@ -391,6 +400,14 @@ inline void fast_gelu_backward(float* dx, const float* dy, const float* x, int64
 inline void softmax_xent(float* logits, float* loss, const int32_t* targets,
                          const float* grad_scale, int64_t N, int64_t V) {
   detail::active->softmax_xent(logits, loss, targets, grad_scale, N, V);
+}
+inline void xent_partial(float* stats, const float* logits, const int32_t* targets, int64_t v0,
+                         int64_t N, int64_t V) {
+  detail::active->xent_partial(stats, logits, targets, v0, N, V);
+}
+inline void xent_combine(float* logits, float* loss, const float* stats, const int32_t* targets,
+                         const float* grad_scale, int64_t v0, int64_t P, int64_t N, int64_t V) {
+  detail::active->xent_combine(logits, loss, stats, targets, grad_scale, v0, P, N, V);
 }
 inline void embedding_forward(float* out, const int32_t* rows, const float* table,
                               const float* pos, int64_t B, int64_t T, int64_t d) {

@@ -42,14 +42,15 @@ struct BlockActs {
 
 struct Activations {
   int B = 0, T = 0, tp = 1;
-  std::vector<int32_t> rows;       // [N] embedding rows: slot*V + token
+  std::vector<int32_t> rows;       // [N] embedding rows: slot*V + token (tp: this rank's, or -1)
   std::vector<int32_t> row_group;  // [N] expert group of each row (expert blocks)
   Tensor rows_d, targets_d;        // [N] I32 on the device: rows and the batch's targets
   Tensor loss_d, weight_d;         // [N] per-row loss out, loss weights in (device)
   std::vector<BlockActs> blocks;   // [L]
   Tensor h_final;                  // [N,d] output of the last block
   Tensor hf, meanf, rstdf;         // final LayerNorm output [N,d] and stats [N]
-  Tensor logits;                   // [N,V]; dL/dlogits after a forward with loss weights
+  Tensor logits;                   // [N,V/tp]; dL/dlogits after a forward with loss weights
+  Tensor xent_stats;               // [tp,N,3] tp > 1: the group's cross-entropy statistics
   bool has_grad = false;           // logits hold dL/dlogits: backward may run
   double weight_sum = 0;           // sum of the loss weights: d(loss)/d(aux loss)
   // Backward and expert scratch (overwritten by every call that uses it).
@@ -65,7 +66,8 @@ struct Activations {
   BlockActs work;                  // remat: the buffers blocks share (see Remat)
 
   // Sizes every buffer for B rows of T positions (no-op when unchanged). With tp > 1 ranks
-  // splitting the dense blocks, qkv, att and a dense FFN's pre/act hold this rank's columns.
+  // splitting the dense blocks, qkv, att and a dense FFN's pre/act hold this rank's columns,
+  // and the logits this rank's share of the vocabulary.
   void ensure(const ModelConfig& cfg, int B, int T, Remat remat = Remat::None, int tp = 1);
   // Block l's buffers (the shared set under Remat::Blocks; its input x is always blocks[l].x)
   // and its attention output.

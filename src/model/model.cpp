@@ -89,11 +89,22 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
   SIGMA_CHECK(cfg_.heads % tp_.size == 0 && cfg_.ffn() % tp_.size == 0,
               "dist.tp = {} must divide model.heads ({}) and the FFN width ({})", tp_.size,
               cfg_.heads, cfg_.ffn());
+  SIGMA_CHECK(cfg_.vocab % tp_.size == 0, "dist.tp = {} does not divide model.vocab = {}: each "
+              "tensor-parallel rank holds an equal share of the vocabulary (the embedding, the tied "
+              "head and the loss are vocabulary-parallel); set model.vocab = {} (ids the data never "
+              "uses are never a target and only learn to be unlikely)", tp_.size, cfg_.vocab,
+              (cfg_.vocab + tp_.size - 1) / tp_.size * tp_.size);
   SIGMA_CHECK(!external_experts || cfg_.rre_layers > 0,
               "experts in a store need a sparse model (model.rre_layers > 0)");
   const int L = cfg_.layers;
   register_params(params_, cfg_, !external_experts, tp_.size);
   register_buffers(buffers_, cfg_);
+  grad_stages_.resize(size_t(L) + 2);
+  for (size_t i = 0; i < params_.all().size(); ++i) {
+    const std::string& n = params_.all()[i].name;
+    const int l = names::block_of(n);
+    grad_stages_[l >= 0 ? size_t(l) : n.starts_with("final_ln.") ? size_t(L) : size_t(L) + 1].push_back(i);
+  }
   for (const DomainSpec& d : cfg_.domains)
     domain_group_.push_back(cfg_.rre_layers == 0 ? -1 : cfg_.group_index(d.group));
 
@@ -106,7 +117,7 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
     const std::string& n = p.name;
     // A tensor split over tp ranks: the whole one drawn (the values one rank starts from),
     // this rank's slice kept.
-    const TpSplit split = tp_.split() ? tp_split(n) : TpSplit{};
+    const TpSplit split = tp_.split() ? tp_split(cfg_, n) : TpSplit{};
     Shape full = p.value.shape();
     if (!split.replicated()) full[size_t(split.dim)] *= tp_.size;
     Tensor init(DType::F32, full, Device::Host);  // drawn on the host, uploaded
@@ -422,7 +433,8 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_, i
     if (!work.qtop.numel()) work.qtop = t({T, d});
   }
   h_final = t({N, d}), hf = t({N, d}), meanf = t({N}), rstdf = t({N});
-  logits = t({N, V});
+  logits = t({N, V / tp});  // vocabulary-parallel: never the whole rows
+  xent_stats = tp > 1 ? t({tp, N, 3}) : Tensor{};
   dh = t({N, d}), da = t({N, d}), datt = t({N, d}), dqkv = t({N, 3 * d});
   dffn = t({2 * k * N, f});
   dq_shared = t({T, d});
@@ -439,19 +451,22 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_, i
 }
 
 // Embedding rows (slot * V + token) and expert groups of every row; h0 = E[rows] + P[first_pos + t].
+// Vocabulary-parallel (tp > 1): this rank holds ids [v0, v0 + V/P) of each slot, so a row is
+// slot * V/P + token - v0, or -1 (zeros) for another rank's token; the group's all-reduce then
+// adds one row and P - 1 zeros (the positions come from rank 0 alone): the tp = 1 bits.
 void Model::embed(const Batch& batch, Activations& a, const int* first_pos) {
   const int B = batch.B, T = batch.T;
-  const int64_t V = cfg_.vocab;
+  const int64_t V = cfg_.vocab, Vl = V / tp_.size, v0 = Vl * tp_.rank;
   for (int b = 0; b < B; ++b) {
     SIGMA_CHECK(batch.domain[b] >= 0 && size_t(batch.domain[b]) < cfg_.domains.size(),
                 "batch row {} has domain index {} (model has {} domains)", b, batch.domain[b],
                 cfg_.domains.size());
-    const int64_t base = int64_t(cfg_.domains[batch.domain[b]].slot) * V;
+    const int64_t base = int64_t(cfg_.domains[batch.domain[b]].slot) * Vl;
     for (int t = 0; t < T; ++t) {
       const int32_t x = batch.tokens[size_t(b) * T + t], y = batch.targets[size_t(b) * T + t];
       SIGMA_CHECK(x >= 0 && x < V && y >= 0 && y < V,
                   "token id out of range [0, {}) at batch row {} position {}", V, b, t);
-      a.rows[size_t(b) * T + t] = static_cast<int32_t>(base + x);
+      a.rows[size_t(b) * T + t] = x >= v0 && x < v0 + Vl ? static_cast<int32_t>(base + x - v0) : -1;
     }
     std::fill_n(a.row_group.begin() + int64_t(b) * T, T, domain_group_[size_t(batch.domain[b])]);
   }
@@ -461,6 +476,7 @@ void Model::embed(const Batch& batch, Activations& a, const int* first_pos) {
   const int32_t* rows = a.rows_d.data<int32_t>();
   // Rows [b0, b0 + n) from positions pos, on whichever table the model holds.
   auto lookup = [&](int64_t b0, int64_t n, const float* pos) {
+    if (tp_.rank != 0) pos = nullptr;
     float* out = a.blocks[0].x.f() + b0 * T * d;
     const int32_t* r = rows + b0 * T;
     const PV& e = w_->tokens;
@@ -471,7 +487,12 @@ void Model::embed(const Batch& batch, Activations& a, const int* first_pos) {
     else
       ops::embedding_forward(out, r, e.v, pos, n, T, d);
   };
-  if (!first_pos) return lookup(0, B, w_->positions.v);
+  if (!first_pos) {
+    lookup(0, B, w_->positions.v);
+    tp_.all_reduce(a.blocks[0].x.f(), int64_t(B) * T * d);
+    return;
+  }
+  SIGMA_CHECK(!tp_.split(), "a tensor-parallel model has no KV cache (training only)");
   for (int b = 0; b < B; ++b)  // each row from its own position
     lookup(b, 1, w_->positions.v + int64_t(first_pos[b]) * d);
 }
@@ -566,13 +587,16 @@ void Model::backward(const Batch& batch, Activations& a) {
               "backward needs the forward pass of the same batch with loss weights first");
   a.has_grad = false;  // the head's gradient is consumed
   head_backward(batch, a);
+  grads_done(size_t(cfg_.layers));
   for (int l = cfg_.layers - 1; l >= 0; --l) {
     // The shared buffers still hold the last block's forward.
     if (a.remat == Remat::Blocks && l < cfg_.layers - 1) block_forward(l, batch, a, nullptr, true);
     block_backward(l, batch, a, a.dh.f());
+    grads_done(size_t(l));
   }
   ops::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.f(), a.rows_d.data<int32_t>(), batch.B,
                           batch.T, cfg_.d_model);
+  grads_done(size_t(cfg_.layers) + 1);
   ops::bf16_mirror_clear();  // the optimizer changes the weights next
 }
 
@@ -697,10 +721,11 @@ void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* 
 }
 
 // Calls fn(first row, rows, offset of the slot's rows in E) for each run of consecutive batch
-// rows that share an embedding slot: one GEMM against that slot's rows of the tied head.
+// rows that share an embedding slot: one GEMM against that slot's rows of the tied head (the
+// V rows of the slot this rank holds: V = cfg.vocab / tp).
 template <class Fn>
-static void for_each_slot_run(const ModelConfig& cfg, const Batch& batch, Fn&& fn) {
-  const int64_t T = batch.T, V = cfg.vocab, d = cfg.d_model;
+static void for_each_slot_run(const ModelConfig& cfg, const Batch& batch, int64_t V, Fn&& fn) {
+  const int64_t T = batch.T, d = cfg.d_model;
   for (int b0 = 0; b0 < batch.B;) {
     const int slot = cfg.domains[batch.domain[b0]].slot;
     int b1 = b0 + 1;
@@ -711,13 +736,15 @@ static void for_each_slot_run(const ModelConfig& cfg, const Batch& batch, Fn&& f
 }
 
 // Final LayerNorm, tied head over each row's slot, cross-entropy. With loss weights the
-// logits are overwritten by their gradient.
+// logits are overwritten by their gradient. Vocabulary-parallel (tp > 1): this rank's logits
+// are its V/P ids of each row, and the loss meets the group's per-row statistics in one
+// all-reduce (kernels/cpu/xent.h): the [N, V] logits exist on no rank.
 void Model::head(const Batch& batch, Activations& a, float* token_loss,
                  const float* loss_weight) {
-  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab;
+  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab / tp_.size;
   ops::layernorm_forward(a.hf.f(), a.meanf.f(), a.rstdf.f(), a.h_final.f(), w_->lnf_w.v,
                          w_->lnf_b.v, N, d);
-  for_each_slot_run(cfg_, batch, [&](int64_t r0, int64_t rows, int64_t e0) {
+  for_each_slot_run(cfg_, batch, V, [&](int64_t r0, int64_t rows, int64_t e0) {
     if (w_->tokens.q)
       ops::gemm_nt_i8(a.logits.f() + r0 * V, a.hf.f() + r0 * d, w_->tokens.q + e0,
                       w_->tokens.s + e0 / d, rows, d, V, d, d, V);
@@ -729,8 +756,18 @@ void Model::head(const Batch& batch, Activations& a, float* token_loss,
                 0.0f, a.logits.f() + r0 * V, V);
   });
   if (loss_weight) ops::upload(a.weight_d, loss_weight, size_t(N) * sizeof(float));
-  ops::softmax_xent(a.logits.f(), a.loss_d.f(), a.targets_d.data<int32_t>(),
-                    loss_weight ? a.weight_d.f() : nullptr, N, V);
+  const float* grad_scale = loss_weight ? a.weight_d.f() : nullptr;
+  const int32_t* targets = a.targets_d.data<int32_t>();
+  if (!tp_.split()) {
+    ops::softmax_xent(a.logits.f(), a.loss_d.f(), targets, grad_scale, N, V);
+  } else {  // each rank fills its [N, 3] of the stats, the others stay zero: an exact gather
+    const int64_t v0 = V * tp_.rank;
+    ops::fill(a.xent_stats.f(), 0.0f, a.xent_stats.numel());
+    ops::xent_partial(a.xent_stats.f() + tp_.rank * N * 3, a.logits.f(), targets, v0, N, V);
+    tp_.all_reduce(a.xent_stats.f(), a.xent_stats.numel());
+    ops::xent_combine(a.logits.f(), a.loss_d.f(), a.xent_stats.f(), targets, grad_scale, v0,
+                      tp_.size, N, V);
+  }
   if (token_loss) ops::download(token_loss, a.loss_d, size_t(N) * sizeof(float));
   a.has_grad = loss_weight != nullptr;
   // dL/dlogits feeds both products of head_backward: in bf16, converted once for the two.
@@ -738,16 +775,21 @@ void Model::head(const Batch& batch, Activations& a, float* token_loss,
     ops::bf16_mirror_add(a.logits.f(), N * V);
 }
 
-// From dL/dlogits to dL/dh of the last block's output, in a.dh.
+// From dL/dlogits to dL/dh of the last block's output, in a.dh. Vocabulary-parallel: dL/d hf
+// is the group's sum over its shares of the vocabulary; each rank's rows of the table get
+// their own gradient.
 void Model::head_backward(const Batch& batch, Activations& a) {
-  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab;
+  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab / tp_.size;
   zero(a.da);
-  for_each_slot_run(cfg_, batch, [&](int64_t r0, int64_t rows, int64_t e0) {
-    const float* dlogits = a.logits.f() + r0 * V;
-    ops::gemm(false, false, rows, d, V, 1.0f, dlogits, V, w_->tokens.v + e0, d, 1.0f,
-              a.da.f() + r0 * d, d);
-    ops::gemm(true, false, V, d, rows, 1.0f, dlogits, V, a.hf.f() + r0 * d, d, 1.0f,
-              w_->tokens.g + e0, d);
+  add_tp_sum(tp_, a.da.f(), a.tp_sum.f(), N * d, [&](float* da) {
+    for_each_slot_run(cfg_, batch, V, [&](int64_t r0, int64_t rows, int64_t e0) {
+      ops::gemm(false, false, rows, d, V, 1.0f, a.logits.f() + r0 * V, V, w_->tokens.v + e0, d,
+                1.0f, da + r0 * d, d);
+    });
+  });
+  for_each_slot_run(cfg_, batch, V, [&](int64_t r0, int64_t rows, int64_t e0) {
+    ops::gemm(true, false, V, d, rows, 1.0f, a.logits.f() + r0 * V, V, a.hf.f() + r0 * d, d,
+              1.0f, w_->tokens.g + e0, d);
   });
   zero(a.dh);
   ops::layernorm_backward(a.dh.f(), w_->lnf_w.g, w_->lnf_b.g, a.da.f(), a.h_final.f(),

@@ -5,6 +5,7 @@
 // Activations struct (model/activations.h); backward() accumulates into the ParamSet's
 // gradients. RRE blocks hand their rows to an ExpertExecutor (model/expert_executor.h).
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -147,6 +148,13 @@ class Model {
   std::vector<float> logits_row(int64_t r) const;
   std::vector<float> logits() const;  // every row, [B*T, V]
 
+  // Called during backward() with the indices (into params().all()) of the parameters whose
+  // gradients the pass has finished, as it finishes them: the final LayerNorm after the head,
+  // each block after its backward (top down), the embedding tables last. ZeRO-2 hands them to
+  // their owners at once (train/train_step.cpp). Empty (the default): nothing is called.
+  using GradsDone = std::function<void(const std::vector<size_t>&)>;
+  void set_grads_done(GradsDone f) { grads_done_ = std::move(f); }
+
   // What backward recomputes instead of keeping (model/activations.h); default None.
   void set_remat(Remat r) { remat_ = r; }
   Remat remat() const { return remat_; }
@@ -211,6 +219,13 @@ class Model {
   bool inference_ = false;
   void attach_copies();
   std::unique_ptr<Activations> own_;
+  // The parameters each stage of backward finishes: [l] block l, [L] the final LayerNorm,
+  // [L + 1] the embedding tables.
+  std::vector<std::vector<size_t>> grad_stages_;
+  GradsDone grads_done_;
+  void grads_done(size_t stage) const {
+    if (grads_done_ && !grad_stages_[stage].empty()) grads_done_(grad_stages_[stage]);
+  }
   LocalExperts local_;
   ExpertExecutor* executor_ = &local_;
 };

@@ -7,7 +7,8 @@
 
 namespace sigma {
 
-TpSplit tp_split(const std::string& name) {
+TpSplit tp_split(const ModelConfig& cfg, const std::string& name) {
+  if (name == names::kTokens) return {0, cfg.slots};  // [S*V, d]: each slot's rows by token id
   if (names::block_of(name) < 0 || names::is_expert(name) || names::is_gate(name)) return {};
   auto ends = [&](std::string_view s) { return name.ends_with(s); };
   if (ends(".attn.qkv.w")) return {1, 3};  // [d, 3d]: Q | K | V, each by heads
@@ -75,6 +76,17 @@ void tp_assemble(float* full, const float* const* locals, const Shape& full_shap
   if (s.replicated() || size == 1) return (void)std::copy(locals[0], locals[0] + n, full);
   for (int r = 0; r < size; ++r)
     move_slice(const_cast<float*>(locals[r]), full, full_shape, s, size, r, false);
+}
+
+RowRanges tp_local_rows(const RowRanges& rows, int64_t vocab, int size, int rank) {
+  const int64_t Vl = vocab / size, v0 = Vl * rank;
+  RowRanges out;
+  for (auto [b, e] : rows)
+    for (int64_t s = b / vocab; s * vocab < e; ++s) {  // the slots the range touches
+      const int64_t lo = std::max(b, s * vocab + v0), hi = std::min(e, s * vocab + v0 + Vl);
+      if (lo < hi) out.push_back({s * Vl + lo - s * vocab - v0, s * Vl + hi - s * vocab - v0});
+    }
+  return out;
 }
 
 }  // namespace sigma

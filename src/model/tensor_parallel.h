@@ -5,8 +5,13 @@
 //   attn.qkv.{w,b}  column-parallel by heads: each of Q, K, V keeps heads [P-th part]
 //   attn.out.w      row-parallel: the rows of this rank's heads; its output is all-reduced
 //   ffn.{w_in,b_in} column-parallel; ffn.w_out row-parallel, its output all-reduced
-//   everything else replicated (LayerNorms, biases of row-parallel layers, embeddings, the
-//   query table, experts and gates)
+//   embed.tokens    vocabulary-parallel: rank r holds token ids [rV/P, (r+1)V/P) of every
+//                   embedding slot. The lookup reads only those rows (others read as zeros)
+//                   and is all-reduced; the tied head scores against them alone, and the
+//                   softmax cross-entropy meets the group's per-row statistics (max, sum of
+//                   exps, target logit) in one exchange, so no rank holds the [N, V] logits
+//   everything else replicated (LayerNorms, biases of row-parallel layers, the position and
+//   query tables, experts and gates)
 //
 // This table (tp_split) is the one place where a tensor's shard is decided: register_params
 // registers local shapes from it, the initialisation and checkpoint loading slice full tensors
@@ -21,8 +26,11 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/tensor.h"
+#include "model/config.h"
 
 namespace sigma {
 
@@ -52,7 +60,9 @@ struct TpSplit {
   int parts = 1;
   bool replicated() const { return dim < 0; }
 };
-TpSplit tp_split(const std::string& name);
+// The split of parameter `name` of a model of config `cfg` (its embedding slots: the parts of
+// embed.tokens).
+TpSplit tp_split(const ModelConfig& cfg, const std::string& name);
 
 // The shape rank r holds of a tensor of shape `full`.
 Shape tp_local_shape(const Shape& full, TpSplit s, int size);
@@ -60,5 +70,10 @@ Shape tp_local_shape(const Shape& full, TpSplit s, int size);
 // slice (locals[r] = rank r's, each of tp_local_shape). Any element type (4-byte floats here).
 void tp_slice(float* local, const float* full, const Shape& full_shape, TpSplit s, int size, int rank);
 void tp_assemble(float* full, const float* const* locals, const Shape& full_shape, TpSplit s, int size);
+
+// Row ranges [begin, end) of the whole embedding table ([S*V, d], ascending) as the ranges of
+// the rows rank `rank` of `size` holds (a train.freeze mask): ascending, empty ones dropped.
+using RowRanges = std::vector<std::pair<int64_t, int64_t>>;
+RowRanges tp_local_rows(const RowRanges& rows, int64_t vocab, int size, int rank);
 
 }  // namespace sigma

@@ -49,14 +49,15 @@ void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, in
 void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts, int tp) {
   struct Local {  // registers the shape this rank holds of a tensor split over tp ranks
     ParamSet& ps;
+    const ModelConfig& cfg;
     int tp;
     void add(const std::string& name, const Shape& full, bool decay) {
-      ps.add(name, tp_local_shape(full, tp_split(name), tp), decay);
+      ps.add(name, tp_local_shape(full, tp_split(cfg, name), tp), decay);
     }
-  } local{ps, tp};
+  } local{ps, cfg, tp};
   const int64_t V = cfg.vocab, d = cfg.d_model, f = cfg.ffn(), T = cfg.context;
   const int L = cfg.layers;
-  ps.add(names::kTokens, {int64_t(cfg.slots) * V, d}, false);
+  local.add(names::kTokens, {int64_t(cfg.slots) * V, d}, false);
   ps.add(names::kPositions, {T, d}, false);
   for (int l = 0; l < L; ++l) {
     ps.add(names::block(l, "ln1.w"), {d}, false);

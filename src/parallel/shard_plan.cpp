@@ -43,14 +43,21 @@ namespace {
 // R * S elements per rank and no buffer grows with the model (ZeRO's bucketed exchange).
 class OwnerStreams {
  public:
-  OwnerStreams(const ShardPlan& plan, std::vector<Param>& all, bool grads) : plan_(plan) {
+  OwnerStreams(const ShardPlan& plan, std::vector<Param>& all, bool grads,
+               const std::vector<size_t>* only = nullptr)
+      : plan_(plan), lengths_(size_t(plan.ranks), 0) {
     tensors_.resize(size_t(plan.ranks));
-    for (size_t i = 0; i < all.size(); ++i) {
+    auto add = [&](size_t i) {
       Tensor& t = grads ? all[i].grad : all[i].value;
       tensors_[size_t(plan.owner[i])].push_back({t.f(), size_t(t.numel())});
-    }
+      lengths_[size_t(plan.owner[i])] += size_t(t.numel());
+    };
+    if (only)
+      for (size_t i : *only) add(i);
+    else
+      for (size_t i = 0; i < all.size(); ++i) add(i);
   }
-  size_t length(int o) const { return size_t(plan_.elements[size_t(o)]); }
+  size_t length(int o) const { return lengths_[size_t(o)]; }
   // Calls fn(pointer, n) over owner o's stream elements [begin, end) in order.
   template <class Fn>
   void spans(int o, size_t begin, size_t end, Fn&& fn) const {
@@ -80,6 +87,13 @@ class OwnerStreams {
     const size_t b = std::min(length(o), k * S);
     return {b, std::min(length(o), b + S)};
   }
+  // Elements of each owner's stream per round: R of them make a bucket (no more than the
+  // longest stream: a small set of tensors gets small buffers).
+  size_t slice_elements(size_t bucket) const {
+    size_t most = 1;
+    for (int o = 0; o < plan_.ranks; ++o) most = std::max(most, length(o));
+    return std::min(most, std::max<size_t>(1, bucket / size_t(plan_.ranks)));
+  }
   size_t rounds(size_t S) const {
     size_t most = 0;
     for (int o = 0; o < plan_.ranks; ++o) most = std::max(most, length(o));
@@ -88,20 +102,19 @@ class OwnerStreams {
 
  private:
   const ShardPlan& plan_;
+  std::vector<size_t> lengths_;                                  // per owner
   std::vector<std::vector<std::pair<float*, size_t>>> tensors_;  // per owner
 };
 
-// Elements of each owner's stream per round: R of them make a bucket.
-size_t slice_elements(size_t bucket, int R) { return std::max<size_t>(1, bucket / size_t(R)); }
-
 }  // namespace
 
-void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, size_t bucket) {
+void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, size_t bucket,
+                      const std::vector<size_t>* only) {
   const int R = comm.size(), me = comm.rank();
   SIGMA_CHECK(plan.ranks == R, "shard plan for {} ranks used with {}", plan.ranks, R);
   if (R == 1) return;
-  const OwnerStreams grads(plan, ps.all(), true);
-  const size_t S = slice_elements(bucket, R);
+  const OwnerStreams grads(plan, ps.all(), true, only);
+  const size_t S = grads.slice_elements(bucket);
   std::vector<float> send(S * size_t(R)), recv(S * size_t(R)), sum(S);
   std::vector<int64_t> send_counts(static_cast<size_t>(R)), recv_counts(static_cast<size_t>(R));
   std::vector<const float*> parts(static_cast<size_t>(R));
@@ -128,7 +141,7 @@ void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
   const int R = comm.size(), me = comm.rank();
   if (R == 1) return;
   const OwnerStreams values(plan, ps.all(), false);
-  const size_t S = slice_elements(bucket, R);
+  const size_t S = values.slice_elements(bucket);
   std::vector<float> mine(S), every(S * size_t(R));
   std::vector<int64_t> counts(static_cast<size_t>(R));
   for (size_t k = 0, rounds = values.rounds(S); k < rounds; ++k) {

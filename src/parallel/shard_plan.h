@@ -29,9 +29,11 @@ ShardPlan plan_shards(const ParamSet& ps, int ranks);
 // rank order); the other ranks' copies are left as they were and must not be used. Moved in
 // rounds of fixed-size buckets straight from the gradient tensors (no copy of them all).
 // `bucket`: elements per round over all owners (tests shrink it to cross tensor boundaries).
+// `only`: the indices of the parameters to reduce (ascending; ZeRO-2 reduces each stage of
+// backward as it finishes), null = all. Each element's sum is the same whatever the rounds.
 constexpr size_t kZeroBucketElements = size_t(1) << 22;  // 16 MiB of fp32
 void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
-                      size_t bucket = kZeroBucketElements);
+                      size_t bucket = kZeroBucketElements, const std::vector<size_t>* only = nullptr);
 
 // Every rank receives every parameter's value from its owner, in the same fixed-size rounds.
 void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,

@@ -95,8 +95,8 @@ namespace {
 // `param` names the parameter (its split), `name` the tensor read (the parameter's, or its
 // Adam moment's).
 void upload_slice(Tensor& local, const Tensor& t, const std::string& param, const std::string& name,
-                  const std::string& path, const TpGroup& tp) {
-  const TpSplit split = tp.split() ? tp_split(param) : TpSplit{};
+                  const std::string& path, const TpGroup& tp, const ModelConfig& cfg) {
+  const TpSplit split = tp.split() ? tp_split(cfg, param) : TpSplit{};
   Shape full = local.shape();
   if (!split.replicated()) full[size_t(split.dim)] *= tp.size;
   SIGMA_CHECK(t.dtype() == DType::F32 && t.shape() == full,
@@ -122,7 +122,7 @@ void load_model(Model& model, const std::string& dir) {
   for (Param& p : model.params().all()) {
     auto it = st.tensors.find(p.name);
     SIGMA_CHECK(it != st.tensors.end(), "{}: tensor '{}' is missing", path, p.name);
-    upload_slice(p.value, it->second, p.name, p.name, path, model.tp());
+    upload_slice(p.value, it->second, p.name, p.name, path, model.tp(), model.config());
   }
   // Buffers (routing tables): checked against the model's vocabulary and expert counts.
   for (const Buffer& b : model.buffers().all()) {
@@ -149,8 +149,9 @@ void load_model(Model& model, const std::string& dir) {
               st.index.size(), expected);
 }
 
-void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir,
-                    const TpGroup& tp) {
+namespace {
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir, const TpGroup& tp,
+                    const ModelConfig& cfg) {
   const std::string path = dir + "/" + kOptimizerFile;
   // Expert state that is not in `params` (an expert store's) is left for EcssExperts::load.
   const bool has_experts = std::any_of(params.all().begin(), params.all().end(),
@@ -177,7 +178,7 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir,
       auto it = st.tensors.find(ps[i].name + suffix);
       SIGMA_CHECK(it != st.tensors.end(), "{}: optimizer tensor '{}{}' is missing", path,
                   ps[i].name, suffix);
-      upload_slice(*dst, it->second, ps[i].name, ps[i].name + suffix, path, tp);
+      upload_slice(*dst, it->second, ps[i].name, ps[i].name + suffix, path, tp, cfg);
     }
     auto it = st.tensors.find(ps[i].name + ".step");
     SIGMA_CHECK(it != st.tensors.end() && it->second.dtype() == DType::I64 &&
@@ -192,6 +193,15 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir,
       s.row_step.assign(rs->second.data<int64_t>(), rs->second.data<int64_t>() + rs->second.numel());
     }
   }
+}
+}  // namespace
+
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir) {
+  load_optimizer(opt, params, dir, TpGroup{}, ModelConfig{});
+}
+
+void load_optimizer(AdamW& opt, const Model& model, const std::string& dir) {
+  load_optimizer(opt, model.params(), dir, model.tp(), model.config());
 }
 
 std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info) {

@@ -45,10 +45,11 @@ CheckpointInfo open_checkpoint(const std::string& path);
 // same shape (the error names the first that does not). A model with external experts (ECSS)
 // leaves the expert tensors (blocks.*.rre.*) unread: EcssExperts::load reads them.
 void load_model(Model& model, const std::string& dir);
-// With a tensor-parallel model (Model::tp) each tensor split over the group is read whole and
-// this rank's slice kept (model/tensor_parallel.h): a checkpoint loads at any dist.tp.
-void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir,
-                    const TpGroup& tp = {});
+void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir);
+// The state of `model`'s parameters: with a tensor-parallel model (Model::tp) each tensor
+// split over the group is read whole and this rank's slice kept (model/tensor_parallel.h), so
+// a checkpoint loads at any dist.tp.
+void load_optimizer(AdamW& opt, const Model& model, const std::string& dir);
 
 // The model of a checkpoint, ready for inference; `info` receives its config and state.
 std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info = nullptr);

@@ -123,8 +123,14 @@ void DistConfig::describe(Options& o, const std::string& p) {
         {"spread", "by_group"});
   o.add(p + "tp", &tp,
         "tensor (op-level) model parallelism: ranks per group that split every attention and "
-        "dense FFN layer (Megatron-style, adjacent ranks); the rank count must divide by it, "
-        "and model.heads and the FFN width by tp", 1, 1 << 16);
+        "dense FFN layer, and the embedding, tied head and loss by vocabulary (Megatron-style, "
+        "adjacent ranks); the rank count must divide by it, and model.heads, the FFN width and "
+        "model.vocab by tp", 1, 1 << 16);
+  o.add(p + "zero", &zero,
+        "ZeRO stage over the data-parallel ranks: 1 = each shared tensor's Adam state on one "
+        "rank (its owner); 2 = its gradient too: each block's gradients go to their owners as "
+        "soon as backward finishes them and the other ranks' copies are released (the same "
+        "bits as 1)", 1, 2);
 }
 
 Config::Config() {

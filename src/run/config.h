@@ -51,6 +51,7 @@ struct DistConfig {
   int ckpt_writers = 4;   // ranks writing their checkpoint files at the same time
   std::string placement = "spread";  // expert groups over ranks (train.experts = parallel)
   int tp = 1;  // tensor-parallel ranks per group (adjacent ranks; parallel/grid.h)
+  int zero = 1;  // ZeRO stage over the data group: 1 shards the Adam state, 2 the gradients too
   void describe(Options& o, const std::string& prefix);
 };
 

@@ -37,8 +37,7 @@ struct WholeTensors {
 };
 
 // Every rank of the tp group calls it for the same tensors in the same order (collective).
-Tensor gather_whole(Communicator& tp, const std::string& name, const Tensor& local) {
-  const TpSplit split = tp_split(name);
+Tensor gather_whole(Communicator& tp, const TpSplit split, const Tensor& local) {
   Tensor mine = ops::to_host(local);
   if (split.replicated()) return mine;
   Shape full = local.shape();
@@ -59,11 +58,12 @@ WholeTensors gather_whole_tensors(Communicator& tp, bool model_file, const Model
   WholeTensors w;
   w.value.resize(ps.size()), w.m.resize(ps.size()), w.v.resize(ps.size());
   for (size_t i = 0; i < ps.size(); ++i) {
-    if (tp_split(ps[i].name).replicated()) continue;
-    if (model_file) w.value[i] = gather_whole(tp, ps[i].name, ps[i].value);
+    const TpSplit split = tp_split(model.config(), ps[i].name);
+    if (split.replicated()) continue;
+    if (model_file) w.value[i] = gather_whole(tp, split, ps[i].value);
     if (opt && opt->owns(i)) {
-      w.m[i] = gather_whole(tp, ps[i].name, opt->state()[i].m);
-      w.v[i] = gather_whole(tp, ps[i].name, opt->state()[i].v);
+      w.m[i] = gather_whole(tp, split, opt->state()[i].m);
+      w.v[i] = gather_whole(tp, split, opt->state()[i].v);
     }
   }
   return w;

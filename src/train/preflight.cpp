@@ -227,6 +227,9 @@ void check_tensor_parallel(const Config& cfg, int world, const std::string& expe
   SIGMA_CHECK(experts != "ecss" && experts != "vanilla", "dist.tp = {} with train.experts = {}: "
               "the experts' store belongs to one process; use train.experts = model or parallel",
               tp, experts);
+  SIGMA_CHECK(!cfg.optim.sparse_embeddings, "dist.tp = {} with optim.sparse_embeddings = true: "
+              "not built yet (the lazy per-row Adam steps of a vocabulary-parallel embedding are "
+              "not split and assembled in checkpoints); use optim.sparse_embeddings = false", tp);
 }
 
 }  // namespace sigma

@@ -110,7 +110,7 @@ void TrainStep::tp_norm_parts(std::vector<double>& parts) const {
     size_t j = 0;
     for (const Param& p : model_.params().all()) {
       if (p.expert && p.grad.shape().size() >= 2) continue;  // grad_sq_parts' expert pieces
-      if (tp_split(p.name).replicated()) parts[j] = 0.0;
+      if (tp_split(model_.config(), p.name).replicated()) parts[j] = 0.0;
       ++j;
     }
     std::fill(parts.begin() + std::ptrdiff_t(j), parts.end(), 0.0);
@@ -128,9 +128,32 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   const size_t D = size_t(model_.config().domains.size());
   std::vector<double> per_slot(micro.size() * (2 * D + 2), 0.0);
   GradTree tree;
+  ParamSet& ps = model_.params();
+  const std::vector<uint8_t> owned = comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{};
+  const bool zero2 = zero_ == 2 && comm_.size() > 1, early = zero2 && mine.size() == 1;
+  auto release_others = [&](const std::vector<size_t>& ids) {  // ZeRO-2: keep only my tensors'
+    for (size_t i : ids)
+      if (!owned[i]) ops::zero_release(ps.all()[i].grad);
+  };
+  std::vector<size_t> every(ps.all().size());
+  for (size_t i = 0; i < every.size(); ++i) every[i] = i;
+  struct Unhook {  // the hook holds references into this call
+    Model& m;
+    ~Unhook() { m.set_grads_done({}); }
+  } unhook{model_};
+  if (early)
+    model_.set_grads_done([&](const std::vector<size_t>& ids) {
+      reduce_to_owners(comm_, plan_, ps, kZeroBucketElements, &ids);
+      release_others(ids);
+    });
   for (size_t j = 0; j < mine.size(); ++j) {
     const Batch& b = mine[j];
-    if (j == 0 || mine.size() > 1) model_.params().zero_grad();
+    if (j == 0 || mine.size() > 1) {
+      if (zero2)
+        for (Param& p : ps.all()) ops::zero_release(p.grad);
+      else
+        ps.zero_grad();
+    }
     const size_t n = b.mask.size();
     token_loss_.resize(n);
     weight_.resize(n);
@@ -157,8 +180,8 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     r.aux_loss += v[2 * D] / double(micro.size());
     r.loss += v[2 * D + 1];
   }
-  reduce_to_owners(comm_, plan_, model_.params());
-  const std::vector<uint8_t> owned = comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{};
+  if (!early) reduce_to_owners(comm_, plan_, ps);
+  if (zero2 && !early) release_others(every);
   if (!mask.all()) mask.mask_grads(model_.params());
   std::vector<double> parts = grad_sq_parts(model_.params(), owned);
   experts.append_grad_sq_parts(parts);

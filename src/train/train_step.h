@@ -56,6 +56,14 @@ class TrainStep {
   // The gradient norm then adds each split tensor's slices over the group and counts each
   // replicated tensor (and expert) once.
   void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
+  // dist.zero = 2: the gradients are sharded too. With one micro-batch per rank each stage of
+  // backward (Model::set_grads_done: a block, the head's LayerNorm, the embeddings) goes to
+  // its owners as soon as it is finished, and this rank's copies of the other ranks' tensors
+  // are released (ops::zero_release), so no rank holds every gradient at once. With several
+  // micro-batches per rank the fixed summation tree needs each rank's whole partial sums, so
+  // the gradients are reduced after the last one, as with 1, and only then released. The sums
+  // are the same either way: the same bits as dist.zero = 1.
+  void set_zero_stage(int stage) { zero_ = stage; }
   // Fault injection for tests: called after each micro-batch's backward (may poison gradients).
   void set_after_backward(std::function<void(ParamSet&)> f) { after_backward_ = std::move(f); }
 
@@ -68,6 +76,7 @@ class TrainStep {
   AdamW& opt_;
   Communicator& comm_;
   Communicator* tp_ = nullptr;
+  int zero_ = 1;
   OptimConfig cfg_;
   ShardPlan plan_;
   Activations acts_;

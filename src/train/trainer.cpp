@@ -20,6 +20,7 @@
 #include "parallel/grid.h"
 #include "io/checkpoint_dir.h"
 #include "kernels/ops.h"
+#include "model/names.h"
 #include "model/routing.h"
 #include "optim/adamw.h"
 #include "parallel/expert_parallel.h"
@@ -334,12 +335,18 @@ void RunLoop::build() {
   // Checked before the store is created: a bad selector leaves no store file behind.
   freeze_ = plan_freeze(cfg_.train.freeze, cfg_.model, model_->params(),
                         model_->external_experts(), data_->domains());
+  if (grid_->tp() > 1)  // a vocabulary-parallel table: the trained slots' rows this rank holds
+    for (size_t i = 0; i < freeze_.mask.rows.size(); ++i)
+      if (model_->params().all()[i].name == names::kTokens && !freeze_.mask.rows[i].empty())
+        freeze_.mask.rows[i] = tp_local_rows(freeze_.mask.rows[i], cfg_.model.vocab, grid_->tp(),
+                                             grid_->tensor().rank());
   // ECSS: the experts and their Adam state live in the store, not in the model and optimizer.
   if (mode_ == ExpertMode::Ecss || mode_ == ExpertMode::Vanilla)
     experts_ = std::make_unique<EcssExperts>(*model_, mode_, cfg_.optim, cfg_.train.expert_store,
                                              ck_.has_value(), expert_memory_bytes(cfg_.train));
   step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim, plan_);
   if (grid_->tp() > 1) step_->set_tensor_parallel(&grid_->tensor());
+  step_->set_zero_stage(cfg_.dist.zero);
   names_ = cfg_.model.domains.names();
   for (const auto& n : data_->domains()) data_to_model_.push_back(cfg_.model.domain_index(n));
   SIGMA_CHECK(cfg_.dist.placement == "spread" || mode_ == ExpertMode::Parallel, "dist.placement = "
@@ -392,7 +399,7 @@ ExpertFiles* RunLoop::expert_files() {
 void RunLoop::restore() {
   if (ck_) {
     load_model(*model_, ck_->dir);
-    load_optimizer(*opt_, model_->params(), ck_->dir, model_->tp());
+    load_optimizer(*opt_, *model_, ck_->dir);
     if (expert_files()) expert_files()->load(ck_->dir);
     state_ = ck_->state;
     if (!state_.data_cursor.is_null()) data_->restore(state_.data_cursor);
@@ -448,10 +455,12 @@ void RunLoop::open_outputs() {
   if (!cfg_.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze_.summary);
   if (comm_.size() > 1) {
     const int64_t most = *std::max_element(plan_.elements.begin(), plan_.elements.end());
-    fmt::print(stderr, "data parallel: {} ranks x {} micro-batches each; Adam state sharded "
-               "(ZeRO-1): {:.1f} MiB on the most loaded rank, {:.1f} MiB unsharded\n",
-               comm_.size(), cfg_.train.accum / comm_.size(), double(most) * 8 / (1 << 20),
-               double(model_->params().numel()) * 8 / (1 << 20));
+    fmt::print(stderr, "data parallel: {} ranks x {} micro-batches each; Adam state{} sharded "
+               "(ZeRO-{}): {:.1f} MiB on the most loaded rank, {:.1f} MiB unsharded\n",
+               comm_.size(), cfg_.train.accum / comm_.size(),
+               cfg_.dist.zero == 2 ? " and gradients" : "", cfg_.dist.zero,
+               double(most) * (cfg_.dist.zero == 2 ? 12 : 8) / (1 << 20),
+               double(model_->params().numel()) * (cfg_.dist.zero == 2 ? 12 : 8) / (1 << 20));
   }
 }
 

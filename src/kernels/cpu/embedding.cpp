@@ -8,10 +8,17 @@ void embedding_forward(float* out, const int32_t* rows, const float* table, cons
                        int64_t B, int64_t T, int64_t d) {
 #pragma omp parallel for schedule(static) if (B * T * d > kParallelFloats)
   for (int64_t i = 0; i < B * T; ++i) {
-    const float* e = table + static_cast<int64_t>(rows[i]) * d;
-    const float* p = pos + (i % T) * d;
     float* o = out + i * d;
-    for (int64_t c = 0; c < d; ++c) o[c] = e[c] + p[c];
+    const float* p = pos ? pos + (i % T) * d : nullptr;
+    if (rows[i] < 0) {  // a row another rank holds
+      for (int64_t c = 0; c < d; ++c) o[c] = p ? p[c] : 0.0f;
+      continue;
+    }
+    const float* e = table + static_cast<int64_t>(rows[i]) * d;
+    if (p)
+      for (int64_t c = 0; c < d; ++c) o[c] = e[c] + p[c];
+    else
+      for (int64_t c = 0; c < d; ++c) o[c] = e[c];
   }
 }
 
@@ -34,6 +41,7 @@ void embedding_backward(float* dtable, float* dpos, const float* dout, const int
   for (int64_t ch = 0; ch < chunks; ++ch) {
     const int64_t c0 = ch * kChunk, c1 = c0 + kChunk < d ? c0 + kChunk : d;
     for (int64_t i = 0; i < B * T; ++i) {
+      if (rows[i] < 0) continue;
       const float* g = dout + i * d;
       float* e = dtable + static_cast<int64_t>(rows[i]) * d;
       for (int64_t c = c0; c < c1; ++c) e[c] += g[c];

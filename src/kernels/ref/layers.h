@@ -114,13 +114,55 @@ void softmax_xent(float* logits, float* loss, const int32_t* targets, const floa
   }
 }
 
-// out[b,t,:] = table[rows[b*T+t], :] + pos[t, :].
+// Vocabulary-parallel cross-entropy in two parts (kernels/cpu/xent.h states them).
+template <class T>
+void xent_partial(float* stats, const float* logits, const int32_t* targets, int64_t v0,
+                  int64_t N, int64_t V) {
+  using std::exp;
+  for (int64_t i = 0; i < N; ++i) {
+    const float* row = logits + i * V;
+    float mx = row[0];
+    for (int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
+    T sum = 0;
+    for (int64_t j = 0; j < V; ++j) sum += exp(T(row[j]) - T(mx));
+    const int64_t t = int64_t(targets[i]) - v0;
+    store<T>(stats + i * 3, T(mx));
+    store<T>(stats + i * 3 + 1, sum);
+    store<T>(stats + i * 3 + 2, T(t >= 0 && t < V ? row[t] : 0.0f));
+  }
+}
+template <class T>
+void xent_combine(float* logits, float* loss, const float* stats, const int32_t* targets,
+                  const float* grad_scale, int64_t v0, int64_t P, int64_t N, int64_t V) {
+  using std::exp;
+  using std::log;
+  for (int64_t i = 0; i < N; ++i) {
+    float M = stats[i * 3];
+    for (int64_t r = 1; r < P; ++r) M = std::max(M, stats[(r * N + i) * 3]);
+    T S = 0, target = 0;
+    for (int64_t r = 0; r < P; ++r) {
+      S += T(stats[(r * N + i) * 3 + 1]) * exp(T(stats[(r * N + i) * 3]) - T(M));
+      target += T(stats[(r * N + i) * 3 + 2]);
+    }
+    store<T>(loss + i, T(M) + log(S) - target);
+    if (!grad_scale) continue;
+    const T g = T(grad_scale[i]);
+    for (int64_t j = 0; j < V; ++j) {
+      T d = exp(T(logits[i * V + j]) - T(M)) * (g / S);
+      if (j == int64_t(targets[i]) - v0) d = d - g;
+      store<T>(logits + i * V + j, d);
+    }
+  }
+}
+
+// out[b,t,:] = table[rows[b*T+t], :] + pos[t, :]; a row < 0 reads as zeros, pos may be null.
 template <class T>
 void embedding_forward(float* out, const int32_t* rows, const float* table, const float* pos,
                        int64_t B, int64_t T_, int64_t d) {
   for (int64_t i = 0; i < B * T_; ++i)
     for (int64_t c = 0; c < d; ++c)
-      store<T>(out + i * d + c, T(table[int64_t(rows[i]) * d + c]) + T(pos[(i % T_) * d + c]));
+      store<T>(out + i * d + c, (rows[i] < 0 ? T(0) : T(table[int64_t(rows[i]) * d + c])) +
+                                    (pos ? T(pos[(i % T_) * d + c]) : T(0)));
 }
 
 // The lookups on a bf16 table (widened exactly) and on an int8 table with a scale per row.
@@ -141,7 +183,7 @@ void embedding_forward_i8(float* out, const int32_t* rows, const int8_t* q, cons
                                     T(pos[(i % T_) * d + c]));
 }
 
-// dtable[rows[i]] += dout[i]; dpos[t] += sum_b dout[b,t].
+// dtable[rows[i]] += dout[i] (rows < 0 skipped); dpos[t] += sum_b dout[b,t].
 template <class T>
 void embedding_backward(float* dtable, float* dpos, const float* dout, const int32_t* rows,
                         int64_t B, int64_t T_, int64_t d) {
@@ -153,6 +195,7 @@ void embedding_backward(float* dtable, float* dpos, const float* dout, const int
     }
   std::map<int32_t, std::vector<T>> acc;  // the rows the batch touches, in row order
   for (int64_t i = 0; i < B * T_; ++i) {
+    if (rows[i] < 0) continue;
     auto [it, fresh] = acc.try_emplace(rows[i]);
     if (fresh)
       for (int64_t c = 0; c < d; ++c) it->second.push_back(T(dtable[int64_t(rows[i]) * d + c]));
