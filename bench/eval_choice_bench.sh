@@ -10,10 +10,13 @@
 #
 # Model: a small sparse model (d=128, 4 blocks, 2 of them RRE, context 64) trained 30 steps on
 # a generated corpus; the items are generated sentences of 6-20 words with continuations of
-# 1-4 words (speed does not depend on the weights).
+# 1-4 words (speed does not depend on the weights). At context 64 about half of the choices
+# have their context cut (nothing shared); EVAL_BENCH_CONTEXT=128 holds every item, as a real
+# evaluation's model would.
 #
 #   bench/eval_choice_bench.sh [BUILD_DIR=build] [ITEMS=100000] [BATCH=32]
-# Environment: EVAL_BENCH_DIR (work folder, default /tmp/sigma-eval-bench), PYTHON.
+# Environment: EVAL_BENCH_DIR (work folder, default /tmp/sigma-eval-bench), EVAL_BENCH_CONTEXT
+# (the model's context, default 64), PYTHON.
 set -euo pipefail
 build=${1:-build}
 items=${2:-100000}
@@ -22,6 +25,7 @@ sigma="$(cd "$build" && pwd)/sigma"
 ref_sigma=${REF_SIGMA:-$sigma}
 python=${PYTHON:-/usr/bin/python3}
 work=${EVAL_BENCH_DIR:-/tmp/sigma-eval-bench}
+context=${EVAL_BENCH_CONTEXT:-64}
 export OMP_WAIT_POLICY=passive
 [ -x "$sigma" ] || { echo "eval_choice_bench: $sigma not found" >&2; exit 2; }
 mkdir -p "$work"
@@ -50,7 +54,7 @@ if [ ! -d run/checkpoints ]; then
   echo '{"tokenizer": "tok.json", "corpus": ["corpus.jsonl"], "domains": [{"name": "english"}]}' > data.json
   "$ref_sigma" prepare --config data.json --out shards >/dev/null
   "$ref_sigma" train --quiet --set data.source=shards --set data.path=shards --set model.d_model=128 \
-    --set model.heads=4 --set model.layers=4 --set model.context=64 --set model.rre_layers=2 \
+    --set model.heads=4 --set model.layers=4 --set model.context="$context" --set model.rre_layers=2 \
     --set 'model.groups=[{"name":"english","experts":2}]' --set train.batch=8 \
     --set train.steps=30 --set train.eval_rows=2 --out run >/dev/null
 fi
