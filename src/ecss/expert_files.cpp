@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "model/names.h"
+#include "model/tensor_parallel.h"
 
 namespace sigma {
 
@@ -58,7 +59,8 @@ std::vector<int64_t> check_expert_group(const ExpertGroupSpec& gs, const std::st
 
 void load_expert_group(ExpertStore& store, const ExpertGroupSpec& gs, int32_t first, int32_t count,
                        const std::string& name, const std::string& model_path,
-                       const std::string& opt_path, const std::vector<int64_t>& steps) {
+                       const std::string& opt_path, const std::vector<int64_t>& steps,
+                       int tp_size, int tp_rank) {
   SIGMA_CHECK(first >= 0 && count >= 0 && first + count <= gs.experts,
               "experts {}..{} of group '{}' (of {})", first, first + count, name, gs.experts);
   const size_t P = size_t(gs.params());
@@ -88,6 +90,17 @@ void load_expert_group(ExpertStore& store, const ExpertGroupSpec& gs, int32_t fi
       std::memcpy(v.data() + off, moments.tensors.at(base + ".v").f() + k * n, size_t(n) * 4);
     }
     const ExpertId id{gs.block, gs.group, k - first};
+    if (tp_size > 1) {  // this rank's slice of each
+      const int64_t d = gs.tensors[0].shape[0], f = gs.tensors[0].shape[1];
+      const size_t Pl = size_t(2 * d * (f / tp_size) + f / tp_size + d);
+      std::vector<float> wl(Pl), ml(Pl), vl(Pl);
+      tp_slice_expert(wl.data(), w.data(), d, f, tp_size, tp_rank);
+      tp_slice_expert(ml.data(), m.data(), d, f, tp_size, tp_rank);
+      tp_slice_expert(vl.data(), v.data(), d, f, tp_size, tp_rank);
+      store.set_weights(id, wl.data());
+      store.set_state(id, ml.data(), vl.data(), steps[size_t(k)]);
+      continue;
+    }
     store.set_weights(id, w.data());
     store.set_state(id, m.data(), v.data(), steps[size_t(k)]);
   }

@@ -57,10 +57,12 @@ void add_expert_adam_file(CheckpointWriter& w, const ExpertGroupSpec& gs, const 
 std::vector<int64_t> check_expert_group(const ExpertGroupSpec& gs, const std::string& name,
                                         const std::string& model_path, const std::string& opt_path);
 // Pass 2: copies experts [first, first + count) of group gs into `store`, as experts
-// 0 .. count-1 of the store's group (gs.block, gs.group), with their step counts.
+// 0 .. count-1 of the store's group (gs.block, gs.group), with their step counts. With
+// tp_size > 1 the store holds rank tp_rank's slice of each expert (tp_slice_expert).
 void load_expert_group(ExpertStore& store, const ExpertGroupSpec& gs, int32_t first, int32_t count,
                        const std::string& name, const std::string& model_path,
-                       const std::string& opt_path, const std::vector<int64_t>& steps);
+                       const std::string& opt_path, const std::vector<int64_t>& steps,
+                       int tp_size = 1, int tp_rank = 0);
 
 // The checkpoint's pair of files for every group, or model.safetensors / optimizer.safetensors
 // when it has none (an in-model run or a surgery output keeps every expert there).

@@ -174,7 +174,7 @@ void Model::bind_expert(int block, int e, const float* weights, float* grads) {
   SIGMA_CHECK(block >= cfg_.first_rre_block() && block < cfg_.layers, "bind_expert: block {} has no experts", block);
   RreWeights& r = w_->blocks[size_t(block)].rre;
   SIGMA_CHECK(e >= 0 && e < r.experts(), "bind_expert: block {} has no expert {}", block, e);
-  const int64_t d = cfg_.d_model, f = cfg_.ffn();
+  const int64_t d = cfg_.d_model, f = cfg_.ffn() / tp_.size;  // this rank's columns
   if (!weights) {
     r.expert[size_t(e)] = {};
     r.expert_grad[size_t(e)] = {};
@@ -280,15 +280,19 @@ int64_t Model::held_bytes() const {
   return n;
 }
 
-void Model::init_expert(int block, int g, int k, float* dst) const {
+void Model::init_expert(int block, int g, int k, float* out) const {
   const int64_t d = cfg_.d_model, f = cfg_.ffn();
   const std::string& group = cfg_.groups.at(size_t(g)).name;
   const std::string w_in = names::expert(block, group, names::kWIn),
                     w_out = names::expert(block, group, names::kWOut);
+  // Split over tp: the whole expert drawn (the values one rank starts from), this rank's cut.
+  std::vector<float> whole(tp_.split() ? size_t(2 * d * f + f + d) : 0);
+  float* dst = tp_.split() ? whole.data() : out;
   init_expert_matrix(dst, w_in, k, d * f, init_std_of(w_in, cfg_), seed_);
   std::fill(dst + d * f, dst + d * f + f, 0.0f);
   init_expert_matrix(dst + d * f + f, w_out, k, f * d, init_std_of(w_out, cfg_), seed_);
   std::fill(dst + 2 * d * f + f, dst + 2 * d * f + f + d, 0.0f);
+  if (tp_.split()) tp_slice_expert(out, dst, d, f, tp_.size, tp_.rank);
 }
 
 void Model::load_buffer(const std::string& name, const Tensor& t) {
@@ -411,7 +415,7 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_, i
   // One block's buffers, sized for block l (expert blocks hold k rows per token).
   auto fill = [&](BlockActs& a, int l, bool with_att) {
     const int64_t rows_ffn = cfg.is_rre_block(l) ? k * N : N;
-    const int64_t f_local = cfg.is_rre_block(l) ? f : f / tp;  // experts are not split
+    const int64_t f_local = f / tp;  // the dense FFN's and each expert's columns
     a.a1 = t({N, d}), a.mean1 = t({N}), a.rstd1 = t({N});
     a.qkv = t({N, 3 * d / tp});
     if (l == cfg.layers - 1) a.qtop = t({T, d});
@@ -436,7 +440,7 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_, i
   logits = t({N, V / tp});  // vocabulary-parallel: never the whole rows
   xent_stats = tp > 1 ? t({tp, N, 3}) : Tensor{};
   dh = t({N, d}), da = t({N, d}), datt = t({N, d}), dqkv = t({N, 3 * d});
-  dffn = t({2 * k * N, f});
+  dffn = t({2 * k * N, f / tp});
   dq_shared = t({T, d});
   tp_sum = tp > 1 ? t({N, d}) : Tensor{};
   if (cfg.rre_layers > 0) {
@@ -691,8 +695,16 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
 // An expert block: the learned-gate baseline, or RRE through the executor; counts the load.
 void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* out,
                            bool recompute) {
-  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, f = cfg_.ffn();
+  // Each expert split over the tp group as the dense FFN: this rank's f/tp columns of every
+  // expert, the rows' outputs summed over the group, each expert's b_out added by rank 0.
+  const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, f = cfg_.ffn() / tp_.size;
   const BlockWeights& w = w_->blocks[l];
+  RreWeights split_w;
+  if (tp_.rank != 0) {
+    split_w = w.rre;
+    for (FfnWeights& e : split_w.expert) e.b_out = nullptr;
+  }
+  const RreWeights& rw = tp_.rank != 0 ? split_w : w.rre;
   BlockActs& k = acts.block(l);
   BlockLoad& load = load_[size_t(l - cfg_.first_rre_block())];
   const ExpertBuffers buf{k.pre.f(), k.act.f(), acts.gx.f(), acts.gy.f(), acts.gdx.f(), acts.dffn.f()};
@@ -703,14 +715,17 @@ void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* 
     gate_expert_plan(k.plan, gp);
     gate_gather(acts.gate_x.f(), gp, k.a2.f(), d);
     ops::fill(k.yg.f(), 0.0f, gp.assigned * d);
-    executor_->forward(l, w.rre, k.plan, buf, k.yg.f(), acts.gate_x.f(), gp.assigned, d, f);
+    executor_->forward(l, rw, k.plan, buf, k.yg.f(), acts.gate_x.f(), gp.assigned, d, f);
+    tp_.all_reduce(k.yg.f(), gp.assigned * d);  // the rows' outputs, whole
     gate_combine(out, k.yg.f(), gp, N, d);
     if (recompute) return;
     aux_loss_ += double(cfg_.aux_loss_weight) * gp.aux;
     load.dropped += gp.dropped;
   } else {
     rre_plan(k.plan, w.rre, batch.tokens.data(), acts.row_group.data(), N);
-    executor_->forward(l, w.rre, k.plan, buf, out, k.a2.f(), N, d, f);
+    add_tp_sum(tp_, out, acts.tp_sum.f(), N * d, [&](float* y) {
+      executor_->forward(l, rw, k.plan, buf, y, k.a2.f(), N, d, f);
+    });
   }
   if (recompute) return;
   for (size_t g = 0; g < load.tokens.size(); ++g)
@@ -817,18 +832,21 @@ void Model::block_backward(int l, const Batch& batch, Activations& a, float* dh)
 
 // An expert block's backward: RRE through the executor, or the learned gate around it.
 void Model::expert_backward(int l, Activations& a, float* dh) {
-  const int64_t N = int64_t(a.B) * a.T, d = cfg_.d_model, f = cfg_.ffn();
+  const int64_t N = int64_t(a.B) * a.T, d = cfg_.d_model, f = cfg_.ffn() / tp_.size;
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = a.block(l);
   const ExpertBuffers buf{k.pre.f(), k.act.f(), a.gx.f(), a.gy.f(), a.gdx.f(), a.dffn.f()};
-  if (!cfg_.gated())
-    return executor_->backward(l, w.rre, k.plan, buf, a.da.f(), dh, k.a2.f(), N, d, f);
+  if (!cfg_.gated()) {
+    executor_->backward(l, w.rre, k.plan, buf, a.da.f(), dh, k.a2.f(), N, d, f);
+    return tp_.all_reduce(a.da.f(), N * d);  // column-parallel w_in: dL/da2 is the group's sum
+  }
   const GatePlan& gp = k.gplan;
   gate_expert_dy(a.gate_dy.f(), a.dgate.f(), dh, k.yg.f(), gp, N, d);
   gate_gather(a.gate_x.f(), gp, k.a2.f(), d);
   ops::fill(a.gate_dx.f(), 0.0f, gp.assigned * d);
   executor_->backward(l, w.rre, k.plan, buf, a.gate_dx.f(), a.gate_dy.f(), a.gate_x.f(),
                       gp.assigned, d, f);
+  tp_.all_reduce(a.gate_dx.f(), gp.assigned * d);
   gate_backward_rest(a.da.f(), a.z.f(), a.gate_dx.f(), a.dgate.f(), k.a2.f(), gp, w.rre, w.gate,
                      a.row_group.data(), float(a.weight_sum * cfg_.aux_loss_weight), N, d);
 }

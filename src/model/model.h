@@ -89,7 +89,8 @@ class Model {
   // be null (an executor that points each pass at gradients of its own).
   void bind_expert(int block, int e, const float* weights, float* grads);
   // The initial weights of expert k of group g in RRE block `block`, in that layout: the
-  // values an in-model expert gets, from the same per-expert random streams.
+  // values an in-model expert gets, from the same per-expert random streams. With tp > 1
+  // both hold this rank's slice of the expert (f/tp columns: tp_slice_expert).
   void init_expert(int block, int g, int k, float* dst) const;
 
   // Inference weights (`--precision` of generate, eval and serve). Every weight matrix a

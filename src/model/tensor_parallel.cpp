@@ -7,9 +7,24 @@
 
 namespace sigma {
 
+TpSplit tp_expert_leaf_split(size_t t) {
+  static const TpSplit leaves[] = {{1, 1}, {0, 1}, {0, 1}, {}};  // w_in, b_in, w_out, b_out
+  SIGMA_CHECK(t < std::size(leaves), "expert leaf {} (an expert has 4)", t);
+  return leaves[t];
+}
+
 TpSplit tp_split(const ModelConfig& cfg, const std::string& name) {
   if (name == names::kTokens) return {0, cfg.slots};  // [S*V, d]: each slot's rows by token id
-  if (names::block_of(name) < 0 || names::is_expert(name) || names::is_gate(name)) return {};
+  if (names::is_expert(name)) {  // stacked [K, ...]: each expert as the dense FFN
+    const std::string leaf = names::leaf_of(name);
+    for (size_t t = 0; t < std::size(names::kExpertLeaves); ++t)
+      if (leaf == names::kExpertLeaves[t]) {
+        const TpSplit s = tp_expert_leaf_split(t);
+        return s.replicated() ? s : TpSplit{s.dim + 1, s.parts};
+      }
+    return {};
+  }
+  if (names::block_of(name) < 0 || names::is_gate(name)) return {};
   auto ends = [&](std::string_view s) { return name.ends_with(s); };
   if (ends(".attn.qkv.w")) return {1, 3};  // [d, 3d]: Q | K | V, each by heads
   if (ends(".attn.qkv.b")) return {0, 3};
@@ -76,6 +91,36 @@ void tp_assemble(float* full, const float* const* locals, const Shape& full_shap
   if (s.replicated() || size == 1) return (void)std::copy(locals[0], locals[0] + n, full);
   for (int r = 0; r < size; ++r)
     move_slice(const_cast<float*>(locals[r]), full, full_shape, s, size, r, false);
+}
+
+namespace {
+// Calls fn(leaf, its whole shape, its offset in the whole record, in rank r's record of size P).
+template <class Fn>
+void for_each_expert_leaf(int64_t d, int64_t f, int size, Fn&& fn) {
+  const Shape shapes[] = {{d, f}, {f}, {f, d}, {d}};
+  int64_t whole = 0, local = 0;
+  for (size_t t = 0; t < std::size(shapes); ++t) {
+    fn(shapes[t], tp_expert_leaf_split(t), whole, local);
+    int64_t n = 1;
+    for (int64_t x : shapes[t]) n *= x;
+    whole += n;
+    local += tp_expert_leaf_split(t).replicated() ? n : n / size;
+  }
+}
+}  // namespace
+
+void tp_slice_expert(float* local, const float* whole, int64_t d, int64_t f, int size, int rank) {
+  for_each_expert_leaf(d, f, size, [&](const Shape& s, TpSplit sp, int64_t w, int64_t l) {
+    tp_slice(local + l, whole + w, s, sp, size, rank);
+  });
+}
+
+void tp_assemble_expert(float* whole, const float* const* locals, int64_t d, int64_t f, int size) {
+  std::vector<const float*> parts(static_cast<size_t>(size));
+  for_each_expert_leaf(d, f, size, [&](const Shape& s, TpSplit sp, int64_t w, int64_t l) {
+    for (int r = 0; r < size; ++r) parts[size_t(r)] = locals[r] + l;
+    tp_assemble(whole + w, parts.data(), s, sp, size);
+  });
 }
 
 RowRanges tp_local_rows(const RowRanges& rows, int64_t vocab, int size, int rank) {

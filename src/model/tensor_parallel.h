@@ -10,8 +10,11 @@
 //                   and is all-reduced; the tied head scores against them alone, and the
 //                   softmax cross-entropy meets the group's per-row statistics (max, sum of
 //                   exps, target logit) in one exchange, so no rank holds the [N, V] logits
+//   rre.G.{w_in,b_in}  each expert column-parallel, rre.G.w_out row-parallel (its b_out
+//                   replicated, added once): the dense FFN's split applied per expert, since
+//                   the ranks of a tp group run the same rows through the same experts
 //   everything else replicated (LayerNorms, biases of row-parallel layers, the position and
-//   query tables, experts and gates)
+//   query tables, the learned gate)
 //
 // This table (tp_split) is the one place where a tensor's shard is decided: register_params
 // registers local shapes from it, the initialisation and checkpoint loading slice full tensors
@@ -64,12 +67,23 @@ struct TpSplit {
 // embed.tokens).
 TpSplit tp_split(const ModelConfig& cfg, const std::string& name);
 
+// The split of an expert's leaf t (names::kExpertLeaves order) as one expert holds it, unstacked
+// (w_in [d,f], b_in [f], w_out [f,d], b_out [d]): the expert store's records and the expert
+// files' per-expert slices. The stacked in-model tensors [K, ...] split one dimension later.
+TpSplit tp_expert_leaf_split(size_t t);
+
 // The shape rank r holds of a tensor of shape `full`.
 Shape tp_local_shape(const Shape& full, TpSplit s, int size);
 // Host copies: rank `rank`'s slice of a full tensor, and the full tensor from every rank's
 // slice (locals[r] = rank r's, each of tp_local_shape). Any element type (4-byte floats here).
 void tp_slice(float* local, const float* full, const Shape& full_shape, TpSplit s, int size, int rank);
 void tp_assemble(float* full, const float* const* locals, const Shape& full_shape, TpSplit s, int size);
+
+// One expert's record, w_in [d,f] | b_in [f] | w_out [f,d] | b_out [d] (the expert store's
+// layout, Model::bind_expert's): rank `rank`'s record (f/size columns, b_out whole) cut from
+// the whole one, and the whole record from every rank's (locals[r]: rank r's).
+void tp_slice_expert(float* local, const float* whole, int64_t d, int64_t f, int size, int rank);
+void tp_assemble_expert(float* whole, const float* const* locals, int64_t d, int64_t f, int size);
 
 // Row ranges [begin, end) of the whole embedding table ([S*V, d], ascending) as the ranges of
 // the rows rank `rank` of `size` holds (a train.freeze mask): ascending, empty ones dropped.

@@ -78,7 +78,8 @@ void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts, int tp)
       for (const FfnLeaf& t : experts ? ffn_leaves(d, f) : std::vector<FfnLeaf>{}) {
         Shape stacked{K};  // [K, ...]
         stacked.insert(stacked.end(), t.shape.begin(), t.shape.end());
-        ps.add(names::expert(l, g.name, t.name), stacked, t.decay, true);
+        const std::string name = names::expert(l, g.name, t.name);
+        ps.add(name, tp_local_shape(stacked, tp_split(cfg, name), tp), t.decay, true);
       }
       if (cfg.gated()) ps.add(names::gate(l, g.name), {d, K}, true);
     }
@@ -104,7 +105,7 @@ PV pv(ParamSet& ps, const std::string& name) {
 // Block l's experts, routing tables and gates, group by group.
 RreWeights bind_rre(ParamSet& ps, const BufferSet& bs, const ModelConfig& cfg, int l,
                     std::vector<PV>& gate) {
-  const int64_t d = cfg.d_model, f = cfg.ffn();
+  const int64_t d = cfg.d_model;
   RreWeights r;
   r.offset.push_back(0);
   for (const GroupSpec& g : cfg.groups) {
@@ -115,6 +116,8 @@ RreWeights bind_rre(ParamSet& ps, const BufferSet& bs, const ModelConfig& cfg, i
     } else {
       const PV wi = leaf(names::kWIn), bi = leaf(names::kBIn), wo = leaf(names::kWOut),
                bo = leaf(names::kBOut);
+      // This rank's columns of each expert (all of them at tp = 1): [K, d, f/tp].
+      const int64_t f = ps.at(names::expert(l, g.name, names::kWIn)).value.dim(2);
       for (int64_t e = 0; e < g.experts; ++e) {
         r.expert.push_back({wi.v + e * d * f, bi.v + e * f, wo.v + e * f * d, bo.v + e * d});
         r.expert_grad.push_back({wi.g + e * d * f, bi.g + e * f, wo.g + e * f * d, bo.g + e * d});

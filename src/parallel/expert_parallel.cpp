@@ -92,6 +92,7 @@ ExpertParallel::ExpertParallel(Model& model, Communicator& world, GroupPlacement
   SIGMA_CHECK(placement_.ranks.size() == cfg.groups.size(), "a placement of {} expert groups "
               "for a model of {}", placement_.ranks.size(), cfg.groups.size());
   const int R = world.size(), me = world.rank();
+  f_ = cfg.ffn() / model.tp().size;  // with tp > 1 the store holds this rank's columns of each expert
   first_block_ = cfg.first_rre_block();
   blocks_ = cfg.layers - first_block_;
   source_.assign(size_t(R), 0);
@@ -124,8 +125,8 @@ ExpertParallel::ExpertParallel(Model& model, Communicator& world, GroupPlacement
   for (int l = first_block_; l < cfg.layers; ++l)
     for (size_t g = 0; g < groups_.size(); ++g)
       if (groups_[g].count > 0)
-        spec.groups.push_back(rre_group_spec(l, int32_t(g), groups_[g].count, cfg.d_model, cfg.ffn()));
-  P_ = rre_group_spec(first_block_, 0, 1, cfg.d_model, cfg.ffn()).params();
+        spec.groups.push_back(rre_group_spec(l, int32_t(g), groups_[g].count, cfg.d_model, f_));
+  P_ = rre_group_spec(first_block_, 0, 1, cfg.d_model, f_).params();
   stride_ = (P_ + 15) / 16 * 16;
   if (!spec.groups.empty()) {
     store_.emplace(store_path.empty() ? ExpertStore::in_ram(spec) : ExpertStore::open(store_path, spec));
@@ -500,7 +501,7 @@ void ExpertParallel::forward_replicated(const RreWeights& w, const RrePlan& p,
 
 void ExpertParallel::append_grad_sq_parts(std::vector<double>& parts) const {
   const ModelConfig& cfg = model_.config();
-  const ExpertGroupSpec layout = rre_group_spec(first_block_, 0, 1, cfg.d_model, cfg.ffn());
+  const ExpertGroupSpec layout = rre_group_spec(first_block_, 0, 1, cfg.d_model, f_);
   const size_t leaves = layout.tensors.size(), first = parts.size();
   parts.resize(first + global_active_.size() * leaves, 0.0);
   for (size_t i = 0; i < global_active_.size(); ++i) {
@@ -528,7 +529,9 @@ void ExpertParallel::update(float lr, float grad_scale) {
 // Checkpoints. Each (RRE block, group) pair's file pair is written by one member of the group,
 // the pairs taking the members in turn, so that the ranks write in parallel and none holds
 // more than its share. Each expert's record travels to the writer as its weights, m and v (P
-// floats each) and its step count (an int64's bits in two floats: moved, never added).
+// floats each) and its step count (an int64's bits in two floats: moved, never added). With
+// tp > 1 the records are first assembled whole over the tp group (its ranks hold the same
+// experts' slices), and the group's rank 0 sends them on: the files are a tp = 1 run's.
 int ExpertParallel::writer_of(int block, int g) const {
   const std::vector<int>& ranks = placement_.ranks[size_t(g)];  // blocks in turn, from g on
   return ranks[size_t(block - first_block_ + g) % ranks.size()];
@@ -536,29 +539,53 @@ int ExpertParallel::writer_of(int block, int g) const {
 
 void ExpertParallel::collect() {
   const ModelConfig& cfg = model_.config();
+  const TpGroup& tp = model_.tp();
+  SIGMA_CHECK(!tp.split() || (tp_ && tp_->size() == tp.size),
+              "ExpertParallel: checkpointing experts split over {} tensor-parallel ranks needs "
+              "the tp group's communicator (set_tensor_parallel)", tp.size);
   const int R = world_.size(), me = world_.rank();
-  const int64_t rec = 3 * P_ + kStepFloats;
+  const int64_t d = cfg.d_model, f = cfg.ffn(), Pw = 2 * d * f + f + d;  // whole records
+  const int64_t rec = 3 * Pw + kStepFloats, local_rec = 3 * P_ + kStepFloats;
   collected_.clear();
-  std::vector<float> send, recv;
+  std::vector<float> send, recv, mine, all;
   for (int l = first_block_; l < cfg.layers; ++l)
     for (size_t g = 0; g < groups_.size(); ++g) {
       const Group& gr = groups_[g];
-      const std::vector<int>& ranks = placement_.ranks[g];
-      const int writer = writer_of(l, int(g));
-      std::vector<int64_t> send_counts(size_t(R), 0), recv_counts(size_t(R), 0);
-      for (size_t m = 0; me == writer && m < ranks.size(); ++m)
-        recv_counts[size_t(ranks[m])] = rec * (GroupPlacement::first(gr.K, ranks.size(), m + 1) -
-                                               GroupPlacement::first(gr.K, ranks.size(), m));
-      send.resize(size_t(rec * gr.count));  // host: store records to the writer
+      mine.resize(size_t(local_rec * gr.count));  // host: this rank's store records
       for (int32_t k = 0; k < gr.count; ++k) {
         const ExpertId id{l, int32_t(g), k};
-        float* r = send.data() + k * rec;
+        float* r = mine.data() + k * local_rec;
         std::memcpy(r, store_->weights(id), size_t(P_) * 4);
         std::memcpy(r + P_, store_->m(id), size_t(P_) * 4);
         std::memcpy(r + 2 * P_, store_->v(id), size_t(P_) * 4);
         const int64_t step = store_->step(id);
         std::memcpy(r + 3 * P_, &step, sizeof step);
       }
+      if (!tp.split()) {
+        send.swap(mine);
+      } else {  // whole records from the tp group's slices (the same experts on each)
+        const size_t n = mine.size();
+        all.resize(n * size_t(tp.size));
+        if (n > 0) tp_->all_gather(all.data(), mine.data(), n);
+        send.resize(size_t(rec * gr.count));
+        std::vector<const float*> parts(size_t(tp.size));
+        for (int32_t k = 0; k < gr.count; ++k) {
+          for (int64_t part = 0; part < 3; ++part) {  // weights, m, v
+            for (int r = 0; r < tp.size; ++r)
+              parts[size_t(r)] = all.data() + size_t(r) * n + k * local_rec + part * P_;
+            tp_assemble_expert(send.data() + k * rec + part * Pw, parts.data(), d, f, tp.size);
+          }
+          std::memcpy(send.data() + k * rec + 3 * Pw, all.data() + k * local_rec + 3 * P_,
+                      kStepFloats * sizeof(float));  // the group's ranks step alike
+        }
+        if (tp.rank != 0) continue;  // the tp group's rank 0 writes (save_checkpoint)
+      }
+      const std::vector<int>& ranks = placement_.ranks[g];
+      const int writer = writer_of(l, int(g));
+      std::vector<int64_t> send_counts(size_t(R), 0), recv_counts(size_t(R), 0);
+      for (size_t m = 0; me == writer && m < ranks.size(); ++m)
+        recv_counts[size_t(ranks[m])] = rec * (GroupPlacement::first(gr.K, ranks.size(), m + 1) -
+                                               GroupPlacement::first(gr.K, ranks.size(), m));
       send_counts[size_t(writer)] = rec * gr.count;
       recv.resize(size_t(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t(0))));
       world_.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
@@ -569,17 +596,18 @@ void ExpertParallel::collect() {
 
 void ExpertParallel::add_checkpoint_files(CheckpointWriter& w) const {
   const ModelConfig& cfg = model_.config();
-  const int64_t rec = 3 * P_ + kStepFloats;
+  const int64_t d = cfg.d_model, f = cfg.ffn(), P = 2 * d * f + f + d;  // whole records
+  const int64_t rec = 3 * P + kStepFloats;
   for (const Collected& c : collected_) {
     const float* all = c.records.data();
     const ExpertGroupSpec gs = rre_group_spec(c.block, int32_t(c.group), groups_[size_t(c.group)].K,
                                               cfg.d_model, cfg.ffn());
     const ExpertViews views{[&](int32_t k) { return all + k * rec; },
-                            [&](int32_t k) { return all + k * rec + P_; },
-                            [&](int32_t k) { return all + k * rec + 2 * P_; },
+                            [&](int32_t k) { return all + k * rec + P; },
+                            [&](int32_t k) { return all + k * rec + 2 * P; },
                             [&](int32_t k) {
                               int64_t step;
-                              std::memcpy(&step, all + k * rec + 3 * P_, sizeof step);
+                              std::memcpy(&step, all + k * rec + 3 * P, sizeof step);
                               return step;
                             }};
     add_expert_weights_file(w, gs, cfg.groups[size_t(c.group)].name, views);
@@ -617,7 +645,8 @@ void ExpertParallel::load(const std::string& dir) {
     const std::string& name = cfg.groups[size_t(held.group)].name;
     const auto [model_path, opt_path] = expert_group_paths(dir, per_group, held.block, name);
     load_expert_group(*store_, rre_group_spec(held.block, held.group, gr.K, cfg.d_model, cfg.ffn()),
-                      gr.first, gr.count, name, model_path, opt_path, steps[i]);
+                      gr.first, gr.count, name, model_path, opt_path, steps[i], model_.tp().size,
+                      model_.tp().rank);
   }
   store_->flush();
 }

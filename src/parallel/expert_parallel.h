@@ -49,7 +49,14 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   ExpertParallel& operator=(const ExpertParallel&) = delete;
 
   int64_t owned_experts() const;         // experts this rank holds (all RRE blocks)
-  int64_t all_expert_params() const { return int64_t(blocks_) * E_ * P_; }  // every rank's
+  // Every expert's parameters (whole, over a tp group's slices too).
+  int64_t all_expert_params() const {
+    const int64_t d = model_.config().d_model, f = model_.config().ffn();
+    return int64_t(blocks_) * E_ * (2 * d * f + f + d);
+  }
+  // The model's tp group as a communicator (checkpoints assemble the experts' slices whole
+  // over it); needed when the model is split over more than one rank.
+  void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
   // This rank's store (null when it holds no expert); its group g's expert k is the group's
   // expert first_held(g) + k.
   const ExpertStore* store() const { return store_ ? &*store_ : nullptr; }
@@ -121,7 +128,9 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   std::optional<ExpertStore> store_;  // none when this rank holds no expert
   std::vector<Group> groups_;
   int first_block_ = 0, blocks_ = 0, E_ = 0;
-  int64_t P_ = 0, stride_ = 0;
+  int64_t f_ = 0;               // this rank's columns of each expert: model.ffn / tp
+  int64_t P_ = 0, stride_ = 0;  // floats of one record here (this rank's slice), padded
+  Communicator* tp_ = nullptr;
   // The step.
   std::span<const Batch> micro_;
   size_t k_ = 0, j_ = 0;

@@ -202,6 +202,8 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   std::optional<WholeTensors> whole_tensors;
   if (tp && tp->size() > 1) {
     whole_tensors = gather_whole_tensors(*tp, me == 0, model, opt);
+    // Each expert group comes to the rank writing it, assembled whole over the tp group first.
+    if (experts) experts->collect();
     if (tp->rank() != 0) {
       tp->barrier();  // until the checkpoint is committed
       return (std::filesystem::path(root) / fmt::format("step-{:08d}", st.step)).string();
@@ -209,7 +211,7 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   }
   const WholeTensors* whole = whole_tensors ? &*whole_tensors : nullptr;
   const std::string name = fmt::format("step-{:08d}", st.step);
-  if (experts) experts->collect();  // each expert group comes to the rank writing it
+  if (experts && !whole) experts->collect();  // each expert group comes to the rank writing it
   std::optional<CheckpointWriter> w;
   if (me == 0) w.emplace(root, name);
   const std::string tmp = R > 1 ? broadcast_string(c, me == 0 ? w->temp_dir() : "") : w->temp_dir();

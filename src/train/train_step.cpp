@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 
 #include "core/error.h"
 #include "kernels/ops.h"
+#include "model/names.h"
 #include "optim/grad_norm.h"
 #include "train/nonfinite.h"
 
@@ -103,8 +105,9 @@ void TrainStep::sum_losses(const Batch& b, size_t slot, std::vector<double>& per
 }
 
 // The norm's pieces over the tp group: a split tensor's piece is the sum of its slices' (added
-// in rank order: the same bits on every rank of the group), a replicated tensor's and every
-// expert's (whole on each rank) come from tp rank 0 alone. The pieces are grad_sq_parts'.
+// in rank order: the same bits on every rank of the group), a replicated tensor's comes from
+// tp rank 0 alone. The pieces are grad_sq_parts', then the executor's: per (expert, leaf) in
+// kExpertLeaves order, each leaf split as tp_expert_leaf_split says (b_out replicated).
 void TrainStep::tp_norm_parts(std::vector<double>& parts) const {
   if (tp_->rank() != 0) {
     size_t j = 0;
@@ -113,7 +116,9 @@ void TrainStep::tp_norm_parts(std::vector<double>& parts) const {
       if (tp_split(model_.config(), p.name).replicated()) parts[j] = 0.0;
       ++j;
     }
-    std::fill(parts.begin() + std::ptrdiff_t(j), parts.end(), 0.0);
+    constexpr size_t leaves = std::size(names::kExpertLeaves);
+    for (size_t i = j; i < parts.size(); ++i)
+      if (tp_expert_leaf_split((i - j) % leaves).replicated()) parts[i] = 0.0;
   }
   tp_->all_reduce_sum(parts.data(), parts.size());
 }

@@ -387,9 +387,12 @@ void RunLoop::build_expert_parallel() {
   }
   std::string store = cfg_.train.expert_store;
   // A store per rank, named for the rank count too: a resume on another count starts new ones.
-  if (!store.empty() && R > 1) store += fmt::format(".rank-{:04d}-of-{:04d}", comm_.rank(), R);
+  // By world rank: with tp > 1 the ranks of a tp group hold different slices of one expert.
+  if (!store.empty() && world_.size() > 1)
+    store += fmt::format(".rank-{:04d}-of-{:04d}", world_.rank(), world_.size());
   parallel_ = std::make_unique<ExpertParallel>(*model_, comm_, std::move(placement), cfg_.optim,
                                                store, ck_.has_value());
+  if (grid_->tp() > 1) parallel_->set_tensor_parallel(&grid_->tensor());
 }
 
 ExpertFiles* RunLoop::expert_files() {
