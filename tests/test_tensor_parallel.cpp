@@ -455,6 +455,7 @@ namespace {
 
 const char* kDenseModel = "--set model.rre_layers=0 --set train.experts=model";
 const char* kRreModel = "--set model.rre_layers=1 --set train.experts=parallel";
+const char* kInModelRreModel = "--set model.rre_layers=1 --set train.experts=model";
 const char* kGateModel = "--set model.rre_layers=1 --set model.router=top1 --set train.experts=parallel";
 
 std::string tp_args(const std::string& model, int steps, int tp) {
@@ -543,37 +544,49 @@ TEST(TensorParallelRuns, FixedTpIsBitIdenticalAcrossDataAndExpertRanksAndTp1IsCl
   }
 }
 
-// A checkpoint written at (tp 2, dp 2) holds whole tensors: it resumes at (tp 2, dp 1) bit for
-// bit, at (tp 1, dp 4) and (tp 4, dp 1) to the cross-tp promise, and reads as any checkpoint.
+// A checkpoint written at (tp 2, dp 2) holds whole tensors, the split experts' too (expert
+// parallel: store records assembled over the tp group; in the model: the stacks): it resumes
+// at (tp 2, dp 1) bit for bit, at (tp 1, dp 4) and (tp 4, dp 1) to the cross-tp promise, and
+// reads as any checkpoint.
 TEST(TensorParallelRuns, ACheckpointAtTp2Dp2ResumesAtTp1Dp4AndTp4Dp1) {
   SKIP_WITHOUT_MPI();
-  TempDir t("tpck");
-  const std::string whole = t / "whole", split = t / "split";
-  CmdResult r = on_ranks(4, tp_args(kRreModel, 12, 2) + " --out " + whole);
-  ASSERT_EQ(r.code, 0) << r.out;
-  r = on_ranks(4, tp_args(kRreModel, 12, 2) + " --out " + split + " --stop-at 6");
-  ASSERT_EQ(r.code, 0) << r.out;
-  const std::string ck = split + "/checkpoints/step-00000006";
-  for (const std::string cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
-                                "generate --ckpt " + ck + " --prompt '1 2 3' --max-new 4"}) {
-    const CmdResult c = sigma_cmd(cmd);
-    EXPECT_EQ(c.code, 0) << cmd << ": " << c.out;
-  }
-  const std::vector<double> ref = loss_and_norms(whole + "/metrics.jsonl");
-  struct Layout { int ranks, tp; };
-  for (const Layout l : {Layout{2, 2}, Layout{4, 1}, Layout{4, 4}}) {
-    const std::string out = t / fmt::format("r{}tp{}", l.ranks, l.tp);
-    fs::copy(split, out, fs::copy_options::recursive);
-    r = on_ranks(l.ranks, fmt::format("train --resume {}/checkpoints --out {} --set dist.tp={} --quiet",
-                                      out, out, l.tp));
+  for (const char* model : {kRreModel, kInModelRreModel}) {
+    TempDir t("tpck");
+    const std::string whole = t / "whole", split = t / "split";
+    CmdResult r = on_ranks(4, tp_args(model, 12, 2) + " --out " + whole);
     ASSERT_EQ(r.code, 0) << r.out;
-    const std::vector<double> got = loss_and_norms(out + "/metrics.jsonl");
-    if (l.tp == 2) {
-      EXPECT_EQ(got, ref) << "(tp 2, dp 1) after (tp 2, dp 2)";
-      EXPECT_TRUE(file_bytes(out + "/checkpoints/step-00000012/model.safetensors") ==
-                  file_bytes(whole + "/checkpoints/step-00000012/model.safetensors"));
-    } else {
-      EXPECT_LT(worst_rel(ref, got), 1e-5) << "tp " << l.tp << " on " << l.ranks << " ranks";
+    r = on_ranks(4, tp_args(model, 12, 2) + " --out " + split + " --stop-at 6");
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::string ck = split + "/checkpoints/step-00000006";
+    for (const std::string cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
+                                  "generate --ckpt " + ck + " --prompt '1 2 3' --max-new 4"}) {
+      const CmdResult c = sigma_cmd(cmd);
+      EXPECT_EQ(c.code, 0) << cmd << ": " << c.out;
+    }
+    const std::vector<double> ref = loss_and_norms(whole + "/metrics.jsonl");
+    struct Layout { int ranks, tp; };
+    for (const Layout l : {Layout{2, 2}, Layout{4, 1}, Layout{4, 4}}) {
+      const std::string out = t / fmt::format("r{}tp{}", l.ranks, l.tp);
+      fs::copy(split, out, fs::copy_options::recursive);
+      r = on_ranks(l.ranks, fmt::format("train --resume {}/checkpoints --out {} --set dist.tp={} --quiet",
+                                        out, out, l.tp));
+      ASSERT_EQ(r.code, 0) << r.out;
+      const std::vector<double> got = loss_and_norms(out + "/metrics.jsonl");
+      if (l.tp == 2) {
+        EXPECT_EQ(got, ref) << model << ": (tp 2, dp 1) after (tp 2, dp 2)";
+        EXPECT_TRUE(file_bytes(out + "/checkpoints/step-00000012/model.safetensors") ==
+                    file_bytes(whole + "/checkpoints/step-00000012/model.safetensors")) << model;
+        int expert_files = 0;  // expert parallel: each group's weights and Adam state, whole
+        for (const auto& e : fs::directory_iterator(whole + "/checkpoints/step-00000012"))
+          if (const std::string name = e.path().filename().string(); name.starts_with("experts.")) {
+            ++expert_files;
+            EXPECT_TRUE(tensor_bytes(e.path().string()) ==
+                        tensor_bytes(out + "/checkpoints/step-00000012/" + name)) << model << ": " << name;
+          }
+        EXPECT_EQ(expert_files > 0, std::string(model) == kRreModel) << model;
+      } else {
+        EXPECT_LT(worst_rel(ref, got), 1e-5) << model << ": tp " << l.tp << " on " << l.ranks << " ranks";
+      }
     }
   }
 }
