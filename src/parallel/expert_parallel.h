@@ -20,6 +20,11 @@
 // binary counter over its micro-batches, the ranks' subtotals added by tree_sum in rank order);
 // and it updates the expert with the store's lazy Adam (eps_rre). R = 1, 2 and 4 ranks therefore
 // train the same bits at the same global batch and threads per rank.
+//
+// With tensor parallelism (model/tensor_parallel.h) `world` is the data group and the store's
+// records hold this rank's slice of each expert (f/tp columns); the model sums the rows'
+// outputs over the tp group. Checkpoints assemble the records whole over the tp group first
+// (set_tensor_parallel), and loading cuts them, so the files are a tp = 1 run's.
 #pragma once
 #include <cstdint>
 #include <memory>
