@@ -530,8 +530,8 @@ void ExpertParallel::update(float lr, float grad_scale) {
 // the pairs taking the members in turn, so that the ranks write in parallel and none holds
 // more than its share. Each expert's record travels to the writer as its weights, m and v (P
 // floats each) and its step count (an int64's bits in two floats: moved, never added). With
-// tp > 1 the records are first assembled whole over the tp group (its ranks hold the same
-// experts' slices), and the group's rank 0 sends them on: the files are a tp = 1 run's.
+// tp > 1 the records are first assembled whole at the tp group's rank 0 (the group's ranks
+// hold the same experts' slices), which sends them on: the files are a tp = 1 run's.
 int ExpertParallel::writer_of(int block, int g) const {
   const std::vector<int>& ranks = placement_.ranks[size_t(g)];  // blocks in turn, from g on
   return ranks[size_t(block - first_block_ + g) % ranks.size()];
@@ -564,9 +564,14 @@ void ExpertParallel::collect() {
       if (!tp.split()) {
         send.swap(mine);
       } else {  // whole records from the tp group's slices (the same experts on each)
+        // The slices go to the group's rank 0 alone (it sends the whole records on).
         const size_t n = mine.size();
-        all.resize(n * size_t(tp.size));
-        if (n > 0) tp_->all_gather(all.data(), mine.data(), n);
+        std::vector<int64_t> to(size_t(tp.size), 0), from(size_t(tp.size), 0);
+        to[0] = int64_t(n);
+        if (tp.rank == 0) std::fill(from.begin(), from.end(), int64_t(n));
+        all.resize(tp.rank == 0 ? n * size_t(tp.size) : 0);
+        if (n > 0) tp_->all_to_all_v(mine.data(), to.data(), all.data(), from.data());
+        if (tp.rank != 0) continue;  // the tp group's rank 0 writes (save_checkpoint)
         send.resize(size_t(rec * gr.count));
         std::vector<const float*> parts(size_t(tp.size));
         for (int32_t k = 0; k < gr.count; ++k) {
@@ -578,7 +583,6 @@ void ExpertParallel::collect() {
           std::memcpy(send.data() + k * rec + 3 * Pw, all.data() + k * local_rec + 3 * P_,
                       kStepFloats * sizeof(float));  // the group's ranks step alike
         }
-        if (tp.rank != 0) continue;  // the tp group's rank 0 writes (save_checkpoint)
       }
       const std::vector<int>& ranks = placement_.ranks[g];
       const int writer = writer_of(l, int(g));
