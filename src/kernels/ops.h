@@ -26,6 +26,8 @@ namespace sigma::ops {
 using kernels::AttnGrad;
 using kernels::AttnOperand;
 using kernels::AttnShape;
+using kernels::i8_elements;
+using kernels::i8_index;
 using kernels::kLayerNormEps;
 using kernels::Precision;
 using kernels::Strides;
@@ -76,9 +78,11 @@ struct Backend {
   void (*gemm_nt_w16)(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
                       int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
   // Inference on int8 weights with per-output-channel scales (Model::use_weights; kernels/cpu/
-  // int8.h): w = scale * q, q in [-127, 127]. A product is scale[j] * (sum_k x[k] q[k,j]) in
-  // fp32 (the scale after the sum), then the bias; x, b and the sums stay fp32.
-  // linear_forward with q[in,out] and scale[out]:
+  // int8.h): w = scale * q, q in [-127, 127]. A product is scale[j] * (sum_k x[k] q[k,j]), then
+  // the bias. The cpu backend first rounds each row of x to 16-bit fixed point (step max|x| /
+  // 32767: an error of at most half a step per element); a few rows (decoding) then sum
+  // exactly in integers, more rows (a prompt) in fp32 (kernels/cpu/gemv.h).
+  // linear_forward with q[in,out] in row pairs (kernels::i8_index) and scale[out]:
   void (*linear_forward_i8)(float* y, const float* x, const int8_t* q, const float* scale,
                             const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
                             Strides ld);
@@ -161,7 +165,8 @@ struct Backend {
   // dst[i] = x[i] rounded to bf16 (nearest even; core/bf16.h): the inference weight copies.
   void (*convert_bf16)(uint16_t* dst, const float* x, int64_t n);
   // Symmetric int8 quantisation of w[rows, cols] with one scale per column (per_row false: the
-  // output channels of a linear's w[in,out]) or per row (the embedding table's rows):
+  // output channels of a linear's w[in,out], written in row pairs: q holds
+  // kernels::i8_elements(rows, cols)) or per row (the embedding table's rows, q[rows, cols]):
   // scale = max |w| / 127 over the channel, q = w / scale rounded to nearest even (a channel of
   // zeros: scale 0, q 0). Returns the number of non-finite weights (their channels get scale 0).
   int64_t (*quantize_i8)(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,

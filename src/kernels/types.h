@@ -4,6 +4,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace sigma {
 
@@ -42,6 +43,41 @@ enum class Precision : uint8_t { Fp32, Bf16 };
 
 // LayerNorm's epsilon (inside the square root), the same for every backend.
 constexpr float kLayerNormEps = 1e-5f;
+
+// An int8 linear weight q[in, out] (one scale per output column; ops::quantize_i8) is stored in
+// row pairs: rows 2p and 2p + 1 interleaved column by column, so that the two weights one
+// 32-bit lane of an integer multiply-add needs (x[2p] q[2p, j] + x[2p+1] q[2p+1, j]) are
+// adjacent (kernels/cpu/gemv.h). An odd last row is paired with a row of zeros. ld is the
+// matrix's row length in elements (its columns, or more for a slice); a slice starting at
+// column c starts at element i8_index(0, c, ld).
+inline int64_t i8_index(int64_t i, int64_t j, int64_t ld) { return (i / 2) * 2 * ld + 2 * j + (i & 1); }
+inline int64_t i8_elements(int64_t rows, int64_t cols) { return (rows + 1) / 2 * 2 * cols; }
+
+// A row of x as the products on int8 weights read it: 16-bit fixed point, xq[k] = x[k] * (1 /
+// step) to nearest, step = max |x| / 32767 (returned); the product is then step * (xq . q). A
+// row of zeros (or whose largest value is below 1e-30) gets step 0 and xq 0; a row holding a
+// NaN or an infinity gets step NaN (its products come out NaN, as fp32's would) and xq 0.
+// Every backend rounds with this one function. Plain comparisons, not fmax (a libm call per
+// element: the rounding took longer than a 1024-input product), so that it vectorises.
+inline float round_row16(int16_t* xq, const float* x, int64_t n) {
+  float amax = 0;
+  uint32_t special = 0;  // an exponent of all ones: an infinity or a NaN
+  for (int64_t k = 0; k < n; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, x + k, 4);
+    special |= (bits & 0x7f800000u) == 0x7f800000u;
+    const float a = std::fabs(x[k]);
+    amax = a > amax ? a : amax;
+  }
+  const float step = special ? NAN : amax >= 1e-30f ? amax / 32767.0f : 0.0f;
+  const float inv = step > 0 ? 1.0f / step : 0.0f;
+  for (int64_t k = 0; k < n; ++k) {  // |x / step| <= 32767 up to its rounding: clamped
+    const float v = std::nearbyint(x[k] * inv);  // NaN only in a row with step NaN
+    const float c = v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v;
+    xq[k] = c == c ? int16_t(c) : int16_t(0);
+  }
+  return step;
+}
 
 }  // namespace kernels
 

@@ -212,15 +212,16 @@ void Model::use_weights(WeightFormat f) {
         c.data = ops::empty(DType::U16, {p.value.numel()});
         ops::convert_bf16(c.data.data<uint16_t>(), p.value.f(), p.value.numel());
       } else {
-        // A [K, rows', cols] stack of experts: each expert its own columns' scales.
+        // A [K, rows', cols] stack of experts: each expert its own columns' scales. A linear's
+        // matrix is stored in row pairs (ops::i8_elements), the embedding's rows as they are.
         const bool per_row = p.name == names::kTokens;
         const int64_t slices = p.value.shape().size() == 3 ? p.value.dim(0) : 1;
-        const int64_t r = rows / slices;
-        c.data = ops::empty(DType::U8, {p.value.numel()});
+        const int64_t r = rows / slices, slice = per_row ? r * cols : ops::i8_elements(r, cols);
+        c.data = ops::empty(DType::U8, {slices * slice});
         c.scale = ops::empty(DType::F32, {per_row ? rows : slices * cols});
         int64_t bad = 0;
         for (int64_t k = 0; k < slices; ++k)
-          bad += ops::quantize_i8(c.data.data<int8_t>() + k * r * cols,
+          bad += ops::quantize_i8(c.data.data<int8_t>() + k * slice,
                                   c.scale.f() + (per_row ? k * r : k * cols),
                                   p.value.f() + k * r * cols, r, cols, per_row);
         SIGMA_CHECK(bad == 0, "int8 weights: parameter '{}' holds {} non-finite values",
@@ -264,8 +265,8 @@ void Model::attach_copies() {
         x.w_in = x.w_out = nullptr;
         if (wi.h) x.w_in16 = wi.h + e * d * f, x.w_out16 = wo.h + e * f * d;
         if (wi.q) {
-          x.w_in8 = wi.q + e * d * f, x.s_in = wi.s + e * f;
-          x.w_out8 = wo.q + e * f * d, x.s_out = wo.s + e * d;
+          x.w_in8 = wi.q + e * ops::i8_elements(d, f), x.s_in = wi.s + e * f;
+          x.w_out8 = wo.q + e * ops::i8_elements(f, d), x.s_out = wo.s + e * d;
         }
       }
     }

@@ -39,7 +39,8 @@ WeightFormat weight_format_from_name(std::string_view s) {
 void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, int64_t in,
             int64_t out, bool accumulate, kernels::Strides ld, int64_t col) {
   if (w.q)
-    ops::linear_forward_i8(y, x, w.q + col, w.s + col, b, N, in, out, accumulate, ld);
+    ops::linear_forward_i8(y, x, w.q + ops::i8_index(0, col, ld.w ? ld.w : out), w.s + col, b, N,
+                           in, out, accumulate, ld);
   else if (w.h)
     ops::linear_forward_w16(y, x, w.h + col, b, N, in, out, accumulate, ld);
   else

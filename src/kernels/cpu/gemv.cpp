@@ -22,7 +22,6 @@ constexpr int64_t kParallelWeights = int64_t(1) << 16;
 
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return from_bf16(w); }
-inline float widen(int8_t w) { return float(w); }
 
 // The instruction set the products run on (gemv_use_isa; Best until a test picks one).
 GemvIsa g_isa = GemvIsa::Best;
@@ -33,20 +32,11 @@ struct Range {
 };
 
 // y rows [M, lo..hi) = (accumulate ? y : 0) + b + the partials p [chunks][M][out], in chunk
-// order. With int8 weights (scale not null): (accumulate ? y : 0) + b + scale * (the partials
-// summed in chunk order).
-void sum_rows(float* y, int64_t ldy, const float* b, const float* scale, int64_t M,
-              bool accumulate, Range c, const float* p, int64_t chunks, int64_t out) {
+// order.
+void sum_rows(float* y, int64_t ldy, const float* b, int64_t M, bool accumulate, Range c,
+              const float* p, int64_t chunks, int64_t out) {
   for (int64_t r = 0; r < M; ++r) {
     float* row = y + r * ldy;
-    if (scale) {
-      for (int64_t j = c.lo; j < c.hi; ++j) {
-        float t = chunks > 0 ? p[r * out + j] : 0.0f;
-        for (int64_t k = 1; k < chunks; ++k) t += p[(k * M + r) * out + j];
-        row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[j] : 0.0f) + scale[j] * t;
-      }
-      continue;
-    }
     for (int64_t j = c.lo; j < c.hi; ++j) row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[j] : 0.0f);
     for (int64_t k = 0; k < chunks; ++k) {
       const float* pr = p + (k * M + r) * out;
@@ -69,10 +59,10 @@ void nn_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, i
 }
 
 // The SIMD paths' order: 16 lanes, lane l summing k = l, l + 16, ..., then the lanes added
-// as _mm512_reduce_add_ps does (halving: 16 -> 8 -> 4 -> 2 -> 1), then the row's scale.
+// as _mm512_reduce_add_ps does (halving: 16 -> 8 -> 4 -> 2 -> 1).
 template <class W>
 void nt_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, int64_t ldw,
-               const float* scale, int64_t M, int64_t in, Range rows) {
+               int64_t M, int64_t in, Range rows) {
   for (int64_t j = rows.lo; j < rows.hi; ++j)
     for (int64_t r = 0; r < M; ++r) {
       float lane[16] = {};
@@ -80,7 +70,29 @@ void nt_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, i
         lane[k % 16] = std::fma(x[r * ldx + k], widen(w[j * ldw + k]), lane[k % 16]);
       for (int n = 8; n >= 1; n /= 2)
         for (int l = 0; l < n; ++l) lane[l] += lane[l + n];
-      y[r * ldy + j] = scale ? scale[j] * lane[0] : lane[0];
+      y[r * ldy + j] = lane[0];
+    }
+}
+
+// The int8 products' integer sums (exact: any order gives the SIMD paths' values).
+void nn_i8_scalar(int32_t* p, int64_t ldp, const int16_t* xq, int64_t ldq, const int8_t* w,
+                  int64_t ldw, int64_t M, int64_t pairs, Range c) {
+  for (int64_t k = 0; k < pairs; ++k)
+    for (int64_t r = 0; r < M; ++r) {
+      const int32_t x0 = xq[r * ldq + 2 * k], x1 = xq[r * ldq + 2 * k + 1];
+      for (int64_t j = c.lo; j < c.hi; ++j) {
+        const int8_t* q = w + k * 2 * ldw + 2 * j;
+        p[r * ldp + j] = (k == 0 ? 0 : p[r * ldp + j]) + x0 * q[0] + x1 * q[1];
+      }
+    }
+}
+void nt_i8_scalar(int64_t* s, const int16_t* xq, int64_t ldq, const int8_t* w, int64_t ldw,
+                  int64_t M, int64_t in, int64_t j, int64_t Q) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t q = 0; q < Q; ++q) {
+      int64_t t = 0;
+      for (int64_t k = 0; k < in; ++k) t += int32_t(xq[r * ldq + k]) * w[(j + q) * ldw + k];
+      s[r * Q + q] = t;
     }
 }
 
@@ -109,24 +121,34 @@ SIGMA_SIMD inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, 
 SIGMA_SIMD inline vec widen_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-// Unmasked loads of 16 weights: the widening folds the load (vpmovsxbd zmm, m128), where a
-// masked load is a separate instruction.
+// Unmasked loads of 16 weights: the widening folds the load, where a masked load is a separate
+// instruction.
 SIGMA_SIMD inline vec load_w(const float* p) { return _mm512_loadu_ps(p); }
 SIGMA_SIMD inline vec load_w(const uint16_t* p) {
   return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-SIGMA_SIMD inline vec load_w(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 SIGMA_SIMD inline vec load_w_masked(const float* p, int n) { return load_masked(p, n); }
 SIGMA_SIMD inline vec load_w_masked(const uint16_t* p, int n) {
   return widen_bf16(_mm256_maskz_loadu_epi16(mask(n), p));
 }
-SIGMA_SIMD inline vec load_w_masked(const int8_t* p, int n) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask(n), p)));
-}
 // 16 lanes added by halving: 16 -> 8 -> 4 -> 2 -> 1 (GCC's _mm512_reduce_add_ps).
 SIGMA_SIMD inline float reduce16(const vec* v) { return _mm512_reduce_add_ps(v[0]); }
+using ivec = __m512i;
+SIGMA_SIMD inline ivec izero() { return _mm512_setzero_si512(); }
+SIGMA_SIMD inline ivec iset1(int32_t v) { return _mm512_set1_epi32(v); }
+SIGMA_SIMD inline ivec iload(const int32_t* p) { return _mm512_loadu_si512(p); }
+SIGMA_SIMD inline ivec iload_masked(const int32_t* p, int n) { return _mm512_maskz_loadu_epi32(mask(n), p); }
+SIGMA_SIMD inline void istore(int32_t* p, ivec v) { _mm512_storeu_si512(p, v); }
+SIGMA_SIMD inline void istore_masked(int32_t* p, ivec v, int n) { _mm512_mask_storeu_epi32(p, mask(n), v); }
+SIGMA_SIMD inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+SIGMA_SIMD inline ivec madd(ivec a, ivec b) { return _mm512_madd_epi16(a, b); }
+SIGMA_SIMD inline ivec widen16(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+SIGMA_SIMD inline ivec widen16_masked(const int8_t* p, int n) {  // n < 32
+  return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(__mmask32((1u << n) - 1), p));
+}
+SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm512_loadu_si512(p); }
 #include "kernels/cpu/gemv_simd.inc"
 #undef SIGMA_SIMD
 }  // namespace avx512
@@ -153,10 +175,7 @@ SIGMA_SIMD inline vec load_w(const float* p) { return _mm256_loadu_ps(p); }
 SIGMA_SIMD inline vec load_w(const uint16_t* p) {
   return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-SIGMA_SIMD inline vec load_w(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-// AVX2 has no masked load of 8- or 16-bit elements: a tail goes through a zeroed copy.
+// AVX2 has no masked load of 16-bit elements: a tail goes through a zeroed copy.
 template <class W>
 SIGMA_SIMD inline vec load_w_masked(const W* p, int n) {
   if constexpr (sizeof(W) == 4) {
@@ -174,6 +193,24 @@ SIGMA_SIMD inline float reduce16(const vec* v) {
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
+using ivec = __m256i;
+SIGMA_SIMD inline ivec izero() { return _mm256_setzero_si256(); }
+SIGMA_SIMD inline ivec iset1(int32_t v) { return _mm256_set1_epi32(v); }
+SIGMA_SIMD inline ivec iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+SIGMA_SIMD inline ivec iload_masked(const int32_t* p, int n) { return _mm256_maskload_epi32(p, mask(n)); }
+SIGMA_SIMD inline void istore(int32_t* p, ivec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+SIGMA_SIMD inline void istore_masked(int32_t* p, ivec v, int n) { _mm256_maskstore_epi32(p, mask(n), v); }
+SIGMA_SIMD inline ivec iadd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+SIGMA_SIMD inline ivec madd(ivec a, ivec b) { return _mm256_madd_epi16(a, b); }
+SIGMA_SIMD inline ivec widen16(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+SIGMA_SIMD inline ivec widen16_masked(const int8_t* p, int n) {  // n < 16: a zeroed copy
+  int8_t t[16] = {};
+  std::memcpy(t, p, size_t(n));
+  return widen16(t);
+}
+SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #include "kernels/cpu/gemv_simd.inc"
 #undef SIGMA_SIMD
 }  // namespace avx2
@@ -232,14 +269,57 @@ struct NT {
   template <int M>
   struct K {
     static void run(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, int64_t ldw,
-                    const float* scale, int64_t in, Range rows) {
+                    int64_t in, Range rows) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
-        case GemvIsa::Avx512:
-          return avx512::nt_kernel<W, M>(y, ldy, x, ldx, w, ldw, scale, in, rows);
-        case GemvIsa::Avx2: return avx2::nt_kernel<W, M>(y, ldy, x, ldx, w, ldw, scale, in, rows);
+        case GemvIsa::Avx512: return avx512::nt_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, rows);
+        case GemvIsa::Avx2: return avx2::nt_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, rows);
 #endif
-        default: return nt_scalar(y, ldy, x, ldx, w, ldw, scale, M, in, rows);
+        default: return nt_scalar(y, ldy, x, ldx, w, ldw, M, in, rows);
+      }
+    }
+  };
+};
+struct NNI8 {
+  template <int M>
+  struct K {
+    static void run(int32_t* p, int64_t ldp, const int16_t* xq, int64_t ldq, const int8_t* w,
+                    int64_t ldw, int64_t pairs, Range c) {
+      switch (resolve(g_isa)) {
+#if SIGMA_GEMV_X86
+        case GemvIsa::Avx512: return avx512::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, c);
+        case GemvIsa::Avx2: return avx2::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, c);
+#endif
+        default: return nn_i8_scalar(p, ldp, xq, ldq, w, ldw, M, pairs, c);
+      }
+    }
+  };
+};
+// Q rows of the head at j (Q = 4 or 1).
+struct NTI8 {
+  template <int M>
+  struct K {
+    template <int Q>
+    static void group(int64_t* s, const int16_t* xq, int64_t ldq, const int8_t* w, int64_t ldw,
+                      int64_t in, int64_t j) {
+      switch (resolve(g_isa)) {
+#if SIGMA_GEMV_X86
+        case GemvIsa::Avx512: return avx512::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j);
+        case GemvIsa::Avx2: return avx2::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j);
+#endif
+        default: return nt_i8_scalar(s, xq, ldq, w, ldw, M, in, j, Q);
+      }
+    }
+    static void run(float* y, int64_t ldy, const int16_t* xq, int64_t ldq, const float* step,
+                    const int8_t* w, int64_t ldw, const float* scale, int64_t in, Range rows) {
+      int64_t s[M * 4];
+      for (int64_t j = rows.lo; j < rows.hi;) {
+        const int Q = j + 4 <= rows.hi ? 4 : 1;
+        if (Q == 4) group<4>(s, xq, ldq, w, ldw, in, j);
+        else group<1>(s, xq, ldq, w, ldw, in, j);
+        for (int r = 0; r < M; ++r)
+          for (int q = 0; q < Q; ++q) y[r * ldy + j + q] = scale[j + q] * (step[r] * float(s[r * Q + q]));
+        j += Q;
       }
     }
   };
@@ -266,8 +346,8 @@ Range column_block(int64_t out, int64_t blk, int64_t blocks) {
 }
 
 template <class W>
-void nn(float* y, const float* x, const W* w, const float* scale, const float* b, int64_t M,
-        int64_t in, int64_t out, bool accumulate, Strides ld) {
+void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t in, int64_t out,
+        bool accumulate, Strides ld) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
   if (M == 0 || out == 0) return;
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
@@ -289,20 +369,111 @@ void nn(float* y, const float* x, const W* w, const float* scale, const float* b
   // The chunk sums, in order, by column blocks.
   const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 511) / 512;
   run_items(sum_chunks * stride, sum_blocks, [&](int64_t blk) {
-    sum_rows(y, ldy, b, scale, M, accumulate, column_block(out, blk, sum_blocks), p, sum_chunks,
-             out);
+    sum_rows(y, ldy, b, M, accumulate, column_block(out, blk, sum_blocks), p, sum_chunks, out);
   });
 }
 
+constexpr int64_t kGroup = 64;  // rows of the head's w an item streams
+
 template <class W>
-void nt(float* y, const float* x, const W* w, const float* scale, int64_t M, int64_t in,
-        int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
+void nt(float* y, const float* x, const W* w, int64_t M, int64_t in, int64_t out, int64_t ldx,
+        int64_t ldw, int64_t ldy) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
   if (M == 0 || out == 0) return;
-  constexpr int64_t kGroup = 64;  // rows of w an item streams
   run_items(in * out, (out + kGroup - 1) / kGroup, [&](int64_t g) {
     const Range rows{g * kGroup, std::min(out, (g + 1) * kGroup)};
-    with_rows<NT<W>::template K>(M, y, ldy, x, ldx, w, ldw, scale, in, rows);
+    with_rows<NT<W>::template K>(M, y, ldy, x, ldx, w, ldw, in, rows);
+  });
+}
+
+// ---- int8 weights: x as 16-bit fixed point, exact integer sums ----
+// Why: widening an int8 weight to fp32 (sign-extend, convert, FMA: three instructions per 8
+// weights on AVX2) made int8 no faster than bf16 (two); a 16-bit multiply-add takes 2 weights
+// per 32-bit lane, one widening per 16 (AVX2) weights and no conversion. x rounds by at most
+// half a step of max|x| / 32767, finer than bf16's 8 bits for all but the row's smallest values.
+
+// Rows of x as 16-bit fixed point (kernels::round_row16), xq zero from `in` to ldq.
+void quantize_rows16(int16_t* xq, int64_t ldq, float* step, const float* x, int64_t ldx,
+                     int64_t M, int64_t in) {
+  for (int64_t r = 0; r < M; ++r) {
+    step[r] = kernels::round_row16(xq + r * ldq, x + r * ldx, in);
+    std::fill(xq + r * ldq + in, xq + (r + 1) * ldq, int16_t(0));
+  }
+}
+
+// The 16-bit rows of x: [M][ldq], ldq a multiple of 32 (the widest SIMD step of the head).
+struct Rows16 {
+  std::vector<int16_t> q;
+  float step[kGemvMaxRows];
+  int64_t ld;
+};
+Rows16& rows16(const float* x, int64_t ldx, int64_t M, int64_t in) {
+  thread_local Rows16 r;
+  r.ld = (in + 31) / 32 * 32;
+  r.q.resize(size_t(M * r.ld));
+  quantize_rows16(r.q.data(), r.ld, r.step, x, ldx, M, in);
+  return r;
+}
+
+// A prompt's rows of x as the int8 GEMVs read them: 16-bit fixed point, widened back to fp32
+// (step * xq, one rounding), so that a prompt and its decode steps compute the same product.
+const float* rows16_as_fp32(const float* x, int64_t ldx, int64_t N, int64_t in) {
+  thread_local std::vector<float> out;
+  thread_local std::vector<int16_t> q;
+  out.resize(size_t(N * in));
+  q.resize(size_t(in));
+  for (int64_t r = 0; r < N; ++r) {
+    float step;
+    quantize_rows16(q.data(), in, &step, x + r * ldx, ldx, 1, in);
+    for (int64_t k = 0; k < in; ++k) out[size_t(r * in + k)] = step * float(q[size_t(k)]);
+  }
+  return out.data();
+}
+
+// y = (accumulate ? y : 0) + b + scale * (step * S), S the exact sum of xq q: per chunk of
+// kChunkRows rows (kChunkRows / 2 pairs; |partial| < 2^31) an int32 partial, as nn's fp32 ones.
+void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
+           int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld) {
+  SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
+  if (M == 0 || out == 0) return;
+  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
+  const Rows16& xq = rows16(x, ldx, M, in);
+  const int64_t chunks = std::max<int64_t>(1, (in + kChunkRows - 1) / kChunkRows);
+  const int64_t stride = M * out;
+  thread_local std::vector<int32_t> partial;  // [chunks][M][out]
+  partial.resize(size_t(chunks * stride));
+  int32_t* p = partial.data();
+  const int64_t blocks = std::max<int64_t>(1, (2 * team_threads() + chunks - 1) / chunks);
+  run_items(in * out, chunks * blocks, [&](int64_t it) {
+    const int64_t c = it / blocks, i0 = c * kChunkRows, rows = std::min(kChunkRows, in - i0);
+    const Range cols = column_block(out, it % blocks, blocks);
+    if (cols.lo < cols.hi && rows > 0)
+      with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
+                         q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, cols);
+  });
+  const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 511) / 512;
+  run_items(sum_chunks * stride, sum_blocks, [&](int64_t blk) {
+    const Range c = column_block(out, blk, sum_blocks);
+    for (int64_t r = 0; r < M; ++r) {
+      float* row = y + r * ldy;
+      for (int64_t j = c.lo; j < c.hi; ++j) {
+        int64_t t = 0;
+        for (int64_t k = 0; k < sum_chunks; ++k) t += p[(k * M + r) * out + j];
+        row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[j] : 0.0f) + scale[j] * (xq.step[r] * float(t));
+      }
+    }
+  });
+}
+
+// y = scale * (step * S) over the head's rows of q[out, in] (a scale per row).
+void nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_t M, int64_t in,
+           int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
+  SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
+  if (M == 0 || out == 0) return;
+  const Rows16& xq = rows16(x, ldx, M, in);
+  run_items(in * out, (out + kGroup - 1) / kGroup, [&](int64_t g) {
+    const Range rows{g * kGroup, std::min(out, (g + 1) * kGroup)};
+    with_rows<NTI8::K>(M, y, ldy, xq.q.data(), xq.ld, xq.step, q, ldw, scale, in, rows);
   });
 }
 
@@ -311,9 +482,20 @@ void nt(float* y, const float* x, const W* w, const float* scale, int64_t M, int
 // (a served model keeps only its bf16 or int8 weights). A panel holds about kPanelFloats.
 constexpr int64_t kPanelFloats = int64_t(1) << 17;  // 512 KiB
 
-inline float widen(const uint16_t* w, const float*, int64_t i, int64_t) { return from_bf16(w[i]); }
-inline float widen(const int8_t* w, const float* scale, int64_t i, int64_t channel) {
-  return scale[channel] * float(w[i]);
+// Element (i, j) of a linear's w[in, out] (row length ld), widened: bf16, or int8 in row pairs
+// with a scale per column.
+inline float widen_linear(const uint16_t* w, const float*, int64_t i, int64_t j, int64_t ld) {
+  return from_bf16(w[i * ld + j]);
+}
+inline float widen_linear(const int8_t* w, const float* scale, int64_t i, int64_t j, int64_t ld) {
+  return scale[j] * float(w[kernels::i8_index(i, j, ld)]);
+}
+// Element (j, k) of the head's w[out, in]: bf16, or int8 rows with a scale per row.
+inline float widen_head(const uint16_t* w, const float*, int64_t j, int64_t k, int64_t ld) {
+  return from_bf16(w[j * ld + k]);
+}
+inline float widen_head(const int8_t* w, const float* scale, int64_t j, int64_t k, int64_t ld) {
+  return scale[j] * float(w[j * ld + k]);
 }
 
 // y[N, out] (+)= x @ w[in, out] + b: column panels of w, each a whole reduction over in.
@@ -327,7 +509,7 @@ void linear_panels(float* y, const float* x, const W* w, const float* scale, con
   for (int64_t j0 = 0; j0 < out; j0 += cols) {
     const int64_t n = std::min(cols, out - j0);
     for (int64_t i = 0; i < in; ++i)
-      for (int64_t j = 0; j < n; ++j) panel[size_t(i * n + j)] = widen(w, scale, i * ldw + j0 + j, j0 + j);
+      for (int64_t j = 0; j < n; ++j) panel[size_t(i * n + j)] = widen_linear(w, scale, i, j0 + j, ldw);
     linear_forward(y + j0, x, panel.data(), b ? b + j0 : nullptr, N, in, n, accumulate,
                    {ld.x, n, ldy});
   }
@@ -344,7 +526,7 @@ void nt_panels(float* y, const float* x, const W* w, const float* scale, int64_t
     const int64_t n = std::min(rows, out - j0);
     for (int64_t j = 0; j < n; ++j)
       for (int64_t k = 0; k < in; ++k)
-        panel[size_t(j * in + k)] = widen(w, scale, (j0 + j) * ldw + k, j0 + j);
+        panel[size_t(j * in + k)] = widen_head(w, scale, j0 + j, k, ldw);
     gemm(false, true, N, n, in, 1.0f, x, ldx, panel.data(), in, 0.0f, y + j0, ldy);
   }
 }
@@ -369,27 +551,27 @@ const char* gemv_isa_name(GemvIsa isa) {
 
 void gemv_nn(float* y, const float* x, const float* w, const float* b, int64_t M, int64_t in,
              int64_t out, bool accumulate, Strides ld) {
-  nn(y, x, w, nullptr, b, M, in, out, accumulate, ld);
+  nn(y, x, w, b, M, in, out, accumulate, ld);
 }
 void gemv_nn(float* y, const float* x, const uint16_t* w, const float* b, int64_t M, int64_t in,
              int64_t out, bool accumulate, Strides ld) {
-  nn(y, x, w, nullptr, b, M, in, out, accumulate, ld);
+  nn(y, x, w, b, M, in, out, accumulate, ld);
 }
 void gemv_nn(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
              int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld) {
-  nn(y, x, q, scale, b, M, in, out, accumulate, ld);
+  nn_i8(y, x, q, scale, b, M, in, out, accumulate, ld);
 }
 void gemv_nt(float* y, const float* x, const float* w, int64_t M, int64_t in, int64_t out,
              int64_t ldx, int64_t ldw, int64_t ldy) {
-  nt(y, x, w, nullptr, M, in, out, ldx, ldw, ldy);
+  nt(y, x, w, M, in, out, ldx, ldw, ldy);
 }
 void gemv_nt(float* y, const float* x, const uint16_t* w, int64_t M, int64_t in, int64_t out,
              int64_t ldx, int64_t ldw, int64_t ldy) {
-  nt(y, x, w, nullptr, M, in, out, ldx, ldw, ldy);
+  nt(y, x, w, M, in, out, ldx, ldw, ldy);
 }
 void gemv_nt(float* y, const float* x, const int8_t* q, const float* scale, int64_t M, int64_t in,
              int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
-  nt(y, x, q, scale, M, in, out, ldx, ldw, ldy);
+  nt_i8(y, x, q, scale, M, in, out, ldx, ldw, ldy);
 }
 
 // The GEMVs only inside a decode step (ops::FewRowKernels); elsewhere oneDNN, which gives a row
@@ -427,14 +609,15 @@ void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* s
                        const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
                        Strides ld) {
   if (N <= kGemvMaxRows) return gemv_nn(y, x, q, scale, b, N, in, out, accumulate, ld);
-  linear_panels(y, x, q, scale, b, N, in, out, accumulate, ld);
+  linear_panels(y, rows16_as_fp32(x, ld.x ? ld.x : in, N, in), q, scale, b, N, in, out, accumulate,
+                {in, ld.w, ld.y});
 }
 
 void gemm_nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_t N,
                 int64_t in, int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
   if (N <= kGemvMaxRows) return gemv_nt(y, x, q, scale, N, in, out, ldx, ldw, ldy);
   if (N == 0 || out == 0) return;
-  nt_panels(y, x, q, scale, N, in, out, ldx, ldw, ldy);
+  nt_panels(y, rows16_as_fp32(x, ldx, N, in), q, scale, N, in, out, in, ldw, ldy);
 }
 
 }  // namespace sigma::cpu

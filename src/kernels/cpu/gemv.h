@@ -4,15 +4,17 @@
 // activations with bf16 weights, and its sgemm does not give a row the same bits for every
 // batch size. For fp32 at one row it streams about as fast (docs/benchmarks.md, issue 12).
 //
-// Weights are fp32, or bf16 or int8 copies made once at load (Model::use_weights): a bf16 or
-// int8 weight is widened to fp32 exactly, and the products and sums are fp32, so only the
-// weights round. An int8 matrix has one fp32 scale per output channel, applied once to the
-// finished sum: y = scale * (x . q) + b.
+// Weights are fp32, or bf16 or int8 copies made once at load (Model::use_weights). A bf16
+// weight is widened to fp32 exactly, and the products and sums are fp32, so only the weights
+// round. An int8 matrix (in row pairs, kernels::i8_index) has one fp32 scale per output
+// channel; each row of x is rounded to 16-bit fixed point (xq = x / step, step = max|x| /
+// 32767), the sum S = xq . q is exact in integers (16-bit multiply-adds, int32 lanes that
+// cannot overflow, int64 totals), and y = scale * (step * S) + b.
 //
 // Each output element is one fixed sequence of fp32 operations whatever the number of rows and
-// threads (FMAs over fixed chunks of k, the chunk sums added in order): a row's result does not
-// depend on the rows computed with it (serving with up to kGemvMaxRows slots is
-// batch-invariant bit for bit).
+// threads (FMAs over fixed chunks of k, the chunk sums added in order; int8's sums exact): a
+// row's result does not depend on the rows computed with it (serving with up to kGemvMaxRows
+// slots is batch-invariant bit for bit).
 #pragma once
 #include <cstdint>
 
@@ -35,8 +37,8 @@ void gemv_nt(float* y, const float* x, const float* w, int64_t M, int64_t in, in
              int64_t ldx, int64_t ldw, int64_t ldy);
 void gemv_nt(float* y, const float* x, const uint16_t* w, int64_t M, int64_t in, int64_t out,
              int64_t ldx, int64_t ldw, int64_t ldy);
-// The same on int8 weights q with per-output scales: scale[out] (nn: one per column of q[in,out];
-// nt: one per row of q[out,in]), strides of q as those of w.
+// The same on int8 weights q with per-output scales: scale[out] (nn: one per column of q[in,out],
+// stored in row pairs; nt: one per row of q[out,in], plain rows), strides of q as those of w.
 void gemv_nn(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
              int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld);
 void gemv_nt(float* y, const float* x, const int8_t* q, const float* scale, int64_t M, int64_t in,
@@ -69,7 +71,7 @@ void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const flo
 void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
                  int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
 // The same two on int8 weights (ops::linear_forward_i8, ops::gemm_nt_i8); a prompt's panels hold
-// scale * q.
+// scale * q, and its rows of x are rounded to 16-bit fixed point first, as the GEMVs round them.
 void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* scale,
                        const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
                        Strides ld);

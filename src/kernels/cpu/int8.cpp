@@ -5,13 +5,17 @@
 
 #include "core/bf16.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/types.h"
 
 namespace sigma::cpu {
 
+using kernels::i8_index;
+
 namespace {
 
-// One channel: n weights at stride `step`.
-int64_t quantize_channel(int8_t* q, float* scale, const float* w, int64_t n, int64_t step) {
+// One channel: n weights at stride `step`, written to q at index at(i).
+template <class At>
+int64_t quantize_channel(int8_t* q, At at, float* scale, const float* w, int64_t n, int64_t step) {
   float amax = 0;
   int64_t bad = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -22,7 +26,7 @@ int64_t quantize_channel(int8_t* q, float* scale, const float* w, int64_t n, int
   const float s = bad ? 0.0f : amax / 127.0f;
   *scale = s;
   for (int64_t i = 0; i < n; ++i)  // |w / s| <= 127 since s = amax / 127 rounds at most 1/2 ulp
-    q[i * step] = s > 0 ? int8_t(std::clamp(std::nearbyint(w[i * step] / s), -127.0f, 127.0f)) : 0;
+    q[at(i)] = s > 0 ? int8_t(std::clamp(std::nearbyint(w[i * step] / s), -127.0f, 127.0f)) : 0;
   return bad;
 }
 
@@ -34,11 +38,14 @@ int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64
   if (per_row) {
 #pragma omp parallel for schedule(static) reduction(+ : bad) if (rows * cols > kParallelFloats)
     for (int64_t r = 0; r < rows; ++r)
-      bad += quantize_channel(q + r * cols, scale + r, w + r * cols, cols, 1);
+      bad += quantize_channel(q, [&](int64_t i) { return r * cols + i; }, scale + r, w + r * cols, cols, 1);
   } else {
 #pragma omp parallel for schedule(static) reduction(+ : bad) if (rows * cols > kParallelFloats)
     for (int64_t c = 0; c < cols; ++c)
-      bad += quantize_channel(q + c, scale + c, w + c, rows, cols);
+      bad += quantize_channel(q, [&](int64_t i) { return i8_index(i, c, cols); }, scale + c, w + c,
+                              rows, cols);
+    if (rows % 2)  // the odd last row's partner: zeros
+      for (int64_t c = 0; c < cols; ++c) q[i8_index(rows, c, cols)] = 0;
   }
   return bad;
 }

@@ -6,7 +6,8 @@
 
 namespace sigma::cpu {
 
-// q[rows, cols], scale[per_row ? rows : cols] from w[rows, cols] (contiguous): per channel,
+// q, scale[per_row ? rows : cols] from w[rows, cols] (contiguous): q[rows, cols] per row, or in
+// row pairs per column (kernels::i8_index; i8_elements(rows, cols) bytes). Per channel,
 // scale = max |w| / 127 and q = w / scale rounded to nearest even, so |w - scale * q| <=
 // scale / 2 and the largest weight maps to +-127 exactly. A channel of zeros gets scale 0
 // and q 0; a channel holding a NaN or an infinity gets scale 0 and q 0 too, and the count of

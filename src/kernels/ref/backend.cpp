@@ -83,18 +83,20 @@ int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64
   const int64_t channels = per_row ? rows : cols, n = per_row ? cols : rows;
   int64_t bad = 0;
   for (int64_t c = 0; c < channels; ++c) {
-    auto at = [&](int64_t i) { return per_row ? c * cols + i : i * cols + c; };
+    auto src = [&](int64_t i) { return per_row ? c * cols + i : i * cols + c; };
+    auto dst = [&](int64_t i) { return per_row ? c * cols + i : kernels::i8_index(i, c, cols); };
     float amax = 0;
     bool finite = true;
     for (int64_t i = 0; i < n; ++i) {
-      if (!std::isfinite(w[at(i)])) ++bad, finite = false;
-      else amax = std::max(amax, std::fabs(w[at(i)]));
+      if (!std::isfinite(w[src(i)])) ++bad, finite = false;
+      else amax = std::max(amax, std::fabs(w[src(i)]));
     }
     scale[c] = finite ? amax / 127.0f : 0.0f;
     for (int64_t i = 0; i < n; ++i) {
-      const float r = scale[c] > 0 ? std::nearbyint(w[at(i)] / scale[c]) : 0.0f;
-      q[at(i)] = int8_t(std::clamp(r, -127.0f, 127.0f));
+      const float r = scale[c] > 0 ? std::nearbyint(w[src(i)] / scale[c]) : 0.0f;
+      q[dst(i)] = int8_t(std::clamp(r, -127.0f, 127.0f));
     }
+    if (!per_row && rows % 2) q[kernels::i8_index(rows, c, cols)] = 0;  // the odd row's partner
   }
   return bad;
 }

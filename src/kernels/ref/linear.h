@@ -1,6 +1,8 @@
 // ref: gemm, linear_forward/backward, column_sum_accumulate, and their bf16 forms (see
 // ref/io.h for the rules).
 #pragma once
+#include <vector>
+
 #include "core/bf16.h"
 #include "kernels/ref/io.h"
 
@@ -115,32 +117,41 @@ void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64
 }
 
 // The ops on int8 weights: scale[j] * (the exact sum of x q), then the bias (kernels/ops.h; the
-// cpu kernels apply the scale once, to the finished sum, and so does this formula).
+// cpu kernels apply the scale once, to the finished sum, and so does this formula), each row of
+// x first rounded to 16-bit fixed point (kernels::round_row16): x[k] reads as step * xq[k].
 template <class T>
 void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* scale,
                        const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
                        Strides ld) {
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
-  for (int64_t i = 0; i < N; ++i)
+  std::vector<int16_t> xq(static_cast<size_t>(in));
+  for (int64_t i = 0; i < N; ++i) {
+    const float step = kernels::round_row16(xq.data(), x + i * ldx, in);
     for (int64_t j = 0; j < out; ++j) {
       T dot = 0;
-      for (int64_t k = 0; k < in; ++k) dot += T(x[i * ldx + k]) * T(float(q[k * ldw + j]));
+      for (int64_t k = 0; k < in; ++k)
+        dot += T(step) * T(float(xq[size_t(k)])) * T(float(q[kernels::i8_index(k, j, ldw)]));
       T s = accumulate ? T(y[i * ldy + j]) : T(0);
       if (b) s += T(b[j]);
       s += T(scale[j]) * dot;
       store<T>(y + i * ldy + j, s);
     }
+  }
 }
 // y[N,out] = x[N,in] (scale * q)[out,in]^T, a scale per row of q (the head).
 template <class T>
 void gemm_nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_t N,
                 int64_t in, int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
-  for (int64_t i = 0; i < N; ++i)
+  std::vector<int16_t> xq(static_cast<size_t>(in));
+  for (int64_t i = 0; i < N; ++i) {
+    const float step = kernels::round_row16(xq.data(), x + i * ldx, in);
     for (int64_t j = 0; j < out; ++j) {
       T dot = 0;
-      for (int64_t k = 0; k < in; ++k) dot += T(x[i * ldx + k]) * T(float(q[j * ldw + k]));
+      for (int64_t k = 0; k < in; ++k)
+        dot += T(step) * T(float(xq[size_t(k)])) * T(float(q[j * ldw + k]));
       store<T>(y + i * ldy + j, T(scale[j]) * dot);
     }
+  }
 }
 
 }  // namespace sigma::ref
