@@ -117,8 +117,9 @@ RreWeights bind_rre(ParamSet& ps, const BufferSet& bs, const ModelConfig& cfg, i
     } else {
       const PV wi = leaf(names::kWIn), bi = leaf(names::kBIn), wo = leaf(names::kWOut),
                bo = leaf(names::kBOut);
-      // This rank's columns of each expert (all of them at tp = 1): [K, d, f/tp].
-      const int64_t f = ps.at(names::expert(l, g.name, names::kWIn)).value.dim(2);
+      // This rank's columns of each expert (all of them at tp = 1): b_in is [K, f/tp]. (Not
+      // w_in's shape: an inference model has freed its fp32 matrices, Model::use_weights.)
+      const int64_t f = ps.at(names::expert(l, g.name, names::kBIn)).value.dim(1);
       for (int64_t e = 0; e < g.experts; ++e) {
         r.expert.push_back({wi.v + e * d * f, bi.v + e * f, wo.v + e * f * d, bo.v + e * d});
         r.expert_grad.push_back({wi.g + e * d * f, bi.g + e * f, wo.g + e * f * d, bo.g + e * d});
