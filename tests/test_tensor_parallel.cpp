@@ -508,8 +508,9 @@ double worst_rel(const std::vector<double>& a, const std::vector<double>& b) {
 
 }  // namespace
 
-// At a fixed tp the promise of data and expert parallelism holds unchanged: tp 2 on 2 ranks
-// (one data rank) and on 4 ranks (tp 2 x dp 2, experts spread over 2) train the same bits.
+// Over 100 steps. At a fixed tp the promise of data and expert parallelism holds unchanged: tp 2 on
+// 2 ranks (one data rank), on 4 (tp 2 x dp 2, experts spread over 2) and on 8 oversubscribed
+// ranks (tp 2 x dp 4, experts over 4) train the same bits.
 // Across tp degrees the sums are bracketed differently (docs/distributed.md): tp 2 and tp 4
 // within 1e-5 of tp 1 (the embedding, the head and the loss vocabulary-parallel too). And
 // dist.zero = 2 (gradients sharded; on 4 ranks with one micro-batch each, every stage of
@@ -518,14 +519,16 @@ TEST(TensorParallelRuns, FixedTpIsBitIdenticalAcrossDataAndExpertRanksAndTp1IsCl
   SKIP_WITHOUT_MPI();
   for (const char* model : {kDenseModel, kRreModel, kGateModel}) {
     TempDir t("tp");
-    const int steps = 10;
-    const std::string one = t / "tp1", two = t / "tp2r2", four = t / "tp2r4", tp4 = t / "tp4",
-                      zero2 = t / "zero2";
+    const int steps = 100;
+    const std::string one = t / "tp1", two = t / "tp2r2", four = t / "tp2r4", eight = t / "tp2r8",
+                      tp4 = t / "tp4", zero2 = t / "zero2";
     CmdResult r = on_ranks(1, tp_args(model, steps, 1) + " --out " + one);
     ASSERT_EQ(r.code, 0) << r.out;
     r = on_ranks(2, tp_args(model, steps, 2) + " --out " + two);
     ASSERT_EQ(r.code, 0) << r.out;
     r = on_ranks(4, tp_args(model, steps, 2) + " --out " + four);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = on_ranks(8, tp_args(model, steps, 2) + " --out " + eight);  // oversubscribed: 2 cores
     ASSERT_EQ(r.code, 0) << r.out;
     r = on_ranks(4, tp_args(model, steps, 4) + " --out " + tp4);
     ASSERT_EQ(r.code, 0) << r.out;
@@ -535,6 +538,8 @@ TEST(TensorParallelRuns, FixedTpIsBitIdenticalAcrossDataAndExpertRanksAndTp1IsCl
     EXPECT_FALSE(file_bytes(two + ck).empty());
     EXPECT_TRUE(file_bytes(two + ck) == file_bytes(four + ck)) << model << ": tp 2 x dp 2 weights differ from tp 2";
     EXPECT_EQ(loss_and_norms(two + "/metrics.jsonl"), loss_and_norms(four + "/metrics.jsonl")) << model;
+    EXPECT_TRUE(file_bytes(two + ck) == file_bytes(eight + ck)) << model << ": tp 2 x dp 4 weights differ from tp 2";
+    EXPECT_EQ(loss_and_norms(two + "/metrics.jsonl"), loss_and_norms(eight + "/metrics.jsonl")) << model;
     EXPECT_TRUE(tensor_bytes(zero2 + ck) == tensor_bytes(one + ck)) << model << ": dist.zero = 2 differs";
     EXPECT_EQ(loss_and_norms(zero2 + "/metrics.jsonl"), loss_and_norms(one + "/metrics.jsonl")) << model;
     EXPECT_LT(worst_rel(loss_and_norms(one + "/metrics.jsonl"), loss_and_norms(two + "/metrics.jsonl")), 1e-5)
