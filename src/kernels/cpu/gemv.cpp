@@ -345,26 +345,34 @@ Range column_block(int64_t out, int64_t blk, int64_t blocks) {
   return {std::min(out, blk * per * 16), std::min(out, (blk + 1) * per * 16)};
 }
 
+int64_t chunks_of(int64_t in) { return std::max<int64_t>(1, (in + kChunkRows - 1) / kChunkRows); }
+
+// The items of an nn product: each a chunk of whole rows of w (one contiguous stream), split
+// into column blocks only when there are too few chunks for the threads; fn(chunk, its first
+// row, its rows, the columns).
+template <class Fn>
+void for_each_chunk(int64_t in, int64_t out, Fn&& fn) {
+  const int64_t chunks = chunks_of(in);
+  const int64_t blocks = std::max<int64_t>(1, (2 * team_threads() + chunks - 1) / chunks);
+  run_items(in * out, chunks * blocks, [&](int64_t it) {
+    const int64_t c = it / blocks, i0 = c * kChunkRows, rows = std::min(kChunkRows, in - i0);
+    const Range cols = column_block(out, it % blocks, blocks);
+    if (cols.lo < cols.hi && rows > 0) fn(c, i0, rows, cols);
+  });
+}
+
 template <class W>
 void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t in, int64_t out,
         bool accumulate, Strides ld) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
   if (M == 0 || out == 0) return;
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
-  const int64_t chunks = std::max<int64_t>(1, (in + kChunkRows - 1) / kChunkRows);
-  const int64_t stride = M * out;
+  const int64_t chunks = chunks_of(in), stride = M * out;
   thread_local std::vector<float> partial;  // [chunks][M][out]
   partial.resize(size_t(chunks * stride));
   float* p = partial.data();
-  // An item is a chunk of whole rows (one contiguous stream), split into column blocks only
-  // when there are too few chunks for the threads.
-  const int64_t blocks = std::max<int64_t>(1, (2 * team_threads() + chunks - 1) / chunks);
-  run_items(in * out, chunks * blocks, [&](int64_t it) {
-    const int64_t c = it / blocks, i0 = c * kChunkRows, rows = std::min(kChunkRows, in - i0);
-    const Range cols = column_block(out, it % blocks, blocks);
-    if (cols.lo < cols.hi && rows > 0)
-      with_rows<NN<W>::template K>(M, p + c * stride, out, x + i0, ldx, w + i0 * ldw, ldw, rows,
-                                   cols);
+  for_each_chunk(in, out, [&](int64_t c, int64_t i0, int64_t rows, Range cols) {
+    with_rows<NN<W>::template K>(M, p + c * stride, out, x + i0, ldx, w + i0 * ldw, ldw, rows, cols);
   });
   // The chunk sums, in order, by column blocks.
   const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 511) / 512;
@@ -438,18 +446,13 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
   if (M == 0 || out == 0) return;
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
   const Rows16& xq = rows16(x, ldx, M, in);
-  const int64_t chunks = std::max<int64_t>(1, (in + kChunkRows - 1) / kChunkRows);
-  const int64_t stride = M * out;
+  const int64_t chunks = chunks_of(in), stride = M * out;
   thread_local std::vector<int32_t> partial;  // [chunks][M][out]
   partial.resize(size_t(chunks * stride));
   int32_t* p = partial.data();
-  const int64_t blocks = std::max<int64_t>(1, (2 * team_threads() + chunks - 1) / chunks);
-  run_items(in * out, chunks * blocks, [&](int64_t it) {
-    const int64_t c = it / blocks, i0 = c * kChunkRows, rows = std::min(kChunkRows, in - i0);
-    const Range cols = column_block(out, it % blocks, blocks);
-    if (cols.lo < cols.hi && rows > 0)
-      with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
-                         q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, cols);
+  for_each_chunk(in, out, [&](int64_t c, int64_t i0, int64_t rows, Range cols) {
+    with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
+                       q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, cols);
   });
   const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 511) / 512;
   run_items(sum_chunks * stride, sum_blocks, [&](int64_t blk) {
