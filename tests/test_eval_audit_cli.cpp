@@ -240,17 +240,21 @@ TEST_F(Audit, ChoiceLogLikelihoodsAreBitIdenticalAtAnyBatchAndInAnyMix) {
   for (size_t i = 1; i < items.size(); i += 2) odd.push_back(i);
   reversed.assign(all.rbegin(), all.rend());
   write("inv-all.jsonl", all), write("inv-odd.jsonl", odd), write("inv-rev.jsonl", reversed);
-  auto score = [&](const std::string& task, int batch) {
-    const std::string log = *dir / (task + "-" + std::to_string(batch) + ".log.jsonl");
-    const auto r = sigma_cmd("eval --ckpt " + model + "/checkpoints --task " + *dir / (task + ".jsonl") +
-                             " --bootstrap 0 --json --score-batch " + std::to_string(batch) +
-                             " --log-samples " + log);
+  // Passes run on as many threads as OpenMP has, each pass on one thread (eval/tasks.cpp):
+  // one thread and more threads than passes must give the same bits too.
+  auto score = [&](const std::string& task, int batch, int threads) {
+    const std::string log = *dir / (task + "-" + std::to_string(batch) + "-" + std::to_string(threads) + ".log.jsonl");
+    const auto r = run_cmd("OMP_NUM_THREADS=" + std::to_string(threads) + " " + SIGMA_BINARY + " eval --ckpt " +
+                           model + "/checkpoints --task " + *dir / (task + ".jsonl") +
+                           " --bootstrap 0 --json --score-batch " + std::to_string(batch) +
+                           " --log-samples " + log);
     EXPECT_EQ(r.code, 0) << r.out;
     return log;
   };
-  const std::string reference = score("inv-all", 1);
-  const std::vector<std::string> others = {score("inv-all", 3), score("inv-all", 32),
-                                           score("inv-odd", 5), score("inv-rev", 7)};
+  const std::string reference = score("inv-all", 1, 1);
+  const std::vector<std::string> others = {score("inv-all", 1, 3),  score("inv-all", 3, 2),
+                                           score("inv-all", 32, 1), score("inv-all", 2, 16),
+                                           score("inv-odd", 5, 2),  score("inv-rev", 7, 3)};
   for (const std::string& log : others)
     for (const json& l : read_lines(log)) {
       const auto want = logliks_of(reference, l["doc"]["context"]);

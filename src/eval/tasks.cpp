@@ -3,10 +3,16 @@
 // --log-samples file can be scored again without the model.
 #include "eval/tasks.h"
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <mutex>
+#include <span>
+#include <thread>
 #include <tuple>
 
 #include "core/error.h"
@@ -105,8 +111,157 @@ std::vector<Unit> units_of(const TaskContext& ctx, const std::vector<TaskItem>& 
 // Inside ops::BatchInvariant a position's loss has the same bits whatever shares its pass and
 // however many positions its pass computes, so a log-likelihood does not depend on `rows`
 // (1 included), on the other items, or on the cut of the prompt being cached: tests/
-// test_eval_audit_cli.cpp checks it to the bit.
+// test_eval_audit_cli.cpp checks it to the bit. For the same reason the passes can run on
+// several threads at once, each on its own cache and activations with one-threaded kernels:
+// on a small model a pass's products are too small to share well between threads (issue 28:
+// 1.6 cores' worth of CPU in 2 cores of wall time), whole passes side by side are not.
 constexpr size_t kKeptShapes = 4;
+
+// One scoring thread's cache, activations and scratch; score() takes up to `rows` units.
+class Scorer {
+ public:
+  Scorer(const TaskContext& ctx, const std::vector<TaskItem>& items, int rows,
+         std::vector<ItemOutput>& outs)
+      : ctx_(ctx), items_(items), outs_(outs), rows_(rows), context_(ctx.model.config().context) {
+    cache_.reset(ctx.model.config(), rows == 1 ? 1 : 2 * rows);  // the second half: idle rows
+  }
+
+  // Units of one choice (a prompt cut for it alone, or a one-choice item) share nothing: each
+  // whole window is one row from position 0.
+  void whole(std::span<const Unit* const> units) {
+    clear();
+    for (size_t k = 0; k < units.size(); ++k) {
+      const Unit& u = *units[k];
+      cache_.clear(int(k));
+      std::vector<int32_t> t = u.prefix, y(u.prefix.begin() + std::min<size_t>(1, u.prefix.size()), u.prefix.end());
+      t.push_back(u.last);
+      t.insert(t.end(), u.rests[0].begin(), u.rests[0].end() - 1);
+      if (!u.prefix.empty()) y.push_back(u.last);
+      y.insert(y.end(), u.rests[0].begin(), u.rests[0].end());
+      add(u, int(k), std::move(t), std::move(y));
+    }
+    collect(run(), std::vector<size_t>(units.size(), 0));
+  }
+
+  // Units of several choices: their prefixes in one pass, then each choice index from them.
+  void shared(std::span<const Unit* const> units) {
+    clear();
+    for (size_t k = 0; k < units.size(); ++k) {
+      const Unit& u = *units[k];
+      cache_.clear(int(k));
+      if (u.prefix.empty()) continue;
+      std::vector<int32_t> y(u.prefix.begin() + 1, u.prefix.end());
+      y.push_back(u.last);
+      add(u, int(k), u.prefix, std::move(y));
+    }
+    if (!members_.empty()) run();
+    size_t most = 0;
+    for (const Unit* u : units) most = std::max(most, u->rests.size());
+    for (size_t c = 0; c < most; ++c) {
+      // The pass's length T fits every row's choice; a row whose prefix leaves less room than
+      // T starts at position context - T instead, its last cached positions computed again
+      // (the same bits), so that one pass of a few shapes takes every row.
+      size_t T = 1;
+      for (const Unit* u : units)
+        if (c < u->rests.size()) T = std::max(T, u->rests[c].size());
+      T = std::min((T + 7) / 8 * 8, size_t(context_));
+      clear();
+      std::vector<size_t> which_c;
+      for (size_t k = 0; k < units.size(); ++k) {
+        const Unit& u = *units[k];
+        if (c >= u.rests.size()) continue;
+        const size_t from = std::min(u.prefix.size(), size_t(context_) - T);
+        cache_.length[k] = int(from);  // back to (part of) the shared prefix
+        std::vector<int32_t> t(u.prefix.begin() + int64_t(from), u.prefix.end()), y;
+        if (!t.empty()) y.assign(t.begin() + 1, t.end()), y.push_back(u.last);
+        t.push_back(u.last);
+        t.insert(t.end(), u.rests[c].begin(), u.rests[c].end() - 1);
+        y.insert(y.end(), u.rests[c].begin(), u.rests[c].end());
+        add(u, int(k), std::move(t), std::move(y));
+        which_c.push_back(c);
+      }
+      collect(run(), which_c);
+    }
+  }
+
+ private:
+  void clear() { members_.clear(), of_.clear(), tok_.clear(), tgt_.clear(); }
+  void add(const Unit& u, int row, std::vector<int32_t> t, std::vector<int32_t> y) {
+    members_.push_back(row);
+    of_.push_back(&u);
+    tok_.push_back(std::move(t));
+    tgt_.push_back(std::move(y));
+  }
+
+  // One forward_cached: batch row k continues cache row members_[k] with tok_[k] (tgt_[k] its
+  // next tokens); pads (<EOT>, target 0) fill each row up to the pass's length T. A pass of
+  // fewer than `rows` rows is filled up with idle rows (spare cache rows from position 0), so
+  // that passes keep a few shapes. Returns T.
+  size_t run() {
+    size_t T = 1, cached = 0;
+    for (const auto& t : tok_) T = std::max(T, t.size());
+    for (int m : members_) cached = std::max(cached, size_t(cache_.length[size_t(m)]));
+    T = std::max(T, std::min((T + 7) / 8 * 8, size_t(context_) - cached));
+    const size_t B = std::max(members_.size(), size_t(rows_));
+    b_.resize(int(B), int(T));
+    cache_rows_ = members_;
+    std::fill(b_.tokens.begin(), b_.tokens.end(), int32_t(data::kEotId));
+    std::fill(b_.targets.begin(), b_.targets.end(), 0);
+    for (size_t k = 0; k < B; ++k) {
+      if (k >= members_.size()) {  // idle
+        cache_rows_.push_back(rows_ + int(k - members_.size()));
+        cache_.clear(cache_rows_.back());
+        b_.domain[k] = b_.domain[0];
+        continue;
+      }
+      std::copy(tok_[k].begin(), tok_[k].end(), b_.tokens.begin() + int64_t(k * T));
+      std::copy(tgt_[k].begin(), tgt_[k].end(), b_.targets.begin() + int64_t(k * T));
+      b_.domain[k] = ctx_.model.config().domain_index(items_[of_[k]->item].domain);
+    }
+    loss_.assign(B * T, 0.0f);
+    ctx_.model.expert_executor().begin_step({&b_, 1});
+    // Activations are sized per (rows, length) and re-allocating them costs more than a pass
+    // on a small model: lengths are rounded up to a multiple of 8 and the shapes used last
+    // kept (units come sorted by length, so consecutive passes share shapes).
+    if (acts_of_.size() >= kKeptShapes && !acts_of_.count({b_.B, b_.T}))
+      acts_of_.erase(std::min_element(acts_of_.begin(), acts_of_.end(), [](const auto& x, const auto& y) {
+        return x.second.used < y.second.used;
+      }));
+    Kept& kept = acts_of_[{b_.B, b_.T}];
+    kept.used = ++passes_;
+    ctx_.model.forward_cached(b_, cache_, kept.acts, loss_.data(), cache_rows_.data());
+    return T;
+  }
+
+  // Each row's choice c: the sum of the losses of its last rests[c].size() positions.
+  void collect(size_t T, const std::vector<size_t>& choice_of_row) {
+    for (size_t k = 0; k < members_.size(); ++k) {
+      const Unit& u = *of_[k];
+      const size_t c = choice_of_row[k], q = u.rests[c].size(), end = tok_[k].size();
+      double sum = 0;
+      for (size_t t = end - q; t < end; ++t) sum -= loss_[k * T + t];
+      outs_[u.item].loglik[u.choice[c]] = sum;  // items are split between threads, not shared
+      outs_[u.item].tokens[u.choice[c]] = int64_t(q);
+    }
+  }
+
+  struct Kept {
+    Activations acts;
+    int64_t used = 0;
+  };
+  const TaskContext& ctx_;
+  const std::vector<TaskItem>& items_;
+  std::vector<ItemOutput>& outs_;
+  const int rows_, context_;
+  KvCache cache_;
+  std::map<std::pair<int, int>, Kept> acts_of_;
+  int64_t passes_ = 0;
+  Batch b_;
+  std::vector<float> loss_;
+  std::vector<int> members_, cache_rows_;
+  std::vector<const Unit*> of_;
+  std::vector<std::vector<int32_t>> tok_, tgt_;
+};
 
 void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
                     const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
@@ -118,144 +273,53 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
     return std::tuple((u.longest + 7) / 8, u.prefix.size(), u.longest);
   };
   std::stable_sort(units.begin(), units.end(), [&](const Unit& a, const Unit& b) { return key(a) < key(b); });
-  const int context = ctx.model.config().context;
-  KvCache cache;
-  cache.reset(ctx.model.config(), rows == 1 ? 1 : 2 * rows);  // the second half: idle rows
-  // Activations are sized per (rows, length) and re-allocating them costs more than a pass
-  // on a small model: lengths are rounded up to a multiple of 8 and the shapes used last kept
-  // (units come sorted by length, so consecutive passes share shapes).
-  struct Kept {
-    Activations acts;
-    int64_t used = 0;
-  };
-  std::map<std::pair<int, int>, Kept> acts_of;
-  int64_t passes = 0;
-  Batch b;
-  std::vector<float> loss;
-  // One forward_cached: batch row k continues cache row members[k] with tokens[k] (targets[k]
-  // its next tokens); pads (<EOT>, target 0) fill each row up to the pass's length T.
-  // One forward_cached: batch row k continues cache row members[k] with tokens[k] (targets[k]
-  // its next tokens); pads (<EOT>, target 0) fill each row up to the pass's length T. A pass
-  // of fewer than `rows` rows is filled up with idle rows (spare cache rows from position 0),
-  // so that passes keep a few shapes.
-  std::vector<int> cache_rows;
-  auto run = [&](const std::vector<int>& members, const std::vector<const Unit*>& of,
-                 const std::vector<std::vector<int32_t>>& tokens,
-                 const std::vector<std::vector<int32_t>>& targets) {
-    size_t T = 1, cached = 0;
-    for (const auto& t : tokens) T = std::max(T, t.size());
-    for (int m : members) cached = std::max(cached, size_t(cache.length[size_t(m)]));
-    T = std::max(T, std::min((T + 7) / 8 * 8, size_t(context) - cached));
-    const size_t B = std::max(members.size(), size_t(rows));
-    b.resize(int(B), int(T));
-    cache_rows = members;
-    std::fill(b.tokens.begin(), b.tokens.end(), int32_t(data::kEotId));
-    std::fill(b.targets.begin(), b.targets.end(), 0);
-    for (size_t k = 0; k < B; ++k) {
-      if (k >= members.size()) {  // idle
-        cache_rows.push_back(rows + int(k - members.size()));
-        cache.clear(cache_rows.back());
-        b.domain[k] = b.domain[0];
-        continue;
-      }
-      std::copy(tokens[k].begin(), tokens[k].end(), b.tokens.begin() + int64_t(k * T));
-      std::copy(targets[k].begin(), targets[k].end(), b.targets.begin() + int64_t(k * T));
-      b.domain[k] = ctx.model.config().domain_index(items[of[k]->item].domain);
-    }
-    loss.assign(B * T, 0.0f);
-    ctx.model.expert_executor().begin_step({&b, 1});
-    if (acts_of.size() >= kKeptShapes && !acts_of.count({b.B, b.T}))
-      acts_of.erase(std::min_element(acts_of.begin(), acts_of.end(), [](const auto& x, const auto& y) {
-        return x.second.used < y.second.used;
-      }));
-    Kept& kept = acts_of[{b.B, b.T}];
-    kept.used = ++passes;
-    ctx.model.forward_cached(b, cache, kept.acts, loss.data(), cache_rows.data());
-    return T;
-  };
-  std::vector<int> members;
-  std::vector<const Unit*> of;
-  std::vector<std::vector<int32_t>> tok, tgt;
-  auto add = [&](const Unit& u, int row, std::vector<int32_t> t, std::vector<int32_t> y) {
-    members.push_back(row);
-    of.push_back(&u);
-    tok.push_back(std::move(t));
-    tgt.push_back(std::move(y));
-  };
-  // Each row's choice c: the sum of the losses of its last rests[c].size() positions.
-  auto collect = [&](size_t T, const std::vector<size_t>& choice_of_row) {
-    for (size_t k = 0; k < members.size(); ++k) {
-      const Unit& u = *of[k];
-      const size_t c = choice_of_row[k], q = u.rests[c].size(), end = tok[k].size();
-      double sum = 0;
-      for (size_t t = end - q; t < end; ++t) sum -= loss[k * T + t];
-      outs[u.item].loglik[u.choice[c]] = sum;
-      outs[u.item].tokens[u.choice[c]] = int64_t(q);
-    }
-  };
-  // A unit of one choice (a prompt cut for it alone, or a one-choice item) shares nothing:
-  // its whole window is one row from position 0.
   std::vector<const Unit*> whole, shared;
   for (const Unit& u : units) (u.rests.size() == 1 ? whole : shared).push_back(&u);
   std::stable_sort(whole.begin(), whole.end(), [](const Unit* a, const Unit* b) {
     return a->prefix.size() + a->longest < b->prefix.size() + b->longest;
   });
-  for (size_t start = 0; start < whole.size(); start += size_t(rows)) {
-    const size_t n = std::min(whole.size() - start, size_t(rows));
-    members.clear(), of.clear(), tok.clear(), tgt.clear();
-    for (size_t k = 0; k < n; ++k) {
-      const Unit& u = *whole[start + k];
-      cache.clear(int(k));
-      std::vector<int32_t> t = u.prefix, y(u.prefix.begin() + std::min<size_t>(1, u.prefix.size()), u.prefix.end());
-      t.push_back(u.last);
-      t.insert(t.end(), u.rests[0].begin(), u.rests[0].end() - 1);
-      if (!u.prefix.empty()) y.push_back(u.last);
-      y.insert(y.end(), u.rests[0].begin(), u.rests[0].end());
-      add(u, int(k), std::move(t), std::move(y));
+  // Jobs of up to `rows` units, taken in order by whichever thread is free.
+  struct Job {
+    bool shared;
+    std::span<const Unit* const> units;
+  };
+  std::vector<Job> jobs;
+  for (size_t i = 0; i < whole.size(); i += size_t(rows))
+    jobs.push_back({false, std::span(whole).subspan(i, std::min(whole.size() - i, size_t(rows)))});
+  for (size_t i = 0; i < shared.size(); i += size_t(rows))
+    jobs.push_back({true, std::span(shared).subspan(i, std::min(shared.size() - i, size_t(rows)))});
+  const int threads = ctx.model.expert_executor().concurrent_forward()
+                          ? int(std::min<size_t>(size_t(omp_get_max_threads()), jobs.size()))
+                          : 1;
+  std::atomic<size_t> next{0};
+  std::mutex failed_mu;
+  std::exception_ptr failed;
+  auto work = [&] {
+    try {
+      Scorer scorer(ctx, items, rows, outs);
+      for (size_t j; (j = next.fetch_add(1)) < jobs.size();)
+        jobs[j].shared ? scorer.shared(jobs[j].units) : scorer.whole(jobs[j].units);
+    } catch (...) {
+      next = jobs.size();  // the others stop after their job
+      const std::lock_guard lock(failed_mu);
+      if (!failed) failed = std::current_exception();
     }
-    collect(run(members, of, tok, tgt), std::vector<size_t>(n, 0));
+  };
+  if (threads <= 1) {
+    work();
+  } else {
+    const int team = omp_get_max_threads();
+    auto one_threaded = [&] {
+      omp_set_num_threads(1);  // this thread's kernels (its own OpenMP setting)
+      work();
+    };
+    std::vector<std::jthread> others;  // joined on every way out
+    for (int t = 1; t < threads; ++t) others.emplace_back(one_threaded);
+    one_threaded();
+    omp_set_num_threads(team);
+    for (std::jthread& t : others) t.join();
   }
-  // Units of several choices: R prefixes in one pass, then each choice index from them.
-  for (size_t start = 0; start < shared.size(); start += size_t(rows)) {
-    const size_t n = std::min(shared.size() - start, size_t(rows));
-    members.clear(), of.clear(), tok.clear(), tgt.clear();
-    for (size_t k = 0; k < n; ++k) {
-      const Unit& u = *shared[start + k];
-      cache.clear(int(k));
-      if (u.prefix.empty()) continue;
-      std::vector<int32_t> y(u.prefix.begin() + 1, u.prefix.end());
-      y.push_back(u.last);
-      add(u, int(k), u.prefix, std::move(y));
-    }
-    if (!members.empty()) run(members, of, tok, tgt);
-    size_t most = 0;
-    for (size_t k = 0; k < n; ++k) most = std::max(most, shared[start + k]->rests.size());
-    for (size_t c = 0; c < most; ++c) {
-      // The pass's length T fits every row's choice; a row whose prefix leaves less room than
-      // T starts at position context - T instead, its last cached positions computed again
-      // (the same bits), so that one pass of a few shapes takes every row.
-      size_t T = 1;
-      for (size_t k = 0; k < n; ++k)
-        if (c < shared[start + k]->rests.size()) T = std::max(T, shared[start + k]->rests[c].size());
-      T = std::min((T + 7) / 8 * 8, size_t(context));
-      members.clear(), of.clear(), tok.clear(), tgt.clear();
-      std::vector<size_t> which_c;
-      for (size_t k = 0; k < n; ++k) {
-        const Unit& u = *shared[start + k];
-        if (c >= u.rests.size()) continue;
-        const size_t from = std::min(u.prefix.size(), size_t(context) - T);
-        cache.length[k] = int(from);  // back to (part of) the shared prefix
-        std::vector<int32_t> t(u.prefix.begin() + int64_t(from), u.prefix.end()), y;
-        if (!t.empty()) y.assign(t.begin() + 1, t.end()), y.push_back(u.last);
-        t.push_back(u.last);
-        t.insert(t.end(), u.rests[c].begin(), u.rests[c].end() - 1);
-        y.insert(y.end(), u.rests[c].begin(), u.rests[c].end());
-        add(u, int(k), std::move(t), std::move(y));
-        which_c.push_back(c);
-      }
-      collect(run(members, of, tok, tgt), which_c);
-    }
-  }
+  if (failed) std::rethrow_exception(failed);
 }
 
 // One answer: decoded until <EOT> or max_new tokens, control tokens left out of the text, cut

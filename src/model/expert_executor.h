@@ -36,6 +36,10 @@ class ExpertExecutor {
                         float* dx, const float* dy, const float* x, int64_t N, int64_t d,
                         int64_t f) = 0;
 
+  // Whether forward() may run on several threads at once (distinct buffers): true where it
+  // keeps no state of its own between calls.
+  virtual bool concurrent_forward() const { return false; }
+
   // Training-step hooks (defaults: experts are ordinary model parameters).
   // Before the step's first forward pass: make every expert the micro-batches route to usable.
   virtual void begin_step(std::span<const Batch> /*micro*/) {}
@@ -65,6 +69,7 @@ class LocalExperts : public ExpertExecutor {
   void backward(int block, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
                 float* dx, const float* dy, const float* x, int64_t N, int64_t d,
                 int64_t f) override;
+  bool concurrent_forward() const override { return true; }
 };
 
 }  // namespace sigma

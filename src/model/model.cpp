@@ -547,9 +547,9 @@ void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, f
   }
   a.ensure(cfg_, B, T);
   check_routing_ready();
-  mirror_weights(false);
+  ops::bf16_mirror_clear();  // a training forward's copies; only reads when none is live
+  if (mirrored_) mirrored_ = false;  // written only when set: concurrent passes write nothing
   embed(batch, a, start.data());
-  aux_loss_ = 0;
   a.weight_sum = 0;
   for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a, &cache, false, rows.data());
   for (int r : rows) cache.length[size_t(r)] += T;
@@ -684,7 +684,8 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   }
   float* out = (l + 1 < cfg_.layers) ? acts.blocks[size_t(l) + 1].x.f() : acts.h_final.f();
   ops::copy(out, k.mid.f(), N * d);
-  if (w.is_rre()) return expert_forward(l, batch, acts, out, recompute);
+  // A cached (inference) pass keeps no books, so concurrent ones share the model (forward_cached).
+  if (w.is_rre()) return expert_forward(l, batch, acts, out, recompute || cache);
   // Dense FFN: w_in column-parallel, w_out row-parallel (its bias added once).
   FfnWeights fw = w.ffn();
   fw.b_out = tp_.row_bias(fw.b_out);

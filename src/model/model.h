@@ -118,7 +118,8 @@ class Model {
   // (RreWeights::expert) that receive at least one token. Routing-table models only.
   std::vector<std::vector<int>> active_experts(const Batch& batch) const;
 
-  // Expert load per RRE block (empty for a dense model), accumulated over forward passes.
+  // Expert load per RRE block (empty for a dense model), accumulated over forward passes
+  // (forward(), not forward_cached()).
   const std::vector<BlockLoad>& expert_load() const { return load_; }
   void reset_expert_load();
 
@@ -137,6 +138,9 @@ class Model {
   // keys and values. Batch row b uses cache row cache_rows[b] (distinct rows), or row b when
   // cache_rows is null. Logits of the new positions in acts.logits; token_loss against
   // batch.targets. A row's results do not depend on the other rows' lengths or tokens.
+  // Counts no expert load and no auxiliary loss and writes nothing in the model, so passes on
+  // distinct caches and activations may run concurrently when the expert executor allows it
+  // (ExpertExecutor::concurrent_forward).
   void forward_cached(const Batch& batch, KvCache& cache, Activations& acts, float* token_loss,
                       const int* cache_rows = nullptr);
   // The same on the model's own activations (evaluation, tests, generation).
