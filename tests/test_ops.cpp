@@ -24,6 +24,7 @@
 // scatter, add_into's single addition, Adam's fixed fp32 sequence) must agree bit for bit.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1395,4 +1396,31 @@ TEST(GemmRowInvariance, ARowsBitsDoNotDependOnTheRowsSharingItsProduct) {
       }
     }
   }
+}
+
+// A decode step's attention reads megabytes of KV cache a token, so its (b, h) pairs run on the
+// spin team's threads (kernels/cpu/attention.cpp); each pair must come out as on one thread.
+TEST(DecodeAttention, PairsOnTheSpinTeamGiveTheOneThreadBits) {
+  const int64_t B = 2, Tq = 1, Tk = 200, H = 8, hd = 64, d = H * hd, ld = 2 * d;
+  std::vector<float> q(size_t(B * d)), kv(size_t(B * Tk * ld));
+  for (size_t i = 0; i < q.size(); ++i) q[i] = rng_normal(21, 1, i);
+  for (size_t i = 0; i < kv.size(); ++i) kv[i] = rng_normal(22, 1, i);
+  auto attend = [&](int threads) {
+    const int team = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    std::vector<float> out(size_t(B * d)), lse(size_t(B * H));
+    {
+      const ops::FewRowKernels decode;
+      for (int rep = 0; rep < 20; ++rep)  // the helpers claim different pairs each time
+        ops::flash_attention_forward(out.data(), lse.data(), {q.data(), d, d},
+                                     {kv.data(), ld, Tk * ld}, {kv.data() + d, ld, Tk * ld},
+                                     {B, Tq, Tk, H, hd}, 0.125f);
+    }
+    omp_set_num_threads(team);
+    out.insert(out.end(), lse.begin(), lse.end());
+    return out;
+  };
+  const std::vector<float> one = attend(1), two = attend(2), four = attend(4);
+  EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * 4));
+  EXPECT_EQ(0, std::memcmp(one.data(), four.data(), one.size() * 4));
 }

@@ -11,6 +11,7 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/vexp.h"
+#include "kernels/cpu/spin_team.h"
 #include "kernels/ops.h"
 
 namespace sigma::cpu {
@@ -175,11 +176,17 @@ void block_scores(float* S, int64_t ld, const float* qb, int64_t ldq, const floa
 // in a parallel region of its own (woken threads, and new ones when nested). Each query row is
 // computed alone, in an order fixed by its own keys: inside ops::BatchInvariant every shape
 // runs here (threads over (b, h) pairs when the work is worth them).
+//
+// A decode step's (b, h) pairs go to the spin team (kernels/cpu/spin_team.h) once they read
+// enough of the KV cache: at d = 512 and a few hundred cached positions the cache is megabytes
+// a token, more than one core streams in the time the GEMVs leave (issue 27). Each pair is
+// computed the same way on any thread, so the bits do not change.
+constexpr int64_t kSpinCacheBytes = int64_t(1) << 18;
+
 void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k, AttnOperand v,
                             AttnShape s, float scale, bool threads) {
   const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, hd = s.hd, d = s.H * s.hd;
-#pragma omp parallel for schedule(static) if (threads)
-  for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
+  auto pair = [&](int64_t bh) {
     thread_local std::vector<float> scores;
     if (scores.size() < size_t(Tk)) scores.resize(size_t(Tk));
     float* S = scores.data();
@@ -196,7 +203,7 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
         scale_into(S, S, n, 1.0f / sum);
         row_output_avx2(out + (b * Tq + i) * d + h * hd, S, vb, v.ld, n, hd);
       }
-      continue;
+      return;
     }
 #endif
     for (int64_t i = 0; i < Tq; ++i) {
@@ -232,6 +239,15 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
         for (int64_t c = c0; c < hd; ++c) o[c] += p * vj[c];
       }
     }
+  };
+  const int64_t pairs = s.B * s.H;
+  if (threads) {
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < pairs; ++bh) pair(bh);
+  } else if (ops::FewRowKernels::on() && 2 * pairs * Tk * hd * int64_t(sizeof(float)) >= kSpinCacheBytes) {
+    for_each_item(pairs, pair);
+  } else {
+    for (int64_t bh = 0; bh < pairs; ++bh) pair(bh);
   }
 }
 }  // namespace
