@@ -457,13 +457,20 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
   const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 511) / 512;
   run_items(sum_chunks * stride, sum_blocks, [&](int64_t blk) {
     const Range c = column_block(out, blk, sum_blocks);
+    // Chunk by chunk over contiguous columns (vectorised; the sums are exact integers, so the
+    // order does not matter), then each column's one rounding.
+    thread_local std::vector<int64_t> total;
+    total.resize(size_t(c.hi - c.lo));
+    int64_t* t = total.data();
     for (int64_t r = 0; r < M; ++r) {
-      float* row = y + r * ldy;
-      for (int64_t j = c.lo; j < c.hi; ++j) {
-        int64_t t = 0;
-        for (int64_t k = 0; k < sum_chunks; ++k) t += p[(k * M + r) * out + j];
-        row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[j] : 0.0f) + scale[j] * (xq.step[r] * float(t));
+      std::fill(total.begin(), total.end(), int64_t(0));
+      for (int64_t k = 0; k < sum_chunks; ++k) {
+        const int32_t* pr = p + (k * M + r) * out;
+        for (int64_t j = c.lo; j < c.hi; ++j) t[j - c.lo] += pr[j];
       }
+      float* row = y + r * ldy;
+      for (int64_t j = c.lo; j < c.hi; ++j)
+        row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[j] : 0.0f) + scale[j] * (xq.step[r] * float(t[j - c.lo]));
     }
   });
 }
