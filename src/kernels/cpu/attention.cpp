@@ -143,10 +143,9 @@ void row_scores_avx2(float* S, const float* qi, const float* kb, int64_t ldk, in
     const __m256 dots = _mm256_mul_ps(sc, _mm256_permutevar8x32_ps(r, order));  // keys j..j+7
     if (j + 8 <= n) {
       _mm256_storeu_ps(S + j, dots);
-    } else {
-      alignas(32) float tail[8];
-      _mm256_store_ps(tail, dots);
-      std::copy(tail, tail + (n - j), S + j);
+    } else {  // a masked store: a copy of the 1-7 tail lanes was a memmove call a query row
+      const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      _mm256_maskstore_ps(S + j, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n - j)), lanes), dots);
     }
   }
 }
@@ -161,6 +160,30 @@ void row_output_avx2(float* o, const float* S, const float* vb, int64_t ldv, int
     for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
   }
   for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+}
+
+// Two consecutive query rows (n and n + 1 keys) at once: each column's chain over j is
+// row_output_avx2's, so the bits are its; the second row's chains hide the first's fma latency
+// (with hd = 32 one row's four chains left the fma units idle half the time) and share V's loads.
+void row_output2_avx2(float* o0, const float* S0, float* o1, const float* S1, const float* vb,
+                      int64_t ldv, int64_t n, int64_t hd) {
+  __m256 a0[kMaxAvx2Hd / 8], a1[kMaxAvx2Hd / 8];
+  const int64_t nc = hd / 8;
+  for (int64_t c = 0; c < nc; ++c) a0[c] = a1[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 p0 = _mm256_set1_ps(S0[j]), p1 = _mm256_set1_ps(S1[j]);
+    const float* vj = vb + j * ldv;
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m256 vc = _mm256_loadu_ps(vj + 8 * c);
+      a0[c] = _mm256_fmadd_ps(p0, vc, a0[c]);
+      a1[c] = _mm256_fmadd_ps(p1, vc, a1[c]);
+    }
+  }
+  const __m256 p1 = _mm256_set1_ps(S1[n]);
+  for (int64_t c = 0; c < nc; ++c) {
+    _mm256_storeu_ps(o0 + 8 * c, a0[c]);
+    _mm256_storeu_ps(o1 + 8 * c, _mm256_fmadd_ps(p1, _mm256_loadu_ps(vb + n * ldv + 8 * c), a1[c]));
+  }
 }
 #endif
 
@@ -188,21 +211,30 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
   const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, hd = s.hd, d = s.H * s.hd;
   auto pair = [&](int64_t bh) {
     thread_local std::vector<float> scores;
-    if (scores.size() < size_t(Tk)) scores.resize(size_t(Tk));
+    if (scores.size() < size_t(2 * Tk)) scores.resize(size_t(2 * Tk));
     float* S = scores.data();
     const int64_t b = bh / s.H, h = bh % s.H;
     const float* kb = k.p + b * k.bs + h * hd;
     const float* vb = v.p + b * v.bs + h * hd;
 #if defined(SIGMA_VEXP_AVX2)
     if (hd % 8 == 0 && hd <= kMaxAvx2Hd) {
-      for (int64_t i = 0; i < Tq; ++i) {
+      float* S1 = scores.data() + Tk;  // the second row's probabilities
+      auto probabilities = [&](float* P, int64_t i) {  // row i's, into P; returns its keys
         const int64_t n = off + i + 1;
-        row_scores_avx2(S, q.p + b * q.bs + i * q.ld + h * hd, kb, k.ld, n, hd, scale);
-        const float mx = max_of(S, n), sum = exp_shift_sum(S, n, mx);
+        row_scores_avx2(P, q.p + b * q.bs + i * q.ld + h * hd, kb, k.ld, n, hd, scale);
+        const float mx = max_of(P, n), sum = exp_shift_sum(P, n, mx);
         lse[bh * Tq + i] = mx + std::log(sum);
-        scale_into(S, S, n, 1.0f / sum);
-        row_output_avx2(out + (b * Tq + i) * d + h * hd, S, vb, v.ld, n, hd);
+        scale_into(P, P, n, 1.0f / sum);
+        return n;
+      };
+      int64_t i = 0;
+      for (; i + 2 <= Tq; i += 2) {
+        const int64_t n = probabilities(S, i);
+        probabilities(S1, i + 1);
+        row_output2_avx2(out + (b * Tq + i) * d + h * hd, S, out + (b * Tq + i + 1) * d + h * hd,
+                         S1, vb, v.ld, n, hd);
       }
+      if (i < Tq) row_output_avx2(out + (b * Tq + i) * d + h * hd, S, vb, v.ld, probabilities(S, i), hd);
       return;
     }
 #endif
