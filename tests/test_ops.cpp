@@ -27,6 +27,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -40,6 +41,7 @@
 
 #include "core/bf16.h"
 #include "core/rng.h"
+#include "kernels/cpu/spin_team.h"
 #include "kernels/ops.h"
 #include "kernels/ref/attention.h"
 #include "kernels/ref/layers.h"
@@ -1400,8 +1402,10 @@ TEST(GemmRowInvariance, ARowsBitsDoNotDependOnTheRowsSharingItsProduct) {
 
 // A decode step's attention reads megabytes of KV cache a token, so its (b, h) pairs run on the
 // spin team's threads (kernels/cpu/attention.cpp); each pair must come out as on one thread.
+// Whether a helper claims pairs depends on timing (a busy machine may not run it), so the
+// threaded runs repeat until helpers have run some pairs, for at most a few seconds.
 TEST(DecodeAttention, PairsOnTheSpinTeamGiveTheOneThreadBits) {
-  const int64_t B = 2, Tq = 1, Tk = 200, H = 8, hd = 64, d = H * hd, ld = 2 * d;
+  const int64_t B = 2, Tq = 1, Tk = 250, H = 8, hd = 64, d = H * hd, ld = 2 * d;
   std::vector<float> q(size_t(B * d)), kv(size_t(B * Tk * ld));
   for (size_t i = 0; i < q.size(); ++i) q[i] = rng_normal(21, 1, i);
   for (size_t i = 0; i < kv.size(); ++i) kv[i] = rng_normal(22, 1, i);
@@ -1411,16 +1415,21 @@ TEST(DecodeAttention, PairsOnTheSpinTeamGiveTheOneThreadBits) {
     std::vector<float> out(size_t(B * d)), lse(size_t(B * H));
     {
       const ops::FewRowKernels decode;
-      for (int rep = 0; rep < 20; ++rep)  // the helpers claim different pairs each time
-        ops::flash_attention_forward(out.data(), lse.data(), {q.data(), d, d},
-                                     {kv.data(), ld, Tk * ld}, {kv.data() + d, ld, Tk * ld},
-                                     {B, Tq, Tk, H, hd}, 0.125f);
+      ops::flash_attention_forward(out.data(), lse.data(), {q.data(), d, d},
+                                   {kv.data(), ld, Tk * ld}, {kv.data() + d, ld, Tk * ld},
+                                   {B, Tq, Tk, H, hd}, 0.125f);
     }
     omp_set_num_threads(team);
     out.insert(out.end(), lse.begin(), lse.end());
     return out;
   };
-  const std::vector<float> one = attend(1), two = attend(2), four = attend(4);
-  EXPECT_EQ(0, std::memcmp(one.data(), two.data(), one.size() * 4));
-  EXPECT_EQ(0, std::memcmp(one.data(), four.data(), one.size() * 4));
+  const std::vector<float> one = attend(1);
+  const int64_t before = cpu::helper_items();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  int runs = 0;
+  for (; runs < 20 || (cpu::helper_items() == before && std::chrono::steady_clock::now() < until); ++runs) {
+    const std::vector<float> many = attend(runs % 2 ? 4 : 2);
+    ASSERT_EQ(0, std::memcmp(one.data(), many.data(), one.size() * 4)) << "run " << runs;
+  }
+  if (cpu::helper_items() == before) GTEST_SKIP() << "no helper thread ran a pair in " << runs << " runs";
 }

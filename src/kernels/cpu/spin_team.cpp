@@ -22,6 +22,7 @@ inline void cpu_relax() {
 }
 
 thread_local bool t_helper = false;  // a job's items run their own nested jobs alone
+std::atomic<int64_t> g_helper_items{0};
 
 // Spins until done() or the budget has passed (forever for a zero budget); between checks a
 // pause, and every 64 a sched_yield, so that a thread that wants this core gets it.
@@ -45,10 +46,12 @@ struct Job {
   std::atomic<int64_t> next{0}, done{0};
 
   void claim_items() {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+    int64_t ran = 0;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items; ++ran) {
       fn(ctx, i);
       done.fetch_add(1, std::memory_order_release);
     }
+    if (t_helper && ran > 0) g_helper_items.fetch_add(ran, std::memory_order_relaxed);
   }
 };
 
@@ -110,6 +113,8 @@ Team* team() {
 }  // namespace
 
 int team_threads() { return omp_get_max_threads(); }
+
+int64_t helper_items() { return g_helper_items.load(std::memory_order_relaxed); }
 
 void detail::for_each_item(int64_t items, void (*fn)(void*, int64_t), void* ctx) {
   if (items > 1 && !t_helper && !omp_in_parallel() && omp_get_max_threads() > 1 &&

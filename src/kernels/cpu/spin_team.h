@@ -25,6 +25,10 @@ void for_each_item(int64_t items, void (*fn)(void* ctx, int64_t item), void* ctx
 // Threads that may run a job's items (OpenMP's thread count): for sizing the items.
 int team_threads();
 
+// Items the helpers (not the callers) have run since the process started: whether a job was
+// shared depends on timing, so tests of a kernel's threaded path check this.
+int64_t helper_items();
+
 // Runs fn(item) once for each item in [0, items), on the calling thread and any free helpers,
 // and returns when all have run. Only the calling thread inside an OpenMP region, on a helper,
 // or while another thread's job runs. fn must not throw.
