@@ -311,7 +311,10 @@ TEST(Reliability, ASecondSignalStopsAtOnceWithoutASave) {
   TempDir tmp("rel-sigterm2");
   const std::string out = tmp / "out";
   const std::string r = signalled_run(out, "kill -TERM $pid; kill -INT $pid");
-  EXPECT_NE(r.find("rc=130"), std::string::npos) << r;  // ended by the second signal (SIGINT)
+  // Ended by the second signal, whichever it is: when the run has not been scheduled between
+  // the two kills, both are pending at once and the kernel delivers the lower-numbered SIGINT
+  // first, so SIGTERM (143) is the second; otherwise SIGINT (130). Never 0 (a save and exit).
+  EXPECT_TRUE(r.find("rc=130") != std::string::npos || r.find("rc=143") != std::string::npos) << r;
   // No checkpoint was committed; a rerun with --resume is not possible but a fresh one is
   // refused only because of the metrics (the run's own, kept).
   EXPECT_FALSE(fs::exists(out + "/checkpoints/latest")) << r;
