@@ -247,7 +247,7 @@ void run_eval(const EvalArgs& a) {
     print_table(result);
 }
 
-const RegisterCommand reg([](CLI::App& root) {
+const RegisterCommand reg_eval([](CLI::App& root) {
   auto a = std::make_shared<EvalArgs>();
   CLI::App* c = root.add_subcommand("eval", "Held-out loss and perplexity per domain");
   c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root); required "

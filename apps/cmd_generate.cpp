@@ -94,7 +94,7 @@ void run_generate(GenerateArgs a) {
              resident_bytes() * 1e-6);
 }
 
-const RegisterCommand reg([](CLI::App& root) {
+const RegisterCommand reg_generate([](CLI::App& root) {
   auto a = std::make_shared<GenerateArgs>();
   CLI::App* c = root.add_subcommand("generate", "Generate a continuation of a prompt");
   c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root)")->required();

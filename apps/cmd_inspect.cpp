@@ -108,7 +108,7 @@ void run_inspect(const InspectArgs& a) {
     print_text(j);
 }
 
-const RegisterCommand reg([](CLI::App& root) {
+const RegisterCommand reg_inspect([](CLI::App& root) {
   auto a = std::make_shared<InspectArgs>();
   CLI::App* c = root.add_subcommand("inspect", "Describe a checkpoint: parameters, experts, routing");
   c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root)")->required();

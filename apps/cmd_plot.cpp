@@ -200,7 +200,7 @@ void run_plot(const PlotArgs& a) {
   if (blocks.empty()) fmt::print(stderr, "sigma plot: no expert load in the metrics (a dense model): no heatmaps\n");
 }
 
-const RegisterCommand reg([](CLI::App& root) {
+const RegisterCommand reg_plot([](CLI::App& root) {
   auto a = std::make_shared<PlotArgs>();
   CLI::App* c = root.add_subcommand("plot", "Plot a run's loss per domain, learning rate, tokens/s "
                                     "and expert load (needs gnuplot)");

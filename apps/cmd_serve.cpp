@@ -131,7 +131,7 @@ void run_serve(ServeArgs a) {
   fmt::print("sigma serve: stopped\n");
 }
 
-const RegisterCommand reg([](CLI::App& root) {
+const RegisterCommand reg_serve([](CLI::App& root) {
   auto a = std::make_shared<ServeArgs>();
   CLI::App* c = root.add_subcommand("serve", "Serve a checkpoint over an OpenAI-compatible HTTP API");
   c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root)")->required();

@@ -124,7 +124,7 @@ void run_remove(const SurgeryArgs& a) {
   print_size(m, out, dir, fmt::format("removed {}", a.name).c_str());
 }
 
-const RegisterCommand reg([](CLI::App& root) {
+const RegisterCommand reg_surgery([](CLI::App& root) {
   auto a = std::make_shared<SurgeryArgs>();
   CLI::App* c = root.add_subcommand(
       "inherit", "A sparse (RRE) model from a dense checkpoint: experts start as the dense FFN");

@@ -99,7 +99,7 @@ void run_train(TrainArgs a) {
       fmt::print("block {}: {} (token, choice) pairs dropped over capacity\n", b.block, b.dropped);
 }
 
-const RegisterCommand reg([](CLI::App& root) {
+const RegisterCommand reg_train([](CLI::App& root) {
   auto args = std::make_shared<TrainArgs>();
   CLI::App* c = root.add_subcommand("train", "Train a model (default: the built-in synthetic data)");
   c->add_option("--config", args->config, "JSON config file (with --resume: data and training "

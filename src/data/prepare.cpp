@@ -165,7 +165,7 @@ struct Progress {
 };
 
 // A batch of records on its way from the reader thread to the encoders.
-struct Batch {
+struct RecordBatch {
   std::vector<Record> records;
   size_t bytes = 0;
   uint64_t done = 0;  // input bytes finished when this batch was cut (for progress)
@@ -176,7 +176,7 @@ struct Batch {
 class BatchQueue {
  public:
   // False once the consumer has stopped: the producer should give up.
-  bool push(Batch b) {
+  bool push(RecordBatch b) {
     std::unique_lock lk(m_);
     cv_.wait(lk, [&] { return q_.size() < 2 || stop_; });
     if (stop_) return false;
@@ -184,11 +184,11 @@ class BatchQueue {
     cv_.notify_all();
     return true;
   }
-  std::optional<Batch> pop() {
+  std::optional<RecordBatch> pop() {
     std::unique_lock lk(m_);
     cv_.wait(lk, [&] { return !q_.empty() || closed_; });
     if (q_.empty()) return std::nullopt;
-    Batch b = std::move(q_.front());
+    RecordBatch b = std::move(q_.front());
     q_.pop_front();
     cv_.notify_all();
     return b;
@@ -207,7 +207,7 @@ class BatchQueue {
  private:
   std::mutex m_;
   std::condition_variable cv_;
-  std::deque<Batch> q_;
+  std::deque<RecordBatch> q_;
   bool closed_ = false, stop_ = false;
 };
 
@@ -315,7 +315,7 @@ void read_batches(const PrepareConfig& cfg, const std::vector<Source>& sources,
   ReadOptions ro;
   ro.max_line_bytes = cfg.max_line_bytes;
   ro.domains = cfg.domains.names();
-  Batch b;
+  RecordBatch b;
   uint64_t done = 0;
   for (size_t s : todo) {
     b.where = sources[s].domain;
@@ -326,14 +326,14 @@ void read_batches(const PrepareConfig& cfg, const std::vector<Source>& sources,
       b.records.push_back(std::move(r));
       if (b.bytes >= (2u << 20) || b.records.size() >= 4096) {
         b.done = done;
-        Batch next;
+        RecordBatch next;
         next.where = b.where;
         if (!queue.push(std::exchange(b, std::move(next)))) throw Stopped{};
       }
     });
     done += fs::file_size(sources[s].path);
     b.done = done;
-    if (!queue.push(std::exchange(b, Batch{}))) throw Stopped{};
+    if (!queue.push(std::exchange(b, RecordBatch{}))) throw Stopped{};
   }
 }
 

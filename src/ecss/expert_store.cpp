@@ -56,7 +56,6 @@ struct FileHeader {
 };
 static_assert(sizeof(FileHeader) <= kHeaderBytes);
 
-std::string gib(uint64_t bytes) { return fmt::format("{:.2f} GiB", double(bytes) / (1ull << 30)); }
 uint64_t group_key(int32_t block, int32_t group) {
   return (uint64_t(uint32_t(block)) << 32) | uint32_t(group);
 }
@@ -158,7 +157,7 @@ ExpertStore ExpertStore::in_ram(ExpertStoreSpec spec) {
   SIGMA_CHECK(p != MAP_FAILED,
               "cannot allocate {} for the expert store in RAM ({}); give it a file with "
               "--expert-store PATH",
-              gib(s.data_bytes_), errno_str(errno));
+              gib_str(s.data_bytes_), errno_str(errno));
   ::madvise(p, s.map_bytes_, MADV_HUGEPAGE);  // fewer TLB misses; a hint, failures are fine
   s.map_ = s.data_ = static_cast<std::byte*>(p);
   return s;
@@ -186,7 +185,7 @@ ExpertStore ExpertStore::open(const std::string& path, ExpertStoreSpec spec) {
     };
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) give_up("locking", errno);  // held from the start
     if (int e = ::posix_fallocate(fd, 0, off_t(file_bytes)); e != 0)
-      give_up(fmt::format("reserving {} on disk failed{}", gib(file_bytes),
+      give_up(fmt::format("reserving {} on disk failed{}", gib_str(file_bytes),
                           e == ENOSPC || e == EFBIG ? " (disk full or file size limit)" : ""),
               e);
     FileHeader h{};
@@ -235,15 +234,15 @@ ExpertStore ExpertStore::open(const std::string& path, ExpertStoreSpec spec) {
               "expert store {} was made for another expert layout ({} experts, {} of records, spec "
               "hash {:016x}; this model needs {} experts, {}, hash {:016x}); use the config it "
               "was made with or another --expert-store path",
-              path, h.num_experts, gib(h.data_bytes), h.spec_hash, s.index_.size(),
-              gib(s.data_bytes_), spec_hash);
+              path, h.num_experts, gib_str(h.data_bytes), h.spec_hash, s.index_.size(),
+              gib_str(s.data_bytes_), spec_hash);
   SIGMA_CHECK(h.file_bytes == file_bytes && uint64_t(st.st_size) == file_bytes,
               "expert store {} has {} bytes but its header and the spec say {}: the file was "
               "truncated or extended; restore it from a checkpoint", path, st.st_size, file_bytes);
   s.clean_on_open_ = h.clean == 1;
 
   void* p = ::mmap(nullptr, file_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  SIGMA_CHECK(p != MAP_FAILED, "cannot map expert store {} ({}): {}", path, gib(file_bytes),
+  SIGMA_CHECK(p != MAP_FAILED, "cannot map expert store {} ({}): {}", path, gib_str(file_bytes),
               errno_str(errno));
   s.map_ = static_cast<std::byte*>(p);
   s.map_bytes_ = file_bytes;

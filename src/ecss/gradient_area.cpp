@@ -22,7 +22,6 @@ uint64_t page_round(uint64_t bytes) {
   const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
   return (bytes + page - 1) / page * page;
 }
-std::string gib(uint64_t bytes) { return fmt::format("{:.2f} GiB", double(bytes) / (1ull << 30)); }
 }  // namespace
 
 GradientArea::GradientArea(int64_t slots, int64_t floats, const std::string& beside_file) {
@@ -33,8 +32,8 @@ GradientArea::GradientArea(int64_t slots, int64_t floats, const std::string& bes
     where_ = "RAM";
     void* p = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    SIGMA_CHECK(p != MAP_FAILED, "cannot map {} for the experts' gradients: {}", gib(map_bytes_),
-                errno_str(errno));
+    SIGMA_CHECK(p != MAP_FAILED, "cannot map {} for the experts' gradients: {}",
+                gib_str(map_bytes_), errno_str(errno));
     map_ = static_cast<std::byte*>(p);
     return;
   }
@@ -46,13 +45,13 @@ GradientArea::GradientArea(int64_t slots, int64_t floats, const std::string& bes
   if (int e = ::posix_fallocate(fd_, 0, off_t(map_bytes_)); e != 0) {
     ::close(fd_);
     fail("cannot reserve {} in {} for the experts' gradients (beside the expert store): {}",
-         gib(map_bytes_), where_, errno_str(e));
+         gib_str(map_bytes_), where_, errno_str(e));
   }
   void* p = ::mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) {
     const int e = errno;
     ::close(fd_);
-    fail("cannot map the experts' gradient file in {} ({}): {}", where_, gib(map_bytes_),
+    fail("cannot map the experts' gradient file in {} ({}): {}", where_, gib_str(map_bytes_),
          errno_str(e));
   }
   map_ = static_cast<std::byte*>(p);

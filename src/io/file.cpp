@@ -16,6 +16,9 @@ namespace sigma {
 
 std::string errno_str(int e) { return std::strerror(e); }
 std::string errno_str() { return errno_str(errno); }
+std::string gib_str(uint64_t bytes) {
+  return fmt::format("{:.2f} GiB", double(bytes) / (1ull << 30));
+}
 
 void Fd::close_checked(const std::string& path) {
   const int f = fd;

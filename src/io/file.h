@@ -26,6 +26,8 @@ struct Fd {
 // strerror of errno (or of `e`).
 std::string errno_str();
 std::string errno_str(int e);
+// A byte count in GiB for messages ("1.50 GiB").
+std::string gib_str(uint64_t bytes);
 
 // Writes all n bytes (write(2) may write less, and Linux caps one call just under 2 GiB).
 void write_all(int fd, const void* p, size_t n, const std::string& path);

@@ -9,13 +9,13 @@
 namespace sigma::cpu {
 
 constexpr float kGeluAlpha = 1.702f;
-constexpr int64_t kChunk = 4096;  // sigmoid scratch per chunk stays in L1/L2
+constexpr int64_t kSigmoidChunk = 4096;  // sigmoid scratch per chunk stays in L1/L2
 
 void fast_gelu_forward(float* y, const float* x, int64_t n) {
 #pragma omp parallel for schedule(static) if (n * kExpMacs > kParallelMacs)
-  for (int64_t c = 0; c < n; c += kChunk) {
-    const int64_t m = std::min(kChunk, n - c);
-    float s[kChunk];
+  for (int64_t c = 0; c < n; c += kSigmoidChunk) {
+    const int64_t m = std::min(kSigmoidChunk, n - c);
+    float s[kSigmoidChunk];
     sigmoid_scaled(s, x + c, m, kGeluAlpha);
     // s[0..m) is written by sigmoid_scaled (through AVX stores GCC 12 does not follow).
 #pragma GCC diagnostic push
@@ -27,9 +27,9 @@ void fast_gelu_forward(float* y, const float* x, int64_t n) {
 
 void fast_gelu_backward(float* dx, const float* dy, const float* x, int64_t n) {
 #pragma omp parallel for schedule(static) if (n * kExpMacs > kParallelMacs)
-  for (int64_t c = 0; c < n; c += kChunk) {
-    const int64_t m = std::min(kChunk, n - c);
-    float s[kChunk];
+  for (int64_t c = 0; c < n; c += kSigmoidChunk) {
+    const int64_t m = std::min(kSigmoidChunk, n - c);
+    float s[kSigmoidChunk];
     sigmoid_scaled(s, x + c, m, kGeluAlpha);
     for (int64_t i = 0; i < m; ++i) {
       const float xi = x[c + i];

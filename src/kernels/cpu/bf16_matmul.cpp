@@ -103,12 +103,6 @@ struct ThreadMatmuls {
 };
 thread_local ThreadMatmuls t_matmuls;
 
-// C = beta * C for an empty sum (K = 0): BLAS semantics, which oneDNN skips.
-void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
-}
-
 // One row: sigma::to_bf16's bits, 16 lanes at a time (kernels/cpu/bf16_vec.h).
 void row_to_bf16_impl(uint16_t* d, const float* s, int64_t n) {
   int64_t j = 0;

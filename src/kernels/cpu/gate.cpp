@@ -142,7 +142,7 @@ double sum_sq(const float* x, int64_t n) {
 
 void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(x[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = sigma::to_bf16(x[i]);
 }
 
 }  // namespace sigma::cpu

@@ -13,13 +13,13 @@
 
 namespace sigma::cpu {
 
-namespace {
 // C = beta * C for an empty sum (K = 0): BLAS semantics, which oneDNN skips.
 void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc) {
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
 }
 
+namespace {
 // A row's bits must not depend on how many rows share its product where losses are compared
 // across batches: eval (alone or among other domains, at any --batch; docs/reliability.md) and
 // scoring, both inside ops::BatchInvariant. oneDNN's sgemm does not promise that: it picks

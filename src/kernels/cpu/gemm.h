@@ -38,6 +38,10 @@ void linear_forward_bf16(float* y, const float* x, const float* w, const float* 
 void linear_backward_bf16(float* dx, float* dw, float* db, const float* dy, const float* x,
                           const float* w, int64_t N, int64_t in, int64_t out, Strides ld = {});
 
+// C[M,N] = beta * C with row stride ldc (C = 0 when beta is 0): a product with K = 0, which
+// oneDNN skips.
+void scale_c(int64_t M, int64_t N, float beta, float* C, int64_t ldc);
+
 // dst[rows, cols] (contiguous) = bf16 of src[rows, cols] with row stride ld.
 void to_bf16(uint16_t* dst, const float* src, int64_t rows, int64_t cols, int64_t ld);
 
