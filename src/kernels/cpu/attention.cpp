@@ -10,8 +10,8 @@
 #include "kernels/cpu/bf16_vec.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"
-#include "kernels/cpu/vexp.h"
 #include "kernels/cpu/spin_team.h"
+#include "kernels/cpu/vexp.h"
 #include "kernels/ops.h"
 
 namespace sigma::cpu {
