@@ -241,14 +241,15 @@ void Server::Impl::generation(const http::Request& req, http::Responder& res, bo
   if (run.r.stream) return stream(run, res);
   int open = run.r.n;  // finish events still due from the engine
   while (open > 0) {
-    auto e = run.ch->pop(100);
-    if (!e) {
-      if (!res.alive()) {  // the client left: free its slots now, not after max_tokens
-        run.ch->cancel_all();
-        return;
-      }
-      continue;
+    // Checked before every event, not only when none comes: tokens arrive faster than the pop's
+    // timeout, so a client that left (or a drain that cut it) would otherwise hold its slots
+    // until max_tokens.
+    if (!res.alive()) {
+      run.ch->cancel_all();
+      return;
     }
+    auto e = run.ch->pop(100);
+    if (!e) continue;
     if (!e->finish_reason.empty()) --open;
     ChoiceText& c = run.choices[size_t(e->index)];
     if (c.apply(*e) && e->finish_reason.empty()) run.ch->cancelled[e->index] = true;
@@ -316,11 +317,9 @@ void Server::Impl::stream(Run& run, http::Responder& res) {
     for (int i = 0; i < run.r.n && ok; ++i) ok = chunk(i, "", nullptr, true);
   int open = run.r.n;
   while (ok && open > 0) {
+    if (!(ok = res.alive())) break;  // before every event: tokens that yield no text write nothing
     auto e = run.ch->pop(100);
-    if (!e) {
-      ok = res.alive();
-      continue;
-    }
+    if (!e) continue;
     if (!e->finish_reason.empty()) --open;
     ChoiceText& c = run.choices[size_t(e->index)];
     const bool was_done = c.done();
