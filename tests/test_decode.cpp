@@ -273,6 +273,45 @@ TEST(Decode, StepsOfUpToFourRowsAreBatchInvariantBitForBit) {
   }
 }
 
+// fill_cache appends the keys and values forward_cached appends, to the bit, in every block
+// (the top block's too, though it stops before its attention), and a pass continuing from
+// either cache gives the same losses and logits: a scored context or a prompt's first chunks
+// can skip the outputs nobody reads.
+TEST(Decode, FillCacheWritesTheCacheForwardCachedWrites) {
+  const ModelConfig c = decode_config();
+  Model m(c, 21);
+  auto batch_of = [&](int T, int seed) {
+    Batch b;
+    b.resize(2, T);
+    for (size_t i = 0; i < b.tokens.size(); ++i) {
+      b.tokens[i] = int32_t((7 * i + size_t(seed)) % size_t(c.vocab));
+      b.targets[i] = int32_t((3 * i + size_t(seed)) % size_t(c.vocab));
+    }
+    b.domain = {0, 1};
+    return b;
+  };
+  const Batch context = batch_of(9, 1), next = batch_of(5, 2);
+  const int rows[2] = {2, 0};  // rows out of order, one left empty
+  KvCache full, filled;
+  full.reset(c, 3);
+  filled.reset(c, 3);
+  Activations a1, a2;
+  std::vector<float> loss(size_t(2 * 9)), loss_full(size_t(2 * 5)), loss_filled(size_t(2 * 5));
+  m.forward_cached(context, full, a1, loss.data(), rows);
+  m.fill_cache(context, filled, a2, rows);
+  EXPECT_EQ(filled.length, full.length);
+  for (int l = 0; l < c.layers; ++l) {
+    const std::vector<float> want = sigma::testing::host_floats(full.kv[size_t(l)]),
+                             got = sigma::testing::host_floats(filled.kv[size_t(l)]);
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4)) << "block " << l;
+  }
+  m.forward_cached(next, full, a1, loss_full.data(), rows);
+  m.forward_cached(next, filled, a2, loss_filled.data(), rows);
+  EXPECT_EQ(0, std::memcmp(loss_full.data(), loss_filled.data(), loss_full.size() * 4));
+  const std::vector<float> l1 = sigma::testing::host_floats(a1.logits), l2 = sigma::testing::host_floats(a2.logits);
+  EXPECT_EQ(0, std::memcmp(l1.data(), l2.data(), l1.size() * 4));
+}
+
 // A checkpoint that does not load stops `sigma serve` with its error and exit status 1 (it used
 // to abort with std::terminate: the signal-waiting thread was still running).
 TEST(ServeCli, ACheckpointThatDoesNotLoadIsAnErrorNotAnAbort) {

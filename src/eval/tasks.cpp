@@ -149,12 +149,9 @@ class Scorer {
     for (size_t k = 0; k < units.size(); ++k) {
       const Unit& u = *units[k];
       cache_.clear(int(k));
-      if (u.prefix.empty()) continue;
-      std::vector<int32_t> y(u.prefix.begin() + 1, u.prefix.end());
-      y.push_back(u.last);
-      add(u, int(k), u.prefix, std::move(y));
+      if (!u.prefix.empty()) add(u, int(k), u.prefix, {});
     }
-    if (!members_.empty()) run();
+    if (!members_.empty()) run(false);  // keys and values only: no prefix position is scored
     size_t most = 0;
     for (const Unit* u : units) most = std::max(most, u->rests.size());
     for (size_t c = 0; c < most; ++c) {
@@ -193,11 +190,11 @@ class Scorer {
     tgt_.push_back(std::move(y));
   }
 
-  // One forward_cached: batch row k continues cache row members_[k] with tok_[k] (tgt_[k] its
-  // next tokens); pads (<EOT>, target 0) fill each row up to the pass's length T. A pass of
-  // fewer than `rows` rows is filled up with idle rows (spare cache rows from position 0), so
-  // that passes keep a few shapes. Returns T.
-  size_t run() {
+  // One forward_cached (or fill_cache without `scored`): batch row k continues cache row
+  // members_[k] with tok_[k] (tgt_[k] its next tokens); pads (<EOT>, target 0) fill each row up
+  // to the pass's length T. A pass of fewer than `rows` rows is filled up with idle rows (spare
+  // cache rows from position 0), so that passes keep a few shapes. Returns T.
+  size_t run(bool scored = true) {
     size_t T = 1, cached = 0;
     for (const auto& t : tok_) T = std::max(T, t.size());
     for (int m : members_) cached = std::max(cached, size_t(cache_.length[size_t(m)]));
@@ -229,7 +226,10 @@ class Scorer {
       }));
     Kept& kept = acts_of_[{b_.B, b_.T}];
     kept.used = ++passes_;
-    ctx_.model.forward_cached(b_, cache_, kept.acts, loss_.data(), cache_rows_.data());
+    if (scored)
+      ctx_.model.forward_cached(b_, cache_, kept.acts, loss_.data(), cache_rows_.data());
+    else
+      ctx_.model.fill_cache(b_, cache_, kept.acts, cache_rows_.data());
     return T;
   }
 

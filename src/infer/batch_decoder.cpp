@@ -49,7 +49,10 @@ const float* BatchDecoder::prefill(int slot, int domain, std::span<const int32_t
     for (int t = 0; t < len; ++t)  // the position after the prompt has no target
       batch_.targets[size_t(t)] = at + t + 1 < T ? tokens[size_t(at + t + 1)] : 0;
     batch_.domain[0] = domain;
-    model_.forward_cached(batch_, cache_, prefill_acts_, loss_.data() + at, &slot);
+    if (at + len < T && !prompt_logprobs)  // no output of this chunk is read
+      model_.fill_cache(batch_, cache_, prefill_acts_, &slot);
+    else
+      model_.forward_cached(batch_, cache_, prefill_acts_, loss_.data() + at, &slot);
   }
   last_ = &prefill_acts_;
   if (prompt_logprobs)

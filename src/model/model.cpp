@@ -528,6 +528,15 @@ void KvCache::reset(const ModelConfig& cfg, int rows) {
 
 void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, float* token_loss,
                            const int* cache_rows) {
+  cached_pass(batch, cache, a, token_loss, cache_rows, true);
+}
+
+void Model::fill_cache(const Batch& batch, KvCache& cache, Activations& a, const int* cache_rows) {
+  cached_pass(batch, cache, a, nullptr, cache_rows, false);
+}
+
+void Model::cached_pass(const Batch& batch, KvCache& cache, Activations& a, float* token_loss,
+                        const int* cache_rows, bool outputs) {
   const ops::FewRowKernels decode;  // a decode step's few rows may take the GEMVs (kernels/ops.h)
   const int B = batch.B, T = batch.T;
   check_batch(batch);
@@ -551,18 +560,32 @@ void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, f
   if (mirrored_) mirrored_ = false;  // written only when set: concurrent passes write nothing
   embed(batch, a, start.data());
   a.weight_sum = 0;
-  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a, &cache, false, rows.data());
+  for (int l = 0; l < cfg_.layers; ++l)
+    block_forward(l, batch, a, &cache, false, rows.data(), !outputs && l == cfg_.layers - 1);
   for (int r : rows) cache.length[size_t(r)] += T;
-  head(batch, a, token_loss, nullptr);
+  if (outputs) head(batch, a, token_loss, nullptr);
 }
 
-// Batch row b's new keys and values join cache row cache_rows[b] after its cached positions,
-// and its queries attend over them: one attention call per row, since rows differ in length.
+// Batch row b's new keys and values join cache row cache_rows[b] after its cached positions.
+void Model::append_kv(int l, const Batch& batch, Activations& acts, KvCache& cache, const int* cache_rows) {
+  const int64_t d = cfg_.d_model, bs = int64_t(cfg_.context) * 2 * d;
+  const float* qkv = acts.block(l).qkv.f();
+  for (int b = 0; b < batch.B; ++b) {
+    const int r = cache_rows[b];
+    float* kv = cache.kv[size_t(l)].f() + r * bs + int64_t(cache.length[size_t(r)]) * 2 * d;
+    for (int t = 0; t < batch.T; ++t)
+      ops::copy(kv + int64_t(t) * 2 * d, qkv + (int64_t(b) * batch.T + t) * 3 * d + d, 2 * d);
+  }
+}
+
+// Batch row b's new keys and values join its cache row, and its queries attend over them: one
+// attention call per row, since rows differ in length.
 void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCache& cache,
                              const int* cache_rows, ops::AttnOperand q, float* att) {
   const int B = batch.B, T = batch.T;
   const int64_t d = cfg_.d_model, H = cfg_.heads, bs = int64_t(cfg_.context) * 2 * d;
   BlockActs& k = acts.block(l);
+  append_kv(l, batch, acts, cache, cache_rows);
   // Scoring (ops::BatchInvariant, where a row's bits do not depend on the call's shape): rows
   // at the same position in consecutive cache rows share one call.
   bool one_call = ops::BatchInvariant::on();
@@ -570,10 +593,7 @@ void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCac
     one_call = cache_rows[b] == cache_rows[0] + b &&
                cache.length[size_t(cache_rows[b])] == cache.length[size_t(cache_rows[0])];
   for (int b = 0; b < B; ++b) {
-    const int r = cache_rows[b], p0 = cache.length[size_t(r)];
-    float* kv = cache.kv[size_t(l)].f() + r * bs;
-    for (int t = 0; t < T; ++t)
-      ops::copy(kv + int64_t(p0 + t) * 2 * d, k.qkv.f() + (int64_t(b) * T + t) * 3 * d + d, 2 * d);
+    const int p0 = cache.length[size_t(cache_rows[b])];
     if (one_call && b + 1 < B) continue;
     const int b0 = one_call ? 0 : b, n = one_call ? B : 1;
     float* kv0 = cache.kv[size_t(l)].f() + cache_rows[b0] * bs;
@@ -626,7 +646,7 @@ void Model::mirror(const Activations& a, float* p, int64_t n) const {
 
 // With a cache, batch row b's T positions follow its cache row's cached ones (cached_attention).
 void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache* cache,
-                          bool recompute, const int* cache_rows) {
+                          bool recompute, const int* cache_rows, bool kv_only) {
   const int B = batch.B, T = batch.T;
   const int64_t N = int64_t(B) * T, d = cfg_.d_model, hd = cfg_.head_dim();
   // This rank's share of the heads and of the dense FFN's width (all of them at tp = 1).
@@ -643,6 +663,7 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   // QKV column-parallel: this rank's heads of each of Q, K, V (dl columns each).
   if (!query_layer) {
     linear(k.qkv.f(), k.a1.f(), w.qkv_w, w.qkv_b.v, N, d, 3 * dl);
+    if (kv_only) return append_kv(l, batch, acts, *cache, cache_rows);
     q = {k.qkv.f(), 3 * dl, T * 3 * dl};
   } else {
     // Keys and values from LN1(h): the K|V column slice of the QKV weight.
@@ -650,6 +671,7 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
            {d, 3 * dl, 3 * dl}, dl);
     // Queries from the learned position table (not normalised): shared by every row in
     // training; from each row's own positions with a cache.
+    if (kv_only) return append_kv(l, batch, acts, *cache, cache_rows);
     if (!cache) {
       linear(k.qtop.f(), w.query.v, w.qkv_w, w.qkv_b.v, T, d, dl, false, {d, 3 * dl, dl});
       q = {k.qtop.f(), dl, 0};

@@ -143,6 +143,11 @@ class Model {
   // (ExpertExecutor::concurrent_forward).
   void forward_cached(const Batch& batch, KvCache& cache, Activations& acts, float* token_loss,
                       const int* cache_rows = nullptr);
+  // forward_cached up to the keys and values only: appends the batch's positions to the cache
+  // (the same bits) and computes nothing that only their outputs need: the top block's
+  // attention and FFN and the head. For positions whose outputs nobody reads: a scored
+  // context, a prompt's chunks before its last.
+  void fill_cache(const Batch& batch, KvCache& cache, Activations& acts, const int* cache_rows = nullptr);
   // The same on the model's own activations (evaluation, tests, generation).
   void forward(const Batch& batch, float* token_loss, const float* loss_weight = nullptr) {
     forward(batch, *own_, token_loss, loss_weight);
@@ -188,8 +193,12 @@ class Model {
   void mirror(const Activations& a, float* p, int64_t n) const;
   // recompute: a rerun under Remat::Blocks (load and auxiliary loss are not counted again).
   // With a cache, cache_rows[b] is batch row b's cache row (see forward_cached).
+  // kv_only (with a cache): appends the block's keys and values and stops.
   void block_forward(int l, const Batch& b, Activations& a, KvCache* cache,
-                     bool recompute = false, const int* cache_rows = nullptr);
+                     bool recompute = false, const int* cache_rows = nullptr, bool kv_only = false);
+  void cached_pass(const Batch& batch, KvCache& cache, Activations& acts, float* token_loss,
+                   const int* cache_rows, bool outputs);
+  void append_kv(int l, const Batch& b, Activations& a, KvCache& cache, const int* cache_rows);
   void cached_attention(int l, const Batch& b, Activations& a, KvCache& cache,
                         const int* cache_rows, kernels::AttnOperand q, float* att);
   void expert_forward(int l, const Batch& b, Activations& a, float* out, bool recompute);
