@@ -130,18 +130,38 @@ bool descriptors(rlim_t want, rlim_t need) {
   return r.rlim_cur >= need;
 }
 
+// A model whose 4,000-token completion takes ~19 s on Zen 3 (4 blocks of width 512, KV up to
+// 4,096), so a cut well under a second has a wide margin on any machine.
+ModelConfig long_config(const data::Tokenizer& tok) {
+  ModelConfig c = tiny_config(tok);
+  c.context = 4096;
+  c.d_model = 512;
+  c.heads = 8;
+  c.layers = 4;
+  return c;
+}
+
+const std::string kLongRequest = [] {
+  const std::string body = R"({"prompt": [5], "max_tokens": 4000})";
+  return "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) +
+         "\r\n\r\n" + body;
+}();
+
+// A server on a free port over the tiny model (with its tokenizer) or, with `long_model`, the
+// long one (without: no <EOT> ends a completion before max_tokens).
 struct Served {
   data::Tokenizer tok;
-  Model model{tiny_config(tok), 7};
+  Model model;
   serve::Server server;
   int port;
-  explicit Served(serve::ServerOptions o)
-      : server([&] {
+  explicit Served(serve::ServerOptions o, bool long_model = false)
+      : model(long_model ? long_config(tok) : tiny_config(tok), 7),
+        server([&] {
           o.port = 0;
           return o;
         }()),
         port(server.start()) {
-    server.serve_model(model, &tok, "tiny");
+    server.serve_model(model, long_model ? nullptr : &tok, long_model ? "long" : "tiny");
   }
 };
 
@@ -326,50 +346,24 @@ TEST(ServeNet, IdleAndNonReadingClientsAreClosed) {
   EXPECT_EQ(s.server.connections(), 0);
 }
 
-namespace {
-
-// A model whose 4,000-token completion takes ~19 s on Zen 3 (4 blocks of width 512, KV up to
-// 4,096), so a cut well under a second has a wide margin on any machine.
-ModelConfig long_config(const data::Tokenizer& tok) {
-  ModelConfig c = tiny_config(tok);
-  c.context = 4096;
-  c.d_model = 512;
-  c.heads = 8;
-  c.layers = 4;
-  return c;
-}
-
-const std::string kLongRequest = [] {
-  const std::string body = R"({"prompt": [5], "max_tokens": 4000})";
-  return "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(body.size()) +
-         "\r\n\r\n" + body;
-}();
-
-}  // namespace
-
 // A drain with a deadline: a slow request in flight is cut at --drain-timeout and wait()
 // returns, so the process can exit 0 instead of hanging on a client.
 TEST(ServeNet, DrainCutsWhatOutlivesItsDeadline) {
-  data::Tokenizer tok;
-  Model model(long_config(tok), 4);
   serve::ServerOptions o;
-  o.port = 0;
   o.slots = 1;
   o.drain_timeout = 0.5;
-  serve::Server server(o);
-  const int port = server.start();
-  server.serve_model(model, nullptr, "long");
-  const int fd = connect_to(port);
+  Served s(o, true);
+  const int fd = connect_to(s.port);
   send_all(fd, kLongRequest);
-  const int idle_fd = connect_to(port);
+  const int idle_fd = connect_to(s.port);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const auto t0 = Clock::now();
-  server.stop();
-  server.wait();
+  s.server.stop();
+  s.server.wait();
   const double took = std::chrono::duration<double>(Clock::now() - t0).count();
   EXPECT_GT(took, 0.4);
   EXPECT_LT(took, 3.0);  // the deadline, then handlers and the engine notice the cut (polls of 100 ms)
-  const int again = connect_to(port);
+  const int again = connect_to(s.port);
   EXPECT_LT(again, 0) << "still listening after the drain";
   if (again >= 0) close(again);
   const std::string r = read_response(fd, 1000);
@@ -381,24 +375,19 @@ TEST(ServeNet, DrainCutsWhatOutlivesItsDeadline) {
 // A client that hangs up on a plain (not streamed) completion frees its slot within a poll,
 // not after max_tokens, even while the engine hands its handler a token every few ms.
 TEST(ServeNet, AClientThatHangsUpFreesItsSlot) {
-  data::Tokenizer tok;
-  Model model(long_config(tok), 4);
   serve::ServerOptions o;
-  o.port = 0;
   o.slots = 1;
-  serve::Server server(o);
-  const int port = server.start();
-  server.serve_model(model, nullptr, "long");
-  const int fd = connect_to(port);
+  Served s(o, true);
+  const int fd = connect_to(s.port);
   send_all(fd, kLongRequest);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   close(fd);
   const auto t0 = Clock::now();
   const std::string quick = R"({"prompt": [5], "max_tokens": 2})";
-  const auto [status, body] = request(port, "POST", "/v1/completions", quick, 20000);
+  const auto [status, body] = request(s.port, "POST", "/v1/completions", quick, 20000);
   EXPECT_EQ(status, 200) << body;  // the one slot serves again
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 3.0) << "the slot was held after the hang-up";
-  const auto [mstatus, metrics] = request(port, "GET", "/metrics");
+  const auto [mstatus, metrics] = request(s.port, "GET", "/metrics");
   const size_t at = metrics.find("\nsigma_generated_tokens_total ");
   ASSERT_NE(at, std::string::npos);
   EXPECT_LT(std::stod(metrics.substr(at + 31)), 4000);
