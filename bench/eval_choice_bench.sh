@@ -8,15 +8,17 @@
 # of the 2 x ITEMS log-likelihoods are equal to the last bit (from --log-samples), with the
 # largest difference.
 #
-# Model: a small sparse model (d=128, 4 blocks, 2 of them RRE, context 64) trained 30 steps on
-# a generated corpus; the items are generated sentences of 6-20 words with continuations of
-# 1-4 words (speed does not depend on the weights). At context 64 about half of the choices
-# have their context cut (nothing shared); EVAL_BENCH_CONTEXT=128 holds every item, as a real
-# evaluation's model would.
+# Model: a small sparse model (d=128, 4 blocks, 2 of them RRE, context 128) trained 30 steps
+# on a generated corpus; the items are generated sentences of 6-20 words with continuations of
+# 1-4 words (speed does not depend on the weights). The tokenizer is nearly byte-level (300
+# tokens), so an item is up to ~120 tokens: context 128 holds every item, as a real
+# evaluation's model would. EVAL_BENCH_CONTEXT=64 cuts most items, each choice's window where
+# its own length allows, so that the two choices share no context: the worst case, where
+# batching is all that is gained.
 #
 #   bench/eval_choice_bench.sh [BUILD_DIR=build] [ITEMS=100000] [BATCH=32]
 # Environment: EVAL_BENCH_DIR (work folder, default /tmp/sigma-eval-bench), EVAL_BENCH_CONTEXT
-# (the model's context, default 64), PYTHON.
+# (the model's context, default 128), PYTHON.
 set -euo pipefail
 build=${1:-build}
 items=${2:-100000}
@@ -25,7 +27,7 @@ sigma="$(cd "$build" && pwd)/sigma"
 ref_sigma=${REF_SIGMA:-$sigma}
 python=${PYTHON:-/usr/bin/python3}
 work=${EVAL_BENCH_DIR:-/tmp/sigma-eval-bench}
-context=${EVAL_BENCH_CONTEXT:-64}
+context=${EVAL_BENCH_CONTEXT:-128}
 export OMP_WAIT_POLICY=passive
 [ -x "$sigma" ] || { echo "eval_choice_bench: $sigma not found" >&2; exit 2; }
 mkdir -p "$work"
