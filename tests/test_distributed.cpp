@@ -123,7 +123,7 @@ TEST(Distributed, ACheckpointResumesOnAnyRankCountBitIdentically) {
   EXPECT_EQ(metrics_without_speed(whole + "/metrics.jsonl"), metrics_without_speed(split + "/metrics.jsonl"));
   // The 4-rank checkpoint is an ordinary checkpoint to every other command.
   const std::string ck = split + "/checkpoints/step-00000040";
-  for (const std::string cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
+  for (const std::string& cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
                                 "generate --ckpt " + ck + " --prompt '1 2 3' --max-new 4"}) {
     const CmdResult c = sigma_cmd(cmd);
     EXPECT_EQ(c.code, 0) << cmd << ": " << c.out;
@@ -194,7 +194,7 @@ TEST(Distributed, ExpertParallelRanksTrainBitIdenticallyAndReshard) {
     EXPECT_EQ(metrics_without_speed(split + "/metrics.jsonl"), first_metrics);
     // An ordinary checkpoint to every other command.
     const std::string ck = split + "/checkpoints/step-00000070";
-    for (const std::string cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
+    for (const std::string& cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
                                   "generate --ckpt " + ck + " --prompt '1 2 3' --max-new 4"}) {
       const CmdResult c = sigma_cmd(cmd);
       EXPECT_EQ(c.code, 0) << cmd << ": " << c.out;

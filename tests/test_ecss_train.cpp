@@ -238,7 +238,7 @@ TEST(EcssTrain, AMemoryBudgetSlicesTheStepWithoutChangingABit) {
   expect_same_tensors(model_tensors(dir / "vanilla-auto"),
                       model_tensors(dir / ("vanilla-" + std::to_string(expert))), "vanilla");
   // A budget below one expert, or not a size, is an error naming the key.
-  for (const std::string bad : {std::string("100"), std::string("lots"), std::string("-5GiB")}) {
+  for (const std::string& bad : {std::string("100"), std::string("lots"), std::string("-5GiB")}) {
     Config c = base;
     c.train.expert_memory = bad;
     try {

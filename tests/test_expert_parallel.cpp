@@ -178,7 +178,9 @@ TEST(ExpertParallel, GroupsOnTheirOwnRanksExchangeOnlyInsideTheGroup) {
       ASSERT_EQ(s.bytes_to.size(), 4u);
       for (int q = 0; q < 4; ++q) {
         const bool q_member = std::count(split.ranks[size_t(g)].begin(), split.ranks[size_t(g)].end(), q) > 0;
-        if (!q_member) EXPECT_EQ(s.bytes_to[size_t(q)], 0) << "group " << g << ": rank " << r << " -> " << q;
+        if (!q_member) {
+          EXPECT_EQ(s.bytes_to[size_t(q)], 0) << "group " << g << ": rank " << r << " -> " << q;
+        }
       }
       const int peer = split.ranks[size_t(g)][split.ranks[size_t(g)][0] == r ? 1 : 0];
       EXPECT_GT(s.bytes_to[size_t(peer)], 0) << "rank " << r << " exchanged nothing with " << peer;

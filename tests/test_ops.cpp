@@ -1376,7 +1376,7 @@ TEST(OpsBackend, TrainingOnRefMatchesCpu) {
 // multiples of 48 rows); cpu/gemm.cpp's one-thread 48-row tiles are what pass.
 TEST(GemmRowInvariance, ARowsBitsDoNotDependOnTheRowsSharingItsProduct) {
   const ops::BatchInvariant invariant;
-  for (const auto [K, N] : {std::pair<int64_t, int64_t>{48, 320}, {48, 48}, {192, 48}, {2048, 48},
+  for (const auto& [K, N] : {std::pair<int64_t, int64_t>{48, 320}, {48, 48}, {192, 48}, {2048, 48},
                             {512, 1100}}) {
     for (bool tb : {false, true}) {
       const int64_t M = 480;
@@ -1390,7 +1390,7 @@ TEST(GemmRowInvariance, ARowsBitsDoNotDependOnTheRowsSharingItsProduct) {
         return C;
       };
       const std::vector<float> all = product(0, M);
-      for (const auto [r0, rows] : {std::pair<int64_t, int64_t>{0, 1}, {40, 1}, {250, 3}, {0, 16},
+      for (const auto& [r0, rows] : {std::pair<int64_t, int64_t>{0, 1}, {40, 1}, {250, 3}, {0, 16},
                                     {17, 56}, {200, 56}, {3, 100}, {0, 96}, {96, 240}}) {
         const std::vector<float> part = product(r0, rows);
         EXPECT_EQ(0, std::memcmp(part.data(), all.data() + r0 * N, part.size() * 4))

@@ -92,7 +92,7 @@ TEST(Reliability, AFailedOverwriteStartKeepsTheOldRun) {
   ASSERT_EQ(r.code, 0) << r.out;
   const auto before = snapshot(out);
   ASSERT_GE(before.size(), 10u);
-  for (const std::string bad : {"--set data.source=shards --set data.path=" + tmp / "missing",
+  for (const std::string& bad : {"--set data.source=shards --set data.path=" + tmp / "missing",
                                 std::string("--set model.d_model=16384 --set model.layers=64")}) {
     r = sigma_cmd(kTiny + "--set train.steps=5 " + bad + " --overwrite --out " + out);
     EXPECT_NE(r.code, 0) << r.out;

@@ -347,7 +347,9 @@ TEST(ServeHttp, OpenAIFieldsAreHonouredOrRefused) {
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 400) << c.body << ": " << r->body;
     const json e = json::parse(r->body);
-    if (!c.param.empty()) EXPECT_EQ(e["error"]["param"], c.param) << c.body;
+    if (!c.param.empty()) {
+      EXPECT_EQ(e["error"]["param"], c.param) << c.body;
+    }
   }
   // best_of 1, tools [] and user are accepted (they change nothing).
   EXPECT_EQ(f.post("/v1/completions", R"({"prompt": "a", "max_tokens": 1, "best_of": 1, "user": "u"})")->status, 200);
@@ -425,7 +427,9 @@ TEST(ServeHttp, JsonObjectDecodingKeepsTheTextJson) {
   for (const json& c : j["choices"]) {
     serve::JsonPrefix p;
     EXPECT_TRUE(p.push(c["text"].get<std::string>())) << c["text"];
-    if (c["finish_reason"] == "stop") EXPECT_TRUE(json::parse(c["text"].get<std::string>()).is_object());
+    if (c["finish_reason"] == "stop") {
+      EXPECT_TRUE(json::parse(c["text"].get<std::string>()).is_object());
+    }
   }
 }
 
