@@ -454,23 +454,41 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
     with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
                        q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, cols);
   });
-  const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 511) / 512;
+  // Column blocks of 256, so that even a 512-column product's sums are shared by 2 threads.
+  const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 255) / 256;
   run_items(sum_chunks * stride, sum_blocks, [&](int64_t blk) {
     const Range c = column_block(out, blk, sum_blocks);
     // Chunk by chunk over contiguous columns (vectorised; the sums are exact integers, so the
-    // order does not matter), then each column's one rounding.
+    // order does not matter): up to kI32Chunks chunks in int32 lanes (|partial| <= kChunkRows *
+    // 127 * 32767, 8 of them < 2^31), groups of them in int64, then each column's one rounding.
+    constexpr int64_t kI32Chunks = 8;
+    static_assert(kI32Chunks * kChunkRows * 127 * 32767 < (int64_t(1) << 31));
+    const int64_t n = c.hi - c.lo;
+    thread_local std::vector<int32_t> group;
     thread_local std::vector<int64_t> total;
-    total.resize(size_t(c.hi - c.lo));
+    group.resize(size_t(n));
+    total.resize(size_t(n));
+    int32_t* g = group.data();
     int64_t* t = total.data();
     for (int64_t r = 0; r < M; ++r) {
-      std::fill(total.begin(), total.end(), int64_t(0));
-      for (int64_t k = 0; k < sum_chunks; ++k) {
-        const int32_t* pr = p + (k * M + r) * out;
-        for (int64_t j = c.lo; j < c.hi; ++j) t[j - c.lo] += pr[j];
+      for (int64_t k0 = 0; k0 < sum_chunks; k0 += kI32Chunks) {
+        const int32_t* first = p + (k0 * M + r) * out + c.lo;
+        std::copy(first, first + n, g);
+        for (int64_t k = k0 + 1; k < std::min(sum_chunks, k0 + kI32Chunks); ++k) {
+          const int32_t* pr = p + (k * M + r) * out + c.lo;
+          for (int64_t j = 0; j < n; ++j) g[j] += pr[j];
+        }
+        if (k0 == 0)
+          for (int64_t j = 0; j < n; ++j) t[j] = g[j];
+        else
+          for (int64_t j = 0; j < n; ++j) t[j] += g[j];
       }
-      float* row = y + r * ldy;
-      for (int64_t j = c.lo; j < c.hi; ++j)
-        row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[j] : 0.0f) + scale[j] * (xq.step[r] * float(t[j - c.lo]));
+      if (sum_chunks == 0) std::fill(t, t + n, int64_t(0));
+      float* row = y + r * ldy + c.lo;
+      const float* sc = scale + c.lo;
+      const float* bias = b ? b + c.lo : nullptr;
+      for (int64_t j = 0; j < n; ++j)
+        row[j] = (accumulate ? row[j] : 0.0f) + (bias ? bias[j] : 0.0f) + sc[j] * (xq.step[r] * float(t[j]));
     }
   });
 }
