@@ -1,6 +1,11 @@
 // The decode tests' model and helpers (tests/test_decode.cpp, tests/test_int8.cpp).
 #pragma once
+#include <gtest/gtest.h>
+
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "infer/generate.h"
@@ -41,5 +46,32 @@ inline std::vector<int32_t> some_tokens(const ModelConfig& c, int n) {
   std::vector<int32_t> t;
   for (int i = 0; i < n; ++i) t.push_back((11 * i + 5) % c.vocab);
   return t;
+}
+
+// Four sequences decoded together in one BatchDecoder of 4 slots and each alone in its own: for
+// `steps` steps every slot's logits must equal its lone run's, bit for bit (docs/serving.md).
+inline void expect_steps_batch_invariant(Model& m, int steps, const std::string& label) {
+  const int64_t vocab = m.config().vocab;
+  const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3}, {4, 5}, {6, 7, 8, 9, 10, 11}, {12}};
+  const std::vector<int> domains = {0, 1, 1, 0}, slots = {0, 1, 2, 3};
+  BatchDecoder together(m, 4);
+  std::vector<std::unique_ptr<BatchDecoder>> alone;
+  std::vector<int32_t> next(4);
+  for (int s = 0; s < 4; ++s) {
+    together.prefill(s, domains[size_t(s)], prompts[size_t(s)]);
+    alone.push_back(std::make_unique<BatchDecoder>(m, 1));
+    alone.back()->prefill(0, domains[size_t(s)], prompts[size_t(s)]);
+    next[size_t(s)] = int32_t((5 * s + 1) % vocab);
+  }
+  for (int step = 0; step < steps; ++step) {
+    together.step(slots, domains, next);
+    for (int s = 0; s < 4; ++s) {
+      const int zero = 0;
+      alone[size_t(s)]->step({&zero, 1}, {&domains[size_t(s)], 1}, {&next[size_t(s)], 1});
+      EXPECT_EQ(0, std::memcmp(together.logits(s), alone[size_t(s)]->logits(0), size_t(vocab) * 4))
+          << label << " step " << step << " slot " << s;
+      next[size_t(s)] = int32_t((next[size_t(s)] * 7 + step) % vocab);
+    }
+  }
 }
 }  // namespace sigma::testing

@@ -27,6 +27,7 @@ using sigma::testing::sigma_cmd;
 using sigma::testing::TempDir;
 using sigma::testing::cached_logits;
 using sigma::testing::decode_config;
+using sigma::testing::expect_steps_batch_invariant;
 using sigma::testing::some_tokens;
 
 namespace {
@@ -317,27 +318,7 @@ TEST(Int8Weights, DecodeIsNearFp32AndBatchInvariant) {
   for (size_t i = 0; i < full.size(); ++i)
     ASSERT_NEAR(cached[i], full[i], 2e-3) << "position " << i / size_t(c.vocab);
 
-  const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3}, {4, 5}, {6, 7, 8, 9, 10, 11}, {12}};
-  const std::vector<int> domains = {0, 1, 1, 0}, slots = {0, 1, 2, 3};
-  BatchDecoder together(i8, 4);
-  std::vector<std::unique_ptr<BatchDecoder>> alone;
-  std::vector<int32_t> next(4);
-  for (int s = 0; s < 4; ++s) {
-    together.prefill(s, domains[size_t(s)], prompts[size_t(s)]);
-    alone.push_back(std::make_unique<BatchDecoder>(i8, 1));
-    alone.back()->prefill(0, domains[size_t(s)], prompts[size_t(s)]);
-    next[size_t(s)] = int32_t((5 * s + 1) % c.vocab);
-  }
-  for (int step = 0; step < 4; ++step) {
-    together.step(slots, domains, next);
-    for (int s = 0; s < 4; ++s) {
-      const int zero = 0;
-      alone[size_t(s)]->step({&zero, 1}, {&domains[size_t(s)], 1}, {&next[size_t(s)], 1});
-      EXPECT_EQ(0, std::memcmp(together.logits(s), alone[size_t(s)]->logits(0), size_t(c.vocab) * 4))
-          << "step " << step << " slot " << s;
-      next[size_t(s)] = int32_t((next[size_t(s)] * 7 + step) % c.vocab);
-    }
-  }
+  expect_steps_batch_invariant(i8, 4, "int8");
 }
 
 // bf16 without its fp32 copy gives, bit for bit, the logits of an fp32 model whose every
