@@ -206,6 +206,37 @@ TEST(ServeEngine, FullQueueRefusesAndCancelledChoicesFreeTheirSlot) {
   EXPECT_TRUE(engine.submit({w3}));
 }
 
+// An idle server takes `slots + queue` choices at once, even before its engine thread has moved
+// the first ones into their slots (a burst used to find the free slots' choices still counted
+// as waiting, and got 503 after one request); one more is refused.
+TEST(ServeEngine, AnIdleEngineTakesSlotsPlusQueueChoicesAtOnce) {
+  ModelConfig c = small_config(false);
+  c.context = 4096;
+  Model m(c, 14);
+  serve::Engine engine(m, 2, 1);
+  auto out = std::make_shared<serve::Channel>(3);
+  std::vector<serve::Job> jobs(3);
+  for (int i = 0; i < 3; ++i) {
+    jobs[size_t(i)].prompt = {1, 2};
+    jobs[size_t(i)].s.max_new_tokens = 4000;
+    jobs[size_t(i)].index = i;
+    jobs[size_t(i)].out = out;
+  }
+  ASSERT_TRUE(engine.submit(jobs)) << "2 free slots and a queue of 1 refused 3 choices";
+  serve::Job extra = jobs[0];
+  extra.index = 0;
+  extra.out = std::make_shared<serve::Channel>(1);
+  EXPECT_FALSE(engine.submit({extra}));  // whether or not the first two have their slots yet
+  for (int i = 0; i < 3; ++i) out->cancelled[size_t(i)] = true;
+  int finished = 0;
+  while (finished < 3) {
+    auto e = out->pop(10000);
+    ASSERT_TRUE(e.has_value());
+    finished += !e->finish_reason.empty();
+  }
+  EXPECT_TRUE(engine.submit({extra}));
+}
+
 // OpenAI's additive penalties: logit -= frequency * count + presence * (count > 0).
 TEST(ServeSampling, FrequencyAndPresencePenaltiesFollowTheirDefinition) {
   std::vector<float> logits = {3.0f, 2.5f, 1.0f, 0.0f};

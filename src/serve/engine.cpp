@@ -66,7 +66,10 @@ Engine::~Engine() { shutdown(); }
 bool Engine::submit(std::vector<Job> jobs) {
   {
     std::lock_guard<std::mutex> lock(m_);
-    if (stopping_ || queue_.size() + jobs.size() > size_t(queue_limit_)) return false;
+    // The queue limit counts choices that will wait for a slot: those that free slots will
+    // take at the next step boundary are not waiting (an idle server takes slots + queue).
+    const size_t free_slots = active_.size() - size_t(stats_.busy_slots);
+    if (stopping_ || queue_.size() + jobs.size() > size_t(queue_limit_) + free_slots) return false;
     for (Job& j : jobs) queue_.push_back(std::move(j));
     stats_.queued = int(queue_.size());
   }

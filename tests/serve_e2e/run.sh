@@ -10,8 +10,13 @@ mkdir -p "$work"
 if ! cmp -s "$src/package-lock.json" "$work/package-lock.json" || [[ ! -d $work/node_modules/openai ]]; then
   cp "$src/package.json" "$src/package-lock.json" "$work/"
   # The npm cache too stays in WORK: the test writes nothing outside the build and temp dirs.
-  (cd "$work" && npm ci --no-audit --no-fund --loglevel=error --cache "$work/.npm-cache") ||
-    { echo "serve e2e: npm ci failed (the npm registry must be reachable once)"; exit 1; }
+  # Three tries, 5 and 15 s apart: a registry hiccup on a fresh build dir is not a failing test.
+  for wait in 5 15 0; do
+    (cd "$work" && npm ci --no-audit --no-fund --loglevel=error --cache "$work/.npm-cache") && break
+    [[ $wait == 0 ]] && { echo "serve e2e: npm ci failed 3 times (the npm registry must be reachable once)"; exit 1; }
+    echo "serve e2e: npm ci failed; trying again in $wait s"
+    sleep "$wait"
+  done
 fi
 cp "$src/e2e.mjs" "$work/"
 exec node "$work/e2e.mjs" "$sigma"
