@@ -471,6 +471,7 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
     int32_t* g = group.data();
     int64_t* t = total.data();
     for (int64_t r = 0; r < M; ++r) {
+      std::fill(t, t + n, int64_t(0));
       for (int64_t k0 = 0; k0 < sum_chunks; k0 += kI32Chunks) {
         const int32_t* first = p + (k0 * M + r) * out + c.lo;
         std::copy(first, first + n, g);
@@ -478,12 +479,8 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
           const int32_t* pr = p + (k * M + r) * out + c.lo;
           for (int64_t j = 0; j < n; ++j) g[j] += pr[j];
         }
-        if (k0 == 0)
-          for (int64_t j = 0; j < n; ++j) t[j] = g[j];
-        else
-          for (int64_t j = 0; j < n; ++j) t[j] += g[j];
+        for (int64_t j = 0; j < n; ++j) t[j] += g[j];
       }
-      if (sum_chunks == 0) std::fill(t, t + n, int64_t(0));
       float* row = y + r * ldy + c.lo;
       const float* sc = scale + c.lo;
       const float* bias = b ? b + c.lo : nullptr;
