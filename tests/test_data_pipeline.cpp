@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -685,6 +686,37 @@ TEST(Prepare, UnknownPrefixTokenIsAnError) {
   std::string e = error_of([&] { prepare(PrepareConfig::load(toy.config), toy.out, {}); });
   EXPECT_NE(e.find("domains[0].prefix"), std::string::npos) << e;
   EXPECT_NE(e.find("<Rust>"), std::string::npos) << e;
+}
+
+// The manifest guards itself: an edit to any field, even one no reader checks today
+// (samples, inputs_hash), is refused naming the file; the untouched manifest opens.
+TEST(Prepare, AnEditedManifestFieldIsRefused) {
+  Toy toy("manifest_sum");
+  prepare(PrepareConfig::load(toy.config), toy.out, {});
+  const std::string path = toy.out + "/manifest.json", good = read_file(path);
+  EXPECT_NO_THROW(ShardSet::open(toy.out, 0));
+  auto edited = [&](const std::function<void(json&)>& edit) {
+    json m = json::parse(good);
+    edit(m);
+    write_file(path, m.dump(2));
+    return error_of([&] { ShardSet::open(toy.out, 0); });
+  };
+  for (const char* field : {"samples", "inputs_hash"}) {
+    const std::string e = edited([&](json& m) {
+      json& v = m["shards"][0][field];
+      v = v.is_string() ? json("0123456789abcdef") : json(v.get<uint64_t>() + 1);
+    });
+    EXPECT_NE(e.find("manifest.json: the manifest was changed"), std::string::npos) << field << ": " << e;
+  }
+  std::string e = edited([](json& m) { m["note"] = "a field added by hand"; });
+  EXPECT_NE(e.find("was changed"), std::string::npos) << e;
+  e = edited([](json& m) { m.erase("manifest_xxh3_64"); });
+  EXPECT_NE(e.find("missing key \"manifest_xxh3_64\""), std::string::npos) << e;
+  e = edited([](json& m) { m["version"] = 2; });
+  EXPECT_NE(e.find("re-run sigma prepare"), std::string::npos) << e;
+  // Reformatting alone (indentation, key order) changes no field: still accepted.
+  write_file(path, json::parse(good).dump());
+  EXPECT_NO_THROW(ShardSet::open(toy.out, 0));
 }
 
 TEST(BatchSource, FillsBatchesWithDomainIdsAndResumesExactly) {

@@ -425,12 +425,13 @@ void write_manifest(const PrepareConfig& cfg, const Tokenizer& tok, const std::s
   const std::string tokenizer =
       fs::relative(fs::absolute(cfg.tokenizer), fs::absolute(out_dir)).lexically_normal().string();
   json manifest = {{"format", "sigma-shards"},
-                   {"version", 2},
+                   {"version", kManifestVersion},
                    {"tokenizer", tokenizer.empty() ? cfg.tokenizer : tokenizer},
                    {"tokenizer_hash", fmt::format("{:016x}", tok.hash())},
                    {"vocab_size", tok.vocab_size()},
                    {"domains", cfg.domains.to_json(DomainForm::Data)},
                    {"shards", std::move(shards)}};
+  manifest["manifest_xxh3_64"] = manifest_checksum(manifest);
   write_file_atomic(out_dir + "/manifest.json", manifest.dump(2) + "\n");
 }
 

@@ -212,6 +212,12 @@ void Shard::read(uint64_t begin, uint64_t n, int32_t* out) const {
 // ---------------------------------------------------------------------------------------------
 // Prepared folder
 
+std::string manifest_checksum(nlohmann::json manifest) {
+  manifest.erase("manifest_xxh3_64");
+  const std::string text = manifest.dump();
+  return fmt::format("{:016x}", XXH3_64bits(text.data(), text.size()));
+}
+
 ShardSet ShardSet::open(const std::string& dir, uint64_t expect_tokenizer_hash) {
   std::string mpath = dir + "/manifest.json";
   std::ifstream f(mpath);
@@ -221,9 +227,17 @@ ShardSet ShardSet::open(const std::string& dir, uint64_t expect_tokenizer_hash) 
   auto m = nlohmann::json::parse(ss.str(), json_depth_limit(mpath), false);
   SIGMA_CHECK(!m.is_discarded() && m.is_object(), "{}: not valid JSON", mpath);
   SIGMA_CHECK(m.value("format", "") == "sigma-shards",  "{}: not a sigma-shards manifest", mpath);
-  SIGMA_CHECK(m.value("version", 0) == 2, "{}: sigma-shards manifest version {}, this build reads "
-              "version 2 (which records each shard's checksum); re-run sigma prepare", mpath,
-              m.value("version", 0));
+  SIGMA_CHECK(m.value("version", 0) == kManifestVersion, "{}: sigma-shards manifest version {}, this "
+              "build reads version {} (which carries its own checksum); re-run sigma prepare on the "
+              "same config (it keeps the shards and rewrites the manifest)", mpath,
+              m.value("version", 0), kManifestVersion);
+  SIGMA_CHECK(m.value("manifest_xxh3_64", json_any()).is_string(),
+              "{}: missing key \"manifest_xxh3_64\" (the manifest's own checksum)", mpath);
+  const std::string own = manifest_checksum(m);
+  SIGMA_CHECK(m["manifest_xxh3_64"].get<std::string>() == own,
+              "{}: the manifest was changed after sigma prepare wrote it (its checksum is {}, its "
+              "fields hash to {}); re-run sigma prepare rather than editing it", mpath,
+              m["manifest_xxh3_64"].get<std::string>(), own);
   ShardSet set;
   SIGMA_CHECK(m.contains("domains"), "{}: missing key \"domains\"", mpath);
   set.domains = DomainRegistry::from_json(m["domains"], mpath + ": domains", DomainForm::Data);

@@ -127,4 +127,10 @@ struct ShardSet {
 // Bytes the file must have for the counts in its header.
 uint64_t shard_file_size(const ShardHeader& h);
 
+// The manifest's own checksum, stored in it as "manifest_xxh3_64": xxh3_64 of the compact
+// JSON dump (keys sorted) of every other field, so that an edit to any field, present or future,
+// is refused rather than trusted.
+constexpr int kManifestVersion = 3;
+std::string manifest_checksum(nlohmann::json manifest);
+
 }  // namespace sigma::data
