@@ -11,7 +11,8 @@ set -euo pipefail
 files=$(find "$@" -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.cpp' -o -name '*.cc' -o -name '*.inc' \) | sort)
 [[ -z $files ]] && exit 0
 # Backslash-newlines are joined first (the preprocessor does it before anything else); a
-# directive starts with '#', the digraph '%:' or the trigraph '??=', then spaces or comments.
+# directive starts with '#', the digraph '%:' or the trigraph '??=', then spaces or comments;
+# GCC's #import (include once) and #include_next include too, so only a plain #include passes.
 # shellcheck disable=SC2086
 bad=$(awk '
   FNR == 1 { buf = "" }
@@ -20,7 +21,7 @@ bad=$(awk '
     if (buf == "") start = FNR
     if (line ~ /\\$/) { buf = substr(line, 1, length(line) - 1); next }
     buf = ""
-    if (line !~ /^[ \t]*(#|%:|\?\?=)([ \t]|\/\*.*\*\/)*include/) next
+    if (line !~ /^[ \t]*(#|%:|\?\?=)([ \t]|\/\*.*\*\/)*(include|import)/) next
     if (line !~ /^[ \t]*#[ \t]*include[ \t]*("[^"\\\/][^"\\]*"|<[^>\\\/][^>\\]*>)[ \t]*(\/\/.*)?$/ || line ~ /\.\./)
       print FILENAME ":" start ": " line
   }' $files)

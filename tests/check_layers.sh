@@ -68,11 +68,14 @@ printf '#include "%s/src/optim/grad_norm.h"\n' "$src" > "$tmp/src/model/up3.cpp"
 printf '#define GRAD_NORM "../optim/grad_norm.h"\n#include GRAD_NORM\n' > "$tmp/src/model/up4.cpp"
 printf '#\\\ninclude "../optim/grad_norm.h"\n' > "$tmp/src/model/up5.cpp"
 printf '%%:include "../optim/grad_norm.h"\n' > "$tmp/src/model/up6.cpp"
+printf '#import "../optim/grad_norm.h"\n' > "$tmp/src/model/up7.cpp"  # GCC's include-once
+printf '#include_next "../optim/grad_norm.h"\n' > "$tmp/src/model/up8.cpp"
+printf '#  import <optim/../optim/grad_norm.h>\n' > "$tmp/src/model/up9.cpp"
 checks=$((checks + 1))
 if out=$("$src/scripts/check_includes.sh" "$tmp/src" 2>&1); then
   echo "the include rule accepted includes that climb out of src/model"; fail=1
 else
-  for f in up1 up2 up3 up4 up5 up6; do
+  for f in up1 up2 up3 up4 up5 up6 up7 up8 up9; do
     if [[ $out != *"$f.cpp"* ]]; then echo "the include rule missed $f.cpp: $out"; fail=1; fi
   done
 fi
