@@ -162,6 +162,16 @@ TEST(Freeze, SelectorsNameTheirTensors) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("nothing.like.this"), std::string::npos) << e.what();
   }
+  // 'experts' on a dense model says the model has none (not "is not shared, embeddings or experts").
+  Config dense = c;
+  dense.model.rre_layers = 0;
+  Model dense_model(dense.model, 1);
+  try {
+    plan_freeze({"experts"}, dense.model, dense_model.params(), false, {"a"});
+    FAIL() << "freezing the experts of a dense model was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the model is dense"), std::string::npos) << e.what();
+  }
   // Training b alone would move c (same group and slot): refused, naming c.
   try {
     plan_freeze({"shared"}, c.model, stored.params(), true, {"b"});

@@ -57,6 +57,8 @@ TEST(RefusedOptions, ModelOptionsTheModelDoesNotUse) {
           {"model.routing_seed = 5 does not apply", "dense"});
   refused(kTrain + "--set model.capacity_factor=2", {"model.capacity_factor = 2", "learned gate", "model.router = rre"});
   refused(kTrain + "--set model.aux_loss_weight=0.5", {"model.aux_loss_weight = 0.5", "model.router = rre"});
+  refused(kTrain + "--set model.rre_layers=0 --set optim.eps_rre=0.125",
+          {"optim.eps_rre = 0.125 does not apply", "dense"});
   refused(kTrain + "--set model.router=top1 --set model.routing=frequency",
           {"model.routing = frequency does not apply", "model.router = top1"});
 }
@@ -70,6 +72,13 @@ TEST(RefusedOptions, DataOptionsTheSyntheticSourceDoesNotRead) {
 
 TEST(RefusedOptions, RunOptionsTheRunCannotUse) {
   refused(kTrain + "--set train.ckpt_every=5", {"train.ckpt_every = 5 does not apply", "--out"});
+  refused(kTrain + "--set train.keep_checkpoints=2", {"train.keep_checkpoints = 2 does not apply", "--out"});
+  TempDir tmp("refused_keep");
+  refused(kTrain + "--set train.keep_every=10 --out " + tmp / "run",
+          {"train.keep_every = 10 does not apply", "train.keep_checkpoints = 0 keeps them all"});
+  EXPECT_FALSE(std::filesystem::exists(tmp / "run/checkpoints")) << "a refused run saved";
+  EXPECT_EQ(sigma_cmd(kTrain + "--set train.keep_checkpoints=2 --set train.keep_every=10 --out " +
+                      tmp / "ok").code, 0);
 }
 
 // Refused before the checkpoint is opened: none is needed to see the refusal.

@@ -80,6 +80,9 @@ FreezePlan plan_freeze(const std::vector<std::string>& selectors, const ModelCon
                       cfg.groups[size_t(g)].name);
           if (leaves) frozen_experts[expert_index(l, g)] = 1, ++matched;
         }
+    SIGMA_CHECK(matched > 0 || sel != "experts", "train.freeze: 'experts' names nothing: the model "
+                "is dense (model.rre_layers = {}), it has no experts; freeze 'shared', "
+                "'embeddings' or a tensor-name prefix", cfg.rre_layers);
     SIGMA_CHECK(matched > 0, "train.freeze: '{}' is not shared, embeddings or experts and no "
                 "parameter name starts with it", sel);
   }

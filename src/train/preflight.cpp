@@ -182,7 +182,7 @@ void refuse_inapplicable_options(const Config& cfg, const std::string& experts, 
   refuse("train.expert_memory", store,
          fmt::format("it sizes the ECSS compute buffers, and this run has {}", mode));
   const bool sparse = cfg.model.rre_layers > 0, gated = sparse && cfg.model.gated();
-  for (const char* key : {"model.router", "model.routing", "model.routing_seed"})
+  for (const char* key : {"model.router", "model.routing", "model.routing_seed", "optim.eps_rre"})
     refuse(key, sparse, "the model is dense (model.rre_layers = 0), it has no expert blocks");
   for (const char* key : {"model.capacity_factor", "model.aux_loss_weight"})
     refuse(key, gated, fmt::format("it belongs to the learned gate, and this model has model.router "
@@ -194,7 +194,10 @@ void refuse_inapplicable_options(const Config& cfg, const std::string& experts, 
     refuse(key, !synthetic, "it reads prepared shards, and this run has data.source = synthetic");
   refuse("data.mask_prompt", cfg.data.finetune && !synthetic, "it masks the prompts of fine-tuning "
          "rows, and this run packs windows (data.finetune = false) or uses the synthetic data");
-  refuse("train.ckpt_every", out_dir, "this run writes no checkpoints (no output directory, --out)");
+  for (const char* key : {"train.ckpt_every", "train.keep_checkpoints", "train.keep_every"})
+    refuse(key, out_dir, "this run writes no checkpoints (no output directory, --out)");
+  refuse("train.keep_every", cfg.train.keep_checkpoints > 0, "it spares checkpoints from the "
+         "pruning that train.keep_checkpoints sets, and train.keep_checkpoints = 0 keeps them all");
   // dist.* is not refused on one process: the rank count belongs to the launch, not to the
   // config, and a run (or a checkpoint's config) must resume at any rank count (docs/distributed.md).
   (void)ranks;
