@@ -37,7 +37,6 @@ struct Rng {
   uint64_t seed, stream, index = 0;
   Rng(uint64_t seed_, uint64_t stream_) : seed(seed_), stream(stream_) {}
   uint64_t next_u64() { return rng_u64(seed, stream, index++); }
-  float uniform() { return rng_uniform(seed, stream, index++); }
   float normal() { return rng_normal(seed, stream, index++); }
   // Uniform integer in [0, n), n > 0 (rejection-free multiply-shift; bias < 2^-32 for small n).
   uint32_t below(uint32_t n) {

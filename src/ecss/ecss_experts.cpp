@@ -412,7 +412,6 @@ void EcssExperts::update(float lr, float grad_scale) {
 
 void EcssExperts::add_checkpoint_files(CheckpointWriter& w) const {
   const ModelConfig& cfg = model_.config();
-  groups_written_ = groups_linked_ = 0;
   for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
     const ExpertGroupSpec& gs = store_.spec().groups[gi];
     const bool reuse = !changed_[gi] && !last_checkpoint_.empty();
@@ -422,16 +421,10 @@ void EcssExperts::add_checkpoint_files(CheckpointWriter& w) const {
                             [&](int32_t k) { return store_.m(id(k)); },
                             [&](int32_t k) { return store_.v(id(k)); },
                             [&](int32_t k) { return store_.step(id(k)); }};
-    bool linked = true;
-    if (!reuse || !w.add_link(expert_group_file(gs.block, name, false), last_checkpoint_)) {
+    if (!reuse || !w.add_link(expert_group_file(gs.block, name, false), last_checkpoint_))
       add_expert_weights_file(w, gs, name, views);
-      linked = false;
-    }
-    if (!reuse || !w.add_link(expert_group_file(gs.block, name, true), last_checkpoint_)) {
+    if (!reuse || !w.add_link(expert_group_file(gs.block, name, true), last_checkpoint_))
       add_expert_adam_file(w, gs, name, views);
-      linked = false;
-    }
-    (linked ? groups_linked_ : groups_written_) += 1;
   }
 }
 

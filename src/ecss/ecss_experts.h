@@ -81,7 +81,6 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   int64_t budget_experts() const { return budget_experts_; }  // experts the budget holds
   bool grads_in_file() const { return grads_.file_backed(); }
   // The experts these micro-batches activate (every expert in vanilla mode).
-  int64_t count_active(std::span<const Batch> micro) const { return int64_t(active_ids(active_of(micro)).size()); }
 
   // Step start: the experts the micro-batches route to (every expert in vanilla mode) become
   // the step's set; when they fit the budget they are copied into compute buffers and bound to
@@ -112,9 +111,6 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   // still fetched for the forward pass; their gradients are left out of the norm.
   void set_frozen(std::vector<uint8_t> frozen) { frozen_ = std::move(frozen); }
   const OffloadStats& stats() const { return stats_; }
-  // Expert groups the last checkpoint wrote and hard-linked.
-  int64_t groups_written() const { return groups_written_; }
-  int64_t groups_linked() const { return groups_linked_; }
   int64_t active() const { return int64_t(ids_.size()); }
 
   // Checkpoints: the pair of files per expert group of ecss/expert_files.h, streamed from the
@@ -188,7 +184,6 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   OffloadStats stats_;
   std::vector<uint8_t> changed_;   // [store group]: updated since last_checkpoint_
   std::string last_checkpoint_;    // written or loaded; "" = none to link from
-  mutable int64_t groups_written_ = 0, groups_linked_ = 0;
 };
 
 }  // namespace sigma

@@ -33,7 +33,6 @@ class GradientArea {
   static uint64_t bytes_for(int64_t slots, int64_t floats);
 
   float* slot(int64_t i) const { return reinterpret_cast<float*>(map_ + uint64_t(i) * slot_bytes_); }
-  uint64_t slot_bytes() const { return slot_bytes_; }
   uint64_t bytes() const { return map_bytes_; }
   bool file_backed() const { return fd_ >= 0; }
 

@@ -34,12 +34,6 @@ int ModelConfig::group_index(const std::string& name) const {
        groups.empty() ? std::string("none") : fmt::format("{}", fmt::join(group_names(groups), ", ")));
 }
 
-int ModelConfig::total_experts() const {
-  int n = 0;
-  for (const auto& g : groups) n += g.experts;
-  return n;
-}
-
 void ModelConfig::validate() const {
   SIGMA_CHECK(vocab > 0, "model.vocab must be positive (got {})", vocab);
   SIGMA_CHECK(d_model % heads == 0, "model.d_model ({}) must be divisible by model.heads ({})",

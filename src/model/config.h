@@ -45,7 +45,6 @@ struct ModelConfig {
   bool is_rre_block(int l) const { return l >= first_rre_block(); }
   int domain_index(const std::string& name) const;  // throws naming the known domains
   int group_index(const std::string& name) const;   // throws naming the declared groups
-  int total_experts() const;                        // sum of K_g over groups
   void validate() const;                            // throws naming the offending key
   void describe(Options& o, const std::string& prefix);
 };

@@ -48,12 +48,6 @@ AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params, std::vector<uint8_t
   }
 }
 
-int64_t AdamW::state_bytes() const {
-  int64_t n = 0;
-  for (const State& s : state_) n += s.m.nbytes() + s.v.nbytes();
-  return n;
-}
-
 void UpdateMask::mask_grads(ParamSet& params) const {
   auto& ps = params.all();
   for (size_t i = 0; i < ps.size(); ++i) {

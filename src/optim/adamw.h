@@ -65,7 +65,6 @@ class AdamW {
   std::vector<State>& state() { return state_; }  // parallel to params.all()
   const std::vector<State>& state() const { return state_; }
   bool owns(size_t i) const { return owned_.empty() || owned_[i]; }
-  int64_t state_bytes() const;  // Adam moments this rank holds
 
  private:
   void lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_t, int64_t>>& ranges,
