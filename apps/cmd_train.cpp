@@ -62,9 +62,8 @@ void run_train(TrainArgs a) {
   RunOptions run{a.out, a.resume, a.stop_at, !a.quiet, a.overwrite, world.get()};
   TrainSummary s = train(cfg, run);
   if (world->rank() != 0) return;
-  if (s.stopped_by) {  // SIGTERM/SIGINT: saved, not evaluated; exit 0
-    fmt::print("stopped by {} after step {} with a checkpoint{}\n",
-               s.stopped_by == SIGINT ? "SIGINT" : "SIGTERM", s.steps,
+  if (s.stopped_by) {  // a signal or train.max_minutes: saved, not evaluated; exit 0
+    fmt::print("stopped by {} after step {} with a checkpoint{}\n", stop_reason(s.stopped_by), s.steps,
                a.out.empty() ? "" : "; continue with --resume " + a.out + "/checkpoints");
     return;
   }

@@ -18,6 +18,7 @@
 #include "data/shards.h"
 #include "io/checkpoint_dir.h"
 #include "io/file.h"
+#include "run/checkpoint.h"
 #include "train/run_dir.h"
 #include "train/trainer.h"
 
@@ -154,19 +155,47 @@ TEST(Reliability, AnOverwriteKilledBeforeItsFirstCheckpointIsUndoneByTheNextStar
   auto r = sigma_cmd(kTiny + "--set train.steps=5 --out " + out);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto before = snapshot(out);
-  // What the killed run left: the old run aside, its own first metrics.
-  fs::create_directories(out + "/.replaced-999999");
-  for (const char* f : {"metrics.jsonl", "summary.json", "checkpoints"})
-    fs::rename(out + "/" + f, out + "/.replaced-999999/" + f);
+  const std::vector<std::string> files{"metrics.jsonl", "summary.json", "checkpoints"};
+  auto set_aside = [&](const std::string& aside, size_t n, bool marked) {
+    fs::create_directories(out + "/" + aside);
+    for (size_t i = 0; i < n; ++i) fs::rename(out + "/" + files[i], out + "/" + aside + "/" + files[i]);
+    if (marked) std::ofstream(out + "/" + aside + "/moved") << "metrics.jsonl\nsummary.json\ncheckpoints\n";
+  };
+  auto recovered = [&] {
+    { RunDir d(out, RunDirMode::Resume); }
+    for (const auto& e : entries(out)) EXPECT_FALSE(e.starts_with(".replaced-") || e.starts_with(".dropped-")) << e;
+  };
+  // Killed between the renames that set the old run aside: what moved comes back, what had
+  // not moved stays (the old code deleted the moved metrics and summary).
+  set_aside(".replaced-999997", 2, false);
+  recovered();
+  EXPECT_EQ(snapshot(out), before);
+  // Killed in the new run's first save (its first metrics written, a temporary checkpoint
+  // directory in a new checkpoints/): the old run comes back whole (the old code took the
+  // new checkpoints/ for a commit and deleted the old run).
+  set_aside(".replaced-999999", 3, true);
   std::ofstream(out + "/metrics.jsonl") << "{\"step\": 1}\n";
-  { RunDir d(out, RunDirMode::Resume); }
+  fs::create_directories(out + "/checkpoints/step-00000003.tmp-999999");
+  std::ofstream(out + "/checkpoints/step-00000003.tmp-999999/model.safetensors") << "partial";
+  recovered();
   EXPECT_EQ(snapshot(out), before);
-  EXPECT_FALSE(fs::exists(out + "/.replaced-999999"));
-  // After the new run's first checkpoint the old run is only deleted.
-  fs::create_directories(out + "/.replaced-999998/checkpoints");
-  { RunDir d(out, RunDirMode::Resume); }
+  // Killed while putting it back: it finishes (the marker says which way it was going).
+  set_aside(".replaced-999996", 3, true);
+  std::ofstream(out + "/.replaced-999996/restoring");
+  fs::rename(out + "/.replaced-999996/summary.json", out + "/summary.json");  // one already back
+  recovered();
   EXPECT_EQ(snapshot(out), before);
-  EXPECT_FALSE(fs::exists(out + "/.replaced-999998"));
+  // The new run committed a checkpoint: the old run goes, the new one stays as it is; a
+  // deletion cut short finishes.
+  r = sigma_cmd(kTiny + "--set train.steps=3 --out " + tmp / "new");
+  ASSERT_EQ(r.code, 0) << r.out;
+  fs::remove(tmp / "new/summary.json");  // killed before its end
+  set_aside(".replaced-999998", 3, true);
+  fs::create_directories(out + "/.dropped-999995/checkpoints");
+  fs::copy(tmp / "new/checkpoints", out + "/checkpoints", fs::copy_options::recursive);
+  fs::copy(tmp / "new/metrics.jsonl", out + "/metrics.jsonl");
+  recovered();
+  EXPECT_EQ(snapshot(out), snapshot(tmp / "new"));
 }
 
 // Resuming a run that has no step left keeps its summary.json (here on a full disk, where
@@ -320,6 +349,68 @@ TEST(Reliability, ASecondSignalStopsAtOnceWithoutASave) {
   EXPECT_FALSE(fs::exists(out + "/checkpoints/latest")) << r;
 }
 
+// SIGUSR1 and SIGUSR2 (what mpirun forwards to its ranks) stop the run as SIGTERM does.
+TEST(Reliability, SigusrStopsAfterTheStepWithACheckpoint) {
+  TempDir tmp("rel-sigusr");
+  const std::string out = tmp / "out";
+  const std::string r = signalled_run(out, "kill -USR1 $pid");
+  EXPECT_NE(r.find("rc=0"), std::string::npos) << r;
+  const auto steps = logged_steps(out);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(resolve_checkpoint(out + "/checkpoints"),
+            out + fmt::format("/checkpoints/step-{:08d}", steps.back()));
+}
+
+// The name of the checkpoint OUT/checkpoints resolves to.
+std::string checkpoint_step_of(const std::string& out) {
+  return fs::path(resolve_checkpoint(out + "/checkpoints")).filename().string();
+}
+
+// train.max_minutes: the run stops after the step that passes the limit, saves it, exits 0.
+TEST(Reliability, TheTimeLimitStopsWithACheckpointAndExitsZero) {
+  TempDir tmp("rel-time-limit");
+  const std::string out = tmp / "out";
+  const auto r = sigma_cmd(kTiny + "--set train.steps=1000000 --set train.log_every=1 "
+                           "--set train.max_minutes=0.01 --out " + out);  // 0.6 s
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("stopped by the time limit (train.max_minutes) after step"), std::string::npos) << r.out;
+  const auto steps = logged_steps(out);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_LT(steps.back(), 1000000);
+  EXPECT_EQ(checkpoint_step_of(out), fmt::format("step-{:08d}", steps.back()));
+  EXPECT_FALSE(fs::exists(out + "/summary.json"));  // unfinished: continued with --resume
+}
+
+// Under mpirun: SIGUSR1 to mpirun reaches every rank (mpirun forwards it; its own SIGTERM is an
+// abort that exits 1, docs/distributed.md), and train.max_minutes stops every rank after the
+// same step. Both exit 0 with a checkpoint holding every rank's shard.
+TEST(Reliability, UnderMpirunASignalOrTheTimeLimitStopsCleanlyAndExitsZero) {
+  if (!SIGMA_HAS_MPI) GTEST_SKIP() << "built with SIGMA_MPI=OFF";
+  TempDir tmp("rel-mpirun-stop");
+  const std::string mpirun = "mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 ";
+  const std::string run = mpirun + SIGMA_BINARY + " " + kTiny +
+                          "--set train.batch=4 --set train.steps=1000000 --set train.log_every=1 ";
+  const std::string out = tmp / "usr1";
+  const auto r = run_cmd("bash -c '" + run + "--out " + out + " >/dev/null 2>&1 & pid=$!; "
+                         "for i in $(seq 600); do [ -s " + out + "/metrics.jsonl ] && break; "
+                         "sleep 0.05; done; kill -USR1 $pid; wait $pid; echo rc=$?'");
+  EXPECT_NE(r.out.find("rc=0"), std::string::npos) << r.out;
+  auto steps = logged_steps(out);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(checkpoint_step_of(out), fmt::format("step-{:08d}", steps.back()));
+  EXPECT_NO_THROW(verify_checkpoint(resolve_checkpoint(out + "/checkpoints")));
+  EXPECT_TRUE(fs::exists(resolve_checkpoint(out + "/checkpoints") + "/optimizer.rank-0001.safetensors"));
+
+  const std::string timed = tmp / "timed";
+  const auto t = run_cmd(run + "--set train.max_minutes=0.02 --out " + timed);
+  EXPECT_EQ(t.code, 0) << t.out;
+  EXPECT_NE(t.out.find("stopped by the time limit"), std::string::npos) << t.out;
+  steps = logged_steps(timed);
+  ASSERT_FALSE(steps.empty());
+  EXPECT_EQ(checkpoint_step_of(timed), fmt::format("step-{:08d}", steps.back()));
+  EXPECT_TRUE(fs::exists(resolve_checkpoint(timed + "/checkpoints") + "/optimizer.rank-0001.safetensors"));
+}
+
 // ---- 5. retention ----------------------------------------------------------------------------
 
 TEST(Reliability, KeepCheckpointsKeepsTheNewestAndTheMilestones) {
@@ -392,6 +483,39 @@ TEST(Reliability, EvalIsBitIdenticalAcrossBatchSizesAndDomainMixes) {
     EXPECT_EQ(b1[d]["loss"].get<double>(), b5[d]["loss"].get<double>()) << d;
   }
   EXPECT_EQ(alone["code"]["loss"].get<double>(), b7["code"]["loss"].get<double>());
+}
+
+// A reader of a live run's checkpoints/ whose checkpoint retention prunes between resolving
+// and reading it (the run committed a newer one meanwhile) reads the newer one; it failed
+// (issue 37: 1 start in 12 of sigma serve on a live run). The race is staged in the read.
+TEST(Reliability, AReaderWhoseCheckpointIsPrunedReadsTheNextOne) {
+  TempDir tmp("rel-prune-race");
+  const std::string out = tmp / "out", root = out + "/checkpoints";
+  auto r = sigma_cmd(kTiny + "--set train.steps=4 --set train.ckpt_every=2 --out " + out);
+  ASSERT_EQ(r.code, 0) << r.out;
+  write_file_atomic(root + "/latest", "step-00000002\n");  // as it was before step 4's save
+  std::vector<std::string> read;
+  ::testing::internal::CaptureStderr();
+  const std::string dir = read_checkpoint(root, [&](const std::string& d) {
+    read.push_back(fs::path(d).filename().string());
+    if (read.size() == 1) {  // the live run commits step 4 and prunes step 2 now
+      write_file_atomic(root + "/latest", "step-00000004\n");
+      EXPECT_EQ(prune_checkpoints(root, 1, 0), 1);
+    }
+    verify_checkpoint(d);
+    read_model_tensors(d);
+  });
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(read, (std::vector<std::string>{"step-00000002", "step-00000004"}));
+  EXPECT_EQ(dir, root + "/step-00000004");
+  EXPECT_NE(err.find("was deleted while it was read"), std::string::npos) << err;
+  // An error of a checkpoint that is still there is not retried.
+  int calls = 0;
+  const std::string e = error_of([&] {
+    read_checkpoint(root, [&](const std::string&) { ++calls, fail("damaged"); });
+  });
+  EXPECT_EQ(e, "damaged");
+  EXPECT_EQ(calls, 1);
 }
 
 // ---- 7. small ones ---------------------------------------------------------------------------

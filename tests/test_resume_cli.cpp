@@ -158,8 +158,42 @@ TEST(ResumeCli, ConfigFileOnResumeSetsDataAndTrainingKeys) {
   std::ofstream(tmp / "wide.json") << R"({"model": {"d_model": 64}})";
   r = sigma_cmd("train --resume " + tmp / "added --config " + tmp / "wide.json --out " + tmp / "wide");
   EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.out.find("sets model.d_model = 64 but the checkpoint has 32"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("model.d_model is 64 here but 32 in the checkpoint"), std::string::npos) << r.out;
   EXPECT_FALSE(fs::exists(tmp / "wide"));
+}
+
+// A resume whose --set changes the model is refused in one short line naming the keys (it
+// dumped both whole configs, ~950 characters, naming none: issue 37).
+TEST(ResumeCli, AChangedModelIsRefusedNamingTheKeys) {
+  TempDir tmp("resume-model");
+  auto r = sigma_cmd("train --quiet " + kTiny + "--set train.steps=2 --out " + tmp / "run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("train --quiet --resume " + tmp / "run/checkpoints --set model.d_model=64 "
+                "--set model.heads=4 --out " + tmp / "wide");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("model.d_model is 64 here but 32 in the checkpoint (also model.heads)"),
+            std::string::npos) << r.out;
+  EXPECT_LT(r.out.size(), 300u) << r.out;
+  EXPECT_FALSE(fs::exists(tmp / "wide/checkpoints"));
+}
+
+TEST(ResumeCli, ModelDifferenceNamesNestedKeysAndCountsTheRest) {
+  Config a;
+  a.model.groups = {{"prose", 2}, {"code", 1}};
+  EXPECT_EQ(model_difference(a, a), "");
+  Config b = a;
+  b.model.groups[0].experts = 3;
+  EXPECT_EQ(model_difference(a, b), "model.groups[0].experts is 3 here but 2 in the checkpoint");
+  b.model.layers += 1;
+  b.model.d_model *= 2;
+  b.model.heads *= 2;
+  b.model.context *= 2;
+  b.model.slots += 1;
+  // Six keys: the first with both values, three more by name, the rest counted.
+  const std::string d = model_difference(a, b);
+  EXPECT_NE(d.find(" (also model."), std::string::npos) << d;
+  EXPECT_NE(d.find(", 2 more)"), std::string::npos) << d;
+  EXPECT_LT(d.size(), 200u) << d;
 }
 
 }  // namespace

@@ -63,9 +63,26 @@ int64_t checkpoint_model_bytes(const std::string& dir) {
   return n;
 }
 
-CheckpointInfo open_checkpoint(const std::string& path) {
+std::string read_checkpoint(const std::string& path,
+                            const std::function<void(const std::string& dir)>& read) {
+  for (int attempt = 1;; ++attempt) {
+    const std::string dir = resolve_checkpoint(path);
+    try {
+      read(dir);
+      return dir;
+    } catch (const std::exception&) {
+      std::error_code ec;
+      if (attempt == 8 || dir == path || std::filesystem::exists(dir, ec)) throw;
+      fmt::print(stderr, "sigma: checkpoint '{}' was deleted while it was read (retention of a "
+                 "live run); reading the one '{}' names now\n", dir, path);
+    }
+  }
+}
+
+namespace {
+CheckpointInfo open_resolved(const std::string& dir) {
   CheckpointInfo info;
-  info.dir = resolve_checkpoint(path);
+  info.dir = dir;
   verify_checkpoint(info.dir);
   const std::string tpath = info.dir + "/" + kTrainerFile;
   std::ifstream in(tpath);
@@ -86,6 +103,13 @@ CheckpointInfo open_checkpoint(const std::string& path) {
               "{}: says step {} but the checkpoint is '{}'", tpath, info.state.step, name);
   if (j.contains("data_cursor")) info.state.data_cursor = j["data_cursor"];
   info.cfg.apply(j["config"], tpath);
+  return info;
+}
+}  // namespace
+
+CheckpointInfo open_checkpoint(const std::string& path) {
+  CheckpointInfo info;
+  read_checkpoint(path, [&](const std::string& dir) { info = open_resolved(dir); });
   return info;
 }
 
@@ -205,9 +229,13 @@ void load_optimizer(AdamW& opt, const Model& model, const std::string& dir) {
 }
 
 std::unique_ptr<Model> load_checkpoint_model(const std::string& path, CheckpointInfo* info) {
-  CheckpointInfo ck = open_checkpoint(path);
-  auto model = Model::for_loading(ck.cfg.model, ck.cfg.train.seed);
-  load_model(*model, ck.dir);
+  CheckpointInfo ck;
+  std::unique_ptr<Model> model;
+  read_checkpoint(path, [&](const std::string& dir) {
+    ck = open_resolved(dir);
+    model = Model::for_loading(ck.cfg.model, ck.cfg.train.seed);
+    load_model(*model, ck.dir);
+  });
   if (info) *info = std::move(ck);
   return model;
 }

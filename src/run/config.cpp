@@ -57,6 +57,10 @@ void TrainConfig::describe(Options& o, const std::string& p) {
         "step is a multiple of this, as milestones (0 = none)", 0, int64_t(1) << 40);
   o.add(p + "threads", &threads, "CPU threads (0 = every core; more than the machine's cores are "
         "capped to them)", 0, 4096);
+  o.add(p + "max_minutes", &max_minutes, "time limit in minutes from the start of sigma train (set-up included): "
+        "the run stops after the step that passes it, with a checkpoint (the next step and save "
+        "must fit in the scheduler's margin), and exits 0; every rank stops after the same step "
+        "(0 = none)", 0, 1e7);
   o.add(p + "max_nonfinite_steps", &max_nonfinite_steps,
         "consecutive steps with a NaN/Inf loss or gradient norm that are skipped (no update) "
         "before the run stops with an error", 0, 1 << 20);

@@ -1,7 +1,9 @@
 #include "train/resume.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <vector>
 
@@ -10,17 +12,54 @@
 
 namespace sigma {
 
+namespace {
+// A JSON value for a message: short values whole, long ones (a list of groups) cut.
+std::string short_value(const nlohmann::json& v) {
+  if (v.is_null()) return "absent";
+  std::string s = v.dump();
+  return s.size() <= 40 ? s : s.substr(0, 37) + "...";
+}
+}  // namespace
+
+std::string model_difference(const Config& was, const Config& now) {
+  Config a = was, b = now;
+  const nlohmann::json ja = a.to_json()["model"].flatten(), jb = b.to_json()["model"].flatten();
+  std::vector<std::string> keys;  // JSON pointers such as /groups/1/experts, in key order
+  for (const auto& [k, v] : ja.items())
+    if (!jb.contains(k) || jb[k] != v) keys.push_back(k);
+  for (const auto& [k, v] : jb.items())
+    if (!ja.contains(k)) keys.push_back(k);
+  if (keys.empty()) return "";
+  auto name = [](std::string k) {  // /groups/1/experts -> model.groups[1].experts
+    std::string out = "model";
+    for (size_t i = 1, j; i <= k.size(); i = j + 1) {
+      j = std::min(k.find('/', i), k.size());
+      const std::string part = k.substr(i, j - i);
+      const bool index = !part.empty() && part.find_first_not_of("0123456789") == std::string::npos;
+      out += index ? "[" + part + "]" : "." + part;
+    }
+    return out;
+  };
+  auto value = [](const nlohmann::json& j, const std::string& k) {
+    return j.contains(k) ? short_value(j[k]) : std::string("absent");
+  };
+  std::string s = fmt::format("{} is {} here but {} in the checkpoint", name(keys[0]),
+                              value(jb, keys[0]), value(ja, keys[0]));
+  std::vector<std::string> more;
+  for (size_t i = 1; i < keys.size() && i < 4; ++i) more.push_back(name(keys[i]));
+  if (keys.size() > 4) more.push_back(fmt::format("{} more", keys.size() - 4));
+  if (!more.empty()) s += fmt::format(" (also {})", fmt::join(more, ", "));
+  return s;
+}
+
 Config resume_config(const Config& checkpoint, const std::string& config_file,
                      const std::vector<std::string>& sets) {
   Config cfg = checkpoint;
   if (!config_file.empty()) {
     cfg.load(config_file, {});
-    Config ck = checkpoint;
-    const nlohmann::json was = ck.to_json()["model"], now = cfg.to_json()["model"];
-    for (const auto& [key, value] : now.items())
-      SIGMA_CHECK(was[key] == value, "{} sets model.{} = {} but the checkpoint has {}: a resumed "
-                  "run keeps the checkpoint's model (drop the model keys from the file, or give "
-                  "them the checkpoint's values)", config_file, key, value.dump(), was[key].dump());
+    const std::string diff = model_difference(checkpoint, cfg);
+    SIGMA_CHECK(diff.empty(), "{}: {}: a resumed run keeps the checkpoint's model (drop the "
+                "model keys from the file, or give them the checkpoint's values)", config_file, diff);
   }
   cfg.load("", sets);
   return cfg;

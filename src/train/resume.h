@@ -15,6 +15,11 @@ namespace sigma {
 Config resume_config(const Config& checkpoint, const std::string& config_file,
                      const std::vector<std::string>& sets);
 
+// "" when `now` has the model config of the checkpoint `was`; else a short line naming the
+// first differing keys with both values ("model.d_model is 32 here but 16 in the checkpoint"),
+// for the refusal of a resumed run whose model changed.
+std::string model_difference(const Config& was, const Config& now);
+
 // Makes a relative train.expert_store absolute against the current directory (the config and
 // so every checkpoint store it that way, and a resumed run opens the same file from any
 // directory). Returns whether it was relative.

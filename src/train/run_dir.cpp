@@ -12,9 +12,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <vector>
 
 #include "core/error.h"
 #include "core/json_depth.h"
+#include "io/checkpoint_dir.h"
 #include "io/file.h"
 
 namespace sigma {
@@ -102,19 +104,48 @@ void RunDir::lock() {
     (void)::ftruncate(fd_, off_t(pid.size()));
 }
 
-// A --overwrite killed before the new run's first checkpoint left the old run in
-// OUT/.replaced-<pid>: it comes back (the new run saved nothing). After that checkpoint the
-// old run was only not yet deleted: it goes.
+// --overwrite sets the old run aside in OUT/.replaced-<pid> in steps that a kill can
+// interrupt anywhere; two markers in it (each written atomically) say how far it got:
+//   moved      the list of the old run's files, written once all are in the aside: from then
+//              on a run file in OUT is the new run's;
+//   restoring  the old run is being put back (the new run failed or was killed uncommitted).
+// A new run has committed once `moved` exists and OUT/checkpoints holds a complete checkpoint
+// (its manifest is renamed into place whole): only then may the old run go. Deleting an
+// aside first renames it to OUT/.dropped-<pid>, so no half-deleted aside is ever restored.
+namespace {
+constexpr const char* kDropped = ".dropped-";  // OUT/.dropped-<pid>: being deleted
+constexpr const char* kMoved = "moved";
+constexpr const char* kRestoring = "restoring";
+
+bool has_committed_checkpoint(const std::string& root) {
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return false;
+  try {
+    resolve_checkpoint(root);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+}  // namespace
+
+// What a killed --overwrite left: a new run that committed keeps OUT, else the old run comes
+// back; a half-deleted aside finishes going.
 void RunDir::recover_replaced() {
   std::error_code ec;
+  std::vector<fs::path> asides;
   for (const auto& e : fs::directory_iterator(out_, ec)) {
     const std::string name = e.path().filename().string();
-    if (!name.starts_with(kReplaced)) continue;
-    if (fs::exists(fs::path(out_) / "checkpoints", ec)) {
-      fs::remove_all(e.path(), ec);
+    if (name.starts_with(kDropped)) fs::remove_all(e.path(), ec);
+    else if (name.starts_with(kReplaced)) asides.push_back(e.path());
+  }
+  for (const fs::path& a : asides) {
+    aside_ = a.string();
+    if (fs::exists(a / kMoved, ec) && !fs::exists(a / kRestoring, ec) &&
+        has_committed_checkpoint(checkpoints())) {
+      drop_old_run();
       continue;
     }
-    aside_ = e.path().string();
     restore_old_run();
     fmt::print(stderr, "sigma train: warning: an earlier --overwrite of '{}' was interrupted "
                "before the new run saved a checkpoint; the run it was replacing is restored\n",
@@ -129,36 +160,58 @@ void RunDir::set_old_run_aside() {
   fs::remove_all(aside_, ec);
   SIGMA_CHECK(fs::create_directory(aside_, ec), "--overwrite: cannot create '{}': {}", aside_,
               ec.message());
+  std::string moved;
   for (const char* f : kRunFiles) {
     const fs::path from = fs::path(out_) / f;
     if (!fs::exists(fs::symlink_status(from, ec))) continue;
     fs::rename(from, fs::path(aside_) / f, ec);
     SIGMA_CHECK(!ec, "--overwrite: cannot move '{}' aside: {}", from.string(), ec.message());
+    moved += std::string(f) + "\n";
   }
   fsync_path(out_, true);
+  fsync_path(aside_, true);
+  write_file_atomic(aside_ + "/" + kMoved, moved);
 }
 
-// The new run's files go and the old run's come back from aside_.
+// Puts the old run back from aside_, from any point a kill left it at: a file still in the
+// aside replaces the new run's; a run file the old run did not have is the new run's and goes;
+// before `moved` (the set-aside itself was cut) a file not in the aside is the old run's and
+// stays.
 void RunDir::restore_old_run() {
   if (metrics_fd_ >= 0) ::close(metrics_fd_), metrics_fd_ = -1;
   std::error_code ec;
-  for (const char* f : kRunFiles) {
-    const fs::path old = fs::path(aside_) / f, now = fs::path(out_) / f;
-    fs::remove_all(now, ec);
-    if (!fs::exists(fs::symlink_status(old, ec))) continue;
-    fs::rename(old, now, ec);
-    SIGMA_CHECK(!ec, "cannot move '{}' back to '{}': {}", old.string(), now.string(), ec.message());
+  const fs::path aside(aside_);
+  const bool all_moved = fs::exists(aside / kMoved, ec);
+  std::string moved;
+  if (all_moved) {
+    moved = read_small_file((aside / kMoved).string(), 4096);
+    if (!fs::exists(aside / kRestoring, ec)) write_file_atomic((aside / kRestoring).string(), "");
   }
-  fs::remove_all(aside_, ec);
-  aside_.clear();
+  for (const char* f : kRunFiles) {
+    const fs::path old = aside / f, now = fs::path(out_) / f;
+    if (fs::exists(fs::symlink_status(old, ec))) {
+      fs::remove_all(now, ec);
+      fs::rename(old, now, ec);
+      SIGMA_CHECK(!ec, "cannot move '{}' back to '{}': {}", old.string(), now.string(), ec.message());
+    } else if (all_moved && moved.find(std::string(f) + "\n") == std::string::npos) {
+      fs::remove_all(now, ec);
+    }
+  }
   fsync_path(out_, true);
+  drop_old_run();  // only the markers are left in it
 }
 
 void RunDir::drop_old_run() {
   if (aside_.empty()) return;
+  const std::string name = fs::path(aside_).filename().string();
+  const std::string dropped = out_ + "/" + kDropped + name.substr(std::string(kReplaced).size());
   std::error_code ec;
-  fs::remove_all(aside_, ec);
+  fs::remove_all(dropped, ec);
+  SIGMA_CHECK(::rename(aside_.c_str(), dropped.c_str()) == 0, "cannot rename '{}' to '{}': {}",
+              aside_, dropped, errno_str());
+  fsync_path(out_, true);
   aside_.clear();
+  fs::remove_all(dropped, ec);
 }
 
 void RunDir::append_metrics(const std::string& record) {

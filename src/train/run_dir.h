@@ -22,8 +22,9 @@ class RunDir {
   // Creates and locks OUT, checks it against `mode`, then removes checkpoint directories a
   // killed save left behind (checkpoints/NAME.tmp-<pid>, NAME.old-<pid>, which no live
   // process can own while we hold the lock).
-  // An old run a killed --overwrite left in OUT/.replaced-<pid> comes back first when the new
-  // run committed no checkpoint, else it is deleted.
+  // An old run a killed --overwrite left in OUT/.replaced-<pid> comes back first unless the
+  // new run committed a checkpoint (then it is deleted): whatever point the kill hit, OUT
+  // holds the old run or the new run's checkpoint (run_dir.cpp).
   RunDir(std::string out, RunDirMode mode);
   // An old run still set aside (the new run failed before its first checkpoint) is put back
   // and the new run's files removed: a failed --overwrite deletes nothing.
@@ -44,7 +45,8 @@ class RunDir {
   // --overwrite, once the new run has been built (config, data, memory checked): moves the old
   // run's files into OUT/.replaced-<pid>. They stay there until drop_old_run().
   void set_old_run_aside();
-  // The new run committed a checkpoint or finished: the old run set aside is deleted.
+  // The new run committed a checkpoint or finished: the old run set aside is deleted (renamed
+  // to OUT/.dropped-<pid> first, so that a kill mid-delete restores nothing half-deleted).
   void drop_old_run();
 
   // One metrics.jsonl record (a line is appended). The file is created on the first record, so

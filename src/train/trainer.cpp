@@ -30,6 +30,7 @@
 #include "train/freeze.h"
 #include "train/nonfinite.h"
 #include "train/preflight.h"
+#include "train/resume.h"
 #include "train/run_dir.h"
 #include "train/train_step.h"
 
@@ -45,10 +46,11 @@ std::string fmt_duration(double s) {
                    : fmt::format("{}m{:02d}s", t / 60, t % 60);
 }
 
-void check_same_model(Config& a, Config& b) {
-  const auto ja = a.to_json()["model"], jb = b.to_json()["model"];
-  SIGMA_CHECK(ja == jb, "the model config differs from the checkpoint's (checkpoint: {}, now: {})",
-              jb.dump(), ja.dump());
+void check_same_model(const Config& now, const Config& checkpoint) {
+  const std::string diff = model_difference(checkpoint, now);
+  SIGMA_CHECK(diff.empty(), "the model config differs from the checkpoint's: {}; a resumed run "
+              "keeps the checkpoint's model (drop the model.* --set, or give it the checkpoint's "
+              "value)", diff);
 }
 
 }  // namespace
@@ -135,10 +137,11 @@ void sum_over_ranks(Communicator& comm, std::vector<BlockLoad>& load) {
   }
 }
 
-// SIGTERM / SIGINT during the steps (schedulers send SIGTERM before they kill): the first asks
-// the run to stop after the current step with a checkpoint; a second one ends the process at
-// once with the default action (a save in progress stays a temporary directory, removed by the
-// next run in OUT).
+// SIGTERM / SIGINT during the steps (schedulers send SIGTERM before they kill), and SIGUSR1 /
+// SIGUSR2 (the ones Open MPI's mpirun forwards to every rank: it turns its own SIGTERM into an
+// abort that exits 1, docs/distributed.md): the first asks the run to stop after the current
+// step with a checkpoint; a second one ends the process at once with the default action (a
+// save in progress stays a temporary directory, removed by the next run in OUT).
 std::atomic<int> g_stop_signal{0};
 
 extern "C" void on_stop_signal(int sig) {
@@ -161,30 +164,31 @@ class StopSignals {
     sa.sa_handler = on_stop_signal;
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART;
-    ::sigaction(SIGTERM, &sa, &old_term_);
-    ::sigaction(SIGINT, &sa, &old_int_);
+    for (size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &sa, &old_[i]);
   }
   ~StopSignals() {
     if (!installed_) return;
-    ::sigaction(SIGTERM, &old_term_, nullptr);
-    ::sigaction(SIGINT, &old_int_, nullptr);
+    for (size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &old_[i], nullptr);
   }
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
-  // The signal that asked to stop (0 = none). Collective over the ranks, so that they all stop
-  // after the same step even when only some got the signal.
-  int requested(Communicator& comm) const {
-    if (!installed_) return 0;
-    const int sig = g_stop_signal.load();
-    if (comm.size() == 1) return sig;
-    double any = sig ? 1.0 : 0.0;
-    comm.all_reduce_sum(&any, 1);
-    return sig ? sig : any > 0 ? SIGTERM : 0;
+  // The signal that asked to stop, else kStoppedByTimeLimit when `time_up` (0 = go on).
+  // Collective over the ranks (when any may stop: `limited`, the same on every rank), so that
+  // they all stop after the same step even when only some got the signal or passed the limit.
+  int requested(Communicator& comm, bool limited, bool time_up) const {
+    const int sig = installed_ ? g_stop_signal.load() : 0;
+    if (comm.size() == 1 || (!installed_ && !limited)) return sig ? sig : time_up ? kStoppedByTimeLimit : 0;
+    double v[3] = {sig ? 1.0 : 0.0, double(sig), time_up ? 1.0 : 0.0};
+    comm.all_reduce_sum(v, 3);
+    if (sig) return sig;
+    if (v[0] > 0) return int(v[1] / v[0] + 0.5);  // the ranks that got one got the same
+    return v[2] > 0 ? kStoppedByTimeLimit : 0;
   }
 
  private:
+  static constexpr int kSignals[] = {SIGTERM, SIGINT, SIGUSR1, SIGUSR2};
   bool installed_;
-  struct sigaction old_term_ {}, old_int_ {};
+  struct sigaction old_[std::size(kSignals)] {};
 };
 
 // One training run: set-up, the loop of TrainSteps, metrics, checkpoints, final evaluation.
@@ -250,6 +254,7 @@ class RunLoop {
   int64_t tokens_this_run_ = 0, steps_this_run_ = 0, steps_in_window_ = 0;
   std::vector<BlockLoad> run_load_;
   Clock::time_point t_start_;
+  Clock::time_point t_created_ = Clock::now();  // train.max_minutes counts from here
   std::vector<double> peak_rss_;  // MiB, per rank (finish)
 };
 
@@ -527,10 +532,14 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
   tokens_this_run_ += tokens;
   steps_this_run_ += 1;
   steps_in_window_ += 1;
-  if (state_.step < last_) stopped_by_ = signals.requested(world_);
+  if (state_.step < last_) {
+    const double limit_s = 60.0 * cfg_.train.max_minutes, elapsed_s =
+        std::chrono::duration<double>(Clock::now() - t_created_).count();
+    stopped_by_ = signals.requested(world_, limit_s > 0, limit_s > 0 && elapsed_s >= limit_s);
+  }
   if (state_.step % cfg_.train.log_every == 0 || state_.step == last_ || stopped_by_)
     log(r.grad_norm, lr);
-  if (ckpt_now || stopped_by_) checkpoint();
+  if (ckpt_now || (stopped_by_ && !ckpt_root_.empty())) checkpoint();
 }
 
 // A progress line, a metrics.jsonl record, and the window's expert load into the run's.
@@ -691,6 +700,17 @@ void RunLoop::write_summary(const TrainSummary& sum) {
 }
 
 }  // namespace
+
+std::string stop_reason(int stopped_by) {
+  switch (stopped_by) {
+    case SIGTERM: return "SIGTERM";
+    case SIGINT: return "SIGINT";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGUSR2: return "SIGUSR2";
+    case kStoppedByTimeLimit: return "the time limit (train.max_minutes)";
+    default: return fmt::format("signal {}", stopped_by);
+  }
+}
 
 TrainSummary train(Config cfg, const RunOptions& run) { return RunLoop(std::move(cfg), run).run(); }
 

@@ -38,9 +38,14 @@ struct TrainSummary {
   double seconds = 0;                  // wall time of the training steps
   std::string expert_mode;             // "ecss" / "vanilla", empty when experts are in the model
   OffloadStats offload;                // ECSS time split (this run's steps)
-  int stopped_by = 0;  // SIGTERM/SIGINT that stopped the run after a step with a checkpoint
-                       // (no evaluation then: `domains` is empty); 0 = ran to the end
+  // The signal (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) or kStoppedByTimeLimit (train.max_minutes)
+  // that stopped the run after a step with a checkpoint (no evaluation then: `domains` is
+  // empty); 0 = ran to the end.
+  int stopped_by = 0;
 };
+inline constexpr int kStoppedByTimeLimit = -1;
+// "SIGTERM", ..., or "the time limit (train.max_minutes)".
+std::string stop_reason(int stopped_by);
 
 // {"<block>": {"<group>": [tokens per expert], ...}, ...} and {"<block>": imbalance, ...}.
 nlohmann::json expert_load_json(const std::vector<BlockLoad>& load, const ModelConfig& cfg);
