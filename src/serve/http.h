@@ -27,7 +27,8 @@ struct Limits {
   double request_timeout_s = 30;  // first byte to the end of its body (the total read deadline)
   double idle_timeout_s = 60;   // a keep-alive connection with no request in progress
   double write_timeout_s = 30;  // a response that makes no progress this long is cut
-  size_t max_unsent = 1 << 20;  // bytes a response may buffer ahead of a slow reader
+  size_t max_unsent = 1 << 20;  // bytes a response may buffer ahead of a slow reader; past it a
+                                // worker waits and the loop reads no further pipelined request
   int workers = 8;              // threads running worker handlers
   int max_waiting = 64;         // complete requests waiting for a worker; past it a 503
 };
