@@ -2,6 +2,7 @@
 // never reads holds at most --max-unsent of answers (back-pressure, then the write timeout);
 // HEAD keeps a kept-alive connection's framing; a bare-LF request is answered at once; /metrics
 // counts a response before its client has it; /health waits for the last model.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
 
@@ -198,6 +199,24 @@ TEST(ServePipeline, ABareLfRequestIsAnsweredAtOnce) {
   ::close(fd);
   EXPECT_EQ(out.rfind("HTTP/1.1 400 ", 0), 0u) << out;
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 2.0);
+}
+
+// Over a socket too: without the key, a declared body over --max-body is 401 (it was 413, and the
+// docs promise 401); with it, 413 and no "100 Continue" for a body that will be refused.
+TEST(ServePipeline, TheKeyIsCheckedBeforeTheBodySize) {
+  serve::ServerOptions o;
+  o.api_key = "k";
+  o.max_body = 4096;
+  Served s(o);
+  for (const auto& [key, want] : {std::pair<std::string, int>{"", 401}, {"Authorization: Bearer k\r\n", 413}}) {
+    const int fd = connect_to(s.port);
+    ASSERT_GE(fd, 0);
+    send_all(fd, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + key +
+                     "Expect: 100-continue\r\nContent-Length: 50000000\r\n\r\n");
+    const std::string out = read_until_closed(fd, 3);
+    ::close(fd);
+    EXPECT_EQ(out.rfind(fmt::format("HTTP/1.1 {} ", want), 0), 0u) << out;
+  }
 }
 
 // A client that has its answer finds it counted: the count is taken before the bytes are queued
