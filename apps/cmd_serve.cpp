@@ -114,7 +114,7 @@ void run_serve(ServeArgs a) {
   }
   std::string listed;
   for (Loaded& m : models) {
-    server.serve_model(*m.model, m.tok ? &*m.tok : nullptr, m.name);
+    server.serve_model(*m.model, m.tok ? &*m.tok : nullptr, m.name, &m == &models.back());
     listed += fmt::format("{}'{}' (domains:", listed.empty() ? "" : "; ", m.name);
     for (const auto& d : m.model->config().domains) listed += " " + d.name;
     listed += ")";

@@ -29,7 +29,7 @@ ModelConfig tiny_config(const data::Tokenizer& tok) {
 
 // Status and error message of the response to a POST of `body` to `path`.
 std::pair<int, std::string> post(serve::Server& s, const std::string& path, const std::string& body) {
-  const std::string out = s.answer("POST " + path + " HTTP/1.1\r\nContent-Length: " +
+  const std::string out = s.answer("POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Length: " +
                                    std::to_string(body.size()) + "\r\n\r\n" + body);
   if (out.rfind("HTTP/1.1 ", 0) != 0) return {-1, "no response"};
   const size_t head_end = out.find("\r\n\r\n");

@@ -457,3 +457,60 @@ TEST(ServeHttp, JsonPrefixAcceptsExactlyJsonObjects) {
   serve::JsonPrefix deep;
   EXPECT_FALSE(deep.push("{\"a\":" + std::string(40, '[')));  // nesting is bounded
 }
+
+// Whitespace outside strings comes at most kMaxSpaceRun bytes in a row: unbounded, a small model
+// spent most of a json_object request's tokens on blanks.
+TEST(ServeHttp, JsonPrefixBoundsWhitespaceRuns) {
+  const std::string run(serve::JsonPrefix::kMaxSpaceRun, ' ');
+  for (const std::string& before : {std::string(), std::string("{"), std::string("{\"a\""), std::string("{\"a\":"),
+                                    std::string("{\"a\":1"), std::string("{\"a\":[true")}) {
+    serve::JsonPrefix p;
+    ASSERT_TRUE(p.push(before + run)) << before;
+    EXPECT_FALSE(p.push(" ")) << before;
+    EXPECT_FALSE(p.push("\n")) << before;
+  }
+  serve::JsonPrefix p;  // runs reset at each token; blanks inside strings are text
+  EXPECT_TRUE(p.push("{" + run + "\"a\"" + run + ":" + run + "\"" + std::string(100, ' ') + "\"" + run + "}"));
+  EXPECT_TRUE(p.complete());
+  serve::JsonPrefix pretty;  // indentation four levels deep, two spaces a level
+  EXPECT_TRUE(pretty.push(json{{"a", {{"b", {{"c", {{"d", 1}}}}}}}}.dump(2)));
+  EXPECT_TRUE(pretty.complete());
+  // Through decoding: a space favoured by logit_bias still gets at most a run's worth.
+  Fixture f;
+  const json body = {{"prompt", "x"}, {"max_tokens", 30}, {"temperature", 0},
+                     {"response_format", {{"type", "json_object"}}},
+                     {"logit_bias", {{std::to_string(f.tok.byte_id(' ')), 40}}}};
+  const json j = json::parse(f.post("/v1/completions", body.dump())->body);
+  const std::string text = j["choices"][0]["text"];
+  EXPECT_EQ(text.find(run + " "), std::string::npos) << text;
+}
+
+// What the SDKs and LangChain send: content as an array of text parts, and the `developer` role
+// (OpenAI's newer name for system). Both got 400.
+TEST(ServeHttp, ChatTakesTextPartsAndTheDeveloperRole) {
+  Fixture f;
+  auto chat = [&](const json& messages) {
+    return f.post("/v1/chat/completions",
+                  json{{"messages", messages}, {"max_tokens", 5}, {"temperature", 0}}.dump());
+  };
+  const json plain = json::parse(chat({{{"role", "system"}, {"content", "be"}},
+                                       {{"role", "user"}, {"content", "hel\nlo"}}})->body);
+  auto r = chat({{{"role", "developer"}, {"content", "be"}},
+                 {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "hel"}}, {{"type", "text"}, {"text", "lo"}}}}}});
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json parts = json::parse(r->body);
+  EXPECT_EQ(parts["choices"][0]["message"], plain["choices"][0]["message"]);
+  EXPECT_EQ(parts["usage"], plain["usage"]);
+  const std::vector<std::pair<json, std::string>> refused = {
+      {{{{"role", "user"}, {"content", {{{"type", "text"}, {"text", "a"}}, {{"type", "image_url"}, {"image_url", "x"}}}}}},
+       "messages[0].content[1] is of type 'image_url'"},
+      {{{{"role", "user"}, {"content", {{{"type", "text"}}}}}}, "messages[0].content[0] must have a string 'text'"},
+      {{{{"role", "user"}, {"content", 3}}}, "messages[0]'s 'content' must be a string or an array"},
+      {{{{"role", "tool"}, {"content", "x"}}}, "role 'tool'"},
+  };
+  for (const auto& [messages, says] : refused) {
+    const auto [status, msg] = error_of(chat(messages));
+    EXPECT_EQ(status, 400) << messages.dump();
+    EXPECT_NE(msg.find(says), std::string::npos) << msg;
+  }
+}

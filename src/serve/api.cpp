@@ -264,6 +264,31 @@ json parse_body(const std::string& body) {
   return j;
 }
 
+namespace {
+
+// A message's content: a string, or an array of parts as the SDKs send it; the text parts are
+// joined with newlines, and other parts (images, audio) are refused by name.
+std::string message_text(const json& content, const std::string& where) {
+  if (content.is_string()) return content.get<std::string>();
+  if (!content.is_array())
+    throw bad(where, where + "'s 'content' must be a string or an array of {\"type\": \"text\", \"text\": ...} parts");
+  std::string text;
+  for (size_t k = 0; k < content.size(); ++k) {
+    const json& part = content[k];
+    const std::string at = fmt::format("{}.content[{}]", where, k);
+    if (!part.is_object() || !part.contains("type") || !part["type"].is_string())
+      throw bad(at, at + " must be an object with a string 'type'");
+    if (part["type"] != "text")
+      throw bad(at, fmt::format("{} is of type '{}'; this server takes only text parts", at,
+                                part["type"].get<std::string>().substr(0, 32)));
+    if (!part.contains("text") || !part["text"].is_string()) throw bad(at, at + " must have a string 'text'");
+    text += (k ? "\n" : "") + part["text"].get<std::string>();
+  }
+  return text;
+}
+
+}  // namespace
+
 std::string chat_prompt(const json& messages) {
   if (!messages.is_array() || messages.empty())
     throw bad("messages", "'messages' must be a non-empty array");
@@ -271,13 +296,13 @@ std::string chat_prompt(const json& messages) {
   for (size_t i = 0; i < messages.size(); ++i) {
     const json& m = messages[i];
     const std::string where = fmt::format("messages[{}]", i);
-    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
-        !m["content"].is_string())
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content"))
       throw bad(where, where + " must be an object with string 'role' and 'content'");
-    const std::string role = m["role"].get<std::string>();
+    std::string role = m["role"].get<std::string>();
+    if (role == "developer") role = "system";  // OpenAI's newer name for the system message
     if (role != "system" && role != "user" && role != "assistant")
-      throw bad(where, fmt::format("{} has role '{}' (system, user or assistant)", where, role));
-    text += role + ": " + m["content"].get<std::string>() + "\n";
+      throw bad(where, fmt::format("{} has role '{}' (system, developer, user or assistant)", where, role));
+    text += role + ": " + message_text(m["content"], where) + "\n";
   }
   return text + "assistant:";
 }

@@ -27,269 +27,6 @@ namespace sigma::serve::http {
 
 using Clock = std::chrono::steady_clock;
 
-std::string Request::header(std::string_view lower_name) const {
-  for (const auto& [k, v] : headers)
-    if (k == lower_name) return v;
-  return "";
-}
-
-std::string reason_phrase(int status) {
-  switch (status) {
-    case 100: return "Continue";
-    case 200: return "OK";
-    case 400: return "Bad Request";
-    case 401: return "Unauthorized";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 408: return "Request Timeout";
-    case 413: return "Payload Too Large";
-    case 417: return "Expectation Failed";
-    case 431: return "Request Header Fields Too Large";
-    case 500: return "Internal Server Error";
-    case 501: return "Not Implemented";
-    case 503: return "Service Unavailable";
-    case 505: return "HTTP Version Not Supported";
-    default: return "Status";
-  }
-}
-
-namespace {
-
-std::string head_of(int status, const std::string& content_type, const Headers& headers, bool keep_alive) {
-  std::string h = fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\n", status, reason_phrase(status), content_type);
-  for (const auto& [k, v] : headers) h += k + ": " + v + "\r\n";
-  h += keep_alive ? "Connection: keep-alive\r\n" : "Connection: close\r\n";
-  return h;
-}
-
-std::string lower(std::string s) {
-  for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
-std::string trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
-  return std::string(s);
-}
-
-bool token_char(char c) {
-  return std::isalnum(static_cast<unsigned char>(c)) || std::strchr("!#$%&'*+-.^_`|~", c) != nullptr;
-}
-
-}  // namespace
-
-std::string serialize(const Response& r, bool keep_alive) {
-  return head_of(r.status, r.content_type, r.headers, keep_alive) +
-         fmt::format("Content-Length: {}\r\n\r\n", r.body.size()) + r.body;
-}
-
-// ---- the request reader ----------------------------------------------------------------------
-
-void RequestReader::reset() {
-  state_ = State::Head;
-  req_ = Request{};
-  buf_.clear();
-  want_ = 0;
-  chunked_ = expect_continue_ = false;
-  keep_alive_ = true;
-  chunk_ = Chunk::Size;
-  error_status_ = 0;
-  error_.clear();
-}
-
-size_t RequestReader::fail(int status, std::string message) {
-  state_ = State::Failed;
-  error_status_ = status;
-  error_ = std::move(message);
-  keep_alive_ = false;
-  return 0;
-}
-
-size_t RequestReader::feed(const char* p, size_t n) {
-  if (state_ == State::Head) {
-    // The head ends at the first blank line; look only where a new "\r\n\r\n" can end.
-    const size_t before = buf_.size();
-    buf_.append(p, std::min(n, limits_->max_head + 4 - std::min(before, limits_->max_head + 4)));
-    const size_t from = before >= 3 ? before - 3 : 0;
-    const size_t end = buf_.find("\r\n\r\n", from);
-    if (end == std::string::npos) {
-      if (buf_.size() > limits_->max_head)
-        return fail(431, fmt::format("the request head is larger than {} bytes", limits_->max_head));
-      return n;
-    }
-    const size_t used = end + 4 - before;
-    buf_.resize(end + 2);  // keep the last header's CRLF
-    if (!parse_head()) return used;
-    buf_.clear();
-    state_ = State::HeadDone;
-    return used;
-  }
-  if (state_ != State::Body) return 0;
-  if (chunked_) return feed_chunked(p, n);
-  const size_t take = std::min(n, want_);
-  req_.body.append(p, take);
-  want_ -= take;
-  if (want_ == 0) state_ = State::Done;
-  return take;
-}
-
-bool RequestReader::parse_head() {
-  size_t line_end = buf_.find("\r\n");
-  const std::string line = buf_.substr(0, line_end);
-  const size_t a = line.find(' '), b = line.rfind(' ');
-  if (a == std::string::npos || b == a) return fail(400, "malformed request line"), false;
-  req_.method = line.substr(0, a);
-  req_.target = line.substr(a + 1, b - a - 1);
-  req_.version = line.substr(b + 1);
-  if (req_.method.empty() || !std::all_of(req_.method.begin(), req_.method.end(), token_char) ||
-      req_.target.empty() || req_.target[0] != '/' || req_.target.find(' ') != std::string::npos)
-    return fail(400, "malformed request line"), false;
-  if (req_.version != "HTTP/1.1" && req_.version != "HTTP/1.0")
-    return fail(505, fmt::format("HTTP version '{}' is not supported", req_.version.substr(0, 16))), false;
-  req_.path = req_.target.substr(0, req_.target.find('?'));
-  keep_alive_ = req_.version == "HTTP/1.1";
-  size_t at = line_end + 2;
-  while (at < buf_.size()) {
-    const size_t e = buf_.find("\r\n", at);
-    const std::string_view h(buf_.data() + at, e - at);
-    at = e + 2;
-    const size_t colon = h.find(':');
-    if (colon == std::string_view::npos || colon == 0 ||
-        !std::all_of(h.begin(), h.begin() + long(colon), token_char))
-      return fail(400, "malformed header line"), false;
-    req_.headers.emplace_back(lower(std::string(h.substr(0, colon))), trim(h.substr(colon + 1)));
-  }
-  int lengths = 0;
-  std::string te;
-  for (const auto& [k, v] : req_.headers) {
-    if (k == "content-length") {
-      ++lengths;
-      if (v.empty() || v.size() > 18 || !std::all_of(v.begin(), v.end(), ::isdigit))
-        return fail(400, "Content-Length must be a decimal number"), false;
-      want_ = std::stoull(v);
-    } else if (k == "transfer-encoding") {
-      te = lower(v);
-    } else if (k == "connection") {
-      const std::string c = lower(v);
-      if (c.find("close") != std::string::npos) keep_alive_ = false;
-      if (c.find("keep-alive") != std::string::npos && req_.version == "HTTP/1.0") keep_alive_ = true;
-    } else if (k == "expect") {
-      if (lower(v) != "100-continue") return fail(417, "only 'Expect: 100-continue' is understood"), false;
-      expect_continue_ = true;
-    }
-  }
-  if (lengths > 1) return fail(400, "more than one Content-Length"), false;
-  if (!te.empty()) {
-    if (te != "chunked") return fail(501, fmt::format("Transfer-Encoding '{}' is not supported (only chunked)", te.substr(0, 32))), false;
-    if (lengths) return fail(400, "both Content-Length and Transfer-Encoding"), false;
-    chunked_ = true;
-  }
-  if (want_ > limits_->max_body)
-    return fail(413, fmt::format("the body is larger than the limit of {} bytes", limits_->max_body)), false;
-  return true;
-}
-
-void RequestReader::accept_head() {
-  if (state_ != State::HeadDone) return;
-  state_ = chunked_ || want_ > 0 ? State::Body : State::Done;
-  if (!chunked_) req_.body.reserve(want_);
-}
-
-// Chunked body: SIZE[;ext]\r\n DATA \r\n ... 0\r\n [trailers] \r\n. Every data byte counts
-// against max_body as it arrives; size lines and trailers against max_head.
-size_t RequestReader::feed_chunked(const char* p, size_t n) {
-  size_t used = 0;
-  while (used < n && state_ == State::Body) {
-    if (chunk_ == Chunk::Data) {
-      const size_t take = std::min(n - used, want_);
-      req_.body.append(p + used, take);
-      used += take;
-      want_ -= take;
-      if (want_ == 0) chunk_ = Chunk::DataEnd;
-      continue;
-    }
-    buf_.push_back(p[used++]);
-    if (buf_.size() > limits_->max_head) return fail(400, "a chunk size line or trailer is too long"), used;
-    if (buf_.size() < 2 || buf_.compare(buf_.size() - 2, 2, "\r\n") != 0) continue;
-    const std::string line = buf_.substr(0, buf_.size() - 2);
-    buf_.clear();
-    if (chunk_ == Chunk::DataEnd) {
-      if (!line.empty()) return fail(400, "a chunk's data does not end with CRLF"), used;
-      chunk_ = Chunk::Size;
-    } else if (chunk_ == Chunk::Size) {
-      const std::string hex = trim(line.substr(0, line.find(';')));
-      if (hex.empty() || hex.size() > 15 || !std::all_of(hex.begin(), hex.end(), ::isxdigit))
-        return fail(400, "malformed chunk size"), used;
-      want_ = std::stoull(hex, nullptr, 16);
-      if (want_ > limits_->max_body - std::min(req_.body.size(), limits_->max_body))
-        return fail(413, fmt::format("the body is larger than the limit of {} bytes", limits_->max_body)), used;
-      chunk_ = want_ == 0 ? Chunk::Trailer : Chunk::Data;
-    } else if (line.empty()) {  // the blank line after the trailers
-      state_ = State::Done;
-    }
-  }
-  return used;
-}
-
-// ---- answering without a socket ----------------------------------------------------------------
-
-namespace {
-
-class MemoryResponder : public Responder {
- public:
-  explicit MemoryResponder(std::string& out) : out_(out) {}
-  void send(Response r) override {
-    status = r.status;
-    out_ += serialize(r, false);
-  }
-  void begin_stream(int s, std::string content_type, Headers headers) override {
-    status = s;
-    out_ += head_of(s, content_type, headers, false) + "Transfer-Encoding: chunked\r\n\r\n";
-  }
-  bool write(std::string_view piece) override {
-    if (!piece.empty()) out_ += fmt::format("{:x}\r\n{}\r\n", piece.size(), piece);
-    return true;
-  }
-  void end_stream() override { out_ += "0\r\n\r\n"; }
-  bool alive() const override { return true; }
-  int status = 0;
-
- private:
-  std::string& out_;
-};
-
-}  // namespace
-
-std::string answer_bytes(const Limits& limits, const Handlers& h, const std::string& request) {
-  RequestReader reader(limits);
-  size_t at = 0;
-  at += reader.feed(request.data(), request.size());
-  std::string out;
-  MemoryResponder res(out);
-  auto refuse = [&](int status, const std::string& msg) {
-    res.send(h.error(status, msg));
-    if (h.answered) h.answered(reader.request(), status);
-    return out;
-  };
-  if (reader.state() == RequestReader::State::Head) return refuse(400, "the request ended inside its head");
-  if (reader.state() == RequestReader::State::Failed) return refuse(reader.error_status(), reader.error_message());
-  if (auto r = h.head(reader.request())) {
-    res.send(*r);
-    if (h.answered) h.answered(reader.request(), r->status);
-    return out;
-  }
-  reader.accept_head();
-  while (reader.state() == RequestReader::State::Body && at < request.size())
-    at += reader.feed(request.data() + at, request.size() - at);
-  if (reader.state() == RequestReader::State::Failed) return refuse(reader.error_status(), reader.error_message());
-  if (reader.state() != RequestReader::State::Done) return refuse(400, "the request ended inside its body");
-  h.handle(reader.request(), res);
-  if (res.status == 0) res.send(h.error(500, "the handler sent no response"));
-  if (h.answered) h.answered(reader.request(), res.status);
-  return out;
-}
-
 // ---- the server ---------------------------------------------------------------------------------
 
 namespace {
@@ -325,6 +62,10 @@ struct Conn {
 
   explicit Conn(const Limits& l) : reader(l) {}
   size_t unsent() const { return out.size() - sent; }
+  size_t unsent_now() {
+    std::lock_guard<std::mutex> lock(m);
+    return unsent();
+  }
 };
 
 }  // namespace
@@ -366,8 +107,9 @@ struct Server::Impl {
   void worker();
   void accept_all();
   void on_readable(Conn& c);
-  void process(const std::shared_ptr<Conn>& c);
-  void queue_response(Conn& c, const Response& r, bool keep_alive);
+  void process(const std::shared_ptr<Conn>& c);  // read_requests, then flush, while both progress
+  void read_requests(const std::shared_ptr<Conn>& c);
+  void queue_response(Conn& c, const Response& r, bool keep_alive, bool head_only);
   void flush(Conn& c);
   void close_conn(Conn& c);
   void update_interest(Conn& c);
@@ -378,20 +120,22 @@ struct Server::Impl {
 // A worker's view of its connection.
 class SocketResponder : public Responder {
  public:
-  SocketResponder(Server::Impl& s, std::shared_ptr<Conn> c) : s_(s), c_(std::move(c)) {}
+  SocketResponder(Server::Impl& s, std::shared_ptr<Conn> c, const Request& req)
+      : s_(s), c_(std::move(c)), req_(req), head_only_(req.method == "HEAD") {}
+  // Counted before the bytes are queued: a client that has its answer finds it in /metrics.
   void send(Response r) override {
-    status = r.status;
-    queue(serialize(r, keep_alive()), true);
+    answered(r.status);
+    queue(serialize(r, keep_alive(), head_only_), true);
   }
   void begin_stream(int st, std::string content_type, Headers headers) override {
-    status = st;
-    queue(head_of(st, content_type, headers, keep_alive()) + "Transfer-Encoding: chunked\r\n\r\n", false);
+    answered(st);
+    queue(response_head(st, content_type, headers, keep_alive()) + "Transfer-Encoding: chunked\r\n\r\n", false);
   }
   bool write(std::string_view piece) override {
-    if (piece.empty()) return alive();
+    if (piece.empty() || head_only_) return alive();
     return queue(fmt::format("{:x}\r\n{}\r\n", piece.size(), piece), false);
   }
-  void end_stream() override { queue("0\r\n\r\n", true); }
+  void end_stream() override { queue(head_only_ ? "" : "0\r\n\r\n", true); }
   bool alive() const override {
     std::lock_guard<std::mutex> lock(c_->m);
     return !c_->gone;
@@ -399,6 +143,10 @@ class SocketResponder : public Responder {
   int status = 0;
 
  private:
+  void answered(int st) {
+    status = st;
+    if (s_.h.answered) s_.h.answered(req_, st);
+  }
   bool keep_alive() const {
     std::lock_guard<std::mutex> lock(c_->m);
     return c_->keep_alive;
@@ -422,6 +170,8 @@ class SocketResponder : public Responder {
   }
   Server::Impl& s_;
   std::shared_ptr<Conn> c_;
+  const Request& req_;
+  const bool head_only_;
 };
 
 void Server::Impl::worker() {
@@ -436,7 +186,7 @@ void Server::Impl::worker() {
       req = std::move(work.front().second);
       work.pop_front();
     }
-    SocketResponder res(*this, c);
+    SocketResponder res(*this, c, req);
     if (res.alive()) {
       try {
         h.handle(req, res);
@@ -444,7 +194,6 @@ void Server::Impl::worker() {
         if (res.status == 0) res.send(h.error(500, fmt::format("internal error: {}", e.what())));
       }
       if (res.status == 0) res.send(h.error(500, "the handler sent no response"));
-      if (h.answered) h.answered(req, res.status);
     }
     {
       std::lock_guard<std::mutex> lock(c->m);
@@ -455,14 +204,13 @@ void Server::Impl::worker() {
 }
 
 void Server::Impl::update_interest(Conn& c) {
-  bool want_out;
-  {
-    std::lock_guard<std::mutex> lock(c.m);
-    want_out = c.unsent() > 0;
-  }
+  const size_t unsent = c.unsent_now();
   const bool reading = (c.phase == Conn::Phase::Reading && !c.close_after) || c.phase == Conn::Phase::Lingering;
-  const uint32_t in = reading ? uint32_t(EPOLLIN) : 0u, out = want_out ? uint32_t(EPOLLOUT) : 0u;
-  const uint32_t ev = (c.peer_eof ? 0u : uint32_t(EPOLLRDHUP) | in) | out;
+  const uint32_t in = reading ? uint32_t(EPOLLIN) : 0u, out = unsent > 0 ? uint32_t(EPOLLOUT) : 0u;
+  uint32_t ev = (c.peer_eof ? 0u : uint32_t(EPOLLRDHUP) | in) | out;
+  // Back-pressure: a client with more than max_unsent of answers unread is not read from (nor
+  // woken by its pending bytes) until it reads.
+  if (c.phase == Conn::Phase::Reading && unsent > lim.max_unsent) ev = out;
   if (ev == c.interest) return;
   epoll_event e{};
   e.events = ev;
@@ -485,11 +233,18 @@ void Server::Impl::close_conn(Conn& c) {
   conns.erase(c.id);  // may free c: nothing after this
 }
 
-void Server::Impl::queue_response(Conn& c, const Response& r, bool keep_alive) {
+// An answer of the loop's own. Back-pressure keeps the loop from answering a connection with
+// more than max_unsent unsent; past twice that (a refusal behind a large worker answer) the
+// answer is dropped and the connection closes once the rest is written or the write times out.
+void Server::Impl::queue_response(Conn& c, const Response& r, bool keep_alive, bool head_only) {
   {
     std::lock_guard<std::mutex> lock(c.m);
-    if (c.unsent() == 0) c.progress = Clock::now();
-    c.out += serialize(r, keep_alive);
+    if (c.unsent() > 2 * lim.max_unsent) {
+      keep_alive = false;
+    } else {
+      if (c.unsent() == 0) c.progress = Clock::now();
+      c.out += serialize(r, keep_alive, head_only);
+    }
   }
   if (!keep_alive) c.close_after = true;
 }
@@ -535,15 +290,32 @@ void Server::Impl::flush(Conn& c) {
 // queue, or a refusal.
 void Server::Impl::process(const std::shared_ptr<Conn>& cp) {
   Conn& c = *cp;
-  while (c.phase == Conn::Phase::Reading && !c.close_after && !c.pending.empty()) {
+  do {
+    read_requests(cp);
+    flush(c);
+    // Writing may have brought the unsent answers back under the limit with requests already
+    // read and pending: no EPOLLIN will come for those.
+  } while (c.fd >= 0 && c.phase == Conn::Phase::Reading && !c.close_after && !c.pending.empty() &&
+           c.unsent_now() <= lim.max_unsent);
+}
+
+void Server::Impl::read_requests(const std::shared_ptr<Conn>& cp) {
+  Conn& c = *cp;
+  using S = RequestReader::State;
+  // Back-pressure: no further pipelined request is read while the answers before it are unsent.
+  while (c.phase == Conn::Phase::Reading && !c.close_after && !c.pending.empty() &&
+         c.unsent_now() <= lim.max_unsent) {
     if (!c.reader.started()) c.request_start = Clock::now();
     const size_t used = c.reader.feed(c.pending.data(), c.pending.size());
     c.pending.erase(0, used);
-    using S = RequestReader::State;
     Request& req = c.reader.request();
-    if (c.reader.state() == S::Failed) {
+    const bool head_only = req.method == "HEAD";
+    auto refuse = [&] {
       if (h.answered) h.answered(req, c.reader.error_status());
-      queue_response(c, h.error(c.reader.error_status(), c.reader.error_message()), false);
+      queue_response(c, h.error(c.reader.error_status(), c.reader.error_message()), false, head_only);
+    };
+    if (c.reader.state() == S::Failed) {
+      refuse();
       break;
     }
     if (c.reader.state() == S::HeadDone) {
@@ -552,17 +324,21 @@ void Server::Impl::process(const std::shared_ptr<Conn>& cp) {
         const bool bodyless = req.header("content-length").empty() || req.header("content-length") == "0";
         const bool keep = bodyless && req.header("transfer-encoding").empty() && c.reader.keep_alive();
         if (h.answered) h.answered(req, r->status);
-        queue_response(c, *r, keep);
+        queue_response(c, *r, keep, head_only);
         c.reader.reset();
         c.idle_since = Clock::now();
         continue;
       }
-      if (c.reader.expects_continue()) {
+      c.reader.accept_head();
+      if (c.reader.state() == S::Failed) {  // a declared body over max_body
+        refuse();
+        break;
+      }
+      if (c.reader.expects_continue() && c.reader.state() == S::Body) {
         std::lock_guard<std::mutex> lock(c.m);
         if (c.unsent() == 0) c.progress = Clock::now();
         c.out += "HTTP/1.1 100 Continue\r\n\r\n";
       }
-      c.reader.accept_head();
     }
     if (c.reader.state() == S::Done) {
       bool queued = false;
@@ -577,7 +353,7 @@ void Server::Impl::process(const std::shared_ptr<Conn>& cp) {
         if (h.answered) h.answered(req, 503);
         Response busy = h.error(503, "the server is busy (every worker and its queue are full); retry");
         busy.headers.emplace_back("Retry-After", "1");
-        queue_response(c, busy, false);
+        queue_response(c, busy, false, head_only);
         break;
       }
       {
@@ -592,13 +368,14 @@ void Server::Impl::process(const std::shared_ptr<Conn>& cp) {
   }
   // A client that stopped sending inside a request can never finish it.
   if (c.phase == Conn::Phase::Reading && c.peer_eof && c.pending.empty() && c.reader.started()) c.close_after = true;
-  flush(c);
 }
 
 void Server::Impl::on_readable(Conn& c) {
   char buf[64 << 10];
   // Reads at most a little past one request before processing it: a client cannot make the
-  // loop buffer more than max_head + 64 KiB ahead of what the reader consumed.
+  // loop buffer more than max_head + 64 KiB ahead of what the reader consumed; and nothing
+  // while its unread answers are over max_unsent.
+  if (c.unsent_now() > lim.max_unsent) return;
   while (c.pending.size() < lim.max_head + sizeof buf) {
     const ssize_t n = ::recv(c.fd, buf, sizeof buf, 0);
     if (n > 0) {
@@ -609,7 +386,7 @@ void Server::Impl::on_readable(Conn& c) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
     c.peer_eof = true;  // EOF or error: nothing more will come
-    if (c.pending.empty()) return close_conn(c);
+    if (c.pending.empty() && c.unsent_now() == 0) return close_conn(c);  // else after the answers
     break;
   }
 }
@@ -715,7 +492,8 @@ void Server::Impl::scan(Clock::time_point now, bool drain) {
       const std::string what = in_head ? fmt::format("the request head did not arrive within {} s", lim.head_timeout_s)
                                        : fmt::format("the request did not arrive within {} s", lim.request_timeout_s);
       if (h.answered) h.answered(c->reader.request(), 408);
-      queue_response(*c, h.error(408, drain ? "the server is shutting down" : what), false);
+      queue_response(*c, h.error(408, drain ? "the server is shutting down" : what), false,
+                     c->reader.request().method == "HEAD");
       c->reader.reset();
       flush(*c);
     }

@@ -27,13 +27,14 @@ struct Limits {
   double request_timeout_s = 30;  // first byte to the end of its body (the total read deadline)
   double idle_timeout_s = 60;   // a keep-alive connection with no request in progress
   double write_timeout_s = 30;  // a response that makes no progress this long is cut
-  size_t max_unsent = 1 << 20;  // bytes a response may buffer ahead of a slow reader
+  size_t max_unsent = 1 << 20;  // bytes a response may buffer ahead of a slow reader; past it a
+                                // worker waits and the loop reads no further pipelined request
   int workers = 8;              // threads running worker handlers
   int max_waiting = 64;         // complete requests waiting for a worker; past it a 503
 };
 
 struct Request {
-  std::string method, target, path, version;  // path: target without its query
+  std::string method, target, path, version;  // path: target's path (origin or absolute form) without its query
   Headers headers;                            // names in lower case
   std::string body;
   std::string header(std::string_view lower_name) const;  // "" when absent
@@ -74,13 +75,16 @@ struct Handlers {
 
 // Reads one request from bytes as they arrive: head, then (after accept_head()) the body,
 // Content-Length or chunked, against the limits. Used by the server and by Server::answer.
+// Strict where RFC 9110/9112 say MUST (src/serve/http_request.cpp, docs/serving.md): CRLF
+// only, token methods and names, no control bytes in values, exactly one Host in HTTP/1.1,
+// one framing header, chunked last and once.
 class RequestReader {
  public:
   enum class State { Head, HeadDone, Body, Done, Failed };
   explicit RequestReader(const Limits& l) : limits_(&l) {}
   // Consumes bytes and returns how many it used (it stops at HeadDone, Done or Failed).
   size_t feed(const char* p, size_t n);
-  void accept_head();  // HeadDone -> Body (or Done when there is no body)
+  void accept_head();  // HeadDone -> Body (or Done; or Failed with 413 past max_body)
   State state() const { return state_; }
   bool started() const { return state_ != State::Head || !buf_.empty(); }
   bool expects_continue() const { return expect_continue_; }
@@ -92,21 +96,28 @@ class RequestReader {
 
  private:
   size_t fail(int status, std::string message);
+  bool line_byte(char c, const char* where);
+  bool parse_request_line(std::string_view line);
   bool parse_head();
+  size_t feed_length(const char* p, size_t n);
   size_t feed_chunked(const char* p, size_t n);
   const Limits* limits_;
   State state_ = State::Head;
   Request req_;
   std::string buf_;  // the head so far, or the current chunk-size / trailer line
   size_t want_ = 0;  // Content-Length bytes still due, or bytes left in the current chunk
-  bool chunked_ = false, expect_continue_ = false, keep_alive_ = true;
+  size_t framing_bytes_ = 0;  // chunk size lines and trailers so far (bounded by max_head)
+  bool chunked_ = false, expect_continue_ = false, keep_alive_ = true, http11_ = true;
   enum class Chunk { Size, Data, DataEnd, Trailer } chunk_ = Chunk::Size;
   int error_status_ = 0;
   std::string error_;
 };
 
-// The bytes of a response head (and body); keep_alive adds the matching Connection header.
-std::string serialize(const Response& r, bool keep_alive);
+// The bytes of a response head (and body, unless it answers a HEAD: RFC 9110 9.3.2); keep_alive
+// adds the matching Connection header.
+std::string serialize(const Response& r, bool keep_alive, bool head_only = false);
+// Status line and headers, without the blank line (a stream adds its Transfer-Encoding).
+std::string response_head(int status, const std::string& content_type, const Headers& headers, bool keep_alive);
 std::string reason_phrase(int status);
 
 // Answers one request given as the bytes a client sent, through the same reader and handlers

@@ -15,11 +15,15 @@ bool num_can_end(uint8_t s) { return s == Zero || s == Int || s == Frac || s == 
 
 bool JsonPrefix::push(std::string_view bytes) {
   const JsonPrefix saved = *this;
-  for (char ch : bytes)
-    if (!step(uint8_t(ch))) {
+  for (char ch : bytes) {
+    const uint8_t c = uint8_t(ch);
+    const bool blank = space(c) && mode_ != Mode::String;  // inside a literal step() refuses it
+    if ((blank && space_run_ == kMaxSpaceRun) || !step(c)) {
       *this = saved;
       return false;
     }
+    space_run_ = blank ? uint8_t(space_run_ + 1) : 0;
+  }
   return true;
 }
 

@@ -159,9 +159,15 @@ std::optional<http::Response> Server::Impl::head(const http::Request& req) {
     const std::string& p = req.path;
     const bool known = std::find(std::begin(kRoutes), std::end(kRoutes), p) != std::end(kRoutes);
     if (!known) throw ApiError{404, fmt::format("no route {} {}", req.method, p.substr(0, 200)), ""};
+    // GET routes answer HEAD too (RFC 9110 9.1; the HTTP layer leaves the body out); a 405
+    // names the methods a route takes in Allow (RFC 9110 15.5.6).
     const bool get = p == "/health" || p == "/metrics" || p == "/v1/models";
-    if (req.method != (get ? "GET" : "POST"))
-      throw ApiError{405, fmt::format("{} takes {}, not {}", p, get ? "GET" : "POST", req.method.substr(0, 16)), ""};
+    if (get ? req.method != "GET" && req.method != "HEAD" : req.method != "POST") {
+      http::Response r = error_response(ApiError{
+          405, fmt::format("{} takes {}, not {}", p, get ? "GET" : "POST", req.method.substr(0, 16)), ""});
+      r.headers.emplace_back("Allow", get ? "GET, HEAD" : "POST");
+      return r;
+    }
     if (p == "/health") return json_response(ready ? 200 : 503, {{"status", ready ? "ok" : "loading"}});
     if (p == "/metrics") return http::Response{200, "text/plain; version=0.0.4", metrics(), {}};
     if (!o.api_key.empty() && req.header("authorization") != "Bearer " + o.api_key)
@@ -445,7 +451,7 @@ int Server::start() {
   return s.http->start(s.o.host, s.o.port);
 }
 
-void Server::serve_model(Model& model, const data::Tokenizer* tok, const std::string& name) {
+void Server::serve_model(Model& model, const data::Tokenizer* tok, const std::string& name, bool last) {
   Impl& s = *impl_;
   auto m = std::make_unique<Served>();
   m->api.name = name;
@@ -462,7 +468,7 @@ void Server::serve_model(Model& model, const data::Tokenizer* tok, const std::st
     std::lock_guard<std::mutex> lock(s.models_m);
     s.models.push_back(std::move(m));
   }
-  s.ready = true;
+  if (last) s.ready = true;
 }
 
 void Server::stop() {

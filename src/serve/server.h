@@ -38,7 +38,8 @@ class Server {
   int start();
   // Serves `model` (and `tok`, null for token-id models) under `name` from now on; the first
   // model served is the default one (a request without `model`). Names must be distinct.
-  void serve_model(Model& model, const data::Tokenizer* tok, const std::string& name);
+  // /health says ready once the `last` one is served: with more to come, pass last = false.
+  void serve_model(Model& model, const data::Tokenizer* tok, const std::string& name, bool last = true);
   // Stops accepting; requests in flight finish until the drain timeout, then are cut. Safe from
   // any thread, once or more.
   void stop();

@@ -1,5 +1,5 @@
-// `sigma serve`'s request handling: one HTTP request through Server::answer (httplib's parser,
-// Sigma's routes, the API key check, body parsing, the engine with a tiny byte-level model, and
+// `sigma serve`'s request handling: one HTTP request through Server::answer (the server's own
+// request reader, src/serve/http_request.cpp; the framing-* seeds are RFC 9112 cases; Sigma's routes, the API key check, body parsing, the engine with a tiny byte-level model, and
 // the JSON or event-stream response), without a socket. Every request must get a response: a
 // 2xx with a body of its content type (JSON parses; an event stream is JSON events then
 // [DONE]), or a 4xx/5xx whose body is the API's JSON error carrying the same status.
