@@ -52,8 +52,10 @@ void run_inherit(const SurgeryArgs& a) {
   fmt::print("inherited {} -> {}: {} parameters (dense {}), {} RRE blocks, {} groups, {} slots\n",
              dense.dir, dir, param_total(out), param_total(dense), c.rre_layers, c.groups.size(),
              c.slots);
-  fmt::print("embedding: {} of {} rows kept from the dense model, {} drawn from N(0, {:.4g})\n",
-             rep.kept_rows, rep.vocab, rep.drawn_rows, rep.sigma);
+  fmt::print("embedding: {} of {} rows kept from the dense model (same string), {} new strings "
+             "as the mean of their pieces' dense rows, {} without a string (new controls, ids "
+             "past the tokenizer) as the dense table's mean row\n",
+             rep.kept_rows, rep.vocab, rep.composed_rows, rep.mean_rows);
 }
 
 void print_size(const NamedModel& full, const NamedModel& sub, const std::string& dir,
@@ -135,7 +137,8 @@ const RegisterCommand reg_surgery([](CLI::App& root) {
                 "model.rre_layers=2");
   c->add_option("--out", a->out, "Output checkpoint root (new or empty)")->required();
   c->add_option("--tokenizer", a->tokenizer,
-                "Grown tokenizer: rows mapped by sub-word string, new ones drawn")
+                "Grown tokenizer: rows mapped by sub-word string; a new string's row is the mean of its "
+                "pieces' rows under the dense tokenizer")
       ->check(CLI::ExistingFile);
   c->callback([a] { run_inherit(*a); });
 

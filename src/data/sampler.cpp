@@ -1,5 +1,7 @@
 #include "data/sampler.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <numeric>
 
@@ -203,8 +205,11 @@ void Sampler::restore(const json& c) {
     SIGMA_CHECK(c.at("seed").get<uint64_t>() == cfg_.seed, "sampler cursor: saved with seed {}, the "
                 "config has {}", c.at("seed").get<uint64_t>(), cfg_.seed);
     const json& doms = c.at("domains");
-    SIGMA_CHECK(doms.size() == names_.size(), "sampler cursor: saved for {} domains, the data has {}",
-                doms.size(), names_.size());
+    std::vector<std::string> saved;
+    for (const auto& [name, v] : doms.items()) saved.push_back(name);
+    SIGMA_CHECK(doms.size() == names_.size(), "sampler cursor: saved for {} domains ({}), the "
+                "data has {} ({})", doms.size(), fmt::join(saved, ", "), names_.size(),
+                fmt::join(names_, ", "));
     std::vector<uint64_t> epoch(names_.size()), pos(names_.size());
     for (size_t d = 0; d < names_.size(); ++d) {
       SIGMA_CHECK(doms.contains(names_[d]), "sampler cursor: has no domain '{}'", names_[d]);

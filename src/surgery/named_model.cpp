@@ -10,6 +10,7 @@
 #include "optim/adamw.h"
 #include "surgery/surgery.h"
 #include "train/checkpoint.h"
+#include "train/resume.h"
 #include "io/checkpoint_dir.h"
 #include "io/file.h"
 
@@ -57,6 +58,10 @@ std::string write_model(const std::string& out, NamedModel& m) {
   SIGMA_CHECK(m.tensors.size() == expected,
               "internal: surgery produced {} tensors but the config needs {}", m.tensors.size(),
               expected);
+  // Data and store paths absolute against this directory, as `sigma train` stores them: a
+  // later `train --resume OUT` from any directory reads the same shards.
+  make_data_paths_absolute(m.cfg);
+  make_store_path_absolute(m.cfg);
   AdamW fresh(m.cfg.optim, model.params());  // zero moments, step 0
   try {
     return save_checkpoint(out, m.cfg, model, &fresh, TrainerState{}, m.tokenizer);

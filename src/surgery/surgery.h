@@ -38,10 +38,11 @@ struct InheritOptions {
   std::string tokenizer;  // grown tokenizer file ("" = the dense model's vocabulary)
 };
 struct InheritReport {
-  int64_t vocab = 0;       // V of the sparse model
-  int64_t kept_rows = 0;   // ids whose dense row was kept (same string, or the same id)
-  int64_t drawn_rows = 0;  // ids drawn from N(0, sigma)
-  double sigma = 0;        // std of the dense embedding
+  int64_t vocab = 0;          // V of the sparse model
+  int64_t kept_rows = 0;      // ids whose dense row was kept (same string, or the same id)
+  int64_t composed_rows = 0;  // new strings: the mean of the dense rows of their pieces
+  int64_t mean_rows = 0;      // no string in the dense model (a new control, an id past the
+                              // tokenizer): the mean of the dense slot's rows
 };
 
 // A sparse model from a dense one: `sparse` gives the model shape (same width, depth, heads
