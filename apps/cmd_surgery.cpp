@@ -47,6 +47,9 @@ void run_inherit(const SurgeryArgs& a) {
   Config sparse = sparse_config(a, dense);
   InheritReport rep;
   NamedModel out = inherit(dense, sparse, {a.tokenizer}, &rep);
+  out.origin = origin_of("inherit", dense);
+  if (!a.tokenizer.empty())
+    out.origin["tokenizer"] = std::filesystem::absolute(a.tokenizer).lexically_normal().string();
   const std::string dir = write_model(a.out, out);
   const ModelConfig& c = out.cfg.model;
   fmt::print("inherited {} -> {}: {} parameters (dense {}), {} RRE blocks, {} groups, {} slots\n",
@@ -75,6 +78,7 @@ void run_extract(const SurgeryArgs& a) {
     b = e + 1;
   }
   NamedModel sub = extract(full, names);
+  sub.origin = origin_of("extract", full, {{"domains", names}});
   const std::string dir = write_model(a.out, sub);
   print_size(full, sub, dir, fmt::format("extracted {}", a.domains).c_str());
 }
@@ -112,6 +116,7 @@ void run_list(const SurgeryArgs& a) {
 void run_add(const SurgeryArgs& a) {
   NamedModel m = read_model(a.ckpt);
   NamedModel out = add_domain(m, {a.name, a.init_from, a.experts, a.dense});
+  out.origin = origin_of("domains add", m, {{"domain", a.name}, {"init_from", a.init_from}});
   const std::string dir = write_model(a.out, out);
   const auto& g = out.cfg.model.groups.back();
   fmt::print("added domain '{}' -> {}: group '{}' with {} experts (from {}), slot {}; {} "
@@ -122,6 +127,7 @@ void run_add(const SurgeryArgs& a) {
 void run_remove(const SurgeryArgs& a) {
   NamedModel m = read_model(a.ckpt);
   NamedModel out = remove_domain(m, a.name);
+  out.origin = origin_of("domains remove", m, {{"domain", a.name}});
   const std::string dir = write_model(a.out, out);
   print_size(m, out, dir, fmt::format("removed {}", a.name).c_str());
 }

@@ -153,10 +153,10 @@ TEST(Inherit, SameTokenizerComputesTheDenseFunctionOnEveryDomain) {
   for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(want[i] - got[i]));
   EXPECT_LE(worst, 1e-6f);
   RecordProperty("max_abs_diff_mixed", fmt::format("{:.3g}", worst));
-  // trainer.json at step 0 and a zero optimizer state: resume accepts it.
+  // trainer.json at step 0 and no optimizer state (resume starts a fresh one).
   CheckpointInfo info = open_checkpoint(tmp / "sparse");
   EXPECT_EQ(info.state.step, 0);
-  EXPECT_TRUE(fs::exists(info.dir + "/optimizer.safetensors"));
+  EXPECT_FALSE(fs::exists(info.dir + "/optimizer.safetensors"));
 }
 
 TEST(Inherit, GrownTokenizerKeepsEveryRowOfASharedString) {

@@ -229,3 +229,48 @@ TEST_F(SurgeryText, ErrorsNameTheKeyAndTheFix) {
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find("the prepare config's \"tokenizer\" key"), std::string::npos) << r.out;
 }
+
+// An extract carries no optimizer state (it was 33 MB of zeros on ../shared/data) and records
+// where it came from, which inspect shows; it trains from a fresh state, and the memory plan
+// announces the expert buffers it will use (no more than the model's experts).
+TEST_F(SurgeryText, ExtractRecordsItsOriginAndCarriesNoOptimizerState) {
+  auto r = sigma_cmd("inherit --from " + *dir / "dense/checkpoints " + groups() + "--out " + *dir / "o-sparse");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("train --quiet --resume " + *dir / "o-sparse --set train.steps=3 --out " + *dir / "o-run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("extract --ckpt " + *dir / "o-run/checkpoints --domain code --out " + *dir / "o-code");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const CheckpointInfo src = open_checkpoint(*dir / "o-run/checkpoints");
+  const CheckpointInfo ex = open_checkpoint(*dir / "o-code");
+  EXPECT_FALSE(fs::exists(ex.dir + "/optimizer.safetensors"));
+  ASSERT_TRUE(ex.state.origin.is_object()) << ex.state.origin.dump();
+  const nlohmann::json& o = ex.state.origin;
+  EXPECT_EQ(o["command"], "extract");
+  EXPECT_EQ(o["checkpoint"], fs::absolute(src.dir).lexically_normal().string());
+  EXPECT_EQ(o["step"], 3);
+  EXPECT_EQ(o["tokens"], src.state.tokens);
+  EXPECT_GT(src.state.tokens, 0);
+  EXPECT_EQ(o["domains"], nlohmann::json({"code"}));
+  // The run trained from the inherit output keeps its origin; the extract chains it.
+  EXPECT_EQ(src.state.origin["command"], "inherit");
+  EXPECT_EQ(o["origin"]["command"], "inherit");
+  r = sigma_cmd("inspect --ckpt " + *dir / "o-code");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const std::string& want :
+       {std::string("no optimizer state: training starts a fresh one"),
+        fmt::format("origin      extract of {} (step 3, {} tokens, domains [\"code\"])", src.dir,
+                    src.state.tokens),
+        std::string("origin      inherit of ")})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  // It trains on its domain's data from a fresh optimizer state (experts through ECSS).
+  std::ofstream(*dir / "code-only.json") << nlohmann::json{
+      {"tokenizer", "tok.json"}, {"corpus", {"train.jsonl"}},
+      {"domains", {{{"name", "code"}, {"group", "code"}, {"slot", 1}, {"prefix", {"<Python>"}}}}}}.dump();
+  r = sigma_cmd("prepare --config " + *dir / "code-only.json" + " --out " + *dir / "code-only");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("train --resume " + *dir / "o-code --set data.path=" + *dir / "code-only" +
+                " --set data.eval_path= --set train.steps=2 --out " + *dir / "o-code-run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  // One RRE block, one group of 2 experts: the buffers hold 2, not what 1 GiB would hold.
+  EXPECT_NE(r.out.find("hold 2 experts of"), std::string::npos) << r.out;
+}
