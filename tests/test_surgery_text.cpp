@@ -217,6 +217,22 @@ TEST_F(SurgeryText, ErrorsNameTheKeyAndTheFix) {
                                   "data.path = " + *dir / "prose-only" + " is other data",
                                   std::string("sigma extract --ckpt CKPT")})
     EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+  // A curriculum checkpoint's stages name domains an extract's data lacks: set data.sampler.
+  r = sigma_cmd("inherit --from " + *dir / "dense/checkpoints " + groups() + "--out " + *dir / "e-sparse");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("train --quiet --resume " + *dir / "e-sparse --set train.steps=2 --set "
+                "'data.sampler={\"stages\":[{\"steps\":1,\"domains\":[\"code\"]},{}]}' --out " +
+                *dir / "e-run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("extract --ckpt " + *dir / "e-run/checkpoints --domain prose --out " + *dir / "e-prose");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string train_prose = "train --quiet --resume " + *dir / "e-prose --set data.path=" +
+                                  *dir / "prose-only --set data.eval_path= --set train.steps=1 ";
+  r = sigma_cmd(train_prose + "--out " + *dir / "e-prose-run");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.out.find("--set 'data.sampler={}'"), std::string::npos) << r.out;
+  r = sigma_cmd(train_prose + "--set 'data.sampler={}' --out " + *dir / "e-prose-run2");
+  EXPECT_EQ(r.code, 0) << r.out;
   // A missing tokenizer names the key it came from.
   r = sigma_cmd("train --quiet --set data.source=shards --set data.path=" + *dir / "tok-train" +
                 " --set data.tokenizer=" + *dir / "missing.json --set train.steps=1");

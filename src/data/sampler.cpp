@@ -88,7 +88,11 @@ Sampler::Sampler(SamplerConfig cfg, std::vector<std::string> names, std::vector<
   auto index_of = [&](const std::string& name, size_t stage) -> size_t {
     auto it = std::find(names_.begin(), names_.end(), name);
     SIGMA_CHECK(it != names_.end(), "sampler: stage {} names domain '{}', which the data does not "
-                "have (it has: {})", stage, name, fmt::join(names_, ", "));
+                "have (it has: {}); data.sampler's stages must name the data's domains. A run on "
+                "other data than the config's (e.g. a resumed curriculum checkpoint on one "
+                "domain's shards) sets data.sampler to {{}} (all domains by token count) or to "
+                "stages of its own domains: --set 'data.sampler={{}}'", stage, name,
+                fmt::join(names_, ", "));
     return it - names_.begin();
   };
   uint64_t end = 0;
