@@ -4,7 +4,6 @@
 // expert a token routes to, it applies the same FFN.
 #include <fmt/format.h>
 
-#include <cmath>
 #include <cstring>
 #include <unordered_map>
 
@@ -118,7 +117,7 @@ NamedModel inherit(const NamedModel& dense, Config sparse, const InheritOptions&
     if (p.name == names::kTokens) {
       // A new id's row is the mean of the dense rows of the pieces that spelled it, in the
       // same slot: its input keeps the meaning the dense model gave those bytes, and its
-      // logit in the tied head is the mean of theirs (docs/surgery.md, "Grown tokenizer").
+      // logit in the tied head is the mean of theirs (docs/surgery.md, "Growing the tokenizer").
       const Tensor& e = dense.tensors.at(names::kTokens);
       InheritReport rep{V, 0, 0, 0};
       std::vector<double> acc(static_cast<size_t>(d)), mean(static_cast<size_t>(d));
