@@ -4,10 +4,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "command.h"
 #include "model/names.h"
+#include "io/checkpoint_dir.h"
 #include "run/checkpoint.h"
 
 namespace sigma::cli {
@@ -28,6 +30,9 @@ nlohmann::json describe(const Model& m, const CheckpointInfo& info) {
   j["checkpoint"] = info.dir;
   j["step"] = info.state.step;
   j["tokens"] = info.state.tokens;
+  j["origin"] = info.state.origin;  // null: trained from scratch
+  // A surgery output holds no optimizer state: training it starts a fresh AdamW state.
+  j["optimizer"] = std::filesystem::exists(info.dir + "/" + kOptimizerFile) ? "saved" : "none";
   j["parameters"] = {{"total", m.params().numel()},
                      {"active_per_token", m.active_params_per_token()},
                      {"shared", m.params().numel() - expert_params},
@@ -71,8 +76,19 @@ nlohmann::json describe(const Model& m, const CheckpointInfo& info) {
 
 void print_text(const nlohmann::json& j) {
   const auto& p = j["parameters"];
-  fmt::print("checkpoint  {} (step {}, {} tokens)\n", j["checkpoint"].get<std::string>(),
-             j["step"].get<int64_t>(), j["tokens"].get<int64_t>());
+  fmt::print("checkpoint  {} (step {}, {} tokens{})\n", j["checkpoint"].get<std::string>(),
+             j["step"].get<int64_t>(), j["tokens"].get<int64_t>(),
+             j["optimizer"] == "none" ? "; no optimizer state: training starts a fresh one" : "");
+  // The chain of surgery steps it came from, newest first.
+  for (const nlohmann::json* o = &j["origin"]; o->is_object(); o = &(*o)["origin"]) {
+    std::string what;
+    for (const char* k : {"domains", "domain", "init_from", "tokenizer"})
+      if (o->contains(k)) what += fmt::format(", {} {}", k, (*o)[k].is_string() ? (*o)[k].get<std::string>() : (*o)[k].dump());
+    fmt::print("origin      {} of {} (step {}, {} tokens{})\n", (*o)["command"].get<std::string>(),
+               (*o)["checkpoint"].get<std::string>(), (*o)["step"].get<int64_t>(),
+               (*o)["tokens"].get<int64_t>(), what);
+    if (!o->contains("origin")) break;
+  }
   fmt::print("parameters  {} total, {} active per token ({} shared, {} in experts, {} per "
              "expert)\n", p["total"].get<int64_t>(), p["active_per_token"].get<int64_t>(),
              p["shared"].get<int64_t>(), p["experts"].get<int64_t>(),

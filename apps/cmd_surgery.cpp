@@ -47,13 +47,18 @@ void run_inherit(const SurgeryArgs& a) {
   Config sparse = sparse_config(a, dense);
   InheritReport rep;
   NamedModel out = inherit(dense, sparse, {a.tokenizer}, &rep);
+  out.origin = origin_of("inherit", dense);
+  if (!a.tokenizer.empty())
+    out.origin["tokenizer"] = std::filesystem::absolute(a.tokenizer).lexically_normal().string();
   const std::string dir = write_model(a.out, out);
   const ModelConfig& c = out.cfg.model;
   fmt::print("inherited {} -> {}: {} parameters (dense {}), {} RRE blocks, {} groups, {} slots\n",
              dense.dir, dir, param_total(out), param_total(dense), c.rre_layers, c.groups.size(),
              c.slots);
-  fmt::print("embedding: {} of {} rows kept from the dense model, {} drawn from N(0, {:.4g})\n",
-             rep.kept_rows, rep.vocab, rep.drawn_rows, rep.sigma);
+  fmt::print("embedding: {} of {} rows kept from the dense model (same string), {} new strings "
+             "as the mean of their pieces' dense rows, {} without a string (new controls, ids "
+             "past the tokenizer) as the dense table's mean row\n",
+             rep.kept_rows, rep.vocab, rep.composed_rows, rep.mean_rows);
 }
 
 void print_size(const NamedModel& full, const NamedModel& sub, const std::string& dir,
@@ -73,6 +78,7 @@ void run_extract(const SurgeryArgs& a) {
     b = e + 1;
   }
   NamedModel sub = extract(full, names);
+  sub.origin = origin_of("extract", full, {{"domains", names}});
   const std::string dir = write_model(a.out, sub);
   print_size(full, sub, dir, fmt::format("extracted {}", a.domains).c_str());
 }
@@ -110,6 +116,7 @@ void run_list(const SurgeryArgs& a) {
 void run_add(const SurgeryArgs& a) {
   NamedModel m = read_model(a.ckpt);
   NamedModel out = add_domain(m, {a.name, a.init_from, a.experts, a.dense});
+  out.origin = origin_of("domains add", m, {{"domain", a.name}, {"init_from", a.init_from}});
   const std::string dir = write_model(a.out, out);
   const auto& g = out.cfg.model.groups.back();
   fmt::print("added domain '{}' -> {}: group '{}' with {} experts (from {}), slot {}; {} "
@@ -120,6 +127,7 @@ void run_add(const SurgeryArgs& a) {
 void run_remove(const SurgeryArgs& a) {
   NamedModel m = read_model(a.ckpt);
   NamedModel out = remove_domain(m, a.name);
+  out.origin = origin_of("domains remove", m, {{"domain", a.name}});
   const std::string dir = write_model(a.out, out);
   print_size(m, out, dir, fmt::format("removed {}", a.name).c_str());
 }
@@ -135,7 +143,8 @@ const RegisterCommand reg_surgery([](CLI::App& root) {
                 "model.rre_layers=2");
   c->add_option("--out", a->out, "Output checkpoint root (new or empty)")->required();
   c->add_option("--tokenizer", a->tokenizer,
-                "Grown tokenizer: rows mapped by sub-word string, new ones drawn")
+                "Grown tokenizer: rows mapped by sub-word string; a new string's row is the mean of its "
+                "pieces' rows under the dense tokenizer")
       ->check(CLI::ExistingFile);
   c->callback([a] { run_inherit(*a); });
 

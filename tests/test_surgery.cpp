@@ -112,7 +112,7 @@ TEST(Inherit, SameTokenizerComputesTheDenseFunctionOnEveryDomain) {
   InheritReport rep;
   NamedModel sp = inherit(dense, sparse_config(), {}, &rep);
   EXPECT_EQ(rep.kept_rows, 13);
-  EXPECT_EQ(rep.drawn_rows, 0);
+  EXPECT_EQ(rep.composed_rows + rep.mean_rows, 0);
   // Tensors: experts are the dense FFN, shared tensors copied, both slots dense slot 0.
   for (const auto& [name, t] : sp.tensors) {
     if (t.dtype() != DType::F32) continue;
@@ -153,10 +153,10 @@ TEST(Inherit, SameTokenizerComputesTheDenseFunctionOnEveryDomain) {
   for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(want[i] - got[i]));
   EXPECT_LE(worst, 1e-6f);
   RecordProperty("max_abs_diff_mixed", fmt::format("{:.3g}", worst));
-  // trainer.json at step 0 and a zero optimizer state: resume accepts it.
+  // trainer.json at step 0 and no optimizer state (resume starts a fresh one).
   CheckpointInfo info = open_checkpoint(tmp / "sparse");
   EXPECT_EQ(info.state.step, 0);
-  EXPECT_TRUE(fs::exists(info.dir + "/optimizer.safetensors"));
+  EXPECT_FALSE(fs::exists(info.dir + "/optimizer.safetensors"));
 }
 
 TEST(Inherit, GrownTokenizerKeepsEveryRowOfASharedString) {
@@ -191,8 +191,9 @@ TEST(Inherit, GrownTokenizerKeepsEveryRowOfASharedString) {
       EXPECT_EQ(0, std::memcmp(e1.f() + (slot * V + i) * d, e0.f() + it->second * d, d * 4)) << i;
   }
   EXPECT_EQ(rep.kept_rows, shared);
-  EXPECT_GT(rep.drawn_rows, 0);
-  EXPECT_EQ(rep.kept_rows + rep.drawn_rows, V);
+  EXPECT_GT(rep.composed_rows, 0);
+  EXPECT_EQ(rep.mean_rows, 1);  // the new control <new>
+  EXPECT_EQ(rep.kept_rows + rep.composed_rows + rep.mean_rows, V);
   EXPECT_EQ(sp.tokenizer, tmp / "t2.json");
   write_model(tmp / "sparse", sp);
   EXPECT_FALSE(checkpoint_tokenizer_path(open_checkpoint(tmp / "sparse").dir).empty());

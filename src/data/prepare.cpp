@@ -446,6 +446,10 @@ void print_summary(const PrepareReport& report, bool read_any) {
 }  // namespace
 
 PrepareReport prepare(const PrepareConfig& cfg, const std::string& out_dir, const PrepareOptions& opt) {
+  SIGMA_CHECK(fs::is_regular_file(cfg.tokenizer), "tokenizer {} (the prepare config's "
+              "\"tokenizer\" key, relative to the config file's folder) does not exist: make it "
+              "with sigma tokenizer train --corpus DIR --vocab-size N --out {}, or point the key at "
+              "an existing tokenizer", cfg.tokenizer, cfg.tokenizer);
   Tokenizer tok = Tokenizer::load(cfg.tokenizer);
   check_prefixes(cfg, tok);
   std::vector<Source> sources = expand_corpus(cfg.corpus);

@@ -1,5 +1,7 @@
 #include "data/sampler.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <numeric>
 
@@ -86,7 +88,11 @@ Sampler::Sampler(SamplerConfig cfg, std::vector<std::string> names, std::vector<
   auto index_of = [&](const std::string& name, size_t stage) -> size_t {
     auto it = std::find(names_.begin(), names_.end(), name);
     SIGMA_CHECK(it != names_.end(), "sampler: stage {} names domain '{}', which the data does not "
-                "have (it has: {})", stage, name, fmt::join(names_, ", "));
+                "have (it has: {}); data.sampler's stages must name the data's domains. A run on "
+                "other data than the config's (e.g. a resumed curriculum checkpoint on one "
+                "domain's shards) sets data.sampler to {{}} (all domains by token count) or to "
+                "stages of its own domains: --set 'data.sampler={{}}'", stage, name,
+                fmt::join(names_, ", "));
     return it - names_.begin();
   };
   uint64_t end = 0;
@@ -203,8 +209,11 @@ void Sampler::restore(const json& c) {
     SIGMA_CHECK(c.at("seed").get<uint64_t>() == cfg_.seed, "sampler cursor: saved with seed {}, the "
                 "config has {}", c.at("seed").get<uint64_t>(), cfg_.seed);
     const json& doms = c.at("domains");
-    SIGMA_CHECK(doms.size() == names_.size(), "sampler cursor: saved for {} domains, the data has {}",
-                doms.size(), names_.size());
+    std::vector<std::string> saved;
+    for (const auto& [name, v] : doms.items()) saved.push_back(name);
+    SIGMA_CHECK(doms.size() == names_.size(), "sampler cursor: saved for {} domains ({}), the "
+                "data has {} ({})", doms.size(), fmt::join(saved, ", "), names_.size(),
+                fmt::join(names_, ", "));
     std::vector<uint64_t> epoch(names_.size()), pos(names_.size());
     for (size_t d = 0; d < names_.size(); ++d) {
       SIGMA_CHECK(doms.contains(names_[d]), "sampler cursor: has no domain '{}'", names_[d]);

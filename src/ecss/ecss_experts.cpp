@@ -87,6 +87,9 @@ EcssExperts::EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim
   budget_experts_ = (memory_budget - (store_.file_backed() && !grads_in_file ? area : 0)) / expert_bytes();
   SIGMA_CHECK(budget_experts_ >= 1, "train.expert_memory = {} bytes cannot hold one expert's "
               "weights and gradients ({} bytes); give it at least that", memory_budget, expert_bytes());
+  // No more buffers than there are experts (a step activates at most all of them): the budget
+  // of a small model is its expert count, and the trainer's memory plan shows what is used.
+  budget_experts_ = std::min<int64_t>(budget_experts_, store_.num_experts());
   grads_ = GradientArea(store_.num_experts(), P_, grads_in_file ? store_path : "");
   changed_.assign(store_.spec().groups.size(), 1);
   model_.set_expert_executor(this);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 
 #include "core/error.h"
 #include "model/names.h"
@@ -32,18 +33,23 @@ void check_tensor(const std::map<std::string, TensorInfo>& index, const std::str
 std::vector<int64_t> check_expert_group(const ExpertGroupSpec& gs, const std::string& name,
                                  const std::string& model_path, const std::string& opt_path) {
   const Safetensors model_index = read_safetensors(model_path, [](const std::string&) { return false; });
-  const Safetensors steps_file = read_safetensors(opt_path, is_step);
+  // A checkpoint without optimizer state (surgery output): the experts start fresh.
+  const bool fresh = !std::filesystem::exists(opt_path);
+  const Safetensors steps_file = fresh ? Safetensors{} : read_safetensors(opt_path, is_step);
   for (size_t t = 0; t < gs.tensors.size(); ++t) {
     const std::string base = names::expert(gs.block, name, names::kExpertLeaves[t]);
     Shape shape{gs.experts};
     for (int64_t x : gs.tensors[t].shape) shape.push_back(x);
     check_tensor(model_index.index, model_path, base, DType::F32, shape);
+    if (fresh) continue;
     check_tensor(steps_file.index, opt_path, base + ".m", DType::F32, shape);
     check_tensor(steps_file.index, opt_path, base + ".v", DType::F32, shape);
   }
   const std::string per_expert = names::expert(gs.block, name, "steps");
   std::vector<int64_t> s;
-  if (steps_file.index.count(per_expert)) {
+  if (fresh) {
+    s.assign(size_t(gs.experts), 0);
+  } else if (steps_file.index.count(per_expert)) {
     check_tensor(steps_file.index, opt_path, per_expert, DType::I64, {gs.experts});
     const int64_t* v = steps_file.tensors.at(per_expert).data<int64_t>();
     s.assign(v, v + gs.experts);
@@ -73,7 +79,8 @@ void load_expert_group(ExpertStore& store, const ExpertGroupSpec& gs, int32_t fi
   const Safetensors weights = read_safetensors(model_path, [&](const std::string& n) {
     return rest(n).find('.') == std::string::npos;
   });
-  const Safetensors moments = read_safetensors(opt_path, [&](const std::string& n) {
+  const bool fresh = !std::filesystem::exists(opt_path);  // no optimizer state: m = v = 0
+  const Safetensors moments = fresh ? Safetensors{} : read_safetensors(opt_path, [&](const std::string& n) {
     const std::string r = rest(n);
     return r.find('.') == r.size() - 2 && (r.ends_with(".m") || r.ends_with(".v"));
   });
@@ -86,6 +93,7 @@ void load_expert_group(ExpertStore& store, const ExpertGroupSpec& gs, int32_t fi
       const std::string base = prefix + names::kExpertLeaves[t];
       const int64_t n = shape_numel(gs.tensors[t].shape), off = gs.offset(t);
       std::memcpy(w.data() + off, weights.tensors.at(base).f() + k * n, size_t(n) * 4);
+      if (fresh) continue;
       std::memcpy(m.data() + off, moments.tensors.at(base + ".m").f() + k * n, size_t(n) * 4);
       std::memcpy(v.data() + off, moments.tensors.at(base + ".v").f() + k * n, size_t(n) * 4);
     }

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <set>
 
 #include "core/error.h"
@@ -14,6 +15,32 @@ std::vector<std::string> group_names(const std::vector<GroupSpec>& groups) {
   std::vector<std::string> n;
   for (const auto& g : groups) n.push_back(g.name);
   return n;
+}
+
+// A domain whose group is not declared. The usual cause: the domains came from prepared shards
+// (their registry's groups) while model.groups kept the built-in synthetic data's defaults, so
+// the error spells out the model.groups that covers every domain's group.
+[[noreturn]] void undeclared_group(const ModelConfig& m, const DomainSpec& bad) {
+  std::vector<std::string> needed;
+  for (const auto& d : m.domains)
+    if (std::find(needed.begin(), needed.end(), d.group) == needed.end()) needed.push_back(d.group);
+  std::string list;
+  for (const auto& n : needed) {
+    int k = 2;  // a declared group keeps its experts; a new one gets 2 (to be chosen)
+    for (const auto& g : m.groups)
+      if (g.name == n) k = g.experts;
+    list += fmt::format("{}{{\"name\":\"{}\",\"experts\":{}}}", list.empty() ? "" : ",", n, k);
+  }
+  const bool synthetic = group_names(m.groups) == std::vector<std::string>{"markov", "copy", "arith"};
+  fail("model.domains: domain '{}' names group '{}', which model.groups does not declare "
+       "(declared: {}{}). model.groups must declare every group the domains name (the domains "
+       "and their groups come from the prepared data's manifest.json when model.domains is "
+       "empty): set it in the config file, e.g. \"model\": {{\"groups\": [{}]}}, or with "
+       "--set 'model.groups=[{}]' (choose each group's experts); or train a dense model "
+       "(model.rre_layers = 0), which needs no groups",
+       bad.name, bad.group,
+       m.groups.empty() ? std::string("none") : fmt::format("{}", fmt::join(group_names(m.groups), ", ")),
+       synthetic ? ", the defaults for the built-in synthetic data" : "", list, list);
 }
 
 bool valid_group_name(const std::string& s) {
@@ -69,13 +96,10 @@ void ModelConfig::validate() const {
     SIGMA_CHECK(d.slot >= 0 && d.slot < slots,
                 "model.domains: domain '{}' has slot {} but model.slots = {} (allowed 0..{})",
                 d.name, d.slot, slots, slots - 1);
-    SIGMA_CHECK(!need_groups || gseen.count(d.group),
-                "model.domains: domain '{}' names group '{}', which model.groups does not declare "
-                "(declared: {})", d.name, d.group,
-                groups.empty() ? std::string("none")
-                               : fmt::format("{}", fmt::join(group_names(groups), ", ")));
+    if (need_groups && !gseen.count(d.group)) undeclared_group(*this, d);
   }
 }
+
 
 void ModelConfig::describe(Options& o, const std::string& p) {
   o.add(p + "vocab", &vocab, "vocabulary size V (0 = from the data)", 0, 1 << 24);

@@ -102,6 +102,7 @@ CheckpointInfo open_resolved(const std::string& dir) {
   SIGMA_CHECK(!name.starts_with("step-") || name == fmt::format("step-{:08d}", info.state.step),
               "{}: says step {} but the checkpoint is '{}'", tpath, info.state.step, name);
   if (j.contains("data_cursor")) info.state.data_cursor = j["data_cursor"];
+  if (j.contains("origin")) info.state.origin = j["origin"];
   info.cfg.apply(j["config"], tpath);
   return info;
 }
@@ -177,6 +178,9 @@ namespace {
 void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir, const TpGroup& tp,
                     const ModelConfig& cfg) {
   const std::string path = dir + "/" + kOptimizerFile;
+  // Written without optimizer state (a surgery output: a new model at step 0; the manifest,
+  // checked on open, says which files a checkpoint holds): training starts a fresh state.
+  if (!std::filesystem::exists(path)) return;
   // Expert state that is not in `params` (an expert store's) is left for EcssExperts::load.
   const bool has_experts = std::any_of(params.all().begin(), params.all().end(),
                                        [](const Param& p) { return p.expert; });

@@ -23,6 +23,9 @@ struct TrainerState {
   int64_t step = 0;    // optimizer steps completed
   int64_t tokens = 0;  // tokens trained on so far
   nlohmann::json data_cursor;  // DataSource::cursor() (null for index-addressed data)
+  // Where a surgery output came from (command, source checkpoint, its step and tokens, ...);
+  // null for a model trained from scratch. Kept by the runs resumed from it.
+  nlohmann::json origin;
 };
 
 // Every weight of a checkpoint under its in-model name: model.safetensors plus the expert

@@ -94,7 +94,8 @@ std::string manifest_tokenizer(const std::string& dir) {
 // directory's registry; batch rows carry that index.
 class ShardsSource : public DataSource {
  public:
-  ShardsSource(data::ShardSet set, std::string tokenizer) : set_(std::move(set)), tokenizer_(std::move(tokenizer)) {
+  ShardsSource(data::ShardSet set, std::string tokenizer, std::string path)
+      : set_(std::move(set)), tokenizer_(std::move(tokenizer)), path_(std::move(path)) {
     for (size_t i = 0; i < set_.domains.size(); ++i) index_of_id_[set_.domains[i].id] = int(i);
   }
   int vocab() const override { return int(set_.vocab_size); }
@@ -170,7 +171,18 @@ class ShardsSource : public DataSource {
   void restore(const nlohmann::json& c) override {
     SIGMA_CHECK(batches_ && c.is_object() && c.contains("sampler") && c.contains("index"),
                 "checkpoint has no data cursor for the shards source");
-    batches_->restore(c["sampler"]);
+    try {
+      batches_->restore(c["sampler"]);
+    } catch (const Error& e) {
+      // The cursor was saved for the checkpoint's training data: say which data differs and
+      // how to train the checkpoint's weights on it anyway.
+      fail("{}. --resume continues the checkpoint's data order, so it needs the data the "
+           "checkpoint was trained on, and data.path = {} is other data. Resume with the "
+           "checkpoint's own data.path, or train its weights on this data from step 0: sigma "
+           "extract --ckpt CKPT --domain <every domain of the model> --out NEW (a copy without "
+           "a data cursor), then sigma train --resume NEW --set data.path={}",
+           e.what(), path_, path_);
+    }
     next_index_ = c["index"].get<uint64_t>();
   }
 
@@ -186,6 +198,7 @@ class ShardsSource : public DataSource {
   }
   data::ShardSet set_;
   std::string tokenizer_;
+  std::string path_;  // the prepared folder, for errors
   std::map<uint32_t, int> index_of_id_;
   std::unique_ptr<data::BatchSource> batches_;
   mutable data::Batch scratch_;
@@ -194,14 +207,25 @@ class ShardsSource : public DataSource {
 
 std::unique_ptr<ShardsSource> open_shards(const std::string& dir, std::string tokenizer) {
   SIGMA_CHECK(!dir.empty(), "data.path is empty: set it to a directory made by sigma prepare");
-  if (tokenizer.empty()) tokenizer = manifest_tokenizer(dir);
+  const bool from_config = !tokenizer.empty();
+  if (!from_config) tokenizer = manifest_tokenizer(dir);
   uint64_t hash = 0;
   if (!tokenizer.empty()) {
-    SIGMA_CHECK(std::filesystem::exists(tokenizer), "tokenizer file '{}' (named by {}/manifest.json or "
-                "data.tokenizer) does not exist", tokenizer, dir);
-    hash = data::Tokenizer::load(tokenizer).hash();
+    const std::string named_by =
+        from_config ? std::string("data.tokenizer")
+                    : fmt::format("{}/manifest.json (written by sigma prepare; data.tokenizer is "
+                                  "unset)", dir);
+    SIGMA_CHECK(std::filesystem::is_regular_file(tokenizer),
+                "tokenizer '{}', named by {}, is not a file: set data.tokenizer to the tokenizer "
+                "the shards of data.path = {} were made with (--set data.tokenizer=FILE)",
+                tokenizer, named_by, dir);
+    try {
+      hash = data::Tokenizer::load(tokenizer).hash();
+    } catch (const Error& e) {
+      fail("data.tokenizer: {} (named by {})", e.what(), named_by);
+    }
   }
-  return std::make_unique<ShardsSource>(data::ShardSet::open(dir, hash), tokenizer);
+  return std::make_unique<ShardsSource>(data::ShardSet::open(dir, hash), tokenizer, dir);
 }
 
 }  // namespace
@@ -226,7 +250,7 @@ std::unique_ptr<DataSource> make_data_source(const Config& cfg) {
 }
 
 std::unique_ptr<DataSource> make_eval_source(const std::string& dir, uint64_t tokenizer_hash) {
-  return std::make_unique<ShardsSource>(data::ShardSet::open(dir, tokenizer_hash), "");
+  return std::make_unique<ShardsSource>(data::ShardSet::open(dir, tokenizer_hash), "", dir);
 }
 
 void bind_model_to_data(ModelConfig& m, const DataSource& d) {

@@ -4,7 +4,6 @@
 // expert a token routes to, it applies the same FFN.
 #include <fmt/format.h>
 
-#include <cmath>
 #include <cstring>
 #include <unordered_map>
 
@@ -28,11 +27,14 @@ void check_same(const char* key, int dense, int sparse, const std::string& dir) 
               dir, key, dense, sparse, key, dense);
 }
 
-// For each id of the new tokenizer, the dense id with the same string (-1 when none): controls
-// match controls by name, other tokens match by their bytes (the lowest dense id when several
-// dense tokens spell the same bytes). Every dense control must exist in the new tokenizer.
-std::vector<int64_t> map_vocab(const data::Tokenizer& dense, const data::Tokenizer& grown,
-                               const std::string& grown_path) {
+// For each id of the new tokenizer, the dense ids whose rows make its row: the dense id with
+// the same string when there is one (controls match by name, other tokens by their bytes, the
+// lowest dense id when several spell the same bytes), else the dense tokenizer's encoding of
+// its bytes (the row is then their mean), else nothing (a control the dense model lacks: the
+// slot's mean row). Every dense control must exist in the new tokenizer.
+std::vector<std::vector<int64_t>> map_vocab(const data::Tokenizer& dense,
+                                            const data::Tokenizer& grown,
+                                            const std::string& grown_path) {
   for (const std::string& c : dense.controls())
     SIGMA_CHECK(grown.find_control(c).has_value(),
                 "tokenizer {} does not cover the dense vocabulary: it lacks the control token "
@@ -40,14 +42,18 @@ std::vector<int64_t> map_vocab(const data::Tokenizer& dense, const data::Tokeniz
   std::unordered_map<std::string, int64_t> by_bytes;
   for (uint32_t id = dense.vocab_size(); id-- > dense.n_controls();)
     by_bytes[dense.token_bytes(id)] = id;  // descending, so the lowest id wins
-  std::vector<int64_t> map(grown.vocab_size(), -1);
+  std::vector<std::vector<int64_t>> map(grown.vocab_size());
   for (uint32_t id = 0; id < grown.vocab_size(); ++id) {
     if (grown.is_control(id)) {
-      if (auto d = dense.find_control(grown.token_bytes(id))) map[id] = *d;
+      if (auto d = dense.find_control(grown.token_bytes(id))) map[id] = {*d};
       continue;
     }
     auto it = by_bytes.find(grown.token_bytes(id));
-    if (it != by_bytes.end()) map[id] = it->second;
+    if (it != by_bytes.end()) {
+      map[id] = {it->second};
+    } else {
+      for (uint32_t p : dense.encode(grown.token_bytes(id))) map[id].push_back(p);
+    }
   }
   return map;
 }
@@ -67,7 +73,7 @@ NamedModel inherit(const NamedModel& dense, Config sparse, const InheritOptions&
   check_same("context", dm.context, sm.context, dense.dir);
 
   // Vocabulary: the dense one, or the grown tokenizer's mapped by string.
-  std::vector<int64_t> map;  // new id -> dense id (-1: drawn)
+  std::vector<std::vector<int64_t>> map;  // new id -> dense ids to average (none: slot mean)
   std::string tokenizer = dense.tokenizer;
   if (!opt.tokenizer.empty()) {
     SIGMA_CHECK(!dense.tokenizer.empty(),
@@ -75,14 +81,15 @@ NamedModel inherit(const NamedModel& dense, Config sparse, const InheritOptions&
                 "string to {}", dense.dir, opt.tokenizer);
     const auto old_tok = data::Tokenizer::load(dense.tokenizer);
     const auto new_tok = data::Tokenizer::load(opt.tokenizer);
+    SIGMA_CHECK(int64_t(old_tok.vocab_size()) <= dm.vocab,
+                "{}: its tokenizer has {} ids but model.vocab = {}", dense.dir,
+                old_tok.vocab_size(), dm.vocab);
     map = map_vocab(old_tok, new_tok, opt.tokenizer);
-    for (int64_t& d : map)
-      if (d >= dm.vocab) d = -1;
     if (sm.vocab == 0) sm.vocab = int(new_tok.vocab_size());
     SIGMA_CHECK(sm.vocab >= int(new_tok.vocab_size()),
                 "model.vocab = {} is smaller than the tokenizer {} ({} ids)", sm.vocab,
                 opt.tokenizer, new_tok.vocab_size());
-    map.resize(size_t(sm.vocab), -1);
+    map.resize(size_t(sm.vocab));  // ids past the tokenizer: no string, the slot's mean row
     tokenizer = opt.tokenizer;
   } else {
     if (sm.vocab == 0) sm.vocab = dm.vocab;
@@ -90,7 +97,7 @@ NamedModel inherit(const NamedModel& dense, Config sparse, const InheritOptions&
                 "model.vocab = {} but the dense model has {}: a new vocabulary needs --tokenizer",
                 sm.vocab, dm.vocab);
     map.resize(size_t(sm.vocab));
-    for (int64_t i = 0; i < sm.vocab; ++i) map[size_t(i)] = i;
+    for (int64_t i = 0; i < sm.vocab; ++i) map[size_t(i)] = {i};
   }
   if (sm.domains.empty()) bind_model_to_data(sm, *make_data_source(sparse));
   sm.validate();
@@ -99,7 +106,7 @@ NamedModel inherit(const NamedModel& dense, Config sparse, const InheritOptions&
               "(use model.routing = random)", sm.routing);
 
   const int64_t d = sm.d_model, V = sm.vocab, Vd = dm.vocab;
-  const uint64_t seed = sparse.train.seed;
+  const uint64_t seed = sparse.train.seed;  // learned gates only
   NamedModel out;
   out.tokenizer = tokenizer;
   ParamSet ps;
@@ -108,28 +115,40 @@ NamedModel inherit(const NamedModel& dense, Config sparse, const InheritOptions&
     Tensor t = Tensor::f32(p.value.shape());
     float* dst = t.f();
     if (p.name == names::kTokens) {
-      // sigma over the whole dense table (double sums, one pass).
+      // A new id's row is the mean of the dense rows of the pieces that spelled it, in the
+      // same slot: its input keeps the meaning the dense model gave those bytes, and its
+      // logit in the tied head is the mean of theirs (docs/surgery.md, "Growing the tokenizer").
       const Tensor& e = dense.tensors.at(names::kTokens);
-      double s = 0, s2 = 0;
-      for (int64_t i = 0; i < e.numel(); ++i) s += e.f()[i], s2 += double(e.f()[i]) * e.f()[i];
-      const double mean = s / double(e.numel());
-      const float sigma = float(std::sqrt(std::max(0.0, s2 / double(e.numel()) - mean * mean)));
-      int64_t kept = 0;
+      InheritReport rep{V, 0, 0, 0};
+      std::vector<double> acc(static_cast<size_t>(d)), mean(static_cast<size_t>(d));
       for (int slot = 0; slot < sm.slots; ++slot) {
         const int src = slot < dm.slots ? slot : 0;  // extra slots copy dense slot 0
-        const uint64_t stream = stream_of(fmt::format("inherit.embed.{}", src).c_str());
+        const float* table = e.f() + src * Vd * d;
+        std::fill(mean.begin(), mean.end(), 0.0);
+        for (int64_t x = 0; x < Vd; ++x)
+          for (int64_t j = 0; j < d; ++j) mean[size_t(j)] += table[x * d + j];
+        for (double& m : mean) m /= double(Vd);
         for (int64_t x = 0; x < V; ++x) {
           float* row = dst + (slot * V + x) * d;
-          const int64_t from = map[size_t(x)];
-          if (from >= 0) {
-            std::memcpy(row, e.f() + (src * Vd + from) * d, size_t(d) * 4);
-            kept += slot == 0;
-          } else {
-            for (int64_t j = 0; j < d; ++j) row[j] = sigma * rng_normal(seed, stream, x * d + j);
+          const std::vector<int64_t>& from = map[size_t(x)];
+          if (from.size() == 1) {
+            std::memcpy(row, table + from[0] * d, size_t(d) * 4);
+            rep.kept_rows += slot == 0;
+            continue;
           }
+          if (from.empty()) {
+            for (int64_t j = 0; j < d; ++j) row[j] = float(mean[size_t(j)]);
+            rep.mean_rows += slot == 0;
+            continue;
+          }
+          std::fill(acc.begin(), acc.end(), 0.0);
+          for (int64_t f : from)
+            for (int64_t j = 0; j < d; ++j) acc[size_t(j)] += table[f * d + j];
+          for (int64_t j = 0; j < d; ++j) row[j] = float(acc[size_t(j)] / double(from.size()));
+          rep.composed_rows += slot == 0;
         }
       }
-      if (report) *report = {V, kept, V - kept, sigma};
+      if (report) *report = rep;
     } else if (names::is_gate(p.name)) {
       // Learned-gate baseline: the gate has no dense counterpart; fresh N(0, init_std).
       const uint64_t stream = stream_of(p.name.c_str());

@@ -7,9 +7,9 @@
 #include "kernels/ops.h"
 #include "model/model.h"
 #include "model/names.h"
-#include "optim/adamw.h"
 #include "surgery/surgery.h"
 #include "train/checkpoint.h"
+#include "train/resume.h"
 #include "io/checkpoint_dir.h"
 #include "io/file.h"
 
@@ -24,6 +24,9 @@ NamedModel read_model(const std::string& path) {
   m.dir = info.dir;
   m.tensors = read_model_tensors(info.dir);  // model.safetensors and any expert group files
   m.tokenizer = checkpoint_tokenizer_path(info.dir);
+  m.step = info.state.step;
+  m.tokens = info.state.tokens;
+  m.origin = info.state.origin;
   m.cfg.model.validate();
   return m;
 }
@@ -57,14 +60,32 @@ std::string write_model(const std::string& out, NamedModel& m) {
   SIGMA_CHECK(m.tensors.size() == expected,
               "internal: surgery produced {} tensors but the config needs {}", m.tensors.size(),
               expected);
-  AdamW fresh(m.cfg.optim, model.params());  // zero moments, step 0
+  // Data and store paths absolute against this directory, as `sigma train` stores them: a
+  // later `train --resume OUT` from any directory reads the same shards.
+  make_data_paths_absolute(m.cfg);
+  make_store_path_absolute(m.cfg);
+  // No optimizer file: at step 0 it would be all zeros, which is what resume starts from anyway.
+  TrainerState st;
+  st.origin = m.origin;
   try {
-    return save_checkpoint(out, m.cfg, model, &fresh, TrainerState{}, m.tokenizer);
+    return save_checkpoint(out, m.cfg, model, nullptr, st, m.tokenizer);
   } catch (...) {
     // CheckpointWriter removed its temporary directory; drop the root we created.
     if (!existed) fs::remove_all(out, ec);
     throw;
   }
+}
+
+nlohmann::json origin_of(const std::string& command, const NamedModel& source,
+                         nlohmann::json extra) {
+  nlohmann::json o{{"command", command},
+                   {"checkpoint", source.dir.empty() ? std::string()
+                                                      : fs::absolute(source.dir).lexically_normal().string()},
+                   {"step", source.step},
+                   {"tokens", source.tokens}};
+  o.update(extra);
+  if (!source.origin.is_null()) o["origin"] = source.origin;
+  return o;
 }
 
 Counts count_params(const NamedModel& m) {

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "run/config.h"
 #include "io/safetensors.h"
 
@@ -20,14 +22,21 @@ struct NamedModel {
   TensorMap tensors;
   std::string tokenizer;  // path of the tokenizer file to carry into the output
   std::string dir;        // where it was read from ("" when built in memory)
+  int64_t step = 0, tokens = 0;  // its training so far (as read)
+  nlohmann::json origin;         // as read; for an output, what write_model records
 };
+
+// The origin to record for a surgery output: the command, the source checkpoint (absolute),
+// its step and tokens, `extra` (e.g. the extracted domains) and the source's own origin.
+nlohmann::json origin_of(const std::string& command, const NamedModel& source,
+                         nlohmann::json extra = nlohmann::json::object());
 
 // Reads a checkpoint (a directory, or a root with `latest`), checksums verified.
 NamedModel read_model(const std::string& path);
 
-// Writes `m` as a fresh checkpoint root: OUT/step-00000000 (model.safetensors, a zero optimizer
-// state, trainer.json at step 0, the tokenizer) and OUT/latest, so train --resume, generate,
-// eval and inspect accept it. Every tensor the config needs must be present with its shape and
+// Writes `m` as a fresh checkpoint root: OUT/step-00000000 (model.safetensors, trainer.json at
+// step 0 with m.origin, the tokenizer; no optimizer state: train --resume starts a fresh one)
+// and OUT/latest, so train --resume, generate, eval and inspect accept it. Every tensor the config needs must be present with its shape and
 // nothing else. OUT must not exist or be empty; on any failure nothing is left behind.
 // Returns the checkpoint directory.
 std::string write_model(const std::string& out, NamedModel& m);
@@ -38,10 +47,11 @@ struct InheritOptions {
   std::string tokenizer;  // grown tokenizer file ("" = the dense model's vocabulary)
 };
 struct InheritReport {
-  int64_t vocab = 0;       // V of the sparse model
-  int64_t kept_rows = 0;   // ids whose dense row was kept (same string, or the same id)
-  int64_t drawn_rows = 0;  // ids drawn from N(0, sigma)
-  double sigma = 0;        // std of the dense embedding
+  int64_t vocab = 0;          // V of the sparse model
+  int64_t kept_rows = 0;      // ids whose dense row was kept (same string, or the same id)
+  int64_t composed_rows = 0;  // new strings: the mean of the dense rows of their pieces
+  int64_t mean_rows = 0;      // no string in the dense model (a new control, an id past the
+                              // tokenizer): the mean of the dense slot's rows
 };
 
 // A sparse model from a dense one: `sparse` gives the model shape (same width, depth, heads

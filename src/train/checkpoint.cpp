@@ -145,8 +145,10 @@ void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, con
   if (opt)
     w.add_safetensors(kOptimizerFile, optimizer_refs(model, *opt, keep, whole),
                       {{"format", "sigma-adamw"}, {"version", "1"}});
-  w.add_json(kTrainerFile, {{"step", st.step}, {"tokens", st.tokens}, {"config", config},
-                            {"data_cursor", st.data_cursor}});
+  nlohmann::json trainer{{"step", st.step}, {"tokens", st.tokens}, {"config", config},
+                         {"data_cursor", st.data_cursor}};
+  if (!st.origin.is_null()) trainer["origin"] = st.origin;
+  w.add_json(kTrainerFile, trainer);
   if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
   if (const auto domains = data_domains_of(cfg, tokenizer_path))
     w.add_json(kDataDomainsFile, {{"domains", *domains}});
