@@ -1,5 +1,6 @@
 // Checks made before a run allocates anything: threads the machine can run, and the memory a
 // config needs (so that a model too big for the machine gets a sized error, not bad_alloc).
+// Their errors are sigma::Refusal (core/refusal.h): every rank reaches them alike.
 #pragma once
 #include <cstdint>
 #include <string>
