@@ -223,6 +223,42 @@ TEST(BadInputs, AVocabularyTpDoesNotDivideIsRefusedBeforeTheOutputIsLocked) {
   EXPECT_EQ(r.out.find(line), r.out.rfind(line)) << "said by each rank: " << r.out;
 }
 
+// A tp group must sit inside one host (issue 38's placement rule): hosts as Open MPI sees them
+// (hostnames, one per rank in world order; scripts/sim-cluster.sh gives each host its own).
+TEST(BadInputs, ATpGroupAcrossHostsIsRefusedWithTheTpThatFits) {
+  const std::vector<std::string> two_by_two = {"h0", "h0", "h1", "h1"};
+  EXPECT_NO_THROW(check_tp_within_hosts(two_by_two, 1));
+  EXPECT_NO_THROW(check_tp_within_hosts(two_by_two, 2));
+  EXPECT_EQ(describe_hosts(two_by_two), "h0: ranks 0-1; h1: ranks 2-3");
+  try {
+    check_tp_within_hosts(two_by_two, 4);
+    ADD_FAILURE() << "tp 4 over two hosts of 2 accepted";
+  } catch (const Refusal& e) {
+    EXPECT_EQ(std::string(e.what()).find("dist.tp = 4 puts tp group 0 (ranks 0-3) on more than one "
+                                         "host (h0: ranks 0-1; h1: ranks 2-3): a tp group"), 0u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use dist.tp = 2 or 1,"), std::string::npos) << e.what();
+  }
+  // 3 ranks a host: tp 2 splits group 1 (ranks 2-3) over h0 and h1; only tp 1 and 3 fit.
+  const std::vector<std::string> threes = {"a", "a", "a", "b", "b", "b"};
+  try {
+    check_tp_within_hosts(threes, 2);
+    ADD_FAILURE() << "tp 2 over hosts of 3 accepted";
+  } catch (const Refusal& e) {
+    EXPECT_NE(std::string(e.what()).find("tp group 1 (ranks 2-3) on more than one host (a: ranks 2; "
+                                         "b: ranks 3)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use dist.tp = 1,"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(check_tp_within_hosts(threes, 3));
+  // Ranks placed round-robin (mpirun --map-by node): no tp > 1 fits.
+  EXPECT_THROW(check_tp_within_hosts({"a", "b", "a", "b"}, 2), Refusal);
+  EXPECT_EQ(describe_hosts({"a", "b", "a", "b"}), "a: ranks 0, 2; b: ranks 1, 3");
+  // One process: its own hostname.
+  SingleProcess one;
+  const std::vector<std::string> mine = hosts_of_ranks(one);
+  ASSERT_EQ(mine.size(), 1u);
+  EXPECT_FALSE(mine[0].empty());
+}
+
 // ---- threads and memory --------------------------------------------------------------------
 
 // Every value a batch refusal suggests is accepted when fed back (issue 38: mpirun -np 5 with

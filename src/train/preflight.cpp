@@ -275,6 +275,72 @@ static void tensor_parallel_fits(const Config& cfg, int world, const std::string
               "not split and assembled in checkpoints); use optim.sparse_embeddings = false", tp);
 }
 
+std::vector<std::string> hosts_of_ranks(Communicator& world) {
+  constexpr size_t kName = 256;  // HOST_NAME_MAX is 64 on Linux
+  char mine[kName] = {};
+  ::gethostname(mine, kName - 1);
+  std::vector<char> all(kName * size_t(world.size()));
+  world.all_gather_bytes(all.data(), mine, kName);
+  std::vector<std::string> hosts;
+  for (int r = 0; r < world.size(); ++r) hosts.emplace_back(all.data() + size_t(r) * kName);
+  return hosts;
+}
+
+namespace {
+// "0-1" or "4": a run of ranks [a, b].
+std::string rank_range(int a, int b) { return a == b ? std::to_string(a) : fmt::format("{}-{}", a, b); }
+
+// Whether every group of tp adjacent ranks lies on one host.
+bool tp_fits_hosts(const std::vector<std::string>& host, int tp) {
+  if (tp < 1 || host.size() % size_t(tp) != 0) return false;
+  for (size_t r = 0; r < host.size(); ++r)
+    if (host[r] != host[r - r % size_t(tp)]) return false;
+  return true;
+}
+}  // namespace
+
+namespace {
+// "h0: ranks 0-1; h1: ranks 2-3" for ranks [from, to) of `host`, hosts in order of first rank.
+std::string describe_hosts(const std::vector<std::string>& host, size_t from, size_t to) {
+  std::vector<std::string> order;
+  std::vector<std::vector<std::string>> runs;  // per host in `order`: its runs of ranks
+  for (size_t r = from, end; r < to; r = end + 1) {
+    for (end = r; end + 1 < to && host[end + 1] == host[r];) ++end;
+    const size_t h = size_t(std::find(order.begin(), order.end(), host[r]) - order.begin());
+    if (h == order.size()) order.push_back(host[r]), runs.emplace_back();
+    runs[h].push_back(rank_range(int(r), int(end)));
+  }
+  std::vector<std::string> out;
+  for (size_t h = 0; h < order.size(); ++h)
+    out.push_back(fmt::format("{}: ranks {}", order[h], fmt::join(runs[h], ", ")));
+  return fmt::format("{}", fmt::join(out, "; "));
+}
+}  // namespace
+
+std::string describe_hosts(const std::vector<std::string>& host) {
+  return describe_hosts(host, 0, host.size());
+}
+
+void check_tp_within_hosts(const std::vector<std::string>& host, int tp) {
+  refusing([&] {
+    // A tp that does not divide the ranks is check_tensor_parallel's refusal.
+    if (tp <= 1 || host.size() % size_t(tp) != 0 || tp_fits_hosts(host, tp)) return;
+    size_t g = 0;  // the first group that crosses hosts
+    while (std::all_of(host.begin() + long(g), host.begin() + long(g) + tp,
+                       [&](const std::string& h) { return h == host[g]; }))
+      g += size_t(tp);
+    std::vector<std::string> fit;
+    for (int t = tp - 1; t >= 1; --t)
+      if (tp_fits_hosts(host, t)) fit.push_back(std::to_string(t));
+    fail("dist.tp = {} puts tp group {} (ranks {}) on more than one host ({}): a tp group "
+         "exchanges its activations twice per block and pass and must stay inside a host; use "
+         "dist.tp = {}, or give every host a multiple of {} ranks, in rank order (a hostfile with "
+         "slots = a multiple of {} and mpirun --map-by slot)", tp, g / size_t(tp),
+         rank_range(int(g), int(g) + tp - 1), describe_hosts(host, g, g + size_t(tp)),
+         fmt::join(fit, " or "), tp, tp);
+  });
+}
+
 // The checks every rank makes alike throw Refusal: printed once (preflight.h).
 void refuse_inapplicable_options(const Config& cfg, const std::string& experts, int ranks,
                                  bool out_dir) {
