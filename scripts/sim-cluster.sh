@@ -236,8 +236,8 @@ wait $! || rc=$?
 # memory were not used between them.
 report=""
 for ((h = 0; h < hosts; h++)); do
-  read -r r0 t0 lr0 lt0 <<<"${before[h]}"
-  read -r r1 t1 lr1 lt1 <<<"$(counters "$h")"
+  read -r r0 t0 _ lt0 <<<"${before[h]}"
+  read -r r1 t1 _ lt1 <<<"$(counters "$h")"
   report+="h$h.eth0.rx_bytes=$((r1 - r0))"$'\n'"h$h.eth0.tx_bytes=$((t1 - t0))"$'\n'
   report+="h$h.lo.bytes=$((lt1 - lt0))"$'\n'
   say "h$h: eth0 received $((r1 - r0)) and sent $((t1 - t0)) bytes, lo $((lt1 - lt0)) bytes"

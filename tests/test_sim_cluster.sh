@@ -33,7 +33,7 @@ metrics() { sed -E 's/"tokens_per_s":[^,}]*,?//g; s/"step_s":[^,}]*,?//g' "$1"; 
 # Nothing of run sigma-sim-$1 left: namespaces, files, processes (its ranks and daemons carry
 # SIM_CLUSTER_RUN in their environment), the watchdog.
 leftovers() {
-  local run=sigma-sim-$1 p
+  local run=sigma-sim-$1
   ip netns list | grep -q "^$run-" && echo "namespace $(ip netns list | grep "^$run-" | head -1)"
   for f in "/tmp/$run" "/dev/shm/$run" /etc/netns/"$run"-*; do [[ -e "$f" ]] && echo "file $f"; done
   # One grep each over every process (a loop of forks takes seconds on a busy machine).
