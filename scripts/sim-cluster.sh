@@ -108,6 +108,7 @@ done
 # Stale runs first: namespaces and files of a run whose script is gone.
 for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$base-[0-9]+-" || true); do
   pid=${ns#"$base-"}; pid=${pid%%-*}
+  ip netns list | grep -q "^$ns\b" || continue  # swept with an earlier namespace of its run
   if ! kill -0 "$pid" 2>/dev/null || ! grep -q sim-cluster "/proc/$pid/cmdline" 2>/dev/null; then
     say "removing $base-$pid (a run whose script is gone)"
     sweep_run "$base-$pid"
