@@ -8,8 +8,8 @@
 #
 #   scripts/sim-cluster.sh --hosts 2 --slots 2 --bandwidth 2gbit -- ./build/sigma train ...
 #
-# Everything it creates is named sigma-sim-<pid of this script>-*: namespaces, /etc/netns/<ns>,
-# /tmp/<run> and /dev/shm/<run> (Open MPI's session and shared-memory files). It is removed at
+# Everything it creates is named sigma-sim-<pid of this script>-*: namespaces, /tmp/<run> (the
+# hostfile, the hosts' /etc/hosts, Open MPI's session files) and /dev/shm/<run> (shared memory). It is removed at
 # exit, on a signal, at the --timeout, and by a watchdog process when this script is killed
 # with SIGKILL; a run whose script and watchdog both died is swept by the next run's start.
 set -euo pipefail
@@ -34,10 +34,8 @@ sweep_run() {
     # A process just killed may hold the namespace for a moment; deleting it anyway is fine
     # (the kernel frees it with its last process), but its veths go only then.
     ip netns del "$ns" 2>/dev/null || true
-    rm -rf "/etc/netns/$ns"
   done
   rm -rf "/tmp/$run" "/dev/shm/$run"
-  rmdir /etc/netns 2>/dev/null || true
 }
 
 # The watchdog: waits for the script (pid $1) to end or the deadline ($3, epoch seconds) to
@@ -50,15 +48,25 @@ if [[ "${1:-}" == --watchdog ]]; then
   exit 0
 fi
 
-# The rsh agent Open MPI calls as `AGENT HOST COMMAND...`: enters HOST's namespaces and runs
-# the command there under HOST's own hostname, as ssh would. SIM_CLUSTER_RUN names the run.
+# Runs `sh -c SCRIPT` as host $1 of run $2: in its network namespace, under its own hostname
+# (a UTS namespace) and with the cluster's /etc/hosts (bind-mounted inside the mount namespace
+# that `ip netns exec` makes, so the machine's own /etc is not touched).
+as_host() {
+  local host=$1 run=$2
+  shift 2
+  ip netns exec "$run-$host" unshare --uts sh -c "echo $host > /proc/sys/kernel/hostname &&
+    mount --bind /tmp/$run/hosts /etc/hosts && $*"
+}
+
+# The rsh agent Open MPI calls as `AGENT HOST COMMAND...`: runs the command as HOST, as ssh
+# would. SIM_CLUSTER_RUN names the run.
 if [[ "${1:-}" == --agent ]]; then
   shift
   host=$1
   shift
   [[ "$host" =~ ^h[0-9]+$ ]] || die "agent: unknown host '$host'"
-  exec ip netns exec "$SIM_CLUSTER_RUN-$host" unshare --uts sh -c \
-    "echo $host > /proc/sys/kernel/hostname && $*"
+  as_host "$host" "$SIM_CLUSTER_RUN" "$*"
+  exit
 fi
 
 usage() {
@@ -114,7 +122,7 @@ for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$base-[0-9]
     sweep_run "$base-$pid"
   fi
 done
-for d in /tmp/$base-* /dev/shm/$base-* /etc/netns/$base-*; do
+for d in /tmp/$base-* /dev/shm/$base-*; do
   [[ -e "$d" ]] || continue
   pid=${d##*/"$base-"}; pid=${pid%%-*}
   kill -0 "$pid" 2>/dev/null && grep -q sim-cluster "/proc/$pid/cmdline" 2>/dev/null || rm -rf "$d"
@@ -145,8 +153,10 @@ in_ns() { local n=$1; shift; ip netns exec "$(ns "$n")" "$@"; }
 ip netns add "$(ns br)"
 ip -n "$(ns br)" link add br0 type bridge
 ip -n "$(ns br)" link set br0 up
-hostsfile="127.0.0.1 localhost"$'\n'
-for ((h = 0; h < hosts; h++)); do hostsfile+="$subnet_prefix.$((h + 1)) h$h"$'\n'; done
+{
+  echo "127.0.0.1 localhost"
+  for ((h = 0; h < hosts; h++)); do echo "$subnet_prefix.$((h + 1)) h$h"; done
+} >"$tmp/hosts"
 
 # tc's rate in bytes per second, for the bucket: 1 ms of traffic, at least 32 KiB.
 burst=32768
@@ -175,8 +185,6 @@ shape() {
 for ((h = 0; h < hosts; h++)); do
   n=$(ns h$h)
   ip netns add "$n"
-  mkdir -p "/etc/netns/$n"
-  printf '%s' "$hostsfile" >"/etc/netns/$n/hosts"
   ip -n "$n" link set lo up
   # Both ends made in namespaces of the run: eth0 in the host, h<k> on the bridge.
   ip -n "$n" link add eth0 type veth peer name "h$h" netns "$(ns br)"
@@ -223,10 +231,11 @@ mpirun_cmd=(mpirun --allow-run-as-root --oversubscribe --bind-to none
   -x SIM_CLUSTER_RUN)
 # shellcheck disable=SC2206
 [[ -n "$extra" ]] && mpirun_cmd+=($extra)
-# mpirun in h0 under h0's hostname (so it knows itself as h0); timeout bounds the run. In the
+# mpirun in h0 as as_host runs the daemons (so it knows itself as h0); timeout bounds the run. In the
 # background, so that a signal to this script runs its trap at once (bash defers traps until a
 # foreground child ends); the sweep then ends every process in the namespaces.
-in_ns h0 unshare --uts sh -c 'echo h0 > /proc/sys/kernel/hostname && exec "$@"' sh \
+in_ns h0 unshare --uts sh -c 'echo h0 > /proc/sys/kernel/hostname &&
+  mount --bind "$0" /etc/hosts && exec "$@"' "$tmp/hosts" \
   timeout --kill-after=10 "$timeout_s" "${mpirun_cmd[@]}" "$@" &
 rc=0
 wait $! || rc=$?

@@ -35,7 +35,7 @@ metrics() { sed -E 's/"tokens_per_s":[^,}]*,?//g; s/"step_s":[^,}]*,?//g' "$1"; 
 leftovers() {
   local run=sigma-sim-$1
   ip netns list | grep -q "^$run-" && echo "namespace $(ip netns list | grep "^$run-" | head -1)"
-  for f in "/tmp/$run" "/dev/shm/$run" /etc/netns/"$run"-*; do [[ -e "$f" ]] && echo "file $f"; done
+  for f in "/tmp/$run" "/dev/shm/$run"; do [[ -e "$f" ]] && echo "file $f"; done
   # One grep each over every process (a loop of forks takes seconds on a busy machine).
   grep -lsz "^SIM_CLUSTER_RUN=$run\$" /proc/[0-9]*/environ | sed 's|^|process |'
   grep -lsz "^$run\$" /proc/[0-9]*/cmdline | sed 's|^|watchdog |'
