@@ -9,9 +9,10 @@
 #   scripts/sim-cluster.sh --hosts 2 --slots 2 --bandwidth 2gbit -- ./build/sigma train ...
 #
 # Everything it creates is named sigma-sim-<pid of this script>-*: namespaces, /tmp/<run> (the
-# hostfile, the hosts' /etc/hosts, Open MPI's session files) and /dev/shm/<run> (shared memory). It is removed at
-# exit, on a signal, at the --timeout, and by a watchdog process when this script is killed
-# with SIGKILL; a run whose script and watchdog both died is swept by the next run's start.
+# hostfile, the hosts' /etc/hosts, Open MPI's session files) and /dev/shm/<run> (shared
+# memory). It is removed at exit, on a signal, at the --timeout, and by a watchdog process
+# when this script is killed with SIGKILL; a run whose script and watchdog both died is swept
+# by the next run's start.
 set -euo pipefail
 
 prog=sim-cluster
