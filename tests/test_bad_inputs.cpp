@@ -234,8 +234,9 @@ TEST(BadInputs, ATpGroupAcrossHostsIsRefusedWithTheTpThatFits) {
     check_tp_within_hosts(two_by_two, 4);
     ADD_FAILURE() << "tp 4 over two hosts of 2 accepted";
   } catch (const Refusal& e) {
-    EXPECT_EQ(std::string(e.what()).find("dist.tp = 4 puts tp group 0 (ranks 0-3) on more than one "
-                                         "host (h0: ranks 0-1; h1: ranks 2-3): a tp group"), 0u) << e.what();
+    const std::string said = e.what();
+    EXPECT_EQ(said.find("dist.tp = 4 puts tp group 0 (ranks 0-3) on more than one host (h0: "
+                        "ranks 0-1; h1: ranks 2-3): a tp group"), 0u) << said;
     EXPECT_NE(std::string(e.what()).find("use dist.tp = 2 or 1,"), std::string::npos) << e.what();
   }
   // 3 ranks a host: tp 2 splits group 1 (ranks 2-3) over h0 and h1; only tp 1 and 3 fit.
@@ -244,8 +245,8 @@ TEST(BadInputs, ATpGroupAcrossHostsIsRefusedWithTheTpThatFits) {
     check_tp_within_hosts(threes, 2);
     ADD_FAILURE() << "tp 2 over hosts of 3 accepted";
   } catch (const Refusal& e) {
-    EXPECT_NE(std::string(e.what()).find("tp group 1 (ranks 2-3) on more than one host (a: ranks 2; "
-                                         "b: ranks 3)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("tp group 1 (ranks 2-3) on more than one host (a: "
+                                         "ranks 2; b: ranks 3)"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("use dist.tp = 1,"), std::string::npos) << e.what();
   }
   EXPECT_NO_THROW(check_tp_within_hosts(threes, 3));
@@ -283,8 +284,13 @@ TEST(BadInputs, BatchRefusalsSuggestOnlyValuesTheyAccept) {
   auto part = [](const std::string& s, const std::string& from, const std::string& to) {
     const size_t at = s.find(from);
     if (at == std::string::npos) return std::string();
-    const size_t end = s.find(to, at + from.size());
-    return s.substr(at + from.size(), end == std::string::npos ? std::string::npos : end - at - from.size());
+    const size_t begin = at + from.size(), end = s.find(to, begin);
+    return s.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+  };
+  int suggestions = 0;
+  // Calls fn(match) for each match of `re` in `s`.
+  auto each = [&](const std::string& s, const std::regex& re, auto fn) {
+    for (std::sregex_iterator m(s.begin(), s.end(), re), e; m != e; ++m, ++suggestions) fn(*m);
   };
   EXPECT_EQ(part(refusal(make(24, 1, 0), 5), "nearest valid: ", "\n"),
             "train.global_batch = 20 (with train.batch = 4) or 25 (with train.batch = 5), or "
@@ -292,7 +298,7 @@ TEST(BadInputs, BatchRefusalsSuggestOnlyValuesTheyAccept) {
   TrainConfig main_job = make(24, 1, 0);
   EXPECT_THROW(resolve_batch(main_job, 5), Refusal) << "printed once, by rank 0 (apps/sigma.cpp)";
   const std::regex global(R"((\d+)(?: \(with train\.batch = (\d+)\))?)"), number(R"(\d+)");
-  int refusals = 0, suggestions = 0;
+  int refusals = 0;
   for (int R = 1; R <= 8; ++R)
     for (int b = 1; b <= 8; ++b)
       for (int G = 1; G <= 40; ++G)
@@ -302,25 +308,24 @@ TEST(BadInputs, BatchRefusalsSuggestOnlyValuesTheyAccept) {
           if (why.empty()) continue;
           ++refusals;
           const std::string at = fmt::format("{} ranks, batch {}, global {}: {}", R, b, G, why);
-          const std::string batches = part(why, "nearest valid on " + std::to_string(R) +
-                                           " ranks: train.batch = ", ",");
           ASSERT_NE(why.find("nearest valid"), std::string::npos) << at;
           const std::string tail = why.substr(why.find("nearest valid"));
-          for (std::sregex_iterator m(batches.begin(), batches.end(), number), e; m != e; ++m, ++suggestions)
-            EXPECT_EQ(refusal(make(std::stoi(m->str()), 1, G), R), "") << "train.batch = " << m->str() << " from " << at;
-          const std::string globals = part(tail, "train.global_batch = ", ", or");
-          for (std::sregex_iterator m(globals.begin(), globals.end(), global), e; m != e; ++m, ++suggestions) {
-            const int batch = (*m)[2].matched ? std::stoi((*m)[2]) : b;
-            EXPECT_EQ(refusal(make(batch, 1, std::stoi((*m)[1])), R), "") << m->str() << " from " << at;
-          }
-          const std::string ranks = part(tail, "mpirun -np ", "\n");
-          for (std::sregex_iterator m(ranks.begin(), ranks.end(), number), e; m != e; ++m, ++suggestions)
-            EXPECT_EQ(refusal(t, std::stoi(m->str())), "") << "mpirun -np " << m->str() << " from " << at;
+          each(part(tail, "nearest valid on " + std::to_string(R) + " ranks: train.batch = ", ","),
+               number, [&](const std::smatch& m) {
+                 EXPECT_EQ(refusal(make(std::stoi(m.str()), 1, G), R), "")
+                     << "train.batch = " << m.str() << " from " << at;
+               });
+          each(part(tail, "train.global_batch = ", ", or"), global, [&](const std::smatch& m) {
+            const int batch = m[2].matched ? std::stoi(m[2]) : b;
+            EXPECT_EQ(refusal(make(batch, 1, std::stoi(m[1])), R), "") << m.str() << " from " << at;
+          });
+          each(part(tail, "mpirun -np ", "\n"), number, [&](const std::smatch& m) {
+            EXPECT_EQ(refusal(t, std::stoi(m.str())), "") << "-np " << m.str() << " from " << at;
+          });
         }
   EXPECT_GT(refusals, 500);
   EXPECT_GT(suggestions, 2 * refusals) << "most refusals suggest at least two values";
 }
-
 
 TEST(BadInputs, MoreThreadsThanCoresAreCapped) {
   std::string note;

@@ -288,7 +288,9 @@ std::vector<std::string> hosts_of_ranks(Communicator& world) {
 
 namespace {
 // "0-1" or "4": a run of ranks [a, b].
-std::string rank_range(int a, int b) { return a == b ? std::to_string(a) : fmt::format("{}-{}", a, b); }
+std::string rank_range(int a, int b) {
+  return a == b ? std::to_string(a) : fmt::format("{}-{}", a, b);
+}
 
 // Whether every group of tp adjacent ranks lies on one host.
 bool tp_fits_hosts(const std::vector<std::string>& host, int tp) {
