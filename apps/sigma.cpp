@@ -6,6 +6,7 @@
 
 #include "command.h"
 #include "core/error.h"
+#include "core/refusal.h"
 #include "dist/communicator.h"
 
 namespace sigma::cli {
@@ -35,6 +36,17 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {  // one line, like every other error
     fmt::print(stderr, "sigma: error: {} (see --help)\n", e.what());
     return e.get_exit_code() ? e.get_exit_code() : 2;
+  } catch (const sigma::Refusal& e) {  // every rank refuses alike: rank 0 says it, once
+    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+    if (rank && size && std::atoi(size) > 1 && std::atoi(rank) != 0)
+      sleep(10);  // rank 0's abort ends this rank first; if rank 0 went on, it differed: say it
+    else
+      rank = nullptr;
+    fmt::print(stderr, "sigma: error: {}{}\n", rank ? fmt::format("rank {}: ", rank) : "", e.what());
+    std::fflush(stderr);
+    sigma::abort_run(1);
+    return 1;
   } catch (const std::exception& e) {  // sigma::Error and the rest: one line
     const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
     fmt::print(stderr, "sigma: error: {}{}\n", rank ? fmt::format("rank {}: ", rank) : "", e.what());

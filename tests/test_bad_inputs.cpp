@@ -10,9 +10,11 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <regex>
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "core/refusal.h"
 #include "data/shards.h"
 #include "ecss/expert_store.h"
 #include "infer/generate.h"
@@ -195,7 +197,135 @@ TEST(BadInputs, TheShardManifestsTokenizerPathIsRelativeToTheManifest) {
   EXPECT_EQ(src->tokenizer_path(), tmp / "tok.json");
 }
 
+// A model.vocab that dist.tp does not divide is refused before rank 0 locks --out (the model's
+// own check came after: the refused run left OUT/.lock behind), and said once, not per rank.
+TEST(BadInputs, AVocabularyTpDoesNotDivideIsRefusedBeforeTheOutputIsLocked) {
+  Config cfg;
+  cfg.model.vocab = 101;
+  cfg.model.heads = 2;
+  cfg.dist.tp = 2;
+  try {
+    check_tensor_parallel(cfg, 2, "model");
+    ADD_FAILURE() << "model.vocab = 101 accepted at dist.tp = 2";
+  } catch (const Refusal& e) {
+    EXPECT_NE(std::string(e.what()).find("set model.vocab = 102"), std::string::npos) << e.what();
+  }
+  if (!SIGMA_HAS_MPI) GTEST_SKIP() << "built with SIGMA_MPI=OFF: the 2-rank run is not tried";
+  TempDir t("vocab_tp");
+  const CmdResult r = run_cmd(fmt::format(
+      "mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 {} train --config "
+      "{}/configs/tiny.json --set model.vocab=101 --set dist.tp=2 --set train.threads=1 --quiet "
+      "--out {}", SIGMA_BINARY, SIGMA_SOURCE_DIR, t / "out"));
+  EXPECT_NE(r.code, 0);
+  EXPECT_FALSE(fs::exists(t / "out")) << "the refused run created its output directory";
+  const std::string line = "does not divide model.vocab = 101";
+  EXPECT_NE(r.out.find(line), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find(line), r.out.rfind(line)) << "said by each rank: " << r.out;
+}
+
+// A tp group must sit inside one host (issue 38's placement rule): hosts as Open MPI sees them
+// (hostnames, one per rank in world order; scripts/sim-cluster.sh gives each host its own).
+TEST(BadInputs, ATpGroupAcrossHostsIsRefusedWithTheTpThatFits) {
+  const std::vector<std::string> two_by_two = {"h0", "h0", "h1", "h1"};
+  EXPECT_NO_THROW(check_tp_within_hosts(two_by_two, 1));
+  EXPECT_NO_THROW(check_tp_within_hosts(two_by_two, 2));
+  EXPECT_EQ(describe_hosts(two_by_two), "h0: ranks 0-1; h1: ranks 2-3");
+  try {
+    check_tp_within_hosts(two_by_two, 4);
+    ADD_FAILURE() << "tp 4 over two hosts of 2 accepted";
+  } catch (const Refusal& e) {
+    const std::string said = e.what();
+    EXPECT_EQ(said.find("dist.tp = 4 puts tp group 0 (ranks 0-3) on more than one host (h0: "
+                        "ranks 0-1; h1: ranks 2-3): a tp group"), 0u) << said;
+    EXPECT_NE(std::string(e.what()).find("use dist.tp = 2 or 1,"), std::string::npos) << e.what();
+  }
+  // 3 ranks a host: tp 2 splits group 1 (ranks 2-3) over h0 and h1; only tp 1 and 3 fit.
+  const std::vector<std::string> threes = {"a", "a", "a", "b", "b", "b"};
+  try {
+    check_tp_within_hosts(threes, 2);
+    ADD_FAILURE() << "tp 2 over hosts of 3 accepted";
+  } catch (const Refusal& e) {
+    EXPECT_NE(std::string(e.what()).find("tp group 1 (ranks 2-3) on more than one host (a: "
+                                         "ranks 2; b: ranks 3)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use dist.tp = 1,"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(check_tp_within_hosts(threes, 3));
+  // Ranks placed round-robin (mpirun --map-by node): no tp > 1 fits.
+  EXPECT_THROW(check_tp_within_hosts({"a", "b", "a", "b"}, 2), Refusal);
+  EXPECT_EQ(describe_hosts({"a", "b", "a", "b"}), "a: ranks 0, 2; b: ranks 1, 3");
+  // One process: its own hostname.
+  SingleProcess one;
+  const std::vector<std::string> mine = hosts_of_ranks(one);
+  ASSERT_EQ(mine.size(), 1u);
+  EXPECT_FALSE(mine[0].empty());
+}
+
 // ---- threads and memory --------------------------------------------------------------------
+
+// Every value a batch refusal suggests is accepted when fed back (issue 38: mpirun -np 5 with
+// the main job's 24 rows at train.batch = 24 suggested train.global_batch = 20, which batch 24
+// refuses; 10 rows at batch 5 on 4 ranks suggested 8). Swept over ranks, batches and both
+// forms of the global batch (train.batch x train.accum, train.global_batch).
+TEST(BadInputs, BatchRefusalsSuggestOnlyValuesTheyAccept) {
+  auto make = [](int batch, int accum, int global) {
+    TrainConfig t;
+    t.batch = batch, t.accum = accum, t.global_batch = global;
+    return t;
+  };
+  auto refusal = [](TrainConfig t, int ranks) -> std::string {
+    try {
+      resolve_batch(t, ranks);
+      return "";
+    } catch (const Error& e) {
+      return e.what();
+    }
+  };
+  // The text between `from` and `to` (or the end) of `s`, "" when `from` is absent.
+  auto part = [](const std::string& s, const std::string& from, const std::string& to) {
+    const size_t at = s.find(from);
+    if (at == std::string::npos) return std::string();
+    const size_t begin = at + from.size(), end = s.find(to, begin);
+    return s.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+  };
+  int suggestions = 0;
+  // Calls fn(match) for each match of `re` in `s`.
+  auto each = [&](const std::string& s, const std::regex& re, auto fn) {
+    for (std::sregex_iterator m(s.begin(), s.end(), re), e; m != e; ++m, ++suggestions) fn(*m);
+  };
+  EXPECT_EQ(part(refusal(make(24, 1, 0), 5), "nearest valid: ", "\n"),
+            "train.global_batch = 20 (with train.batch = 4) or 25 (with train.batch = 5), or "
+            "mpirun -np 4 or 6");
+  TrainConfig main_job = make(24, 1, 0);
+  EXPECT_THROW(resolve_batch(main_job, 5), Refusal) << "printed once, by rank 0 (apps/sigma.cpp)";
+  const std::regex global(R"((\d+)(?: \(with train\.batch = (\d+)\))?)"), number(R"(\d+)");
+  int refusals = 0;
+  for (int R = 1; R <= 8; ++R)
+    for (int b = 1; b <= 8; ++b)
+      for (int G = 1; G <= 40; ++G)
+        for (const TrainConfig& t : {make(b, 1, G), make(b, std::max(1, G / b), 0)}) {
+          if (t.global_batch == 0 && G % b != 0) continue;
+          const std::string why = refusal(t, R);
+          if (why.empty()) continue;
+          ++refusals;
+          const std::string at = fmt::format("{} ranks, batch {}, global {}: {}", R, b, G, why);
+          ASSERT_NE(why.find("nearest valid"), std::string::npos) << at;
+          const std::string tail = why.substr(why.find("nearest valid"));
+          each(part(tail, "nearest valid on " + std::to_string(R) + " ranks: train.batch = ", ","),
+               number, [&](const std::smatch& m) {
+                 EXPECT_EQ(refusal(make(std::stoi(m.str()), 1, G), R), "")
+                     << "train.batch = " << m.str() << " from " << at;
+               });
+          each(part(tail, "train.global_batch = ", ", or"), global, [&](const std::smatch& m) {
+            const int batch = m[2].matched ? std::stoi(m[2]) : b;
+            EXPECT_EQ(refusal(make(batch, 1, std::stoi(m[1])), R), "") << m.str() << " from " << at;
+          });
+          each(part(tail, "mpirun -np ", "\n"), number, [&](const std::smatch& m) {
+            EXPECT_EQ(refusal(t, std::stoi(m.str())), "") << "-np " << m.str() << " from " << at;
+          });
+        }
+  EXPECT_GT(refusals, 500);
+  EXPECT_GT(suggestions, 2 * refusals) << "most refusals suggest at least two values";
+}
 
 TEST(BadInputs, MoreThreadsThanCoresAreCapped) {
   std::string note;

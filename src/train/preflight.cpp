@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 
 #include "core/error.h"
+#include "core/refusal.h"
 
 namespace sigma {
 
@@ -28,6 +29,18 @@ int usable_threads(int requested, std::string* note) {
 
 namespace {
 
+// Runs a check, its sigma::Error turned into a Refusal (preflight.h).
+template <class F>
+auto refusing(F check) {
+  try {
+    return check();
+  } catch (const Refusal&) {
+    throw;
+  } catch (const Error& e) {
+    throw Refusal(e.what());
+  }
+}
+
 bool power_of_two(int64_t k) { return k > 0 && !(k & (k - 1)); }
 
 // The micro-batch rows for global batch G on R ranks, at most `most` rows each: G = R * 2^k * b
@@ -38,34 +51,54 @@ int64_t micro_rows(int64_t G, int64_t R, int64_t most) {
   return 0;
 }
 
-// "a or b": the nearest values below and above `at` (excluded) for which ok(v) holds.
-template <class Ok>
-std::string nearest(int64_t at, int64_t lo, int64_t hi, Ok ok) {
+// "a or b": the nearest values below and above `at` (excluded) that `say` accepts; say(v) is
+// how v reads in the message, empty when v is not valid.
+template <class Say>
+std::string nearest(int64_t at, int64_t lo, int64_t hi, Say say) {
   std::vector<std::string> out;
   for (int64_t v = at - 1; v >= lo; --v)
-    if (ok(v)) {
-      out.push_back(std::to_string(v));
+    if (std::string s = say(v); !s.empty()) {
+      out.push_back(s);
       break;
     }
   for (int64_t v = at + 1; v <= hi; ++v)
-    if (ok(v)) {
-      out.push_back(std::to_string(v));
+    if (std::string s = say(v); !s.empty()) {
+      out.push_back(s);
       break;
     }
   return out.empty() ? "none" : fmt::format("{}", fmt::join(out, " or "));
 }
 
-}  // namespace
+// Whether `ranks` ranks accept a global batch of G rows in micro-batches of train.batch = b
+// rows: both checks of resolve_batch, so that every value a refusal suggests is one it accepts
+// (before, 10 rows at batch 5 on 4 ranks suggested a global batch of 8, which batch 5 refuses).
+bool batch_fits(int64_t G, int64_t b, int64_t ranks) {
+  return b > 0 && G > 0 && G % b == 0 && G <= (int64_t(1) << 30) && micro_rows(G, ranks, b) > 0;
+}
 
-std::string resolve_batch(TrainConfig& t, int ranks) {
+// A global batch g for R ranks at train.batch = b as a suggestion: "g", or "g (with
+// train.batch = b')" when g needs smaller micro-batches than b; empty when R cannot share g.
+std::string global_batch_for(int64_t g, int64_t b, int64_t R) {
+  if (batch_fits(g, b, R)) return std::to_string(g);
+  const int64_t cut = micro_rows(g, R, b);
+  return cut > 0 && batch_fits(g, cut, R) ? fmt::format("{} (with train.batch = {})", g, cut) : "";
+}
+
+std::string resolve_batch_or_fail(TrainConfig& t, int ranks) {
   const int64_t R = ranks, b = t.batch;
   int64_t G = int64_t(t.batch) * t.accum;
+  // R * b rows always fit, so a valid global batch lies within G + R * b.
+  auto global_batches = [&] {
+    return nearest(G, 1, G + R * b, [&](int64_t g) { return global_batch_for(g, b, R); });
+  };
   if (t.global_batch > 0) {  // train.accum follows from it (a resumed run's saved one too)
     G = t.global_batch;
+    const std::string batches = nearest(b, 1, G, [&](int64_t v) {
+      return batch_fits(G, v, R) ? std::to_string(v) : "";
+    });
     SIGMA_CHECK(G % b == 0, "train.global_batch = {} rows cannot be cut into micro-batches of "
-                "train.batch = {} rows; nearest valid: train.batch = {}, or train.global_batch = {}",
-                G, b, nearest(b, 1, G, [&](int64_t v) { return G % v == 0; }),
-                nearest(G, b, G + b * 2, [&](int64_t v) { return v % b == 0; }));
+                "train.batch = {} rows; nearest valid on {} ranks: {}train.global_batch = {}", G, b,
+                R, batches == "none" ? "" : "train.batch = " + batches + ", or ", global_batches());
   }
   SIGMA_CHECK(G <= (int64_t(1) << 30), "the global batch of {} rows is more than 2^30", G);
   t.global_batch = int(G);
@@ -75,15 +108,13 @@ std::string resolve_batch(TrainConfig& t, int ranks) {
     return "";
   }
   const int64_t cut = micro_rows(G, R, b);
-  if (cut == 0) {
-    auto fits = [&](int64_t g, int64_t r) { return micro_rows(g, r, b) > 0; };
+  if (cut == 0)
     fail("{} ranks cannot share a global batch of {} rows (train.global_batch, or train.batch x "
          "train.accum = {} x {}): each rank runs an equal power-of-two number of equal "
          "micro-batches of at most train.batch = {} rows, which keeps every rank count "
          "bit-identical; nearest valid: train.global_batch = {}, or mpirun -np {}", R, G, t.batch,
-         t.accum, b, nearest(G, 1, 2 * G + R, [&](int64_t g) { return fits(g, R); }),
-         nearest(R, 1, G, [&](int64_t r) { return fits(G, r); }));
-  }
+         t.accum, b, global_batches(),
+         nearest(R, 1, G, [&](int64_t r) { return batch_fits(G, b, r) ? std::to_string(r) : ""; }));
   const std::string note = fmt::format(
       "{} ranks share the global batch of {} rows as {} micro-batches of {} rows ({} per rank; "
       "train.batch = {} would make {}, which {} ranks cannot share in equal power-of-two blocks); "
@@ -92,6 +123,12 @@ std::string resolve_batch(TrainConfig& t, int ranks) {
   t.batch = int(cut);
   t.accum = int(G / cut);
   return note;
+}
+
+}  // namespace
+
+std::string resolve_batch(TrainConfig& t, int ranks) {
+  return refusing([&] { return resolve_batch_or_fail(t, ranks); });
 }
 
 ParamCount count_params(const ModelConfig& m) {
@@ -161,8 +198,7 @@ int64_t expert_memory_bytes(const TrainConfig& t) {
        "or a number of bytes", s);
 }
 
-void refuse_inapplicable_options(const Config& cfg, const std::string& experts, int ranks,
-                                 bool out_dir) {
+static void refuse_options(const Config& cfg, const std::string& experts, int ranks, bool out_dir) {
   expert_memory_bytes(cfg.train);  // a bad size is refused even where it would not be used
   Config def;
   const nlohmann::json now = Config(cfg).to_json(), was = def.to_json();
@@ -203,7 +239,7 @@ void refuse_inapplicable_options(const Config& cfg, const std::string& experts, 
   (void)ranks;
 }
 
-void check_memory(const Config& cfg) {
+static void memory_fits(const Config& cfg) {
   const int64_t need = training_bytes(cfg);
   const int64_t have = physical_memory();
   const ParamCount p = count_params(cfg.model);
@@ -218,7 +254,7 @@ void check_memory(const Config& cfg) {
                   : "");
 }
 
-void check_tensor_parallel(const Config& cfg, int world, const std::string& experts) {
+static void tensor_parallel_fits(const Config& cfg, int world, const std::string& experts) {
   const int tp = cfg.dist.tp;
   if (tp == 1) return;
   SIGMA_CHECK(world % tp == 0, "dist.tp = {} does not divide the {} ranks of this run: the ranks "
@@ -227,12 +263,101 @@ void check_tensor_parallel(const Config& cfg, int world, const std::string& expe
   SIGMA_CHECK(cfg.model.heads % tp == 0, "dist.tp = {} does not divide model.heads = {}: each "
               "tensor-parallel rank computes whole heads (use a dist.tp that divides {})", tp,
               cfg.model.heads, cfg.model.heads);
+  // The model checks this too, but only after rank 0 has locked --out (a refused run left
+  // OUT/.lock behind); model.vocab = 0 takes the data's vocabulary, known only later.
+  SIGMA_CHECK(cfg.model.vocab <= 0 || cfg.model.vocab % tp == 0, "dist.tp = {} does not divide "
+              "model.vocab = {}: each tensor-parallel rank holds an equal share of the vocabulary "
+              "(the embedding, the tied head and the loss are vocabulary-parallel); set model.vocab "
+              "= {} (ids the data never uses are never a target and only learn to be unlikely)", tp,
+              cfg.model.vocab, (cfg.model.vocab + tp - 1) / tp * tp);
   SIGMA_CHECK(experts != "ecss" && experts != "vanilla", "dist.tp = {} with train.experts = {}: "
               "the experts' store belongs to one process; use train.experts = model or parallel",
               tp, experts);
   SIGMA_CHECK(!cfg.optim.sparse_embeddings, "dist.tp = {} with optim.sparse_embeddings = true: "
               "not built yet (the lazy per-row Adam steps of a vocabulary-parallel embedding are "
               "not split and assembled in checkpoints); use optim.sparse_embeddings = false", tp);
+}
+
+std::vector<std::string> hosts_of_ranks(Communicator& world) {
+  constexpr size_t kName = 256;  // HOST_NAME_MAX is 64 on Linux
+  char mine[kName] = {};
+  ::gethostname(mine, kName - 1);
+  std::vector<char> all(kName * size_t(world.size()));
+  world.all_gather_bytes(all.data(), mine, kName);
+  std::vector<std::string> hosts;
+  for (int r = 0; r < world.size(); ++r) hosts.emplace_back(all.data() + size_t(r) * kName);
+  return hosts;
+}
+
+namespace {
+// "0-1" or "4": a run of ranks [a, b].
+std::string rank_range(int a, int b) {
+  return a == b ? std::to_string(a) : fmt::format("{}-{}", a, b);
+}
+
+// Whether every group of tp adjacent ranks lies on one host.
+bool tp_fits_hosts(const std::vector<std::string>& host, int tp) {
+  if (tp < 1 || host.size() % size_t(tp) != 0) return false;
+  for (size_t r = 0; r < host.size(); ++r)
+    if (host[r] != host[r - r % size_t(tp)]) return false;
+  return true;
+}
+}  // namespace
+
+namespace {
+// "h0: ranks 0-1; h1: ranks 2-3" for ranks [from, to) of `host`, hosts in order of first rank.
+std::string describe_hosts(const std::vector<std::string>& host, size_t from, size_t to) {
+  std::vector<std::string> order;
+  std::vector<std::vector<std::string>> runs;  // per host in `order`: its runs of ranks
+  for (size_t r = from, end; r < to; r = end + 1) {
+    for (end = r; end + 1 < to && host[end + 1] == host[r];) ++end;
+    const size_t h = size_t(std::find(order.begin(), order.end(), host[r]) - order.begin());
+    if (h == order.size()) order.push_back(host[r]), runs.emplace_back();
+    runs[h].push_back(rank_range(int(r), int(end)));
+  }
+  std::vector<std::string> out;
+  for (size_t h = 0; h < order.size(); ++h)
+    out.push_back(fmt::format("{}: ranks {}", order[h], fmt::join(runs[h], ", ")));
+  return fmt::format("{}", fmt::join(out, "; "));
+}
+}  // namespace
+
+std::string describe_hosts(const std::vector<std::string>& host) {
+  return describe_hosts(host, 0, host.size());
+}
+
+void check_tp_within_hosts(const std::vector<std::string>& host, int tp) {
+  refusing([&] {
+    // A tp that does not divide the ranks is check_tensor_parallel's refusal.
+    if (tp <= 1 || host.size() % size_t(tp) != 0 || tp_fits_hosts(host, tp)) return;
+    size_t g = 0;  // the first group that crosses hosts
+    while (std::all_of(host.begin() + long(g), host.begin() + long(g) + tp,
+                       [&](const std::string& h) { return h == host[g]; }))
+      g += size_t(tp);
+    std::vector<std::string> fit;
+    for (int t = tp - 1; t >= 1; --t)
+      if (tp_fits_hosts(host, t)) fit.push_back(std::to_string(t));
+    fail("dist.tp = {} puts tp group {} (ranks {}) on more than one host ({}): a tp group "
+         "exchanges its activations twice per block and pass and must stay inside a host; use "
+         "dist.tp = {}, or give every host a multiple of {} ranks, in rank order (a hostfile with "
+         "slots = a multiple of {} and mpirun --map-by slot)", tp, g / size_t(tp),
+         rank_range(int(g), int(g) + tp - 1), describe_hosts(host, g, g + size_t(tp)),
+         fmt::join(fit, " or "), tp, tp);
+  });
+}
+
+// The checks every rank makes alike throw Refusal: printed once (preflight.h).
+void refuse_inapplicable_options(const Config& cfg, const std::string& experts, int ranks,
+                                 bool out_dir) {
+  refusing([&] { refuse_options(cfg, experts, ranks, out_dir); });
+}
+
+void check_memory(const Config& cfg) {
+  refusing([&] { memory_fits(cfg); });
+}
+
+void check_tensor_parallel(const Config& cfg, int world, const std::string& experts) {
+  refusing([&] { tensor_parallel_fits(cfg, world, experts); });
 }
 
 }  // namespace sigma

@@ -1,9 +1,12 @@
 // Checks made before a run allocates anything: threads the machine can run, and the memory a
 // config needs (so that a model too big for the machine gets a sized error, not bad_alloc).
+// Their errors are sigma::Refusal (core/refusal.h): every rank reaches them alike.
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "dist/communicator.h"
 #include "run/config.h"
 
 namespace sigma {
@@ -54,6 +57,18 @@ void refuse_inapplicable_options(const Config& cfg, const std::string& experts, 
 // FFN width too), and the experts are not in a per-process store (ECSS, vanilla offload).
 // One line naming the key and the values; called before the rank grid is made.
 void check_tensor_parallel(const Config& cfg, int world, const std::string& experts);
+
+// The host of each rank of `world` (its hostname, as Open MPI tells nodes apart), gathered in
+// rank order. A collective: every rank calls it, whatever its config.
+std::vector<std::string> hosts_of_ranks(Communicator& world);
+
+// A tp group is dist.tp adjacent world ranks; it exchanges activations twice per block and
+// pass, so it must sit inside one host. Refuses a layout whose groups cross hosts, naming the
+// first such group, each host's ranks and the dist.tp values that would fit (issue 38).
+void check_tp_within_hosts(const std::vector<std::string>& host_of_rank, int tp);
+
+// "h0: ranks 0-1, h1: ranks 2-3": the hosts in order of their first rank, for the banner.
+std::string describe_hosts(const std::vector<std::string>& host_of_rank);
 
 // Throws a sigma::Error stating the estimate when it exceeds the machine's physical memory.
 void check_memory(const Config& cfg);

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The simulated cluster (scripts/sim-cluster.sh, docs/distributed.md): 2 hosts x 2 ranks,
+# tp 2 inside a host and dp 2 across, train the same bits as 4 ranks on one host, dense and
+# RRE; the hosts' traffic crossed the veths; and nothing of the cluster is left after a run or
+# after a SIGKILL of the script mid-run. Needs root and network namespaces: skipped (exit 77,
+# with the reason) where they are missing.
+#   tests/test_sim_cluster.sh SIGMA_BINARY SOURCE_DIR
+set -euo pipefail
+sigma=$1 src=$2
+sim=$src/scripts/sim-cluster.sh
+
+skip() { echo "SKIPPED: $*"; exit 77; }
+fail() { echo "FAILED: $*"; exit 1; }
+((EUID == 0)) || skip "needs root (network namespaces, veth pairs, tc)"
+for tool in ip tc unshare mpirun; do
+  command -v "$tool" >/dev/null || skip "'$tool' not found (iproute2, util-linux, openmpi-bin)"
+done
+probe_ns=sigma-simtest-$$
+ip netns add "$probe_ns" 2>/dev/null || skip "cannot create a network namespace here (ip netns add)"
+ip netns del "$probe_ns"
+
+tmp=$(mktemp -d /tmp/sim-cluster-test.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+
+train() {  # ARGS...: a tiny tp 2 x dp 2 run, one thread per rank
+  echo "train --config $src/configs/tiny.json --set train.steps=10 --set train.batch=4"\
+       "--set train.accum=4 --set train.threads=1 --set train.log_every=1 --set dist.tp=2"\
+       "--quiet $*"
+}
+# metrics.jsonl without its wall-clock fields.
+metrics() { sed -E 's/"tokens_per_s":[^,}]*,?//g; s/"step_s":[^,}]*,?//g' "$1"; }
+
+# Nothing of run sigma-sim-$1 left: namespaces, files, processes (its ranks and daemons carry
+# SIM_CLUSTER_RUN in their environment), the watchdog.
+leftovers() {
+  local run=sigma-sim-$1
+  ip netns list | grep -q "^$run-" && echo "namespace $(ip netns list | grep "^$run-" | head -1)"
+  for f in "/tmp/$run" "/dev/shm/$run"; do [[ -e "$f" ]] && echo "file $f"; done
+  # One grep each over every process (a loop of forks takes seconds on a busy machine).
+  grep -lsz "^SIM_CLUSTER_RUN=$run\$" /proc/[0-9]*/environ | sed 's|^|process |'
+  grep -lsz "^$run\$" /proc/[0-9]*/cmdline | sed 's|^|watchdog |'
+  return 0
+}
+
+start=$(date +%s)
+for model in "model.rre_layers=0" "model.rre_layers=1"; do
+  name=${model//[^a-z0-9]/_}
+  local_out=$tmp/local-$name sim_out=$tmp/sim-$name
+  # shellcheck disable=SC2046
+  mpirun --allow-run-as-root --oversubscribe --bind-to none -np 4 "$sigma" $(train --set "$model" --out "$local_out") \
+    >"$tmp/local.log" 2>&1 || { cat "$tmp/local.log"; fail "$model: 4 local ranks"; }
+  # shellcheck disable=SC2046
+  "$sim" --hosts 2 --slots 2 --bandwidth 2gbit --timeout 120 --stats "$tmp/stats" -- \
+    "$sigma" $(train --set "$model" --out "$sim_out") >"$tmp/sim.log" 2>&1 &
+  pid=$!
+  wait "$pid" || { cat "$tmp/sim.log"; fail "$model: the simulated cluster's run"; }
+  cat "$tmp/sim.log"
+  ck=checkpoints/step-00000010/model.safetensors
+  cmp -s "$local_out/$ck" "$sim_out/$ck" || fail "$model: 2 hosts x 2 ranks' weights differ from 4 local ranks'"
+  [[ "$(metrics "$local_out/metrics.jsonl")" == "$(metrics "$sim_out/metrics.jsonl")" ]] ||
+    fail "$model: 2 hosts x 2 ranks' losses differ from 4 local ranks'"
+  grep -q '"step":10' "$sim_out/metrics.jsonl" || fail "$model: no step 10 in metrics.jsonl"
+  for h in h0 h1; do
+    tx=$(sed -n "s/^$h.eth0.tx_bytes=//p" "$tmp/stats") lo=$(sed -n "s/^$h.lo.bytes=//p" "$tmp/stats")
+    ((tx > 100000)) || fail "$model: $h sent ${tx:-no} bytes on eth0: the ranks' traffic did not cross the veths"
+    # The tp pairs' traffic (inside a host) is 12x the dp traffic across: over TCP it would
+    # show on lo (15 MB here with --mca btl self,tcp); through shared memory, lo has ~20 KB of
+    # the daemons' own messages.
+    ((lo * 4 < tx)) || fail "$model: $h's lo carried $lo bytes: the ranks inside a host did not use shared memory"
+  done
+  left=$(leftovers "$pid")
+  [[ -z "$left" ]] || fail "$model: left behind after the run: $left"
+  echo "ok: $model: bit-identical to 4 local ranks; $(grep eth0 "$tmp/stats" | tr '\n' ' ')"
+done
+
+# SIGKILL of the script mid-run: its watchdog ends the ranks and removes everything.
+# shellcheck disable=SC2046
+"$sim" --hosts 2 --slots 2 --timeout 120 -- "$sigma" $(train --set model.rre_layers=0 --set train.steps=100000 --out "$tmp/killed") \
+  >"$tmp/kill.log" 2>&1 &
+pid=$!
+for ((i = 0; i < 600; i++)); do
+  [[ -s "$tmp/killed/metrics.jsonl" ]] && break
+  kill -0 "$pid" 2>/dev/null || { cat "$tmp/kill.log"; fail "the run to be killed ended by itself"; }
+  sleep 0.1
+done
+[[ -s "$tmp/killed/metrics.jsonl" ]] || { cat "$tmp/kill.log"; fail "the run to be killed never logged a step"; }
+kill -KILL "$pid"
+wait "$pid" 2>/dev/null || true
+for ((i = 0; i < 150; i++)); do
+  left=$(leftovers "$pid")
+  [[ -z "$left" ]] && break
+  sleep 0.2
+done
+[[ -z "$left" ]] || fail "30 s after a SIGKILL of the script, left behind: $left"
+echo "ok: a SIGKILL of the script mid-run left nothing behind"
+echo "passed in $(($(date +%s) - start)) s"
