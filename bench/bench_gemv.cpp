@@ -8,7 +8,7 @@
 // "onednn_fp32_gbs":..,"read_gbs":..} where X_gbs = bytes of weights (and int8 scales) per
 // token / time per token.
 //
-//   bench_gemv [--d 512] [--layers 8] [--samples 15] [--isa best|avx512|avx2|portable]
+//   bench_gemv [--d 512] [--layers 8] [--samples 15] [--isa best|avx512vnni|avx512|avx2|portable]
 #include <immintrin.h>
 #include <omp.h>
 
@@ -68,10 +68,9 @@ int main(int argc, char** argv) {
     const std::string k = argv[i];
     if (k == "--isa") {
       const std::string v = argv[i + 1];
-      isa = v == "avx512" ? sigma::cpu::GemvIsa::Avx512
-            : v == "avx2" ? sigma::cpu::GemvIsa::Avx2
-            : v == "portable" ? sigma::cpu::GemvIsa::Portable
-                              : sigma::cpu::GemvIsa::Best;
+      using sigma::cpu::GemvIsa;
+      for (GemvIsa i : {GemvIsa::Avx512Vnni, GemvIsa::Avx512, GemvIsa::Avx2, GemvIsa::Portable})
+        if (v == sigma::cpu::gemv_isa_name(i)) isa = i;
       if (!sigma::cpu::gemv_isa_available(isa)) {
         std::fprintf(stderr, "bench_gemv: this CPU cannot run --isa %s\n", v.c_str());
         return 2;
@@ -83,7 +82,7 @@ int main(int argc, char** argv) {
     else if (k == "--samples") samples = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: bench_gemv [--d 512] [--layers 8] [--samples 15] "
-                           "[--isa best|avx512|avx2|portable]\n");
+                           "[--isa best|avx512vnni|avx512|avx2|portable]\n");
       return 2;
     }
   }

@@ -1,6 +1,7 @@
 #include "kernels/cpu/gemv.h"
 
 #include <immintrin.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +23,14 @@ constexpr int64_t kParallelWeights = int64_t(1) << 16;
 
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return from_bf16(w); }
+
+// Whether the kernels prefetch a sweep of `bytes` into L1 (else L2): when it takes at most 3/4
+// of L1 (gemv_simd.inc).
+const int64_t g_l1_prefetch_bytes = [] {
+  const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+  return l1 > 0 ? int64_t(l1) / 4 * 3 : int64_t(0);
+}();
+inline bool prefetch_to_l1(int64_t bytes) { return bytes <= g_l1_prefetch_bytes; }
 
 // The instruction set the products run on (gemv_use_isa; Best until a test picks one).
 GemvIsa g_isa = GemvIsa::Best;
@@ -141,7 +150,7 @@ SIGMA_SIMD inline ivec iload_masked(const int32_t* p, int n) { return _mm512_mas
 SIGMA_SIMD inline void istore(int32_t* p, ivec v) { _mm512_storeu_si512(p, v); }
 SIGMA_SIMD inline void istore_masked(int32_t* p, ivec v, int n) { _mm512_mask_storeu_epi32(p, mask(n), v); }
 SIGMA_SIMD inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
-SIGMA_SIMD inline ivec madd(ivec a, ivec b) { return _mm512_madd_epi16(a, b); }
+SIGMA_SIMD inline ivec dpadd(ivec acc, ivec a, ivec b) { return iadd(acc, _mm512_madd_epi16(a, b)); }
 SIGMA_SIMD inline ivec widen16(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -152,6 +161,17 @@ SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm512_loadu_si512(p); 
 #include "kernels/cpu/gemv_simd.inc"
 #undef SIGMA_SIMD
 }  // namespace avx512
+
+// AVX-512 with VNNI (Zen 4 and 5, Ice Lake on): the int8 kernels' multiply-add and add in one
+// vpdpwssd. Its int32 lanes wrap as vpmaddwd + vpaddd do, and no sum here reaches 2^31
+// (gemv.h), so the bits are the same; the fp32 and bf16 kernels are avx512's.
+namespace avx512vnni {
+using namespace avx512;
+#define SIGMA_SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+SIGMA_SIMD inline ivec dpadd(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
+#include "kernels/cpu/gemv_simd.inc"
+#undef SIGMA_SIMD
+}  // namespace avx512vnni
 #pragma GCC diagnostic pop
 
 namespace avx2 {
@@ -201,7 +221,7 @@ SIGMA_SIMD inline ivec iload_masked(const int32_t* p, int n) { return _mm256_mas
 SIGMA_SIMD inline void istore(int32_t* p, ivec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 SIGMA_SIMD inline void istore_masked(int32_t* p, ivec v, int n) { _mm256_maskstore_epi32(p, mask(n), v); }
 SIGMA_SIMD inline ivec iadd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
-SIGMA_SIMD inline ivec madd(ivec a, ivec b) { return _mm256_madd_epi16(a, b); }
+SIGMA_SIMD inline ivec dpadd(ivec acc, ivec a, ivec b) { return iadd(acc, _mm256_madd_epi16(a, b)); }
 SIGMA_SIMD inline ivec widen16(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -234,6 +254,8 @@ bool cpu_has(GemvIsa isa) {
   static const bool avx512 = __builtin_cpu_supports("avx512f") &&
                              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool vnni = avx512 && __builtin_cpu_supports("avx512vnni");
+  if (isa == GemvIsa::Avx512Vnni) return vnni;
   if (isa == GemvIsa::Avx512) return avx512;
   if (isa == GemvIsa::Avx2) return avx2;
 #endif
@@ -242,7 +264,8 @@ bool cpu_has(GemvIsa isa) {
 
 GemvIsa resolve(GemvIsa isa) {
   if (isa != GemvIsa::Best) return isa;
-  static const GemvIsa best = cpu_has(GemvIsa::Avx512) ? GemvIsa::Avx512
+  static const GemvIsa best = cpu_has(GemvIsa::Avx512Vnni) ? GemvIsa::Avx512Vnni
+                              : cpu_has(GemvIsa::Avx512)   ? GemvIsa::Avx512
                               : cpu_has(GemvIsa::Avx2) ? GemvIsa::Avx2
                                                        : GemvIsa::Portable;
   return best;
@@ -256,6 +279,7 @@ struct NN {
                     int64_t in, Range c) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
+        case GemvIsa::Avx512Vnni:
         case GemvIsa::Avx512: return avx512::nn_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, c);
         case GemvIsa::Avx2: return avx2::nn_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, c);
 #endif
@@ -272,6 +296,7 @@ struct NT {
                     int64_t in, Range rows) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
+        case GemvIsa::Avx512Vnni:
         case GemvIsa::Avx512: return avx512::nt_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, rows);
         case GemvIsa::Avx2: return avx2::nt_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, rows);
 #endif
@@ -287,6 +312,7 @@ struct NNI8 {
                     int64_t ldw, int64_t pairs, Range c) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
+        case GemvIsa::Avx512Vnni: return avx512vnni::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, c);
         case GemvIsa::Avx512: return avx512::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, c);
         case GemvIsa::Avx2: return avx2::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, c);
 #endif
@@ -304,6 +330,7 @@ struct NTI8 {
                       int64_t in, int64_t j) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
+        case GemvIsa::Avx512Vnni: return avx512vnni::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j);
         case GemvIsa::Avx512: return avx512::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j);
         case GemvIsa::Avx2: return avx2::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j);
 #endif
@@ -567,6 +594,7 @@ GemvIsa gemv_isa() { return resolve(g_isa); }
 const char* gemv_isa_name(GemvIsa isa) {
   switch (isa) {
     case GemvIsa::Best: return "best";
+    case GemvIsa::Avx512Vnni: return "avx512vnni";
     case GemvIsa::Avx512: return "avx512";
     case GemvIsa::Avx2: return "avx2";
     case GemvIsa::Portable: return "portable";
