@@ -27,7 +27,7 @@ perf script -i "$tmp/perf.data" 2>/dev/null | python3 -c '
 import collections, re, sys
 rules = [("products: GEMV kernels", r"nn_i8_kernel|nn_kernel|nt_kernel|nt_i8_group|nt_group"),
          ("products: x rounding, partial sums", r"nn_i8|::nn<|::nt<|nt_i8|sum_rows|rows16|quantize_rows16|round_row16"),
-         ("attention", r"attention"),
+         ("attention", r"attention|row_scores|row_output"),
          ("layernorm / activation", r"layernorm|gelu|activation"),
          ("hand-offs (spin, yield, wake, wait)", r"for_each_item|_M_run|sched_yield|futex|pvm_irq|schedule|spin_until|syscall")]
 cats, total, stack = collections.Counter(), 0, []
