@@ -372,17 +372,19 @@ Range column_block(int64_t out, int64_t blk, int64_t blocks) {
   return {std::min(out, blk * per * 16), std::min(out, (blk + 1) * per * 16)};
 }
 
-int64_t chunks_of(int64_t in) { return std::max<int64_t>(1, (in + kChunkRows - 1) / kChunkRows); }
+int64_t chunks_of(int64_t in, int64_t rows = kChunkRows) {
+  return std::max<int64_t>(1, (in + rows - 1) / rows);
+}
 
 // The items of an nn product: each a chunk of whole rows of w (one contiguous stream), split
 // into column blocks only when there are too few chunks for the threads; fn(chunk, its first
 // row, its rows, the columns).
 template <class Fn>
-void for_each_chunk(int64_t in, int64_t out, Fn&& fn) {
-  const int64_t chunks = chunks_of(in);
+void for_each_chunk(int64_t in, int64_t out, Fn&& fn, int64_t chunk_rows = kChunkRows) {
+  const int64_t chunks = chunks_of(in, chunk_rows);
   const int64_t blocks = std::max<int64_t>(1, (2 * team_threads() + chunks - 1) / chunks);
   run_items(in * out, chunks * blocks, [&](int64_t it) {
-    const int64_t c = it / blocks, i0 = c * kChunkRows, rows = std::min(kChunkRows, in - i0);
+    const int64_t c = it / blocks, i0 = c * chunk_rows, rows = std::min(chunk_rows, in - i0);
     const Range cols = column_block(out, it % blocks, blocks);
     if (cols.lo < cols.hi && rows > 0) fn(c, i0, rows, cols);
   });
@@ -465,48 +467,47 @@ const float* rows16_as_fp32(const float* x, int64_t ldx, int64_t N, int64_t in) 
   return out.data();
 }
 
+// The int8 products' chunks: their sums are exact, so unlike fp32's the chunk size does not
+// change the bits, and larger chunks write and read fewer partials (at 64 rows the int32
+// partials were 1/8 of the int8 weights' bytes, written and read again; issue 40).
+// |partial| <= 256 * 127 * 32767 < 2^31.
+constexpr int64_t kI8ChunkRows = 256;
+static_assert(kI8ChunkRows * 127 * 32767 < (int64_t(1) << 31) && kI8ChunkRows % 2 == 0);
+
 // y = (accumulate ? y : 0) + b + scale * (step * S), S the exact sum of xq q: per chunk of
-// kChunkRows rows (kChunkRows / 2 pairs; |partial| < 2^31) an int32 partial, as nn's fp32 ones.
+// kI8ChunkRows rows (kI8ChunkRows / 2 pairs) an int32 partial, added in int64.
 void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
            int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
   if (M == 0 || out == 0) return;
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
   const Rows16& xq = rows16(x, ldx, M, in);
-  const int64_t chunks = chunks_of(in), stride = M * out;
+  const int64_t chunks = chunks_of(in, kI8ChunkRows), stride = M * out;
   thread_local std::vector<int32_t> partial;  // [chunks][M][out]
   partial.resize(size_t(chunks * stride));
   int32_t* p = partial.data();
-  for_each_chunk(in, out, [&](int64_t c, int64_t i0, int64_t rows, Range cols) {
-    with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
-                       q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, cols);
-  });
+  for_each_chunk(
+      in, out,
+      [&](int64_t c, int64_t i0, int64_t rows, Range cols) {
+        with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
+                           q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, cols);
+      },
+      kI8ChunkRows);
   // Column blocks of 256, so that even a 512-column product's sums are shared by 2 threads.
   const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 255) / 256;
   run_items(sum_chunks * stride, sum_blocks, [&](int64_t blk) {
     const Range c = column_block(out, blk, sum_blocks);
-    // Chunk by chunk over contiguous columns (vectorised; the sums are exact integers, so the
-    // order does not matter): up to kI32Chunks chunks in int32 lanes (|partial| <= kChunkRows *
-    // 127 * 32767, 8 of them < 2^31), groups of them in int64, then each column's one rounding.
-    constexpr int64_t kI32Chunks = 8;
-    static_assert(kI32Chunks * kChunkRows * 127 * 32767 < (int64_t(1) << 31));
+    // Chunk by chunk over contiguous columns into int64 (vectorised; exact, so in any order),
+    // then each column's one rounding.
     const int64_t n = c.hi - c.lo;
-    thread_local std::vector<int32_t> group;
     thread_local std::vector<int64_t> total;
-    group.resize(size_t(n));
     total.resize(size_t(n));
-    int32_t* g = group.data();
     int64_t* t = total.data();
     for (int64_t r = 0; r < M; ++r) {
       std::fill(t, t + n, int64_t(0));
-      for (int64_t k0 = 0; k0 < sum_chunks; k0 += kI32Chunks) {
-        const int32_t* first = p + (k0 * M + r) * out + c.lo;
-        std::copy(first, first + n, g);
-        for (int64_t k = k0 + 1; k < std::min(sum_chunks, k0 + kI32Chunks); ++k) {
-          const int32_t* pr = p + (k * M + r) * out + c.lo;
-          for (int64_t j = 0; j < n; ++j) g[j] += pr[j];
-        }
-        for (int64_t j = 0; j < n; ++j) t[j] += g[j];
+      for (int64_t k = 0; k < sum_chunks; ++k) {
+        const int32_t* pr = p + (k * M + r) * out + c.lo;
+        for (int64_t j = 0; j < n; ++j) t[j] += pr[j];
       }
       float* row = y + r * ldy + c.lo;
       const float* sc = scale + c.lo;
