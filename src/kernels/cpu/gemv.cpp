@@ -376,18 +376,25 @@ int64_t chunks_of(int64_t in, int64_t rows = kChunkRows) {
   return std::max<int64_t>(1, (in + rows - 1) / rows);
 }
 
-// The items of an nn product: each a chunk of whole rows of w (one contiguous stream), split
-// into column blocks only when there are fewer chunks than `per_thread` items a thread;
-// fn(chunk, its first row, its rows, the columns).
+// The items of an nn product: runs of consecutive chunks of whole rows of w (one contiguous
+// stream each; per_thread items a thread), split into column blocks only when there are fewer
+// chunks than items; fn(chunk, its first row, its rows, the columns) for each chunk of an item,
+// in order. A thread streaming a run of chunks, not every other chunk as the items are claimed,
+// keeps the hardware prefetcher's stream: bf16 +13-16 %, fp32 and int8 +3-10 % at 2 threads
+// (bench_gemv, Zen 5; issue 40). Partials stay per chunk, so the bits do not change.
 template <class Fn>
 void for_each_chunk(int64_t in, int64_t out, Fn&& fn, int64_t chunk_rows = kChunkRows,
                     int64_t per_thread = 2) {
-  const int64_t chunks = chunks_of(in, chunk_rows);
-  const int64_t blocks = std::max<int64_t>(1, (per_thread * team_threads() + chunks - 1) / chunks);
-  run_items(in * out, chunks * blocks, [&](int64_t it) {
-    const int64_t c = it / blocks, i0 = c * chunk_rows, rows = std::min(chunk_rows, in - i0);
+  const int64_t chunks = chunks_of(in, chunk_rows), items = per_thread * team_threads();
+  const int64_t blocks = std::max<int64_t>(1, (items + chunks - 1) / chunks);
+  const int64_t runs = std::min(chunks, items);
+  run_items(in * out, runs * blocks, [&](int64_t it) {
+    const int64_t run = it / blocks;
     const Range cols = column_block(out, it % blocks, blocks);
-    if (cols.lo < cols.hi && rows > 0) fn(c, i0, rows, cols);
+    for (int64_t c = run * chunks / runs; c < (run + 1) * chunks / runs; ++c) {
+      const int64_t i0 = c * chunk_rows, rows = std::min(chunk_rows, in - i0);
+      if (cols.lo < cols.hi && rows > 0) fn(c, i0, rows, cols);
+    }
   });
 }
 
