@@ -3,8 +3,9 @@
 # (call stacks by DWARF), the samples of the decode steps (the calling thread inside
 # BatchDecoder::step and the spin team's helpers) sorted by the function they were in:
 # products (the GEMV kernels; the x rounding and partial sums around them), attention,
-# LayerNorm/activation, hand-offs (helpers spinning, yielding or waking, the caller waiting), the
-# rest. Fractions of the threads' CPU time in the decode, printed with the machine kind.
+# LayerNorm/activation, hand-offs (helpers spinning, yielding or waking; the caller waiting for
+# the helpers' items) and the rest: fractions of all decode threads' CPU time, then of the
+# calling thread's alone (a token's wall time), printed with the machine kind.
 #
 #   bench/decode_breakdown.sh [SIGMA=build/sigma] [CKPT] [PRECISION=int8] [TOKENS=250]
 # CKPT defaults to decode_bench.sh's dense model ($DECODE_BENCH_DIR/dense/checkpoints; run
@@ -30,13 +31,14 @@ rules = [("products: GEMV kernels", r"nn_i8_kernel|nn_kernel|nt_kernel|nt_i8_gro
          ("attention", r"attention|row_scores|row_output"),
          ("layernorm / activation", r"layernorm|gelu|activation"),
          ("hand-offs (spin, yield, wake, wait)", r"for_each_item|_M_run|sched_yield|futex|pvm_irq|schedule|spin_until|syscall")]
-cats, total, stack = collections.Counter(), 0, []
+cats, caller, stack = collections.Counter(), collections.Counter(), []
 def flush():
-    global total
-    if stack and re.search(r"BatchDecoder::step|Team::Team", " ".join(stack)):
-        leaf = stack[0]
-        cats[next((n for n, p in rules if re.search(p, leaf)), "other")] += 1
-        total += 1
+    joined = " ".join(stack)
+    if stack and re.search(r"BatchDecoder::step|Team::Team", joined):
+        name = next((n for n, p in rules if re.search(p, stack[0])), "other")
+        cats[name] += 1
+        if "BatchDecoder::step" in joined:  # the calling thread: its samples are its wall time
+            caller[name] += 1
 for line in sys.stdin:
     if not line.strip():
         flush(); stack = []
@@ -46,7 +48,9 @@ for line in sys.stdin:
     else:
         flush(); stack = []
 flush()
-print(f"decode steps: {total} samples ({sys.argv[1]}; {sys.argv[2]})")
-for name, n in cats.most_common(): print(f"  {100 * n / max(total, 1):5.1f} %  {name}")
+for title, c in (("decode threads", cats), ("the calling thread alone (its wall time)", caller)):
+    total = sum(c.values())
+    print(f"{title}: {total} samples ({sys.argv[1]}; {sys.argv[2]})")
+    for name, n in c.most_common(): print(f"  {100 * n / max(total, 1):5.1f} %  {name}")
 ' "$("$here/machine.sh")" "$precision, load $(cut -d' ' -f1-3 /proc/loadavg)"
 grep -o '([0-9.]* tokens/s[^)]*)' "$tmp/stderr" || true
