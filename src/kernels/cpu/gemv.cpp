@@ -327,12 +327,12 @@ struct NTI8 {
   struct K {
     template <int Q>
     static void group(int64_t* s, const int16_t* xq, int64_t ldq, const int8_t* w, int64_t ldw,
-                      int64_t in, int64_t j) {
+                      int64_t in, int64_t j, bool ahead) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
-        case GemvIsa::Avx512Vnni: return avx512vnni::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j);
-        case GemvIsa::Avx512: return avx512::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j);
-        case GemvIsa::Avx2: return avx2::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j);
+        case GemvIsa::Avx512Vnni: return avx512vnni::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j, ahead);
+        case GemvIsa::Avx512: return avx512::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j, ahead);
+        case GemvIsa::Avx2: return avx2::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j, ahead);
 #endif
         default: return nt_i8_scalar(s, xq, ldq, w, ldw, M, in, j, Q);
       }
@@ -342,8 +342,8 @@ struct NTI8 {
       int64_t s[M * 4];
       for (int64_t j = rows.lo; j < rows.hi;) {
         const int Q = j + 4 <= rows.hi ? 4 : 1;
-        if (Q == 4) group<4>(s, xq, ldq, w, ldw, in, j);
-        else group<1>(s, xq, ldq, w, ldw, in, j);
+        if (Q == 4) group<4>(s, xq, ldq, w, ldw, in, j, j + 8 <= rows.hi);
+        else group<1>(s, xq, ldq, w, ldw, in, j, false);
         for (int r = 0; r < M; ++r)
           for (int q = 0; q < Q; ++q) y[r * ldy + j + q] = scale[j + q] * (step[r] * float(s[r * Q + q]));
         j += Q;
