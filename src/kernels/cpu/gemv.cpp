@@ -24,13 +24,13 @@ constexpr int64_t kParallelWeights = int64_t(1) << 16;
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return from_bf16(w); }
 
-// Whether the kernels prefetch a sweep of `bytes` into L1 (else L2): when it takes at most 3/4
-// of L1 (gemv_simd.inc).
+// Whether the kernels prefetch a sweep of `bytes` into L1 (else L2): when it and the sweep being
+// read take at most 3/4 of L1 (gemv_simd.inc).
 const int64_t g_l1_prefetch_bytes = [] {
   const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
   return l1 > 0 ? int64_t(l1) / 4 * 3 : int64_t(0);
 }();
-inline bool prefetch_to_l1(int64_t bytes) { return bytes <= g_l1_prefetch_bytes; }
+inline bool prefetch_to_l1(int64_t bytes) { return 2 * bytes <= g_l1_prefetch_bytes; }
 
 // The instruction set the products run on (gemv_use_isa; Best until a test picks one).
 GemvIsa g_isa = GemvIsa::Best;
