@@ -8,7 +8,8 @@
 // "onednn_fp32_gbs":..,"read_gbs":..} where X_gbs = bytes of weights (and int8 scales) per
 // token / time per token.
 //
-//   bench_gemv [--d 512] [--layers 8] [--samples 15] [--isa best|avx512|avx2|portable]
+//   bench_gemv [--d 512] [--layers 8] [--samples 15] [--isa best|avx512vnni|avx512|avx2|portable]
+//              [--vocab V]  (V > 0: also the tied head's [V, d] product, gemv_nt, per token)
 #include <immintrin.h>
 #include <omp.h>
 
@@ -34,6 +35,7 @@ double now() {
 
 struct Shape {
   int64_t in, out;
+  bool head = false;  // the tied head: w[out, in], one dot product per output (gemv_nt)
 };
 
 volatile float g_sink;
@@ -61,17 +63,16 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t d = 512, layers = 8;
+  int64_t d = 512, layers = 8, vocab = 0;
   int samples = 15;
   sigma::cpu::GemvIsa isa = sigma::cpu::GemvIsa::Best;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--isa") {
       const std::string v = argv[i + 1];
-      isa = v == "avx512" ? sigma::cpu::GemvIsa::Avx512
-            : v == "avx2" ? sigma::cpu::GemvIsa::Avx2
-            : v == "portable" ? sigma::cpu::GemvIsa::Portable
-                              : sigma::cpu::GemvIsa::Best;
+      using sigma::cpu::GemvIsa;
+      for (GemvIsa i : {GemvIsa::Avx512Vnni, GemvIsa::Avx512, GemvIsa::Avx2, GemvIsa::Portable})
+        if (v == sigma::cpu::gemv_isa_name(i)) isa = i;
       if (!sigma::cpu::gemv_isa_available(isa)) {
         std::fprintf(stderr, "bench_gemv: this CPU cannot run --isa %s\n", v.c_str());
         return 2;
@@ -81,9 +82,10 @@ int main(int argc, char** argv) {
     if (k == "--d") d = std::atol(argv[i + 1]);
     else if (k == "--layers") layers = std::atol(argv[i + 1]);
     else if (k == "--samples") samples = std::atoi(argv[i + 1]);
+    else if (k == "--vocab") vocab = std::atol(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: bench_gemv [--d 512] [--layers 8] [--samples 15] "
-                           "[--isa best|avx512|avx2|portable]\n");
+                           "[--isa best|avx512vnni|avx512|avx2|portable] [--vocab 0]\n");
       return 2;
     }
   }
@@ -91,9 +93,10 @@ int main(int argc, char** argv) {
   std::vector<Shape> shapes;
   for (int64_t l = 0; l < layers; ++l)
     for (Shape s : {Shape{d, 3 * d}, Shape{d, d}, Shape{d, 4 * d}, Shape{4 * d, d}}) shapes.push_back(s);
+  if (vocab > 0) shapes.push_back({d, vocab, true});
   int64_t total = 0;
   for (Shape s : shapes) total += s.in * s.out;
-  const size_t n = size_t(total), nx = size_t(4 * d);
+  const size_t n = size_t(total), nx = size_t(std::max(4 * d, vocab));
   std::vector<float> w(n), x(nx, 0.01f), y(nx);
   std::vector<uint16_t> w16(n);
   std::vector<int8_t> w8(n);
@@ -110,6 +113,19 @@ int main(int argc, char** argv) {
     if (kind == 3) return read_all(w.data(), total);
     int64_t off = 0, col = 0;
     for (Shape s : shapes) {
+      if (s.head) {  // y[out] = w[out, in] x
+        if (kind == 0) sigma::cpu::gemv_nt(y.data(), x.data(), w.data() + off, 1, s.in, s.out, s.in, s.in, s.out);
+        if (kind == 1) sigma::cpu::gemv_nt(y.data(), x.data(), w16.data() + off, 1, s.in, s.out, s.in, s.in, s.out);
+        if (kind == 2)
+          sigma::cpu::gemm(false, true, 1, s.out, s.in, 1.0f, x.data(), s.in, w.data() + off, s.in,
+                           0.0f, y.data(), s.out);
+        if (kind == 4)
+          sigma::cpu::gemv_nt(y.data(), x.data(), w8.data() + off, scale.data() + col, 1, s.in,
+                              s.out, s.in, s.in, s.out);
+        off += s.in * s.out;
+        col += s.out;
+        continue;
+      }
       if (kind == 0)
         sigma::cpu::gemv_nn(y.data(), x.data(), w.data() + off, nullptr, 1, s.in, s.out, false, {});
       if (kind == 1)

@@ -20,6 +20,10 @@
 # bound). Fraction of the bound = tokens/s x bytes per token / bandwidth. Each round also
 # streams the same matrices through the GEMV kernels and oneDNN alone (bench/bench_gemv.cpp).
 #
+# Every figure is printed with the machine kind (bench/machine.sh: CPU family/model and ISA) and
+# the instruction set the GEMV kernels ran on (bench_gemv's "isa"), with the load average. Where
+# /usr/bin/python3 cannot import torch the peer is skipped (said so) and Sigma alone is measured.
+#
 #   bench/decode_bench.sh [BUILD_DIR=build] [ROUNDS=3] [TOKENS=250]
 # Environment: DECODE_BENCH_DIR (work folder, default /tmp/sigma-decode-bench), NICE (prefix
 # of each timed command, default "nice -n -19" when root), PYTHON (default /usr/bin/python3).
@@ -43,6 +47,13 @@ done
 mkdir -p "$work"
 results="$work/results.jsonl"
 : > "$results"
+machine=$("$here/machine.sh")
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+peer=1
+if ! "$python" -c 'import torch' 2>/dev/null; then
+  peer=0
+  echo "decode_bench: $python cannot import torch: the PyTorch peer is skipped" >&2
+fi
 
 trunk=(--set model.d_model=512 --set model.heads=8 --set model.layers=8 --set model.context=256
        --set train.steps=2 --set train.batch=2 --set train.eval_rows=2)
@@ -92,22 +103,27 @@ import json, sys; r = json.loads(sys.stdin.read()); r["impl"] = "kernel"; print(
     # Alternate the order between rounds so that neither side always runs first.
     if [ $((r % 2)) = 1 ]; then order="sigma torch"; else order="torch sigma"; fi
     for impl in $order; do
+      [ "$impl" = torch ] && [ "$peer" = 0 ] && continue
       if [ "$impl" = sigma ]; then precisions="fp32 bf16 int8"; else precisions="fp32 bf16"; fi
       for precision in $precisions; do "run_$impl" "$model" "$precision"; done
     done
   done
 done
 
-"$python" - "$results" <<'EOF'
+"$python" - "$results" "$machine" "$load_before" "$(cut -d' ' -f1-3 /proc/loadavg)" <<'EOF'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
+isas = sorted({r["isa"] for r in rows if r["impl"] == "kernel"})
+tag = f"[{sys.argv[2]}; GEMV isa {'/'.join(isas) or '?'}]"
+print(f"machine: {sys.argv[2]}; GEMV kernels: {'/'.join(isas) or '?'}; load average before "
+      f"{sys.argv[3]}, after {sys.argv[4]}")
 streams = [r for r in rows if r["impl"] == "stream"]
 reads = ("read_gbs_1t", "read_gbs", "read_prefetched_gbs_1t", "read_prefetched_gbs")
 bw = statistics.median(max(s[k] for k in reads) for s in streams) * 1e9
 triad = statistics.median(s["triad_gbs"] for s in streams)
 print(f"read bandwidth {bw * 1e-9:.2f} GB/s (median of {len(streams)} rounds; the best of 1 and 2 "
       f"threads, plain and prefetched: {[tuple(s[k] for k in reads) for s in streams]}); "
-      f"triad {triad:.2f} GB/s")
+      f"triad {triad:.2f} GB/s {tag}")
 kern = [r for r in rows if r["impl"] == "kernel"]
 if kern:
     med = {k: statistics.median(r[k] for r in kern) for k in ("gemv_fp32_gbs", "gemv_bf16_gbs", "gemv_int8_gbs", "onednn_fp32_gbs", "read_gbs")}
@@ -116,9 +132,9 @@ if kern:
           f"; GEMV fp32 / read {med['gemv_fp32_gbs'] / med['read_gbs']:.0%}, "
           f"bf16 / read {med['gemv_bf16_gbs'] / med['read_gbs']:.0%}, "
           f"int8 / read {med['gemv_int8_gbs'] / med['read_gbs']:.0%}, "
-          f"oneDNN M=1 / read {med['onednn_fp32_gbs'] / med['read_gbs']:.0%}")
+          f"oneDNN M=1 / read {med['onednn_fp32_gbs'] / med['read_gbs']:.0%} {tag}")
 print(f"{'model':8} {'impl':8} {'precision':9} {'tokens/s':>9} {'rounds':28} {'MB/token':>9} "
-      f"{'bound t/s':>9} {'of bound':>8}")
+      f"{'bound t/s':>9} {'of bound':>8}  machine")
 summary = {}
 for model in ("dense", "extract"):
     for impl in ("sigma", "pytorch"):
@@ -130,12 +146,12 @@ for model in ("dense", "extract"):
             b = rs[0]["weight_bytes_per_token"]
             summary[(model, impl, prec)] = tps
             print(f"{model:8} {impl:8} {prec:9} {tps:9.1f} {str([round(r['tokens_per_s'], 1) for r in rs]):28} "
-                  f"{b * 1e-6:9.1f} {bw / b:9.1f} {tps * b / bw:8.1%}")
+                  f"{b * 1e-6:9.1f} {bw / b:9.1f} {tps * b / bw:8.1%}  {tag}")
 for model in ("dense", "extract"):
     for prec in ("fp32", "bf16"):
         s, t = summary.get((model, "sigma", prec)), summary.get((model, "pytorch", prec))
         if s and t:
-            print(f"{model} {prec}: sigma / pytorch = {s / t:.2f}x")
+            print(f"{model} {prec}: sigma / pytorch = {s / t:.2f}x {tag}")
 # int8 against bf16 and fp32, within each round (the two ran back to back), then the median.
 for model in ("dense", "extract"):
     def per_round(prec):
@@ -149,5 +165,5 @@ for model in ("dense", "extract"):
     print(f"{model} int8 / bf16 tokens/s: {statistics.median(speed):.2f}x (rounds {[round(x, 2) for x in speed]}); "
           f"weights held (MB) fp32 {held['fp32'] * 1e-6:.1f}, bf16 {held['bf16'] * 1e-6:.1f} "
           f"({held['bf16'] / held['fp32']:.2f}x), int8 {held['int8'] * 1e-6:.1f} ({held['int8'] / held['fp32']:.2f}x); "
-          f"process resident (MB) fp32 {rss['fp32'] * 1e-6:.1f}, bf16 {rss['bf16'] * 1e-6:.1f}, int8 {rss['int8'] * 1e-6:.1f}")
+          f"process resident (MB) fp32 {rss['fp32'] * 1e-6:.1f}, bf16 {rss['bf16'] * 1e-6:.1f}, int8 {rss['int8'] * 1e-6:.1f} {tag}")
 EOF

@@ -159,10 +159,10 @@ if [[ -z ${SIGMA_TRAIN_CMD:-} ]]; then
     --set train.precision=$PRECISION $SIGMA_SETS'
 fi
 
+MACHINE=$("$ROOT/bench/machine.sh")
+LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 echo "== machine: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)," \
-     "family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | xargs)" \
-     "model $(grep -m1 '^model\s' /proc/cpuinfo | cut -d: -f2 | xargs);" \
-     "load $(cut -d' ' -f1-3 /proc/loadavg); OPENBLAS_CORETYPE='${OPENBLAS_CORETYPE:-}'" >&2
+     "$MACHINE; load $LOAD_BEFORE; OPENBLAS_CORETYPE='${OPENBLAS_CORETYPE:-}'" >&2
 echo "== model: d=$D layers=$LAYERS heads=$HEADS T=$T batch=$BATCH vocab=$VOCAB;" \
      "warmup $WARMUP + timed $STEPS steps; $THREADS threads; $ROUNDS rounds of $ONLY" >&2
 
@@ -221,10 +221,14 @@ for r in $(seq 1 "$ROUNDS"); do
 done
 probes 2
 
-BENCH_NICE=$NICE "$PY" - "$WORK" "$CHECK" "$D" "$LAYERS" "$T" "$VOCAB" "$WARMUP" "$ROUNDS" <<'PYEOF'
+BENCH_NICE=$NICE BENCH_MACHINE=$MACHINE BENCH_LOAD="$LOAD_BEFORE -> $(cut -d' ' -f1-3 /proc/loadavg)" \
+"$PY" - "$WORK" "$CHECK" "$D" "$LAYERS" "$T" "$VOCAB" "$WARMUP" "$ROUNDS" <<'PYEOF'
 import glob, json, os, statistics, sys
 work, check = sys.argv[1], sys.argv[2] == "1"
 d, layers, T, vocab, warmup, rounds = map(int, sys.argv[3:9])
+machine = os.environ.get("BENCH_MACHINE", "?")
+tag = f"[{machine}]"  # beside every figure (issue 40)
+print(f"machine: {machine}; load average {os.environ.get('BENCH_LOAD', '?')}")
 
 def load(path):
     if not os.path.exists(path) or os.path.getsize(path) == 0:
@@ -268,12 +272,12 @@ blocks = [min(T, i + 128) for i in range(0, T, 128)]
 sigma_attn_frac = sum(i1 * (i1 - i0) for i0, i1 in zip([0] + blocks[:-1], blocks)) / (T * T)
 executed = {"torch": fpt, "sigma": dense + attn * sigma_attn_frac * 7 / 6}
 
-res = {"nice": int(os.environ.get("BENCH_NICE", "0")), "rounds": rounds,
+res = {"machine": machine, "nice": int(os.environ.get("BENCH_NICE", "0")), "rounds": rounds,
        "flops_per_token": fpt, "flops_per_token_executed": {k: round(v) for k, v in executed.items()},
        "limits_gflops": {dt: {k: {"max": round(v[0], 1), "runs": v[1]} for k, v in p.items()}
                          for dt, p in peak.items()}}
 print(f"\n{'contender':11} {'tok/s':>7} {'runs (tok/s)':>22} {'RSS MiB':>8} {'GFLOP/s':>8}"
-      f" {'exec':>6} {'/GEMM':>6} {'/FMA':>6} {'exec/GEMM':>9}")
+      f" {'exec':>6} {'/GEMM':>6} {'/FMA':>6} {'exec/GEMM':>9}  machine")
 for name in ("torch-fp32", "torch-bf16", "sigma-fp32", "sigma-bf16"):
     impl, dt = name.split("-")
     runs, rss = [], []
@@ -304,10 +308,10 @@ for name in ("torch-fp32", "torch-bf16", "sigma-fp32", "sigma-bf16"):
     pct = lambda v: f"{100 * v:5.1f}%" if v is not None else "    -"
     print(f"{name:11} {tps:7.1f} {' '.join(f'{v:.0f}' for v in runs):>22} "
           f"{(e['peak_rss_mib'] or 0):8.0f} {gf:8.1f} {gfx:6.1f} {pct(e['of_gemm_peak'])} "
-          f"{pct(e['of_fma_peak'])} {pct(e['executed_of_gemm_peak']):>9}")
+          f"{pct(e['of_fma_peak'])} {pct(e['executed_of_gemm_peak']):>9}  {tag}")
 for dt in ("fp32", "bf16"):
     print(f"{dt} limits (max of 2 runs): GEMM {peak[dt]['gemm'][0]:.1f} GFLOP/s "
-          f"(runs {peak[dt]['gemm'][1]}), FMA/dot {peak[dt]['fma'][0]:.1f} (runs {peak[dt]['fma'][1]})")
+          f"(runs {peak[dt]['gemm'][1]}), FMA/dot {peak[dt]['fma'][0]:.1f} (runs {peak[dt]['fma'][1]}) {tag}")
 print(f"flops/token: convention {fpt / 1e6:.2f} M; executed: PyTorch {executed['torch'] / 1e6:.2f} M,"
       f" Sigma {executed['sigma'] / 1e6:.2f} M (masked key blocks skipped, scores recomputed in backward)")
 ratios = {}
@@ -317,13 +321,13 @@ for a, b in (("sigma-bf16", "torch-bf16"), ("sigma-bf16", "torch-fp32"),
         ratios[f"{a}/{b}"] = round(res[a]["tokens_per_s"] / res[b]["tokens_per_s"], 3)
 res["ratios"] = ratios
 for k, v in ratios.items():
-    print(f"{k}: {v:.2f}x")
+    print(f"{k}: {v:.2f}x {tag}")
 ok = None
 if "sigma-bf16/torch-bf16" in ratios:
     ok = ratios["sigma-bf16/torch-bf16"] >= 1.5 and (res["sigma-bf16"]["of_gemm_peak"] or 0) >= 0.6
     res["meets_issue14_minimum"] = ok
     print(f"issue 14 minimum (Sigma bf16 >= 1.5x PyTorch bf16 and >= 60 % of the bf16 GEMM peak): "
-          f"{'met' if ok else 'NOT met'}")
+          f"{'met' if ok else 'NOT met'} {tag}")
 with open(os.path.join(work, "result.json"), "w") as f:
     json.dump(res, f, indent=1)
 print(json.dumps(res))

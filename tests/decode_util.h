@@ -3,15 +3,35 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "infer/generate.h"
+#include "kernels/cpu/gemv.h"
 #include "model/model.h"
 
 namespace sigma::testing {
+
+// Calls check(isa) for each SIMD path of the GEMVs (cpu::kGemvSimdIsas) this CPU can run, and
+// says in the test's output which ran and which were skipped (by name); skips the test where
+// none could run.
+template <class Check>
+void for_each_simd_isa(Check&& check) {
+  std::string ran, skipped;
+  for (cpu::GemvIsa isa : cpu::kGemvSimdIsas) {
+    std::string& list = cpu::gemv_isa_available(isa) ? ran : skipped;
+    list += std::string(list.empty() ? "" : ", ") + cpu::gemv_isa_name(isa);
+    if (cpu::gemv_isa_available(isa)) check(isa);
+  }
+  std::printf("SIMD paths compared with the portable path: %s; skipped (not on this CPU): %s\n",
+              ran.empty() ? "none" : ran.c_str(), skipped.empty() ? "none" : skipped.c_str());
+  ::testing::Test::RecordProperty("simd_paths_run", ran);
+  ::testing::Test::RecordProperty("simd_paths_skipped", skipped);
+  if (ran.empty()) GTEST_SKIP() << "this CPU has none of the SIMD paths (" << skipped << ")";
+}
 
 // A sparse model with every kind of weight a decode step reads: dense and RRE blocks, the
 // query layer, two embedding slots.

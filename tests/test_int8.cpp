@@ -122,45 +122,44 @@ TEST(Int8Quantise, RoundTripsWithinHalfAStep) {
   EXPECT_GT(n.s[1], 0.0f);
 }
 
-// The SIMD kernels (AVX-512 and AVX2, each where the CPU has it) and the portable scalar path
+// The SIMD kernels (AVX-512 with VNNI, AVX-512 and AVX2, each where the CPU has it) and the portable scalar path
 // run the same operations per element, so they agree bit for bit: 1 to 4 rows, column and row
 // tails, bias and accumulation, past the size where the spin team splits the work.
 TEST(Int8Gemv, EverySimdPathMatchesThePortablePathBitForBit) {
   struct Shape {
     int64_t in, out;
   };
-  int compared = 0;
-  for (const Shape sh : {Shape{33, 131}, Shape{257, 301}, Shape{512, 1536}}) {
+  struct Case {
+    Shape sh;
+    int64_t M;
+    std::vector<float> want;
+  };
+  std::vector<Case> cases;
+  for (const Shape sh : {Shape{33, 131}, Shape{257, 301}, Shape{512, 1536}})
+    for (int64_t M = 1; M <= 4; ++M) cases.push_back({sh, M, {}});
+  auto run = [&](cpu::GemvIsa isa, Shape sh, int64_t M) {
     const auto w = channel_weights(sh.in, sh.out, 3, false);
     const Quantised nn = quantise(w, sh.in, sh.out, false);
     const Quantised nt = quantise(w, sh.out, sh.in, true);  // the same floats read as [out, in]
     const auto x = randn(4 * sh.in, 4), b = randn(sh.out, 5), y0 = randn(4 * sh.out, 6);
-    for (int64_t M = 1; M <= 4; ++M) {
-      auto run = [&](cpu::GemvIsa isa) {
-        cpu::gemv_use_isa(isa);
-        std::vector<float> a = y0, c = y0, t(size_t(M * sh.out));
-        cpu::gemv_nn(a.data(), x.data(), nn.q.data(), nn.s.data(), b.data(), M, sh.in, sh.out,
-                     true, {});
-        cpu::gemv_nn(c.data(), x.data(), nn.q.data(), nn.s.data(), nullptr, M, sh.in, sh.out,
-                     false, {});
-        cpu::gemv_nt(t.data(), x.data(), nt.q.data(), nt.s.data(), M, sh.in, sh.out, sh.in,
-                     sh.in, sh.out);
-        cpu::gemv_use_isa(cpu::GemvIsa::Best);
-        a.insert(a.end(), c.begin(), c.end());
-        a.insert(a.end(), t.begin(), t.end());
-        return a;
-      };
-      const std::vector<float> want = run(cpu::GemvIsa::Portable);
-      for (cpu::GemvIsa isa : {cpu::GemvIsa::Avx512, cpu::GemvIsa::Avx2}) {
-        if (!cpu::gemv_isa_available(isa)) continue;
-        const std::vector<float> got = run(isa);
-        ++compared;
-        EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
-            << cpu::gemv_isa_name(isa) << ": in " << sh.in << " out " << sh.out << " M " << M;
-      }
+    cpu::gemv_use_isa(isa);
+    std::vector<float> a = y0, c = y0, t(size_t(M * sh.out));
+    cpu::gemv_nn(a.data(), x.data(), nn.q.data(), nn.s.data(), b.data(), M, sh.in, sh.out, true, {});
+    cpu::gemv_nn(c.data(), x.data(), nn.q.data(), nn.s.data(), nullptr, M, sh.in, sh.out, false, {});
+    cpu::gemv_nt(t.data(), x.data(), nt.q.data(), nt.s.data(), M, sh.in, sh.out, sh.in, sh.in, sh.out);
+    cpu::gemv_use_isa(cpu::GemvIsa::Best);
+    a.insert(a.end(), c.begin(), c.end());
+    a.insert(a.end(), t.begin(), t.end());
+    return a;
+  };
+  for (Case& k : cases) k.want = run(cpu::GemvIsa::Portable, k.sh, k.M);
+  sigma::testing::for_each_simd_isa([&](cpu::GemvIsa isa) {
+    for (const Case& k : cases) {
+      const std::vector<float> got = run(isa, k.sh, k.M);
+      EXPECT_EQ(0, std::memcmp(got.data(), k.want.data(), got.size() * 4))
+          << cpu::gemv_isa_name(isa) << ": in " << k.sh.in << " out " << k.sh.out << " M " << k.M;
     }
-  }
-  if (compared == 0) GTEST_SKIP() << "this CPU has neither AVX-512 nor AVX2";
+  });
 }
 
 // Against the exact product of the dequantised weights (double). Each x_k first moves by at most
@@ -216,7 +215,8 @@ TEST(Int8Gemv, LongSumsAtFullScaleDoNotOverflow) {
   for (int64_t k = 0; k < in; ++k)
     for (int64_t j = 0; j < out; ++j) wt[size_t(j * in + k)] = w[size_t(k * out + j)];
   const Quantised qt = quantise(wt, out, in, true);
-  for (cpu::GemvIsa isa : {cpu::GemvIsa::Portable, cpu::GemvIsa::Avx2, cpu::GemvIsa::Avx512}) {
+  for (cpu::GemvIsa isa : {cpu::GemvIsa::Portable, cpu::GemvIsa::Avx2, cpu::GemvIsa::Avx512,
+                           cpu::GemvIsa::Avx512Vnni}) {
     if (!cpu::gemv_isa_available(isa)) continue;
     cpu::gemv_use_isa(isa);
     std::vector<float> y(static_cast<size_t>(out)), t(static_cast<size_t>(out));

@@ -11,18 +11,23 @@ namespace sigma::cpu {
 constexpr float kGeluAlpha = 1.702f;
 constexpr int64_t kSigmoidChunk = 4096;  // sigmoid scratch per chunk stays in L1/L2
 
+// s[0..m) is written by sigmoid_scaled (through AVX stores GCC 12 does not follow, and its
+// AVX-512 intrinsics' _mm512_undefined_* merge sources: GCC bug 105593, as in adam.cpp).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 void fast_gelu_forward(float* y, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static) if (n * kExpMacs > kParallelMacs)
-  for (int64_t c = 0; c < n; c += kSigmoidChunk) {
+  auto chunk = [&](int64_t c) {
     const int64_t m = std::min(kSigmoidChunk, n - c);
     float s[kSigmoidChunk];
     sigmoid_scaled(s, x + c, m, kGeluAlpha);
-    // s[0..m) is written by sigmoid_scaled (through AVX stores GCC 12 does not follow).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
     for (int64_t i = 0; i < m; ++i) y[c + i] = x[c + i] * s[i];
-#pragma GCC diagnostic pop
+  };
+  if (n * kExpMacs <= kParallelMacs) {  // no OpenMP region at all for a decode step's rows
+    for (int64_t c = 0; c < n; c += kSigmoidChunk) chunk(c);
+    return;
   }
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < n; c += kSigmoidChunk) chunk(c);
 }
 
 void fast_gelu_backward(float* dx, const float* dy, const float* x, int64_t n) {
@@ -37,5 +42,7 @@ void fast_gelu_backward(float* dx, const float* dy, const float* x, int64_t n) {
     }
   }
 }
+
+#pragma GCC diagnostic pop
 
 }  // namespace sigma::cpu

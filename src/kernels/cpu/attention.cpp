@@ -110,12 +110,15 @@ void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout
 }
 
 namespace {
-#if defined(SIGMA_VEXP_AVX2)
-// AVX2 builds (hd a multiple of 8, at most 64): a query row's scores 8 keys at a time and its
-// output with the hd / 8 column blocks in registers. Key j's dot product is one sum in one
-// order wherever j falls (8 lanes over c, then lane i + i+4, i + i+2, i + i+1), and each output
-// column the same fma chain over j as the plain loop, so a row's bits depend on its own keys
-// only, as there. (AVX-512 builds keep the plain loops, whose bits earlier builds matched.)
+#if defined(__AVX2__) && defined(__FMA__)
+#define SIGMA_ATTN_ROWS8 1
+// AVX2 and AVX-512 builds (hd a multiple of 8, at most 64): a query row's scores 8 keys at a
+// time and its output with the hd / 8 column blocks in registers. Key j's dot product is one sum
+// in one order wherever j falls (8 lanes over c, then lane i + i+4, i + i+2, i + i+1), and each
+// output column the same fma chain over j as the plain loop, so a row's bits depend on its own
+// keys only, as there. AVX-512 builds ran the plain loops until issue 40: a 64-wide dot product
+// reduced across lanes for every key made a decode token's attention ~22 % of its time on Zen 5
+// (int8 weights, one thread; bench/decode_breakdown.sh).
 constexpr int64_t kMaxAvx2Hd = 64;
 
 void row_scores_avx2(float* S, const float* qi, const float* kb, int64_t ldk, int64_t n,
@@ -216,7 +219,7 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
     const int64_t b = bh / s.H, h = bh % s.H;
     const float* kb = k.p + b * k.bs + h * hd;
     const float* vb = v.p + b * v.bs + h * hd;
-#if defined(SIGMA_VEXP_AVX2)
+#if defined(SIGMA_ATTN_ROWS8)
     if (hd % 8 == 0 && hd <= kMaxAvx2Hd) {
       float* S1 = scores.data() + Tk;  // the second row's probabilities
       auto probabilities = [&](float* P, int64_t i) {  // row i's, into P; returns its keys

@@ -1,6 +1,7 @@
 #include "kernels/cpu/gemv.h"
 
 #include <immintrin.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +23,14 @@ constexpr int64_t kParallelWeights = int64_t(1) << 16;
 
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return from_bf16(w); }
+
+// Whether the kernels prefetch a sweep of `bytes` into L1 (else L2): when it and the sweep being
+// read take at most 3/4 of L1 (gemv_simd.inc).
+const int64_t g_l1_prefetch_bytes = [] {
+  const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+  return l1 > 0 ? int64_t(l1) / 4 * 3 : int64_t(0);
+}();
+inline bool prefetch_to_l1(int64_t bytes) { return 2 * bytes <= g_l1_prefetch_bytes; }
 
 // The instruction set the products run on (gemv_use_isa; Best until a test picks one).
 GemvIsa g_isa = GemvIsa::Best;
@@ -141,7 +150,7 @@ SIGMA_SIMD inline ivec iload_masked(const int32_t* p, int n) { return _mm512_mas
 SIGMA_SIMD inline void istore(int32_t* p, ivec v) { _mm512_storeu_si512(p, v); }
 SIGMA_SIMD inline void istore_masked(int32_t* p, ivec v, int n) { _mm512_mask_storeu_epi32(p, mask(n), v); }
 SIGMA_SIMD inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
-SIGMA_SIMD inline ivec madd(ivec a, ivec b) { return _mm512_madd_epi16(a, b); }
+SIGMA_SIMD inline ivec dpadd(ivec acc, ivec a, ivec b) { return iadd(acc, _mm512_madd_epi16(a, b)); }
 SIGMA_SIMD inline ivec widen16(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -152,6 +161,17 @@ SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm512_loadu_si512(p); 
 #include "kernels/cpu/gemv_simd.inc"
 #undef SIGMA_SIMD
 }  // namespace avx512
+
+// AVX-512 with VNNI (Zen 4 and 5, Ice Lake on): the int8 kernels' multiply-add and add in one
+// vpdpwssd. Its int32 lanes wrap as vpmaddwd + vpaddd do, and no sum here reaches 2^31
+// (gemv.h), so the bits are the same; the fp32 and bf16 kernels are avx512's.
+namespace avx512vnni {
+using namespace avx512;
+#define SIGMA_SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+SIGMA_SIMD inline ivec dpadd(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
+#include "kernels/cpu/gemv_simd.inc"
+#undef SIGMA_SIMD
+}  // namespace avx512vnni
 #pragma GCC diagnostic pop
 
 namespace avx2 {
@@ -201,7 +221,7 @@ SIGMA_SIMD inline ivec iload_masked(const int32_t* p, int n) { return _mm256_mas
 SIGMA_SIMD inline void istore(int32_t* p, ivec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 SIGMA_SIMD inline void istore_masked(int32_t* p, ivec v, int n) { _mm256_maskstore_epi32(p, mask(n), v); }
 SIGMA_SIMD inline ivec iadd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
-SIGMA_SIMD inline ivec madd(ivec a, ivec b) { return _mm256_madd_epi16(a, b); }
+SIGMA_SIMD inline ivec dpadd(ivec acc, ivec a, ivec b) { return iadd(acc, _mm256_madd_epi16(a, b)); }
 SIGMA_SIMD inline ivec widen16(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -234,6 +254,8 @@ bool cpu_has(GemvIsa isa) {
   static const bool avx512 = __builtin_cpu_supports("avx512f") &&
                              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool vnni = avx512 && __builtin_cpu_supports("avx512vnni");
+  if (isa == GemvIsa::Avx512Vnni) return vnni;
   if (isa == GemvIsa::Avx512) return avx512;
   if (isa == GemvIsa::Avx2) return avx2;
 #endif
@@ -242,7 +264,8 @@ bool cpu_has(GemvIsa isa) {
 
 GemvIsa resolve(GemvIsa isa) {
   if (isa != GemvIsa::Best) return isa;
-  static const GemvIsa best = cpu_has(GemvIsa::Avx512) ? GemvIsa::Avx512
+  static const GemvIsa best = cpu_has(GemvIsa::Avx512Vnni) ? GemvIsa::Avx512Vnni
+                              : cpu_has(GemvIsa::Avx512)   ? GemvIsa::Avx512
                               : cpu_has(GemvIsa::Avx2) ? GemvIsa::Avx2
                                                        : GemvIsa::Portable;
   return best;
@@ -253,11 +276,12 @@ struct NN {
   template <int M>
   struct K {
     static void run(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, int64_t ldw,
-                    int64_t in, Range c) {
+                    int64_t in, int64_t reach, Range c) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
-        case GemvIsa::Avx512: return avx512::nn_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, c);
-        case GemvIsa::Avx2: return avx2::nn_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, c);
+        case GemvIsa::Avx512Vnni:
+        case GemvIsa::Avx512: return avx512::nn_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, reach, c);
+        case GemvIsa::Avx2: return avx2::nn_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, reach, c);
 #endif
         default: return nn_scalar(y, ldy, x, ldx, w, ldw, M, in, c);
       }
@@ -272,6 +296,7 @@ struct NT {
                     int64_t in, Range rows) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
+        case GemvIsa::Avx512Vnni:
         case GemvIsa::Avx512: return avx512::nt_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, rows);
         case GemvIsa::Avx2: return avx2::nt_kernel<W, M>(y, ldy, x, ldx, w, ldw, in, rows);
 #endif
@@ -284,11 +309,12 @@ struct NNI8 {
   template <int M>
   struct K {
     static void run(int32_t* p, int64_t ldp, const int16_t* xq, int64_t ldq, const int8_t* w,
-                    int64_t ldw, int64_t pairs, Range c) {
+                    int64_t ldw, int64_t pairs, int64_t reach, Range c) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
-        case GemvIsa::Avx512: return avx512::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, c);
-        case GemvIsa::Avx2: return avx2::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, c);
+        case GemvIsa::Avx512Vnni: return avx512vnni::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, reach, c);
+        case GemvIsa::Avx512: return avx512::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, reach, c);
+        case GemvIsa::Avx2: return avx2::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, reach, c);
 #endif
         default: return nn_i8_scalar(p, ldp, xq, ldq, w, ldw, M, pairs, c);
       }
@@ -301,11 +327,12 @@ struct NTI8 {
   struct K {
     template <int Q>
     static void group(int64_t* s, const int16_t* xq, int64_t ldq, const int8_t* w, int64_t ldw,
-                      int64_t in, int64_t j) {
+                      int64_t in, int64_t j, bool ahead) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
-        case GemvIsa::Avx512: return avx512::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j);
-        case GemvIsa::Avx2: return avx2::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j);
+        case GemvIsa::Avx512Vnni: return avx512vnni::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j, ahead);
+        case GemvIsa::Avx512: return avx512::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j, ahead);
+        case GemvIsa::Avx2: return avx2::nt_i8_group<M, Q>(s, xq, ldq, w, ldw, in, j, ahead);
 #endif
         default: return nt_i8_scalar(s, xq, ldq, w, ldw, M, in, j, Q);
       }
@@ -315,8 +342,8 @@ struct NTI8 {
       int64_t s[M * 4];
       for (int64_t j = rows.lo; j < rows.hi;) {
         const int Q = j + 4 <= rows.hi ? 4 : 1;
-        if (Q == 4) group<4>(s, xq, ldq, w, ldw, in, j);
-        else group<1>(s, xq, ldq, w, ldw, in, j);
+        if (Q == 4) group<4>(s, xq, ldq, w, ldw, in, j, j + 8 <= rows.hi);
+        else group<1>(s, xq, ldq, w, ldw, in, j, false);
         for (int r = 0; r < M; ++r)
           for (int q = 0; q < Q; ++q) y[r * ldy + j + q] = scale[j + q] * (step[r] * float(s[r * Q + q]));
         j += Q;
@@ -345,19 +372,31 @@ Range column_block(int64_t out, int64_t blk, int64_t blocks) {
   return {std::min(out, blk * per * 16), std::min(out, (blk + 1) * per * 16)};
 }
 
-int64_t chunks_of(int64_t in) { return std::max<int64_t>(1, (in + kChunkRows - 1) / kChunkRows); }
+int64_t chunks_of(int64_t in, int64_t rows = kChunkRows) {
+  return std::max<int64_t>(1, (in + rows - 1) / rows);
+}
 
-// The items of an nn product: each a chunk of whole rows of w (one contiguous stream), split
-// into column blocks only when there are too few chunks for the threads; fn(chunk, its first
-// row, its rows, the columns).
+// The items of an nn product: runs of consecutive chunks of whole rows of w (one contiguous
+// stream each; per_thread items a thread), split into column blocks only when there are fewer
+// chunks than items; fn(chunk, its first row, its rows, the rows to its item's end, the
+// columns) for each chunk of an item, in order (the kernels prefetch across a chunk's end). A thread streaming a run of chunks, not every other chunk as the items are claimed,
+// keeps the hardware prefetcher's stream: bf16 +13-16 %, fp32 and int8 +3-10 % at 2 threads
+// (bench_gemv, Zen 5; issue 40). Partials stay per chunk, so the bits do not change.
 template <class Fn>
-void for_each_chunk(int64_t in, int64_t out, Fn&& fn) {
-  const int64_t chunks = chunks_of(in);
-  const int64_t blocks = std::max<int64_t>(1, (2 * team_threads() + chunks - 1) / chunks);
-  run_items(in * out, chunks * blocks, [&](int64_t it) {
-    const int64_t c = it / blocks, i0 = c * kChunkRows, rows = std::min(kChunkRows, in - i0);
+void for_each_chunk(int64_t in, int64_t out, Fn&& fn, int64_t chunk_rows = kChunkRows,
+                    int64_t per_thread = 2) {
+  const int64_t chunks = chunks_of(in, chunk_rows), items = per_thread * team_threads();
+  const int64_t blocks = std::max<int64_t>(1, (items + chunks - 1) / chunks);
+  const int64_t runs = std::min(chunks, items);
+  run_items(in * out, runs * blocks, [&](int64_t it) {
+    const int64_t run = it / blocks;
     const Range cols = column_block(out, it % blocks, blocks);
-    if (cols.lo < cols.hi && rows > 0) fn(c, i0, rows, cols);
+    const int64_t c0 = run * chunks / runs, c1 = (run + 1) * chunks / runs;
+    const int64_t end = std::min(in, c1 * chunk_rows);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t i0 = c * chunk_rows, rows = std::min(chunk_rows, in - i0);
+      if (cols.lo < cols.hi && rows > 0) fn(c, i0, rows, end - i0, cols);
+    }
   });
 }
 
@@ -371,8 +410,9 @@ void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t
   thread_local std::vector<float> partial;  // [chunks][M][out]
   partial.resize(size_t(chunks * stride));
   float* p = partial.data();
-  for_each_chunk(in, out, [&](int64_t c, int64_t i0, int64_t rows, Range cols) {
-    with_rows<NN<W>::template K>(M, p + c * stride, out, x + i0, ldx, w + i0 * ldw, ldw, rows, cols);
+  for_each_chunk(in, out, [&](int64_t c, int64_t i0, int64_t rows, int64_t reach, Range cols) {
+    with_rows<NN<W>::template K>(M, p + c * stride, out, x + i0, ldx, w + i0 * ldw, ldw, rows,
+                                 reach, cols);
   });
   // The chunk sums, in order, by column blocks.
   const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 511) / 512;
@@ -438,48 +478,49 @@ const float* rows16_as_fp32(const float* x, int64_t ldx, int64_t N, int64_t in) 
   return out.data();
 }
 
+// The int8 products' chunks: their sums are exact, so unlike fp32's the chunk size does not
+// change the bits, and larger chunks write and read fewer partials (at 64 rows the int32
+// partials were 1/8 of the int8 weights' bytes, written and read again; issue 40).
+// |partial| <= 256 * 127 * 32767 < 2^31. One item a thread where the chunks are few: splitting
+// a 512-row product's 2 chunks into column blocks too streamed 15-25 % slower (2 threads, Zen 5).
+constexpr int64_t kI8ChunkRows = 256;
+static_assert(kI8ChunkRows * 127 * 32767 < (int64_t(1) << 31) && kI8ChunkRows % 2 == 0);
+
 // y = (accumulate ? y : 0) + b + scale * (step * S), S the exact sum of xq q: per chunk of
-// kChunkRows rows (kChunkRows / 2 pairs; |partial| < 2^31) an int32 partial, as nn's fp32 ones.
+// kI8ChunkRows rows (kI8ChunkRows / 2 pairs) an int32 partial, added in int64.
 void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
            int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
   if (M == 0 || out == 0) return;
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
   const Rows16& xq = rows16(x, ldx, M, in);
-  const int64_t chunks = chunks_of(in), stride = M * out;
+  const int64_t chunks = chunks_of(in, kI8ChunkRows), stride = M * out;
   thread_local std::vector<int32_t> partial;  // [chunks][M][out]
   partial.resize(size_t(chunks * stride));
   int32_t* p = partial.data();
-  for_each_chunk(in, out, [&](int64_t c, int64_t i0, int64_t rows, Range cols) {
-    with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
-                       q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, cols);
-  });
+  for_each_chunk(
+      in, out,
+      [&](int64_t c, int64_t i0, int64_t rows, int64_t reach, Range cols) {
+        with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
+                           q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, (reach + 1) / 2,
+                           cols);
+      },
+      kI8ChunkRows, 1);
   // Column blocks of 256, so that even a 512-column product's sums are shared by 2 threads.
   const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 255) / 256;
   run_items(sum_chunks * stride, sum_blocks, [&](int64_t blk) {
     const Range c = column_block(out, blk, sum_blocks);
-    // Chunk by chunk over contiguous columns (vectorised; the sums are exact integers, so the
-    // order does not matter): up to kI32Chunks chunks in int32 lanes (|partial| <= kChunkRows *
-    // 127 * 32767, 8 of them < 2^31), groups of them in int64, then each column's one rounding.
-    constexpr int64_t kI32Chunks = 8;
-    static_assert(kI32Chunks * kChunkRows * 127 * 32767 < (int64_t(1) << 31));
+    // Chunk by chunk over contiguous columns into int64 (vectorised; exact, so in any order),
+    // then each column's one rounding.
     const int64_t n = c.hi - c.lo;
-    thread_local std::vector<int32_t> group;
     thread_local std::vector<int64_t> total;
-    group.resize(size_t(n));
     total.resize(size_t(n));
-    int32_t* g = group.data();
     int64_t* t = total.data();
     for (int64_t r = 0; r < M; ++r) {
       std::fill(t, t + n, int64_t(0));
-      for (int64_t k0 = 0; k0 < sum_chunks; k0 += kI32Chunks) {
-        const int32_t* first = p + (k0 * M + r) * out + c.lo;
-        std::copy(first, first + n, g);
-        for (int64_t k = k0 + 1; k < std::min(sum_chunks, k0 + kI32Chunks); ++k) {
-          const int32_t* pr = p + (k * M + r) * out + c.lo;
-          for (int64_t j = 0; j < n; ++j) g[j] += pr[j];
-        }
-        for (int64_t j = 0; j < n; ++j) t[j] += g[j];
+      for (int64_t k = 0; k < sum_chunks; ++k) {
+        const int32_t* pr = p + (k * M + r) * out + c.lo;
+        for (int64_t j = 0; j < n; ++j) t[j] += pr[j];
       }
       float* row = y + r * ldy + c.lo;
       const float* sc = scale + c.lo;
@@ -567,6 +608,7 @@ GemvIsa gemv_isa() { return resolve(g_isa); }
 const char* gemv_isa_name(GemvIsa isa) {
   switch (isa) {
     case GemvIsa::Best: return "best";
+    case GemvIsa::Avx512Vnni: return "avx512vnni";
     case GemvIsa::Avx512: return "avx512";
     case GemvIsa::Avx2: return "avx2";
     case GemvIsa::Portable: return "portable";

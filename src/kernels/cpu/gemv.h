@@ -44,11 +44,13 @@ void gemv_nn(float* y, const float* x, const int8_t* q, const float* scale, cons
 void gemv_nt(float* y, const float* x, const int8_t* q, const float* scale, int64_t M, int64_t in,
              int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
 
-// The kernels exist for AVX-512, AVX2 (+FMA) and in portable scalar code, each with the same
-// order of operations per element, so the same bits; Best (the default) is the widest the CPU
-// has. Tests and benchmarks pick one with gemv_use_isa (not thread-safe: set it before the
-// products run); gemv_isa() is the one in use.
-enum class GemvIsa { Best, Avx512, Avx2, Portable };
+// The kernels exist for AVX-512 with VNNI (int8's multiply-adds in one instruction; otherwise
+// AVX-512's), AVX-512, AVX2 (+FMA) and in portable scalar code, each with the same order of
+// operations per element, so the same bits; Best (the default) is the first of kGemvSimdIsas the
+// CPU has, else Portable. Tests and benchmarks pick one with gemv_use_isa (not thread-safe: set
+// it before the products run); gemv_isa() is the one in use.
+enum class GemvIsa { Best, Avx512Vnni, Avx512, Avx2, Portable };
+inline constexpr GemvIsa kGemvSimdIsas[] = {GemvIsa::Avx512Vnni, GemvIsa::Avx512, GemvIsa::Avx2};
 bool gemv_isa_available(GemvIsa isa);
 void gemv_use_isa(GemvIsa isa);
 GemvIsa gemv_isa();

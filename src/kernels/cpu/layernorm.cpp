@@ -27,8 +27,7 @@ float row_sq_dev(const float* x, float m, int64_t C) {
 
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,
                        const float* b, int64_t N, int64_t C) {
-#pragma omp parallel for schedule(static) if (N * C > kParallelFloats)
-  for (int64_t i = 0; i < N; ++i) {
+  auto row = [&](int64_t i) {
     const float* xi = x + i * C;
     const float m = row_sum(xi, C) / C;
     const float r = 1.0f / std::sqrt(row_sq_dev(xi, m, C) / C + kLayerNormEps);
@@ -36,7 +35,15 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, con
     for (int64_t j = 0; j < C; ++j) oi[j] = (xi[j] - m) * r * w[j] + b[j];
     mean[i] = m;
     rstd[i] = r;
+  };
+  // A decode step's few rows skip OpenMP altogether: a region whose `if` is false still sets
+  // up a team of one per call, 17 calls a token (issue 40).
+  if (N * C <= kParallelFloats) {
+    for (int64_t i = 0; i < N; ++i) row(i);
+    return;
   }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < N; ++i) row(i);
 }
 
 // With n = (x-mean)*rstd and g = dout*w:  dx = rstd * (g - mean(g) - n * mean(g*n)).
