@@ -332,22 +332,18 @@ SandboxResult run_sandboxed(const std::string& program, const SandboxLimits& lim
   // Its files are in memory too (the tmpfs pages count against the cgroup): the limit leaves
   // room for a full disk quota besides the processes' memory_bytes.
   const uint64_t cg_bytes = limits.memory_bytes + limits.disk_bytes;
-  MemoryCgroup cg = make_memory_cgroup(name, cg_bytes);
-  p.cg_procs_fd = cg.procs_fd;
-  p.cg_parent_procs_fd = cg.parent_procs_fd;
-  p.cg_dir = cg.dir;
-  p.cg_events = cg.events;
+  p.cg = plan_memory_cgroup(name, cg_bytes);
+  const MemoryCgroup& cg = p.cg;
   struct Cleanup {  // backstops for a supervisor that was killed before it cleaned up
-    MemoryCgroup& cg;
-    std::string folder;
+    std::string folder, cgroup;
     std::vector<int> fds;
     ~Cleanup() {
       for (int fd : fds) close(fd);
       std::error_code ec;
       fs::remove(folder, ec);  // an empty directory on this side of the mount namespace
-      close_memory_cgroup(cg);
+      remove_cgroup(cgroup);
     }
-  } cleanup{cg, p.folder, {}};
+  } cleanup{p.folder, p.cg.dir, {}};
 
   // Read ends non-blocking: a writer the sample left behind can never stall the evaluator.
   int report[2], done[2];

@@ -130,47 +130,48 @@ bool owner_gone(const std::string& name) {
 
 bool stale_sandbox_name(const std::string& name) { return owner_gone(name); }
 
-MemoryCgroup make_memory_cgroup(const std::string& name, uint64_t bytes) {
+MemoryCgroup plan_memory_cgroup(const std::string& name, uint64_t bytes) {
   MemoryCgroup cg;
   const CgroupBase& b = base();
-  if (b.version.empty()) {
-    cg.why_not = b.why_not;
-    return cg;
-  }
-  const std::string dir = b.parent + "/" + name;
-  if (mkdir(dir.c_str(), 0755) != 0) {
-    cg.why_not = fmt::format("cannot create {}: {}", dir, std::strerror(errno));
-    return cg;
-  }
   const bool v1 = b.version == "v1";
-  const std::string limit = std::to_string(bytes);
-  bool ok = write_text(dir + (v1 ? "/memory.limit_in_bytes" : "/memory.max"), limit);
-  // Swap counts too where it is accounted (v1's memsw must not be below the limit, so after it).
-  if (ok && v1 && ::access((dir + "/memory.memsw.limit_in_bytes").c_str(), F_OK) == 0)
-    ok = write_text(dir + "/memory.memsw.limit_in_bytes", limit);
-  if (ok && !v1 && ::access((dir + "/memory.swap.max").c_str(), F_OK) == 0)
-    ok = write_text(dir + "/memory.swap.max", "0");
-  cg.procs_fd = open((dir + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC);
-  cg.parent_procs_fd = open((b.parent + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC);
-  if (!ok || cg.procs_fd < 0 || cg.parent_procs_fd < 0) {
-    cg.why_not = fmt::format("cannot set the limit of {}: {}", dir, std::strerror(errno));
-    cg.dir = dir;
-    close_memory_cgroup(cg);
+  auto plan = [&](const std::string& dir) {
+    MemoryCgroup c;
+    c.version = b.version, c.dir = dir;
+    c.events = dir + (v1 ? "/memory.oom_control" : "/memory.events");
+    c.procs = dir + "/cgroup.procs", c.parent_procs = b.parent + "/cgroup.procs";
+    const std::string limit = std::to_string(bytes);
+    c.limits.push_back({dir + (v1 ? "/memory.limit_in_bytes" : "/memory.max"), limit});
+    // Swap counts too where it is accounted (v1's memsw must not be below the limit: after it).
+    if (v1 && ::access((b.parent + "/memory.memsw.limit_in_bytes").c_str(), F_OK) == 0)
+      c.limits.push_back({dir + "/memory.memsw.limit_in_bytes", limit});
+    if (!v1 && ::access((b.parent + "/memory.swap.max").c_str(), F_OK) == 0)
+      c.limits.push_back({dir + "/memory.swap.max", "0"});
+    return c;
+  };
+  // Once a process: may it make one there? (A user without write access to the hierarchy,
+  // as any non-root user under cgroup v1, may not.)
+  static const std::string why_not = [&]() -> std::string {
+    if (b.version.empty()) return b.why_not;
+    const MemoryCgroup probe = plan(b.parent + fmt::format("/sigma-sandbox-{}-probe", getpid()));
+    if (mkdir(probe.dir.c_str(), 0755) != 0)
+      return fmt::format("cannot create a cgroup in {}: {}", b.parent, std::strerror(errno));
+    std::string why;
+    for (const auto& [file, value] : probe.limits)
+      if (why.empty() && !write_text(file, value)) why = fmt::format("cannot write {}: {}", file, std::strerror(errno));
+    if (why.empty() && ::access(probe.procs.c_str(), W_OK) != 0) why = "cannot join " + probe.dir;
+    rmdir(probe.dir.c_str());
+    return why;
+  }();
+  if (!why_not.empty()) {
+    cg.why_not = why_not;
     return cg;
   }
-  cg.version = b.version;
-  cg.dir = dir;
-  cg.events = dir + (v1 ? "/memory.oom_control" : "/memory.events");
-  return cg;
+  return plan(b.parent + "/" + name);
 }
 
-void close_memory_cgroup(MemoryCgroup& cg) {
-  for (int* fd : {&cg.procs_fd, &cg.parent_procs_fd})
-    if (*fd >= 0) close(*fd), *fd = -1;
-  // The supervisor removes it; this is the backstop for one that was killed.
-  for (int i = 0; !cg.dir.empty() && i < 200 && rmdir(cg.dir.c_str()) != 0 && errno == EBUSY; ++i)
+void remove_cgroup(const std::string& dir) {
+  for (int i = 0; !dir.empty() && i < 200 && rmdir(dir.c_str()) != 0 && errno == EBUSY; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  cg.dir.clear();
 }
 
 void remove_stale_cgroups() {

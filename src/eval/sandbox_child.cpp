@@ -211,14 +211,12 @@ int32_t oom_kills(const char* path) {
     umount2(p.folder.c_str(), MNT_DETACH);
     rmdir(p.folder.c_str());
   }
-  if (p.in_cgroup) {
-    report(p, kOom, 0, oom_kills(p.cg_events.c_str()));
-    if (write(p.cg_parent_procs_fd, "0", 1) == 1)
-      for (int i = 0; i < 200 && rmdir(p.cg_dir.c_str()) != 0 && errno == EBUSY; ++i) {
-        const struct timespec ms{0, 5000000};  // an exiting process may hold it a moment
-        nanosleep(&ms, nullptr);
-      }
-  }
+  if (p.in_cgroup) report(p, kOom, 0, oom_kills(p.cg.events.c_str()));
+  if (p.made_cgroup && (!p.in_cgroup || write_file(p.cg.parent_procs.c_str(), "0", O_WRONLY, 0)))
+    for (int i = 0; i < 200 && rmdir(p.cg.dir.c_str()) != 0 && errno == EBUSY; ++i) {
+      const struct timespec ms{0, 5000000};  // an exiting process may hold it a moment
+      nanosleep(&ms, nullptr);
+    }
   _exit(code);
 }
 
@@ -357,8 +355,12 @@ bool watch_parent(const ChildPlan& p) {
   signal(SIGPIPE, SIG_IGN);
   if (!watch_parent(p)) _exit(126);  // nothing made yet
   const double deadline = now_seconds() + p.seconds;
-  if (p.cg_procs_fd >= 0) {  // the sample's processes share one memory limit
-    if (write(p.cg_procs_fd, "0", 1) != 1) fail(p, kStageCgroup);
+  if (!p.cg.version.empty()) {  // the sample's processes share one memory limit
+    if (mkdir(p.cg.dir.c_str(), 0755) != 0) fail(p, kStageCgroup);
+    p.made_cgroup = true;
+    for (const auto& [file, value] : p.cg.limits)
+      if (!write_file(file.c_str(), value, O_WRONLY, 0)) fail(p, kStageCgroup);
+    if (!write_file(p.cg.procs.c_str(), "0", O_WRONLY, 0)) fail(p, kStageCgroup);
     p.in_cgroup = true;
     p.got |= kMemcg;
   }

@@ -44,16 +44,17 @@ struct RootEntry {
   std::string source;  // Bind, BindFile: the host path; Link: the link's text
 };
 
-// The per-sample memory cgroup (v1 or v2), made by the evaluator; the supervisor joins it,
-// counts its OOM kills, leaves it and removes it.
+// The per-sample memory cgroup (v1 or v2), planned by the evaluator (which has checked once
+// that it may make one there); the supervisor makes it, joins it, counts its OOM kills,
+// leaves it and removes it, so that it exists only while a supervisor does.
 struct MemoryCgroup {
-  std::string version;  // "v1" or "v2"; "" = none could be made (see why_not)
-  std::string dir, events;
-  int procs_fd = -1, parent_procs_fd = -1;
+  std::string version;  // "v1" or "v2"; "" = none can be made (see why_not)
+  std::string dir, events, procs, parent_procs;
+  std::vector<std::pair<std::string, std::string>> limits;  // file, value; written in order
   std::string why_not;
 };
-MemoryCgroup make_memory_cgroup(const std::string& name, uint64_t bytes);
-void close_memory_cgroup(MemoryCgroup& cg);  // closes the fds; removes the folder if left
+MemoryCgroup plan_memory_cgroup(const std::string& name, uint64_t bytes);
+void remove_cgroup(const std::string& dir);  // the backstop for a supervisor that was killed
 // Removes the cgroups named sigma-sandbox-PID-* of evaluators that no longer run.
 void remove_stale_cgroups();
 // Whether a folder or cgroup name "sigma-sandbox-PID-..." belongs to an evaluator that no
@@ -76,11 +77,10 @@ struct ChildPlan {
   uint64_t memory = 0, file = 0;
   int nproc = 64;
   double seconds = 0;
-  int cg_procs_fd = -1, cg_parent_procs_fd = -1;
-  std::string cg_dir, cg_events;
+  MemoryCgroup cg;
   // Set by the supervisor after fork (its own copy).
   uint16_t got = 0;
-  bool made_folder = false, in_cgroup = false;
+  bool made_folder = false, made_cgroup = false, in_cgroup = false;
   pid_t init = 0;
   int root_fd = -1, box_fd = -1;
 };
