@@ -148,20 +148,25 @@ MemoryCgroup plan_memory_cgroup(const std::string& name, uint64_t bytes) {
       c.limits.push_back({dir + "/memory.swap.max", "0"});
     return c;
   };
-  // Once a process: may it make one there? (A user without write access to the hierarchy,
-  // as any non-root user under cgroup v1, may not.)
-  static const std::string why_not = [&]() -> std::string {
-    if (b.version.empty()) return b.why_not;
-    const MemoryCgroup probe = plan(b.parent + fmt::format("/sigma-sandbox-{}-probe", getpid()));
-    if (mkdir(probe.dir.c_str(), 0755) != 0)
-      return fmt::format("cannot create a cgroup in {}: {}", b.parent, std::strerror(errno));
-    std::string why;
-    for (const auto& [file, value] : probe.limits)
-      if (why.empty() && !write_text(file, value)) why = fmt::format("cannot write {}: {}", file, std::strerror(errno));
-    if (why.empty() && ::access(probe.procs.c_str(), W_OK) != 0) why = "cannot join " + probe.dir;
-    rmdir(probe.dir.c_str());
-    return why;
-  }();
+  // Once a user: may it make one there? (A user without write access to the hierarchy, as
+  // any non-root user under cgroup v1, may not; a forked child may have switched users.)
+  static uid_t asked_for = uid_t(-1);
+  static std::string why_not;
+  if (asked_for != geteuid()) {
+    asked_for = geteuid();
+    why_not = [&]() -> std::string {
+      if (b.version.empty()) return b.why_not;
+      const MemoryCgroup probe = plan(b.parent + fmt::format("/sigma-sandbox-{}-probe", getpid()));
+      if (mkdir(probe.dir.c_str(), 0755) != 0)
+        return fmt::format("cannot create a cgroup in {}: {}", b.parent, std::strerror(errno));
+      std::string why;
+      for (const auto& [file, value] : probe.limits)
+        if (why.empty() && !write_text(file, value)) why = fmt::format("cannot write {}: {}", file, std::strerror(errno));
+      if (why.empty() && ::access(probe.procs.c_str(), W_OK) != 0) why = "cannot join " + probe.dir;
+      rmdir(probe.dir.c_str());
+      return why;
+    }();
+  }
   if (!why_not.empty()) {
     cg.why_not = why_not;
     return cg;
