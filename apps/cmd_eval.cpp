@@ -213,6 +213,9 @@ void run_task(EvalArgs a) {
 }
 
 void run_eval(const EvalArgs& a) {
+  // Ctrl-C or a scheduler's SIGTERM: a message, the signal's own exit status, and no sandboxed
+  // sample or sandbox folder left behind.
+  eval::exit_cleanly_on_interrupt();
   if (!a.score_generations.empty()) return run_score_generations(a);
   ops::use_backend(a.backend);
   SIGMA_CHECK(!a.ckpt.empty(), "--ckpt is required (except with --score-generations)");
@@ -279,7 +282,7 @@ const RegisterCommand reg_eval([](CLI::App& root) {
       ->check(CLI::Range(1, 1 << 20));
   c->add_option("--timeout", a->opt.sandbox.seconds, "Code tasks: seconds per sample (default 10)")
       ->check(CLI::Range(0.1, 3600.0));
-  c->add_option("--memory-mb", a->memory_mb, "Code tasks: address-space limit per sample (default 1024)")
+  c->add_option("--memory-mb", a->memory_mb, "Code tasks: memory limit per sample: each process's address space, and all its processes together where a cgroup can be made (default 1024)")
       ->check(CLI::Range(64.0, 1e6));
   add_backend_option(*c, a->backend);
   c->add_option("--log-samples", a->log_samples, "With --task or --score-generations: write "

@@ -2,17 +2,21 @@
 // cannot hang, exhaust, fool or escape the evaluator (docs/evaluation.md, "The sandbox"):
 // - a pass means the program reached its end: the guard writes a sentinel to a pipe after the
 //   tests, so sys.exit(0) or os._exit(0) before them is a failure;
-// - its own PID namespace (root, or a user namespace where unprivileged ones are allowed): when
-//   the sample's first process ends, every process it started dies with the namespace; the
-//   supervisor is also a subreaper that kills every descendant left at the end of a sample;
-// - a per-sample tmpfs as its directory (a total disk quota), removed afterwards;
-// - wall-clock limit, CPU, address-space, file-size, open-file and process limits (setrlimit);
-// - no network: a new network namespace, and Landlock denies TCP bind/connect;
-// - no writes outside its directory and no reads outside it and the system: Landlock; no
-//   signals to processes outside the sandbox: Landlock signal scoping (ABI >= 6); as root the
-//   sample also runs as user nobody;
+// - its own mount, PID and network namespaces (root, or a user namespace where unprivileged
+//   ones are allowed; with neither the sample is refused): when the sample's first process
+//   ends, every process it started dies with the namespace; the supervisor is also a subreaper
+//   that kills every descendant left at the end of a sample, and it stops the sample and
+//   removes its folder when the evaluator dies, however it dies;
+// - its own root: a tmpfs with read-only binds of the interpreter's system directories and
+//   box/, a tmpfs of disk_bytes (the disk quota) as its directory; nothing else of the host (no
+//   /tmp, /run, /home, /proc: no socket reachable by path);
+// - one memory limit for all its processes (a cgroup, v1 or v2, where the evaluator may make
+//   one), and wall-clock, CPU, address-space, file-size, open-file and process limits;
+// - no network: the network namespace, and Landlock denies TCP bind/connect;
+// - Landlock: writes only in its directory; no signals to processes outside (ABI >= 6); as
+//   root the sample also runs as user nobody;
 // - a Python audit hook refuses fork/exec/subprocess, sockets, ctypes and writes outside the
-//   directory, as a second line where the kernel features are missing.
+//   directory, as a second line.
 // Whatever the sample does, the result is pass or fail with a reason.
 #pragma once
 #include <cstdint>
@@ -22,7 +26,7 @@ namespace sigma::eval {
 
 struct SandboxLimits {
   double seconds = 10;                 // wall clock
-  uint64_t memory_bytes = 1ull << 30;  // address space
+  uint64_t memory_bytes = 1ull << 30;  // address space of each process, and all together
   uint64_t file_bytes = 16ull << 20;   // largest file it may write (and its captured output)
   uint64_t disk_bytes = 64ull << 20;   // all its files together (the tmpfs' size)
   int processes = 64;                  // RLIMIT_NPROC for the sample's user
@@ -35,16 +39,24 @@ struct SandboxResult {
   bool finished = false;  // the program ran to its end (the sentinel arrived)
   int exit_code = -1;     // when it exited
   int signal = 0;         // when a signal ended it
-  // "passed", "failed" (a non-zero exit: an exception such as AssertionError), "early_exit"
-  // (exit 0 before the end), "timeout", "killed" (a signal), "error" (the sandbox failed).
+  int oom_kills = 0;      // processes the memory limit ended
+  // "passed", "failed" (a non-zero exit: an exception such as AssertionError; or the memory
+  // limit ended one of its processes), "early_exit" (exit 0 before the end), "timeout",
+  // "killed" (a signal), "error" (the sandbox could not be set up: `why` names what).
   std::string outcome;
   std::string why;  // "ok", "timeout after 2 s", "exit 1: AssertionError ...", "signal 6"
-  std::string protections;  // what the child got, e.g. "rlimits pidns netns disk-quota nobody
-                            // landlock-abi7 signal-scope audit-hook" ("" when it failed first)
+  std::string protections;  // what the child got, e.g. "rlimits subreaper pidns netns
+                            // private-root disk-quota memcg-v1 nobody landlock-abi7
+                            // signal-scope audit-hook sentinel" ("" when it failed first)
 };
 
 // Runs `program` (Python source) with python3 -I -B; passed = it ran to its end and exited 0
 // within the limits.
 SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimits& limits);
+
+// For a program that runs samples (`sigma eval`): SIGINT and SIGTERM print a message and end
+// it by the same signal (status 130 / 143 in a shell), after the running sample is stopped and
+// its folder and cgroup removed.
+void exit_cleanly_on_interrupt();
 
 }  // namespace sigma::eval
