@@ -596,6 +596,30 @@ TEST(TensorParallelRuns, ACheckpointAtTp2Dp2ResumesAtTp1Dp4AndTp4Dp1) {
   }
 }
 
+// Issue 37: tensor parallelism hands the communicator its activations and gradients on the
+// device (dist/communicator.h's contract), and MPI stages them through the ops front. Under
+// the guard backend, strict (an op given host memory stops the run too), tp 2 on 2 ranks
+// trains to the end, and to the cpu backend's bits: staging moves bytes, the sums stay MPI's.
+// Dense, RRE in the model (the expert outputs' all-reduce) and parallel experts. Before the
+// contract the first all-reduce dereferenced guard memory: exit 139.
+TEST(TensorParallelRuns, Tp2UnderTheGuardBackendTrainsTheCpuBits) {
+  SKIP_WITHOUT_MPI();
+  for (const char* model : {kDenseModel, kInModelRreModel, kRreModel}) {
+    TempDir t("tpguard");
+    const std::string cpu = t / "cpu", guard = t / "guard";
+    CmdResult r = on_ranks(2, tp_args(model, 4, 2) + " --out " + cpu);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = run_cmd(fmt::format("SIGMA_GUARD_STRICT=1 mpirun --allow-run-as-root --oversubscribe "
+                            "--bind-to none -x SIGMA_GUARD_STRICT -np 2 {} {} --set "
+                            "train.backend=guard --out {}", SIGMA_BINARY, tp_args(model, 4, 2), guard));
+    ASSERT_EQ(r.code, 0) << model << ": " << r.out;
+    const std::string ck = "/checkpoints/step-00000004/model.safetensors";
+    EXPECT_FALSE(tensor_bytes(cpu + ck).empty());
+    EXPECT_TRUE(tensor_bytes(guard + ck) == tensor_bytes(cpu + ck)) << model;
+    EXPECT_EQ(loss_and_norms(guard + "/metrics.jsonl"), loss_and_norms(cpu + "/metrics.jsonl")) << model;
+  }
+}
+
 TEST(TensorParallelRuns, ATpThatDoesNotFitIsRefusedWithOneLine) {
   SKIP_WITHOUT_MPI();
   TempDir t("tpbad");
