@@ -25,6 +25,7 @@
 #include "parallel/shard_plan.h"
 #include "train/train_step.h"
 #include "cli_util.h"
+#include "device_access.h"
 #include "thread_comm.h"
 
 using namespace sigma;
@@ -73,8 +74,8 @@ Pass run_pass(Model& m, const Batch& b) {
   m.forward(b, p.loss.data(), weight.data());
   m.backward(b);
   for (const Param& q : m.params().all()) {
-    p.grad.emplace_back(q.grad.f(), q.grad.f() + q.grad.numel());
-    p.value.emplace_back(q.value.f(), q.value.f() + q.value.numel());
+    p.grad.push_back(host_floats(q.grad));
+    p.value.push_back(host_floats(q.value));
   }
   return p;
 }
@@ -111,7 +112,9 @@ void perturb_vectors(Model& m, int P, int rank) {
     for (int64_t i = 0; i < n; ++i) full[size_t(i)] = 0.2f * rng_normal(7, 3, uint64_t(i));
     std::vector<float> mine(static_cast<size_t>(p.value.numel()));
     tp_slice(mine.data(), full.data(), {n}, s, P, rank);
-    for (int64_t i = 0; i < p.value.numel(); ++i) p.value.f()[i] += mine[size_t(i)];
+    edit_floats(p.value, [&](float* v, int64_t len) {
+      for (int64_t i = 0; i < len; ++i) v[i] += mine[size_t(i)];
+    });
   }
 }
 
