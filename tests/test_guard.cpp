@@ -13,6 +13,7 @@
 #include "kernels/ops.h"
 #include "model/model.h"
 #include "step_config.h"
+#include "thread_comm.h"
 
 using namespace sigma;
 
@@ -157,6 +158,65 @@ TEST(GuardDeathTest, StrictModeStopsAtAnOpGivenHostMemory) {
 // A model built under the guard: its parameters are device tensors, and a forward and backward
 // pass run (every host touch of them faults). It found the FFN backward's host std::fill of its
 // scratch (now ops::fill).
+// The communicator's memory contract (dist/communicator.h): every collective takes device
+// buffers (here guard memory, which would fault if a communicator touched it) or host buffers,
+// mixed within a call, and gives the bits it gives on host buffers. Two thread ranks.
+TEST(Guard, CollectivesTakeDeviceBuffersAndGiveTheHostBits) {
+  UseGuard g;
+  const long long host_args = guard::host_args();
+  test_ranks::run_ranks(2, [](Communicator& c) {
+    const int r = c.rank();
+    const int64_t n = 6;
+    auto dev = [](const std::vector<float>& v) {
+      Tensor t = ops::empty(DType::F32, {int64_t(v.size())});
+      ops::upload(t, v.data(), v.size() * 4);
+      return t;
+    };
+    auto host = [](const Tensor& t) {
+      const Tensor h = ops::to_host(t);
+      return std::vector<float>(h.f(), h.f() + h.numel());
+    };
+    const std::vector<float> mine = iota_floats(2 * n, 0.1f * float(r + 1));
+    // all_reduce_sum
+    std::vector<float> want = mine;
+    c.all_reduce_sum(want.data(), want.size());
+    Tensor d = dev(mine);
+    c.all_reduce_sum(d.f(), size_t(d.numel()));
+    EXPECT_EQ(host(d), want);
+    // reduce_scatter_sum: device in, host out; host in, device out
+    std::vector<float> rs(static_cast<size_t>(n)), rs2(static_cast<size_t>(n));
+    c.reduce_scatter_sum(rs.data(), mine.data(), size_t(n));
+    c.reduce_scatter_sum(rs2.data(), dev(mine).f(), size_t(n));
+    EXPECT_EQ(rs2, rs);
+    Tensor rsd = ops::empty(DType::F32, {n});
+    c.reduce_scatter_sum(rsd.f(), mine.data(), size_t(n));
+    EXPECT_EQ(host(rsd), rs);
+    // all_gather, all_gather_v, all_to_all_v, broadcast: all on the device
+    std::vector<float> ag(size_t(4 * n));
+    c.all_gather(ag.data(), mine.data(), size_t(2 * n));
+    Tensor agd = ops::empty(DType::F32, {4 * n});
+    c.all_gather(agd.f(), dev(mine).f(), size_t(2 * n));
+    EXPECT_EQ(host(agd), ag);
+    const int64_t counts[2] = {3, 5};
+    std::vector<float> agv(8);
+    c.all_gather_v(agv.data(), mine.data(), counts);
+    Tensor agvd = ops::empty(DType::F32, {8});
+    c.all_gather_v(agvd.f(), dev(mine).f(), counts);
+    EXPECT_EQ(host(agvd), agv);
+    const int64_t sends[2][2] = {{2, 4}, {1, 3}};  // sends[r][q]: rank r to rank q
+    const int64_t recv_counts[2] = {sends[0][r], sends[1][r]};
+    std::vector<float> a2a(size_t(recv_counts[0] + recv_counts[1]));
+    c.all_to_all_v(mine.data(), sends[r], a2a.data(), recv_counts);
+    Tensor a2ad = ops::empty(DType::F32, {int64_t(a2a.size())});
+    c.all_to_all_v(dev(mine).f(), sends[r], a2ad.f(), recv_counts);
+    EXPECT_EQ(host(a2ad), a2a);
+    Tensor b = dev(mine);
+    c.broadcast(b.f(), size_t(b.nbytes()), 1);
+    EXPECT_EQ(host(b), iota_floats(2 * n, 0.2f));
+  });
+  EXPECT_EQ(guard::host_args(), host_args);  // staging hands ops no host memory as device's
+}
+
 TEST(Guard, ModelTensorsAreDeviceTensors) {
   UseGuard g;
   const ModelConfig c = sigma::testing::step_config(1);  // dense blocks and an RRE block

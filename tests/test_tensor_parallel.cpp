@@ -25,6 +25,7 @@
 #include "parallel/shard_plan.h"
 #include "train/train_step.h"
 #include "cli_util.h"
+#include "device_access.h"
 #include "thread_comm.h"
 
 using namespace sigma;
@@ -73,8 +74,8 @@ Pass run_pass(Model& m, const Batch& b) {
   m.forward(b, p.loss.data(), weight.data());
   m.backward(b);
   for (const Param& q : m.params().all()) {
-    p.grad.emplace_back(q.grad.f(), q.grad.f() + q.grad.numel());
-    p.value.emplace_back(q.value.f(), q.value.f() + q.value.numel());
+    p.grad.push_back(host_floats(q.grad));
+    p.value.push_back(host_floats(q.value));
   }
   return p;
 }
@@ -111,7 +112,9 @@ void perturb_vectors(Model& m, int P, int rank) {
     for (int64_t i = 0; i < n; ++i) full[size_t(i)] = 0.2f * rng_normal(7, 3, uint64_t(i));
     std::vector<float> mine(static_cast<size_t>(p.value.numel()));
     tp_slice(mine.data(), full.data(), {n}, s, P, rank);
-    for (int64_t i = 0; i < p.value.numel(); ++i) p.value.f()[i] += mine[size_t(i)];
+    edit_floats(p.value, [&](float* v, int64_t len) {
+      for (int64_t i = 0; i < len; ++i) v[i] += mine[size_t(i)];
+    });
   }
 }
 
@@ -593,6 +596,30 @@ TEST(TensorParallelRuns, ACheckpointAtTp2Dp2ResumesAtTp1Dp4AndTp4Dp1) {
         EXPECT_LT(worst_rel(ref, got), 1e-5) << model << ": tp " << l.tp << " on " << l.ranks << " ranks";
       }
     }
+  }
+}
+
+// Issue 37: tensor parallelism hands the communicator its activations and gradients on the
+// device (dist/communicator.h's contract), and MPI stages them through the ops front. Under
+// the guard backend, strict (an op given host memory stops the run too), tp 2 on 2 ranks
+// trains to the end, and to the cpu backend's bits: staging moves bytes, the sums stay MPI's.
+// Dense, RRE in the model (the expert outputs' all-reduce) and parallel experts. Before the
+// contract the first all-reduce dereferenced guard memory: exit 139.
+TEST(TensorParallelRuns, Tp2UnderTheGuardBackendTrainsTheCpuBits) {
+  SKIP_WITHOUT_MPI();
+  for (const char* model : {kDenseModel, kInModelRreModel, kRreModel}) {
+    TempDir t("tpguard");
+    const std::string cpu = t / "cpu", guard = t / "guard";
+    CmdResult r = on_ranks(2, tp_args(model, 4, 2) + " --out " + cpu);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = run_cmd(fmt::format("SIGMA_GUARD_STRICT=1 mpirun --allow-run-as-root --oversubscribe "
+                            "--bind-to none -x SIGMA_GUARD_STRICT -np 2 {} {} --set "
+                            "train.backend=guard --out {}", SIGMA_BINARY, tp_args(model, 4, 2), guard));
+    ASSERT_EQ(r.code, 0) << model << ": " << r.out;
+    const std::string ck = "/checkpoints/step-00000004/model.safetensors";
+    EXPECT_FALSE(tensor_bytes(cpu + ck).empty());
+    EXPECT_TRUE(tensor_bytes(guard + ck) == tensor_bytes(cpu + ck)) << model;
+    EXPECT_EQ(loss_and_norms(guard + "/metrics.jsonl"), loss_and_norms(cpu + "/metrics.jsonl")) << model;
   }
 }
 

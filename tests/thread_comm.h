@@ -36,9 +36,10 @@ class ThreadComm final : public Communicator {
   int size() const override { return s_->size; }
   int world_rank(int r) const override { return s_->world.empty() ? r : s_->world[size_t(r)]; }
 
-  void all_reduce_sum(float* x, size_t n) override { sum_all(x, n); }
-  void all_reduce_sum(double* x, size_t n) override { sum_all(x, n); }
-  void reduce_scatter_sum(float* out, const float* in, size_t n) override {
+ protected:  // host memory: the base stages device buffers (dist/communicator.h)
+  void do_all_reduce_sum(float* x, size_t n) override { sum_all(x, n); }
+  void do_all_reduce_sum(double* x, size_t n) override { sum_all(x, n); }
+  void do_reduce_scatter_sum(float* out, const float* in, size_t n) override {
     count_uniform(n * 4);
     post(in);
     std::vector<const float*> parts(static_cast<size_t>(size()));
@@ -46,9 +47,9 @@ class ThreadComm final : public Communicator {
     tree_sum(out, parts.data(), size(), n);
     s_->sync.arrive_and_wait();
   }
-  void all_gather(float* out, const float* in, size_t n) override { gather(out, in, n); }
-  void all_gather(double* out, const double* in, size_t n) override { gather(out, in, n); }
-  void all_gather_v(float* out, const float* in, const int64_t* counts) override {
+  void do_all_gather(float* out, const float* in, size_t n) override { gather(out, in, n); }
+  void do_all_gather(double* out, const double* in, size_t n) override { gather(out, in, n); }
+  void do_all_gather_v(float* out, const float* in, const int64_t* counts) override {
     count_uniform(counts[rank_] * 4);
     post(in);
     for (int r = 0; r < size(); ++r) {
@@ -57,8 +58,8 @@ class ThreadComm final : public Communicator {
     }
     s_->sync.arrive_and_wait();
   }
-  void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
-                    const int64_t* recv_counts) override {
+  void do_all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                       const int64_t* recv_counts) override {
     std::vector<int64_t> bytes(static_cast<size_t>(size()));
     for (int r = 0; r < size(); ++r) bytes[size_t(r)] = send_counts[r] * 4;
     count(bytes);
@@ -75,12 +76,13 @@ class ThreadComm final : public Communicator {
     }
     s_->sync.arrive_and_wait();
   }
-  void broadcast(void* data, size_t bytes, int root) override {
+  void do_broadcast(void* data, size_t bytes, int root) override {
     count_uniform(rank_ == root ? int64_t(bytes) : 0);
     post(data);
     if (rank_ != root) std::memcpy(data, s_->posted[size_t(root)], bytes);
     s_->sync.arrive_and_wait();
   }
+ public:
   void barrier() override {
     count_uniform(0);
     s_->sync.arrive_and_wait();

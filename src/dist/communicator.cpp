@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "kernels/ops.h"
 
 namespace sigma {
 
@@ -24,10 +25,104 @@ void Communicator::count_uniform(int64_t bytes_each) {
 }
 
 // Every rank's record in turn: any implementation's broadcast gives it (MPI's overrides it).
-void Communicator::all_gather_bytes(void* out, const void* in, size_t bytes) {
+void Communicator::do_all_gather_bytes(void* out, const void* in, size_t bytes) {
   char* o = static_cast<char*>(out);
   std::memcpy(o + size_t(rank()) * bytes, in, bytes);
-  for (int r = 0; r < size(); ++r) broadcast(o + size_t(r) * bytes, bytes, r);
+  for (int r = 0; r < size(); ++r) do_broadcast(o + size_t(r) * bytes, bytes, r);
+}
+
+namespace {
+
+// One buffer of a collective as a host-only implementation sees it (the contract in
+// communicator.h): the buffer itself when it is host memory or the implementation takes device
+// memory; otherwise a host copy, downloaded first when the collective reads the buffer and
+// uploaded by done() when it writes it.
+class Staged {
+ public:
+  Staged(const void* p, size_t bytes, bool read, bool native)
+      : p_(const_cast<void*>(p)), bytes_(bytes) {
+    if (native || bytes == 0 || !ops::is_device(p)) return;
+    copy_.reset(new std::byte[bytes]);
+    if (read) ops::download(copy_.get(), p, bytes);
+  }
+  template <class T> T* as() const { return static_cast<T*>(copy_ ? copy_.get() : p_); }
+  void done() {
+    if (copy_) ops::upload(p_, copy_.get(), bytes_);
+  }
+
+ private:
+  void* p_;
+  size_t bytes_;
+  std::unique_ptr<std::byte[]> copy_;
+};
+
+size_t total(const int64_t* counts, int P) {
+  int64_t n = 0;
+  for (int r = 0; r < P; ++r) n += counts[r];
+  return size_t(n);
+}
+
+}  // namespace
+
+void Communicator::all_reduce_sum(float* data, size_t n) {
+  Staged d(data, n * sizeof(float), true, device_native());
+  do_all_reduce_sum(d.as<float>(), n);
+  d.done();
+}
+
+void Communicator::all_reduce_sum(double* data, size_t n) {
+  Staged d(data, n * sizeof(double), true, device_native());
+  do_all_reduce_sum(d.as<double>(), n);
+  d.done();
+}
+
+void Communicator::reduce_scatter_sum(float* out, const float* in, size_t n) {
+  Staged i(in, size_t(size()) * n * sizeof(float), true, device_native());
+  Staged o(out, n * sizeof(float), false, device_native());
+  do_reduce_scatter_sum(o.as<float>(), i.as<const float>(), n);
+  o.done();
+}
+
+void Communicator::all_gather(float* out, const float* in, size_t n) {
+  Staged i(in, n * sizeof(float), true, device_native());
+  Staged o(out, size_t(size()) * n * sizeof(float), false, device_native());
+  do_all_gather(o.as<float>(), i.as<const float>(), n);
+  o.done();
+}
+
+void Communicator::all_gather(double* out, const double* in, size_t n) {
+  Staged i(in, n * sizeof(double), true, device_native());
+  Staged o(out, size_t(size()) * n * sizeof(double), false, device_native());
+  do_all_gather(o.as<double>(), i.as<const double>(), n);
+  o.done();
+}
+
+void Communicator::all_gather_bytes(void* out, const void* in, size_t bytes) {
+  Staged i(in, bytes, true, device_native());
+  Staged o(out, size_t(size()) * bytes, false, device_native());
+  do_all_gather_bytes(o.as<void>(), i.as<const void>(), bytes);
+  o.done();
+}
+
+void Communicator::all_gather_v(float* out, const float* in, const int64_t* counts) {
+  Staged i(in, size_t(counts[rank()]) * sizeof(float), true, device_native());
+  Staged o(out, total(counts, size()) * sizeof(float), false, device_native());
+  do_all_gather_v(o.as<float>(), i.as<const float>(), counts);
+  o.done();
+}
+
+void Communicator::all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                                const int64_t* recv_counts) {
+  Staged s(send, total(send_counts, size()) * sizeof(float), true, device_native());
+  Staged r(recv, total(recv_counts, size()) * sizeof(float), false, device_native());
+  do_all_to_all_v(s.as<const float>(), send_counts, r.as<float>(), recv_counts);
+  r.done();
+}
+
+void Communicator::broadcast(void* data, size_t bytes, int root) {
+  Staged d(data, bytes, rank() == root, device_native());
+  do_broadcast(d.as<void>(), bytes, root);
+  d.done();
 }
 
 namespace {
@@ -40,30 +135,30 @@ void set_max_message_elements(size_t n) {
   g_max_message = n;
 }
 
-void SingleProcess::reduce_scatter_sum(float* out, const float* in, size_t n) {
+void SingleProcess::do_reduce_scatter_sum(float* out, const float* in, size_t n) {
   if (out != in) std::memmove(out, in, n * sizeof(float));
 }
 
-void SingleProcess::all_gather(float* out, const float* in, size_t n) {
+void SingleProcess::do_all_gather(float* out, const float* in, size_t n) {
   if (out != in) std::memmove(out, in, n * sizeof(float));
 }
 
-void SingleProcess::all_gather(double* out, const double* in, size_t n) {
+void SingleProcess::do_all_gather(double* out, const double* in, size_t n) {
   if (out != in) std::memmove(out, in, n * sizeof(double));
 }
 
-void SingleProcess::all_gather_v(float* out, const float* in, const int64_t* counts) {
-  all_gather(out, in, counts[0]);
+void SingleProcess::do_all_gather_v(float* out, const float* in, const int64_t* counts) {
+  do_all_gather(out, in, counts[0]);
 }
 
-void SingleProcess::all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
-                                 const int64_t* recv_counts) {
+void SingleProcess::do_all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                                    const int64_t* recv_counts) {
   SIGMA_CHECK(send_counts[0] == recv_counts[0], "all_to_all_v: one rank sends {} elements to "
               "itself but expects {}", send_counts[0], recv_counts[0]);
   if (recv != send) std::memmove(recv, send, size_t(send_counts[0]) * sizeof(float));
 }
 
-void SingleProcess::broadcast(void*, size_t, int root) {
+void SingleProcess::do_broadcast(void*, size_t, int root) {
   SIGMA_CHECK(root == 0, "broadcast from rank {} in a single-process run", root);
 }
 

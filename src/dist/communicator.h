@@ -1,8 +1,21 @@
 // The communicator seam (DESIGN §8-§9, marian's ICommunicator): the collectives a training
-// step needs, so that data and expert parallelism plug in without touching the step. Counts
-// are in elements; buffers are on the backend's device. Every rank calls every collective in
-// the same order. SingleProcess is the identity (one rank); MpiCommunicator (dist/mpi_*) runs
-// them on Open MPI; NCCL comes with a device that can test it.
+// step needs, so that data, expert and tensor parallelism plug in without touching the step.
+// Counts are in elements. Every rank calls every collective in the same order. SingleProcess
+// is the identity (one rank); MpiCommunicator (dist/mpi_*) runs them on Open MPI; NCCL comes
+// with a device that can test it.
+//
+// Memory contract: every buffer a collective takes may be DEVICE memory of the active ops
+// backend (kernels/ops.h: tensors made by ops::empty, as NCCL takes) or host memory, each
+// buffer either (ops::is_device tells them apart). Tensor parallelism hands its activations
+// and gradients over where they lie; callers need not stage. The public collectives below
+// are not virtual: for an implementation that addresses host memory only (all of today's:
+// MPI over TCP or shared memory, SingleProcess, the tests' thread ranks) they stage each device
+// buffer through the ops front (ops::download before, ops::upload after), so that no
+// communicator dereferences a device pointer itself, and pass host buffers straight through
+// (on a host backend, cpu or ref, every buffer is host memory: no copy at all). An
+// implementation that takes device memory natively (NCCL, a CUDA-aware MPI) says so with
+// device_native() and gets every buffer as given. Staging moves bytes only: the sums are
+// the implementation's, in its order, so they are the same bits either way.
 //
 // Determinism: every reduction here adds in a fixed order that depends only on the number of
 // ranks (tree_sum over rank order), never on message arrival, so a run repeats bit for bit.
@@ -31,25 +44,26 @@ class Communicator {
   virtual int world_rank(int r) const { return r; }
 
   // Counts are size_t: a collective may exceed MPI's int counts (2^31 elements); the MPI
-  // implementation sends such a one in chunks (max_message_elements).
+  // implementation sends such a one in chunks (max_message_elements). Buffers: device or host
+  // memory (the contract above).
   // data[n] = sum over ranks of data[n]: every rank gets the same bits (tree_sum in rank order).
-  virtual void all_reduce_sum(float* data, size_t n) = 0;
-  virtual void all_reduce_sum(double* data, size_t n) = 0;
+  void all_reduce_sum(float* data, size_t n);
+  void all_reduce_sum(double* data, size_t n);
   // out[n] = the sum over ranks of in[rank * n .. rank * n + n) (in holds size() * n).
-  virtual void reduce_scatter_sum(float* out, const float* in, size_t n) = 0;
+  void reduce_scatter_sum(float* out, const float* in, size_t n);
   // out[size() * n]: rank r's in[n] at out + r * n.
-  virtual void all_gather(float* out, const float* in, size_t n) = 0;
-  virtual void all_gather(double* out, const double* in, size_t n) = 0;
+  void all_gather(float* out, const float* in, size_t n);
+  void all_gather(double* out, const double* in, size_t n);
   // out[size() * bytes]: rank r's bytes at out + r * bytes (start-up agreement, small records).
-  virtual void all_gather_bytes(void* out, const void* in, size_t bytes);
+  void all_gather_bytes(void* out, const void* in, size_t bytes);
   // out[sum of counts]: rank r's in[counts[r]] packed in rank order.
-  virtual void all_gather_v(float* out, const float* in, const int64_t* counts) = 0;
+  void all_gather_v(float* out, const float* in, const int64_t* counts);
   // Personalised exchange: send_counts[r] elements of `send` (packed in rank order) go to rank
   // r; recv receives recv_counts[r] elements from rank r, packed in rank order.
-  virtual void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
-                            const int64_t* recv_counts) = 0;
+  void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                    const int64_t* recv_counts);
   // bytes of data from rank `root` to every rank.
-  virtual void broadcast(void* data, size_t bytes, int root) = 0;
+  void broadcast(void* data, size_t bytes, int root);
   virtual void barrier() = 0;
   // The ranks with the same `color` form a new communicator, ordered by rank here; every rank
   // calls it (collective). Expert groups exchange tokens on theirs.
@@ -59,6 +73,20 @@ class Communicator {
   void reset_stats();
 
  protected:
+  // The implementations, with the public collectives' meaning. Their buffers are host memory,
+  // or as given where device_native() is true.
+  virtual bool device_native() const { return false; }
+  virtual void do_all_reduce_sum(float* data, size_t n) = 0;
+  virtual void do_all_reduce_sum(double* data, size_t n) = 0;
+  virtual void do_reduce_scatter_sum(float* out, const float* in, size_t n) = 0;
+  virtual void do_all_gather(float* out, const float* in, size_t n) = 0;
+  virtual void do_all_gather(double* out, const double* in, size_t n) = 0;
+  virtual void do_all_gather_bytes(void* out, const void* in, size_t bytes);  // by broadcasts
+  virtual void do_all_gather_v(float* out, const float* in, const int64_t* counts) = 0;
+  virtual void do_all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                               const int64_t* recv_counts) = 0;
+  virtual void do_broadcast(void* data, size_t bytes, int root) = 0;
+
   // Records one call that sends bytes_to_rank[r] bytes to this communicator's rank r.
   void count(const std::vector<int64_t>& bytes_to_rank);
   void count_uniform(int64_t bytes_each);  // the same to every rank
@@ -71,17 +99,19 @@ class SingleProcess final : public Communicator {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  void all_reduce_sum(float*, size_t) override {}
-  void all_reduce_sum(double*, size_t) override {}
-  void reduce_scatter_sum(float* out, const float* in, size_t n) override;
-  void all_gather(float* out, const float* in, size_t n) override;
-  void all_gather(double* out, const double* in, size_t n) override;
-  void all_gather_v(float* out, const float* in, const int64_t* counts) override;
-  void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
-                    const int64_t* recv_counts) override;
-  void broadcast(void*, size_t, int root) override;
   void barrier() override {}
   std::unique_ptr<Communicator> split(int) override { return std::make_unique<SingleProcess>(); }
+
+ protected:
+  void do_all_reduce_sum(float*, size_t) override {}
+  void do_all_reduce_sum(double*, size_t) override {}
+  void do_reduce_scatter_sum(float* out, const float* in, size_t n) override;
+  void do_all_gather(float* out, const float* in, size_t n) override;
+  void do_all_gather(double* out, const double* in, size_t n) override;
+  void do_all_gather_v(float* out, const float* in, const int64_t* counts) override;
+  void do_all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                       const int64_t* recv_counts) override;
+  void do_broadcast(void*, size_t, int root) override;
 };
 
 // The most elements one MPI message carries (MPI counts are int): longer collectives go in

@@ -83,11 +83,26 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   int world_rank(int r) const override { return world_ranks_[size_t(r)]; }
 
-  void all_reduce_sum(float* data, size_t n) override { sum_all(data, n); }
-  void all_reduce_sum(double* data, size_t n) override { sum_all(data, n); }
+  void barrier() override {
+    count_uniform(0);
+    MPI_Request req;
+    MPI_Ibarrier(comm_, &req);
+    wait(req, "barrier");
+  }
+
+  std::unique_ptr<Communicator> split(int color) override {
+    MPI_Comm sub;
+    MPI_Comm_split(comm_, color, rank_, &sub);  // collective, but short: no peer wait to watch
+    return std::make_unique<MpiCommunicator>(sub, timeout_s_, false);
+  }
+
+ protected:
+  // Host memory (communicator.h's contract: the base stages device buffers).
+  void do_all_reduce_sum(float* data, size_t n) override { sum_all(data, n); }
+  void do_all_reduce_sum(double* data, size_t n) override { sum_all(data, n); }
 
   // Chunk by chunk: rank r's part of each chunk, R parts summed by tree_sum.
-  void reduce_scatter_sum(float* out, const float* in, size_t n) override {
+  void do_reduce_scatter_sum(float* out, const float* in, size_t n) override {
     count_uniform(int64_t(n * sizeof(float)));
     const size_t chunk = std::min(n, max_message_elements());
     std::vector<float> parts(chunk * size_t(size_));
@@ -103,10 +118,10 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
-  void all_gather(float* out, const float* in, size_t n) override { gather(out, in, n); }
-  void all_gather(double* out, const double* in, size_t n) override { gather(out, in, n); }
+  void do_all_gather(float* out, const float* in, size_t n) override { gather(out, in, n); }
+  void do_all_gather(double* out, const double* in, size_t n) override { gather(out, in, n); }
 
-  void all_gather_bytes(void* out, const void* in, size_t bytes) override {
+  void do_all_gather_bytes(void* out, const void* in, size_t bytes) override {
     SIGMA_CHECK(bytes <= size_t(INT_MAX), "all_gather_bytes: {} bytes in one record", bytes);
     count_uniform(int64_t(bytes));
     MPI_Request req;
@@ -114,7 +129,7 @@ class MpiCommunicator final : public Communicator {
     wait(req, "all_gather_bytes");
   }
 
-  void all_gather_v(float* out, const float* in, const int64_t* counts) override {
+  void do_all_gather_v(float* out, const float* in, const int64_t* counts) override {
     count_uniform(counts[rank_] * int64_t(sizeof(float)));
     // Every rank holds the same counts, so every rank takes the same path.
     int64_t total = 0, most = 0;
@@ -146,8 +161,8 @@ class MpiCommunicator final : public Communicator {
 
   // Point-to-point: each pair knows its own counts, so no rank needs another's to agree on a
   // path, and a piece longer than an int goes in several messages.
-  void all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
-                    const int64_t* recv_counts) override {
+  void do_all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
+                       const int64_t* recv_counts) override {
     std::vector<int64_t> bytes(static_cast<size_t>(size_));
     std::vector<Piece> sends, recvs;
     int64_t s_at = 0, r_at = 0;
@@ -169,7 +184,7 @@ class MpiCommunicator final : public Communicator {
     exchange(sends, recvs, "all_to_all_v");
   }
 
-  void broadcast(void* data, size_t bytes, int root) override {
+  void do_broadcast(void* data, size_t bytes, int root) override {
     count_uniform(rank_ == root ? int64_t(bytes) : 0);
     char* p = static_cast<char*>(data);
     const size_t chunk = max_message_elements();
@@ -179,19 +194,6 @@ class MpiCommunicator final : public Communicator {
       wait(req, "broadcast");
       if (bytes == 0) break;
     }
-  }
-
-  void barrier() override {
-    count_uniform(0);
-    MPI_Request req;
-    MPI_Ibarrier(comm_, &req);
-    wait(req, "barrier");
-  }
-
-  std::unique_ptr<Communicator> split(int color) override {
-    MPI_Comm sub;
-    MPI_Comm_split(comm_, color, rank_, &sub);  // collective, but short: no peer wait to watch
-    return std::make_unique<MpiCommunicator>(sub, timeout_s_, false);
   }
 
  private:

@@ -45,6 +45,9 @@ struct Backend {
   void (*upload)(void* dst, const void* host_src, size_t bytes);
   void (*download)(void* host_dst, const void* src, size_t bytes);
   void (*copy_bytes)(void* dst, const void* src, size_t bytes);
+  // True for an address in this device's memory, which host code may not dereference (not an
+  // op: no device work). Null in a host backend, whose device memory is host memory.
+  bool (*owns)(const void* p) = nullptr;
 
   // ---- dense algebra (kernels/cpu/gemm.h) ----
   // C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C (row-major; beta = 0 ignores C).
@@ -293,6 +296,10 @@ inline void download(void* host_dst, const void* src, size_t bytes) {
 inline void copy_bytes(void* dst, const void* src, size_t bytes) {
   detail::active->copy_bytes(dst, src, bytes);
 }
+// True when p is the active backend's device memory that host code may not touch: what a
+// host-side consumer of a buffer of either kind (the communicators, dist/communicator.h) asks
+// before it stages the buffer through download/upload. Always false on a host backend.
+inline bool is_device(const void* p) { return detail::active->owns && detail::active->owns(p); }
 
 inline void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
                  const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,

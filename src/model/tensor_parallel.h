@@ -40,7 +40,8 @@ namespace sigma {
 class TpReducer {
  public:
   virtual ~TpReducer() = default;
-  // data[n] = the sum over the group's ranks, the same bits on each (a fixed order).
+  // data[n] = the sum over the group's ranks, the same bits on each (a fixed order). data is
+  // device memory (the model's activations and gradients; dist/communicator.h's contract).
   virtual void all_reduce_sum(float* data, int64_t n) = 0;
 };
 

@@ -247,6 +247,7 @@ const ops::Backend kBackend = {
     .upload = wrapped<&B::upload>,
     .download = wrapped<&B::download>,
     .copy_bytes = wrapped<&B::copy_bytes>,
+    .owns = &owns,
     .gemm = wrapped<&B::gemm>,
     .linear_forward = wrapped<&B::linear_forward>,
     .linear_backward = wrapped<&B::linear_backward>,
