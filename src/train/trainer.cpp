@@ -278,9 +278,14 @@ ExpertMode expert_mode_of(const Config& cfg, int data_ranks, int tp) {
 // the expert mode is resolved as build() will, over the data group's ranks).
 std::unique_ptr<RankGrid> make_grid(const Config& cfg, Communicator& world) {
   const int tp = std::max(1, cfg.dist.tp);
-  if (world.size() % tp == 0)
+  // A collective: every rank gathers the hosts, whatever its config says.
+  const std::vector<std::string> hosts =
+      world.size() > 1 ? hosts_of_ranks(world) : std::vector<std::string>{};
+  if (world.size() % tp == 0) {
     check_tensor_parallel(cfg, world.size(),
                           expert_mode_name(expert_mode_of(cfg, world.size() / tp, tp)));
+    if (!hosts.empty()) check_tp_within_hosts(hosts, tp);  // tp traffic stays inside a host
+  }
   return std::make_unique<RankGrid>(world, tp);
 }
 
@@ -300,6 +305,10 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   if (!share.empty() && lead_ && run_.progress) fmt::print(stderr, "sigma train: {}\n", share);
   data_ = make_data_source(cfg_);
   bind_model_to_data(cfg_.model, *data_);
+  // model.vocab may come from the data: tp must divide it too, before rank 0 locks --out.
+  if (grid_->tp() > 1)
+    check_tensor_parallel(cfg_, world_.size(),
+                          expert_mode_name(expert_mode_of(cfg_, comm_.size(), grid_->tp())));
   cfg_.model.validate();
   // Every rank the same config, data and binary, before anything is written or exchanged.
   if (world_.size() > 1) check_ranks_agree(world_, start_up_record(cfg_, *data_));
