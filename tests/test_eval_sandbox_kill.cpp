@@ -108,8 +108,8 @@ TEST(SandboxKill, NothingOutlivesAnInterruptedEvaluator) {
         const auto ended = Clock::now();
         const std::string log = slurp(out_path);
         EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << what << ": status " << status << "\n" << log;
-        if (sig == SIGINT) EXPECT_NE(log.find("interrupted by SIGINT"), std::string::npos) << what << "\n" << log;
-        if (sig == SIGTERM) EXPECT_NE(log.find("terminated by SIGTERM"), std::string::npos) << what << "\n" << log;
+        if (sig == SIGINT) { EXPECT_NE(log.find("interrupted by SIGINT"), std::string::npos) << what << "\n" << log; }
+        if (sig == SIGTERM) { EXPECT_NE(log.find("terminated by SIGTERM"), std::string::npos) << what << "\n" << log; }
         // Bounded: SIGKILL leaves the clean-up to the supervisor, which notices at once.
         const std::string me = fmt::format("sigma-sandbox-{}-", pid);
         auto left = [&] {
@@ -122,7 +122,7 @@ TEST(SandboxKill, NothingOutlivesAnInterruptedEvaluator) {
         EXPECT_EQ(processes_with("sleep " + marker), 0) << what << ": a sample's process survived";
         EXPECT_EQ(processes_with(gen), 0) << what << ": a supervisor survived";
         EXPECT_EQ(sandbox_entries(tmp.path, "sigma-sandbox-"), 0) << what << ": a sandbox folder is left";
-        if (!cgroups.empty()) EXPECT_EQ(sandbox_entries(cgroups, me), 0) << what << ": a memory cgroup is left";
+        if (!cgroups.empty()) { EXPECT_EQ(sandbox_entries(cgroups, me), 0) << what << ": a memory cgroup is left"; }
       }
   }
   std::printf("%d kills; everything was gone at most %.3f s after the evaluator ended\n", runs, worst);
