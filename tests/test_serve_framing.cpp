@@ -16,28 +16,18 @@
 #include "model/model.h"
 #include "serve/http.h"
 #include "serve/server.h"
+#include "serve_test_util.h"
 
 using namespace sigma;
 using namespace std::string_literals;
 
 namespace {
 
-ModelConfig tiny_config(const data::Tokenizer& tok) {
-  ModelConfig c;
-  c.vocab = int(tok.vocab_size());
-  c.d_model = 8;
-  c.heads = 2;
-  c.context = 32;
-  c.layers = 1;
-  c.slots = 2;
-  c.domains = {{"prose", "prose", 0}};
-  c.validate();
-  return c;
-}
+using sigma::testing::tiny_serve_config;
 
 struct Served {
   data::Tokenizer tok;
-  Model model{tiny_config(tok), 1};
+  Model model{tiny_serve_config(tok), 1};
   serve::Server server;
   explicit Served(serve::ServerOptions o) : server(o) { server.serve_model(model, &tok, "tiny"); }
 };
@@ -256,6 +246,6 @@ TEST(ServeFraming, MutatedRequestsAreReadTheSameHoweverSplit) {
     }
     const Verdict whole = read_request(lim, b, nullptr);
     ASSERT_LE(whole.body.size(), lim.max_body);
-    ASSERT_TRUE(read_request(lim, b, &rng) == whole) << testing::PrintToString(b);
+    ASSERT_TRUE(read_request(lim, b, &rng) == whole) << ::testing::PrintToString(b);
   }
 }

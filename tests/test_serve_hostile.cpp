@@ -8,24 +8,14 @@
 #include "data/tokenizer.h"
 #include "serve/api.h"
 #include "serve/server.h"
+#include "serve_test_util.h"
 
 using namespace sigma;
 using nlohmann::json;
 
 namespace {
 
-ModelConfig tiny_config(const data::Tokenizer& tok) {
-  ModelConfig c;
-  c.vocab = int(tok.vocab_size());
-  c.d_model = 8;
-  c.heads = 2;
-  c.context = 32;
-  c.layers = 1;
-  c.slots = 2;
-  c.domains = {{"prose", "prose", 0}};
-  c.validate();
-  return c;
-}
+using sigma::testing::tiny_serve_config;
 
 // Status and error message of the response to a POST of `body` to `path`.
 std::pair<int, std::string> post(serve::Server& s, const std::string& path, const std::string& body) {
@@ -41,7 +31,7 @@ std::pair<int, std::string> post(serve::Server& s, const std::string& path, cons
 
 struct Served {
   data::Tokenizer tok;
-  Model model{tiny_config(tok), 1};
+  Model model{tiny_serve_config(tok), 1};
   serve::Server server;
   explicit Served(serve::ServerOptions o) : server(o) { server.serve_model(model, &tok, "tiny"); }
 };

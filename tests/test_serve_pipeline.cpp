@@ -21,28 +21,18 @@
 
 #include "data/tokenizer.h"
 #include "serve/server.h"
+#include "serve_test_util.h"
 
 using namespace sigma;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
-ModelConfig tiny_config(const data::Tokenizer& tok) {
-  ModelConfig c;
-  c.vocab = int(tok.vocab_size());
-  c.d_model = 8;
-  c.heads = 2;
-  c.context = 32;
-  c.layers = 1;
-  c.slots = 2;
-  c.domains = {{"prose", "prose", 0}};
-  c.validate();
-  return c;
-}
+using sigma::testing::tiny_serve_config;
 
 struct Served {
   data::Tokenizer tok;
-  Model model{tiny_config(tok), 1};
+  Model model{tiny_serve_config(tok), 1};
   serve::Server server;
   int port;
   explicit Served(serve::ServerOptions o)
@@ -240,7 +230,7 @@ TEST(ServePipeline, MetricsCountAResponseBeforeItsClientHasIt) {
 // request for the second 20-80 ms later got 404. It says 503 until the last is served.
 TEST(ServePipeline, HealthWaitsForTheLastModel) {
   data::Tokenizer tok;
-  Model a(tiny_config(tok), 1), b(tiny_config(tok), 2);
+  Model a(tiny_serve_config(tok), 1), b(tiny_serve_config(tok), 2);
   serve::Server server(serve::ServerOptions{});
   auto status = [&](const std::string& head) {
     const std::string out = server.answer(head + "Host: x\r\n\r\n");
