@@ -220,7 +220,7 @@ int32_t oom_kills(const char* path) {
   _exit(code);
 }
 
-[[noreturn]] void fail(ChildPlan& p, Stage s) {
+[[noreturn]] void fail_at(ChildPlan& p, Stage s) {
   report(p, kFail, s, errno);
   finish(p, 125);
 }
@@ -280,18 +280,18 @@ bool shared_or_unknown(const ChildPlan& p) {
 void enter_namespaces(ChildPlan& p) {
   constexpr int kAll = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET;
   if (p.as_root) {
-    if (unshare(kAll) != 0) fail(p, kStageNamespaces);
+    if (unshare(kAll) != 0) fail_at(p, kStageNamespaces);
     p.got |= kNetns | kPidns;
     return;
   }
-  if (unshare(CLONE_NEWUSER | kAll) != 0) fail(p, kStageNamespaces);
+  if (unshare(CLONE_NEWUSER | kAll) != 0) fail_at(p, kStageNamespaces);
   // A process that changed its uid (a setuid wrapper, su) is not dumpable, and /proc/self's
   // map files are then root's: make it dumpable again (the sample runs as this user anyway).
   prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
   if (!write_file("/proc/self/setgroups", "deny", O_WRONLY, 0) ||
       !write_file("/proc/self/uid_map", p.uid_map, O_WRONLY, 0) ||
       !write_file("/proc/self/gid_map", p.gid_map, O_WRONLY, 0))
-    fail(p, kStageNamespaces);
+    fail_at(p, kStageNamespaces);
   p.got |= kUserns | kNetns | kPidns;
 }
 
@@ -302,16 +302,16 @@ void enter_namespaces(ChildPlan& p) {
 void build_root(ChildPlan& p) {
   bool chrooted = false;
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
-    if (errno != EINVAL) fail(p, kStageRoot);
+    if (errno != EINVAL) fail_at(p, kStageRoot);
     chrooted = true;  // "/" is not a mount point: the folder's mount is checked below instead
   }
-  if (mkdir(p.folder.c_str(), 0700) != 0) fail(p, kStageFolder);
+  if (mkdir(p.folder.c_str(), 0700) != 0) fail_at(p, kStageFolder);
   p.made_folder = true;
   if (mount("sigma-sandbox", p.folder.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, p.root_opts.c_str()) != 0)
-    fail(p, kStageRoot);
+    fail_at(p, kStageRoot);
   if (chrooted && shared_or_unknown(p)) {
     errno = 0;
-    fail(p, kStageSharedMount);  // finish() unmounts it, here and wherever it propagated
+    fail_at(p, kStageSharedMount);  // finish() unmounts it, here and wherever it propagated
   }
   for (const RootEntry& e : p.entries) {
     bool ok = true;
@@ -320,20 +320,20 @@ void build_root(ChildPlan& p) {
     else ok = mkdir(e.path.c_str(), 0755) == 0 || errno == EEXIST;
     if (ok && (e.kind == RootEntry::Bind || e.kind == RootEntry::BindFile))
       ok = bind_read_only(e.source.c_str(), e.path.c_str());
-    if (!ok) fail(p, kStageRoot);
+    if (!ok) fail_at(p, kStageRoot);
   }
   if (mkdir(p.box.c_str(), 0700) != 0 ||
       mount("sigma-sandbox", p.box.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, p.box_opts.c_str()) != 0 ||
       !write_file(p.guard_path.c_str(), p.guard, O_WRONLY | O_CREAT | O_TRUNC, 0644) ||
       !write_file(p.sample_path.c_str(), p.program, O_WRONLY | O_CREAT | O_TRUNC, 0644))
-    fail(p, kStageQuota);
+    fail_at(p, kStageQuota);
   p.got |= kQuota;
   if (mount(nullptr, p.folder.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
             nullptr) != 0)
-    fail(p, kStageRoot);
+    fail_at(p, kStageRoot);
   p.root_fd = open(p.folder.c_str(), O_PATH | O_CLOEXEC);
   p.box_fd = open(p.box.c_str(), O_PATH | O_CLOEXEC);
-  if (p.root_fd < 0 || p.box_fd < 0) fail(p, kStageRoot);
+  if (p.root_fd < 0 || p.box_fd < 0) fail_at(p, kStageRoot);
   p.got |= kPrivateRoot;
 }
 
@@ -356,21 +356,21 @@ bool watch_parent(const ChildPlan& p) {
   if (!watch_parent(p)) _exit(126);  // nothing made yet
   const double deadline = now_seconds() + p.seconds;
   if (!p.cg.version.empty()) {  // the sample's processes share one memory limit
-    if (mkdir(p.cg.dir.c_str(), 0755) != 0) fail(p, kStageCgroup);
+    if (mkdir(p.cg.dir.c_str(), 0755) != 0) fail_at(p, kStageCgroup);
     p.made_cgroup = true;
     for (const auto& [file, value] : p.cg.limits)
-      if (!write_file(file.c_str(), value, O_WRONLY, 0)) fail(p, kStageCgroup);
-    if (!write_file(p.cg.procs.c_str(), "0", O_WRONLY, 0)) fail(p, kStageCgroup);
+      if (!write_file(file.c_str(), value, O_WRONLY, 0)) fail_at(p, kStageCgroup);
+    if (!write_file(p.cg.procs.c_str(), "0", O_WRONLY, 0)) fail_at(p, kStageCgroup);
     p.in_cgroup = true;
     p.got |= kMemcg;
   }
   const int in = open("/dev/null", O_RDONLY);
-  if (in < 0 || dup2(in, 0) != 0 || dup2(p.out_fd, 1) != 1 || dup2(p.out_fd, 2) != 2) fail(p, kStageFork);
+  if (in < 0 || dup2(in, 0) != 0 || dup2(p.out_fd, 1) != 1 || dup2(p.out_fd, 2) != 2) fail_at(p, kStageFork);
   enter_namespaces(p);
   if (!watch_parent(p)) finish(p, 126);  // again: a credential change may have reset it
   build_root(p);
   const pid_t init = fork();
-  if (init < 0) fail(p, kStageFork);
+  if (init < 0) fail_at(p, kStageFork);
   if (init == 0) {  // PID 1 of the new namespace: runs the sample, reaps, reports its status
     prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);  // a killed supervisor takes the namespace along
     const pid_t sample = fork();
