@@ -329,6 +329,27 @@ TEST(Distributed, RanksStartedDifferentlyStopWithOneLine) {
   }
 }
 
+// Ranks given different dist.tp split the world differently: the agreement runs on the world
+// before any split, so they stop at once with the key named (before, each waited in its own
+// split for dist.timeout_s, 300 s by default, and blamed "rank 0 never entered it").
+TEST(Distributed, RanksGivenDifferentTpStopAtOnceNamingIt) {
+  SKIP_WITHOUT_MPI();
+  TempDir t("disagree_tp");
+  const std::string args = fmt::format("{} {} --set dist.timeout_s=25",
+                                       SIGMA_BINARY, train_args(kDense, 3, 2));
+  const auto t0 = std::chrono::steady_clock::now();
+  const CmdResult r = run_cmd("timeout 60 mpirun --allow-run-as-root --oversubscribe --bind-to none "
+                              "-np 1 " + args + " --set dist.tp=2 --out " + (t / "x") +
+                              " : -np 1 " + args + " --set dist.tp=1");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_LT(s, 15.0) << r.out;
+  EXPECT_NE(r.out.find("the ranks were started differently: dist.tp is 2 on rank 0, 1 on rank 1"),
+            std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("never entered"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(t / "x/metrics.jsonl"));
+}
+
 // Collectives longer than one MPI message go in chunks (here of 5 elements; in a run, of 2^30)
 // and give what one message gives. Runs as DistributedChild under mpirun -np 3.
 TEST(Distributed, ChunkedCollectivesGiveTheSameResults) {

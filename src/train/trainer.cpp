@@ -198,6 +198,7 @@ class RunLoop {
   TrainSummary run();
 
  private:
+  std::unique_ptr<RankGrid> open_data_and_agree();
   void claim_out_dir();
   void build();
   void build_expert_parallel();
@@ -291,27 +292,13 @@ std::unique_ptr<RankGrid> make_grid(const Config& cfg, Communicator& world) {
 
 RunLoop::RunLoop(Config cfg, const RunOptions& run)
     : cfg_(std::move(cfg)), run_(run), world_(run.comm ? *run.comm : one_process_),
-      grid_(make_grid(cfg_, world_)), comm_(grid_->data()) {
-  lead_ = world_.rank() == 0;
-  if (!lead_) run_.progress = false;
-  ops::use_backend(cfg_.train.backend);
-  ops::use_precision(cfg_.train.precision);
-  std::string capped;
-  omp_set_num_threads(usable_threads(threads_per_rank(cfg_.train.threads), &capped));
-  if (!capped.empty() && lead_) fmt::print(stderr, "sigma train: warning: {}\n", capped);
+      grid_(open_data_and_agree()), comm_(grid_->data()) {
+  lead_ = world_.rank() == 0;  // (after the members' initialisers, which set it true)
   guard_ = NonfiniteGuard(cfg_.train.max_nonfinite_steps);
   // Each rank's share of the global batch, checked before anything is written.
   const std::string share = resolve_batch(cfg_.train, comm_.size());
   if (!share.empty() && lead_ && run_.progress) fmt::print(stderr, "sigma train: {}\n", share);
-  data_ = make_data_source(cfg_);
-  bind_model_to_data(cfg_.model, *data_);
-  // model.vocab may come from the data: tp must divide it too, before rank 0 locks --out.
-  if (grid_->tp() > 1)
-    check_tensor_parallel(cfg_, world_.size(),
-                          expert_mode_name(expert_mode_of(cfg_, comm_.size(), grid_->tp())));
   cfg_.model.validate();
-  // Every rank the same config, data and binary, before anything is written or exchanged.
-  if (world_.size() > 1) check_ranks_agree(world_, start_up_record(cfg_, *data_));
   if (lead_) claim_out_dir();  // rank 0 owns the directory; the others write only checkpoints
   build();
   restore();
@@ -319,6 +306,25 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   // comes back if the new run fails before its first checkpoint: train/run_dir.h).
   if (run_dir_ && run_.overwrite && run_.resume.empty()) run_dir_->set_old_run_aside();
   open_outputs();
+}
+
+// The constructor's first part, run before the grid exists: the data opened (model.vocab may
+// come from it) and every rank's config, data and binary compared on the world, before any
+// split or anything is written. Ranks started with different dist.tp would otherwise split the
+// world differently and wait in each other's splits until dist.timeout_s. Then the grid, whose
+// tp refusals see the vocabulary the data gave (checked before rank 0 locks --out).
+std::unique_ptr<RankGrid> RunLoop::open_data_and_agree() {
+  const bool lead = world_.rank() == 0;
+  if (!lead) run_.progress = false;
+  ops::use_backend(cfg_.train.backend);
+  ops::use_precision(cfg_.train.precision);
+  std::string capped;
+  omp_set_num_threads(usable_threads(threads_per_rank(cfg_.train.threads), &capped));
+  if (!capped.empty() && lead) fmt::print(stderr, "sigma train: warning: {}\n", capped);
+  data_ = make_data_source(cfg_);
+  bind_model_to_data(cfg_.model, *data_);
+  if (world_.size() > 1) check_ranks_agree(world_, start_up_record(cfg_, *data_));
+  return make_grid(cfg_, world_);
 }
 
 // Locks the output directory before anything is written into it (train/run_dir.h).
