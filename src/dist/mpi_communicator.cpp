@@ -5,7 +5,8 @@
 // waiting too, names the ones that never entered the call, and aborts the run (MPI_Abort ends
 // every rank; mpirun exits non-zero). Polling backs off to short sleeps, which also keeps
 // waiting ranks from spinning on cores that working ranks need.
-// Sums are deterministic: the parts are gathered and added by tree_sum in rank order.
+// Sums are deterministic: each element's parts are added by tree_sum in rank order (the
+// all-reduce as reduce-scatter + all-gather, each piece summed by its owner).
 // Counts beyond MPI's int go in chunks of max_message_elements(): a strided datatype places
 // each rank's chunk, and the personalised exchanges are point-to-point messages.
 #include <mpi.h>
@@ -221,22 +222,45 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
-  // Chunk by chunk, so the temporary holds R chunks, not R copies of the whole vector.
+  // Reduce-scatter, then all-gather, one chunk of at most max_message_elements() at a time:
+  // rank q owns piece q of R near-equal pieces of the chunk, receives every rank's part of it,
+  // adds them by tree_sum in rank order and sends the sum back to all. The sums are those of
+  // tree_sum over the whole vector's parts, so every rank gets the same bits as when each
+  // gathered all parts and added them itself (the way before), but each rank sends and adds
+  // 1/R of the data per phase: 2(R-1)/R of the vector leaves a rank, not R-1 copies of it,
+  // and the temporary is one piece's R parts.
   template <class T>
   void sum_all(T* data, size_t n) {
-    count_uniform(int64_t(n * sizeof(T)));
+    const size_t R = size_t(size_), me = size_t(rank_);
     const size_t chunk = std::min(n, max_message_elements());
-    std::vector<T> parts(chunk * size_t(size_));
-    std::vector<const T*> p(static_cast<size_t>(size_));
+    std::vector<T> parts(R * (chunk / R + 1));
+    std::vector<const T*> p(R);
+    std::vector<int> piece(R), start(R), mine(R), at(R);
+    std::vector<int64_t> bytes(R, 0);
     for (size_t off = 0; off < n; off += chunk) {
       const size_t len = std::min(chunk, n - off);
+      for (size_t q = 0; q < R; ++q) {
+        start[q] = int(len * q / R);
+        piece[q] = int(len * (q + 1) / R) - start[q];
+      }
+      const int own = piece[me];
+      for (size_t q = 0; q < R; ++q) {
+        mine[q] = own;
+        at[q] = int(q) * own;
+        bytes[q] += int64_t(piece[q] + own) * int64_t(sizeof(T));  // its piece, then my sum
+      }
+      T* x = data + off;
       MPI_Request req;
-      MPI_Iallgather(data + off, int(len), mpi_type<T>(), parts.data(), int(len), mpi_type<T>(),
-                     comm_, &req);
+      MPI_Ialltoallv(x, piece.data(), start.data(), mpi_type<T>(), parts.data(), mine.data(),
+                     at.data(), mpi_type<T>(), comm_, &req);
       wait(req, "all_reduce_sum");
-      for (int r = 0; r < size_; ++r) p[size_t(r)] = parts.data() + size_t(r) * len;
-      tree_sum(data + off, p.data(), size_, int64_t(len));
+      for (size_t q = 0; q < R; ++q) p[q] = parts.data() + size_t(at[q]);
+      tree_sum(x + start[me], p.data(), size_, int64_t(own));
+      MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x, piece.data(), start.data(),
+                      mpi_type<T>(), comm_, &req);
+      wait(req, "all_reduce_sum");
     }
+    count(bytes);
   }
 
   // Sends and receives pieces in messages of at most max_message_elements(); messages between
