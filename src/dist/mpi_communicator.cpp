@@ -2,14 +2,16 @@
 //
 // Every collective is started non-blocking and then polled, so that a rank waiting for a peer
 // that died or hangs notices it: after dist.timeout_s it asks the other ranks which of them are
-// waiting too, names the ones that never entered the call, and aborts the run (MPI_Abort ends
-// every rank; mpirun exits non-zero). Polling backs off to short sleeps, which also keeps
+// waiting too and which ranks of the world are reachable at all, names the ones that never
+// entered the call (or the host whose ranks are all lost), and aborts the run (MPI_Abort ends
+// every rank; mpirun exits non-zero; a rank whose abort hangs ends itself). Polling backs off to short sleeps, which also keeps
 // waiting ranks from spinning on cores that working ranks need.
 // Sums are deterministic: each element's parts are added by tree_sum in rank order (the
 // all-reduce as reduce-scatter + all-gather, each piece summed by its owner).
 // Counts beyond MPI's int go in chunks of max_message_elements(): a strided datatype places
 // each rank's chunk, and the personalised exchanges are point-to-point messages.
 #include <mpi.h>
+#include <unistd.h>
 
 #include <exception>
 
@@ -19,6 +21,9 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <thread>
 
 #include "core/error.h"
@@ -30,6 +35,65 @@ namespace {
 
 constexpr int kExchangeTag = 7100;  // point-to-point pieces of all_to_all_v / all_gather_v
 constexpr int kWaitingTag = 7101;   // "I am waiting in call #k" after a timeout
+constexpr int kAliveTag = 7102;     // "I am alive", on the liveness communicator
+
+// Which ranks a rank that timed out can still reach, across every communicator of the process
+// (docs/distributed.md, "Faults"): the world's host names, gathered at start while every rank
+// is reachable, and a duplicate of the world on which a rank that timed out tells every other
+// rank it is alive. A rank waiting in any collective answers once it sees such a message, so
+// after a short grace the ranks not heard from are the lost ones; when they are every rank of
+// a host, the message names the host (its link is down or it died).
+struct Liveness {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 1;
+  std::vector<std::string> hosts;  // [world rank]
+  int64_t alive = 1;
+  bool said = false;
+  std::vector<MPI_Request> sends;
+
+  void say() {
+    if (said || comm == MPI_COMM_NULL) return;
+    said = true;
+    for (int r = 0; r < size; ++r)
+      if (r != rank) {
+        sends.emplace_back();
+        MPI_Isend(&alive, 1, MPI_INT64_T, r, kAliveTag, comm, &sends.back());
+      }
+  }
+  // Called while waiting: a rank that timed out asked who is alive; this one is.
+  void serve() {
+    if (said || comm == MPI_COMM_NULL) return;
+    int asked = 0;
+    MPI_Iprobe(MPI_ANY_SOURCE, kAliveTag, comm, &asked, MPI_STATUS_IGNORE);
+    if (asked) say();
+  }
+  // After a timeout: says so and listens; `heard[r]` becomes 1 when rank r's word arrives.
+  std::vector<MPI_Request> listen(std::vector<int64_t>& heard) {
+    say();
+    heard.assign(size_t(size), -1);
+    std::vector<MPI_Request> reqs;
+    if (comm == MPI_COMM_NULL) return reqs;
+    for (int r = 0; r < size; ++r)
+      if (r != rank) {
+        reqs.emplace_back();
+        MPI_Irecv(&heard[size_t(r)], 1, MPI_INT64_T, r, kAliveTag, comm, &reqs.back());
+      }
+    return reqs;
+  }
+};
+Liveness g_live;
+
+// "0-3, 5"
+std::string rank_list(const std::vector<int>& ranks) {
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    parts.push_back(j == i ? std::to_string(ranks[i]) : fmt::format("{}-{}", ranks[i], ranks[j]));
+    i = j + 1;
+  }
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
 
 template <class T> MPI_Datatype mpi_type();
 template <> MPI_Datatype mpi_type<float>() { return MPI_FLOAT; }
@@ -291,6 +355,7 @@ class MpiCommunicator final : public Communicator {
       MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
       if (done) break;
       if (++polls < 200) continue;
+      g_live.serve();
       if (timed_out(start)) {  // the ranks that neither sent to us nor took what we sent
         std::vector<int> silent;
         for (size_t i = 0; i < reqs.size(); ++i) {
@@ -300,7 +365,7 @@ class MpiCommunicator final : public Communicator {
             silent.push_back(peer_of[i]);
         }
         std::sort(silent.begin(), silent.end());
-        give_up(what, start, silent);
+        give_up(what, start, peers_after_timeout(&silent));
       }
       std::this_thread::sleep_for(nap);
       nap = std::min(nap * 2, std::chrono::microseconds(1000));
@@ -323,71 +388,136 @@ class MpiCommunicator final : public Communicator {
       MPI_Test(&req, &done, MPI_STATUS_IGNORE);
       if (done) break;
       if (++polls < 200) continue;
-      if (timed_out(start)) give_up(what, start, waiting_peers_missing());
+      g_live.serve();
+      if (timed_out(start)) give_up(what, start, peers_after_timeout(nullptr));
       std::this_thread::sleep_for(nap);
       nap = std::min(nap * 2, std::chrono::microseconds(1000));
     }
     ++calls_;
   }
 
+  struct Verdict {
+    std::vector<int> missing;  // this communicator's ranks that never entered (its numbering)
+    std::vector<int> alive;    // world ranks heard from after the timeout, this one included
+    double grace = 0;
+  };
+
   // After a timeout in a collective: every rank stuck in it announces so to the others; the
-  // ranks not heard from within a grace period never entered it (or hang inside it). Returns
-  // them in this communicator's numbering.
-  std::vector<int> waiting_peers_missing() {
+  // ranks not heard from within a grace period never entered it (or hang inside it); `silent`
+  // gives them instead where the caller knows (the point-to-point exchange). At the same time
+  // the world's liveness round (Liveness) finds which ranks are reachable at all.
+  Verdict peers_after_timeout(const std::vector<int>* silent) {
+    Verdict v;
     // Members: the run aborts with these messages possibly still in flight.
     announce_ = calls_;
     const int64_t me = announce_;
     std::vector<int64_t>& heard = heard_;
     heard.assign(static_cast<size_t>(size_), -1);
     std::vector<MPI_Request> reqs;
-    for (int r = 0; r < size_; ++r) {
+    for (int r = 0; r < size_ && !silent; ++r) {
       if (r == rank_) continue;
       reqs.emplace_back();
       MPI_Isend(&announce_, 1, MPI_INT64_T, r, kWaitingTag, comm_, &reqs.back());
       reqs.emplace_back();
       MPI_Irecv(&heard[size_t(r)], 1, MPI_INT64_T, r, kWaitingTag, comm_, &reqs.back());
     }
-    // Ranks that entered later time out later: wait for them a while (at most 10 s).
-    const auto grace = Clock::now() + std::chrono::duration<double>(std::min(timeout_s_, 10.0));
+    std::vector<MPI_Request> world = g_live.listen(world_heard_);
+    // Ranks that entered later time out later, and a rank busy computing answers only when it
+    // next waits: a grace of up to 2 s, so that every rank ends within dist.timeout_s + 5 s.
+    v.grace = std::min(timeout_s_, 2.0);
+    const auto grace = Clock::now() + std::chrono::duration<double>(v.grace);
     while (Clock::now() < grace) {
-      int done = 0;
-      MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
-      if (done) break;
+      int a = 0, b = 0;
+      MPI_Testall(int(reqs.size()), reqs.data(), &a, MPI_STATUSES_IGNORE);
+      MPI_Testall(int(world.size()), world.data(), &b, MPI_STATUSES_IGNORE);
+      if (a && b) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     for (size_t i = 1; i < reqs.size(); i += 2) {  // the receives
       int got = 0;
       MPI_Test(&reqs[i], &got, MPI_STATUS_IGNORE);
     }
-    std::vector<int> missing;
-    for (int r = 0; r < size_; ++r)
-      if (r != rank_ && heard[size_t(r)] != me) missing.push_back(r);
-    return missing;
+    for (MPI_Request& q : world) {
+      int got = 0;
+      MPI_Test(&q, &got, MPI_STATUS_IGNORE);
+    }
+    if (silent) {
+      v.missing = *silent;
+    } else {
+      for (int r = 0; r < size_; ++r)
+        if (r != rank_ && heard[size_t(r)] != me) v.missing.push_back(r);
+    }
+    for (int r = 0; r < g_live.size; ++r)
+      if (r == g_live.rank || world_heard_[size_t(r)] != -1) v.alive.push_back(r);
+    return v;
   }
 
-  // One line naming the ranks (world numbering) that never entered, then MPI_Abort. When
-  // several ranks wait, the lowest of them prints; the others give it a moment first.
-  [[noreturn]] void give_up(const char* what, Clock::time_point start, const std::vector<int>& missing) {
-    int me = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &me);
-    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-    std::vector<int> world_missing, waiting;
-    for (int r : missing) world_missing.push_back(world_rank(r));
-    for (int r = 0; r < size_; ++r)
-      if (std::find(missing.begin(), missing.end(), r) == missing.end()) waiting.push_back(world_rank(r));
-    if (waiting.front() != me) std::this_thread::sleep_for(std::chrono::seconds(2));
-    const std::string who =
-        world_missing.empty()
-            ? fmt::format("every one of its {} ranks entered it, but it did not finish", size_)
-            : fmt::format("rank{} {} never entered it (waiting: rank{} {})",
-                          world_missing.size() > 1 ? "s" : "", fmt::join(world_missing, ", "),
-                          waiting.size() > 1 ? "s" : "", fmt::join(waiting, ", "));
-    fmt::print(stderr, "sigma: error: rank {} waited {:.0f} s in {} (call {} on a communicator of "
-               "{} ranks): {}; a rank died or hangs (dist.timeout_s = {}); aborting the run\n",
-               me, waited, what, calls_ + 1, size_, who, timeout_s_);
-    std::fflush(stderr);
+  // The hosts all of whose ranks are lost (not alive), as "host h1 (ranks 2-3)".
+  static std::vector<std::string> lost_hosts(const std::vector<int>& alive) {
+    std::vector<std::string> out;
+    const std::vector<std::string>& host = g_live.hosts;
+    if (host.size() != size_t(g_live.size)) return out;
+    std::vector<std::string> seen;
+    for (int r = 0; r < g_live.size; ++r) {
+      const std::string& h = host[size_t(r)];
+      if (std::find(seen.begin(), seen.end(), h) != seen.end()) continue;
+      seen.push_back(h);
+      std::vector<int> ranks;
+      bool any_alive = false;
+      for (int q = 0; q < g_live.size; ++q)
+        if (host[size_t(q)] == h) {
+          ranks.push_back(q);
+          any_alive = any_alive || std::binary_search(alive.begin(), alive.end(), q);
+        }
+      if (!any_alive)
+        out.push_back(fmt::format("host {} (rank{} {})", h, ranks.size() > 1 ? "s" : "", rank_list(ranks)));
+    }
+    return out;
+  }
+
+  // One line, printed by the lowest world rank still alive, then MPI_Abort. Where Open MPI
+  // cannot end the run (its daemon on a lost host is unreachable, and the abort may wait for
+  // it), the rank ends itself a second later.
+  [[noreturn]] void give_up(const char* what, Clock::time_point start, const Verdict& v) {
+    const int me = g_live.rank;
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count() - v.grace;
+    const std::vector<std::string> lost = lost_hosts(v.alive);
+    if (v.alive.front() == me) {
+      std::string line;
+      if (!lost.empty()) {
+        line = fmt::format("sigma: error: lost {}: no word from {} within {:.0f} s after rank {} "
+                           "waited {:.0f} s in {} (call {} on a communicator of {} ranks): the "
+                           "host died or its link is down (dist.timeout_s = {}); aborting the "
+                           "run; resume from the last checkpoint on the hosts that remain\n",
+                           fmt::join(lost, ", "), lost.size() > 1 ? "their ranks" : "its ranks",
+                           v.grace, me, waited, what, calls_ + 1, size_, timeout_s_);
+      } else {
+        std::vector<int> world_missing, waiting;
+        for (int r : v.missing) world_missing.push_back(world_rank(r));
+        for (int r = 0; r < size_; ++r)
+          if (std::find(v.missing.begin(), v.missing.end(), r) == v.missing.end())
+            waiting.push_back(world_rank(r));
+        const std::string who =
+            world_missing.empty()
+                ? fmt::format("every one of its {} ranks entered it, but it did not finish", size_)
+                : fmt::format("rank{} {} never entered it (waiting: rank{} {})",
+                              world_missing.size() > 1 ? "s" : "", fmt::join(world_missing, ", "),
+                              waiting.size() > 1 ? "s" : "", fmt::join(waiting, ", "));
+        line = fmt::format("sigma: error: rank {} waited {:.0f} s in {} (call {} on a communicator "
+                           "of {} ranks): {}; a rank died or hangs (dist.timeout_s = {}); aborting "
+                           "the run\n", me, waited, what, calls_ + 1, size_, who, timeout_s_);
+      }
+      std::fputs(line.c_str(), stderr);
+      std::fflush(stderr);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the printer's line first
+    }
+    std::thread([] {
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      std::_Exit(3);
+    }).detach();
     MPI_Abort(MPI_COMM_WORLD, 3);
-    std::abort();
+    std::_Exit(3);
   }
 
   MPI_Comm comm_;
@@ -397,6 +527,7 @@ class MpiCommunicator final : public Communicator {
   int64_t calls_ = 0;  // calls completed on this communicator (the same on every member)
   int64_t announce_ = 0;       // after a timeout: the call this rank waits in
   std::vector<int64_t> heard_;  // and the one each other rank said it waits in
+  std::vector<int64_t> world_heard_;  // after a timeout: which world ranks said they are alive
   std::vector<int> world_ranks_;
 };
 
@@ -408,6 +539,18 @@ std::unique_ptr<Communicator> make_mpi_world(double timeout_s) {
   if (!ready) {
     int provided = 0;
     MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+  }
+  if (g_live.comm == MPI_COMM_NULL) {  // the liveness round's communicator and host names
+    MPI_Comm_dup(MPI_COMM_WORLD, &g_live.comm);
+    MPI_Comm_set_errhandler(g_live.comm, MPI_ERRORS_RETURN);  // a lost peer is no error here
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_live.rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_live.size);
+    constexpr int kName = 256;
+    char mine[kName] = {};
+    ::gethostname(mine, kName - 1);
+    std::vector<char> all(size_t(kName) * size_t(g_live.size));
+    MPI_Allgather(mine, kName, MPI_CHAR, all.data(), kName, MPI_CHAR, MPI_COMM_WORLD);
+    for (int r = 0; r < g_live.size; ++r) g_live.hosts.emplace_back(all.data() + size_t(r) * kName);
   }
   return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, timeout_s, true);
 }
