@@ -350,6 +350,33 @@ TEST(Distributed, RanksGivenDifferentTpStopAtOnceNamingIt) {
   EXPECT_FALSE(fs::exists(t / "x/metrics.jsonl"));
 }
 
+// --out must be on a filesystem every rank sees (each writes its checkpoint files there): a
+// rank that cannot see it (here rank 1, under a tmpfs mounted over the test's folder in a
+// mount namespace of its own, as a host without the shared filesystem would) is refused at
+// start, once, naming it; before, it trained and failed at the first checkpoint.
+TEST(Distributed, ARankThatCannotSeeTheRunFolderIsRefused) {
+  SKIP_WITHOUT_MPI();
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root (a private mount for one rank)";
+  TempDir t("blind");
+  const std::string wrap = t / "rank.sh";
+  std::ofstream(wrap) << "#!/bin/sh\n"
+                         "[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] || exec \"$@\"\n"
+                         "exec unshare -m sh -c 'mount -t tmpfs none \"$0\" && exec \"$@\"' "
+                      << t.str() << " \"$@\"\n";
+  fs::permissions(wrap, fs::perms::owner_all);
+  const CmdResult r = run_cmd(fmt::format("timeout 120 {}2 {} {} {} --out {}", kMpirun, wrap,
+                                          SIGMA_BINARY, train_args(kDense, 3, 2), t / "x"));
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("rank 1 (on "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cannot see the run folder " + (t / "x")), std::string::npos) << r.out;
+  size_t lines = 0;
+  for (size_t at = r.out.find("sigma: error:"); at != std::string::npos; at = r.out.find("sigma: error:", at + 1))
+    ++lines;
+  EXPECT_EQ(lines, 1u) << r.out;
+  EXPECT_FALSE(fs::exists(t / "x/metrics.jsonl"));
+  EXPECT_FALSE(fs::exists(t / "x/.sigma-shared-check"));
+}
+
 // Collectives longer than one MPI message go in chunks (here of 5 elements; in a run, of 2^30)
 // and give what one message gives. Runs as DistributedChild under mpirun -np 3.
 TEST(Distributed, ChunkedCollectivesGiveTheSameResults) {

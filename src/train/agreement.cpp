@@ -7,11 +7,16 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <random>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "core/error.h"
+#include "core/refusal.h"
+#include "train/preflight.h"
 
 namespace sigma {
 
@@ -172,6 +177,42 @@ void check_ranks_agree(Communicator& comm, const std::vector<std::pair<std::stri
   if (comm.rank() == 0) fail("{}", line);
   comm.barrier();  // rank 0 never enters: its error path aborts every rank (apps/sigma.cpp)
   fail("{}", line);
+}
+
+void check_ranks_see_dir(Communicator& world, const std::string& dir) {
+  const int R = world.size();
+  if (R == 1 || dir.empty()) return;
+  const std::string path = dir + "/.sigma-shared-check";
+  uint64_t token = 0;
+  if (world.rank() == 0) {
+    token = std::random_device{}() * 0x9E3779B97F4A7C15ull ^ uint64_t(::getpid());
+    std::ofstream(path) << token;
+  }
+  world.broadcast(&token, sizeof token, 0);
+  uint64_t seen = 0;
+  std::ifstream(path) >> seen;
+  const uint8_t ok = seen == token ? 1 : 0;
+  std::vector<uint8_t> all(static_cast<size_t>(R));
+  world.all_gather_bytes(all.data(), &ok, 1);
+  const std::vector<std::string> hosts = hosts_of_ranks(world);
+  if (world.rank() == 0) {
+    std::error_code ec;
+    fs::remove(path, ec);
+  }
+  std::vector<int> blind;
+  std::vector<std::string> where;
+  for (int r = 0; r < R; ++r)
+    if (!all[size_t(r)]) {
+      blind.push_back(r);
+      const std::string& h = hosts[size_t(r)];
+      if (std::find(where.begin(), where.end(), h) == where.end()) where.push_back(h);
+    }
+  if (blind.empty()) return;
+  throw Refusal(fmt::format(
+      "rank{} {} (on {}) cannot see the run folder {} that rank 0 created: every rank writes "
+      "its checkpoint files into it, so --out must be on a filesystem every host shares (NFS, "
+      "Lustre, ...) at the same path", blind.size() > 1 ? "s" : "", ranks_text(blind),
+      fmt::join(where, ", "), dir));
 }
 
 }  // namespace sigma

@@ -24,6 +24,12 @@ std::vector<std::pair<std::string, std::string>> start_up_record(Config& cfg, co
 // error path ends every rank: apps/sigma.cpp).
 void check_ranks_agree(Communicator& comm, const std::vector<std::pair<std::string, std::string>>& record);
 
+// Collective, after rank 0 created `dir` (--out): every rank must see it, since every rank
+// writes its checkpoint files into it (a filesystem all hosts share). Rank 0 writes a file
+// with a fresh token there; every rank reads it back. Throws Refusal (printed once) on every
+// rank, naming the ranks and hosts that cannot see it.
+void check_ranks_see_dir(Communicator& world, const std::string& dir);
+
 // The one line for the first key where `values` (one per rank) differ, "" if none differ.
 std::string disagreement(const std::string& key, const std::vector<std::string>& values);
 

@@ -300,6 +300,7 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   if (!share.empty() && lead_ && run_.progress) fmt::print(stderr, "sigma train: {}\n", share);
   cfg_.model.validate();
   if (lead_) claim_out_dir();  // rank 0 owns the directory; the others write only checkpoints
+  check_ranks_see_dir(world_, run_.out_dir);  // every rank writes checkpoints into it
   build();
   restore();
   // --overwrite: the new run is built and checked; only now does the old run move aside (and it
