@@ -122,7 +122,8 @@ echo "machine: $("$ROOT/bench/machine.sh"), $(nproc) cores, load average $(cut -
 echo "corpus: $DATA (licences: $DATA/licenses, $DATA/README.md)"
 
 # ---- 0. split ------------------------------------------------------------------------------
-stage split "95 % / 5 % by line per domain (tiny: ${TRAIN_KB:-all} KB / ${HELD_KB:-all} KB prefixes)"
+if [[ $TRAIN_KB == 0 ]]; then PART="the whole corpus"; else PART="the first $TRAIN_KB KiB / $HELD_KB KiB of each part"; fi
+stage split "95 % / 5 % by line per domain, $PART"
 python3 "$EX/split.py" "$DATA/corpus" "$OUT" "$TRAIN_KB" "$HELD_KB" "$FT_PAIRS" "$TASK_ITEMS" | tee -a "$(LOG)"
 cp "$EX/code-tasks.jsonl" "$OUT/tasks/code-python.jsonl"
 
@@ -202,6 +203,7 @@ run "$SIGMA" train --resume "$OUT/extract/bilingual" --config "$EX/finetune.json
 
 stage eval "held-out loss per domain, multiple choice, translation (BLEU, chrF), code (pass@k)"
 ev heldout-dense --ckpt "$OUT/dense/checkpoints" --data "$OUT/shards-heldout" --rows $EVAL_ROWS
+ev heldout-inherited --ckpt "$OUT/inherited" --data "$OUT/shards-heldout" --rows $EVAL_ROWS
 ev heldout-sparse --ckpt "$OUT/sparse/checkpoints" --data "$OUT/shards-heldout" --rows $EVAL_ROWS
 ev heldout-finetune --ckpt "$OUT/finetune/checkpoints" --data "$OUT/shards-ft-heldout" --rows $EVAL_ROWS
 ev heldout-before-finetune --ckpt "$OUT/extract/bilingual" --data "$OUT/shards-ft-heldout" --rows $EVAL_ROWS

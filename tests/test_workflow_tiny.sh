@@ -73,7 +73,7 @@ ft = config("finetune/checkpoints")
 check(ft["data"]["finetune"] and ft["data"]["mask_prompt"], "7 fine-tuned with data.finetune and mask_prompt")
 check(load("finetune/summary.json")["steps"] > 0, "7 fine-tuning ran")
 files = sorted(glob.glob(os.path.join(out, "eval", "*.json")))
-want = (["heldout-dense", "heldout-sparse", "heldout-finetune", "heldout-before-finetune", "code-python"]
+want = (["heldout-dense", "heldout-inherited", "heldout-sparse", "heldout-finetune", "heldout-before-finetune", "code-python"]
         + [f"{k}-{m}" for k in ["choice", "translate"] for m in ["before-finetune", "finetune"]]
         + [f"{k}-{d}" for k in ["heldout-full", "heldout-extract", "window-full", "window-extract"] for d in DOMAINS])
 have = {os.path.basename(f)[:-5] for f in files}

@@ -47,11 +47,12 @@ if cmd == "extract":
 
 elif cmd == "eval":
     dense, sparse = load("eval/heldout-dense.json")["domains"], load("eval/heldout-sparse.json")["domains"]
+    inherited = load("eval/heldout-inherited.json")["domains"]
     print("held-out loss per domain (nats/token):")
-    print("| domain | dense PanGu-α | PanGu-Σ after the curriculum | tokens |")
-    print("|---|---|---|---|")
+    print("| domain | dense PanGu-α | PanGu-Σ inherited (step 0) | PanGu-Σ after the curriculum | tokens |")
+    print("|---|---|---|---|---|")
     for d in sparse:
-        print(f"| {d} | {dense[d]['loss']:.4f} | {sparse[d]['loss']:.4f} | {sparse[d]['tokens']} |")
+        print(f"| {d} | {dense[d]['loss']:.4f} | {inherited[d]['loss']:.4f} | {sparse[d]['loss']:.4f} | {sparse[d]['tokens']} |")
     before, after = load("eval/heldout-before-finetune.json")["domains"], load("eval/heldout-finetune.json")["domains"]
     print(f"held-out translation pairs, loss per token (prompt and answer): bilingual extract "
           f"{before['bilingual']['loss']:.4f}, fine-tuned {after['bilingual']['loss']:.4f}")
