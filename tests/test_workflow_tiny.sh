@@ -75,7 +75,7 @@ check(load("finetune/summary.json")["steps"] > 0, "7 fine-tuning ran")
 files = sorted(glob.glob(os.path.join(out, "eval", "*.json")))
 want = (["heldout-dense", "heldout-inherited", "heldout-sparse", "heldout-finetune", "heldout-before-finetune", "code-python"]
         + [f"{k}-{m}" for k in ["choice", "translate"] for m in ["before-finetune", "finetune"]]
-        + [f"{k}-{d}" for k in ["heldout-full", "heldout-extract", "window-full", "window-extract"] for d in DOMAINS])
+        + [f"{k}-{d}" for k in ["heldout-full", "heldout-extract", "window-extract"] for d in DOMAINS])
 have = {os.path.basename(f)[:-5] for f in files}
 check(set(want) <= have, f"7 eval files present ({len(have)}; missing {sorted(set(want) - have)})")
 c = load("eval/choice-finetune.json")["choice"]
