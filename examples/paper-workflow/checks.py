@@ -54,12 +54,24 @@ elif cmd == "eval":
     for d in sparse:
         print(f"| {d} | {dense[d]['loss']:.4f} | {inherited[d]['loss']:.4f} | {sparse[d]['loss']:.4f} | {sparse[d]['tokens']} |")
     before, after = load("eval/heldout-before-finetune.json")["domains"], load("eval/heldout-finetune.json")["domains"]
-    print(f"held-out translation pairs, loss per token (prompt and answer): bilingual extract "
+    print(f"held-out translation pairs, loss per token of packed windows, prompts included (sigma eval --data "
+          f"does not mask prompts as fine-tuning did): bilingual extract "
           f"{before['bilingual']['loss']:.4f}, fine-tuned {after['bilingual']['loss']:.4f}")
-    print("tasks (bootstrap standard errors):")
-    for name in ["choice-before-finetune", "choice-finetune", "translate-before-finetune", "translate-finetune", "code-python"]:
-        r = load(f"eval/{name}.json")
-        print(f"  {name}: {json.dumps(r, ensure_ascii=False)[:400]}")
+    print("tasks (± bootstrap standard error; eval/*.json has every figure):")
+    print("| task | model | items | scores |")
+    print("|---|---|---|---|")
+    for tag, model in [("before-finetune", "bilingual extract"), ("finetune", "fine-tuned")]:
+        c = load(f"eval/choice-{tag}.json")["choice"]
+        print(f"| multiple choice (4 choices) | {model} | {c['items']} | acc {c['acc']:.3f} ± {c['acc_stderr']:.3f}, "
+              f"acc_norm {c['acc_norm']:.3f} ± {c['acc_norm_stderr']:.3f} |")
+    for tag, model in [("before-finetune", "bilingual extract"), ("finetune", "fine-tuned")]:
+        g = load(f"eval/translate-{tag}.json")["generate"]
+        b = g["bleu"]["zh"]
+        print(f"| translation en→zh | {model} | {g['items']} | BLEU {b['score']:.2f} ± {b['stderr']:.2f} "
+              f"({b['sys_len']} hypothesis / {b['ref_len']} reference tokens), chrF {g['chrf']['score']:.2f} ± {g['chrf']['stderr']:.2f} |")
+    k = load("eval/code-python.json")["code"]
+    ks = ", ".join(f"{m} {k[m]:.3f}" for m in sorted(x for x in k if x.startswith("pass@") and not x.endswith("stderr")))
+    print(f"| code (python) | python extract | {k['items']} x {k['samples']} samples | {ks} |")
 
 elif cmd == "serve-spec":
     ctx, url, key, domains = int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6:]
