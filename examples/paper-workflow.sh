@@ -2,7 +2,8 @@
 # The PanGu-Σ paper's workflow (§3-§5) in miniature, on the real corpus of ../shared/data, with
 # one command (docs/workflow.md walks through the same commands by hand):
 #   0 split      every domain's train.jsonl: the first 95 % of lines to train on, the last 5 %
-#                held out (tiny: a prefix of each part)
+#                held out; bilingual (sorted by length) by a hash of the English side (tiny: a
+#                prefix of each part); task files from held-out pairs
 #   1 tokenizer  sigma tokenizer train: byte-level BPE with the paper's control tokens
 #   2 shards     sigma prepare: one shard per domain, the paper's domain mapping (english,
 #                chinese + poetry, bilingual, code = python + java; code in embedding slot 1)
@@ -40,7 +41,7 @@ SIZE=full OUT="" SIGMA=$ROOT/build/sigma DATA=$ROOT/../shared/data NODE_DIR=""
 die() { echo "paper-workflow: $*" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --size) SIZE=${2:?--size needs tiny or full}; shift 2 ;;
+    --size) SIZE=${2:?--size needs tiny, medium or full}; shift 2 ;;
     --out) OUT=${2:?--out needs a folder}; shift 2 ;;
     --sigma) SIGMA=${2:?--sigma needs a binary}; shift 2 ;;
     --data) DATA=${2:?--data needs a folder}; shift 2 ;;
