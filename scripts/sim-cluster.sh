@@ -113,6 +113,8 @@ done
 for tool in ip tc unshare mpirun timeout setsid; do
   command -v "$tool" >/dev/null || die "'$tool' not found (packages iproute2, util-linux, openmpi-bin)"
 done
+# `ip netns exec` makes / a slave mount: impossible where / is not a mount point (a chroot).
+mountpoint -q / || die "/ is not a mount point here (a chroot?): ip netns exec needs it to be one"
 
 # Stale runs first: namespaces and files of a run whose script is gone.
 for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^$base-[0-9]+-" || true); do
