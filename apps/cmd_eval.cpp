@@ -35,17 +35,23 @@ struct HeldOut {
   std::string name;  // the folder, or "synthetic"
 };
 
-// --data, else the data the checkpoint was trained on: its held-out side.
+// --data, else the data the checkpoint was trained on: its held-out side, made by the
+// checkpoint's own tokenizer (run/data_source.h, tokenizer_mismatch).
 HeldOut open_held_out(const EvalArgs& a, const CheckpointInfo& info) {
-  const std::string tok = checkpoint_tokenizer_path(info.dir);
-  const uint64_t hash = tok.empty() ? 0 : data::Tokenizer::load(tok).hash();
-  if (!a.data.empty()) return {make_eval_source(a.data, hash), a.data};
+  HeldOut h;
   const DataConfig& d = info.cfg.data;
-  if (d.source == "synthetic") return {make_data_source(info.cfg), "synthetic"};
-  SIGMA_CHECK(!d.eval_path.empty(), "{} was trained on prepared shards ({}) and names no "
-              "held-out directory (data.eval_path): pass --data HELDOUT_DIR (made by sigma "
-              "prepare)", info.dir, d.path);
-  return {make_eval_source(d.eval_path, hash), d.eval_path};
+  if (a.data.empty() && d.source == "synthetic") return {make_data_source(info.cfg), "synthetic"};
+  SIGMA_CHECK(!a.data.empty() || !d.eval_path.empty(), "{} was trained on prepared shards ({}) and "
+              "names no held-out directory (data.eval_path): pass --data HELDOUT_DIR (made by "
+              "sigma prepare)", info.dir, d.path);
+  h.name = a.data.empty() ? d.eval_path : a.data;
+  h.source = make_eval_source(h.name, 0);
+  const std::string other = tokenizer_mismatch(info.dir, *h.source, h.name);
+  SIGMA_CHECK(other.empty(), "{}; evaluate on held-out text prepared with the checkpoint's "
+              "tokenizer: sigma prepare --config HELDOUT.json --out DIR with \"tokenizer\" set to "
+              "(a copy of) {} in HELDOUT.json, then --data DIR", other,
+              checkpoint_tokenizer_path(info.dir));
+  return h;
 }
 
 std::vector<std::string> split_names(const std::string& s) {

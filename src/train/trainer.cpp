@@ -335,6 +335,7 @@ void RunLoop::build() {
   if (!run_.resume.empty()) {  // checked before the expert store is opened
     ck_ = open_checkpoint(run_.resume);
     check_same_model(cfg_, ck_->cfg);
+    check_resume_tokenizer(*ck_, *data_, cfg_);
   }
   check_memory(cfg_);  // a sized error instead of bad_alloc for a model too big for the machine
   mode_ = expert_mode_of(cfg_, comm_.size(), grid_->tp());
