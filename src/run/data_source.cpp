@@ -112,6 +112,7 @@ class ShardsSource : public DataSource {
   void start_training(const Config& cfg) {
     data::SamplerConfig sc = data::SamplerConfig::from_json(cfg.data.sampler, "data.sampler");
     if (!cfg.data.sampler.contains("seed")) sc.seed = cfg.train.seed;
+    sc.batches_per_step = uint64_t(std::max(1, cfg.train.accum));  // stages count optimizer steps
     data::BatchConfig bc{uint32_t(cfg.train.batch), uint32_t(cfg.model.context), cfg.data.finetune,
                          cfg.data.mask_prompt};
     batches_ = std::make_unique<data::BatchSource>(set_, bc, sc);
