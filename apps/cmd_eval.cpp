@@ -180,6 +180,14 @@ void write_log(const std::string& path, const std::vector<nlohmann::json>& log) 
 
 void print_result(nlohmann::json& r, const EvalArgs& a, const std::vector<nlohmann::json>& log) {
   if (!a.log_samples.empty()) write_log(a.log_samples, log);
+  if (const int64_t cut = r.value("prompts_cut", int64_t(0)); cut > 0)
+    fmt::print(stderr, "sigma eval: warning: {} of {} prompts were cut at their start to fit the "
+               "model's context{} (the domain's prefix controls kept; \"prompts_cut\" per kind in "
+               "--json; --log-samples shows each prompt as the model saw it)\n", cut,
+               r["items"].get<int64_t>(), r.contains("context")
+                   ? fmt::format(" of {} tokens, less --max-new {} for generated answers",
+                                 r["context"].get<int>(), a.opt.max_new)
+                   : "");
   if (a.json) fmt::print("{}\n", r.dump());
   else print_task_table(r);
 }
@@ -215,6 +223,7 @@ void run_task(EvalArgs a) {
                                      a.log_samples.empty() ? nullptr : &log);
   r["task"] = a.task;
   r["checkpoint"] = info.dir;
+  r["context"] = model->config().context;
   print_result(r, a, log);
 }
 

@@ -192,6 +192,41 @@ TEST_F(Audit, DeletingTheTrainingShardsChangesNothing) {
   EXPECT_EQ(a.back()["prompt"].get<std::string>().rfind("<Python>", 0), 0u) << a.back().dump();
 }
 
+// A prompt longer than the context less --max-new is cut at its start, keeping the domain's
+// prefix control, and counted: a warning on stderr, "prompts_cut" in --json (per kind and in
+// all, kept by --score-generations), and the log shows the prompt as the model saw it.
+TEST_F(Audit, CutPromptsAreCountedReportedAndLoggedAsSeen) {
+  std::string comment = "#";
+  for (int i = 0; i < 12; ++i) comment += " zorp blick quan";
+  const std::string own = "def add(a, b):\n";
+  std::ofstream(*dir / "cut.jsonl")
+      << json{{"domain", "python"}, {"prompt", comment + "\n" + own}, {"tests", "assert add(2, 3) == 5"}}.dump() << "\n"
+      << json{{"domain", "python"}, {"prompt", own}, {"tests", "assert add(2, 3) == 5"}}.dump() << "\n";
+  const std::string log = *dir / "cut-log.jsonl";
+  auto r = sigma_cmd("eval --ckpt " + ckpt() + " --task " + *dir / "cut.jsonl" +
+                     " --max-new 8 --timeout 30 --json --log-samples " + log);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("sigma eval: warning: 1 of 2 prompts were cut at their start to fit the "
+                       "model's context of 32 tokens, less --max-new 8 for generated answers"),
+            std::string::npos) << r.out;
+  const json printed = last_json(r);
+  EXPECT_EQ(printed.value("prompts_cut", -1), 1) << printed.dump();
+  EXPECT_EQ(printed["code"].value("prompts_cut", -1), 1) << printed.dump();
+  const auto lines = read_lines(log);
+  ASSERT_EQ(lines.size(), 2u);
+  const std::string seen = lines[0]["prompt"].get<std::string>();
+  EXPECT_EQ(seen.rfind("<Python>", 0), 0u) << seen;  // the domain's control kept
+  EXPECT_TRUE(seen.ends_with(own)) << seen;         // the start of the text cut, not its end
+  EXPECT_LT(seen.size(), comment.size()) << seen;
+  EXPECT_GT(lines[0]["prompt_cut_tokens"].get<int64_t>(), 0);
+  EXPECT_EQ(lines[1]["prompt"], "<Python>" + own);
+  EXPECT_EQ(lines[1]["prompt_cut_tokens"], 0);
+  r = sigma_cmd("eval --score-generations " + log + " --timeout 30 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(last_json(r).value("prompts_cut", -1), 1) << r.out;
+  EXPECT_NE(r.out.find("1 of 2 prompts were cut"), std::string::npos) << r.out;
+}
+
 // A choice's log-likelihood has the same bits whatever batch it is scored in (--score-batch 1
 // included) and whatever items share its passes (tasks.cpp choice_logliks, ops::BatchInvariant),
 // on a model with an RRE block, over prompts that fit, prompts cut for some choices, several

@@ -80,7 +80,11 @@ struct TaskContext {
 // What the model produced for one item: everything its scores need (--log-samples keeps it,
 // --score-generations reads it back).
 struct ItemOutput {
-  std::string prompt;                    // the formatted prompt, control tokens spelled out
+  std::string prompt;                    // the prompt as the model saw it (cut to fit the
+                                         // context), control tokens spelled out
+  int64_t prompt_cut = 0;                // tokens cut from the prompt's start to fit (choice:
+                                         // with its longest choice; generate and code: with
+                                         // room for max_new tokens); 0 = whole
   std::vector<double> loglik;            // choice: log p(choice | context) per choice
   std::vector<int64_t> tokens;           // choice: tokens per choice
   std::vector<std::string> generations;  // generate: one answer; code: --samples completions
