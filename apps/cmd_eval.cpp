@@ -197,6 +197,7 @@ void print_result(nlohmann::json& r, const EvalArgs& a, const std::vector<nlohma
 void run_score_generations(EvalArgs a) {
   a.opt.k = parse_k(a.k);
   a.opt.sandbox.memory_bytes = uint64_t(a.memory_mb * (1 << 20));
+  a.opt.progress = true;
   std::vector<eval::TaskItem> items;
   std::vector<eval::ItemOutput> outs;
   eval::read_sample_log(a.score_generations, items, outs);
@@ -218,6 +219,7 @@ void run_task(EvalArgs a) {
   a.opt.k = parse_k(a.k);
   const auto registry = data_registry(a, info);
   a.opt.sandbox.memory_bytes = uint64_t(a.memory_mb * (1 << 20));
+  a.opt.progress = true;
   std::vector<nlohmann::json> log;
   nlohmann::json r = eval::run_tasks({*model, tok, registry ? &*registry : nullptr}, items, a.opt,
                                      a.log_samples.empty() ? nullptr : &log);

@@ -106,10 +106,15 @@ int argmax(const std::vector<double>& v, const std::vector<double>& div) {
 
 TEST_F(Audit, LogSamplesReproduceThePrintedScoresAndScoreGenerationsAgrees) {
   const std::string log = *dir / "log.jsonl";
-  const auto r = sigma_cmd("eval --ckpt " + ckpt() + " --task " + *dir / "tasks.jsonl" +
-                           " --samples 2 --k 1,2 --temperature 1 --seed 5 --max-new 12"
-                           " --timeout 30 --json --log-samples " + log);
+  const auto r = run_cmd("SIGMA_PROGRESS_SECONDS=0 " + std::string(SIGMA_BINARY) + " eval --ckpt " +
+                         ckpt() + " --task " + *dir / "tasks.jsonl" +
+                         " --samples 2 --k 1,2 --temperature 1 --seed 5 --max-new 12"
+                         " --timeout 30 --json --log-samples " + log);
   ASSERT_EQ(r.code, 0) << r.out;
+  // Progress lines with an ETA (here every update; by default every 10 s off a terminal).
+  for (const char* line : {"sigma eval: choices: 4/4 units (100%)", "sigma eval: generation: 7/7 answers (100%)",
+                           "sigma eval: code runs: 4/4 samples (100%)", "| ETA 0m00s"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
   const json printed = last_json(r);
   const auto lines = read_lines(log);
   ASSERT_EQ(lines.size(), 9u);
@@ -221,9 +226,11 @@ TEST_F(Audit, CutPromptsAreCountedReportedAndLoggedAsSeen) {
   EXPECT_GT(lines[0]["prompt_cut_tokens"].get<int64_t>(), 0);
   EXPECT_EQ(lines[1]["prompt"], "<Python>" + own);
   EXPECT_EQ(lines[1]["prompt_cut_tokens"], 0);
-  r = sigma_cmd("eval --score-generations " + log + " --timeout 30 --json");
+  r = run_cmd("SIGMA_PROGRESS_SECONDS=0 " + std::string(SIGMA_BINARY) + " eval --score-generations " +
+              log + " --timeout 30 --json");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(last_json(r).value("prompts_cut", -1), 1) << r.out;
+  EXPECT_NE(r.out.find("sigma eval: code runs: 2/2 samples (100%)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("1 of 2 prompts were cut"), std::string::npos) << r.out;
 }
 

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "core/error.h"
+#include "core/progress.h"
 #include "core/json_depth.h"
 #include "core/rng.h"
 #include "data/jsonl.h"
@@ -289,7 +290,8 @@ class Scorer {
 };
 
 void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
-                    const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
+                    const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs,
+                    bool progress) {
   const ops::BatchInvariant invariant;
   std::vector<Unit> units = units_of(ctx, items, which, outs);
   // Sorted so that a pass's rows are alike: by the length of a choice pass (the longest choice
@@ -316,14 +318,17 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
   const int threads = ctx.model.expert_executor().concurrent_forward()
                           ? int(std::min<size_t>(size_t(omp_get_max_threads()), jobs.size()))
                           : 1;
+  Progress shown("sigma eval: choices", units.size(), "units", progress);
   std::atomic<size_t> next{0};
   std::mutex failed_mu;
   std::exception_ptr failed;
   auto work = [&] {
     try {
       Scorer scorer(ctx, items, rows, outs);
-      for (size_t j; (j = next.fetch_add(1)) < jobs.size();)
+      for (size_t j; (j = next.fetch_add(1)) < jobs.size();) {
         jobs[j].shared ? scorer.shared(jobs[j].units) : scorer.whole(jobs[j].units);
+        shown.add(jobs[j].units.size());
+      }
     } catch (...) {
       next = jobs.size();  // the others stop after their job
       const std::lock_guard lock(failed_mu);
@@ -511,6 +516,7 @@ json score_code(const std::vector<const TaskItem*>& items, const std::vector<con
   int64_t passed = 0;
   std::string protections;  // as the first sample's child reported them
   json failures = json::object();  // why samples failed, counted by outcome
+  Progress shown("sigma eval: code runs", uint64_t(items.size()) * uint64_t(n), "samples", opt.progress);
   for (size_t i = 0; i < items.size(); ++i) {
     const TaskItem& it = *items[i];
     SIGMA_CHECK(int(outs[i]->generations.size()) == n, "line {}: {} samples where the other "
@@ -522,6 +528,7 @@ json score_code(const std::vector<const TaskItem*>& items, const std::vector<con
       cut.push_back(completion);
       const std::string program = it.context + completion + "\n\n" + it.tests + "\n";
       const SandboxResult r = run_python_sandboxed(program, opt.sandbox);
+      shown.add();
       c += r.passed;
       if (protections.empty()) protections = r.protections;
       if (!r.passed) failures[r.outcome] = failures.value(r.outcome, 0) + 1;
@@ -599,7 +606,11 @@ std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<Task
   std::vector<size_t> choice;
   for (size_t i = 0; i < items.size(); ++i)
     if (items[i].kind == TaskKind::Choice) choice.push_back(i);
-  if (!choice.empty()) choice_logliks(ctx, items, choice, opt.score_batch, outs);
+  if (!choice.empty()) choice_logliks(ctx, items, choice, opt.score_batch, outs, opt.progress);
+  uint64_t answers = 0;
+  for (const TaskItem& it : items)
+    answers += it.kind == TaskKind::Code ? uint64_t(opt.samples) : it.kind == TaskKind::Generate;
+  Progress shown("sigma eval: generation", answers, "answers", opt.progress);
   for (size_t i = 0; i < items.size(); ++i) {
     const TaskItem& it = items[i];
     ItemOutput& o = outs[i];
@@ -609,7 +620,10 @@ std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<Task
     o.prompt_cut = fit_prompt(ctx, it, prompt, size_t(answer_budget(ctx, opt)));
     o.prompt = prompt_text(ctx, prompt);
     const int n = it.kind == TaskKind::Code ? opt.samples : 1;
-    for (int j = 0; j < n; ++j) o.generations.push_back(answer(ctx, it, opt, j));
+    for (int j = 0; j < n; ++j) {
+      o.generations.push_back(answer(ctx, it, opt, j));
+      shown.add();
+    }
   }
   return outs;
 }

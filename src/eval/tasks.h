@@ -67,6 +67,7 @@ struct TaskOptions {
   int num_fewshot = 0;       // solved examples before each item (with_fewshot)
   uint64_t fewshot_seed = 1234;
   SandboxLimits sandbox;
+  bool progress = false;     // progress lines with an ETA on stderr (core/progress.h)
 };
 
 // How text becomes tokens: the domain's prefix controls and format from the data the model was
