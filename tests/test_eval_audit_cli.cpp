@@ -3,6 +3,9 @@
 // `--score-generations` scores the file again without a model; the checkpoint carries its data
 // registry, so deleting the training shards changes nothing; and the small errors.
 #include <gtest/gtest.h>
+#include <xxhash.h>
+
+#include <regex>
 
 #include <filesystem>
 #include <cstring>
@@ -190,7 +193,9 @@ TEST_F(Audit, DeletingTheTrainingShardsChangesNothing) {
   const auto after = sigma_cmd(cmd + *dir / "after.jsonl");
   fs::rename(*dir / "shards.moved", *dir / "shards");
   ASSERT_EQ(after.code, 0) << after.out;
-  EXPECT_EQ(before.out, after.out);
+  json x = last_json(before), y = last_json(after);
+  x.erase("date"), y.erase("date");  // the one field that names when it ran
+  EXPECT_EQ(x, y);
   const auto a = read_lines(*dir / "before.jsonl"), b = read_lines(*dir / "after.jsonl");
   EXPECT_EQ(a, b);
   // The format was applied: the code prompt starts with its domain's prefix control.
@@ -232,6 +237,35 @@ TEST_F(Audit, CutPromptsAreCountedReportedAndLoggedAsSeen) {
   EXPECT_EQ(last_json(r).value("prompts_cut", -1), 1) << r.out;
   EXPECT_NE(r.out.find("sigma eval: code runs: 2/2 samples (100%)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("1 of 2 prompts were cut"), std::string::npos) << r.out;
+}
+
+// --json describes the run: build, date, the task file's hash and every setting that changes a
+// score; --limit N scores the first N items and says so.
+TEST_F(Audit, JsonResultsDescribeThemselvesAndLimitIsStated) {
+  const std::string task = *dir / "tasks.jsonl";
+  const auto r = sigma_cmd("eval --ckpt " + ckpt() + " --task " + task + " --limit 5 --num-fewshot 1"
+                           " --max-new 7 --bootstrap 10 --timeout 30 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const json j = last_json(r);
+  EXPECT_EQ(j["items"], 5) << j.dump();
+  EXPECT_EQ(j["choice"]["items"], 4) << j.dump();  // the file's first 5: 4 choice, 1 generation
+  EXPECT_EQ(j["generate"]["items"], 1) << j.dump();
+  const json& s = j["settings"];
+  EXPECT_EQ(s["limit"], 5);
+  EXPECT_EQ(s["items_in_file"], 9);
+  EXPECT_EQ(s["num_fewshot"], 1);
+  EXPECT_EQ(s["fewshot_seed"], 1234);
+  EXPECT_EQ(s["max_new"], 7);
+  EXPECT_EQ(s["bootstrap"], 10);
+  EXPECT_EQ(s["temperature"], 0.0);
+  EXPECT_EQ(s["k"], json::array({1}));
+  EXPECT_EQ(j["sigma"]["version"], "0.1.0");
+  EXPECT_FALSE(j["sigma"]["git"].get<std::string>().empty());
+  EXPECT_TRUE(std::regex_match(j["date"].get<std::string>(),
+                               std::regex(R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)"))) << j["date"];
+  std::ifstream in(task, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(j["task_xxh3_64"], fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size())));
 }
 
 // A choice's log-likelihood has the same bits whatever batch it is scored in (--score-batch 1

@@ -576,10 +576,11 @@ int best_choice(const std::vector<double>& loglik, const std::vector<double>& di
   return best;
 }
 
-std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed) {
-  std::vector<TaskItem> out = items;
+std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed,
+                                   size_t first) {
+  std::vector<TaskItem> out(items.begin(), items.begin() + std::ptrdiff_t(std::min(first, items.size())));
   if (n <= 0) return out;
-  for (size_t i = 0; i < items.size(); ++i) {
+  for (size_t i = 0; i < out.size(); ++i) {
     const TaskItem& it = items[i];
     SIGMA_CHECK(it.kind != TaskKind::Code, "{}:{}: --num-fewshot: code items take no shots "
                 "(their tests are not an answer to show)", it.source, it.line);
@@ -668,8 +669,10 @@ json run_tasks(const TaskContext& ctx, const std::vector<TaskItem>& items, const
     for (int k : opt.k)  // checked before any scoring: a bad k should not waste a run
       SIGMA_CHECK(k >= 1 && k <= opt.samples, "pass@{} needs at least {} samples per problem "
                   "(--samples {})", k, k, opt.samples);
-  return score_items(items, run_model(ctx, with_fewshot(items, opt.num_fewshot, opt.fewshot_seed), opt),
-                     opt, log);
+  const size_t n = opt.limit > 0 ? std::min(opt.limit, items.size()) : items.size();
+  const std::vector<TaskItem> shot = with_fewshot(items, opt.num_fewshot, opt.fewshot_seed, n);
+  const std::vector<TaskItem> scored(items.begin(), items.begin() + std::ptrdiff_t(n));
+  return score_items(scored, run_model(ctx, shot, opt), opt, log);
 }
 
 void read_sample_log(const std::string& path, std::vector<TaskItem>& items, std::vector<ItemOutput>& outs) {

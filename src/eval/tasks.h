@@ -5,6 +5,7 @@
 #pragma once
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -68,6 +69,8 @@ struct TaskOptions {
   uint64_t fewshot_seed = 1234;
   SandboxLimits sandbox;
   bool progress = false;     // progress lines with an ETA on stderr (core/progress.h)
+  size_t limit = 0;          // run_tasks: only the file's first `limit` items (0 = all); their
+                             // few-shot examples still come from the whole file
 };
 
 // How text becomes tokens: the domain's prefix controls and format from the data the model was
@@ -96,7 +99,9 @@ struct ItemOutput {
 // sampler seeded with (seed, item line), so a rerun shows the same shots. Layout per shot:
 // context + answer (a choice item's right choice, a generation item's first reference, a code
 // item's tests are not an answer: code items take no shots) + "\n\n"; then the item's context.
-std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed);
+// Only the first `first` items are returned (--limit); their shots come from all of `items`.
+std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed,
+                                   size_t first = SIZE_MAX);
 
 // Runs the model on every item.
 std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<TaskItem>& items,
@@ -109,7 +114,7 @@ std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<Task
 nlohmann::json score_items(const std::vector<TaskItem>& items, const std::vector<ItemOutput>& outs,
                            const TaskOptions& opt, std::vector<nlohmann::json>* log = nullptr);
 
-// run_model then score_items.
+// run_model then score_items (on the first opt.limit items, when set).
 nlohmann::json run_tasks(const TaskContext& ctx, const std::vector<TaskItem>& items,
                          const TaskOptions& opt, std::vector<nlohmann::json>* log = nullptr);
 
