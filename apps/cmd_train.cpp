@@ -59,9 +59,6 @@ void run_train(TrainArgs a) {
   }
   // mpirun -np R sigma train: every rank runs this; rank 0 prints (docs/distributed.md).
   const std::unique_ptr<Communicator> world = make_world(cfg.dist.timeout_s);
-  if (a.out.empty() && world->rank() == 0)  // docs/usage.md's first example has no --out
-    fmt::print(stderr, "sigma train: no --out: this run saves nothing (no checkpoint, "
-               "metrics.jsonl or summary.json); to keep it, pass --out DIR\n");
   RunOptions run{a.out, a.resume, a.stop_at, !a.quiet, a.overwrite, world.get()};
   TrainSummary s = train(cfg, run);
   if (world->rank() != 0) return;

@@ -435,6 +435,9 @@ void RunLoop::restore() {
 // metrics.jsonl, the checkpoint root and the banner.
 void RunLoop::open_outputs() {
   if (!run_.out_dir.empty()) ckpt_root_ = run_.out_dir + "/checkpoints";
+  else if (lead_)  // said once the run is checked and about to train (usage.md's first example)
+    fmt::print(stderr, "sigma train: no --out: this run saves nothing (no checkpoint, "
+               "metrics.jsonl or summary.json); to keep it, pass --out DIR\n");
   // metrics.jsonl is created with the first record (RunDir::append_metrics).
   if (run_dir_ && ck_) run_dir_->drop_metrics_after(state_.step);  // the dead run's steps are redone
   tty_ = isatty(STDERR_FILENO);
