@@ -2,12 +2,14 @@
 #include <fmt/core.h>
 
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <iterator>
 #include <sstream>
 
 #include "command.h"
 #include "core/error.h"
+#include "core/progress.h"
 #include "data/jsonl.h"
 #include "data/prepare.h"
 #include "data/tokenizer.h"
@@ -51,15 +53,31 @@ void add_tokenizer(CLI::App& root) {
     data::ReadOptions ro;
     ro.max_line_bytes = ta->max_line;
     data::ReadStats stats;
-    data::read_corpus(data::expand_corpus(ta->corpus), ro, stats, [&](data::Record& r) {
+    const std::vector<data::Source> sources = data::expand_corpus(ta->corpus);
+    // Progress by the files' bytes: those of the files read, plus the current file's text.
+    uint64_t total = 0, files_done = 0, in_file = 0, file_size = 0;
+    std::error_code ec;
+    for (const data::Source& src : sources) total += std::filesystem::file_size(src.path, ec);
+    Progress shown("tokenizer train: reading", total >> 10, "KiB");
+    const std::string* file = nullptr;
+    data::read_corpus(sources, ro, stats, [&](data::Record& r) {
+      if (r.file != file) {
+        files_done += file_size;
+        file = r.file;
+        file_size = file ? std::filesystem::file_size(*file, ec) : 0;
+        in_file = 0;
+      }
+      in_file += r.prompt.size() + r.text.size();
+      shown.set((files_done + std::min(in_file, file_size)) >> 10);
       trainer.add(r.prompt);
       trainer.add(r.text);
     });
+    shown.finish();
     for (auto& m : stats.messages) fmt::print(stderr, "skip: {}\n", m);
     fmt::print(stderr, "read {} ({} distinct words) in {:.1f} s\n", stats.summary(),
                trainer.distinct_words(), seconds_since(t0));
     SIGMA_CHECK(stats.records > 0, "tokenizer train: the corpus has no usable record");
-    Tokenizer t = trainer.finish();
+    Tokenizer t = trainer.finish(/*progress=*/true);
     t.save(ta->out);
     fmt::print(stderr, "wrote {}: vocab {} ({} merges), hash {:016x}, {:.1f} s in all\n", ta->out,
                t.vocab_size(), t.n_merges(), t.hash(), seconds_since(t0));

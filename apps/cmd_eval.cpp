@@ -2,8 +2,10 @@
 // the checkpoint's own data source (the synthetic data's held-out stream, or data.eval_path);
 // with --task, a task file's scores (docs/evaluation.md).
 #include <fmt/format.h>
+#include <xxhash.h>
 
 #include <cmath>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -17,6 +19,7 @@
 #include "run/checkpoint.h"
 #include "run/eval_domains.h"
 #include "run/heldout.h"
+#include "sigma_git_version.h"  // generated at build time: SIGMA_GIT_HASH
 
 namespace sigma::cli {
 namespace {
@@ -26,6 +29,7 @@ struct EvalArgs {
       precision = "fp32", backend = "cpu";
   int rows = 256, batch = 8;
   bool rows_given = false, batch_given = false, json = false;
+  size_t limit = 0;
   double memory_mb = 1024;
   eval::TaskOptions opt;
 };
@@ -35,17 +39,23 @@ struct HeldOut {
   std::string name;  // the folder, or "synthetic"
 };
 
-// --data, else the data the checkpoint was trained on: its held-out side.
+// --data, else the data the checkpoint was trained on: its held-out side, made by the
+// checkpoint's own tokenizer (run/data_source.h, tokenizer_mismatch).
 HeldOut open_held_out(const EvalArgs& a, const CheckpointInfo& info) {
-  const std::string tok = checkpoint_tokenizer_path(info.dir);
-  const uint64_t hash = tok.empty() ? 0 : data::Tokenizer::load(tok).hash();
-  if (!a.data.empty()) return {make_eval_source(a.data, hash), a.data};
+  HeldOut h;
   const DataConfig& d = info.cfg.data;
-  if (d.source == "synthetic") return {make_data_source(info.cfg), "synthetic"};
-  SIGMA_CHECK(!d.eval_path.empty(), "{} was trained on prepared shards ({}) and names no "
-              "held-out directory (data.eval_path): pass --data HELDOUT_DIR (made by sigma "
-              "prepare)", info.dir, d.path);
-  return {make_eval_source(d.eval_path, hash), d.eval_path};
+  if (a.data.empty() && d.source == "synthetic") return {make_data_source(info.cfg), "synthetic"};
+  SIGMA_CHECK(!a.data.empty() || !d.eval_path.empty(), "{} was trained on prepared shards ({}) and "
+              "names no held-out directory (data.eval_path): pass --data HELDOUT_DIR (made by "
+              "sigma prepare)", info.dir, d.path);
+  h.name = a.data.empty() ? d.eval_path : a.data;
+  h.source = make_eval_source(h.name, 0);
+  const std::string other = tokenizer_mismatch(info.dir, *h.source, h.name);
+  SIGMA_CHECK(other.empty(), "{}; evaluate on held-out text prepared with the checkpoint's "
+              "tokenizer: sigma prepare --config HELDOUT.json --out DIR with \"tokenizer\" set to "
+              "(a copy of) {} in HELDOUT.json, then --data DIR", other,
+              checkpoint_tokenizer_path(info.dir));
+  return h;
 }
 
 std::vector<std::string> split_names(const std::string& s) {
@@ -172,8 +182,48 @@ void write_log(const std::string& path, const std::vector<nlohmann::json>& log) 
   SIGMA_CHECK(out.good(), "--log-samples: writing {} failed", path);
 }
 
+// xxh3_64 of a file's bytes, 16 hex digits (which task file, exactly, was scored).
+std::string file_xxh3(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  SIGMA_CHECK(in, "cannot open {}", path);
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  std::vector<char> buf(1 << 20);
+  while (in.read(buf.data(), std::streamsize(buf.size())) || in.gcount() > 0)
+    XXH3_64bits_update(st, buf.data(), size_t(in.gcount()));
+  const uint64_t h = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return fmt::format("{:016x}", h);
+}
+
+// What a task result needs to be reproduced and compared: the build, the date, the exact file
+// and every setting that changes a score (docs/evaluation.md, "Results describe themselves").
+void describe_run(nlohmann::json& r, const EvalArgs& a, const std::string& file, size_t items_in_file) {
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  const eval::TaskOptions& o = a.opt;
+  r["sigma"] = {{"version", SIGMA_VERSION}, {"git", SIGMA_GIT_HASH}};
+  r["date"] = date;
+  r["task_xxh3_64"] = file_xxh3(file);
+  r["settings"] = {{"num_fewshot", o.num_fewshot}, {"fewshot_seed", o.fewshot_seed},
+                   {"temperature", o.temperature}, {"top_k", o.top_k}, {"top_p", o.top_p},
+                   {"seed", o.seed}, {"max_new", o.max_new}, {"samples", o.samples}, {"k", o.k},
+                   {"bootstrap", o.bootstrap}, {"precision", a.precision},
+                   {"timeout_s", o.sandbox.seconds}, {"memory_mb", a.memory_mb},
+                   {"limit", a.limit}, {"items_in_file", items_in_file}};
+}
+
 void print_result(nlohmann::json& r, const EvalArgs& a, const std::vector<nlohmann::json>& log) {
   if (!a.log_samples.empty()) write_log(a.log_samples, log);
+  if (const int64_t cut = r.value("prompts_cut", int64_t(0)); cut > 0)
+    fmt::print(stderr, "sigma eval: warning: {} of {} prompts were cut at their start to fit the "
+               "model's context{} (the domain's prefix controls kept; \"prompts_cut\" per kind in "
+               "--json; --log-samples shows each prompt as the model saw it)\n", cut,
+               r["items"].get<int64_t>(), r.contains("context")
+                   ? fmt::format(" of {} tokens, less --max-new {} for generated answers",
+                                 r["context"].get<int>(), a.opt.max_new)
+                   : "");
   if (a.json) fmt::print("{}\n", r.dump());
   else print_task_table(r);
 }
@@ -183,12 +233,16 @@ void print_result(nlohmann::json& r, const EvalArgs& a, const std::vector<nlohma
 void run_score_generations(EvalArgs a) {
   a.opt.k = parse_k(a.k);
   a.opt.sandbox.memory_bytes = uint64_t(a.memory_mb * (1 << 20));
+  a.opt.progress = true;
   std::vector<eval::TaskItem> items;
   std::vector<eval::ItemOutput> outs;
   eval::read_sample_log(a.score_generations, items, outs);
   std::vector<nlohmann::json> log;
+  const size_t in_file = items.size();
+  if (a.limit > 0 && items.size() > a.limit) items.resize(a.limit), outs.resize(a.limit);
   nlohmann::json r = eval::score_items(items, outs, a.opt, a.log_samples.empty() ? nullptr : &log);
   r["task"] = a.score_generations;
+  describe_run(r, a, a.score_generations, in_file);
   print_result(r, a, log);
 }
 
@@ -204,11 +258,15 @@ void run_task(EvalArgs a) {
   a.opt.k = parse_k(a.k);
   const auto registry = data_registry(a, info);
   a.opt.sandbox.memory_bytes = uint64_t(a.memory_mb * (1 << 20));
+  a.opt.progress = true;
+  a.opt.limit = a.limit;
   std::vector<nlohmann::json> log;
   nlohmann::json r = eval::run_tasks({*model, tok, registry ? &*registry : nullptr}, items, a.opt,
                                      a.log_samples.empty() ? nullptr : &log);
   r["task"] = a.task;
+  describe_run(r, a, a.task, items.size());
   r["checkpoint"] = info.dir;
+  r["context"] = model->config().context;
   print_result(r, a, log);
 }
 
@@ -298,6 +356,8 @@ const RegisterCommand reg_eval([](CLI::App& root) {
                 "kind and domain, never the item itself) before each item's context")
       ->check(CLI::Range(0, 1000));
   c->add_option("--fewshot-seed", a->opt.fewshot_seed, "Seed of the few-shot sampler (default 1234)");
+  c->add_option("--limit", a->limit, "Tasks: score only the file's first N items (stated in "
+                "--json; few-shot examples still come from the whole file)")->check(CLI::Range(1, 1 << 30));
   c->add_option("--bootstrap", a->opt.bootstrap, "Resamples for the standard errors (default "
                 "1000, 0 = none)")->check(CLI::Range(0, 1000000));
   c->add_flag("--json", a->json, "Print {\"domains\": {NAME: {\"loss\", \"ppl\", \"tokens\"}}, "
@@ -310,7 +370,7 @@ const RegisterCommand reg_eval([](CLI::App& root) {
                    "--score-generations scores saved completions and runs no model");
     else if (a->task.empty())
       refuse_given(*c, {"--samples", "--k", "--temperature", "--top-k", "--top-p", "--seed",
-                        "--max-new", "--timeout", "--memory-mb"},
+                        "--max-new", "--timeout", "--memory-mb", "--limit"},
                    "without --task, sigma eval measures held-out loss and generates nothing");
     else
       refuse_given(*c, {"--domains", "--rows", "--batch"},

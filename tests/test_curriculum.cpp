@@ -99,6 +99,29 @@ TEST_F(Curriculum, TheDomainsEachStepTrainsOnFollowTheStages) {
   EXPECT_EQ(seen2.size(), 6u) << json(seen2).dump();  // stage 2: every domain
 }
 
+// Stage lengths count optimizer steps whatever the micro-batches per step: train.accum = 2 on
+// one process, and mpirun -np 2 (which shares the step's 8 rows as 2 micro-batches of 4), keep
+// stage 1 for 6 steps (they used to end it after 3: the sampler counted micro-batches).
+TEST_F(Curriculum, StageLengthsCountOptimizerStepsAtAnyRankCount) {
+  const std::string mpirun = "mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 ";
+  for (const std::string& launch : {std::string("accum"), std::string("mpirun")}) {
+    if (launch == "mpirun" && !SIGMA_HAS_MPI) GTEST_SKIP() << "built with SIGMA_MPI=OFF";
+    const std::string out = *dir / ("stages-" + launch);
+    const auto r = launch == "accum"
+                       ? sigma_cmd(train_args() + "--set train.accum=2 --set train.batch=4 --out " + out)
+                       : run_cmd(mpirun + SIGMA_BINARY + " " + train_args() +
+                                 "--set train.threads=1 --out " + out);
+    ASSERT_EQ(r.code, 0) << launch << ": " << r.out;
+    const auto metrics = read_metrics(out + "/metrics.jsonl");
+    ASSERT_EQ(metrics.size(), 14u) << launch;
+    std::set<std::string> seen1, seen2;
+    for (const json& m : metrics)
+      for (const auto& [d, loss] : m["domains"].items()) (m["step"] <= 6 ? seen1 : seen2).insert(d);
+    EXPECT_EQ(seen1, kStage1) << launch;
+    EXPECT_EQ(seen2.size(), 6u) << launch << ": " << json(seen2).dump();
+  }
+}
+
 // Within a stage, rows are drawn in proportion to the domains' token counts (the sampler the
 // trainer uses, run over many steps of the same data).
 TEST_F(Curriculum, TheMixWithinEachStageFollowsTokenCounts) {

@@ -3,6 +3,9 @@
 // `--score-generations` scores the file again without a model; the checkpoint carries its data
 // registry, so deleting the training shards changes nothing; and the small errors.
 #include <gtest/gtest.h>
+#include <xxhash.h>
+
+#include <regex>
 
 #include <filesystem>
 #include <cstring>
@@ -106,10 +109,15 @@ int argmax(const std::vector<double>& v, const std::vector<double>& div) {
 
 TEST_F(Audit, LogSamplesReproduceThePrintedScoresAndScoreGenerationsAgrees) {
   const std::string log = *dir / "log.jsonl";
-  const auto r = sigma_cmd("eval --ckpt " + ckpt() + " --task " + *dir / "tasks.jsonl" +
-                           " --samples 2 --k 1,2 --temperature 1 --seed 5 --max-new 12"
-                           " --timeout 30 --json --log-samples " + log);
+  const auto r = run_cmd("SIGMA_PROGRESS_SECONDS=0 " + std::string(SIGMA_BINARY) + " eval --ckpt " +
+                         ckpt() + " --task " + *dir / "tasks.jsonl" +
+                         " --samples 2 --k 1,2 --temperature 1 --seed 5 --max-new 12"
+                         " --timeout 30 --json --log-samples " + log);
   ASSERT_EQ(r.code, 0) << r.out;
+  // Progress lines with an ETA (here every update; by default every 10 s off a terminal).
+  for (const char* line : {"sigma eval: choices: 4/4 units (100%)", "sigma eval: generation: 7/7 answers (100%)",
+                           "sigma eval: code runs: 4/4 samples (100%)", "| ETA 0m00s"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
   const json printed = last_json(r);
   const auto lines = read_lines(log);
   ASSERT_EQ(lines.size(), 9u);
@@ -185,11 +193,79 @@ TEST_F(Audit, DeletingTheTrainingShardsChangesNothing) {
   const auto after = sigma_cmd(cmd + *dir / "after.jsonl");
   fs::rename(*dir / "shards.moved", *dir / "shards");
   ASSERT_EQ(after.code, 0) << after.out;
-  EXPECT_EQ(before.out, after.out);
+  json x = last_json(before), y = last_json(after);
+  x.erase("date"), y.erase("date");  // the one field that names when it ran
+  EXPECT_EQ(x, y);
   const auto a = read_lines(*dir / "before.jsonl"), b = read_lines(*dir / "after.jsonl");
   EXPECT_EQ(a, b);
   // The format was applied: the code prompt starts with its domain's prefix control.
   EXPECT_EQ(a.back()["prompt"].get<std::string>().rfind("<Python>", 0), 0u) << a.back().dump();
+}
+
+// A prompt longer than the context less --max-new is cut at its start, keeping the domain's
+// prefix control, and counted: a warning on stderr, "prompts_cut" in --json (per kind and in
+// all, kept by --score-generations), and the log shows the prompt as the model saw it.
+TEST_F(Audit, CutPromptsAreCountedReportedAndLoggedAsSeen) {
+  std::string comment = "#";
+  for (int i = 0; i < 12; ++i) comment += " zorp blick quan";
+  const std::string own = "def add(a, b):\n";
+  std::ofstream(*dir / "cut.jsonl")
+      << json{{"domain", "python"}, {"prompt", comment + "\n" + own}, {"tests", "assert add(2, 3) == 5"}}.dump() << "\n"
+      << json{{"domain", "python"}, {"prompt", own}, {"tests", "assert add(2, 3) == 5"}}.dump() << "\n";
+  const std::string log = *dir / "cut-log.jsonl";
+  auto r = sigma_cmd("eval --ckpt " + ckpt() + " --task " + *dir / "cut.jsonl" +
+                     " --max-new 8 --timeout 30 --json --log-samples " + log);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("sigma eval: warning: 1 of 2 prompts were cut at their start to fit the "
+                       "model's context of 32 tokens, less --max-new 8 for generated answers"),
+            std::string::npos) << r.out;
+  const json printed = last_json(r);
+  EXPECT_EQ(printed.value("prompts_cut", -1), 1) << printed.dump();
+  EXPECT_EQ(printed["code"].value("prompts_cut", -1), 1) << printed.dump();
+  const auto lines = read_lines(log);
+  ASSERT_EQ(lines.size(), 2u);
+  const std::string seen = lines[0]["prompt"].get<std::string>();
+  EXPECT_EQ(seen.rfind("<Python>", 0), 0u) << seen;  // the domain's control kept
+  EXPECT_TRUE(seen.ends_with(own)) << seen;         // the start of the text cut, not its end
+  EXPECT_LT(seen.size(), comment.size()) << seen;
+  EXPECT_GT(lines[0]["prompt_cut_tokens"].get<int64_t>(), 0);
+  EXPECT_EQ(lines[1]["prompt"], "<Python>" + own);
+  EXPECT_EQ(lines[1]["prompt_cut_tokens"], 0);
+  r = run_cmd("SIGMA_PROGRESS_SECONDS=0 " + std::string(SIGMA_BINARY) + " eval --score-generations " +
+              log + " --timeout 30 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(last_json(r).value("prompts_cut", -1), 1) << r.out;
+  EXPECT_NE(r.out.find("sigma eval: code runs: 2/2 samples (100%)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("1 of 2 prompts were cut"), std::string::npos) << r.out;
+}
+
+// --json describes the run: build, date, the task file's hash and every setting that changes a
+// score; --limit N scores the first N items and says so.
+TEST_F(Audit, JsonResultsDescribeThemselvesAndLimitIsStated) {
+  const std::string task = *dir / "tasks.jsonl";
+  const auto r = sigma_cmd("eval --ckpt " + ckpt() + " --task " + task + " --limit 5 --num-fewshot 1"
+                           " --max-new 7 --bootstrap 10 --timeout 30 --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const json j = last_json(r);
+  EXPECT_EQ(j["items"], 5) << j.dump();
+  EXPECT_EQ(j["choice"]["items"], 4) << j.dump();  // the file's first 5: 4 choice, 1 generation
+  EXPECT_EQ(j["generate"]["items"], 1) << j.dump();
+  const json& s = j["settings"];
+  EXPECT_EQ(s["limit"], 5);
+  EXPECT_EQ(s["items_in_file"], 9);
+  EXPECT_EQ(s["num_fewshot"], 1);
+  EXPECT_EQ(s["fewshot_seed"], 1234);
+  EXPECT_EQ(s["max_new"], 7);
+  EXPECT_EQ(s["bootstrap"], 10);
+  EXPECT_EQ(s["temperature"], 0.0);
+  EXPECT_EQ(s["k"], json::array({1}));
+  EXPECT_EQ(j["sigma"]["version"], "0.1.0");
+  EXPECT_FALSE(j["sigma"]["git"].get<std::string>().empty());
+  EXPECT_TRUE(std::regex_match(j["date"].get<std::string>(),
+                               std::regex(R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)"))) << j["date"];
+  std::ifstream in(task, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(j["task_xxh3_64"], fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size())));
 }
 
 // A choice's log-likelihood has the same bits whatever batch it is scored in (--score-batch 1

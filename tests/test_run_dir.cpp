@@ -56,6 +56,20 @@ TEST(RunDir, TrainingIntoALockedDirectoryFailsWithAClearError) {
   EXPECT_FALSE(fs::exists(tmp / "out/checkpoints"));
 }
 
+// A run without --out says at its start that nothing will be kept, and how to keep it.
+TEST(RunDir, ARunWithoutOutSaysItSavesNothing) {
+  TempDir tmp("rundir-no-out");
+  const std::string line = "sigma train: no --out: this run saves nothing (no checkpoint, "
+                           "metrics.jsonl or summary.json); to keep it, pass --out DIR\n";
+  auto r = run_cmd("cd " + tmp.str() + " && " + SIGMA_BINARY + " " + kTiny + "--set train.steps=2");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find(line), 0u) << r.out;  // the first line, before any training
+  EXPECT_TRUE(entries(tmp.str()).empty());
+  r = sigma_cmd(kTiny + "--set train.steps=2 --out " + tmp / "out");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("no --out"), std::string::npos) << r.out;
+}
+
 TEST(RunDir, AnExistingRunIsRefusedUnlessResumedOrOverwritten) {
   TempDir tmp("rundir-out");
   auto r = sigma_cmd(kTiny + "--set train.steps=10 --set train.ckpt_every=5 --out " + tmp / "out");

@@ -85,6 +85,36 @@ TEST(Train, WritesMetricsAndSummary) {
   }
 }
 
+// train.eval_every: held-out losses per domain every N steps in metrics.jsonl and the progress
+// line; the training itself is unchanged to the bit (ECSS experts, whose prefetch the
+// evaluation steps skip), and the last evaluation is the summary's.
+TEST(Train, EvalEveryWritesHeldOutLossesAndChangesNoTrainingBit) {
+  TempDir tmp("eval-every");
+  auto r = sigma_cmd("train " + kTiny + "--set train.steps=12 --set train.eval_every=4 --out " + tmp / "e");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("step      8/12 | loss"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("| held-out markov "), std::string::npos) << r.out;
+  std::vector<int64_t> evaluated;
+  nlohmann::json last;
+  std::ifstream m(tmp / "e/metrics.jsonl");
+  for (std::string line; std::getline(m, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("held_out")) continue;
+    evaluated.push_back(j["step"]);
+    for (const char* d : {"markov", "copy", "arith"}) EXPECT_TRUE(j["held_out"][d].is_number()) << line;
+    last = j["held_out"];
+  }
+  EXPECT_EQ(evaluated, (std::vector<int64_t>{4, 8, 12}));
+  const auto s = nlohmann::json::parse(slurp(tmp / "e/summary.json"));
+  for (const char* d : {"markov", "copy", "arith"}) EXPECT_EQ(s["domains"][d]["loss"], last[d]) << d;
+  r = sigma_cmd("train --quiet " + kTiny + "--set train.steps=12 --out " + tmp / "plain");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const TensorMap x = read_model_tensors(tmp / "e/checkpoints/step-00000012");
+  const TensorMap y = read_model_tensors(tmp / "plain/checkpoints/step-00000012");
+  ASSERT_EQ(x.size(), y.size());
+  for (const auto& [name, t] : x) EXPECT_EQ(0, std::memcmp(t.bytes(), y.at(name).bytes(), t.nbytes())) << name;
+}
+
 class BadInput : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -123,7 +123,8 @@ Sampler::Sampler(SamplerConfig cfg, std::vector<std::string> names, std::vector<
     cum[n - 1] = 1.0;  // so a draw in [0, 1) always lands
     prob_.push_back(std::move(w));
     cum_.push_back(std::move(cum));
-    end = st.steps == 0 ? UINT64_MAX : end + st.steps;
+    SIGMA_CHECK(cfg_.batches_per_step >= 1, "sampler: batches_per_step must be >= 1");
+    end = st.steps == 0 ? UINT64_MAX : end + st.steps * cfg_.batches_per_step;
     stage_end_.push_back(end);
   }
   epoch_.assign(n, 0);
@@ -135,9 +136,9 @@ Sampler::Sampler(SamplerConfig cfg, std::vector<std::string> names, std::vector<
   }
 }
 
-size_t Sampler::stage_at(uint64_t step) const {
+size_t Sampler::stage_at(uint64_t batch) const {
   for (size_t s = 0; s < stage_end_.size(); ++s)
-    if (step < stage_end_[s]) return s;
+    if (batch < stage_end_[s]) return s;
   return stage_end_.size() - 1;  // all stages finite: the last one continues
 }
 

@@ -27,6 +27,10 @@ struct SamplerConfig {
   // domains, but each micro-batch activates one expert group (ECSS under a memory budget
   // gathers a group's experts per micro-batch instead of every group's).
   bool one_domain_per_batch = false;
+  // Batches (micro-batches) per optimizer step: train.accum, all ranks together. Stage lengths
+  // count optimizer steps, so a stage of S steps lasts S x batches_per_step batches at any
+  // rank count. Set by the run, not read from JSON.
+  uint64_t batches_per_step = 1;
 
   // {"seed": 1, "stages": [{"steps": 500, "weights": {"english": 1, "chinese": 1}}, {}],
   //  "one_domain_per_batch": false};
@@ -51,7 +55,7 @@ class Sampler {
   // of a step belongs to one expert group). Empty = every domain.
   void restrict_batches(std::vector<std::vector<uint32_t>> allowed);
   uint64_t step() const { return step_; }
-  size_t stage_at(uint64_t step) const;
+  size_t stage_at(uint64_t batch) const;  // the stage of batch number `batch` (step() counts batches)
   const std::vector<double>& probabilities(size_t stage) const { return prob_.at(stage); }
 
   nlohmann::json cursor() const;
@@ -65,7 +69,7 @@ class Sampler {
   std::vector<std::string> names_;
   std::vector<uint64_t> items_;
   std::vector<std::vector<double>> prob_, cum_;  // per stage, per domain
-  std::vector<uint64_t> stage_end_;              // first step after each stage
+  std::vector<uint64_t> stage_end_;              // first batch after each stage
   uint64_t step_ = 0;
   std::vector<uint64_t> epoch_, pos_;
   std::vector<std::vector<uint32_t>> perm_;  // current epoch's order, per domain

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/progress.h"
 #include "core/json_depth.h"
 #include "core/rng.h"
 #include "io/file.h"
@@ -575,7 +576,7 @@ class PairCounts {
 };
 }  // namespace
 
-Tokenizer BpeTrainer::finish() const {
+Tokenizer BpeTrainer::finish(bool progress) const {
   Tokenizer tok(opt_.controls, opt_.max_space_run);
   SIGMA_CHECK(opt_.vocab_size >= tok.vocab_size(),
               "tokenizer train: vocab size {} is below the {} fixed tokens (controls, bytes, space "
@@ -586,7 +587,9 @@ Tokenizer BpeTrainer::finish() const {
   std::vector<std::pair<std::string_view, uint64_t>> sorted(words_.begin(), words_.end());
   std::sort(sorted.begin(), sorted.end());
   PairCounts pairs(tok, sorted);
+  Progress shown("tokenizer train: merges", target, "merges", progress);
   for (uint32_t step = 0; step < target; ++step) {
+    shown.set(step);
     const auto best = pairs.pop_best();
     if (!best || best->second < static_cast<int64_t>(opt_.min_pair_count)) break;
     const uint64_t key = best->first;

@@ -92,7 +92,8 @@ class BpeTrainer {
  public:
   explicit BpeTrainer(TrainOptions opt);
   void add(std::string_view text);
-  Tokenizer finish() const;
+  // `progress`: a progress line of the merges on stderr (core/progress.h).
+  Tokenizer finish(bool progress = false) const;
   size_t distinct_words() const { return words_.size(); }
 
  private:

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "core/error.h"
+#include "core/progress.h"
 #include "core/json_depth.h"
 #include "core/rng.h"
 #include "data/jsonl.h"
@@ -52,6 +53,25 @@ std::string prompt_text(const TaskContext& ctx, const std::vector<int32_t>& prom
   return ctx.tok.decode(std::vector<uint32_t>(prompt.begin(), prompt.end()));
 }
 
+// Cuts `prompt` to `budget` tokens as the model will see it and returns how many were cut: the
+// domain's prefix controls (<Python>) stay, the text after them loses its start, so few-shot
+// examples go before the item's own prompt does (they come first).
+int64_t fit_prompt(const TaskContext& ctx, const TaskItem& it, std::vector<int32_t>& prompt,
+                   size_t budget) {
+  if (prompt.size() <= budget) return 0;
+  const int64_t cut = int64_t(prompt.size() - budget);
+  const size_t head = spec_of(ctx, it.domain).prefix.size();
+  const size_t from = head < budget ? head : 0;
+  prompt.erase(prompt.begin() + std::ptrdiff_t(from), prompt.begin() + std::ptrdiff_t(from) + cut);
+  return cut;
+}
+
+// The prompt tokens of a generated answer: room is left for max_new tokens.
+int answer_budget(const TaskContext& ctx, const TaskOptions& opt) {
+  const int context = ctx.model.config().context;
+  return context - std::min(opt.max_new, context - 1);
+}
+
 // One item's choices as the model scores them: each choice's window is the prompt, cut from
 // the left so that the window has at most context + 1 tokens, then the choice; the choice's
 // log-likelihood sums the losses of its own tokens. Choices whose windows keep the same number
@@ -84,11 +104,17 @@ std::vector<Unit> units_of(const TaskContext& ctx, const std::vector<TaskItem>& 
                   "model's context of {} allows", where, choice.substr(0, 40), rest.size(), context);
       SIGMA_CHECK(!rest.empty(), "{}: the choice '{}' encodes to no tokens", where, choice.substr(0, 40));
       if (prompt.empty()) prompt.push_back(int32_t(data::kEotId));  // start-of-text: an <EOT>
-      const size_t keep = std::min(prompt.size(), size_t(context) + 1 - rest.size());
+      // The window: the prompt cut to fit (the same tokens for every choice of this length).
+      const int64_t cut = fit_prompt(ctx, it, prompt, size_t(context) + 1 - rest.size());
+      if (cut > outs[i].prompt_cut || c == 0) {  // the log shows the most cut prompt
+        outs[i].prompt_cut = cut;
+        outs[i].prompt = prompt_text(ctx, prompt);
+      }
+      const size_t keep = prompt.size();
       Unit& u = by_keep[keep];
       if (u.choice.empty()) {
         u.item = i;
-        u.prefix.assign(prompt.end() - keep, prompt.end() - 1);
+        u.prefix.assign(prompt.begin(), prompt.end() - 1);
         u.last = prompt.back();
       }
       u.choice.push_back(c);
@@ -264,7 +290,8 @@ class Scorer {
 };
 
 void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
-                    const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs) {
+                    const std::vector<size_t>& which, int rows, std::vector<ItemOutput>& outs,
+                    bool progress) {
   const ops::BatchInvariant invariant;
   std::vector<Unit> units = units_of(ctx, items, which, outs);
   // Sorted so that a pass's rows are alike: by the length of a choice pass (the longest choice
@@ -291,14 +318,17 @@ void choice_logliks(const TaskContext& ctx, const std::vector<TaskItem>& items,
   const int threads = ctx.model.expert_executor().concurrent_forward()
                           ? int(std::min<size_t>(size_t(omp_get_max_threads()), jobs.size()))
                           : 1;
+  Progress shown("sigma eval: choices", units.size(), "units", progress);
   std::atomic<size_t> next{0};
   std::mutex failed_mu;
   std::exception_ptr failed;
   auto work = [&] {
     try {
       Scorer scorer(ctx, items, rows, outs);
-      for (size_t j; (j = next.fetch_add(1)) < jobs.size();)
+      for (size_t j; (j = next.fetch_add(1)) < jobs.size();) {
         jobs[j].shared ? scorer.shared(jobs[j].units) : scorer.whole(jobs[j].units);
+        shown.add(jobs[j].units.size());
+      }
     } catch (...) {
       next = jobs.size();  // the others stop after their job
       const std::lock_guard lock(failed_mu);
@@ -329,7 +359,7 @@ std::string answer(const TaskContext& ctx, const TaskItem& it, const TaskOptions
   format(ctx, it, "", prompt, rest);
   const int context = ctx.model.config().context;
   const int max_new = std::min(opt.max_new, context - 1);
-  if (int(prompt.size()) > context - max_new) prompt.erase(prompt.begin(), prompt.end() - (context - max_new));
+  fit_prompt(ctx, it, prompt, size_t(answer_budget(ctx, opt)));
   SamplingConfig s;
   s.temperature = opt.temperature;
   s.top_k = opt.top_k;
@@ -486,6 +516,7 @@ json score_code(const std::vector<const TaskItem*>& items, const std::vector<con
   int64_t passed = 0;
   std::string protections;  // as the first sample's child reported them
   json failures = json::object();  // why samples failed, counted by outcome
+  Progress shown("sigma eval: code runs", uint64_t(items.size()) * uint64_t(n), "samples", opt.progress);
   for (size_t i = 0; i < items.size(); ++i) {
     const TaskItem& it = *items[i];
     SIGMA_CHECK(int(outs[i]->generations.size()) == n, "line {}: {} samples where the other "
@@ -497,6 +528,7 @@ json score_code(const std::vector<const TaskItem*>& items, const std::vector<con
       cut.push_back(completion);
       const std::string program = it.context + completion + "\n\n" + it.tests + "\n";
       const SandboxResult r = run_python_sandboxed(program, opt.sandbox);
+      shown.add();
       c += r.passed;
       if (protections.empty()) protections = r.protections;
       if (!r.passed) failures[r.outcome] = failures.value(r.outcome, 0) + 1;
@@ -544,10 +576,11 @@ int best_choice(const std::vector<double>& loglik, const std::vector<double>& di
   return best;
 }
 
-std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed) {
-  std::vector<TaskItem> out = items;
+std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed,
+                                   size_t first) {
+  std::vector<TaskItem> out(items.begin(), items.begin() + std::ptrdiff_t(std::min(first, items.size())));
   if (n <= 0) return out;
-  for (size_t i = 0; i < items.size(); ++i) {
+  for (size_t i = 0; i < out.size(); ++i) {
     const TaskItem& it = items[i];
     SIGMA_CHECK(it.kind != TaskKind::Code, "{}:{}: --num-fewshot: code items take no shots "
                 "(their tests are not an answer to show)", it.source, it.line);
@@ -574,16 +607,24 @@ std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<Task
   std::vector<size_t> choice;
   for (size_t i = 0; i < items.size(); ++i)
     if (items[i].kind == TaskKind::Choice) choice.push_back(i);
-  if (!choice.empty()) choice_logliks(ctx, items, choice, opt.score_batch, outs);
+  if (!choice.empty()) choice_logliks(ctx, items, choice, opt.score_batch, outs, opt.progress);
+  uint64_t answers = 0;
+  for (const TaskItem& it : items)
+    answers += it.kind == TaskKind::Code ? uint64_t(opt.samples) : it.kind == TaskKind::Generate;
+  Progress shown("sigma eval: generation", answers, "answers", opt.progress);
   for (size_t i = 0; i < items.size(); ++i) {
     const TaskItem& it = items[i];
     ItemOutput& o = outs[i];
+    if (it.kind == TaskKind::Choice) continue;  // done above (prompt and prompt_cut too)
     std::vector<int32_t> prompt, rest;
     format(ctx, it, "", prompt, rest);
+    o.prompt_cut = fit_prompt(ctx, it, prompt, size_t(answer_budget(ctx, opt)));
     o.prompt = prompt_text(ctx, prompt);
-    if (it.kind == TaskKind::Choice) continue;  // done above
     const int n = it.kind == TaskKind::Code ? opt.samples : 1;
-    for (int j = 0; j < n; ++j) o.generations.push_back(answer(ctx, it, opt, j));
+    for (int j = 0; j < n; ++j) {
+      o.generations.push_back(answer(ctx, it, opt, j));
+      shown.add();
+    }
   }
   return outs;
 }
@@ -602,12 +643,23 @@ json score_items(const std::vector<TaskItem>& items, const std::vector<ItemOutpu
     log_kind[k].push_back(log ? &(*log)[i] : nullptr);
     if (log)
       (*log)[i] = {{"line", items[i].line}, {"type", kind_name(items[i].kind)}, {"domain", items[i].domain},
-                   {"doc", items[i].doc}, {"prompt", outs[i].prompt}};
+                   {"doc", items[i].doc}, {"prompt", outs[i].prompt},
+                   {"prompt_cut_tokens", outs[i].prompt_cut}};
   }
   json out = {{"items", items.size()}};
   if (!by_kind[0].empty()) out["choice"] = score_choices(by_kind[0], out_kind[0], opt, log_kind[0]);
   if (!by_kind[1].empty()) out["generate"] = score_generation(by_kind[1], out_kind[1], opt, log_kind[1]);
   if (!by_kind[2].empty()) out["code"] = score_code(by_kind[2], out_kind[2], opt, log_kind[2]);
+  // Prompts cut to fit the context, per kind and in all: never silent (docs/evaluation.md).
+  int64_t cut_all = 0;
+  for (int k = 0; k < 3; ++k) {
+    if (by_kind[k].empty()) continue;
+    int64_t cut = 0;
+    for (const ItemOutput* o : out_kind[k]) cut += o->prompt_cut > 0;
+    out[kind_name(TaskKind(k))]["prompts_cut"] = cut;
+    cut_all += cut;
+  }
+  out["prompts_cut"] = cut_all;
   return out;
 }
 
@@ -617,8 +669,10 @@ json run_tasks(const TaskContext& ctx, const std::vector<TaskItem>& items, const
     for (int k : opt.k)  // checked before any scoring: a bad k should not waste a run
       SIGMA_CHECK(k >= 1 && k <= opt.samples, "pass@{} needs at least {} samples per problem "
                   "(--samples {})", k, k, opt.samples);
-  return score_items(items, run_model(ctx, with_fewshot(items, opt.num_fewshot, opt.fewshot_seed), opt),
-                     opt, log);
+  const size_t n = opt.limit > 0 ? std::min(opt.limit, items.size()) : items.size();
+  const std::vector<TaskItem> shot = with_fewshot(items, opt.num_fewshot, opt.fewshot_seed, n);
+  const std::vector<TaskItem> scored(items.begin(), items.begin() + std::ptrdiff_t(n));
+  return score_items(scored, run_model(ctx, shot, opt), opt, log);
 }
 
 void read_sample_log(const std::string& path, std::vector<TaskItem>& items, std::vector<ItemOutput>& outs) {
@@ -637,6 +691,7 @@ void read_sample_log(const std::string& path, std::vector<TaskItem>& items, std:
     ItemOutput o;
     try {
       o.prompt = j.value("prompt", "");
+      o.prompt_cut = j.value("prompt_cut_tokens", int64_t(0));
       if (it.kind == TaskKind::Choice) {
         o.loglik = j.at("loglik").get<std::vector<double>>();
         o.tokens = j.value("tokens", std::vector<int64_t>{});

@@ -5,6 +5,7 @@
 #pragma once
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -67,6 +68,9 @@ struct TaskOptions {
   int num_fewshot = 0;       // solved examples before each item (with_fewshot)
   uint64_t fewshot_seed = 1234;
   SandboxLimits sandbox;
+  bool progress = false;     // progress lines with an ETA on stderr (core/progress.h)
+  size_t limit = 0;          // run_tasks: only the file's first `limit` items (0 = all); their
+                             // few-shot examples still come from the whole file
 };
 
 // How text becomes tokens: the domain's prefix controls and format from the data the model was
@@ -80,7 +84,11 @@ struct TaskContext {
 // What the model produced for one item: everything its scores need (--log-samples keeps it,
 // --score-generations reads it back).
 struct ItemOutput {
-  std::string prompt;                    // the formatted prompt, control tokens spelled out
+  std::string prompt;                    // the prompt as the model saw it (cut to fit the
+                                         // context), control tokens spelled out
+  int64_t prompt_cut = 0;                // tokens cut from the prompt's start to fit (choice:
+                                         // with its longest choice; generate and code: with
+                                         // room for max_new tokens); 0 = whole
   std::vector<double> loglik;            // choice: log p(choice | context) per choice
   std::vector<int64_t> tokens;           // choice: tokens per choice
   std::vector<std::string> generations;  // generate: one answer; code: --samples completions
@@ -91,7 +99,9 @@ struct ItemOutput {
 // sampler seeded with (seed, item line), so a rerun shows the same shots. Layout per shot:
 // context + answer (a choice item's right choice, a generation item's first reference, a code
 // item's tests are not an answer: code items take no shots) + "\n\n"; then the item's context.
-std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed);
+// Only the first `first` items are returned (--limit); their shots come from all of `items`.
+std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed,
+                                   size_t first = SIZE_MAX);
 
 // Runs the model on every item.
 std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<TaskItem>& items,
@@ -104,7 +114,7 @@ std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<Task
 nlohmann::json score_items(const std::vector<TaskItem>& items, const std::vector<ItemOutput>& outs,
                            const TaskOptions& opt, std::vector<nlohmann::json>* log = nullptr);
 
-// run_model then score_items.
+// run_model then score_items (on the first opt.limit items, when set).
 nlohmann::json run_tasks(const TaskContext& ctx, const std::vector<TaskItem>& items,
                          const TaskOptions& opt, std::vector<nlohmann::json>* log = nullptr);
 

@@ -49,6 +49,9 @@ void TrainConfig::describe(Options& o, const std::string& p) {
   o.add(p + "seed", &seed, "seed of initialisation and data order");
   o.add(p + "log_every", &log_every, "steps between progress lines and metrics records", 1, 1 << 30);
   o.add(p + "eval_rows", &eval_rows, "held-out rows per domain for evaluation", 1, 1 << 24);
+  o.add(p + "eval_every", &eval_every, "steps between held-out evaluations during the run, per "
+        "domain, in metrics.jsonl (\"held_out\") and the progress line (0 = only at the end)", 0,
+        int64_t(1) << 40);
   o.add(p + "ckpt_every", &ckpt_every, "steps between checkpoints (0 = only at the end)", 0,
         int64_t(1) << 40);
   o.add(p + "keep_checkpoints", &keep_checkpoints, "newest checkpoints kept in OUT/checkpoints; "

@@ -18,6 +18,7 @@ struct TrainConfig {
   uint64_t seed = 1;
   int log_every = 50;
   int eval_rows = 240;     // held-out rows per domain at evaluation
+  int64_t eval_every = 0;  // steps between held-out evaluations during the run (0 = only at the end)
   int64_t ckpt_every = 0;  // 0 = only at the end (when an output directory is given)
   int64_t keep_checkpoints = 0;  // newest step checkpoints kept (0 = all)
   int64_t keep_every = 0;        // also kept: those whose step is a multiple of this (0 = none)

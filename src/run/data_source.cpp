@@ -12,6 +12,7 @@
 #include "data/synthetic.h"
 #include "data/tokenizer.h"
 #include "data/windows.h"
+#include "run/checkpoint.h"
 
 namespace sigma {
 
@@ -111,6 +112,7 @@ class ShardsSource : public DataSource {
   void start_training(const Config& cfg) {
     data::SamplerConfig sc = data::SamplerConfig::from_json(cfg.data.sampler, "data.sampler");
     if (!cfg.data.sampler.contains("seed")) sc.seed = cfg.train.seed;
+    sc.batches_per_step = uint64_t(std::max(1, cfg.train.accum));  // stages count optimizer steps
     data::BatchConfig bc{uint32_t(cfg.train.batch), uint32_t(cfg.model.context), cfg.data.finetune,
                          cfg.data.mask_prompt};
     batches_ = std::make_unique<data::BatchSource>(set_, bc, sc);
@@ -250,7 +252,22 @@ std::unique_ptr<DataSource> make_data_source(const Config& cfg) {
 }
 
 std::unique_ptr<DataSource> make_eval_source(const std::string& dir, uint64_t tokenizer_hash) {
-  return std::make_unique<ShardsSource>(data::ShardSet::open(dir, tokenizer_hash), "", dir);
+  return std::make_unique<ShardsSource>(data::ShardSet::open(dir, tokenizer_hash),
+                                        manifest_tokenizer(dir), dir);
+}
+
+std::string tokenizer_mismatch(const std::string& ckpt_dir, const DataSource& data,
+                               const std::string& data_dir) {
+  const std::string mine = checkpoint_tokenizer_path(ckpt_dir);
+  if (mine.empty() || data.tokenizer_hash() == 0) return "";
+  const data::Tokenizer tok = data::Tokenizer::load(mine);
+  if (tok.hash() == data.tokenizer_hash()) return "";
+  const std::string theirs = data.tokenizer_path();
+  return fmt::format("the checkpoint {} reads the ids of its tokenizer {} (hash {:016x}, {} ids), but "
+                     "the shards of {} were made by {}{} (hash {:016x}, {} ids): the same id is "
+                     "another string", ckpt_dir, mine, tok.hash(), tok.vocab_size(), data_dir,
+                     theirs.empty() ? "another tokenizer" : "the tokenizer ",
+                     theirs, data.tokenizer_hash(), data.vocab());
 }
 
 void bind_model_to_data(ModelConfig& m, const DataSource& d) {

@@ -56,6 +56,14 @@ std::unique_ptr<DataSource> make_data_source(const Config& cfg);
 // (0 = unchecked) must match the shards'.
 std::unique_ptr<DataSource> make_eval_source(const std::string& dir, uint64_t tokenizer_hash);
 
+// "" when the token ids of `data` (the folder `data_dir`) come from the tokenizer stored in
+// checkpoint `ckpt_dir`, or when either side has none (the synthetic data, a checkpoint trained
+// on token ids); else one sentence naming both tokenizers (file, hash, size). An id of another
+// tokenizer means another string even at the same vocabulary size, so `sigma eval` and `sigma
+// train --resume` refuse such data, each adding what to do.
+std::string tokenizer_mismatch(const std::string& ckpt_dir, const DataSource& data,
+                               const std::string& data_dir);
+
 // Fills in what the data decides and the config left open: vocab and the domain list. With a
 // domain list in the config, every domain of the data must be one of the model's (the model
 // may have more: an extract's parent data, or a new domain trained alone).

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "data/tokenizer.h"
 #include "optim/adamw.h"
 
 namespace sigma {
@@ -103,6 +104,26 @@ std::string schedule_change(const Config& before, const Config& after, int64_t s
       lr_at(b, step, after.train.steps), lr_at(a, step, before.train.steps));
   if (ta != tb) s += fmt::format(" (to keep the original schedule, add --set optim.schedule_steps={})", ta);
   return s;
+}
+
+void check_resume_tokenizer(const CheckpointInfo& ck, const DataSource& data, const Config& cfg) {
+  const std::string other = tokenizer_mismatch(ck.dir, data, cfg.data.path);
+  if (other.empty()) return;
+  // A grown vocabulary (inherit --tokenizer) keeps the data.path of the dense run, whose shards
+  // hold the old tokenizer's ids: valid ids, but never the new tokens the model was grown for.
+  const uint32_t ids = data::Tokenizer::load(checkpoint_tokenizer_path(ck.dir)).vocab_size();
+  const bool grown = ids > uint32_t(data.vocab());
+  const std::string eval = cfg.data.eval_path.empty() ? "" : " --set data.eval_path=NEW_HELDOUT";
+  fail("sigma train --resume: {}{}. Prepare the corpus again with the checkpoint's tokenizer: in "
+       "the data config given to sigma prepare set \"tokenizer\" to (a copy of) {}, run sigma "
+       "prepare --config DATA.json --out NEW_SHARDS{}, then sigma train --resume {} --set "
+       "data.path=NEW_SHARDS{}", other,
+       grown ? fmt::format(" (the checkpoint's vocabulary, {} ids, was grown by sigma inherit "
+                           "--tokenizer; data.path = {} still holds the old tokenizer's shards)",
+                           ids, cfg.data.path)
+             : "",
+       checkpoint_tokenizer_path(ck.dir),
+       eval.empty() ? "" : " (and the held-out config, --out NEW_HELDOUT)", ck.dir, eval);
 }
 
 }  // namespace sigma

@@ -5,7 +5,9 @@
 #include <string>
 #include <vector>
 
+#include "run/checkpoint.h"
 #include "run/config.h"
+#include "run/data_source.h"
 
 namespace sigma {
 
@@ -36,5 +38,11 @@ int64_t schedule_total(const Config& c);
 // optim.warmup, optim.min_lr_ratio), the next step's lr under each, and, when the length
 // changed, how to keep the original schedule (optim.schedule_steps).
 std::string schedule_change(const Config& before, const Config& after, int64_t step);
+
+// `train --resume`: refuses training data whose token ids come from another tokenizer than the
+// checkpoint's (the same check as `sigma eval`, run/data_source.h), a `data.path` pointed at
+// other shards or the old shards of a checkpoint whose vocabulary `sigma inherit --tokenizer`
+// grew, naming both tokenizers and the commands that prepare shards the checkpoint can read.
+void check_resume_tokenizer(const CheckpointInfo& ck, const DataSource& data, const Config& cfg);
 
 }  // namespace sigma

@@ -207,7 +207,11 @@ class RunLoop {
   void open_outputs();
   void fetch(std::vector<Batch>& micro, int64_t step);
   void one_step(int64_t step, const StopSignals& signals);
-  void log(double grad_norm, float lr);
+  void log(double grad_norm, float lr, bool eval_now);
+  bool eval_due(int64_t steps_done) const {
+    return cfg_.train.eval_every > 0 && steps_done % cfg_.train.eval_every == 0;
+  }
+  std::vector<DomainLoss> held_out_losses();
   nlohmann::json exchange_since_last(int64_t steps);
   void checkpoint();
   TrainSummary finish();
@@ -257,6 +261,8 @@ class RunLoop {
   Clock::time_point t_start_;
   Clock::time_point t_created_ = Clock::now();  // train.max_minutes counts from here
   std::vector<double> peak_rss_;  // MiB, per rank (finish)
+  std::unique_ptr<DataSource> held_out_;  // data.eval_path's windows (null: the data's own)
+  std::optional<std::pair<int64_t, std::vector<DomainLoss>>> last_eval_;  // step and losses
 };
 
 // OpenMP threads per rank: train.threads, else the cores shared among the ranks on this node.
@@ -342,6 +348,7 @@ void RunLoop::build() {
   if (!run_.resume.empty()) {  // checked before the expert store is opened
     ck_ = open_checkpoint(run_.resume);
     check_same_model(cfg_, ck_->cfg);
+    check_resume_tokenizer(*ck_, *data_, cfg_);
   }
   check_memory(cfg_);  // a sized error instead of bad_alloc for a model too big for the machine
   mode_ = expert_mode_of(cfg_, comm_.size(), grid_->tp());
@@ -435,6 +442,9 @@ void RunLoop::restore() {
 // metrics.jsonl, the checkpoint root and the banner.
 void RunLoop::open_outputs() {
   if (!run_.out_dir.empty()) ckpt_root_ = run_.out_dir + "/checkpoints";
+  else if (lead_)  // said once the run is checked and about to train (usage.md's first example)
+    fmt::print(stderr, "sigma train: no --out: this run saves nothing (no checkpoint, "
+               "metrics.jsonl or summary.json); to keep it, pass --out DIR\n");
   // metrics.jsonl is created with the first record (RunDir::append_metrics).
   if (run_dir_ && ck_) run_dir_->drop_metrics_after(state_.step);  // the dead run's steps are redone
   tty_ = isatty(STDERR_FILENO);
@@ -527,7 +537,9 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
                         ((cfg_.train.ckpt_every > 0 && (step + 1) % cfg_.train.ckpt_every == 0) ||
                          step + 1 == last_);
   step_->prepare(micro_);
-  if (experts_ && step + 1 < last_) {  // overlap the next step's expert prefetch with this one
+  // Overlap the next step's expert prefetch with this one (not before a held-out evaluation,
+  // which binds experts of its own).
+  if (experts_ && step + 1 < last_ && !eval_due(step + 1)) {
     cursor_after_step_ = data_->cursor();  // a checkpoint after this step resumes from here
     fetch(next_, step + 1);
     have_next_ = true;
@@ -553,23 +565,45 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
         std::chrono::duration<double>(Clock::now() - t_created_).count();
     stopped_by_ = signals.requested(world_, limit_s > 0, limit_s > 0 && elapsed_s >= limit_s);
   }
-  if (state_.step % cfg_.train.log_every == 0 || state_.step == last_ || stopped_by_)
-    log(r.grad_norm, lr);
+  const bool eval_now = eval_due(state_.step);
+  if (state_.step % cfg_.train.log_every == 0 || state_.step == last_ || stopped_by_ || eval_now)
+    log(r.grad_norm, lr, eval_now);
   if (ckpt_now || (stopped_by_ && !ckpt_root_.empty())) checkpoint();
 }
 
-// A progress line, a metrics.jsonl record, and the window's expert load into the run's.
-void RunLoop::log(double grad_norm, float lr) {
+// The held-out loss per domain: data.eval_path's windows, else the data's own held-out side.
+// Every rank calls it (the forward passes may be collective).
+std::vector<DomainLoss> RunLoop::held_out_losses() {
+  if (!held_out_ && !cfg_.data.eval_path.empty())
+    held_out_ = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
+  return evaluate(*model_, held_out_ ? *held_out_ : *data_, cfg_.train.batch, cfg_.model.context,
+                  cfg_.train.eval_rows);
+}
+
+// A progress line, a metrics.jsonl record, and the window's expert load into the run's; with
+// `eval_now` (train.eval_every), the held-out losses in both.
+void RunLoop::log(double grad_norm, float lr, bool eval_now) {
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
   const double tps = tokens_this_run_ / std::max(elapsed, 1e-9);
   const double eta = elapsed / steps_this_run_ * double(last_ - state_.step);
-  if (run_.progress)
-    fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}{}",
-               tty_ ? "\r" : "", state_.step, last_, window_.total_mean(), lr, grad_norm, tps,
-               fmt_duration(eta), guard_.progress_note(), tty_ && state_.step != last_ ? "   " : "\n");
-  std::vector<BlockLoad> load = model_->expert_load();
+  std::vector<BlockLoad> load = model_->expert_load();  // before evaluation adds to it
   sum_over_ranks(comm_, load);
   const nlohmann::json exchange = exchange_since_last(steps_in_window_);  // every rank
+  nlohmann::json held = nlohmann::json::object();
+  std::string held_note;
+  if (eval_now) {
+    last_eval_.emplace(state_.step, held_out_losses());
+    for (const DomainLoss& d : last_eval_->second) {
+      held[d.name] = d.loss;
+      held_note += fmt::format(" {} {:.3f}", d.name, d.loss);
+    }
+    held_note = " | held-out" + held_note;
+  }
+  if (run_.progress)  // a line with held-out losses stays on a terminal
+    fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}{}{}",
+               tty_ ? "\r" : "", state_.step, last_, window_.total_mean(), lr, grad_norm, tps,
+               fmt_duration(eta), guard_.progress_note(), held_note,
+               tty_ && state_.step != last_ && !eval_now ? "   " : "\n");
   if (run_dir_) {
     nlohmann::json dom = nlohmann::json::object();
     for (size_t d = 0; d < names_.size(); ++d)
@@ -578,6 +612,7 @@ void RunLoop::log(double grad_norm, float lr) {
                        {"grad_norm", grad_norm}, {"tokens", state_.tokens},
                        {"tokens_per_s", tps}, {"domains", dom},
                        {"skipped_steps", guard_.skipped_total()}};
+    if (eval_now) rec["held_out"] = held;  // per domain, on the held-out windows
     if (!load.empty()) {  // tokens per expert over the logging window
       rec["expert_load"] = expert_load_json(load, cfg_.model);
       rec["load_imbalance"] = load_imbalance_json(load);
@@ -664,11 +699,9 @@ TrainSummary RunLoop::finish() {
   }
   if (stopped_by_) return sum;  // stopped early: no evaluation, no summary of an unfinished run
   if (run_dir_) run_dir_->drop_old_run();  // finished (a run of no steps saves no checkpoint)
-  std::unique_ptr<DataSource> held_out;
-  if (!cfg_.data.eval_path.empty())
-    held_out = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
-  sum.domains = evaluate(*model_, held_out ? *held_out : *data_, cfg_.train.batch,
-                         cfg_.model.context, cfg_.train.eval_rows);
+  // The last step's train.eval_every evaluation, when there was one, is the same computation.
+  sum.domains = last_eval_ && last_eval_->first == state_.step ? last_eval_->second
+                                                                 : held_out_losses();
   // Each rank's peak resident memory (the high-water mark of the whole process), for summary.json.
   const double peak = peak_rss_mib();
   peak_rss_.assign(size_t(world_.size()), 0.0);
