@@ -109,7 +109,7 @@ class ShardsSource : public DataSource {
     SIGMA_CHECK(batches_, "shards source: no training stream");
     batches_->restrict_batches(std::move(allowed));
   }
-  void start_training(const Config& cfg) {
+  void start_training(const Config& cfg) override {
     data::SamplerConfig sc = data::SamplerConfig::from_json(cfg.data.sampler, "data.sampler");
     if (!cfg.data.sampler.contains("seed")) sc.seed = cfg.train.seed;
     sc.batches_per_step = uint64_t(std::max(1, cfg.train.accum));  // stages count optimizer steps
@@ -236,7 +236,7 @@ void DataSource::restrict_batches(std::vector<std::vector<uint32_t>>) {
   fail("this data source cannot restrict training micro-batches to some domains");
 }
 
-std::unique_ptr<DataSource> make_data_source(const Config& cfg) {
+std::unique_ptr<DataSource> make_data_source(const Config& cfg, bool start_training) {
   if (cfg.data.source == "synthetic") {
     SIGMA_CHECK(cfg.data.sampler.empty(), "data.sampler weights the domains of prepared shards "
                 "(data.source = shards); the synthetic source would ignore it: remove it, or "
@@ -247,7 +247,7 @@ std::unique_ptr<DataSource> make_data_source(const Config& cfg) {
               "shards, prepare a directory holding only the domains to train (or weight them "
               "with data.sampler stages)");
   auto s = open_shards(cfg.data.path, cfg.data.tokenizer);
-  s->start_training(cfg);
+  if (start_training) s->start_training(cfg);
   return s;
 }
 

@@ -47,10 +47,15 @@ class DataSource {
   // Training micro-batch i draws its rows only from the domains allowed[i % allowed.size()]
   // (indices into domains()): dist.placement = by_group. Empty = every domain.
   virtual void restrict_batches(std::vector<std::vector<uint32_t>> allowed);
+  // (Re)starts the training stream for cfg.train's resolved batch shape and accumulation (a
+  // stateless source needs none).
+  virtual void start_training(const Config& /*cfg*/) {}
 };
 
-// The source named by cfg.data (throws naming the key on a bad choice).
-std::unique_ptr<DataSource> make_data_source(const Config& cfg);
+// The source named by cfg.data (throws naming the key on a bad choice), its training stream
+// started from cfg.train unless `start_training` is false (the trainer opens the data before the
+// rank grid resolves each rank's batch, then starts the stream).
+std::unique_ptr<DataSource> make_data_source(const Config& cfg, bool start_training = true);
 
 // Held-out windows of a directory made by `sigma prepare`, for evaluation only. `tokenizer_hash`
 // (0 = unchecked) must match the shards'.

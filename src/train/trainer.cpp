@@ -304,6 +304,7 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   // Each rank's share of the global batch, checked before anything is written.
   const std::string share = resolve_batch(cfg_.train, comm_.size());
   if (!share.empty() && lead_ && run_.progress) fmt::print(stderr, "sigma train: {}\n", share);
+  data_->start_training(cfg_);  // the stream's micro-batch shape is this rank's share
   cfg_.model.validate();
   if (lead_) claim_out_dir();  // rank 0 owns the directory; the others write only checkpoints
   check_ranks_see_dir(world_, run_.out_dir);  // every rank writes checkpoints into it
@@ -328,7 +329,7 @@ std::unique_ptr<RankGrid> RunLoop::open_data_and_agree() {
   std::string capped;
   omp_set_num_threads(usable_threads(threads_per_rank(cfg_.train.threads), &capped));
   if (!capped.empty() && lead) fmt::print(stderr, "sigma train: warning: {}\n", capped);
-  data_ = make_data_source(cfg_);
+  data_ = make_data_source(cfg_, /*start_training=*/false);
   bind_model_to_data(cfg_.model, *data_);
   if (world_.size() > 1) check_ranks_agree(world_, start_up_record(cfg_, *data_));
   return make_grid(cfg_, world_);
