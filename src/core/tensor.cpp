@@ -119,8 +119,4 @@ void Tensor::reshape(Shape shape) {
   shape_ = std::move(shape);
 }
 
-std::unique_ptr<float[], void (*)(float*)> alloc_floats(size_t n) {
-  return {static_cast<float*>(host_alloc(n * sizeof(float))), [](float* p) { host_free(p); }};
-}
-
 }  // namespace sigma

@@ -87,7 +87,4 @@ class Tensor {
   std::unique_ptr<std::byte[], TensorFree> buf_;
 };
 
-// Aligned float scratch buffer for activations (owned, zero-initialised on resize).
-std::unique_ptr<float[], void (*)(float*)> alloc_floats(size_t n);
-
 }  // namespace sigma

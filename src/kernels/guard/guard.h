@@ -14,9 +14,8 @@ namespace sigma::guard {
 
 // True for an address inside the arena (device memory of the guard backend).
 bool owns(const void* p);
-// Bytes of live allocations (whole pages) and ops entered so far: for tests and the cost note.
+// Bytes of live allocations (whole pages): for tests.
 size_t live_bytes();
-long long ops_entered();
 // Memory arguments of ops that were host addresses (upload's source and download's destination
 // excepted): each would be an invalid address on a device. SIGMA_GUARD_STRICT=1 makes the first
 // one fatal, with a backtrace (so does SIGMA_TEST_BACKEND=guard-strict, the guard job's setting).
