@@ -18,24 +18,14 @@
 #include "serve/choice.h"
 #include "serve/json_prefix.h"
 #include "serve/server.h"
+#include "serve_test_util.h"
 
 using namespace sigma;
 using nlohmann::json;
 
 namespace {
 
-ModelConfig byte_config(const data::Tokenizer& tok) {
-  ModelConfig c;
-  c.vocab = int(tok.vocab_size());
-  c.d_model = 16;
-  c.heads = 2;
-  c.context = 40;
-  c.layers = 2;
-  c.slots = 2;
-  c.domains = {{"prose", "prose", 0}, {"code", "code", 1}};
-  c.validate();
-  return c;
-}
+ModelConfig byte_config(const data::Tokenizer& tok) { return sigma::testing::two_domain_serve_config(tok, 40, 2); }
 
 struct Fixture {
   data::Tokenizer tok;
