@@ -7,6 +7,9 @@
 // the allocation, prints a backtrace and re-raises. So a test suite run under the guard proves
 // that no code outside kernels/ dereferences device memory, without a device. It also checks
 // the other direction: an op given a host address where device memory belongs is counted.
+// SIGMA_TEST_BACKEND=guard-lite keeps the arena open (no page protection, no cost per op) and
+// the rest: tensors on Device::Guard, so Tensor's host accessors refuse them (core/tensor.h),
+// and an op given host memory is fatal. For tests too long for two mprotect calls per op.
 #pragma once
 #include <cstddef>
 
