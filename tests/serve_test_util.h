@@ -19,4 +19,18 @@ inline ModelConfig tiny_serve_config(const data::Tokenizer& tok) {
   return c;
 }
 
+// The HTTP tests' two-domain model (prose and code) of width 16 over the tokenizer's vocabulary.
+inline ModelConfig two_domain_serve_config(const data::Tokenizer& tok, int context, int layers) {
+  ModelConfig c;
+  c.vocab = int(tok.vocab_size());
+  c.d_model = 16;
+  c.heads = 2;
+  c.context = context;
+  c.layers = layers;
+  c.slots = 2;
+  c.domains = {{"prose", "prose", 0}, {"code", "code", 1}};
+  c.validate();
+  return c;
+}
+
 }  // namespace sigma::testing

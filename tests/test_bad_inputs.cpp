@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "test_util.h"
 #include "core/refusal.h"
 #include "data/shards.h"
 #include "ecss/expert_store.h"
@@ -32,10 +33,6 @@ namespace {
 
 constexpr float kNaNf = std::numeric_limits<float>::quiet_NaN();
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
 void spit(const std::string& path, const std::string& s) { std::ofstream(path, std::ios::binary) << s; }
 
 // ---- sampling ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "cli_util.h"
+#include "test_util.h"
 #include "data/sampler.h"
 #include "data/shards.h"
 #include "data/windows.h"
@@ -25,11 +26,6 @@ using nlohmann::json;
 namespace {
 
 const std::string kRoot = SIGMA_SOURCE_DIR;
-
-json read_json(const std::string& p) {
-  std::ifstream in(p);
-  return json::parse(in);
-}
 
 std::vector<json> read_metrics(const std::string& p) {
   std::ifstream in(p);

@@ -23,6 +23,7 @@
 #include "ecss/ecss_experts.h"
 #include "model/names.h"
 #include "step_config.h"
+#include "test_util.h"
 #include "train/train_step.h"
 #include "train/checkpoint.h"
 #include "io/checkpoint_dir.h"
@@ -34,6 +35,8 @@ namespace {
 
 using testing::TempDir;
 using testing::append_floats;
+using testing::same_bits;
+using testing::slurp;
 namespace fs = std::filesystem;
 
 // The main job's model, small and fast; batch 2 so that most steps leave some groups idle.
@@ -77,11 +80,6 @@ TensorMap optimizer_tensors(const std::string& out) {
   return read_optimizer_tensors(resolve_checkpoint(out + "/checkpoints"));
 }
 
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
-         std::memcmp(a.bytes(), b.bytes(), a.nbytes()) == 0;
-}
-
 // Every tensor of `a` is in `b` with the same bits.
 void expect_same_tensors(const TensorMap& a, const TensorMap& b, const std::string& what) {
   EXPECT_EQ(a.size(), b.size()) << what;
@@ -90,11 +88,6 @@ void expect_same_tensors(const TensorMap& a, const TensorMap& b, const std::stri
     ASSERT_NE(it, b.end()) << what << ": " << name;
     EXPECT_TRUE(same_bits(t, it->second)) << what << ": " << name;
   }
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 TEST(EcssTrain, ModeResolution) {

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "test_util.h"
 
 using namespace sigma::testing;
 
@@ -21,11 +22,6 @@ CmdResult sigma_stdout(const std::string& args) {
   cmd += SIGMA_BINARY;
   cmd += " " + args + " 2>/dev/null)";
   return run_cmd(cmd);
-}
-
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
 }
 
 TEST(EvalCli, WithoutDataScoresTheSyntheticHeldOutStreamAsTrainingEndedIt) {

@@ -12,15 +12,11 @@
 #include <functional>
 
 #include "sandbox_test_util.h"
+#include "test_util.h"
 
 namespace {
 
 using namespace sigma::testing;
-
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), {});
-}
 
 // Runs `body` in a forked child chrooted into a minimal root made of bind mounts (its "/" is a
 // plain folder, not a mount point), in the child's own mount namespace; with `shared`, the

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "sandbox_test_util.h"
+#include "test_util.h"
 
 namespace {
 
@@ -36,11 +37,6 @@ std::string memory_cgroup_parent() {
       return "/sys/fs/cgroup/memory" + l.substr(b + 1);
   }
   return "";
-}
-
-std::string slurp(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), {});
 }
 
 TEST(SandboxKill, NothingOutlivesAnInterruptedEvaluator) {

@@ -17,9 +17,11 @@
 #include "train/train_step.h"
 #include "step_config.h"
 #include "thread_comm.h"
+#include "test_util.h"
 
 using namespace sigma;
 using sigma::testing::append_floats;
+using sigma::testing::same_bits;
 
 namespace {
 
@@ -124,10 +126,6 @@ std::vector<double> train_one_process(Model& m, const OptimConfig& oc, int steps
     losses.push_back(step.run(mb, oc.lr, UpdateMask{}).loss);
   }
   return losses;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 void expect_same(const Trained& a, const Trained& b, const std::string& what) {

@@ -18,6 +18,7 @@
 #include "io/safetensors.h"
 
 #include "cli_util.h"
+#include "device_access.h"
 
 using namespace sigma;
 namespace fs = std::filesystem;
@@ -255,14 +256,15 @@ TEST_P(Backing, GatherCopiesTheWeights) {
   ExpertStore st = make_store(GetParam(), dir);
   init_weights(st);
   const std::vector<ExpertId> ids = {{1, 1, 2}, {0, 0, 0}, {1, 0, 4}};
-  std::vector<std::vector<float>> out;
+  std::vector<Tensor> out;  // device memory: gather uploads to its destinations
   std::vector<float*> dst;
-  for (ExpertId id : ids) out.emplace_back(size_t(st.params(id)), -1.0f);
-  for (auto& o : out) dst.push_back(o.data());
+  for (ExpertId id : ids) out.push_back(ops::empty(DType::F32, {st.params(id)}));
+  for (auto& o : out) dst.push_back(o.dev_f());
   st.prefetch(ids);
   st.gather(ids, dst);
   for (size_t i = 0; i < ids.size(); ++i)
-    EXPECT_EQ(0, std::memcmp(out[i].data(), st.weights(ids[i]), out[i].size() * 4));
+    EXPECT_EQ(0, std::memcmp(sigma::testing::host_floats(out[i]).data(), st.weights(ids[i]),
+                             size_t(out[i].numel()) * 4));
   EXPECT_THROW(st.gather(ids, std::span<float* const>(dst.data(), 2)), Error);
 }
 

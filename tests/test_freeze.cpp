@@ -7,6 +7,7 @@
 
 #include "device_access.h"
 #include "cli_util.h"
+#include "test_util.h"
 #include "core/error.h"
 #include "model/weights.h"
 #include "train/checkpoint.h"
@@ -22,6 +23,7 @@ using testing::sigma_cmd;
 using testing::edit_floats;
 using testing::host_floats;
 using testing::TempDir;
+using testing::same_bits;
 
 const char* kSmall =
     "--quiet --set model.d_model=32 --set model.heads=2 --set model.context=32 "
@@ -29,11 +31,6 @@ const char* kSmall =
 
 TensorMap model_file(const std::string& root) {
   return read_model_tensors(resolve_checkpoint(root));
-}
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && a.dtype() == b.dtype() &&
-         std::memcmp(a.bytes(), b.bytes(), a.nbytes()) == 0;
 }
 
 // Held-out logits of one synthetic domain under a checkpoint's model.

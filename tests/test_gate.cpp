@@ -13,6 +13,7 @@
 #include "kernels/ops.h"
 #include "model/gate.h"
 #include "model/model.h"
+#include "test_util.h"
 
 using namespace sigma;
 using namespace sigma::testing;
@@ -20,14 +21,7 @@ using namespace sigma::testing;
 namespace {
 
 ModelConfig gated_config(const char* router) {
-  ModelConfig c;
-  c.vocab = 13;
-  c.d_model = 12;
-  c.heads = 3;
-  c.context = 6;
-  c.layers = 3;
-  c.slots = 2;
-  c.init_std = 0.3f;
+  ModelConfig c = tiny_config();
   c.rre_layers = 2;
   c.groups = {{"g1", 3}, {"g2", 2}};
   c.domains = {{"a", "g1", 0}, {"b", "g2", 1}, {"c", "g1", 1}};

@@ -37,8 +37,8 @@ TEST(Guard, TensorsLiveOnWholePagesAndRoundTrip) {
   EXPECT_EQ(ops::device(), Device::Guard);
   Tensor t = ops::empty(DType::F32, {3, 5});
   EXPECT_EQ(t.device(), Device::Guard);
-  EXPECT_TRUE(guard::owns(t.bytes()));
-  EXPECT_EQ(uintptr_t(t.bytes()) % 4096, 0u);  // page-aligned: nothing else shares its pages
+  EXPECT_TRUE(guard::owns(t.dev_bytes()));
+  EXPECT_EQ(uintptr_t(t.dev_bytes()) % 4096, 0u);  // page-aligned: nothing else shares its pages
   const std::vector<float> in = iota_floats(15, 0.5f);
   ops::upload(t, in.data(), in.size() * 4);
   const Tensor h = ops::to_host(t);
@@ -64,11 +64,11 @@ TEST(Guard, OpsComputeWhatCpuComputes) {
   Tensor dy = ops::empty(DType::F32, {N, out});
   ops::upload(dx, x.data(), x.size() * 4);
   ops::upload(dw, w.data(), w.size() * 4);
-  ops::linear_forward(dy.f(), dx.f(), dw.f(), nullptr, N, in, out);
+  ops::linear_forward(dy.dev_f(), dx.dev_f(), dw.dev_f(), nullptr, N, in, out);
   std::vector<float> got(size_t(N * out));
   ops::download(got.data(), dy, got.size() * 4);
   EXPECT_EQ(got, want);
-  EXPECT_EQ(ops::sum_sq(dx.f(), dx.numel()), ops::backend(ops::BackendKind::Cpu).sum_sq(x.data(), N * in));
+  EXPECT_EQ(ops::sum_sq(dx.dev_f(), dx.numel()), ops::backend(ops::BackendKind::Cpu).sum_sq(x.data(), N * in));
 }
 
 TEST(Guard, FreedPagesComeBackZeroed) {
@@ -76,12 +76,12 @@ TEST(Guard, FreedPagesComeBackZeroed) {
   const size_t before = guard::live_bytes();
   {
     Tensor a = ops::empty(DType::F32, {2048});
-    ops::fill(a.f(), 3.0f, 2048);
+    ops::fill(a.dev_f(), 3.0f, 2048);
     EXPECT_GE(guard::live_bytes(), before + 8192);
   }
   EXPECT_EQ(guard::live_bytes(), before);
   Tensor b = ops::empty(DType::F32, {2048});  // likely the same pages: zero again
-  EXPECT_EQ(ops::sum_sq(b.f(), 2048), 0.0);
+  EXPECT_EQ(ops::sum_sq(b.dev_f(), 2048), 0.0);
 }
 
 // The planted break: host code reads a device tensor between two ops. It must die at once,
@@ -92,11 +92,41 @@ TEST(GuardDeathTest, HostReadOfDeviceMemoryFaults) {
       {
         UseGuard g;
         Tensor t = ops::empty(DType::F32, {16});
-        ops::fill(t.f(), 1.0f, 16);
-        volatile float v = t.f()[3];  // the host touch
+        ops::fill(t.dev_f(), 1.0f, 16);
+        volatile float v = t.dev_f()[3];  // the host touch, through the unchecked address
         std::printf("read %f\n", double(v));
       },
       "sigma guard backend: host code touched device memory");
+}
+
+// Tensor's host accessors refuse a device tensor at the access, naming it, before any
+// dereference (issue 37 item 12): the rule holds by construction, not only where a test
+// happens to read the memory. The unchecked address (dev_f) is for ops.
+TEST(Guard, HostAccessorsRefuseADeviceTensor) {
+  UseGuard g;
+  Tensor t = ops::empty(DType::F32, {3, 5});
+  const Tensor& ct = t;
+  const std::string msg = [&] {
+    try {
+      (void)t.f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  }();
+  EXPECT_NE(msg.find("F32 tensor [3, 5] in guard memory"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("use ops:: or download"), std::string::npos) << msg;
+  EXPECT_THROW((void)ct.f(), Error);
+  EXPECT_THROW((void)t.data<int32_t>(), Error);
+  EXPECT_THROW((void)ct.data<float>(), Error);
+  EXPECT_THROW((void)t.bytes(), Error);
+  EXPECT_THROW((void)ct.bytes(), Error);
+  EXPECT_THROW((void)t.clone(), Error);
+  EXPECT_THROW(t.zero(), Error);
+  ops::fill(t.dev_f(), 2.0f, t.numel());  // the address for an op: unchecked
+  const Tensor h = ops::to_host(t);       // host tensors: read freely
+  EXPECT_EQ(h.f()[14], 2.0f);
+  EXPECT_EQ(h.clone().f()[0], 2.0f);
 }
 
 // The same through one op whose boundary is broken: a guard table whose fill runs the cpu
@@ -110,7 +140,7 @@ TEST(GuardDeathTest, AnOpWithoutItsBoundaryFaults) {
         UseGuard g;
         Tensor t = ops::empty(DType::F32, {16});
         ops::use_backend(broken);
-        ops::fill(t.f(), 1.0f, 16);
+        ops::fill(t.dev_f(), 1.0f, 16);
       },
       "sigma guard backend");
 }
@@ -126,19 +156,19 @@ TEST(Guard, AnOpGivenHostMemoryIsCounted) {
   const long long before = guard::host_args();
   ops::upload(t, host.data(), 16 * sizeof(float));
   ops::download(host.data(), t, 16 * sizeof(float));
-  ops::copy(t.f(), t.f(), 16);
+  ops::copy(t.dev_f(), t.dev_f(), 16);
   EXPECT_EQ(guard::host_args(), before) << "device memory and the by-design host sides";
   if (guard::host_args() != before) return;  // strict mode would have aborted already
   if (const char* s = std::getenv("SIGMA_TEST_BACKEND"); s && std::string(s) == "guard-strict") return;
-  ops::copy(t.f(), host.data(), 16);  // host memory as an op's source
+  ops::copy(t.dev_f(), host.data(), 16);  // host memory as an op's source
   EXPECT_EQ(guard::host_args(), before + 1);
   // An attention view carries its memory inside: one sequence, one head of width 16, one row.
   const ops::AttnShape shape(1, 1, 1, 1, 16);
   Tensor out = ops::empty(DType::F32, {16}), lse = ops::empty(DType::F32, {1});
-  const ops::AttnOperand dev{t.f(), 16, 16}, on_host{host.data(), 16, 16};
-  ops::flash_attention_forward(out.f(), lse.f(), dev, dev, dev, shape, 0.25f);
+  const ops::AttnOperand dev{t.dev_f(), 16, 16}, on_host{host.data(), 16, 16};
+  ops::flash_attention_forward(out.dev_f(), lse.dev_f(), dev, dev, dev, shape, 0.25f);
   EXPECT_EQ(guard::host_args(), before + 1) << "device views";
-  ops::flash_attention_forward(out.f(), lse.f(), dev, on_host, dev, shape, 0.25f);
+  ops::flash_attention_forward(out.dev_f(), lse.dev_f(), dev, on_host, dev, shape, 0.25f);
   EXPECT_EQ(guard::host_args(), before + 2) << "a key view over host memory";
 }
 
@@ -150,7 +180,32 @@ TEST(GuardDeathTest, StrictModeStopsAtAnOpGivenHostMemory) {
         UseGuard g;
         Tensor t = ops::empty(DType::F32, {16});
         std::vector<float> host(16, 2.0f);
-        ops::copy(t.f(), host.data(), 16);
+        ops::copy(t.dev_f(), host.data(), 16);
+      },
+      "an op was given host memory");
+}
+
+// guard-lite (the long tests' mode: no page protection) keeps the other two checks: Tensor's
+// host accessors refuse its tensors, and an op given host memory is fatal.
+TEST(GuardDeathTest, LiteModeKeepsTheAccessorAndHostArgumentChecks) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        ::setenv("SIGMA_TEST_BACKEND", "guard-lite", 1);  // read once, in the re-executed child
+        UseGuard g;
+        Tensor t = ops::empty(DType::F32, {16});
+        ops::fill(t.dev_f(), 1.0f, 16);
+        volatile float v = t.dev_f()[3];  // no page protection in lite mode: this read passes
+        bool refused = false;
+        try {
+          (void)t.f();
+        } catch (const Error&) {
+          refused = true;
+        }
+        if (refused && v == 1.0f) {
+          std::vector<float> host(16, 2.0f);
+          ops::copy(t.dev_f(), host.data(), 16);
+        }
       },
       "an op was given host memory");
 }
@@ -181,37 +236,37 @@ TEST(Guard, CollectivesTakeDeviceBuffersAndGiveTheHostBits) {
     std::vector<float> want = mine;
     c.all_reduce_sum(want.data(), want.size());
     Tensor d = dev(mine);
-    c.all_reduce_sum(d.f(), size_t(d.numel()));
+    c.all_reduce_sum(d.dev_f(), size_t(d.numel()));
     EXPECT_EQ(host(d), want);
     // reduce_scatter_sum: device in, host out; host in, device out
     std::vector<float> rs(static_cast<size_t>(n)), rs2(static_cast<size_t>(n));
     c.reduce_scatter_sum(rs.data(), mine.data(), size_t(n));
-    c.reduce_scatter_sum(rs2.data(), dev(mine).f(), size_t(n));
+    c.reduce_scatter_sum(rs2.data(), dev(mine).dev_f(), size_t(n));
     EXPECT_EQ(rs2, rs);
     Tensor rsd = ops::empty(DType::F32, {n});
-    c.reduce_scatter_sum(rsd.f(), mine.data(), size_t(n));
+    c.reduce_scatter_sum(rsd.dev_f(), mine.data(), size_t(n));
     EXPECT_EQ(host(rsd), rs);
     // all_gather, all_gather_v, all_to_all_v, broadcast: all on the device
     std::vector<float> ag(size_t(4 * n));
     c.all_gather(ag.data(), mine.data(), size_t(2 * n));
     Tensor agd = ops::empty(DType::F32, {4 * n});
-    c.all_gather(agd.f(), dev(mine).f(), size_t(2 * n));
+    c.all_gather(agd.dev_f(), dev(mine).dev_f(), size_t(2 * n));
     EXPECT_EQ(host(agd), ag);
     const int64_t counts[2] = {3, 5};
     std::vector<float> agv(8);
     c.all_gather_v(agv.data(), mine.data(), counts);
     Tensor agvd = ops::empty(DType::F32, {8});
-    c.all_gather_v(agvd.f(), dev(mine).f(), counts);
+    c.all_gather_v(agvd.dev_f(), dev(mine).dev_f(), counts);
     EXPECT_EQ(host(agvd), agv);
     const int64_t sends[2][2] = {{2, 4}, {1, 3}};  // sends[r][q]: rank r to rank q
     const int64_t recv_counts[2] = {sends[0][r], sends[1][r]};
     std::vector<float> a2a(size_t(recv_counts[0] + recv_counts[1]));
     c.all_to_all_v(mine.data(), sends[r], a2a.data(), recv_counts);
     Tensor a2ad = ops::empty(DType::F32, {int64_t(a2a.size())});
-    c.all_to_all_v(dev(mine).f(), sends[r], a2ad.f(), recv_counts);
+    c.all_to_all_v(dev(mine).dev_f(), sends[r], a2ad.dev_f(), recv_counts);
     EXPECT_EQ(host(a2ad), a2a);
     Tensor b = dev(mine);
-    c.broadcast(b.f(), size_t(b.nbytes()), 1);
+    c.broadcast(b.dev_f(), size_t(b.nbytes()), 1);
     EXPECT_EQ(host(b), iota_floats(2 * n, 0.2f));
   });
   EXPECT_EQ(guard::host_args(), host_args);  // staging hands ops no host memory as device's
@@ -236,7 +291,7 @@ TEST(Guard, ModelTensorsAreDeviceTensors) {
   m.forward(b, loss.data(), weight.data());
   m.backward(b);
   double gsq = 0;
-  for (const Param& p : m.params().all()) gsq += ops::sum_sq(p.grad.f(), p.grad.numel());
+  for (const Param& p : m.params().all()) gsq += ops::sum_sq(p.grad.dev_f(), p.grad.numel());
   EXPECT_GT(gsq, 0.0);
   EXPECT_EQ(m.logits().size(), size_t(16 * 17));
 }
@@ -253,7 +308,7 @@ TEST(Guard, CostPerOp) {
   const double cpu = time(hx.f());
   UseGuard g;
   Tensor dx = ops::empty(DType::F32, {1024});
-  const double guarded = time(dx.f());
+  const double guarded = time(dx.dev_f());
   RecordProperty("cpu_fill_us", std::to_string(cpu * 1e6));
   RecordProperty("guard_fill_us", std::to_string(guarded * 1e6));
   std::printf("fill of 1024 floats: cpu %.2f us, guard %.2f us (%zu live guard bytes)\n", cpu * 1e6,

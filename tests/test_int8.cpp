@@ -17,6 +17,7 @@
 #include "core/bf16.h"
 #include "core/rng.h"
 #include "decode_util.h"
+#include "device_access.h"
 #include "infer/generate.h"
 #include "kernels/cpu/gemv.h"
 #include "kernels/ops.h"
@@ -329,7 +330,9 @@ TEST(Bf16Weights, WithoutTheFp32CopyTheOutputsAreTheRoundedModels) {
   Model bf16(c, 10), rounded(c, 10);
   for (Param& p : rounded.params().all())
     if (streamed(p))
-      for (int64_t i = 0; i < p.value.numel(); ++i) p.value.f()[i] = round_bf16(p.value.f()[i]);
+      sigma::testing::edit_floats(p.value, [](float* v, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) v[i] = round_bf16(v[i]);
+      });
   bf16.use_weights(WeightFormat::Bf16);
   rounded.use_weights(WeightFormat::F32);
   const auto tokens = some_tokens(c, c.context);

@@ -4,22 +4,10 @@
 
 #include "gradcheck.h"
 #include "model/model.h"
+#include "test_util.h"
 
 using namespace sigma;
 using namespace sigma::testing;
-
-static ModelConfig tiny_config() {
-  ModelConfig c;
-  c.vocab = 13;
-  c.d_model = 12;
-  c.heads = 3;
-  c.context = 6;
-  c.layers = 3;
-  c.slots = 2;
-  c.init_std = 0.3f;  // large enough that every path carries a visible gradient
-  c.domains = {{"a", "a", 0}, {"b", "b", 1}};
-  return c;
-}
 
 static Batch tiny_batch(const ModelConfig& c, int B, int T, uint64_t seed) {
   Batch b;

@@ -8,16 +8,12 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "test_util.h"
 
 using namespace sigma::testing;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
 
 TEST(Plot, WritesLossLrThroughputAndAHeatmapPerRreBlock) {
   TempDir dir("plot");

@@ -11,9 +11,11 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "model/model.h"
+#include "test_util.h"
 
 using namespace sigma;
 using sigma::testing::append_floats;
+using sigma::testing::same_bits;
 
 namespace {
 
@@ -59,10 +61,6 @@ Result run(const ModelConfig& c, Remat remat) {
   for (const BlockLoad& bl : m.expert_load())
     for (const auto& g : bl.tokens) out.load.insert(out.load.end(), g.begin(), g.end());
   return out;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 TEST(Remat, RecomputationGivesTheSameBits) {

@@ -13,6 +13,7 @@
 #include "infer/generate.h"
 #include "model/model.h"
 #include "model/names.h"
+#include "test_util.h"
 #include "model/routing.h"
 #include "train/checkpoint.h"
 #include "run/config.h"
@@ -26,14 +27,7 @@ namespace {
 // Mixed model: block 0 dense, blocks 1-2 RRE (2 = the query layer); groups of different sizes,
 // two domains sharing group g1 on different slots.
 ModelConfig mixed_config() {
-  ModelConfig c;
-  c.vocab = 13;
-  c.d_model = 12;
-  c.heads = 3;
-  c.context = 6;
-  c.layers = 3;
-  c.slots = 2;
-  c.init_std = 0.3f;  // large enough that every path carries a visible gradient
+  ModelConfig c = tiny_config();
   c.rre_layers = 2;
   c.groups = {{"g1", 3}, {"g2", 2}};
   c.domains = {{"a", "g1", 0}, {"b", "g2", 1}, {"c", "g1", 1}};

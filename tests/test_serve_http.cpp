@@ -18,24 +18,14 @@
 #include "serve/choice.h"
 #include "serve/json_prefix.h"
 #include "serve/server.h"
+#include "serve_test_util.h"
 
 using namespace sigma;
 using nlohmann::json;
 
 namespace {
 
-ModelConfig byte_config(const data::Tokenizer& tok) {
-  ModelConfig c;
-  c.vocab = int(tok.vocab_size());
-  c.d_model = 16;
-  c.heads = 2;
-  c.context = 40;
-  c.layers = 2;
-  c.slots = 2;
-  c.domains = {{"prose", "prose", 0}, {"code", "code", 1}};
-  c.validate();
-  return c;
-}
+ModelConfig byte_config(const data::Tokenizer& tok) { return sigma::testing::two_domain_serve_config(tok, 40, 2); }
 
 struct Fixture {
   data::Tokenizer tok;
@@ -281,14 +271,16 @@ TEST(ServeHttp, AClientLeavingMidStreamFreesItsSlot) {
 // A fault inside the model ends the request with a 500 JSON error, and the server lives on.
 TEST(ServeHttp, AModelFaultIsA500AndTheServerServesOn) {
   Fixture f;
-  ops::Backend broken = ops::backend(ops::BackendKind::Cpu);
+  // The backend the model's tensors live on (the guard, in the guard suite), one op broken.
+  const ops::Backend& before = ops::active_backend();
+  ops::Backend broken = before;
   broken.flash_attention_forward = [](float*, float*, ops::AttnOperand, ops::AttnOperand,
                                       ops::AttnOperand, ops::AttnShape, float) {
     throw Error("injected attention fault");
   };
   ops::use_backend(broken);
   auto r = f.post("/v1/completions", R"({"prompt": "a", "max_tokens": 3})");
-  ops::use_backend(ops::BackendKind::Cpu);
+  ops::use_backend(before);
   const auto [status, msg] = error_of(r);
   EXPECT_EQ(status, 500);
   EXPECT_NE(msg.find("injected attention fault"), std::string::npos) << msg;

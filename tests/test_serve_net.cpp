@@ -23,6 +23,7 @@
 
 #include "data/tokenizer.h"
 #include "serve/server.h"
+#include "serve_test_util.h"
 
 using namespace sigma;
 using nlohmann::json;
@@ -30,18 +31,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-ModelConfig tiny_config(const data::Tokenizer& tok) {
-  ModelConfig c;
-  c.vocab = int(tok.vocab_size());
-  c.d_model = 16;
-  c.heads = 2;
-  c.context = 64;
-  c.layers = 1;
-  c.slots = 2;
-  c.domains = {{"prose", "prose", 0}, {"code", "code", 1}};
-  c.validate();
-  return c;
-}
+ModelConfig tiny_config(const data::Tokenizer& tok) { return sigma::testing::two_domain_serve_config(tok, 64, 1); }
 
 int connect_to(int port, bool nonblocking = false) {
   const int fd = socket(AF_INET, SOCK_STREAM | (nonblocking ? SOCK_NONBLOCK : 0), 0);

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
 #include "io/safetensors.h"
 
@@ -16,11 +17,6 @@ using namespace sigma;
 using namespace sigma::testing;
 
 namespace {
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
 
 class ShardsTrain : public ::testing::Test {
  protected:

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "cli_util.h"
+#include "test_util.h"
 #include "core/rng.h"
 #include "data/tokenizer.h"
 #include "model/model.h"
@@ -86,10 +87,6 @@ Pass run(Model& m, Batch b, const std::string& domain) {
   m.forward(b, p.loss.data());
   p.logits = m.logits();
   return p;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
 
 std::unique_ptr<Model> load(const std::string& path) { return load_checkpoint_model(path); }

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_util.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
 #include "io/safetensors.h"
 #include "train/trainer.h"
@@ -18,11 +19,6 @@ namespace {
 const std::string kTiny =
     "--set model.d_model=32 --set model.layers=2 --set model.heads=2 --set model.context=16 "
     "--set train.batch=6 --set train.log_every=5 --set train.eval_rows=12 --set optim.warmup=3 ";
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
 
 }  // namespace
 

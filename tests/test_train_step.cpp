@@ -16,9 +16,11 @@
 #include "train/train_step.h"
 #include "step_config.h"
 #include "thread_comm.h"
+#include "test_util.h"
 
 using namespace sigma;
 using sigma::testing::append_floats;
+using sigma::testing::same_bits;
 using sigma::testing::step_config;
 
 namespace {
@@ -99,10 +101,6 @@ RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_row
   for (int r = 1; r < R; ++r) EXPECT_EQ(per_rank[size_t(r)], per_rank[0]) << "rank " << r;
   out.weights = per_rank[0];
   return out;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 }  // namespace

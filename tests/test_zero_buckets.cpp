@@ -7,10 +7,13 @@
 
 #include <cstring>
 
+#include "device_access.h"
 #include "parallel/shard_plan.h"
 #include "thread_comm.h"
 
 using namespace sigma;
+using sigma::testing::append_floats;
+using sigma::testing::edit_floats;
 
 namespace {
 
@@ -34,18 +37,21 @@ std::vector<std::vector<float>> exchange(int R, size_t bucket) {
     ParamSet ps = make_params();
     const ShardPlan plan = plan_shards(ps, R);
     auto& all = ps.all();
-    for (size_t p = 0; p < all.size(); ++p)
-      for (int64_t i = 0; i < all[p].grad.numel(); ++i) {
-        all[p].grad.f()[i] = grad_of(comm.rank(), p, i);
-        // Owners hold the true value; the others hold garbage that must be overwritten.
-        all[p].value.f()[i] = plan.owner[p] == comm.rank() ? value_of(p, i) : -999.0f;
-      }
+    for (size_t p = 0; p < all.size(); ++p) {
+      edit_floats(all[p].grad, [&](float* g, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) g[i] = grad_of(comm.rank(), p, i);
+      });
+      // Owners hold the true value; the others hold garbage that must be overwritten.
+      edit_floats(all[p].value, [&](float* v, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) v[i] = plan.owner[p] == comm.rank() ? value_of(p, i) : -999.0f;
+      });
+    }
     reduce_to_owners(comm, plan, ps, bucket);
     gather_from_owners(comm, plan, ps, bucket);
     std::vector<float>& mine = out[size_t(comm.rank())];
     for (size_t p = 0; p < all.size(); ++p) {
-      if (plan.owner[p] == comm.rank()) mine.insert(mine.end(), all[p].grad.f(), all[p].grad.f() + all[p].grad.numel());
-      mine.insert(mine.end(), all[p].value.f(), all[p].value.f() + all[p].value.numel());
+      if (plan.owner[p] == comm.rank()) append_floats(mine, all[p].grad);
+      append_floats(mine, all[p].value);
     }
   });
   return out;

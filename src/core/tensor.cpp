@@ -99,28 +99,28 @@ Tensor::Tensor(DType dtype, Shape shape, Device device)
                                                   TensorFree{a.free});
 }
 
+void Tensor::refuse_host_access() const {
+  fail("host code accessed a {} tensor {} in {} memory, which only ops may touch: use ops:: or "
+       "download it (ops::download, ops::to_host)",
+       dtype_name(dtype_), shape_str(shape_), device_name(device_));
+}
+
 Tensor Tensor::clone() const {
-  SIGMA_CHECK(device_ == Device::Host, "Tensor::clone: {} memory is not host-addressable",
-              device_name(device_));
-  Tensor t(dtype_, shape_, device_);
-  if (nbytes()) std::memcpy(t.bytes(), bytes(), nbytes());
+  const std::byte* from = bytes();  // host tensors only
+  Tensor t(dtype_, shape_, Device::Host);
+  if (nbytes()) std::memcpy(t.bytes(), from, nbytes());
   return t;
 }
 
 void Tensor::zero() {
-  SIGMA_CHECK(device_ == Device::Host, "Tensor::zero: {} memory is not host-addressable",
-              device_name(device_));
-  if (nbytes()) std::memset(bytes(), 0, nbytes());
+  std::byte* p = bytes();  // host tensors only
+  if (nbytes()) std::memset(p, 0, nbytes());
 }
 
 void Tensor::reshape(Shape shape) {
   SIGMA_CHECK(shape_numel(shape) == numel_, "reshape {} -> {} changes the element count",
               shape_str(shape_), shape_str(shape));
   shape_ = std::move(shape);
-}
-
-std::unique_ptr<float[], void (*)(float*)> alloc_floats(size_t n) {
-  return {static_cast<float*>(host_alloc(n * sizeof(float))), [](float* p) { host_free(p); }};
 }
 
 }  // namespace sigma

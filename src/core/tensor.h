@@ -68,26 +68,43 @@ class Tensor {
   size_t nbytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
   bool empty() const { return numel_ == 0; }
 
-  template <class T> T* data() { return reinterpret_cast<T*>(buf_.get()); }
-  template <class T> const T* data() const { return reinterpret_cast<const T*>(buf_.get()); }
-  std::byte* bytes() { return buf_.get(); }
-  const std::byte* bytes() const { return buf_.get(); }
+  // Host access to the elements. A tensor in device memory is read and written only by ops
+  // (kernels/ops.h; ops::download, ops::to_host): here it throws sigma::Error naming its dtype,
+  // shape and device, at the access rather than as a fault at some later dereference. For a
+  // host tensor (every tensor of the cpu backend) the check is one predictable branch.
+  template <class T> T* data() { return reinterpret_cast<T*>(host_bytes()); }
+  template <class T> const T* data() const { return reinterpret_cast<const T*>(host_bytes()); }
+  std::byte* bytes() { return host_bytes(); }
+  const std::byte* bytes() const { return host_bytes(); }
   float* f() { return data<float>(); }
   const float* f() const { return data<float>(); }
+
+  // The memory's address on whichever device holds it, unchecked: only for an op's argument
+  // (ops::*, a communicator's buffer, a kernel view), never dereferenced by host code. The
+  // guard backend (kernels/guard/guard.h) faults where host code does.
+  template <class T> T* dev() { return reinterpret_cast<T*>(buf_.get()); }
+  template <class T> const T* dev() const { return reinterpret_cast<const T*>(buf_.get()); }
+  std::byte* dev_bytes() { return buf_.get(); }
+  const std::byte* dev_bytes() const { return buf_.get(); }
+  float* dev_f() { return dev<float>(); }
+  const float* dev_f() const { return dev<float>(); }
 
   void zero();
   // Same element count, new shape (no copy).
   void reshape(Shape shape);
 
  private:
+  std::byte* host_bytes() const {
+    if (device_ != Device::Host) [[unlikely]] refuse_host_access();
+    return buf_.get();
+  }
+  [[noreturn]] void refuse_host_access() const;
+
   DType dtype_ = DType::F32;
   Device device_ = Device::Host;
   Shape shape_;
   int64_t numel_ = 0;
   std::unique_ptr<std::byte[], TensorFree> buf_;
 };
-
-// Aligned float scratch buffer for activations (owned, zero-initialised on resize).
-std::unique_ptr<float[], void (*)(float*)> alloc_floats(size_t n);
 
 }  // namespace sigma

@@ -11,8 +11,6 @@ namespace sigma {
 
 int64_t CommStats::bytes() const { return std::accumulate(bytes_to.begin(), bytes_to.end(), int64_t(0)); }
 
-void Communicator::reset_stats() { stats_ = CommStats{}; }
-
 void Communicator::count(const std::vector<int64_t>& bytes_to_rank) {
   stats_.calls += 1;
   if (stats_.bytes_to.empty()) stats_.bytes_to.assign(size_t(std::max(world_size_, size())), 0);

@@ -70,7 +70,6 @@ class Communicator {
   virtual std::unique_ptr<Communicator> split(int color) = 0;
 
   const CommStats& stats() const { return stats_; }
-  void reset_stats();
 
  protected:
   // The implementations, with the public collectives' meaning. Their buffers are host memory,

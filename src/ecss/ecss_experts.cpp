@@ -187,7 +187,7 @@ void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
                       return key(a) < key(b);
                     });
   std::vector<float*> dst(n);  // device addresses: the store's gather uploads to them
-  for (size_t i = 0; i < n; ++i) dst[i] = w_.f() + int64_t(victims[i]) * stride_;
+  for (size_t i = 0; i < n; ++i) dst[i] = w_.dev_f() + int64_t(victims[i]) * stride_;
   const auto t = Clock::now();
   store_.gather(ids, dst);
   stats_.gather_s += since(t);
@@ -201,7 +201,7 @@ void EcssExperts::gather_and_bind(std::span<const ExpertId> ids) {
       slot_of_[size_t(store_.ordinal(old))] = -1;
     }
     const ExpertId id = ids[i];
-    model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, dst[i], g_.f() + int64_t(s) * stride_);
+    model_.bind_expert(id.block, first_[size_t(id.group)] + id.expert, dst[i], g_.dev_f() + int64_t(s) * stride_);
     slot_id_[s] = id;
     slot_full_[s] = 1;
     slot_used_[s] = ++uses_;
@@ -316,7 +316,7 @@ void EcssExperts::backward_pass(int block, const RrePlan& p, const ExpertSlice& 
   for (int e = s.begin; e < s.end; ++e)
     if (p.rows(e) > 0) busy.push_back(e);
   auto grads = [&](int e) {  // the device gradient buffer of expert e's slot
-    return g_.f() + int64_t(slot_of_[size_t(store_.ordinal(expert_id(block, e)))]) * stride_;
+    return g_.dev_f() + int64_t(slot_of_[size_t(store_.ordinal(expert_id(block, e)))]) * stride_;
   };
   for (int e : busy) ops::fill(grads(e), 0.0f, P_);
   pass();

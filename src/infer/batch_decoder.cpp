@@ -73,7 +73,7 @@ void BatchDecoder::copy_prefix(int from, int to, int n) {
   const int64_t row = int64_t(model_.config().context) * 2 * model_.config().d_model;
   const int64_t width = 2 * int64_t(model_.config().d_model);
   for (Tensor& kv : cache_.kv)  // device to device: the cache lives on the backend's device
-    ops::copy_bytes(kv.f() + to * row, kv.f() + from * row, size_t(n * width) * sizeof(float));
+    ops::copy_bytes(kv.dev_f() + to * row, kv.dev_f() + from * row, size_t(n * width) * sizeof(float));
 }
 
 void BatchDecoder::score(int slot, int domain, std::span<const int32_t> tokens, float* logprobs) {

@@ -54,12 +54,13 @@ std::string backend_names() {
 }
 
 namespace {
-// SIGMA_TEST_BACKEND=guard (or guard-strict, kernels/guard/guard.h): the tests' guard job runs
+// SIGMA_TEST_BACKEND=guard (or guard-strict, guard-lite: kernels/guard/guard.h): the tests run
 // every cpu choice on the guard.
 BackendKind resolve(BackendKind kind) {
   static const bool guard_for_cpu = [] {
     const char* e = std::getenv("SIGMA_TEST_BACKEND");
-    return e && (std::strcmp(e, "guard") == 0 || std::strcmp(e, "guard-strict") == 0);
+    return e && (std::strcmp(e, "guard") == 0 || std::strcmp(e, "guard-strict") == 0 ||
+                 std::strcmp(e, "guard-lite") == 0);
   }();
   return kind == BackendKind::Cpu && guard_for_cpu ? BackendKind::Guard : kind;
 }
@@ -130,7 +131,7 @@ Tensor to_host(const Tensor& t) {
 
 Tensor clone(const Tensor& t) {
   Tensor c(t.dtype(), t.shape(), t.device());
-  if (t.nbytes()) owner(t.device()).copy_bytes(c.bytes(), t.bytes(), t.nbytes());
+  if (t.nbytes()) owner(t.device()).copy_bytes(c.dev_bytes(), t.dev_bytes(), t.nbytes());
   return c;
 }
 
@@ -151,23 +152,23 @@ void zero(Tensor& t) {
   // Bytes of zero are 0.0f, 0 and +0 bf16 alike: fill as floats, then the odd tail bytes.
   const Backend& b = owner(t.device());
   const size_t n = t.nbytes();
-  if (n >= 4) b.fill(reinterpret_cast<float*>(t.bytes()), 0.0f, int64_t(n / 4));
+  if (n >= 4) b.fill(reinterpret_cast<float*>(t.dev_bytes()), 0.0f, int64_t(n / 4));
   if (n % 4) {
     const unsigned char z[4] = {};
-    b.upload(t.bytes() + n / 4 * 4, z, n % 4);
+    b.upload(t.dev_bytes() + n / 4 * 4, z, n % 4);
   }
 }
 
 void upload(Tensor& dst, const void* host_src, size_t bytes, size_t offset) {
   SIGMA_CHECK(offset <= dst.nbytes() && bytes <= dst.nbytes() - offset,
               "upload of {} bytes at {} into a tensor of {} bytes", bytes, offset, dst.nbytes());
-  if (bytes) owner(dst.device()).upload(dst.bytes() + offset, host_src, bytes);
+  if (bytes) owner(dst.device()).upload(dst.dev_bytes() + offset, host_src, bytes);
 }
 
 void download(void* host_dst, const Tensor& src, size_t bytes, size_t offset) {
   SIGMA_CHECK(offset <= src.nbytes() && bytes <= src.nbytes() - offset,
               "download of {} bytes at {} from a tensor of {} bytes", bytes, offset, src.nbytes());
-  if (bytes) owner(src.device()).download(host_dst, src.bytes() + offset, bytes);
+  if (bytes) owner(src.device()).download(host_dst, src.dev_bytes() + offset, bytes);
 }
 
 void use_precision(Precision p) { detail::precision = p; }

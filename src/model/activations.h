@@ -72,7 +72,7 @@ struct Activations {
   // Block l's buffers (the shared set under Remat::Blocks; its input x is always blocks[l].x)
   // and its attention output.
   BlockActs& block(int l) { return remat == Remat::Blocks ? work : blocks[size_t(l)]; }
-  float* att(int l) { return remat == Remat::None ? blocks[size_t(l)].att.f() : work.att.f(); }
+  float* att(int l) { return remat == Remat::None ? blocks[size_t(l)].att.dev_f() : work.att.dev_f(); }
 };
 
 }  // namespace sigma

@@ -64,8 +64,8 @@ void gate_route(GatePlan& p, float* z, const float* x, const RreWeights& w,
                         {d, K, Kmax});
     p.group_rows[size_t(g)] += n;
   });
-  ops::gate_softmax_topk(p.probs.f(), p.choice_d.data<int32_t>(), p.gate.f(), z,
-                         p.width_d.data<int32_t>(), p.base_d.data<int32_t>(), k, N, Kmax);
+  ops::gate_softmax_topk(p.probs.dev_f(), p.choice_d.dev<int32_t>(), p.gate.dev_f(), z,
+                         p.width_d.dev<int32_t>(), p.base_d.dev<int32_t>(), k, N, Kmax);
   // The host plans from the choices (and the loss from the probabilities): small downloads.
   p.choice.resize(size_t(N) * 2);
   ops::download(p.choice.data(), p.choice_d, p.choice.size() * sizeof(int32_t));
@@ -130,11 +130,11 @@ void gate_route(GatePlan& p, float* z, const float* x, const RreWeights& w,
 void gate_expert_plan(RrePlan& q, const GatePlan& p) { grouped_plan(q, p.start); }
 
 void gate_gather(float* gx, const GatePlan& p, const float* x, int64_t d) {
-  ops::gather_rows(gx, x, p.row_of_d.data<int32_t>(), p.assigned, d);
+  ops::gather_rows(gx, x, p.row_of_d.dev<int32_t>(), p.assigned, d);
 }
 
 void gate_combine(float* y, const float* yg, const GatePlan& p, int64_t N, int64_t d) {
-  ops::gate_combine(y, yg, p.gate.f(), p.pos_d.data<int32_t>(), N, d);
+  ops::gate_combine(y, yg, p.gate.dev_f(), p.pos_d.dev<int32_t>(), N, d);
 }
 
 void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float* scratch,
@@ -153,7 +153,7 @@ void gate_forward(float* y, float* yg, float* pre, float* act, float* gx, float*
 
 void gate_expert_dy(float* gdy, float* dgate, const float* dy, const float* yg,
                     const GatePlan& p, int64_t N, int64_t d) {
-  ops::gate_expert_dy(gdy, dgate, dy, yg, p.gate.f(), p.pos_d.data<int32_t>(), N, d);
+  ops::gate_expert_dy(gdy, dgate, dy, yg, p.gate.dev_f(), p.pos_d.dev<int32_t>(), N, d);
 }
 
 void gate_backward_rest(float* dx, float* dz, const float* gdx, const float* dgate,
@@ -173,9 +173,9 @@ void gate_backward_rest(float* dx, float* dz, const float* gdx, const float* dga
     ensure_f32(p.aux_d, {int64_t(aux.size())});
     ops::upload(p.aux_d, aux.data(), aux.size() * sizeof(float));
   }
-  ops::gate_backward_dz(dx, dz, gdx, dgate, p.probs.f(), p.choice_d.data<int32_t>(),
-                        p.pos_d.data<int32_t>(), p.width_d.data<int32_t>(),
-                        p.base_d.data<int32_t>(), aux_scale != 0.0f ? p.aux_d.f() : nullptr,
+  ops::gate_backward_dz(dx, dz, gdx, dgate, p.probs.dev_f(), p.choice_d.dev<int32_t>(),
+                        p.pos_d.dev<int32_t>(), p.width_d.dev<int32_t>(),
+                        p.base_d.dev<int32_t>(), aux_scale != 0.0f ? p.aux_d.dev_f() : nullptr,
                         p.k, N, d, Kmax);
   for_each_group_run(row_group, N, [&](int64_t r0, int64_t n, int g) {
     const int K = w.offset[size_t(g) + 1] - w.offset[size_t(g)];

@@ -188,7 +188,7 @@ void Model::use_weights(WeightFormat f) {
       WeightCopy c;
       if (f == WeightFormat::Bf16) {
         c.data = ops::empty(DType::U16, {p.value.numel()});
-        ops::convert_bf16(c.data.data<uint16_t>(), p.value.f(), p.value.numel());
+        ops::convert_bf16(c.data.dev<uint16_t>(), p.value.dev_f(), p.value.numel());
       } else {
         // A [K, rows', cols] stack of experts: each expert its own columns' scales. A linear's
         // matrix is stored in row pairs (ops::i8_elements), the embedding's rows as they are.
@@ -199,9 +199,9 @@ void Model::use_weights(WeightFormat f) {
         c.scale = ops::empty(DType::F32, {per_row ? rows : slices * cols});
         int64_t bad = 0;
         for (int64_t k = 0; k < slices; ++k)
-          bad += ops::quantize_i8(c.data.data<int8_t>() + k * slice,
-                                  c.scale.f() + (per_row ? k * r : k * cols),
-                                  p.value.f() + k * r * cols, r, cols, per_row);
+          bad += ops::quantize_i8(c.data.dev<int8_t>() + k * slice,
+                                  c.scale.dev_f() + (per_row ? k * r : k * cols),
+                                  p.value.dev_f() + k * r * cols, r, cols, per_row);
         SIGMA_CHECK(bad == 0, "int8 weights: parameter '{}' holds {} non-finite values",
                     p.name, bad);
       }
@@ -221,8 +221,8 @@ void Model::attach_copies() {
   const int64_t d = cfg_.d_model, f = cfg_.ffn();
   auto set = [&](PV& pv, const std::string& name) {
     const WeightCopy& c = copies_.at(name);
-    if (format_ == WeightFormat::Bf16) pv.h = c.data.data<uint16_t>();
-    else pv.q = c.data.data<int8_t>(), pv.s = c.scale.f();
+    if (format_ == WeightFormat::Bf16) pv.h = c.data.dev<uint16_t>();
+    else pv.q = c.data.dev<int8_t>(), pv.s = c.scale.dev_f();
   };
   set(w_->tokens, names::kTokens);
   for (int l = 0; l < cfg_.layers; ++l) {

@@ -105,7 +105,6 @@ class Model {
   // refused from then on. Once per model; not for experts in a store.
   void use_weights(WeightFormat f);
   WeightFormat weight_format() const { return format_; }
-  bool inference_only() const { return inference_; }
   // Bytes of every tensor the model holds for its weights: parameter values and gradients,
   // buffers (routing tables), and the inference copies with their scales.
   int64_t held_bytes() const;

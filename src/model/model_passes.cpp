@@ -22,7 +22,7 @@
 namespace sigma {
 
 namespace {
-void zero(Tensor& t) { ops::fill(t.f(), 0.0f, t.numel()); }
+void zero(Tensor& t) { ops::fill(t.dev_f(), 0.0f, t.numel()); }
 
 void check_batch(const Batch& b) {
   SIGMA_CHECK(b.B > 0 && b.T > 0 && b.tokens.size() == size_t(b.B) * b.T &&
@@ -131,11 +131,11 @@ void Model::embed(const Batch& batch, Activations& a, const int* first_pos) {
   const int64_t d = cfg_.d_model;
   ops::upload(a.rows_d, a.rows.data(), a.rows.size() * sizeof(int32_t));
   ops::upload(a.targets_d, batch.targets.data(), batch.targets.size() * sizeof(int32_t));
-  const int32_t* rows = a.rows_d.data<int32_t>();
+  const int32_t* rows = a.rows_d.dev<int32_t>();
   // Rows [b0, b0 + n) from positions pos, on whichever table the model holds.
   auto lookup = [&](int64_t b0, int64_t n, const float* pos) {
     if (tp_.rank != 0) pos = nullptr;
-    float* out = a.blocks[0].x.f() + b0 * T * d;
+    float* out = a.blocks[0].x.dev_f() + b0 * T * d;
     const int32_t* r = rows + b0 * T;
     const PV& e = w_->tokens;
     if (e.q)
@@ -147,7 +147,7 @@ void Model::embed(const Batch& batch, Activations& a, const int* first_pos) {
   };
   if (!first_pos) {
     lookup(0, B, w_->positions.v);
-    tp_.all_reduce(a.blocks[0].x.f(), int64_t(B) * T * d);
+    tp_.all_reduce(a.blocks[0].x.dev_f(), int64_t(B) * T * d);
     return;
   }
   SIGMA_CHECK(!tp_.split(), "a tensor-parallel model has no KV cache (training only)");
@@ -222,10 +222,10 @@ void Model::cached_pass(const Batch& batch, KvCache& cache, Activations& a, floa
 // Batch row b's new keys and values join cache row cache_rows[b] after its cached positions.
 void Model::append_kv(int l, const Batch& batch, Activations& acts, KvCache& cache, const int* cache_rows) {
   const int64_t d = cfg_.d_model, bs = int64_t(cfg_.context) * 2 * d;
-  const float* qkv = acts.block(l).qkv.f();
+  const float* qkv = acts.block(l).qkv.dev_f();
   for (int b = 0; b < batch.B; ++b) {
     const int r = cache_rows[b];
-    float* kv = cache.kv[size_t(l)].f() + r * bs + int64_t(cache.length[size_t(r)]) * 2 * d;
+    float* kv = cache.kv[size_t(l)].dev_f() + r * bs + int64_t(cache.length[size_t(r)]) * 2 * d;
     for (int t = 0; t < batch.T; ++t)
       ops::copy(kv + int64_t(t) * 2 * d, qkv + (int64_t(b) * batch.T + t) * 3 * d + d, 2 * d);
   }
@@ -249,9 +249,9 @@ void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCac
     const int p0 = cache.length[size_t(cache_rows[b])];
     if (one_call && b + 1 < B) continue;
     const int b0 = one_call ? 0 : b, n = one_call ? B : 1;
-    float* kv0 = cache.kv[size_t(l)].f() + cache_rows[b0] * bs;
+    float* kv0 = cache.kv[size_t(l)].dev_f() + cache_rows[b0] * bs;
     const ops::AttnOperand qb{q.p + b0 * q.bs, q.ld, q.bs};
-    ops::flash_attention_forward(att + int64_t(b0) * T * d, k.lse.f() + int64_t(b0) * H * T, qb,
+    ops::flash_attention_forward(att + int64_t(b0) * T * d, k.lse.dev_f() + int64_t(b0) * H * T, qb,
                                  {kv0, 2 * d, bs}, {kv0 + d, 2 * d, bs},
                                  {n, T, p0 + T, H, cfg_.head_dim()},
                                  1.0f / std::sqrt(float(cfg_.head_dim())));
@@ -269,10 +269,10 @@ void Model::backward(const Batch& batch, Activations& a) {
   for (int l = cfg_.layers - 1; l >= 0; --l) {
     // The shared buffers still hold the last block's forward.
     if (a.remat == Remat::Blocks && l < cfg_.layers - 1) block_forward(l, batch, a, nullptr, true);
-    block_backward(l, batch, a, a.dh.f());
+    block_backward(l, batch, a, a.dh.dev_f());
     grads_done(size_t(l));
   }
-  ops::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.f(), a.rows_d.data<int32_t>(), batch.B,
+  ops::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.dev_f(), a.rows_d.dev<int32_t>(), batch.B,
                           batch.T, cfg_.d_model);
   grads_done(size_t(cfg_.layers) + 1);
   ops::bf16_mirror_clear();  // the optimizer changes the weights next
@@ -287,7 +287,7 @@ void Model::mirror_weights(bool training) {
   ops::bf16_mirror_clear();
   mirrored_ = training && ops::precision() == ops::Precision::Bf16;
   if (!mirrored_) return;
-  for (const Param& p : params_.all()) ops::bf16_mirror_add(p.value.f(), p.value.numel());
+  for (const Param& p : params_.all()) ops::bf16_mirror_add(p.value.dev_f(), p.value.numel());
 }
 
 // The same for an activation that a forward product and its backward's weight gradient both
@@ -307,65 +307,65 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   const bool query_layer = (l == cfg_.layers - 1);
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = acts.block(l);
-  const float* x = acts.blocks[size_t(l)].x.f();
+  const float* x = acts.blocks[size_t(l)].x.dev_f();
   SIGMA_CHECK(!cache || !tp_.split(), "a tensor-parallel model has no KV cache (training only)");
 
-  ops::layernorm_forward(k.a1.f(), k.mean1.f(), k.rstd1.f(), x, w.ln1_w.v, w.ln1_b.v, N, d);
-  if (!cache && !recompute) mirror(acts, k.a1.f(), N * d);
+  ops::layernorm_forward(k.a1.dev_f(), k.mean1.dev_f(), k.rstd1.dev_f(), x, w.ln1_w.v, w.ln1_b.v, N, d);
+  if (!cache && !recompute) mirror(acts, k.a1.dev_f(), N * d);
   ops::AttnOperand q;
   // QKV column-parallel: this rank's heads of each of Q, K, V (dl columns each).
   if (!query_layer) {
-    linear(k.qkv.f(), k.a1.f(), w.qkv_w, w.qkv_b.v, N, d, 3 * dl);
+    linear(k.qkv.dev_f(), k.a1.dev_f(), w.qkv_w, w.qkv_b.v, N, d, 3 * dl);
     if (kv_only) return append_kv(l, batch, acts, *cache, cache_rows);
-    q = {k.qkv.f(), 3 * dl, T * 3 * dl};
+    q = {k.qkv.dev_f(), 3 * dl, T * 3 * dl};
   } else {
     // Keys and values from LN1(h): the K|V column slice of the QKV weight.
-    linear(k.qkv.f() + dl, k.a1.f(), w.qkv_w, w.qkv_b.v + dl, N, d, 2 * dl, false,
+    linear(k.qkv.dev_f() + dl, k.a1.dev_f(), w.qkv_w, w.qkv_b.v + dl, N, d, 2 * dl, false,
            {d, 3 * dl, 3 * dl}, dl);
     // Queries from the learned position table (not normalised): shared by every row in
     // training; from each row's own positions with a cache.
     if (kv_only) return append_kv(l, batch, acts, *cache, cache_rows);
     if (!cache) {
-      linear(k.qtop.f(), w.query.v, w.qkv_w, w.qkv_b.v, T, d, dl, false, {d, 3 * dl, dl});
-      q = {k.qtop.f(), dl, 0};
+      linear(k.qtop.dev_f(), w.query.v, w.qkv_w, w.qkv_b.v, T, d, dl, false, {d, 3 * dl, dl});
+      q = {k.qtop.dev_f(), dl, 0};
     } else {
       if (k.qtop.numel() < N * d) k.qtop = ops::empty(DType::F32, {N, d});
       for (int b = 0; b < B; ++b)
-        linear(k.qtop.f() + int64_t(b) * T * d,
+        linear(k.qtop.dev_f() + int64_t(b) * T * d,
                w.query.v + int64_t(cache->length[size_t(cache_rows[b])]) * d, w.qkv_w,
                w.qkv_b.v, T, d, d, false, {d, 3 * d, d});
-      q = {k.qtop.f(), d, T * d};
+      q = {k.qtop.dev_f(), d, T * d};
     }
   }
   float* att = acts.att(l);
   if (cache) {
     cached_attention(l, batch, acts, *cache, cache_rows, q, att);
   } else {
-    ops::flash_attention_forward(att, k.lse.f(), q, {k.qkv.f() + dl, 3 * dl, T * 3 * dl},
-                                 {k.qkv.f() + 2 * dl, 3 * dl, T * 3 * dl}, {B, T, T, Hl, hd},
+    ops::flash_attention_forward(att, k.lse.dev_f(), q, {k.qkv.dev_f() + dl, 3 * dl, T * 3 * dl},
+                                 {k.qkv.dev_f() + 2 * dl, 3 * dl, T * 3 * dl}, {B, T, T, Hl, hd},
                                  1.0f / std::sqrt(float(hd)));
   }
   if (!cache && !recompute) mirror(acts, att, N * dl);
-  ops::copy(k.mid.f(), x, N * d);
+  ops::copy(k.mid.dev_f(), x, N * d);
   // Attention output row-parallel: mid = x + the group's sum of att_r @ W_r (+ b once).
-  add_tp_sum(tp_, k.mid.f(), acts.tp_sum.f(), N * d, [&](float* y) {
+  add_tp_sum(tp_, k.mid.dev_f(), acts.tp_sum.dev_f(), N * d, [&](float* y) {
     linear(y, att, w.out_w, tp_.row_bias(w.out_b.v), N, dl, d, true);
   });
-  ops::layernorm_forward(k.a2.f(), k.mean2.f(), k.rstd2.f(), k.mid.f(), w.ln2_w.v, w.ln2_b.v, N,
+  ops::layernorm_forward(k.a2.dev_f(), k.mean2.dev_f(), k.rstd2.dev_f(), k.mid.dev_f(), w.ln2_w.v, w.ln2_b.v, N,
                          d);
   if (!cache && !recompute) {
-    mirror(acts, k.a2.f(), N * d);
-    if (!w.is_rre()) mirror(acts, k.act.f(), N * fl);  // written whole by FastGelu, then read
+    mirror(acts, k.a2.dev_f(), N * d);
+    if (!w.is_rre()) mirror(acts, k.act.dev_f(), N * fl);  // written whole by FastGelu, then read
   }
-  float* out = (l + 1 < cfg_.layers) ? acts.blocks[size_t(l) + 1].x.f() : acts.h_final.f();
-  ops::copy(out, k.mid.f(), N * d);
+  float* out = (l + 1 < cfg_.layers) ? acts.blocks[size_t(l) + 1].x.dev_f() : acts.h_final.dev_f();
+  ops::copy(out, k.mid.dev_f(), N * d);
   // A cached (inference) pass keeps no books, so concurrent ones share the model (forward_cached).
   if (w.is_rre()) return expert_forward(l, batch, acts, out, recompute || cache);
   // Dense FFN: w_in column-parallel, w_out row-parallel (its bias added once).
   FfnWeights fw = w.ffn();
   fw.b_out = tp_.row_bias(fw.b_out);
-  add_tp_sum(tp_, out, acts.tp_sum.f(), N * d, [&](float* y) {
-    ffn_forward(y, k.pre.f(), k.act.f(), k.a2.f(), fw, N, d, fl);
+  add_tp_sum(tp_, out, acts.tp_sum.dev_f(), N * d, [&](float* y) {
+    ffn_forward(y, k.pre.dev_f(), k.act.dev_f(), k.a2.dev_f(), fw, N, d, fl);
   });
 }
 
@@ -384,24 +384,24 @@ void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* 
   const RreWeights& rw = tp_.rank != 0 ? split_w : w.rre;
   BlockActs& k = acts.block(l);
   BlockLoad& load = load_[size_t(l - cfg_.first_rre_block())];
-  const ExpertBuffers buf{k.pre.f(), k.act.f(), acts.gx.f(), acts.gy.f(), acts.gdx.f(), acts.dffn.f()};
+  const ExpertBuffers buf{k.pre.dev_f(), k.act.dev_f(), acts.gx.dev_f(), acts.gy.dev_f(), acts.gdx.dev_f(), acts.dffn.dev_f()};
   if (cfg_.gated()) {  // the gate picks the rows' experts; the executor runs them
     GatePlan& gp = k.gplan;
-    gate_route(gp, acts.z.f(), k.a2.f(), w.rre, w.gate, acts.row_group.data(),
+    gate_route(gp, acts.z.dev_f(), k.a2.dev_f(), w.rre, w.gate, acts.row_group.data(),
                cfg_.experts_per_token(), cfg_.capacity_factor, N, d);
     gate_expert_plan(k.plan, gp);
-    gate_gather(acts.gate_x.f(), gp, k.a2.f(), d);
-    ops::fill(k.yg.f(), 0.0f, gp.assigned * d);
-    executor_->forward(l, rw, k.plan, buf, k.yg.f(), acts.gate_x.f(), gp.assigned, d, f);
-    tp_.all_reduce(k.yg.f(), gp.assigned * d);  // the rows' outputs, whole
-    gate_combine(out, k.yg.f(), gp, N, d);
+    gate_gather(acts.gate_x.dev_f(), gp, k.a2.dev_f(), d);
+    ops::fill(k.yg.dev_f(), 0.0f, gp.assigned * d);
+    executor_->forward(l, rw, k.plan, buf, k.yg.dev_f(), acts.gate_x.dev_f(), gp.assigned, d, f);
+    tp_.all_reduce(k.yg.dev_f(), gp.assigned * d);  // the rows' outputs, whole
+    gate_combine(out, k.yg.dev_f(), gp, N, d);
     if (recompute) return;
     aux_loss_ += double(cfg_.aux_loss_weight) * gp.aux;
     load.dropped += gp.dropped;
   } else {
     rre_plan(k.plan, w.rre, batch.tokens.data(), acts.row_group.data(), N);
-    add_tp_sum(tp_, out, acts.tp_sum.f(), N * d, [&](float* y) {
-      executor_->forward(l, rw, k.plan, buf, y, k.a2.f(), N, d, f);
+    add_tp_sum(tp_, out, acts.tp_sum.dev_f(), N * d, [&](float* y) {
+      executor_->forward(l, rw, k.plan, buf, y, k.a2.dev_f(), N, d, f);
     });
   }
   if (recompute) return;
@@ -434,37 +434,37 @@ static void for_each_slot_run(const ModelConfig& cfg, const Batch& batch, int64_
 void Model::head(const Batch& batch, Activations& a, float* token_loss,
                  const float* loss_weight) {
   const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab / tp_.size;
-  ops::layernorm_forward(a.hf.f(), a.meanf.f(), a.rstdf.f(), a.h_final.f(), w_->lnf_w.v,
+  ops::layernorm_forward(a.hf.dev_f(), a.meanf.dev_f(), a.rstdf.dev_f(), a.h_final.dev_f(), w_->lnf_w.v,
                          w_->lnf_b.v, N, d);
   for_each_slot_run(cfg_, batch, V, [&](int64_t r0, int64_t rows, int64_t e0) {
     if (w_->tokens.q)
-      ops::gemm_nt_i8(a.logits.f() + r0 * V, a.hf.f() + r0 * d, w_->tokens.q + e0,
+      ops::gemm_nt_i8(a.logits.dev_f() + r0 * V, a.hf.dev_f() + r0 * d, w_->tokens.q + e0,
                       w_->tokens.s + e0 / d, rows, d, V, d, d, V);
     else if (w_->tokens.h)
-      ops::gemm_nt_w16(a.logits.f() + r0 * V, a.hf.f() + r0 * d, w_->tokens.h + e0, rows, d, V,
+      ops::gemm_nt_w16(a.logits.dev_f() + r0 * V, a.hf.dev_f() + r0 * d, w_->tokens.h + e0, rows, d, V,
                        d, d, V);
     else
-      ops::gemm(false, true, rows, V, d, 1.0f, a.hf.f() + r0 * d, d, w_->tokens.v + e0, d,
-                0.0f, a.logits.f() + r0 * V, V);
+      ops::gemm(false, true, rows, V, d, 1.0f, a.hf.dev_f() + r0 * d, d, w_->tokens.v + e0, d,
+                0.0f, a.logits.dev_f() + r0 * V, V);
   });
   if (loss_weight) ops::upload(a.weight_d, loss_weight, size_t(N) * sizeof(float));
-  const float* grad_scale = loss_weight ? a.weight_d.f() : nullptr;
-  const int32_t* targets = a.targets_d.data<int32_t>();
+  const float* grad_scale = loss_weight ? a.weight_d.dev_f() : nullptr;
+  const int32_t* targets = a.targets_d.dev<int32_t>();
   if (!tp_.split()) {
-    ops::softmax_xent(a.logits.f(), a.loss_d.f(), targets, grad_scale, N, V);
+    ops::softmax_xent(a.logits.dev_f(), a.loss_d.dev_f(), targets, grad_scale, N, V);
   } else {  // each rank fills its [N, 3] of the stats, the others stay zero: an exact gather
     const int64_t v0 = V * tp_.rank;
-    ops::fill(a.xent_stats.f(), 0.0f, a.xent_stats.numel());
-    ops::xent_partial(a.xent_stats.f() + tp_.rank * N * 3, a.logits.f(), targets, v0, N, V);
-    tp_.all_reduce(a.xent_stats.f(), a.xent_stats.numel());
-    ops::xent_combine(a.logits.f(), a.loss_d.f(), a.xent_stats.f(), targets, grad_scale, v0,
+    ops::fill(a.xent_stats.dev_f(), 0.0f, a.xent_stats.numel());
+    ops::xent_partial(a.xent_stats.dev_f() + tp_.rank * N * 3, a.logits.dev_f(), targets, v0, N, V);
+    tp_.all_reduce(a.xent_stats.dev_f(), a.xent_stats.numel());
+    ops::xent_combine(a.logits.dev_f(), a.loss_d.dev_f(), a.xent_stats.dev_f(), targets, grad_scale, v0,
                       tp_.size, N, V);
   }
   if (token_loss) ops::download(token_loss, a.loss_d, size_t(N) * sizeof(float));
   a.has_grad = loss_weight != nullptr;
   // dL/dlogits feeds both products of head_backward: in bf16, converted once for the two.
   if (a.has_grad && ops::precision() == ops::Precision::Bf16)
-    ops::bf16_mirror_add(a.logits.f(), N * V);
+    ops::bf16_mirror_add(a.logits.dev_f(), N * V);
 }
 
 // From dL/dlogits to dL/dh of the last block's output, in a.dh. Vocabulary-parallel: dL/d hf
@@ -473,19 +473,19 @@ void Model::head(const Batch& batch, Activations& a, float* token_loss,
 void Model::head_backward(const Batch& batch, Activations& a) {
   const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab / tp_.size;
   zero(a.da);
-  add_tp_sum(tp_, a.da.f(), a.tp_sum.f(), N * d, [&](float* da) {
+  add_tp_sum(tp_, a.da.dev_f(), a.tp_sum.dev_f(), N * d, [&](float* da) {
     for_each_slot_run(cfg_, batch, V, [&](int64_t r0, int64_t rows, int64_t e0) {
-      ops::gemm(false, false, rows, d, V, 1.0f, a.logits.f() + r0 * V, V, w_->tokens.v + e0, d,
+      ops::gemm(false, false, rows, d, V, 1.0f, a.logits.dev_f() + r0 * V, V, w_->tokens.v + e0, d,
                 1.0f, da + r0 * d, d);
     });
   });
   for_each_slot_run(cfg_, batch, V, [&](int64_t r0, int64_t rows, int64_t e0) {
-    ops::gemm(true, false, V, d, rows, 1.0f, a.logits.f() + r0 * V, V, a.hf.f() + r0 * d, d,
+    ops::gemm(true, false, V, d, rows, 1.0f, a.logits.dev_f() + r0 * V, V, a.hf.dev_f() + r0 * d, d,
               1.0f, w_->tokens.g + e0, d);
   });
   zero(a.dh);
-  ops::layernorm_backward(a.dh.f(), w_->lnf_w.g, w_->lnf_b.g, a.da.f(), a.h_final.f(),
-                          a.meanf.f(), a.rstdf.f(), w_->lnf_w.v, N, d);
+  ops::layernorm_backward(a.dh.dev_f(), w_->lnf_w.g, w_->lnf_b.g, a.da.dev_f(), a.h_final.dev_f(),
+                          a.meanf.dev_f(), a.rstdf.dev_f(), w_->lnf_w.v, N, d);
 }
 
 // dh: dL/d(block output) on entry, dL/d(block input) on return.
@@ -496,14 +496,14 @@ void Model::block_backward(int l, const Batch& batch, Activations& a, float* dh)
   // FFN branch; the residual passes dh through unchanged.
   zero(a.da);
   if (!w.is_rre()) {
-    ffn_backward(a.da.f(), w.ffn_grad(), a.dffn.f(), dh, k.a2.f(), k.pre.f(), k.act.f(), w.ffn(),
+    ffn_backward(a.da.dev_f(), w.ffn_grad(), a.dffn.dev_f(), dh, k.a2.dev_f(), k.pre.dev_f(), k.act.dev_f(), w.ffn(),
                  N, d, fl);
-    tp_.all_reduce(a.da.f(), N * d);  // w_in is column-parallel: dL/da2 is the group's sum
+    tp_.all_reduce(a.da.dev_f(), N * d);  // w_in is column-parallel: dL/da2 is the group's sum
   } else {
     expert_backward(l, a, dh);
   }
-  ops::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.f(), k.mid.f(), k.mean2.f(),
-                          k.rstd2.f(), w.ln2_w.v, N, d);  // dh is now dL/d(mid)
+  ops::layernorm_backward(dh, w.ln2_w.g, w.ln2_b.g, a.da.dev_f(), k.mid.dev_f(), k.mean2.dev_f(),
+                          k.rstd2.dev_f(), w.ln2_w.v, N, d);  // dh is now dL/d(mid)
   attention_backward(l, batch, a, dh);
 }
 
@@ -512,19 +512,19 @@ void Model::expert_backward(int l, Activations& a, float* dh) {
   const int64_t N = int64_t(a.B) * a.T, d = cfg_.d_model, f = cfg_.ffn() / tp_.size;
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = a.block(l);
-  const ExpertBuffers buf{k.pre.f(), k.act.f(), a.gx.f(), a.gy.f(), a.gdx.f(), a.dffn.f()};
+  const ExpertBuffers buf{k.pre.dev_f(), k.act.dev_f(), a.gx.dev_f(), a.gy.dev_f(), a.gdx.dev_f(), a.dffn.dev_f()};
   if (!cfg_.gated()) {
-    executor_->backward(l, w.rre, k.plan, buf, a.da.f(), dh, k.a2.f(), N, d, f);
-    return tp_.all_reduce(a.da.f(), N * d);  // column-parallel w_in: dL/da2 is the group's sum
+    executor_->backward(l, w.rre, k.plan, buf, a.da.dev_f(), dh, k.a2.dev_f(), N, d, f);
+    return tp_.all_reduce(a.da.dev_f(), N * d);  // column-parallel w_in: dL/da2 is the group's sum
   }
   const GatePlan& gp = k.gplan;
-  gate_expert_dy(a.gate_dy.f(), a.dgate.f(), dh, k.yg.f(), gp, N, d);
-  gate_gather(a.gate_x.f(), gp, k.a2.f(), d);
-  ops::fill(a.gate_dx.f(), 0.0f, gp.assigned * d);
-  executor_->backward(l, w.rre, k.plan, buf, a.gate_dx.f(), a.gate_dy.f(), a.gate_x.f(),
+  gate_expert_dy(a.gate_dy.dev_f(), a.dgate.dev_f(), dh, k.yg.dev_f(), gp, N, d);
+  gate_gather(a.gate_x.dev_f(), gp, k.a2.dev_f(), d);
+  ops::fill(a.gate_dx.dev_f(), 0.0f, gp.assigned * d);
+  executor_->backward(l, w.rre, k.plan, buf, a.gate_dx.dev_f(), a.gate_dy.dev_f(), a.gate_x.dev_f(),
                       gp.assigned, d, f);
-  tp_.all_reduce(a.gate_dx.f(), gp.assigned * d);
-  gate_backward_rest(a.da.f(), a.z.f(), a.gate_dx.f(), a.dgate.f(), k.a2.f(), gp, w.rre, w.gate,
+  tp_.all_reduce(a.gate_dx.dev_f(), gp.assigned * d);
+  gate_backward_rest(a.da.dev_f(), a.z.dev_f(), a.gate_dx.dev_f(), a.dgate.dev_f(), k.a2.dev_f(), gp, w.rre, w.gate,
                      a.row_group.data(), float(a.weight_sum * cfg_.aux_loss_weight), N, d);
 }
 
@@ -537,42 +537,42 @@ void Model::attention_backward(int l, const Batch& batch, Activations& a, float*
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = a.block(l);
   const float scale = 1.0f / std::sqrt(float(hd));
-  ops::AttnOperand q{k.qkv.f(), 3 * dl, T * 3 * dl};
-  if (query_layer) q = {k.qtop.f(), dl, 0};
-  const ops::AttnOperand kk{k.qkv.f() + dl, 3 * dl, T * 3 * dl};
-  const ops::AttnOperand vv{k.qkv.f() + 2 * dl, 3 * dl, T * 3 * dl};
+  ops::AttnOperand q{k.qkv.dev_f(), 3 * dl, T * 3 * dl};
+  if (query_layer) q = {k.qtop.dev_f(), dl, 0};
+  const ops::AttnOperand kk{k.qkv.dev_f() + dl, 3 * dl, T * 3 * dl};
+  const ops::AttnOperand vv{k.qkv.dev_f() + 2 * dl, 3 * dl, T * 3 * dl};
   float* att = a.att(l);
   if (a.remat == Remat::Attention)  // the same call on the same inputs: the same bits
-    ops::flash_attention_forward(att, k.lse.f(), q, kk, vv, {B, T, T, Hl, hd}, scale);
+    ops::flash_attention_forward(att, k.lse.dev_f(), q, kk, vv, {B, T, T, Hl, hd}, scale);
   zero(a.datt);
   // Row-parallel output: its input gradient and weight gradient are this rank's rows alone.
-  ops::linear_backward(a.datt.f(), w.out_w.g, w.out_b.g, dh, att, w.out_w.v, N, dl, d);
+  ops::linear_backward(a.datt.dev_f(), w.out_w.g, w.out_b.g, dh, att, w.out_w.v, N, dl, d);
   zero(a.dqkv);
   // dq always gets per-row storage (the q third of dqkv), even when q is shared.
-  float* dqkv = a.dqkv.f();
+  float* dqkv = a.dqkv.dev_f();
   ops::flash_attention_backward({dqkv, 3 * dl, T * 3 * dl}, {dqkv + dl, 3 * dl, T * 3 * dl},
-                                {dqkv + 2 * dl, 3 * dl, T * 3 * dl}, a.datt.f(), att, k.lse.f(),
+                                {dqkv + 2 * dl, 3 * dl, T * 3 * dl}, a.datt.dev_f(), att, k.lse.dev_f(),
                                 q, kk, vv, {B, T, T, Hl, hd}, scale);
   zero(a.da);
   if (!query_layer) {
-    ops::linear_backward(a.da.f(), w.qkv_w.g, w.qkv_b.g, dqkv, k.a1.f(), w.qkv_w.v, N, d, 3 * dl);
+    ops::linear_backward(a.da.dev_f(), w.qkv_w.g, w.qkv_b.g, dqkv, k.a1.dev_f(), w.qkv_w.v, N, d, 3 * dl);
   } else {
-    ops::linear_backward(a.da.f(), w.qkv_w.g + dl, w.qkv_b.g + dl, dqkv + dl, k.a1.f(),
+    ops::linear_backward(a.da.dev_f(), w.qkv_w.g + dl, w.qkv_b.g + dl, dqkv + dl, k.a1.dev_f(),
                          w.qkv_w.v + dl, N, d, 2 * dl, {d, 3 * dl, 3 * dl});
     // The shared query: sum dq over the batch, then back through W_q to the query table
     // (column-parallel: the table's gradient is the group's sum).
     zero(a.dq_shared);
-    float* dq = a.dq_shared.f();
+    float* dq = a.dq_shared.dev_f();
     for (int b = 0; b < B; ++b)
       for (int t = 0; t < T; ++t) ops::add_into(dq + int64_t(t) * dl, dqkv + (int64_t(b) * T + t) * 3 * dl, dl);
-    add_tp_sum(tp_, w.query.g, a.tp_sum.f(), T * d, [&](float* dquery) {
+    add_tp_sum(tp_, w.query.g, a.tp_sum.dev_f(), T * d, [&](float* dquery) {
       ops::linear_backward(dquery, w.qkv_w.g, w.qkv_b.g, dq, w.query.v, w.qkv_w.v, T, d, dl,
                            {d, 3 * dl, dl});
     });
   }
-  tp_.all_reduce(a.da.f(), N * d);  // QKV is column-parallel: dL/da1 is the group's sum
-  ops::layernorm_backward(dh, w.ln1_w.g, w.ln1_b.g, a.da.f(), a.blocks[size_t(l)].x.f(),
-                          k.mean1.f(), k.rstd1.f(), w.ln1_w.v, N, d);  // dL/d(block input)
+  tp_.all_reduce(a.da.dev_f(), N * d);  // QKV is column-parallel: dL/da1 is the group's sum
+  ops::layernorm_backward(dh, w.ln1_w.g, w.ln1_b.g, a.da.dev_f(), a.blocks[size_t(l)].x.dev_f(),
+                          k.mean1.dev_f(), k.rstd1.dev_f(), w.ln1_w.v, N, d);  // dL/d(block input)
 }
 
 }  // namespace sigma

@@ -85,7 +85,7 @@ void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const f
   }
   // The slice's rows are contiguous in plan order: r0 .. r0 + n.
   const int64_t r0 = p.start[size_t(s.begin)], n = p.start[size_t(s.end)] - r0;
-  const int32_t* order = p.order_d.data<int32_t>() + r0;
+  const int32_t* order = p.order_d.dev<int32_t>() + r0;
   // gy starts as the rows of y, so each expert adds onto them in place and the scatter is a
   // plain copy: every row gets y + FFN(x) in the same arithmetic as the dense block.
   ops::gather_rows(gx + r0 * d, x, order, n, d);
@@ -111,7 +111,7 @@ void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, 
     return;
   }
   const int64_t r0 = p.start[size_t(s.begin)], n = p.start[size_t(s.end)] - r0;
-  const int32_t* order = p.order_d.data<int32_t>() + r0;
+  const int32_t* order = p.order_d.dev<int32_t>() + r0;
   ops::gather_rows(gx + r0 * d, x, order, n, d);
   ops::gather_rows(gdy + r0 * d, dy, order, n, d);
   ops::fill(gdx + r0 * d, 0.0f, n * d);

@@ -100,7 +100,7 @@ namespace {
 
 PV pv(ParamSet& ps, const std::string& name) {
   Param& p = ps.at(name);
-  return PV{p.value.f(), p.grad.f()};
+  return PV{p.value.dev_f(), p.grad.dev_f()};
 }
 
 // Block l's experts, routing tables and gates, group by group.

@@ -51,7 +51,7 @@ AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params, std::vector<uint8_t
 void UpdateMask::mask_grads(ParamSet& params) const {
   auto& ps = params.all();
   for (size_t i = 0; i < ps.size(); ++i) {
-    float* g = ps[i].grad.f();  // device memory: only ops touch it
+    float* g = ps[i].grad.dev_f();  // device memory: only ops touch it
     const int64_t n = ps[i].grad.numel();
     if (!frozen.empty() && frozen[i]) {
       ops::fill(g, 0.0f, n);
@@ -76,8 +76,8 @@ void AdamW::lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_
   for (auto [b, e] : ranges)
     for (int64_t r = b; r < e; ++r) list.push_back(r);
   AdamStepArgs a = args(p, lr, eps, grad_scale, 0);
-  float *w = p.value.f(), *m = s.m.f(), *v = s.v.f();
-  const float* g = p.grad.f();
+  float *w = p.value.dev_f(), *m = s.m.dev_f(), *v = s.v.dev_f();
+  const float* g = p.grad.dev_f();
   const int64_t n = int64_t(list.size());
 #pragma omp parallel for schedule(static) firstprivate(a) if (n * width > (int64_t(1) << 16))
   for (int64_t k = 0; k < n; ++k) {
@@ -112,8 +112,8 @@ void AdamW::step(ParamSet& params, float lr, float grad_scale, const UpdateMask*
     }
     s.step += 1;
     const AdamStepArgs a = args(ps[i], lr, eps0, grad_scale, s.step);
-    float *w = ps[i].value.f(), *m = s.m.f(), *v = s.v.f();
-    const float* g = ps[i].grad.f();
+    float *w = ps[i].value.dev_f(), *m = s.m.dev_f(), *v = s.v.dev_f();
+    const float* g = ps[i].grad.dev_f();
     if (mask && !mask->rows.empty() && !mask->rows[i].empty()) {
       const int64_t width = ps[i].value.numel() / ps[i].value.dim(0);
       for (auto [b, e] : mask->rows[i])

@@ -24,7 +24,7 @@ std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<uint8_t>
       experts.push_back(i);
       continue;
     }
-    parts.push_back(mine(i) ? sum_sq(p.grad.f(), p.grad.numel()) : 0.0);
+    parts.push_back(mine(i) ? sum_sq(p.grad.dev_f(), p.grad.numel()) : 0.0);
   }
   // Registration order is block, group, leaf: each run of tensors with the same leading K is
   // one (block, group); within it, expert k's leaves in order.
@@ -38,7 +38,7 @@ std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<uint8_t>
       for (size_t t = first; t < last; ++t) {
         const Param& p = all[experts[t]];
         const int64_t per = p.grad.numel() / K;
-        parts.push_back(mine(experts[t]) ? sum_sq(p.grad.f() + k * per, per) : 0.0);
+        parts.push_back(mine(experts[t]) ? sum_sq(p.grad.dev_f() + k * per, per) : 0.0);
       }
     first = last;
   }

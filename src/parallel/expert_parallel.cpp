@@ -45,7 +45,7 @@ constexpr int64_t kStepFloats = 2;  // an int64 step count carried in two floats
 void reserve(Tensor& t, int64_t n, int64_t keep = 0) {
   if (t.numel() >= n) return;
   Tensor bigger = ops::empty(DType::F32, {n});
-  if (keep > 0) ops::copy(bigger.f(), t.f(), keep);
+  if (keep > 0) ops::copy(bigger.dev_f(), t.dev_f(), keep);
   t = std::move(bigger);
 }
 
@@ -65,14 +65,14 @@ void gather_plan_rows(float* dst, const float* src, const RrePlan& p, int64_t r0
                       int64_t d) {
   if (n == 0) return;
   if (p.single >= 0) return ops::copy(dst, src + r0 * d, n * d);
-  ops::gather_rows(dst, src, p.order_d.data<int32_t>() + r0, n, d);
+  ops::gather_rows(dst, src, p.order_d.dev<int32_t>() + r0, n, d);
 }
 void scatter_plan_rows(float* dst, const float* src, const RrePlan& p, int64_t r0, int64_t n,
                        int64_t d, bool accumulate) {
   if (n == 0) return;
   if (p.single >= 0)
     return accumulate ? ops::add_into(dst + r0 * d, src, n * d) : ops::copy(dst + r0 * d, src, n * d);
-  ops::scatter_rows(dst, src, p.order_d.data<int32_t>() + r0, n, d, accumulate);
+  ops::scatter_rows(dst, src, p.order_d.dev<int32_t>() + r0, n, d, accumulate);
 }
 
 }  // namespace
@@ -213,7 +213,7 @@ void ExpertParallel::bind_step_experts(std::span<const Batch> micro) {
   std::vector<float*> dst;
   for (int64_t i = 0; i < n; ++i) {
     local_ids.push_back(local(ids_[size_t(i)]));
-    dst.push_back(w_.f() + i * stride_);
+    dst.push_back(w_.dev_f() + i * stride_);
   }
   if (n > 0) store_->gather(local_ids, dst);
   for (int64_t i = 0; i < n; ++i) {
@@ -258,7 +258,7 @@ void ExpertParallel::begin_micro_batch(size_t j) {
   in_micro_ = true;
   const int64_t n = int64_t(ids_.size()) * stride_;
   for (size_t r = 0; r < leaf_.size(); ++r)
-    if (source_[r] && n > 0) ops::fill(leaf_[r].f(), 0.0f, n);
+    if (source_[r] && n > 0) ops::fill(leaf_[r].dev_f(), 0.0f, n);
 }
 
 void ExpertParallel::end_micro_batch() {
@@ -269,7 +269,7 @@ void ExpertParallel::end_micro_batch() {
   for (size_t r = 0; r < leaf_.size(); ++r)
     if (source_[r]) {
       std::vector<float> h;
-      download_to(h, leaf_[r].f(), leaf);
+      download_to(h, leaf_[r].dev_f(), leaf);
       trees_[r].push(std::move(h));
     }
   if (j_ + 1 < k_) return;
@@ -382,10 +382,10 @@ void ExpertParallel::forward(int block, const RreWeights& w, const RrePlan& p,
     reserve(rows_d_, 2 * rows_g * d);
     for (int64_t m = 0, at = 0; m < c.size(); at += send_rows[size_t(m)], ++m) {
       const int64_t n = send_rows[size_t(m)];
-      gather_plan_rows(rows_d_.f() + 2 * at * d, x, p, r0 + at, n, d);
-      gather_plan_rows(rows_d_.f() + (2 * at + n) * d, y, p, r0 + at, n, d);
+      gather_plan_rows(rows_d_.dev_f() + 2 * at * d, x, p, r0 + at, n, d);
+      gather_plan_rows(rows_d_.dev_f() + (2 * at + n) * d, y, p, r0 + at, n, d);
     }
-    download_to(send, rows_d_.f(), 2 * rows_g * d);
+    download_to(send, rows_d_.dev_f(), 2 * rows_g * d);
     // In: each member's rows for this rank's experts, known from its plan.
     std::vector<int64_t> recv_rows(size_t(c.size()), 0);
     const size_t first_chunk = s.chunks.size();
@@ -414,19 +414,19 @@ void ExpertParallel::forward(int block, const RreWeights& w, const RrePlan& p,
       const Chunk& ch = s.chunks[i];
       const size_t bytes = size_t(ch.rows * d) * sizeof(float);
       const float* in = recv.data() + 2 * (ch.at - base) * d;
-      float* yr = out_d_.f() + (ch.at - base) * d;
-      ops::upload(s.x.f() + ch.at * d, in, bytes);
+      float* yr = out_d_.dev_f() + (ch.at - base) * d;
+      ops::upload(s.x.dev_f() + ch.at * d, in, bytes);
       ops::upload(yr, in + ch.rows * d, bytes);
       reserve(gx_, ch.rows * d);
       reserve(gy_, ch.rows * d);
-      rre_forward(yr, s.pre.f() + ch.at * f, s.act.f() + ch.at * f, gx_.f(), gy_.f(),
-                  s.x.f() + ch.at * d, w, ch.plan, ch.slice, ch.rows, d, f);
+      rre_forward(yr, s.pre.dev_f() + ch.at * f, s.act.dev_f() + ch.at * f, gx_.dev_f(), gy_.dev_f(),
+                  s.x.dev_f() + ch.at * d, w, ch.plan, ch.slice, ch.rows, d, f);
     }
     // Back: y + FFN(x) of every row, to the rank it came from.
-    download_to(out, out_d_.f(), (held - base) * d);
+    download_to(out, out_d_.dev_f(), (held - base) * d);
     exchange(c, out, recv_rows, back, send_rows, d);
-    upload_from(rows_d_.f(), back);
-    scatter_plan_rows(y, rows_d_.f(), p, r0, rows_g, d, /*accumulate=*/false);
+    upload_from(rows_d_.dev_f(), back);
+    scatter_plan_rows(y, rows_d_.dev_f(), p, r0, rows_g, d, /*accumulate=*/false);
   }
 }
 
@@ -445,8 +445,8 @@ void ExpertParallel::backward(int block, const RreWeights& w, const RrePlan& p,
     const std::vector<int64_t> send_rows = rows_per_holder(gr, p);
     const int64_t r0 = p.start[size_t(gr.E0)], rows_g = p.start[size_t(gr.E0 + gr.K)] - r0;
     reserve(rows_d_, rows_g * d);
-    gather_plan_rows(rows_d_.f(), dy, p, r0, rows_g, d);
-    download_to(send, rows_d_.f(), rows_g * d);
+    gather_plan_rows(rows_d_.dev_f(), dy, p, r0, rows_g, d);
+    download_to(send, rows_d_.dev_f(), rows_g * d);
     std::vector<int64_t> recv_rows(size_t(c.size()), 0);
     for (const Chunk& ch : s.chunks)
       if (ch.g == int(g)) recv_rows[size_t(ch.member)] = ch.rows;
@@ -454,29 +454,29 @@ void ExpertParallel::backward(int block, const RreWeights& w, const RrePlan& p,
     const int64_t rows = int64_t(recv.size()) / d;  // this group's chunks' rows
     reserve(in_d_, rows * d);
     reserve(out_d_, rows * d);
-    upload_from(in_d_.f(), recv);
-    if (rows > 0) ops::fill(out_d_.f(), 0.0f, rows * d);
+    upload_from(in_d_.dev_f(), recv);
+    if (rows > 0) ops::fill(out_d_.dev_f(), 0.0f, rows * d);
     int64_t o = 0;  // rows of this group's chunks so far
     for (const Chunk& ch : s.chunks) {
       if (ch.g != int(g)) continue;
       RreWeights wl = w;  // the experts' gradients go to the source's leaf
       for (int e = ch.slice.begin; e < ch.slice.end; ++e) {
         const int32_t slot = slot_[size_t(bi) * size_t(E_) + size_t(e)];
-        if (slot >= 0) wl.expert_grad[size_t(e)] = grads_at(leaf_[size_t(ch.source)].f() + slot * stride_, layout);
+        if (slot >= 0) wl.expert_grad[size_t(e)] = grads_at(leaf_[size_t(ch.source)].dev_f() + slot * stride_, layout);
       }
       reserve(scratch_, 2 * ch.rows * f);
       reserve(gx_, ch.rows * d);
       reserve(gy_, ch.rows * d);
       reserve(gdx_, ch.rows * d);
-      rre_backward(out_d_.f() + o * d, scratch_.f(), gx_.f(), gy_.f(), gdx_.f(),
-                   in_d_.f() + o * d, s.x.f() + ch.at * d, s.pre.f() + ch.at * f,
-                   s.act.f() + ch.at * f, wl, ch.plan, ch.slice, ch.rows, d, f);
+      rre_backward(out_d_.dev_f() + o * d, scratch_.dev_f(), gx_.dev_f(), gy_.dev_f(), gdx_.dev_f(),
+                   in_d_.dev_f() + o * d, s.x.dev_f() + ch.at * d, s.pre.dev_f() + ch.at * f,
+                   s.act.dev_f() + ch.at * f, wl, ch.plan, ch.slice, ch.rows, d, f);
       o += ch.rows;
     }
-    download_to(out, out_d_.f(), rows * d);
+    download_to(out, out_d_.dev_f(), rows * d);
     exchange(c, out, recv_rows, back, send_rows, d);
-    upload_from(rows_d_.f(), back);
-    scatter_plan_rows(dx, rows_d_.f(), p, r0, rows_g, d, /*accumulate=*/true);
+    upload_from(rows_d_.dev_f(), back);
+    scatter_plan_rows(dx, rows_d_.dev_f(), p, r0, rows_g, d, /*accumulate=*/true);
   }
 }
 
@@ -484,14 +484,14 @@ void ExpertParallel::forward_replicated(const RreWeights& w, const RrePlan& p,
                                         const ExpertBuffers& b, float* y, const float* x,
                                         int64_t N, int64_t d, int64_t f) {
   reserve(out_d_, N * d);
-  ops::copy(out_d_.f(), y, N * d);
+  ops::copy(out_d_.dev_f(), y, N * d);
   const bool side = whole_plan(p).side_by_side;
   for (const Group& gr : groups_)
     if (gr.count > 0)
-      rre_forward(out_d_.f(), b.pre, b.act, b.gx, b.gy, x, w, p,
+      rre_forward(out_d_.dev_f(), b.pre, b.act, b.gx, b.gy, x, w, p,
                   {gr.E0 + gr.first, gr.E0 + gr.first + gr.count, side}, N, d, f);
   std::vector<float> ours, mine(size_t(N * d), 0.0f);  // host: the all-reduce's buffers
-  download_to(ours, out_d_.f(), N * d);
+  download_to(ours, out_d_.dev_f(), N * d);
   for (int64_t i = 0; i < N; ++i)
     if (mine_[size_t(p.expert[size_t(i)])])
       std::memcpy(mine.data() + i * d, ours.data() + i * d, size_t(d) * sizeof(float));

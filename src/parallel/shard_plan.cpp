@@ -49,7 +49,7 @@ class OwnerStreams {
     tensors_.resize(size_t(plan.ranks));
     auto add = [&](size_t i) {
       Tensor& t = grads ? all[i].grad : all[i].value;
-      tensors_[size_t(plan.owner[i])].push_back({t.f(), size_t(t.numel())});
+      tensors_[size_t(plan.owner[i])].push_back({t.dev_f(), size_t(t.numel())});
       lengths_[size_t(plan.owner[i])] += size_t(t.numel());
     };
     if (only)

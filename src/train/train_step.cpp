@@ -26,14 +26,14 @@ class GradTree {
     Tensor leaf = ops::empty(DType::F32, {ps.numel()});
     int64_t at = 0;
     for (const Param& p : ps.all()) {
-      ops::copy(leaf.f() + at, p.grad.f(), p.grad.numel());
+      ops::copy(leaf.dev_f() + at, p.grad.dev_f(), p.grad.numel());
       at += p.grad.numel();
     }
     stack_.push_back({0, std::move(leaf)});
     while (stack_.size() >= 2 && stack_[stack_.size() - 2].first == stack_.back().first) {
       Tensor right = std::move(stack_.back().second);
       stack_.pop_back();
-      ops::add_into(stack_.back().second.f(), right.f(), right.numel());
+      ops::add_into(stack_.back().second.dev_f(), right.dev_f(), right.numel());
       stack_.back().first += 1;
     }
   }
@@ -42,13 +42,13 @@ class GradTree {
     SIGMA_CHECK(!stack_.empty(), "GradTree: no leaf");
     Tensor total = std::move(stack_.back().second);
     for (size_t i = stack_.size() - 1; i-- > 0;) {  // S1 + (S2 + (... + Sm))
-      ops::add_into(stack_[i].second.f(), total.f(), total.numel());
+      ops::add_into(stack_[i].second.dev_f(), total.dev_f(), total.numel());
       std::swap(total, stack_[i].second);
     }
     stack_.clear();
     int64_t at = 0;
     for (Param& p : ps.all()) {
-      ops::copy(p.grad.f(), total.f() + at, p.grad.numel());
+      ops::copy(p.grad.dev_f(), total.dev_f() + at, p.grad.numel());
       at += p.grad.numel();
     }
   }
