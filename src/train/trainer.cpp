@@ -647,6 +647,7 @@ void RunLoop::checkpoint() {
   state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
   if (run_dir_) run_dir_->sync_metrics();  // the records up to it as durable as the checkpoint
   if (!saver_) {
+    if (run_.saving) run_.saving(state_.step);
     save_checkpoint(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
                     expert_files(), &comm_, &grid_->tensor());
     after_save();
@@ -654,6 +655,8 @@ void RunLoop::checkpoint() {
   }
   collect_save(true);  // one save in flight at most; the last one's error surfaces here
   SaveSnapshot files = saver_->snapshot();
+  if (run_.saving)
+    files.add_first([f = run_.saving, step = state_.step](CheckpointWriter&) { f(step); });
   snapshot_checkpoint(files, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
                       experts_.get());
   saver_->start(ckpt_root_, checkpoint_name(state_.step), std::move(files));
