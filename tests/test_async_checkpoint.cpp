@@ -163,7 +163,7 @@ TEST(AsyncCheckpoint, TheNextStepRunsWhileASaveIsWritten) {
   TempDir tmp("async-overlap");
   for (const std::string experts : {"auto", "model"}) {  // ECSS (store read late) and in-model
     EXPECT_EQ(saves_overlapping_a_step(small_config(true, experts), tmp / ("bg-" + experts),
-                                       std::chrono::seconds(60)), 3) << experts;
+                                       std::chrono::seconds(20)), 3) << experts;
   }
   EXPECT_EQ(saves_overlapping_a_step(small_config(false), tmp / "fg", std::chrono::milliseconds(200)), 0);
 }
@@ -253,7 +253,7 @@ TEST(AsyncCheckpoint, AnErrorDuringABackgroundSaveLetsItCommitFirst) {
   };
   r.saving = [&](int64_t step) {
     if (step == 4) {
-      EXPECT_TRUE(wait_for(thrown, std::chrono::seconds(60)));
+      EXPECT_TRUE(wait_for(thrown, std::chrono::seconds(20)));
     }
   };
   const std::string e = error_of([&] { train(small_config(true), r); });
