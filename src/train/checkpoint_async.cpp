@@ -35,23 +35,23 @@ void SaveSnapshot::add_safetensors(const std::string& file, const std::vector<Te
   int64_t total = 0;
   for (const TensorRef& t : tensors) total += ref_bytes(t);
   if (used_ == buffers_->size()) buffers_->emplace_back();
-  std::vector<std::byte>& buf = (*buffers_)[used_++];
-  buf.resize(size_t(total));  // the same size at every save: no new memory after the first
+  SnapshotBuffer& buf = (*buffers_)[used_++];
+  if (buf.size != total)  // the same size at every save: no new memory after the first
+    buf.data.reset(new std::byte[size_t(total)]), buf.size = total;
   std::vector<TensorRef> copies;
   int64_t at = 0;
   for (const TensorRef& t : tensors) {
     const int64_t n = ref_bytes(t);
     if (t.parts.empty()) {
-      copy_bytes(buf.data() + at, t.data, n);
+      copy_bytes(buf.data.get() + at, t.data, n);
     } else {
       const int64_t piece = n / int64_t(t.parts.size());
       for (size_t p = 0; p < t.parts.size(); ++p)
-        copy_bytes(buf.data() + at + int64_t(p) * piece, t.parts[p], piece);
+        copy_bytes(buf.data.get() + at + int64_t(p) * piece, t.parts[p], piece);
     }
-    copies.push_back({t.name, t.dtype, t.shape, buf.data() + at});
+    copies.push_back({t.name, t.dtype, t.shape, buf.data.get() + at});
     at += n;
   }
-  bytes_ += total;
   later_.push_back([file, copies = std::move(copies), meta](CheckpointWriter& w) {
     w.add_safetensors(file, copies, meta);
   });
@@ -117,12 +117,6 @@ std::string BackgroundSaver::wait() {
   }
   fail("checkpoint {} was not saved (written in the background, train.ckpt_async): {}; the "
        "checkpoints committed before it are intact", name_, what);
-}
-
-int64_t BackgroundSaver::buffer_bytes() const {
-  int64_t n = 0;
-  for (const auto& b : buffers_) n += int64_t(b.size());
-  return n;
 }
 
 }  // namespace sigma

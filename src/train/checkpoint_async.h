@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -17,11 +18,17 @@
 
 namespace sigma {
 
+// A snapshot buffer, kept from save to save (not zeroed: every byte is copied over).
+struct SnapshotBuffer {
+  std::unique_ptr<std::byte[]> data;
+  int64_t size = 0;
+};
+
 // One save's files, taken now and written later by write(). It has CheckpointWriter's adding
 // calls, so the code that decides what a checkpoint holds serves both (train/checkpoint.cpp).
 class SaveSnapshot {
  public:
-  explicit SaveSnapshot(std::vector<std::vector<std::byte>>& buffers) : buffers_(&buffers) {}
+  explicit SaveSnapshot(std::vector<SnapshotBuffer>& buffers) : buffers_(&buffers) {}
   SaveSnapshot(SaveSnapshot&&) = default;
   SaveSnapshot& operator=(SaveSnapshot&&) = default;
 
@@ -37,12 +44,10 @@ class SaveSnapshot {
 
   void write(CheckpointWriter& w);  // the writer thread: every file, in order
   void clear() { first_.clear(), later_.clear(); }  // drops what holds live state
-  int64_t bytes() const { return bytes_; }          // copied into the buffers
 
  private:
-  std::vector<std::vector<std::byte>>* buffers_;
+  std::vector<SnapshotBuffer>* buffers_;
   size_t used_ = 0;  // buffers taken by this snapshot
-  int64_t bytes_ = 0;
   std::vector<std::function<void(CheckpointWriter&)>> first_, later_;
 };
 
@@ -62,10 +67,9 @@ class BackgroundSaver {
   // Waits for the save in flight and returns its committed directory; its error, if it
   // failed, as a sigma::Error naming the checkpoint (the earlier ones are untouched).
   std::string wait();
-  int64_t buffer_bytes() const;  // the snapshot buffers held
 
  private:
-  std::vector<std::vector<std::byte>> buffers_;
+  std::vector<SnapshotBuffer> buffers_;
   std::thread writer_;
   std::atomic<bool> done_{false};
   std::string name_, dir_;
