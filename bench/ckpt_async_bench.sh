@@ -29,8 +29,8 @@ run() {
   rm -rf "$W/out"
   "$SIGMA" train "${model[@]}" --set train.steps="$STEPS" --set train.log_every=1 \
     --set train.ckpt_every="$EVERY" --set train.ckpt_async="$1" --out "$W/out" 2>&1 |
-    tr '\r' '\n' | while IFS= read -r line; do
-      [[ $line =~ ^step\ +([0-9]+)/ ]] && echo "${BASH_REMATCH[1]} $(date +%s.%N)"
+    while IFS= read -r line; do  # a line a step (stderr is not a terminal), unbuffered
+      if [[ $line =~ ^step\ +([0-9]+)/ ]]; then echo "${BASH_REMATCH[1]} $(date +%s.%N)"; fi
     done >"$W/times"
   rm -rf "$W/out"
   python3 - "$W/times" "$EVERY" <<'EOF'

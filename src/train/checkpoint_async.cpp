@@ -2,9 +2,12 @@
 
 #include <fmt/format.h>
 #include <pthread.h>
+#include <sys/mman.h>
 
+#include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <utility>
 
 #include "core/error.h"
 
@@ -30,26 +33,48 @@ void copy_bytes(std::byte* to, const void* from, int64_t n) {
 
 }  // namespace
 
+SnapshotBuffer::~SnapshotBuffer() { resize(0); }
+
+SnapshotBuffer::SnapshotBuffer(SnapshotBuffer&& o) noexcept
+    : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+
+SnapshotBuffer& SnapshotBuffer::operator=(SnapshotBuffer&& o) noexcept {
+  std::swap(data_, o.data_), std::swap(size_, o.size_);
+  return *this;
+}
+
+void SnapshotBuffer::resize(int64_t size) {
+  if (size == size_) return;
+  if (data_) ::munmap(data_, size_t(size_));
+  data_ = nullptr, size_ = 0;
+  if (size == 0) return;
+  void* p = ::mmap(nullptr, size_t(size), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  SIGMA_CHECK(p != MAP_FAILED, "cannot allocate {} bytes for a checkpoint snapshot "
+              "(train.ckpt_async): {}; set train.ckpt_async = false to save without one",
+              size, std::strerror(errno));
+  ::madvise(p, size_t(size), MADV_HUGEPAGE);  // a hint; failures are fine
+  data_ = static_cast<std::byte*>(p), size_ = size;
+}
+
 void SaveSnapshot::add_safetensors(const std::string& file, const std::vector<TensorRef>& tensors,
                                    const Metadata& meta) {
   int64_t total = 0;
   for (const TensorRef& t : tensors) total += ref_bytes(t);
   if (used_ == buffers_->size()) buffers_->emplace_back();
   SnapshotBuffer& buf = (*buffers_)[used_++];
-  if (buf.size != total)  // the same size at every save: no new memory after the first
-    buf.data.reset(new std::byte[size_t(total)]), buf.size = total;
+  buf.resize(total);  // the same size at every save: no new memory after the first
   std::vector<TensorRef> copies;
   int64_t at = 0;
   for (const TensorRef& t : tensors) {
     const int64_t n = ref_bytes(t);
     if (t.parts.empty()) {
-      copy_bytes(buf.data.get() + at, t.data, n);
+      copy_bytes(buf.data() + at, t.data, n);
     } else {
       const int64_t piece = n / int64_t(t.parts.size());
       for (size_t p = 0; p < t.parts.size(); ++p)
-        copy_bytes(buf.data.get() + at + int64_t(p) * piece, t.parts[p], piece);
+        copy_bytes(buf.data() + at + int64_t(p) * piece, t.parts[p], piece);
     }
-    copies.push_back({t.name, t.dtype, t.shape, buf.data.get() + at});
+    copies.push_back({t.name, t.dtype, t.shape, buf.data() + at});
     at += n;
   }
   later_.push_back([file, copies = std::move(copies), meta](CheckpointWriter& w) {

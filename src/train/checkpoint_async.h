@@ -8,7 +8,6 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
-#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -18,10 +17,20 @@
 
 namespace sigma {
 
-// A snapshot buffer, kept from save to save (not zeroed: every byte is copied over).
-struct SnapshotBuffer {
-  std::unique_ptr<std::byte[]> data;
-  int64_t size = 0;
+// A snapshot buffer, kept from save to save: anonymous memory in transparent huge pages where
+// the kernel gives them (the first save's page faults cost seconds in 4 KiB pages on a VM).
+class SnapshotBuffer {
+ public:
+  SnapshotBuffer() = default;
+  ~SnapshotBuffer();
+  SnapshotBuffer(SnapshotBuffer&& o) noexcept;
+  SnapshotBuffer& operator=(SnapshotBuffer&& o) noexcept;
+  void resize(int64_t size);  // contents lost when the size changes
+  std::byte* data() const { return data_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  int64_t size_ = 0;
 };
 
 // One save's files, taken now and written later by write(). It has CheckpointWriter's adding
