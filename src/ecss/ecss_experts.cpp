@@ -114,6 +114,7 @@ EcssExperts::EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim
 
 EcssExperts::~EcssExperts() {
   join_prefetch();
+  join_store_reader();
   model_.set_expert_executor(nullptr);
 }
 
@@ -391,6 +392,7 @@ void EcssExperts::append_grad_sq_parts(std::vector<double>& parts) const {
 
 void EcssExperts::update(float lr, float grad_scale) {
   join_prefetch();
+  join_store_reader();  // a background save still reading the records this step changes
   const AdamStepArgs a = expert_adam_args(optim_, lr, grad_scale);
   std::vector<ExpertId> update;
   std::vector<const float*> grads;
@@ -413,27 +415,54 @@ void EcssExperts::update(float lr, float grad_scale) {
   reset_pool(0);  // the copies are stale now
 }
 
-void EcssExperts::add_checkpoint_files(CheckpointWriter& w) const {
+void EcssExperts::write_groups(CheckpointWriter& w, const std::vector<uint8_t>& changed,
+                               const std::string& base) const {
   const ModelConfig& cfg = model_.config();
   for (size_t gi = 0; gi < store_.spec().groups.size(); ++gi) {
     const ExpertGroupSpec& gs = store_.spec().groups[gi];
-    const bool reuse = !changed_[gi] && !last_checkpoint_.empty();
+    const bool reuse = !changed[gi] && !base.empty();
     const std::string name = cfg.groups[size_t(gs.group)].name;
     auto id = [&](int32_t k) { return ExpertId{gs.block, gs.group, k}; };
     const ExpertViews views{[&](int32_t k) { return store_.weights(id(k)); },
                             [&](int32_t k) { return store_.m(id(k)); },
                             [&](int32_t k) { return store_.v(id(k)); },
                             [&](int32_t k) { return store_.step(id(k)); }};
-    if (!reuse || !w.add_link(expert_group_file(gs.block, name, false), last_checkpoint_))
+    if (!reuse || !w.add_link(expert_group_file(gs.block, name, false), base))
       add_expert_weights_file(w, gs, name, views);
-    if (!reuse || !w.add_link(expert_group_file(gs.block, name, true), last_checkpoint_))
+    if (!reuse || !w.add_link(expert_group_file(gs.block, name, true), base))
       add_expert_adam_file(w, gs, name, views);
   }
+}
+
+void EcssExperts::add_checkpoint_files(CheckpointWriter& w) const {
+  write_groups(w, changed_, last_checkpoint_);
 }
 
 void EcssExperts::checkpoint_written(const std::string& dir) {
   last_checkpoint_ = dir;
   std::fill(changed_.begin(), changed_.end(), 0);
+}
+
+std::function<void(CheckpointWriter&)> EcssExperts::checkpoint_later() {
+  join_store_reader();  // one save at a time
+  auto read = std::make_shared<std::promise<void>>();
+  store_read_ = read->get_future().share();
+  std::vector<uint8_t> changed = changed_;
+  std::string base = last_checkpoint_;
+  std::fill(changed_.begin(), changed_.end(), 0);  // updates from now on go into the next one
+  last_checkpoint_.clear();  // no links until this one is committed (link_from)
+  return [this, read, changed = std::move(changed), base = std::move(base)](CheckpointWriter& w) {
+    struct Done {  // the store is free again however the write ends
+      std::promise<void>& p;
+      ~Done() { p.set_value(); }
+    } done{*read};
+    write_groups(w, changed, base);
+  };
+}
+
+void EcssExperts::join_store_reader() {
+  if (store_read_.valid()) store_read_.wait();  // a job dropped unrun counts as done too
+  store_read_ = {};
 }
 
 void EcssExperts::load(const std::string& dir) {

@@ -18,6 +18,8 @@
 // slicing, which makes the bits independent of the budget.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <future>
 #include <span>
 #include <string>
 #include <thread>
@@ -119,6 +121,13 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   void add_checkpoint_files(CheckpointWriter& w) const override;
   // After the checkpoint `dir` is committed: the base for the next checkpoint's links.
   void checkpoint_written(const std::string& dir) override;
+  // A background save (train.ckpt_async): which groups changed since the last checkpoint is
+  // taken now; the returned job writes their files on the writer thread, reading the live
+  // records (no copy: a file store may exceed RAM). The next update() waits until the job has
+  // read them; forward, backward and prefetch only read the store and run meanwhile. Until
+  // link_from(dir) names the committed checkpoint, nothing links to it.
+  std::function<void(CheckpointWriter&)> checkpoint_later();
+  void link_from(const std::string& dir) { last_checkpoint_ = dir; }
   // Restores every expert from checkpoint directory `dir` (its model.safetensors and
   // optimizer.safetensors): every name, dtype, shape and step count is checked before the store
   // changes, then one group of experts at a time is read (a store larger than RAM resumes), and
@@ -130,6 +139,9 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
 
  private:
   void join_prefetch();
+  void join_store_reader();
+  void write_groups(CheckpointWriter& w, const std::vector<uint8_t>& changed,
+                    const std::string& base) const;
   using Active = std::vector<std::vector<int>>;  // [RRE block] -> a micro-batch's experts
   std::vector<Active> active_of(std::span<const Batch> micro) const;  // per micro-batch
   // The step's experts: those `active` names (vanilla: every expert).
@@ -184,6 +196,7 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   OffloadStats stats_;
   std::vector<uint8_t> changed_;   // [store group]: updated since last_checkpoint_
   std::string last_checkpoint_;    // written or loaded; "" = none to link from
+  std::shared_future<void> store_read_;  // a background save reading the records
 };
 
 }  // namespace sigma

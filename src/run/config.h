@@ -22,6 +22,7 @@ struct TrainConfig {
   int64_t ckpt_every = 0;  // 0 = only at the end (when an output directory is given)
   int64_t keep_checkpoints = 0;  // newest step checkpoints kept (0 = all)
   int64_t keep_every = 0;        // also kept: those whose step is a multiple of this (0 = none)
+  bool ckpt_async = true;  // checkpoints written by a background thread from a snapshot
   int threads = 0;         // 0 = every core (more than the machine has are capped to it)
   float max_minutes = 0;  // stop with a checkpoint after the step that passes it (0 = none)
   int max_nonfinite_steps = 10;  // consecutive skipped non-finite steps before the run stops

@@ -128,10 +128,12 @@ std::optional<nlohmann::json> data_domains_of(const Config& cfg, const std::stri
   return std::nullopt;
 }
 
-// Rank 0's files: the model, its optimizer shard, the trainer state, tokenizer and experts.
-void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, const AdamW* opt,
+// Rank 0's files: the model, its optimizer shard, the trainer state and tokenizer (experts:
+// the caller). W: a CheckpointWriter, or a SaveSnapshot that writes them later.
+template <class W>
+void write_rank0_files(W& w, Config& cfg, const Model& model, const AdamW* opt,
                        const TrainerState& st, const std::string& tokenizer_path,
-                       const ExpertFiles* experts, const WholeTensors* whole) {
+                       const WholeTensors* whole) {
   const nlohmann::json config = cfg.to_json();
   std::vector<TensorRef> params;
   std::vector<Tensor> keep;
@@ -152,7 +154,6 @@ void write_rank0_files(CheckpointWriter& w, Config& cfg, const Model& model, con
   if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
   if (const auto domains = data_domains_of(cfg, tokenizer_path))
     w.add_json(kDataDomainsFile, {{"domains", *domains}});
-  if (experts) experts->add_checkpoint_files(w);
 }
 
 // The files each rank r > 0 writes, in an order every rank knows.
@@ -192,6 +193,15 @@ void record_peer_files(Communicator& c, CheckpointWriter& w,
 
 }  // namespace
 
+std::string checkpoint_name(int64_t step) { return fmt::format("step-{:08d}", step); }
+
+void snapshot_checkpoint(SaveSnapshot& files, Config& cfg, const Model& model, const AdamW* opt,
+                         const TrainerState& st, const std::string& tokenizer_path,
+                         EcssExperts* experts) {
+  write_rank0_files(files, cfg, model, opt, st, tokenizer_path, nullptr);
+  if (experts) files.add_first(experts->checkpoint_later());
+}
+
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
                             const std::string& tokenizer_path, ExpertFiles* experts,
@@ -208,11 +218,11 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
     if (experts) experts->collect();
     if (tp->rank() != 0) {
       tp->barrier();  // until the checkpoint is committed
-      return (std::filesystem::path(root) / fmt::format("step-{:08d}", st.step)).string();
+      return (std::filesystem::path(root) / checkpoint_name(st.step)).string();
     }
   }
   const WholeTensors* whole = whole_tensors ? &*whole_tensors : nullptr;
-  const std::string name = fmt::format("step-{:08d}", st.step);
+  const std::string name = checkpoint_name(st.step);
   if (experts && !whole) experts->collect();  // each expert group comes to the rank writing it
   std::optional<CheckpointWriter> w;
   if (me == 0) w.emplace(root, name);
@@ -222,8 +232,10 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   const int writers = std::max(1, cfg.dist.ckpt_writers);
   for (int wave = 0; wave * writers < R; ++wave) {
     if (me / writers == wave) {
-      if (me == 0) write_rank0_files(*w, cfg, model, opt, st, tokenizer_path, experts, whole);
-      else {
+      if (me == 0) {
+        write_rank0_files(*w, cfg, model, opt, st, tokenizer_path, whole);
+        if (experts) experts->add_checkpoint_files(*w);
+      } else {
         if (opt) {
           std::vector<Tensor> keep;
           w->add_safetensors(optimizer_shard_file(me), optimizer_refs(model, *opt, keep, whole),

@@ -9,6 +9,7 @@
 #include "run/checkpoint.h"
 #include "dist/communicator.h"
 #include "ecss/ecss_experts.h"
+#include "train/checkpoint_async.h"
 
 namespace sigma {
 
@@ -27,5 +28,15 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
                             const std::string& tokenizer_path = "",
                             ExpertFiles* experts = nullptr, Communicator* comm = nullptr,
                             Communicator* tp = nullptr);
+
+// "step-NNNNNNNN", a training checkpoint's directory name.
+std::string checkpoint_name(int64_t step);
+
+// A background save (train/checkpoint_async.h) of a one-process run: the files save_checkpoint
+// writes, taken into `files` now. The model's and optimizer's tensors are copied; an ECSS
+// store's experts are read by the writer (EcssExperts::checkpoint_later).
+void snapshot_checkpoint(SaveSnapshot& files, Config& cfg, const Model& model, const AdamW* opt,
+                         const TrainerState& st, const std::string& tokenizer_path,
+                         EcssExperts* experts);
 
 }  // namespace sigma

@@ -214,6 +214,8 @@ class RunLoop {
   std::vector<DomainLoss> held_out_losses();
   nlohmann::json exchange_since_last(int64_t steps);
   void checkpoint();
+  void collect_save(bool wait);
+  void after_save();
   TrainSummary finish();
   void write_summary(const TrainSummary& sum);
 
@@ -263,6 +265,9 @@ class RunLoop {
   std::vector<double> peak_rss_;  // MiB, per rank (finish)
   std::unique_ptr<DataSource> held_out_;  // data.eval_path's windows (null: the data's own)
   std::optional<std::pair<int64_t, std::vector<DomainLoss>>> last_eval_;  // step and losses
+  // train.ckpt_async: the writer of background saves. Last: it waits for a save in flight
+  // before the store and model it may read go.
+  std::unique_ptr<BackgroundSaver> saver_;
 };
 
 // OpenMP threads per rank: train.threads, else the cores shared among the ranks on this node.
@@ -446,6 +451,10 @@ void RunLoop::open_outputs() {
   else if (lead_)  // said once the run is checked and about to train (usage.md's first example)
     fmt::print(stderr, "sigma train: no --out: this run saves nothing (no checkpoint, "
                "metrics.jsonl or summary.json); to keep it, pass --out DIR\n");
+  // Background saves in one process; a multi-rank save's collectives (gathers of shards and
+  // experts) stay in the steps' order on the training thread: written in the foreground.
+  if (!ckpt_root_.empty() && cfg_.train.ckpt_async && world_.size() == 1 && !parallel_)
+    saver_ = std::make_unique<BackgroundSaver>();
   // metrics.jsonl is created with the first record (RunDir::append_metrics).
   if (run_dir_ && ck_) run_dir_->drop_metrics_after(state_.step);  // the dead run's steps are redone
   tty_ = isatty(STDERR_FILENO);
@@ -487,6 +496,12 @@ void RunLoop::open_outputs() {
                "{}; stores {}\n", cfg_.dist.placement, per_rank,
                cfg_.train.expert_store.empty() ? "in RAM" : cfg_.train.expert_store + "[.rank-NNNN-of-RRRR]");
   }
+  if (saver_)  // the copy of the weights and Adam moments (and Adam's row step counts)
+    fmt::print(stderr, "checkpoints: written in the background (train.ckpt_async) from a copy of "
+               "{:.2f} GiB taken after the step{}\n",
+               double(model_->params().numel()) * 12 / double(1 << 30),
+               experts_ ? "; the experts are read from the store, whose next update waits for it"
+                        : "");
   if (!cfg_.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze_.summary);
   if (comm_.size() > 1) {
     const int64_t most = *std::max_element(plan_.elements.begin(), plan_.elements.end());
@@ -522,12 +537,24 @@ TrainSummary RunLoop::run() {
   model_->reset_expert_load();
   t_start_ = Clock::now();
   const StopSignals signals(!ckpt_root_.empty());  // without --out there is nothing to save
-  for (int64_t step = state_.step; step < last_ && !stopped_by_; ++step) one_step(step, signals);
+  try {
+    for (int64_t step = state_.step; step < last_ && !stopped_by_; ++step) one_step(step, signals);
+  } catch (...) {
+    // A background save in flight is of an earlier, good step: it completes (committed, the
+    // old run of an --overwrite dropped) before the error ends the run.
+    try {
+      collect_save(true);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "sigma train: {}\n", e.what());
+    }
+    throw;
+  }
   if (tty_ && run_.progress) fmt::print(stderr, "\n");
   return finish();
 }
 
 void RunLoop::one_step(int64_t step, const StopSignals& signals) {
+  collect_save(false);  // a background save that has finished: its error, retention
   if (have_next_) {
     std::swap(micro_, next_);
     have_next_ = false;
@@ -661,17 +688,41 @@ nlohmann::json RunLoop::exchange_since_last(int64_t steps) {
 // Between steps: the store holds exactly this step's experts.
 void RunLoop::checkpoint() {
   state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
-  save_checkpoint(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
-                  expert_files(), &comm_, &grid_->tensor());
+  if (run_dir_) run_dir_->sync_metrics();  // the records up to it as durable as the checkpoint
+  if (!saver_) {
+    if (run_.saving) run_.saving(state_.step);
+    save_checkpoint(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
+                    expert_files(), &comm_, &grid_->tensor());
+    after_save();
+    return;
+  }
+  collect_save(true);  // one save in flight at most; the last one's error surfaces here
+  SaveSnapshot files = saver_->snapshot();
+  if (run_.saving)
+    files.add_first([f = run_.saving, step = state_.step](CheckpointWriter&) { f(step); });
+  snapshot_checkpoint(files, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
+                      experts_.get());
+  saver_->start(ckpt_root_, checkpoint_name(state_.step), std::move(files));
+}
+
+// A background save in flight: when it has finished (or at once, waiting, with `wait`) its
+// commit is taken in, or its error thrown.
+void RunLoop::collect_save(bool wait) {
+  if (!saver_ || !saver_->in_flight() || (!wait && !saver_->finished())) return;
+  const std::string dir = saver_->wait();
+  if (experts_) experts_->link_from(dir);  // the next save may link its unchanged groups
+  after_save();
+}
+
+// A checkpoint is committed.
+void RunLoop::after_save() {
   if (!run_dir_) return;
-  run_dir_->sync_metrics();
   run_dir_->drop_old_run();  // --overwrite: the new run has a checkpoint now
-  const int removed = prune_checkpoints(ckpt_root_, cfg_.train.keep_checkpoints,
-                                        cfg_.train.keep_every);
-  (void)removed;
+  prune_checkpoints(ckpt_root_, cfg_.train.keep_checkpoints, cfg_.train.keep_every);
 }
 
 TrainSummary RunLoop::finish() {
+  collect_save(true);  // the last checkpoint is committed before the run reports its end
   TrainSummary sum;
   sum.stopped_by = stopped_by_;
   sum.steps = state_.step;

@@ -27,6 +27,9 @@ struct RunOptions {
   Communicator* comm = nullptr;  // the run's ranks (mpirun); null = this process alone
   std::function<void(int64_t step, std::vector<Batch>& micro)> before_step = {};
   std::function<void(int64_t step, ParamSet& params)> after_backward = {};
+  // Called with the step of a checkpoint as its files start to be written, on the thread
+  // writing them (the training thread, or train.ckpt_async's writer).
+  std::function<void(int64_t step)> saving = {};
 };
 
 struct TrainSummary {
