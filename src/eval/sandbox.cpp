@@ -167,6 +167,12 @@ static_assert(std::atomic<pid_t>::is_always_lock_free);
       : "sigma eval: terminated by SIGTERM (no sandboxed sample and no sandbox folder is left)\n";
   (void)!write(2, msg, std::strlen(msg));
   signal(sig, SIG_DFL);
+  // Called from the handler too, where `sig` is blocked: raised blocked, it would stay pending
+  // and the _exit below would report exit 128 + sig instead of death by the signal.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, sig);
+  pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
   raise(sig);
   _exit(128 + sig);
 }
