@@ -57,6 +57,10 @@ nlohmann::json load_imbalance_json(const std::vector<BlockLoad>& load);
 // This process's peak resident memory so far (VmHWM), MiB; 0 where /proc does not say.
 double peak_rss_mib();
 
+// The ECSS counters per step with this process's I/O and resident memory (Linux /proc): what a
+// run over an expert store larger than RAM is judged by (docs/ecss.md, "Memory budget").
+nlohmann::json offload_json(const OffloadStats& o, int64_t steps);
+
 TrainSummary train(Config cfg, const RunOptions& run);
 
 }  // namespace sigma
