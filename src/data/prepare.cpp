@@ -138,8 +138,9 @@ uint64_t file_hash(const std::string& path) {
   return h;
 }
 
-// Progress on stderr: redrawn in place on a terminal, every ~10 % otherwise.
-struct Progress {
+// prepare's bar on stderr: redrawn in place on a terminal, every ~10 % otherwise (named apart from
+// core/progress.h's Progress, which the unity build puts in the same translation unit).
+struct PrepareBar {
   bool on, tty = ::isatty(2);
   uint64_t total;
   int last_decile = -1;
@@ -339,7 +340,7 @@ void read_batches(const PrepareConfig& cfg, const std::vector<Source>& sources,
 
 // Encodes each batch on every thread, then adds its samples to their shards in input order.
 void encode_batches(const PrepareConfig& cfg, const Tokenizer& tok, int threads, BatchQueue& queue,
-                    ShardPlan& plan, Progress& progress) {
+                    ShardPlan& plan, PrepareBar& progress) {
   std::vector<std::vector<uint32_t>> toks;
   std::vector<uint32_t> plen;
   while (auto b = queue.pop()) {
@@ -371,7 +372,7 @@ void write_stale_shards(const PrepareConfig& cfg, const Tokenizer& tok,
                         const std::vector<Source>& sources, const std::vector<size_t>& todo,
                         uint64_t total, const PrepareOptions& opt, ShardPlan& plan, ReadStats& stats) {
   const int threads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
-  Progress progress{opt.progress, ::isatty(2) != 0, total};
+  PrepareBar progress{opt.progress, ::isatty(2) != 0, total};
   BatchQueue queue;
   std::exception_ptr read_error;
   std::thread reader([&] {
