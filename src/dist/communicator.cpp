@@ -1,10 +1,14 @@
 #include "dist/communicator.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
 
 #include "core/error.h"
+#include "dist/rank_list.h"
 #include "kernels/ops.h"
 
 namespace sigma {
@@ -248,6 +252,17 @@ std::unique_ptr<Communicator> make_world(double timeout_s) {
               "without MPI (configure with -DSIGMA_MPI=ON and libopenmpi-dev installed)", n);
   return std::make_unique<SingleProcess>();
 #endif
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    parts.push_back(j == i ? std::to_string(ranks[i]) : fmt::format("{}-{}", ranks[i], ranks[j]));
+    i = j + 1;
+  }
+  return fmt::format("{}", fmt::join(parts, ", "));
 }
 
 }  // namespace sigma

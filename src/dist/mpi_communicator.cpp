@@ -28,6 +28,7 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/rank_list.h"
 
 namespace sigma {
 
@@ -82,18 +83,6 @@ struct Liveness {
   }
 };
 Liveness g_live;
-
-// "0-3, 5"
-std::string rank_list(const std::vector<int>& ranks) {
-  std::vector<std::string> parts;
-  for (size_t i = 0; i < ranks.size();) {
-    size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    parts.push_back(j == i ? std::to_string(ranks[i]) : fmt::format("{}-{}", ranks[i], ranks[j]));
-    i = j + 1;
-  }
-  return fmt::format("{}", fmt::join(parts, ", "));
-}
 
 template <class T> MPI_Datatype mpi_type();
 template <> MPI_Datatype mpi_type<float>() { return MPI_FLOAT; }

@@ -16,6 +16,7 @@
 
 #include "core/error.h"
 #include "core/refusal.h"
+#include "dist/rank_list.h"
 #include "train/preflight.h"
 
 namespace sigma {
@@ -81,18 +82,6 @@ uint64_t entry_hash(const std::pair<std::string, std::string>& e) {
   return XXH3_64bits(s.data(), s.size());
 }
 
-// Rank lists as "0-3, 5".
-std::string ranks_text(const std::vector<int>& ranks) {
-  std::vector<std::string> parts;
-  for (size_t i = 0; i < ranks.size();) {
-    size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    parts.push_back(j == i ? std::to_string(ranks[i]) : fmt::format("{}-{}", ranks[i], ranks[j]));
-    i = j + 1;
-  }
-  return fmt::format("{}", fmt::join(parts, ", "));
-}
-
 constexpr size_t kValueBytes = 120;  // a value shown in the message, cut to this length
 
 }  // namespace
@@ -120,7 +109,7 @@ std::string disagreement(const std::string& key, const std::vector<std::string>&
   std::vector<std::string> parts;
   for (const auto& v : distinct) {
     const auto& rs = holders[v];
-    parts.push_back(fmt::format("{} on rank{} {}", v, rs.size() > 1 ? "s" : "", ranks_text(rs)));
+    parts.push_back(fmt::format("{} on rank{} {}", v, rs.size() > 1 ? "s" : "", rank_list(rs)));
   }
   return fmt::format("the ranks were started differently: {} is {}; start every rank with the "
                      "same config, data and sigma binary", key, fmt::join(parts, ", "));
@@ -211,7 +200,7 @@ void check_ranks_see_dir(Communicator& world, const std::string& dir) {
   throw Refusal(fmt::format(
       "rank{} {} (on {}) cannot see the run folder {} that rank 0 created: every rank writes "
       "its checkpoint files into it, so --out must be on a filesystem every host shares (NFS, "
-      "Lustre, ...) at the same path", blind.size() > 1 ? "s" : "", ranks_text(blind),
+      "Lustre, ...) at the same path", blind.size() > 1 ? "s" : "", rank_list(blind),
       fmt::join(where, ", "), dir));
 }
 
