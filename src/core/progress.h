@@ -16,6 +16,13 @@
 
 namespace sigma {
 
+// "4m07s", or "2h13m" past an hour: the ETA and elapsed time of every progress line.
+inline std::string format_duration(double s) {
+  const int64_t t = int64_t(s + 0.5);
+  return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, t / 60 % 60)
+                   : fmt::format("{}m{:02d}s", t / 60, t % 60);
+}
+
 class Progress {
  public:
   // `what`: the line's start ("sigma eval: choices"); `unit`: what is counted ("units").
@@ -44,11 +51,6 @@ class Progress {
   }
 
  private:
-  static std::string duration(double s) {
-    const int64_t t = int64_t(s + 0.5);
-    return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, t / 60 % 60)
-                     : fmt::format("{}m{:02d}s", t / 60, t % 60);
-  }
   void show(uint64_t done) {
     if (!on_) return;
     const double s = std::chrono::duration<double>(Clock::now() - t0_).count();
@@ -59,7 +61,7 @@ class Progress {
     const double f = double(std::min(done, total_)) / double(total_);
     const double eta = done ? s / double(done) * double(total_ - std::min(done, total_)) : 0;
     fmt::print(stderr, "{}{}: {}/{} {} ({:.0f}%) | {} | ETA {}{}", tty_ ? "\r" : "", what_, done,
-               total_, unit_, 100 * f, duration(s), duration(eta), tty_ ? "   " : "\n");
+               total_, unit_, 100 * f, format_duration(s), format_duration(eta), tty_ ? "   " : "\n");
     drawn_ = true;
   }
 

@@ -1,10 +1,8 @@
 #include "data/prepare.h"
 
 #include <omp.h>
-#include <unistd.h>
 #include <xxhash.h>
 
-#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
@@ -19,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/json_depth.h"
+#include "core/progress.h"
 #include "data/shards.h"
 #include "io/file.h"
 
@@ -138,39 +137,11 @@ uint64_t file_hash(const std::string& path) {
   return h;
 }
 
-// prepare's bar on stderr: redrawn in place on a terminal, every ~10 % otherwise (named apart from
-// core/progress.h's Progress, which the unity build puts in the same translation unit).
-struct PrepareBar {
-  bool on, tty = ::isatty(2);
-  uint64_t total;
-  int last_decile = -1;
-  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-  void show(uint64_t done, const std::string& what) {
-    if (!on || total == 0) return;
-    double f = std::min(1.0, double(done) / total);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    int width = 30, fill = int(f * width);
-    std::string bar = std::string(fill, '#') + std::string(width - fill, '.');
-    if (tty) {
-      fmt::print(stderr, "\rprepare [{}] {:5.1f}% {:.1f}/{:.1f} MB {:.1f}s {:<12}", bar, 100 * f,
-                 done / 1e6, total / 1e6, s, what);
-    } else if (int(f * 10) != last_decile) {
-      last_decile = int(f * 10);
-      fmt::print(stderr, "prepare [{}] {:5.1f}% {:.1f}/{:.1f} MB {:.1f}s {}\n", bar, 100 * f,
-                 done / 1e6, total / 1e6, s, what);
-    }
-  }
-  void end() {
-    if (on && tty) fmt::print(stderr, "\n");
-  }
-};
-
 // A batch of records on its way from the reader thread to the encoders.
 struct RecordBatch {
   std::vector<Record> records;
   size_t bytes = 0;
   uint64_t done = 0;  // input bytes finished when this batch was cut (for progress)
-  std::string where;
 };
 
 // Single-producer queue holding at most two batches, so reading overlaps encoding.
@@ -319,7 +290,6 @@ void read_batches(const PrepareConfig& cfg, const std::vector<Source>& sources,
   RecordBatch b;
   uint64_t done = 0;
   for (size_t s : todo) {
-    b.where = sources[s].domain;
     read_source(sources[s], ro, stats, [&](Record& r) {
       const size_t i = size_t(cfg.domains.index(r.domain));
       if (!plan.writers[i]) return;  // a mixed file also feeds domains that are up to date
@@ -327,9 +297,7 @@ void read_batches(const PrepareConfig& cfg, const std::vector<Source>& sources,
       b.records.push_back(std::move(r));
       if (b.bytes >= (2u << 20) || b.records.size() >= 4096) {
         b.done = done;
-        RecordBatch next;
-        next.where = b.where;
-        if (!queue.push(std::exchange(b, std::move(next)))) throw Stopped{};
+        if (!queue.push(std::exchange(b, RecordBatch{}))) throw Stopped{};
       }
     });
     done += fs::file_size(sources[s].path);
@@ -340,7 +308,7 @@ void read_batches(const PrepareConfig& cfg, const std::vector<Source>& sources,
 
 // Encodes each batch on every thread, then adds its samples to their shards in input order.
 void encode_batches(const PrepareConfig& cfg, const Tokenizer& tok, int threads, BatchQueue& queue,
-                    ShardPlan& plan, PrepareBar& progress) {
+                    ShardPlan& plan, Progress& progress) {
   std::vector<std::vector<uint32_t>> toks;
   std::vector<uint32_t> plen;
   while (auto b = queue.pop()) {
@@ -362,7 +330,7 @@ void encode_batches(const PrepareConfig& cfg, const Tokenizer& tok, int threads,
       SIGMA_CHECK(errors[k].empty(), "{}:{}: {}", *r.file, r.line, errors[k]);
       plan.writers[size_t(cfg.domains.index(r.domain))]->add(toks[k], plen[k]);
     }
-    progress.show(b->done, b->where);
+    progress.set(b->done >> 10);
   }
 }
 
@@ -372,7 +340,7 @@ void write_stale_shards(const PrepareConfig& cfg, const Tokenizer& tok,
                         const std::vector<Source>& sources, const std::vector<size_t>& todo,
                         uint64_t total, const PrepareOptions& opt, ShardPlan& plan, ReadStats& stats) {
   const int threads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
-  PrepareBar progress{opt.progress, ::isatty(2) != 0, total};
+  Progress progress("sigma prepare: reading and encoding", total >> 10, "KiB", opt.progress);
   BatchQueue queue;
   std::exception_ptr read_error;
   std::thread reader([&] {
@@ -393,7 +361,6 @@ void write_stale_shards(const PrepareConfig& cfg, const Tokenizer& tok,
   }
   reader.join();
   if (read_error) std::rethrow_exception(read_error);
-  progress.end();
 }
 
 // Completes every new shard, then renames them all into place; their sizes replace those read

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/progress.h"
 #include "data/sampler.h"
 #include "dist/communicator.h"
 #include "parallel/grid.h"
@@ -39,12 +40,6 @@ namespace sigma {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string fmt_duration(double s) {
-  const int64_t t = int64_t(s + 0.5);
-  return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, t / 60 % 60)
-                   : fmt::format("{}m{:02d}s", t / 60, t % 60);
-}
 
 void check_same_model(const Config& now, const Config& checkpoint) {
   const std::string diff = model_difference(checkpoint, now);
@@ -583,7 +578,7 @@ void RunLoop::log(double grad_norm, float lr, bool eval_now) {
   if (run_.progress)  // a line with held-out losses stays on a terminal
     fmt::print(stderr, "{}step {:>6}/{} | loss {:.4f} | lr {:.2e} | |g| {:.3f} | {:.0f} tok/s | ETA {}{}{}{}",
                tty_ ? "\r" : "", state_.step, last_, window_.total_mean(), lr, grad_norm, tps,
-               fmt_duration(eta), guard_.progress_note(), held_note,
+               format_duration(eta), guard_.progress_note(), held_note,
                tty_ && state_.step != last_ && !eval_now ? "   " : "\n");
   if (run_dir_) {
     nlohmann::json dom = nlohmann::json::object();
