@@ -10,6 +10,7 @@
 //
 //   bench_gemv [--d 512] [--layers 8] [--samples 15] [--isa best|avx512vnni|avx512|avx2|portable]
 //              [--vocab V]  (V > 0: also the tied head's [V, d] product, gemv_nt, per token)
+//              [--clock wall|cpu]  (cpu: the thread's CPU time; with OMP_NUM_THREADS=1 only)
 #include <immintrin.h>
 #include <omp.h>
 
@@ -18,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <ctime>
 #include <vector>
 
 #include "core/bf16.h"
@@ -29,7 +31,15 @@ namespace {
 
 using namespace sigma::bench;
 
+// --clock cpu: the calling thread's CPU time, not the wall clock: on a shared machine a
+// single-threaded run (OMP_NUM_THREADS=1) then leaves out the time it was preempted.
+bool g_cpu_clock = false;
 double now() {
+  if (g_cpu_clock) {
+    timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+  }
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
@@ -79,15 +89,23 @@ int main(int argc, char** argv) {
       }
       continue;
     }
+    if (k == "--clock") {
+      g_cpu_clock = std::string(argv[i + 1]) == "cpu";
+      continue;
+    }
     if (k == "--d") d = std::atol(argv[i + 1]);
     else if (k == "--layers") layers = std::atol(argv[i + 1]);
     else if (k == "--samples") samples = std::atoi(argv[i + 1]);
     else if (k == "--vocab") vocab = std::atol(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: bench_gemv [--d 512] [--layers 8] [--samples 15] "
-                           "[--isa best|avx512vnni|avx512|avx2|portable] [--vocab 0]\n");
+                           "[--isa best|avx512vnni|avx512|avx2|portable] [--vocab 0] [--clock wall|cpu]\n");
       return 2;
     }
+  }
+  if (g_cpu_clock && omp_get_max_threads() > 1) {
+    std::fprintf(stderr, "bench_gemv: --clock cpu measures one thread: run it with OMP_NUM_THREADS=1\n");
+    return 2;
   }
   sigma::cpu::gemv_use_isa(isa);
   std::vector<Shape> shapes;
@@ -150,10 +168,10 @@ int main(int argc, char** argv) {
                                      : double(total) * (kind == 1 ? 2 : 4);
       if (s > 0) gbs[size_t(kind)].push_back(bytes / dt * 1e-9);
     }
-  std::printf("{\"isa\":\"%s\",\"d\":%ld,\"layers\":%ld,\"threads\":%d,\"weights\":%ld,\"gemv_fp32_gbs\":%.2f,"
+  std::printf("{\"isa\":\"%s\",\"clock\":\"%s\",\"d\":%ld,\"layers\":%ld,\"threads\":%d,\"weights\":%ld,\"gemv_fp32_gbs\":%.2f,"
               "\"gemv_bf16_gbs\":%.2f,\"gemv_int8_gbs\":%.2f,\"onednn_fp32_gbs\":%.2f,"
               "\"read_gbs\":%.2f}\n",
-              sigma::cpu::gemv_isa_name(sigma::cpu::gemv_isa()), long(d), long(layers), omp_get_max_threads(), long(total), median(gbs[0]),
+              sigma::cpu::gemv_isa_name(sigma::cpu::gemv_isa()), g_cpu_clock ? "cpu" : "wall", long(d), long(layers), omp_get_max_threads(), long(total), median(gbs[0]),
               median(gbs[1]), median(gbs[4]), median(gbs[2]), median(gbs[3]));
   return 0;
 }

@@ -39,10 +39,13 @@ std::vector<float> randn(int64_t n, uint64_t seed) {
 
 // Each output element is one fixed sequence of FMAs and chunk sums: a row gives the same bits
 // alone as among four, with one thread or two (the split is by fixed chunks of w's rows, and
-// by columns when the threads outnumber the chunks: the second shape).
+// by columns when the threads outnumber the chunks: the second shape; four rows of the third
+// have partials enough for their sums to share the product's spin-team job, one row's run on
+// the caller after it).
 class Gemv : public ::testing::TestWithParam<std::pair<int64_t, int64_t>> {};
 INSTANTIATE_TEST_SUITE_P(Shapes, Gemv, ::testing::Values(std::pair<int64_t, int64_t>{257, 301},
-                                                         std::pair<int64_t, int64_t>{40, 2000}));
+                                                         std::pair<int64_t, int64_t>{40, 2000},
+                                                         std::pair<int64_t, int64_t>{1100, 1000}));
 TEST_P(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
   const auto [in, out] = GetParam();  // past the threading threshold, odd tails
   const auto x = randn(4 * in, 1), w = randn(in * out, 2), b = randn(out, 3);

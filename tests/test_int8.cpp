@@ -163,6 +163,26 @@ TEST(Int8Gemv, EverySimdPathMatchesThePortablePathBitForBit) {
   });
 }
 
+// A row gives the same bits alone as among four, on two threads: four rows of this shape have
+// partials enough for their sums to share the product's spin-team job (a sum item waits for
+// the chunk items other threads run), one row's sums run on the caller after the job.
+TEST(Int8Gemv, RowsAreBitIdenticalAloneAndAmongFourWhenTheSumsShareTheJob) {
+  const int64_t in = 1100, out = 3300;  // 5 chunks x 4 rows x 3300 partials: past kParallelWeights
+  const auto w = channel_weights(in, out, 11, false);
+  const Quantised qn = quantise(w, in, out, false);
+  const auto x = randn(4 * in, 12), b = randn(out, 13);
+  omp_set_num_threads(2);
+  std::vector<float> four(static_cast<size_t>(4 * out)), one(static_cast<size_t>(out));
+  for (int k = 0; k < 10; ++k) {  // the threads' timing differs between calls
+    cpu::gemv_nn(four.data(), x.data(), qn.q.data(), qn.s.data(), b.data(), 4, in, out, false, {});
+    for (int64_t r = 0; r < 4; ++r) {
+      cpu::gemv_nn(one.data(), x.data() + r * in, qn.q.data(), qn.s.data(), b.data(), 1, in, out,
+                   false, {});
+      ASSERT_EQ(0, std::memcmp(one.data(), four.data() + r * out, one.size() * 4)) << "row " << r;
+    }
+  }
+}
+
 // Against the exact product of the dequantised weights (double). Each x_k first moves by at most
 // h = 0.505 max|x| / 32767 (16-bit fixed point), which adds at most h sum_k |s q_k|; the decode
 // path (1 to 4 rows) then sums exactly, the prompt path (7 rows: dequantised panels, oneDNN)

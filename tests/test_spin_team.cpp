@@ -106,3 +106,42 @@ TEST(SpinTeam, NestedJobsAndJobsFromTwoThreadsRunEachItemOnce) {
   b.join();
   EXPECT_EQ(failures.load(), 0);
 }
+
+// A phased job (for_each_item_phased): every item runs once, and no second-phase item starts
+// before every first-phase item has returned, whichever thread runs them; the second phase
+// items are shared with the helpers too. One thread and an empty phase run in order.
+TEST(SpinTeam, PhasedJobsStartTheSecondPhaseAfterTheFirst) {
+  auto phased = [](int64_t first, int64_t then, int64_t micros, bool* helped) {
+    std::vector<std::atomic<int>> runs(size_t(first + then));
+    std::atomic<int64_t> early{0};  // second-phase items that saw a first-phase item unfinished
+    const auto caller = std::this_thread::get_id();
+    cpu::for_each_item_phased(first, then, [&](int64_t i) {
+      if (i >= first)
+        for (int64_t k = 0; k < first; ++k)
+          if (runs[size_t(k)].load() != 1) ++early;
+      // First-phase items of uneven length, so that one thread reaches the second phase while
+      // the other still runs a first-phase item.
+      const auto until = std::chrono::steady_clock::now() +
+                         std::chrono::microseconds(i < first ? micros * (1 + i % 3) : 0);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      if (std::this_thread::get_id() != caller && helped) *helped = true;
+      runs[size_t(i)].fetch_add(1);
+    });
+    for (const auto& r : runs) EXPECT_EQ(r.load(), 1) << first << " + " << then;
+    return early.load();
+  };
+  omp_set_num_threads(2);
+  bool helped = false;
+  int64_t early = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  for (int k = 0; k < 20 || (!helped && std::chrono::steady_clock::now() < deadline); ++k)
+    early += phased(5, 3, 40, &helped);
+  EXPECT_EQ(early, 0);
+  EXPECT_TRUE(helped);
+  for (auto [first, then] : {std::pair<int64_t, int64_t>{0, 4}, {4, 0}, {1, 1}, {0, 0}})
+    EXPECT_EQ(phased(first, then, 1, nullptr), 0);
+  omp_set_num_threads(1);
+  EXPECT_EQ(phased(5, 3, 1, nullptr), 0);
+  omp_set_num_threads(2);
+}

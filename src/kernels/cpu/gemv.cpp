@@ -366,6 +366,19 @@ void run_items(int64_t weights, int64_t items, Fn&& fn) {
   for (int64_t i = 0; i < items; ++i) fn(i);
 }
 
+// The same for a product's items and then `then` items that need all of them (the sums of the
+// partials, then_weights values read): where both are large enough, one job, one hand-off
+// (spin_team.h's for_each_item_phased); where the sums are not, they run on the calling thread
+// after the product's job, as a job of their own would (a helper that came late could
+// otherwise take a sum item and keep the caller waiting on a busy machine).
+template <class Fn>
+void run_items_phased(int64_t weights, int64_t items, int64_t then, int64_t then_weights, Fn&& fn) {
+  if (weights >= kParallelWeights && then_weights >= kParallelWeights)
+    return for_each_item_phased(items, then, fn);
+  run_items(weights, items, fn);
+  for (int64_t i = items; i < items + then; ++i) fn(i);
+}
+
 // Columns [lo, hi) of block `blk` of `blocks` over out columns, in SIMD widths.
 Range column_block(int64_t out, int64_t blk, int64_t blocks) {
   const int64_t per = ((out + 15) / 16 + blocks - 1) / blocks;
@@ -382,13 +395,16 @@ int64_t chunks_of(int64_t in, int64_t rows = kChunkRows) {
 // columns) for each chunk of an item, in order (the kernels prefetch across a chunk's end). A thread streaming a run of chunks, not every other chunk as the items are claimed,
 // keeps the hardware prefetcher's stream: bf16 +13-16 %, fp32 and int8 +3-10 % at 2 threads
 // (bench_gemv, Zen 5; issue 40). Partials stay per chunk, so the bits do not change.
-template <class Fn>
-void for_each_chunk(int64_t in, int64_t out, Fn&& fn, int64_t chunk_rows = kChunkRows,
-                    int64_t per_thread = 2) {
+// Then then_fn(b) for b in [0, then) once every chunk has run (the sums, reading then_weights
+// values; run_items_phased).
+template <class Fn, class Then>
+void for_each_chunk(int64_t in, int64_t out, Fn&& fn, int64_t chunk_rows, int64_t per_thread,
+                    int64_t then, int64_t then_weights, Then&& then_fn) {
   const int64_t chunks = chunks_of(in, chunk_rows), items = per_thread * team_threads();
   const int64_t blocks = std::max<int64_t>(1, (items + chunks - 1) / chunks);
   const int64_t runs = std::min(chunks, items);
-  run_items(in * out, runs * blocks, [&](int64_t it) {
+  run_items_phased(in * out, runs * blocks, then, then_weights, [&](int64_t it) {
+    if (it >= runs * blocks) return then_fn(it - runs * blocks);
     const int64_t run = it / blocks;
     const Range cols = column_block(out, it % blocks, blocks);
     const int64_t c0 = run * chunks / runs, c1 = (run + 1) * chunks / runs;
@@ -410,15 +426,18 @@ void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t
   thread_local std::vector<float> partial;  // [chunks][M][out]
   partial.resize(size_t(chunks * stride));
   float* p = partial.data();
-  for_each_chunk(in, out, [&](int64_t c, int64_t i0, int64_t rows, int64_t reach, Range cols) {
-    with_rows<NN<W>::template K>(M, p + c * stride, out, x + i0, ldx, w + i0 * ldw, ldw, rows,
-                                 reach, cols);
-  });
-  // The chunk sums, in order, by column blocks.
+  // Then the chunk sums, in order, by column blocks (in the same job where large enough).
   const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 511) / 512;
-  run_items(sum_chunks * stride, sum_blocks, [&](int64_t blk) {
-    sum_rows(y, ldy, b, M, accumulate, column_block(out, blk, sum_blocks), p, sum_chunks, out);
-  });
+  for_each_chunk(
+      in, out,
+      [&](int64_t c, int64_t i0, int64_t rows, int64_t reach, Range cols) {
+        with_rows<NN<W>::template K>(M, p + c * stride, out, x + i0, ldx, w + i0 * ldw, ldw, rows,
+                                     reach, cols);
+      },
+      kChunkRows, 2, sum_blocks, sum_chunks * stride,
+      [&](int64_t blk) {
+        sum_rows(y, ldy, b, M, accumulate, column_block(out, blk, sum_blocks), p, sum_chunks, out);
+      });
 }
 
 constexpr int64_t kGroup = 64;  // rows of the head's w an item streams
@@ -498,17 +517,10 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
   thread_local std::vector<int32_t> partial;  // [chunks][M][out]
   partial.resize(size_t(chunks * stride));
   int32_t* p = partial.data();
-  for_each_chunk(
-      in, out,
-      [&](int64_t c, int64_t i0, int64_t rows, int64_t reach, Range cols) {
-        with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
-                           q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, (reach + 1) / 2,
-                           cols);
-      },
-      kI8ChunkRows, 1);
-  // Column blocks of 256, so that even a 512-column product's sums are shared by 2 threads.
+  // Then the sums (in the same job where large enough), in column blocks of 256, so that even a
+  // 512-column product's sums can be shared by 2 threads.
   const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 255) / 256;
-  run_items(sum_chunks * stride, sum_blocks, [&](int64_t blk) {
+  auto sums = [&](int64_t blk) {
     const Range c = column_block(out, blk, sum_blocks);
     // Chunk by chunk over contiguous columns into int64 (vectorised; exact, so in any order),
     // then each column's one rounding.
@@ -528,7 +540,15 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
       for (int64_t j = 0; j < n; ++j)
         row[j] = (accumulate ? row[j] : 0.0f) + (bias ? bias[j] : 0.0f) + sc[j] * (xq.step[r] * float(t[j]));
     }
-  });
+  };
+  for_each_chunk(
+      in, out,
+      [&](int64_t c, int64_t i0, int64_t rows, int64_t reach, Range cols) {
+        with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
+                           q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, (reach + 1) / 2,
+                           cols);
+      },
+      kI8ChunkRows, 1, sum_blocks, sum_chunks * stride, sums);
 }
 
 // y = scale * (step * S) over the head's rows of q[out, in] (a scale per row).

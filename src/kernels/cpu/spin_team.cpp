@@ -43,11 +43,15 @@ struct Job {
   void (*fn)(void*, int64_t);
   void* ctx;
   int64_t items;
+  int64_t first;  // the items of the first phase (for_each_item_phased); items if one phase
   std::atomic<int64_t> next{0}, done{0};
 
   void claim_items() {
     int64_t ran = 0;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items; ++ran) {
+      if (i >= first)  // every first-phase item is claimed: wait for those still running
+        spin_until([&] { return done.load(std::memory_order_acquire) >= first; },
+                   std::chrono::microseconds(0));
       fn(ctx, i);
       done.fetch_add(1, std::memory_order_release);
     }
@@ -62,9 +66,9 @@ class Team {
   }
 
   // False (nothing run) when another thread's job is running.
-  bool run(void (*fn)(void*, int64_t), void* ctx, int64_t items) {
+  bool run(void (*fn)(void*, int64_t), void* ctx, int64_t items, int64_t first) {
     if (busy_.exchange(true, std::memory_order_acquire)) return false;
-    Job job{fn, ctx, items};
+    Job job{fn, ctx, items, first};
     job_.store(&job);
     generation_.fetch_add(1);  // seq_cst, like every access below: ordered before sleeping_
     if (sleeping_.load() > 0) generation_.notify_all();
@@ -116,9 +120,10 @@ int team_threads() { return omp_get_max_threads(); }
 
 int64_t helper_items() { return g_helper_items.load(std::memory_order_relaxed); }
 
-void detail::for_each_item(int64_t items, void (*fn)(void*, int64_t), void* ctx) {
+void detail::for_each_item(int64_t first, int64_t then, void (*fn)(void*, int64_t), void* ctx) {
+  const int64_t items = first + then;
   if (items > 1 && !t_helper && !omp_in_parallel() && omp_get_max_threads() > 1 &&
-      team()->run(fn, ctx, items))
+      team()->run(fn, ctx, items, first))
     return;
   for (int64_t i = 0; i < items; ++i) fn(ctx, i);
 }

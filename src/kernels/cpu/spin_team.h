@@ -19,7 +19,7 @@ namespace sigma::cpu {
 constexpr auto kSpinBudget = std::chrono::microseconds(200);
 
 namespace detail {
-void for_each_item(int64_t items, void (*fn)(void* ctx, int64_t item), void* ctx);
+void for_each_item(int64_t first, int64_t then, void (*fn)(void* ctx, int64_t item), void* ctx);
 }
 
 // Threads that may run a job's items (OpenMP's thread count): for sizing the items.
@@ -36,7 +36,19 @@ template <class Fn>
 void for_each_item(int64_t items, Fn&& fn) {
   using F = std::remove_reference_t<Fn>;
   detail::for_each_item(
-      items, [](void* c, int64_t i) { (*static_cast<F*>(c))(i); }, &fn);
+      items, 0, [](void* c, int64_t i) { (*static_cast<F*>(c))(i); }, &fn);
+}
+
+// Runs fn(item) for the items [0, first), then for [first, first + then): an item of the second
+// phase starts only when every item of the first has returned. One job where two
+// for_each_item calls would start the helpers and wait for them twice: a decode GEMV's chunk
+// products and then the sums of their partials (kernels/cpu/gemv.cpp). Items are claimed in
+// order, so a thread waiting in the second phase waits only for items other threads run.
+template <class Fn>
+void for_each_item_phased(int64_t first, int64_t then, Fn&& fn) {
+  using F = std::remove_reference_t<Fn>;
+  detail::for_each_item(
+      first, then, [](void* c, int64_t i) { (*static_cast<F*>(c))(i); }, &fn);
 }
 
 }  // namespace sigma::cpu
