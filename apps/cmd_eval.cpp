@@ -308,7 +308,8 @@ void run_task(EvalArgs a) {
     describe_run(r, a, a.tasks[t], files[t].size());
     r["checkpoint"] = info.dir;
     r["context"] = model->config().context;
-    if (!path.empty()) write_log(path, log), r["log_samples"] = path;
+    if (!path.empty()) write_log(path, log);
+    if (!path.empty() && a.tasks.size() > 1) r["log_samples"] = path;  // which file of the folder
     warn_cut(r, a);
     if (a.tasks.size() == 1) {
       if (a.json) fmt::print("{}\n", r.dump());
