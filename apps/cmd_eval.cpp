@@ -356,6 +356,7 @@ void run_eval(const EvalArgs& a) {
   const int rows = a.rows_given || !a.data.empty() ? a.rows : t.eval_rows;
   const int batch = a.batch_given || !a.data.empty() ? a.batch : t.batch;
   // Progress after the first 10 s (2 s on a terminal): a large --rows on a big model is minutes.
+  // The total is --rows per domain; a domain with fewer complete windows ends the count short.
   Progress shown("sigma eval: held-out", uint64_t(rows) * chosen.keep.size(), "rows");
   const auto result = evaluate(*model, *source, batch, model->config().context, rows,
                                [&](int n) { shown.add(uint64_t(n)); });

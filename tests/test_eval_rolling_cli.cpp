@@ -207,3 +207,11 @@ TEST_F(Rolling, RollingLogsScoreAgainAndMistakesAreClear) {
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.out.find(t + ":1: \"text\" is empty"), std::string::npos) << r.out;
 }
+
+// Held-out loss on prepared shards shows progress like the other long steps (issue 39 item 8).
+TEST_F(Rolling, HeldOutEvaluationShowsProgress) {
+  const auto r = run_cmd("SIGMA_PROGRESS_SECONDS=0 " + std::string(SIGMA_BINARY) + " eval --ckpt " + ckpt() +
+                         " --data " + *dir / "v320-shards" + " --rows 4 --batch 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("sigma eval: held-out: "), std::string::npos) << r.out;
+}
