@@ -14,6 +14,7 @@
 #include "command.h"
 #include "kernels/ops.h"
 #include "core/json_depth.h"
+#include "core/progress.h"
 #include "data/tokenizer.h"
 #include "eval/tasks.h"
 #include "run/checkpoint.h"
@@ -25,11 +26,13 @@ namespace sigma::cli {
 namespace {
 
 struct EvalArgs {
-  std::string ckpt, data, domains, task, k = "1", log_samples, score_generations,
+  std::string ckpt, data, domains, k = "1", log_samples, score_generations,
       precision = "fp32", backend = "cpu";
   int rows = 256, batch = 8;
   bool rows_given = false, batch_given = false, json = false;
+  std::vector<std::string> tasks;  // --task, repeatable
   size_t limit = 0;
+  int jobs = 0;  // --jobs; 0 = eval::default_sandbox_jobs
   double memory_mb = 1024;
   eval::TaskOptions opt;
 };
@@ -140,7 +143,7 @@ std::string with_stderr(const nlohmann::json& group, const std::string& key, con
 
 void print_task_table(const nlohmann::json& r) {
   fmt::print("task {} ({} items)\n", r["task"].get<std::string>(), r["items"].get<int64_t>());
-  for (const char* kind : {"choice", "generate", "code"}) {
+  for (const char* kind : {"choice", "generate", "code", "rolling"}) {
     if (!r.contains(kind)) continue;
     const nlohmann::json& g = r[kind];
     for (const auto& [key, v] : g.items())
@@ -158,6 +161,11 @@ void print_task_table(const nlohmann::json& r) {
   }
   if (r.contains("code"))
     fmt::print("  sandbox: {}; failures {}\n", r["code"]["sandbox"].get<std::string>(), r["code"]["failures"].dump());
+  if (r.contains("rolling"))
+    for (const auto& [name, d] : r["rolling"]["domains"].items())
+      fmt::print("  {:<9} {:<12} bits_per_byte {:.4f} ({} bytes, {} tokens, {} items)\n", "rolling",
+                 name, d["bits_per_byte"].get<double>(), d["bytes"].dump(), d["tokens"].dump(),
+                 d["items"].dump());
 }
 
 std::vector<int> parse_k(const std::string& text) {
@@ -209,13 +217,13 @@ void describe_run(nlohmann::json& r, const EvalArgs& a, const std::string& file,
   r["settings"] = {{"num_fewshot", o.num_fewshot}, {"fewshot_seed", o.fewshot_seed},
                    {"temperature", o.temperature}, {"top_k", o.top_k}, {"top_p", o.top_p},
                    {"seed", o.seed}, {"max_new", o.max_new}, {"samples", o.samples}, {"k", o.k},
-                   {"bootstrap", o.bootstrap}, {"precision", a.precision},
+                   {"bootstrap", o.bootstrap}, {"precision", a.precision}, {"jobs", o.jobs},
                    {"timeout_s", o.sandbox.seconds}, {"memory_mb", a.memory_mb},
                    {"limit", a.limit}, {"items_in_file", items_in_file}};
 }
 
-void print_result(nlohmann::json& r, const EvalArgs& a, const std::vector<nlohmann::json>& log) {
-  if (!a.log_samples.empty()) write_log(a.log_samples, log);
+// The warning for prompts cut to fit the context (stderr), then the result on stdout.
+void warn_cut(const nlohmann::json& r, const EvalArgs& a) {
   if (const int64_t cut = r.value("prompts_cut", int64_t(0)); cut > 0)
     fmt::print(stderr, "sigma eval: warning: {} of {} prompts were cut at their start to fit the "
                "model's context{} (the domain's prefix controls kept; \"prompts_cut\" per kind in "
@@ -224,6 +232,11 @@ void print_result(nlohmann::json& r, const EvalArgs& a, const std::vector<nlohma
                    ? fmt::format(" of {} tokens, less --max-new {} for generated answers",
                                  r["context"].get<int>(), a.opt.max_new)
                    : "");
+}
+
+void print_result(nlohmann::json& r, const EvalArgs& a, const std::vector<nlohmann::json>& log) {
+  if (!a.log_samples.empty()) write_log(a.log_samples, log);
+  warn_cut(r, a);
   if (a.json) fmt::print("{}\n", r.dump());
   else print_task_table(r);
 }
@@ -233,6 +246,7 @@ void print_result(nlohmann::json& r, const EvalArgs& a, const std::vector<nlohma
 void run_score_generations(EvalArgs a) {
   a.opt.k = parse_k(a.k);
   a.opt.sandbox.memory_bytes = uint64_t(a.memory_mb * (1 << 20));
+  a.opt.jobs = a.jobs > 0 ? a.jobs : eval::default_sandbox_jobs(a.opt.sandbox);
   a.opt.progress = true;
   std::vector<eval::TaskItem> items;
   std::vector<eval::ItemOutput> outs;
@@ -246,6 +260,17 @@ void run_score_generations(EvalArgs a) {
   print_result(r, a, log);
 }
 
+// --log-samples with several tasks: a folder of one file per task, "N-STEM.jsonl" (N: the
+// task's place on the command line, from 1).
+std::string log_path(const EvalArgs& a, size_t t) {
+  if (a.log_samples.empty() || a.tasks.size() == 1) return a.log_samples;
+  return (std::filesystem::path(a.log_samples) /
+          fmt::format("{}-{}.jsonl", t + 1, std::filesystem::path(a.tasks[t]).stem().string())).string();
+}
+
+// Every --task on one loaded model, one after the other. With one task the result is that
+// task's object; with several, {"tasks": [each task's object, in order], ...}, each as
+// self-describing as a single task's (its file's hash, its settings, the build and date).
 void run_task(EvalArgs a) {
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
@@ -254,20 +279,52 @@ void run_task(EvalArgs a) {
   SIGMA_CHECK(!tok_path.empty(), "{} has no tokenizer (it was trained on token ids, e.g. the "
               "synthetic data); tasks are text, so evaluate a model trained on prepared shards", info.dir);
   const data::Tokenizer tok = data::Tokenizer::load(tok_path);
-  const auto items = eval::read_task_file(a.task, model->config().domains.names());
+  // Every file is read and checked before any is scored: a typo in the last should not waste
+  // the first's run.
+  std::vector<std::vector<eval::TaskItem>> files;
+  for (const std::string& task : a.tasks)
+    files.push_back(eval::read_task_file(task, model->config().domains.names()));
   a.opt.k = parse_k(a.k);
   const auto registry = data_registry(a, info);
   a.opt.sandbox.memory_bytes = uint64_t(a.memory_mb * (1 << 20));
+  a.opt.jobs = a.jobs > 0 ? a.jobs : eval::default_sandbox_jobs(a.opt.sandbox);
   a.opt.progress = true;
   a.opt.limit = a.limit;
-  std::vector<nlohmann::json> log;
-  nlohmann::json r = eval::run_tasks({*model, tok, registry ? &*registry : nullptr}, items, a.opt,
-                                     a.log_samples.empty() ? nullptr : &log);
-  r["task"] = a.task;
-  describe_run(r, a, a.task, items.size());
-  r["checkpoint"] = info.dir;
-  r["context"] = model->config().context;
-  print_result(r, a, log);
+  if (a.tasks.size() > 1 && !a.log_samples.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(a.log_samples, ec);
+    SIGMA_CHECK(std::filesystem::is_directory(a.log_samples), "--log-samples {}: with {} tasks this "
+                "names a folder (one N-STEM.jsonl per task) and it cannot be made: {}",
+                a.log_samples, a.tasks.size(), ec ? ec.message() : "a file of that name exists");
+  }
+  nlohmann::json all = nlohmann::json::array();
+  for (size_t t = 0; t < a.tasks.size(); ++t) {
+    if (a.tasks.size() > 1) fmt::print(stderr, "sigma eval: task {} of {}: {}\n", t + 1, a.tasks.size(), a.tasks[t]);
+    std::vector<nlohmann::json> log;
+    const std::string path = log_path(a, t);
+    nlohmann::json r = eval::run_tasks({*model, tok, registry ? &*registry : nullptr}, files[t], a.opt,
+                                       path.empty() ? nullptr : &log);
+    r["task"] = a.tasks[t];
+    describe_run(r, a, a.tasks[t], files[t].size());
+    r["checkpoint"] = info.dir;
+    r["context"] = model->config().context;
+    if (!path.empty()) write_log(path, log);
+    if (!path.empty() && a.tasks.size() > 1) r["log_samples"] = path;  // which file of the folder
+    warn_cut(r, a);
+    if (a.tasks.size() == 1) {
+      if (a.json) fmt::print("{}\n", r.dump());
+      else print_task_table(r);
+      return;
+    }
+    if (!a.json) print_task_table(r);
+    all.push_back(std::move(r));
+  }
+  if (a.json) {
+    nlohmann::json out = {{"tasks", all}, {"checkpoint", info.dir}};
+    out["sigma"] = all[0]["sigma"];
+    out["date"] = all[0]["date"];
+    fmt::print("{}\n", out.dump());
+  }
 }
 
 void run_eval(const EvalArgs& a) {
@@ -277,7 +334,7 @@ void run_eval(const EvalArgs& a) {
   if (!a.score_generations.empty()) return run_score_generations(a);
   ops::use_backend(a.backend);
   SIGMA_CHECK(!a.ckpt.empty(), "--ckpt is required (except with --score-generations)");
-  if (!a.task.empty()) return run_task(a);
+  if (!a.tasks.empty()) return run_task(a);
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
   model->use_weights(weight_format_from_name(a.precision));
@@ -298,7 +355,12 @@ void run_eval(const EvalArgs& a) {
   const TrainConfig& t = info.cfg.train;
   const int rows = a.rows_given || !a.data.empty() ? a.rows : t.eval_rows;
   const int batch = a.batch_given || !a.data.empty() ? a.batch : t.batch;
-  const auto result = evaluate(*model, *source, batch, model->config().context, rows);
+  // Progress after the first 10 s (2 s on a terminal): a large --rows on a big model is minutes.
+  // The total is --rows per domain; a domain with fewer complete windows ends the count short.
+  Progress shown("sigma eval: held-out", uint64_t(rows) * chosen.keep.size(), "rows");
+  const auto result = evaluate(*model, *source, batch, model->config().context, rows,
+                               [&](int n) { shown.add(uint64_t(n)); });
+  shown.finish();
   for (const DomainLoss& d : result)
     SIGMA_CHECK(d.tokens > 0, "{}: domain '{}' has no complete window of {} tokens", held.name,
                 d.name, model->config().context + 1);
@@ -325,8 +387,13 @@ const RegisterCommand reg_eval([](CLI::App& root) {
                 "train.eval_rows)")->check(CLI::Range(1, 1 << 24));
   c->add_option("--batch", a->batch, "Rows per forward pass (default 8 with --data, else the "
                 "run's train.batch)")->check(CLI::Range(1, 4096));
-  c->add_option("--task", a->task, "Score a task file instead (JSONL: multiple choice, generation "
-                "with BLEU / exact match, code with pass@k; docs/evaluation.md)");
+  c->add_option("--task", a->tasks, "Score a task file instead (JSONL: multiple choice, generation "
+                "with BLEU / exact match, code with pass@k, rolling log-likelihood with bits per "
+                "byte; docs/evaluation.md); repeat for several tasks on one loaded model")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)->expected(1);
+  c->add_option("--jobs", a->jobs, "Code tasks: samples run at once, each in its own sandbox "
+                "(default: the cores, at most as many as free memory holds at --memory-mb each)")
+      ->check(CLI::Range(1, 256));
   c->add_option("--samples", a->opt.samples, "Code tasks: completions per problem (the n of "
                 "pass@k)")->check(CLI::Range(1, 1000));
   c->add_option("--k", a->k, "Code tasks: the k of pass@k, comma-separated (default 1)");
@@ -368,14 +435,14 @@ const RegisterCommand reg_eval([](CLI::App& root) {
       refuse_given(*c, {"--backend", "--samples", "--temperature", "--top-k", "--top-p", "--seed", "--max-new",
                         "--domains", "--rows", "--batch"},
                    "--score-generations scores saved completions and runs no model");
-    else if (a->task.empty())
+    else if (a->tasks.empty())
       refuse_given(*c, {"--samples", "--k", "--temperature", "--top-k", "--top-p", "--seed",
-                        "--max-new", "--timeout", "--memory-mb", "--limit"},
+                        "--max-new", "--timeout", "--memory-mb", "--limit", "--jobs"},
                    "without --task, sigma eval measures held-out loss and generates nothing");
     else
       refuse_given(*c, {"--domains", "--rows", "--batch"},
                    "they choose held-out loss windows, and --task scores a task file");
-    if (!a->task.empty() && a->opt.temperature <= 0)
+    if (!a->tasks.empty() && a->opt.temperature <= 0)
       refuse_given(*c, {"--top-k", "--top-p", "--seed"}, "--temperature 0 (the default) decodes "
                    "greedily; give --temperature > 0 to sample");
     a->rows_given = c->count("--rows") > 0;

@@ -33,16 +33,28 @@ struct ServeArgs {
 struct Loaded {
   std::unique_ptr<Model> model;
   std::optional<data::Tokenizer> tok;
+  std::optional<DomainRegistry> data_domains;  // text prompts get their domain's prefix
   std::string name;
 };
 
 Loaded load(const std::string& ckpt, const std::string& precision) {
   CheckpointInfo info;
   Loaded l;
-  l.model = load_checkpoint_model(ckpt, &info);
+  // The model, its tokenizer and its data registry come from one checkpoint: read together
+  // under read_checkpoint's retry, so that retention pruning the checkpoint `latest` named
+  // while it loads makes all three come from the next one, never a mix or an error.
+  read_checkpoint(ckpt, [&](const std::string& dir) {
+    info = open_checkpoint(dir);
+    l.model = Model::for_loading(info.cfg.model, info.cfg.train.seed);
+    load_model(*l.model, info.dir);
+    l.tok.reset();
+    if (const std::string path = checkpoint_tokenizer_path(info.dir); !path.empty())
+      l.tok = data::Tokenizer::load(path);
+    l.data_domains.reset();
+    if (auto own = checkpoint_data_domains(info.dir))
+      l.data_domains = DomainRegistry::from_json(*own, info.dir + "/" + kDataDomainsFile, DomainForm::Data);
+  });
   l.model->use_weights(weight_format_from_name(precision));
-  if (const std::string path = checkpoint_tokenizer_path(info.dir); !path.empty())
-    l.tok = data::Tokenizer::load(path);
   // A run's checkpoints/step-N names the run; an extract's folder (holding its step-N) itself.
   std::filesystem::path dir = std::filesystem::absolute(info.dir).lexically_normal();
   if (dir.filename().empty()) dir = dir.parent_path();
@@ -88,10 +100,13 @@ void run_serve(ServeArgs a) {
     int sig = 0;
     sigwait(&sigs, &sig);
     if (finished) return;
-    fmt::print(stderr, "sigma serve: {} received: finishing the requests in flight\n",
-               sig == SIGTERM ? "SIGTERM" : "SIGINT");
-    fmt::print(stderr, "sigma serve: requests still running after {} s are cut (--drain-timeout)\n",
-               a.o.drain_timeout);
+    const char* name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
+    if (const int n = server.requests_in_flight(); n > 0)
+      fmt::print(stderr, "sigma serve: {} received: finishing the {} request{} in flight; any still "
+                 "running after {} s is cut (--drain-timeout)\n", name, n, n == 1 ? "" : "s",
+                 a.o.drain_timeout);
+    else
+      fmt::print(stderr, "sigma serve: {} received: stopping (no request in flight)\n", name);
     server.stop();
   });
   std::vector<Loaded> models;
@@ -114,7 +129,8 @@ void run_serve(ServeArgs a) {
   }
   std::string listed;
   for (Loaded& m : models) {
-    server.serve_model(*m.model, m.tok ? &*m.tok : nullptr, m.name, &m == &models.back());
+    server.serve_model(*m.model, m.tok ? &*m.tok : nullptr, m.name, &m == &models.back(),
+                       m.data_domains ? &*m.data_domains : nullptr);
     listed += fmt::format("{}'{}' (domains:", listed.empty() ? "" : "; ", m.name);
     for (const auto& d : m.model->config().domains) listed += " " + d.name;
     listed += ")";

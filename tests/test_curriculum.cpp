@@ -79,7 +79,10 @@ class Curriculum : public ::testing::Test {
 TempDir* Curriculum::dir = nullptr;
 json Curriculum::sampler;
 
-const std::set<std::string> kStage1 = {"english", "chinese", "python", "java"};
+// Stage 1 of the paper (§4, "Pretraining settings"): "we activate four main domains' experts to
+// consume data from all the four main domains including bilingual, Chinese, English and codes"
+// (code: python and java); stage 2 adds the rest (poetry).
+const std::set<std::string> kStage1 = {"english", "chinese", "bilingual", "python", "java"};
 
 TEST_F(Curriculum, TheDomainsEachStepTrainsOnFollowTheStages) {
   auto r = sigma_cmd(train_args() + "--out " + *dir / "mix");

@@ -16,7 +16,10 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <cstdio>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -156,10 +159,11 @@ int processes_of(uid_t uid) {
   return n;
 }
 
-// The running sample's supervisor (0 when none) and a SIGINT/SIGTERM that came meanwhile.
-std::atomic<pid_t> g_supervisor{0};
+// Supervisors started and not yet reaped (counted before their fork), and a SIGINT/SIGTERM
+// that came meanwhile.
+std::atomic<int> g_running{0};
 volatile sig_atomic_t g_stop = 0;
-static_assert(std::atomic<pid_t>::is_always_lock_free);
+static_assert(std::atomic<int>::is_always_lock_free);
 
 [[noreturn]] void die_by(int sig) {
   const char* msg = sig == SIGINT
@@ -179,9 +183,9 @@ static_assert(std::atomic<pid_t>::is_always_lock_free);
 
 extern "C" void on_interrupt(int sig) {
   g_stop = sig;
-  // Outside a sample nothing needs stopping (a supervisor forked a moment ago stops itself
-  // when this process dies); inside one, run_python_sandboxed stops it and then ends here.
-  if (g_supervisor.load() == 0) die_by(sig);
+  // Outside a sample nothing needs stopping; while samples run, the loop that waits for them
+  // (run_python_sandboxed_many) stops them all and then ends here.
+  if (g_running.load() == 0) die_by(sig);
 }
 
 // Folders and cgroups of evaluators killed while a supervisor was killed too (once a process).
@@ -248,39 +252,12 @@ std::string last_line(int fd) {
   return line.size() > 300 ? line.substr(0, 300) : line;
 }
 
-// Waits for the supervisor (it keeps the sample's clock itself; this deadline is a backstop
-// for a supervisor that hangs), then kills its group and reaps it. A SIGINT/SIGTERM meanwhile
-// asks it to stop (it then kills the sample and cleans up). Returns its exit status.
-int wait_supervisor(pid_t pid, double seconds) {
-  using Clock = std::chrono::steady_clock;
-  Clock::time_point deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-  bool asked = false;
-  for (;;) {
-    siginfo_t info{};
-    // WNOWAIT: the child stays a zombie, so its group id cannot be reused before killpg.
-    if (waitid(P_PID, id_t(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == pid) break;
-    if (Clock::now() >= deadline) break;
-    if (g_stop && !asked) {
-      kill(pid, SIGTERM);
-      asked = true;
-      deadline = std::min(deadline, Clock::now() + std::chrono::seconds(5));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  kill(-pid, SIGKILL);
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 124;
-}
-
 std::string read_available(int fd, size_t most) {
   std::string s;
   char buf[256];
   for (ssize_t n; s.size() < most && (n = read(fd, buf, sizeof buf)) > 0;) s.append(buf, size_t(n));
   return s;
 }
-
-SandboxResult run_sandboxed(const std::string& program, const SandboxLimits& limits);
 
 }  // namespace
 
@@ -295,7 +272,47 @@ void exit_cleanly_on_interrupt() {
 
 namespace {
 
-SandboxResult run_sandboxed(const std::string& program, const SandboxLimits& limits) {
+// One sample in flight: its supervisor, the read ends of its pipes and its output. The
+// destructor is the backstop for every way out (an exception while others run included): it
+// kills and reaps a supervisor not yet reaped, closes the descriptors, and removes the folder
+// (an empty directory on this side of the mount namespace) and the cgroup.
+struct Running {
+  pid_t pid = 0;  // the supervisor, until reaped
+  std::string folder, python;
+  MemoryCgroup cg;
+  uint64_t cg_bytes = 0;
+  int report = -1, done = -1, out = -1;
+  std::vector<int> fds;  // every descriptor this side holds
+  double seconds = 0;
+  std::chrono::steady_clock::time_point deadline;
+  bool asked = false;
+  int code = -1;  // the supervisor's exit status, once reaped
+
+  Running() = default;
+  Running(const Running&) = delete;
+  Running& operator=(const Running&) = delete;
+  ~Running() {
+    reap();
+    for (int fd : fds) close(fd);
+    std::error_code ec;
+    fs::remove(folder, ec);
+    remove_cgroup(cg.dir);
+  }
+  // Kills the supervisor's group and reaps it (the zombie kept the group id from reuse).
+  void reap() {
+    if (pid <= 0) return;
+    kill(-pid, SIGKILL);
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+    code = WIFEXITED(status) ? WEXITSTATUS(status) : 124;
+    pid = 0;
+    g_running.fetch_sub(1);
+  }
+};
+
+// Forks the supervisor of one sample. `share`: samples that may run at once (their processes
+// count together against RLIMIT_NPROC, which the kernel keeps per user).
+std::unique_ptr<Running> start_sandboxed(const std::string& program, const SandboxLimits& limits, int share) {
   const fs::path tmp = fs::temp_directory_path();
   remove_stale(tmp);
   uint64_t rnd = 0;
@@ -303,17 +320,19 @@ SandboxResult run_sandboxed(const std::string& program, const SandboxLimits& lim
   // The pid in the name lets a later evaluator remove what a killed one left.
   const std::string name = fmt::format("sigma-sandbox-{}-{:016x}", getpid(), rnd);
 
+  auto run = std::make_unique<Running>();
   ChildPlan p;
   p.evaluator = getpid();
   p.folder = (tmp / name).string();
+  run->folder = p.folder;
   p.folder_escaped = mountinfo_escape(p.folder);
   p.box = p.folder + "/box";
   p.guard = kGuard;
   p.program = program;
   p.guard_path = p.box + "/guard.py";
   p.sample_path = p.box + "/sample.py";
-  const std::string python = python_path(limits);
-  p.entries = root_entries(p.folder, python);
+  run->python = python_path(limits);
+  p.entries = root_entries(p.folder, run->python);
   p.abi = landlock_abi();
   p.as_root = geteuid() == 0;  // the sample then runs as nobody
   const uid_t uid = p.as_root ? kNobody : geteuid();
@@ -324,82 +343,100 @@ SandboxResult run_sandboxed(const std::string& program, const SandboxLimits& lim
   p.uid_map = fmt::format("{} {} 1\n", geteuid(), geteuid());
   p.gid_map = fmt::format("{} {} 1\n", getegid(), getegid());
   // RLIMIT_NPROC counts every process of the user; as nobody or in a user namespace those are
-  // the sandboxes'; otherwise the evaluator's own count is added.
-  p.nproc = limits.processes;
+  // the sandboxes' (`share` of them at once); otherwise the evaluator's own count is added.
+  p.nproc = limits.processes * std::max(1, share);
   if (!p.as_root) p.nproc += processes_of(geteuid());
   p.memory = limits.memory_bytes;
   p.file = limits.file_bytes;
   p.seconds = limits.seconds;
-  std::string a0 = python, a1 = "-I", a2 = "-B", a3 = "guard.py";
+  std::string a0 = run->python, a1 = "-I", a2 = "-B", a3 = "guard.py";
   std::string e0 = "PATH=/usr/bin:/bin", e1 = "HOME=/box", e2 = "TMPDIR=/box", e3 = "LANG=C.UTF-8";
   p.argv = {a0.data(), a1.data(), a2.data(), a3.data(), nullptr};
   p.envp = {e0.data(), e1.data(), e2.data(), e3.data(), nullptr};
 
   // Its files are in memory too (the tmpfs pages count against the cgroup): the limit leaves
   // room for a full disk quota besides the processes' memory_bytes.
-  const uint64_t cg_bytes = limits.memory_bytes + limits.disk_bytes;
-  p.cg = plan_memory_cgroup(name, cg_bytes);
-  const MemoryCgroup& cg = p.cg;
-  struct Cleanup {  // backstops for a supervisor that was killed before it cleaned up
-    std::string folder, cgroup;
-    std::vector<int> fds;
-    ~Cleanup() {
-      for (int fd : fds) close(fd);
-      std::error_code ec;
-      fs::remove(folder, ec);  // an empty directory on this side of the mount namespace
-      remove_cgroup(cgroup);
-    }
-  } cleanup{p.folder, p.cg.dir, {}};
+  run->cg_bytes = limits.memory_bytes + limits.disk_bytes;
+  p.cg = plan_memory_cgroup(name, run->cg_bytes);
+  run->cg = p.cg;
 
   // Read ends non-blocking: a writer the sample left behind can never stall the evaluator.
   int report[2], done[2];
   SIGMA_CHECK(pipe2(report, O_CLOEXEC) == 0, "sandbox: pipe failed: {}", std::strerror(errno));
-  cleanup.fds = {report[0], report[1]};
+  run->fds = {report[0], report[1]};
   SIGMA_CHECK(pipe2(done, O_CLOEXEC) == 0, "sandbox: pipe failed: {}", std::strerror(errno));
-  cleanup.fds.insert(cleanup.fds.end(), {done[0], done[1]});
+  run->fds.insert(run->fds.end(), {done[0], done[1]});
   const int out = memfd_create("sigma-sandbox-output", MFD_CLOEXEC);
   SIGMA_CHECK(out >= 0, "sandbox: memfd_create failed: {}", std::strerror(errno));
-  cleanup.fds.push_back(out);
+  run->fds.push_back(out);
   for (int fd : {report[0], done[0]}) fcntl(fd, F_SETFL, O_NONBLOCK);
   p.report_fd = report[1];
   p.done_fd = done[1];
   p.out_fd = out;
+  g_running.fetch_add(1);  // before the fork: a signal from now on waits for this sample
   const pid_t pid = fork();
   if (pid == 0) supervisor(p);
+  if (pid < 0) g_running.fetch_sub(1);
   SIGMA_CHECK(pid > 0, "sandbox: fork failed: {}", std::strerror(errno));
-  g_supervisor = pid;
+  run->pid = pid;
   close(report[1]), close(done[1]);
-  cleanup.fds = {report[0], done[0], out};
+  run->fds = {report[0], done[0], out};
+  run->report = report[0], run->done = done[0], run->out = out;
   setpgid(pid, pid);  // also here, so the group exists before any kill
-  const int code = wait_supervisor(pid, limits.seconds + 10);
-  g_supervisor = 0;
+  // The supervisor keeps the sample's clock itself; this deadline is a backstop for a
+  // supervisor that hangs.
+  using Clock = std::chrono::steady_clock;
+  run->seconds = limits.seconds;
+  run->deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limits.seconds + 10));
+  return run;
+}
 
+// Whether the supervisor has ended (or its backstop deadline passed). A SIGINT/SIGTERM asks it
+// to stop (it then kills the sample and cleans up) and gives it 5 s more at most.
+bool supervisor_ended(Running& r) {
+  using Clock = std::chrono::steady_clock;
+  siginfo_t info{};
+  // WNOWAIT: the child stays a zombie, so its group id cannot be reused before killpg.
+  if (waitid(P_PID, id_t(r.pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == r.pid) return true;
+  if (Clock::now() >= r.deadline) return true;
+  if (g_stop && !r.asked) {
+    kill(r.pid, SIGTERM);
+    r.asked = true;
+    r.deadline = std::min(r.deadline, Clock::now() + std::chrono::seconds(5));
+  }
+  return false;
+}
+
+// The outcome of an ended sample: reaps its supervisor and reads what its processes reported.
+SandboxResult finish_sandboxed(Running& run) {
+  run.reap();
+  const int code = run.code;
   SandboxResult r;
   Record rec;
   bool reported = false, have_status = false;
   uint16_t got = 0, stage = 0;
   int st = 0, err = 0;
-  while (read(report[0], &rec, sizeof rec) == sizeof rec) {
+  while (read(run.report, &rec, sizeof rec) == sizeof rec) {
     if (rec.kind == kGot) got = rec.bits, reported = true;
     if (rec.kind == kStatus) st = rec.value, have_status = true;
     if (rec.kind == kFail && !stage) stage = rec.bits, err = rec.value;
     if (rec.kind == kOom) r.oom_kills = rec.value;
   }
-  r.finished = read_available(done[0], 64) == kSentinel;
-  r.protections = reported ? protections_text(got, cg, cg_bytes) : "";
+  r.finished = read_available(run.done, 64) == kSentinel;
+  r.protections = reported ? protections_text(got, run.cg, run.cg_bytes) : "";
   r.timed_out = code == 124;
   have_status = have_status && code == 0;
   if (have_status && WIFEXITED(st)) r.exit_code = WEXITSTATUS(st);
   if (have_status && WIFSIGNALED(st)) r.signal = WTERMSIG(st);
-  const std::string tail = last_line(out);
+  const std::string tail = last_line(run.out);
   const std::string oom = fmt::format("out of memory: the limit of {} MiB for all its processes and "
-                                      "files together ended {} of its processes", cg_bytes >> 20, r.oom_kills);
-  if (r.timed_out) r.outcome = "timeout", r.why = fmt::format("timeout after {} s", limits.seconds);
+                                      "files together ended {} of its processes", run.cg_bytes >> 20, r.oom_kills);
+  if (r.timed_out) r.outcome = "timeout", r.why = fmt::format("timeout after {} s", run.seconds);
   else if (stage) r.outcome = "error", r.why = fmt::format("sandbox: {}{}", stage_text(stage), err ? fmt::format(" ({})", std::strerror(err)) : "");
   else if (code == 126) r.outcome = "error", r.why = "the sample was stopped (the evaluator was interrupted)";
   else if (!have_status) r.outcome = "error", r.why = "the sandbox could not be set up";
   else if (r.signal) r.outcome = "killed", r.why = fmt::format("killed by signal {} ({}){}", r.signal, strsignal(r.signal), r.oom_kills ? ": " + oom : "");
-  else if (r.exit_code == 127) r.outcome = "error", r.why = fmt::format("cannot run {}", python);
+  else if (r.exit_code == 127) r.outcome = "error", r.why = fmt::format("cannot run {}", run.python);
   else if (r.oom_kills) r.outcome = "failed", r.why = oom;
   else if (r.exit_code != 0) r.outcome = "failed", r.why = fmt::format("exit {}: {}", r.exit_code, tail);
   else if (!r.finished) r.outcome = "early_exit", r.why = "exit 0 before the tests finished (sys.exit or os._exit)";
@@ -410,10 +447,52 @@ SandboxResult run_sandboxed(const std::string& program, const SandboxLimits& lim
 
 }  // namespace
 
+int default_sandbox_jobs(const SandboxLimits& limits) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  uint64_t available = 0;  // MemAvailable, bytes
+  if (FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    unsigned long long kb = 0;
+    while (std::fgets(line, sizeof line, f))
+      if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) available = uint64_t(kb) << 10;
+    std::fclose(f);
+  }
+  const uint64_t each = std::max<uint64_t>(1, limits.memory_bytes + limits.disk_bytes);
+  const uint64_t by_memory = available ? std::max<uint64_t>(1, available / each) : 1;
+  return int(std::min<uint64_t>({cores, by_memory, 64}));
+}
+
+std::vector<SandboxResult> run_python_sandboxed_many(
+    const std::vector<std::string>& programs, const SandboxLimits& limits, int jobs,
+    const std::function<void(size_t, const SandboxResult&)>& on_done) {
+  SIGMA_CHECK(jobs >= 1, "sandbox: {} concurrent samples (at least 1)", jobs);
+  const int share = int(std::min<size_t>(size_t(jobs), std::max<size_t>(1, programs.size())));
+  std::vector<SandboxResult> results(programs.size());
+  std::vector<std::pair<size_t, std::unique_ptr<Running>>> running;  // destroyed on every way out
+  size_t next = 0;
+  while (next < programs.size() || !running.empty()) {
+    while (!g_stop && next < programs.size() && running.size() < size_t(share)) {
+      running.emplace_back(next, start_sandboxed(programs[next], limits, share));
+      ++next;
+    }
+    if (g_stop) next = programs.size();  // start nothing more; the running ones are stopped
+    bool any = false;
+    for (size_t k = 0; k < running.size();) {
+      if (!supervisor_ended(*running[k].second)) { ++k; continue; }
+      const size_t i = running[k].first;
+      results[i] = finish_sandboxed(*running[k].second);
+      running.erase(running.begin() + std::ptrdiff_t(k));
+      if (!g_stop && on_done) on_done(i, results[i]);
+      any = true;
+    }
+    if (!any && !running.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  if (g_stop) die_by(g_stop);  // interrupted: every sample stopped, its folder and cgroup gone
+  return results;
+}
+
 SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimits& limits) {
-  SandboxResult r = run_sandboxed(program, limits);
-  if (g_stop) die_by(g_stop);  // interrupted: the sample is stopped, its folder and cgroup gone
-  return r;
+  return run_python_sandboxed_many({program}, limits, 1)[0];
 }
 
 }  // namespace sigma::eval

@@ -20,7 +20,9 @@
 // Whatever the sample does, the result is pass or fail with a reason.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 namespace sigma::eval {
 
@@ -53,6 +55,20 @@ struct SandboxResult {
 // Runs `program` (Python source) with python3 -I -B; passed = it ran to its end and exited 0
 // within the limits.
 SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimits& limits);
+
+// Runs each program as run_python_sandboxed does, each in its own sandbox with its own limits,
+// folder and cgroup, at most `jobs` at once (one thread forks and waits for them all); the
+// results are in the programs' order, and `on_done(index, result)` is called as each ends. The
+// process limit is the exception: the kernel counts RLIMIT_NPROC per user, so the samples that
+// run at once share jobs x limits.processes. On SIGINT/SIGTERM (exit_cleanly_on_interrupt)
+// every running sample is stopped and removed before the evaluator ends by that signal.
+std::vector<SandboxResult> run_python_sandboxed_many(
+    const std::vector<std::string>& programs, const SandboxLimits& limits, int jobs,
+    const std::function<void(size_t, const SandboxResult&)>& on_done = {});
+
+// Samples that fit this machine at once: its cores, at most as many as MemAvailable holds at
+// each sample's memory and disk limits, at most 64.
+int default_sandbox_jobs(const SandboxLimits& limits);
 
 // For a program that runs samples (`sigma eval`): SIGINT and SIGTERM print a message and end
 // it by the same signal (status 130 / 143 in a shell), after the running sample is stopped and

@@ -46,12 +46,14 @@ TaskKind kind_of(const json& j, const LineCheck& at) {
     if (*t == "choice") return TaskKind::Choice;
     if (*t == "generate") return TaskKind::Generate;
     if (*t == "code") return TaskKind::Code;
-    at.fail("\"type\" must be \"choice\", \"generate\" or \"code\", not {}", t->dump());
+    if (*t == "rolling") return TaskKind::Rolling;
+    at.fail("\"type\" must be \"choice\", \"generate\", \"code\" or \"rolling\", not {}", t->dump());
   }
   if (j.contains("choices")) return TaskKind::Choice;
   if (j.contains("tests")) return TaskKind::Code;
   if (j.contains("references")) return TaskKind::Generate;
-  at.fail("no \"type\", and neither \"choices\", \"references\" nor \"tests\" to tell the kind");
+  if (j.contains("text")) return TaskKind::Rolling;
+  at.fail("no \"type\", and neither \"choices\", \"references\", \"tests\" nor \"text\" to tell the kind");
 }
 
 void check_keys(const json& j, TaskKind k, const LineCheck& at) {
@@ -59,7 +61,8 @@ void check_keys(const json& j, TaskKind k, const LineCheck& at) {
   const std::set<std::string> own =
       k == TaskKind::Choice     ? std::set<std::string>{"context", "choices", "answer"}
       : k == TaskKind::Generate ? std::set<std::string>{"prompt", "references", "tokenize", "stop"}
-                                : std::set<std::string>{"prompt", "tests", "stop"};
+      : k == TaskKind::Code     ? std::set<std::string>{"prompt", "tests", "stop"}
+                                : std::set<std::string>{"text"};
   for (const auto& [key, v] : j.items())
     if (!common.count(key) && !own.count(key)) at.fail("unknown key \"{}\"", key);
 }
@@ -84,6 +87,9 @@ TaskItem parse_item(const json& j, const LineCheck& at, const std::vector<std::s
     it.answer = a->get<int>();
     for (const auto& c : it.choices)
       if (c.empty()) at.fail("a choice is empty");
+  } else if (it.kind == TaskKind::Rolling) {
+    it.context = at.text(j, "text");
+    if (it.context.empty()) at.fail("\"text\" is empty");
   } else {
     it.context = at.text(j, "prompt");
     if (it.context.empty()) at.fail("\"prompt\" is empty");

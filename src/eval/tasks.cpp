@@ -21,7 +21,7 @@
 #include "core/rng.h"
 #include "data/jsonl.h"
 #include "data/prepare.h"
-#include "eval/pass_at_k.h"
+#include "eval/task_scores.h"
 #include "infer/generate.h"
 #include "kernels/ops.h"
 
@@ -86,7 +86,39 @@ struct Unit {
   size_t longest = 0;                       // its longest choice
 };
 
-// The units of the choice items, in item order; checks each choice fits the context.
+// A rolling item's windows (tasks.h run_model) as one-choice units: window w is "choice" w of
+// the item, so its log-likelihood lands in loglik[w].
+void rolling_units(const TaskContext& ctx, const TaskItem& it, size_t i, std::vector<Unit>& units,
+                   ItemOutput& out) {
+  const size_t context = size_t(ctx.model.config().context);
+  std::vector<uint32_t> ids;
+  size_t head = data::format_sample(ctx.tok, spec_of(ctx, it.domain), "", it.context, ids);
+  ids.pop_back();  // <EOT>: the text is scored, not its end
+  std::vector<int32_t> f(ids.begin(), ids.end());
+  if (head == 0) f.insert(f.begin(), int32_t(data::kEotId)), head = 1;  // start-of-text
+  SIGMA_CHECK(f.size() > head, "{}:{}: the text encodes to no tokens", it.source, it.line);
+  SIGMA_CHECK(head <= context, "{}:{}: the domain's {} prefix controls leave no room in the "
+              "model's context of {}", it.source, it.line, head, context);
+  out.prompt = prompt_text(ctx, std::vector<int32_t>(f.begin(), f.begin() + std::ptrdiff_t(head)));
+  out.loglik.clear(), out.tokens.clear();
+  for (size_t s = head; s < f.size();) {
+    // Predicts f[s, e) from f[a, e - 1): at most `context` positions.
+    const size_t e = std::min(f.size(), s == head ? context + 1 : s + context);
+    const size_t a = e - 1 > context ? e - 1 - context : 0;
+    Unit u;
+    u.item = i;
+    u.prefix.assign(f.begin() + std::ptrdiff_t(a), f.begin() + std::ptrdiff_t(s - 1));
+    u.last = f[s - 1];
+    u.choice = {out.loglik.size()};
+    u.rests = {std::vector<int32_t>(f.begin() + std::ptrdiff_t(s), f.begin() + std::ptrdiff_t(e))};
+    u.longest = e - s;
+    units.push_back(std::move(u));
+    out.loglik.push_back(0.0), out.tokens.push_back(0);
+    s = e;
+  }
+}
+
+// The units of the choice and rolling items, in item order; checks each choice fits the context.
 std::vector<Unit> units_of(const TaskContext& ctx, const std::vector<TaskItem>& items,
                            const std::vector<size_t>& which, std::vector<ItemOutput>& outs) {
   const int context = ctx.model.config().context;
@@ -94,13 +126,18 @@ std::vector<Unit> units_of(const TaskContext& ctx, const std::vector<TaskItem>& 
   std::vector<int32_t> prompt, rest;
   for (size_t i : which) {
     const TaskItem& it = items[i];
+    if (it.kind == TaskKind::Rolling) {
+      rolling_units(ctx, it, i, units, outs[i]);
+      continue;
+    }
     const std::string where = it.source.empty() ? fmt::format("line {}", it.line)
                                                 : fmt::format("{}:{}", it.source, it.line);
     std::map<size_t, Unit> by_keep;
     for (size_t c = 0; c < it.choices.size(); ++c) {
       const std::string& choice = it.choices[c];
       format(ctx, it, choice, prompt, rest);
-      SIGMA_CHECK(int(rest.size()) < context, "{}: the choice '{}' is {} tokens, longer than the "
+      // A window of context + 1 tokens holds the choice after at least one prompt token.
+      SIGMA_CHECK(int(rest.size()) <= context, "{}: the choice '{}' is {} tokens, longer than the "
                   "model's context of {} allows", where, choice.substr(0, 40), rest.size(), context);
       SIGMA_CHECK(!rest.empty(), "{}: the choice '{}' encodes to no tokens", where, choice.substr(0, 40));
       if (prompt.empty()) prompt.push_back(int32_t(data::kEotId));  // start-of-text: an <EOT>
@@ -375,192 +412,12 @@ std::string answer(const TaskContext& ctx, const TaskItem& it, const TaskOptions
   return cut_at_stop(ctx.tok.decode(text), it.stop);
 }
 
-std::string trim(const std::string& s) {
-  const size_t b = s.find_first_not_of(" \t\r\n");
-  return b == std::string::npos ? "" : s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
-}
-
-// The bootstrap standard error of a statistic of the items: `stat(idx)` over `n` items drawn
-// with replacement, `reps` times (seeded, so a rerun prints the same figure).
-template <class Stat>
-double bootstrap_stderr(size_t n, int reps, Stat stat) {
-  if (n < 2 || reps < 2) return 0;
-  std::vector<size_t> idx(n);
-  double sum = 0, sq = 0;
-  for (int b = 0; b < reps; ++b) {
-    for (size_t i = 0; i < n; ++i) idx[i] = size_t(rng_u64(0x28b007, uint64_t(b), i) % n);
-    const double v = stat(idx);
-    sum += v, sq += v * v;
-  }
-  const double mean = sum / reps;
-  return std::sqrt(std::max(0.0, (sq - reps * mean * mean) / (reps - 1)));
-}
-
-double mean_of(const std::vector<double>& v, const std::vector<size_t>& idx) {
-  double s = 0;
-  for (size_t i : idx) s += v[i];
-  return s / double(idx.size());
-}
-
-// Adds "NAME" (the mean) and "NAME_stderr" for per-item values.
-void add_mean(json& out, const std::string& name, const std::vector<double>& v, int reps) {
-  std::vector<size_t> all(v.size());
-  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  out[name] = mean_of(v, all);
-  out[name + "_stderr"] = bootstrap_stderr(v.size(), reps, [&](const auto& idx) { return mean_of(v, idx); });
-}
-
-json score_choices(const std::vector<const TaskItem*>& items, const std::vector<const ItemOutput*>& outs,
-                   const TaskOptions& opt, std::vector<json*>& log) {
-  std::vector<double> acc, norm, bytes;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const TaskItem& it = *items[i];
-    const ItemOutput& o = *outs[i];
-    SIGMA_CHECK(o.loglik.size() == it.choices.size(), "line {}: {} log-likelihoods for {} choices",
-                it.line, o.loglik.size(), it.choices.size());
-    std::vector<double> chars, nbytes;
-    for (const std::string& c : it.choices) {
-      chars.push_back(double(utf8_chars(c)));
-      nbytes.push_back(double(c.size()));
-    }
-    const int p_acc = best_choice(o.loglik, std::vector<double>(o.loglik.size(), 1.0));
-    const int p_norm = best_choice(o.loglik, chars), p_bytes = best_choice(o.loglik, nbytes);
-    acc.push_back(p_acc == it.answer);
-    norm.push_back(p_norm == it.answer);
-    bytes.push_back(p_bytes == it.answer);
-    if (log[i]) {
-      json& r = *log[i];
-      r["loglik"] = o.loglik;
-      r["tokens"] = o.tokens;
-      r["chars"] = chars;
-      r["bytes"] = nbytes;
-      r["pred"] = {{"acc", p_acc}, {"acc_norm", p_norm}, {"acc_bytes", p_bytes}};
-      r["metrics"] = {{"acc", acc.back()}, {"acc_norm", norm.back()}, {"acc_bytes", bytes.back()}};
-    }
-  }
-  json out = {{"items", items.size()}};
-  add_mean(out, "acc", acc, opt.bootstrap);
-  add_mean(out, "acc_norm", norm, opt.bootstrap);
-  add_mean(out, "acc_bytes", bytes, opt.bootstrap);
-  return out;
-}
-
-const char* tok_name(BleuTokenizer t) {
-  return t == BleuTokenizer::V13a ? "13a" : t == BleuTokenizer::Zh ? "zh" : "none";
-}
-
-json score_generation(const std::vector<const TaskItem*>& items, const std::vector<const ItemOutput*>& outs,
-                      const TaskOptions& opt, std::vector<json*>& log) {
-  std::vector<double> exact;
-  std::vector<std::string> hyps;
-  std::vector<std::vector<std::string>> refs;
-  std::vector<ChrfStats> chrf;
-  std::map<BleuTokenizer, std::vector<size_t>> by_tok;  // item indices per tokeniser
-  for (size_t i = 0; i < items.size(); ++i) {
-    const TaskItem& it = *items[i];
-    SIGMA_CHECK(outs[i]->generations.size() == 1, "line {}: a generation item needs one "
-                "generation, not {}", it.line, outs[i]->generations.size());
-    const std::string out = trim(cut_at_stop(outs[i]->generations[0], it.stop));
-    exact.push_back(std::any_of(it.references.begin(), it.references.end(),
-                                [&](const std::string& r) { return trim(r) == out; }));
-    hyps.push_back(out);
-    refs.push_back(it.references);
-    chrf.push_back(chrf_segment(out, it.references));
-    by_tok[it.tokenize].push_back(i);
-    if (log[i]) {
-      (*log[i])["generations"] = json::array({cut_at_stop(outs[i]->generations[0], it.stop)});
-      (*log[i])["metrics"] = {{"exact_match", exact.back()}, {"chrf", chrf_from_stats(chrf.back())}};
-    }
-  }
-  json out = {{"items", items.size()}};
-  add_mean(out, "exact_match", exact, opt.bootstrap);
-  json bleu = json::object();
-  for (const auto& [t, which] : by_tok) {
-    std::vector<BleuStats> seg;
-    std::vector<std::vector<std::string>> r;
-    BleuStats sum;
-    for (size_t i : which) {
-      seg.push_back(bleu_segment(hyps[i], refs[i], t));
-      r.push_back(refs[i]);
-      sum += seg.back();
-    }
-    const BleuScore b = bleu_from_stats(sum);
-    const double se = bootstrap_stderr(seg.size(), opt.bootstrap, [&](const auto& idx) {
-      BleuStats s;
-      for (size_t i : idx) s += seg[i];
-      return bleu_from_stats(s).score;
-    });
-    bleu[tok_name(t)] = {{"score", b.score}, {"stderr", se}, {"precisions", b.precisions},
-                         {"bp", b.bp}, {"sys_len", b.sys_len}, {"ref_len", b.ref_len},
-                         {"items", which.size()}, {"signature", bleu_signature(r, t)}};
-  }
-  out["bleu"] = bleu;
-  ChrfStats sum;
-  for (const ChrfStats& s : chrf) sum += s;
-  out["chrf"] = {{"score", chrf_from_stats(sum)},
-                 {"stderr", bootstrap_stderr(chrf.size(), opt.bootstrap, [&](const auto& idx) {
-                    ChrfStats s;
-                    for (size_t i : idx) s += chrf[i];
-                    return chrf_from_stats(s);
-                  })},
-                 {"signature", chrf_signature(refs)}};
-  return out;
-}
-
-json score_code(const std::vector<const TaskItem*>& items, const std::vector<const ItemOutput*>& outs,
-                const TaskOptions& opt, std::vector<json*>& log) {
-  const int n = int(outs.empty() ? opt.samples : outs[0]->generations.size());
-  for (int k : opt.k)
-    SIGMA_CHECK(k >= 1 && k <= n, "pass@{} needs at least {} samples per problem (there are {})", k, k, n);
-  std::vector<std::vector<double>> per_k(opt.k.size());
-  int64_t passed = 0;
-  std::string protections;  // as the first sample's child reported them
-  json failures = json::object();  // why samples failed, counted by outcome
-  Progress shown("sigma eval: code runs", uint64_t(items.size()) * uint64_t(n), "samples", opt.progress);
-  for (size_t i = 0; i < items.size(); ++i) {
-    const TaskItem& it = *items[i];
-    SIGMA_CHECK(int(outs[i]->generations.size()) == n, "line {}: {} samples where the other "
-                "problems have {}", it.line, outs[i]->generations.size(), n);
-    int c = 0;
-    json outcomes = json::array(), cut = json::array();
-    for (const std::string& raw : outs[i]->generations) {  // saved ones may not be cut yet
-      const std::string completion = cut_at_stop(raw, it.stop);
-      cut.push_back(completion);
-      const std::string program = it.context + completion + "\n\n" + it.tests + "\n";
-      const SandboxResult r = run_python_sandboxed(program, opt.sandbox);
-      shown.add();
-      c += r.passed;
-      if (protections.empty()) protections = r.protections;
-      if (!r.passed) failures[r.outcome] = failures.value(r.outcome, 0) + 1;
-      json o = {{"outcome", r.outcome}, {"why", r.why}};
-      if (r.exit_code >= 0) o["exit_code"] = r.exit_code;
-      if (r.signal) o["signal"] = r.signal;
-      outcomes.push_back(o);
-    }
-    passed += c;
-    json m = json::object();
-    for (size_t j = 0; j < opt.k.size(); ++j) {
-      per_k[j].push_back(pass_at_k(n, c, opt.k[j]));
-      m[fmt::format("pass@{}", opt.k[j])] = per_k[j].back();
-    }
-    if (log[i]) {
-      (*log[i])["generations"] = cut;
-      (*log[i])["outcomes"] = outcomes;
-      (*log[i])["passed"] = c;
-      (*log[i])["metrics"] = m;
-    }
-  }
-  json out = {{"items", items.size()}, {"samples", n}, {"passed", passed},
-              {"failures", failures}, {"sandbox", protections}};
-  for (size_t j = 0; j < opt.k.size(); ++j) add_mean(out, fmt::format("pass@{}", opt.k[j]), per_k[j], opt.bootstrap);
-  return out;
-}
+}  // namespace
 
 const char* kind_name(TaskKind k) {
-  return k == TaskKind::Choice ? "choice" : k == TaskKind::Generate ? "generate" : "code";
+  return k == TaskKind::Choice ? "choice" : k == TaskKind::Generate ? "generate"
+         : k == TaskKind::Code ? "code" : "rolling";
 }
-
-}  // namespace
 
 size_t utf8_chars(std::string_view s) {
   size_t n = 0;
@@ -584,6 +441,8 @@ std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, ui
     const TaskItem& it = items[i];
     SIGMA_CHECK(it.kind != TaskKind::Code, "{}:{}: --num-fewshot: code items take no shots "
                 "(their tests are not an answer to show)", it.source, it.line);
+    SIGMA_CHECK(it.kind != TaskKind::Rolling, "{}:{}: --num-fewshot: rolling items take no "
+                "shots (their text is scored as it stands)", it.source, it.line);
     std::vector<size_t> pool;
     for (size_t j = 0; j < items.size(); ++j)
       if (j != i && items[j].kind == it.kind && items[j].domain == it.domain) pool.push_back(j);
@@ -606,7 +465,7 @@ std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<Task
   std::vector<ItemOutput> outs(items.size());
   std::vector<size_t> choice;
   for (size_t i = 0; i < items.size(); ++i)
-    if (items[i].kind == TaskKind::Choice) choice.push_back(i);
+    if (items[i].kind == TaskKind::Choice || items[i].kind == TaskKind::Rolling) choice.push_back(i);
   if (!choice.empty()) choice_logliks(ctx, items, choice, opt.score_batch, outs, opt.progress);
   uint64_t answers = 0;
   for (const TaskItem& it : items)
@@ -615,7 +474,7 @@ std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<Task
   for (size_t i = 0; i < items.size(); ++i) {
     const TaskItem& it = items[i];
     ItemOutput& o = outs[i];
-    if (it.kind == TaskKind::Choice) continue;  // done above (prompt and prompt_cut too)
+    if (it.kind == TaskKind::Choice || it.kind == TaskKind::Rolling) continue;  // done above
     std::vector<int32_t> prompt, rest;
     format(ctx, it, "", prompt, rest);
     o.prompt_cut = fit_prompt(ctx, it, prompt, size_t(answer_budget(ctx, opt)));
@@ -632,9 +491,10 @@ std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<Task
 json score_items(const std::vector<TaskItem>& items, const std::vector<ItemOutput>& outs,
                  const TaskOptions& opt, std::vector<json>* log) {
   SIGMA_CHECK(items.size() == outs.size(), "score_items: {} items, {} outputs", items.size(), outs.size());
-  std::vector<const TaskItem*> by_kind[3];
-  std::vector<const ItemOutput*> out_kind[3];
-  std::vector<json*> log_kind[3];
+  constexpr int kKinds = 4;
+  std::vector<const TaskItem*> by_kind[kKinds];
+  std::vector<const ItemOutput*> out_kind[kKinds];
+  std::vector<json*> log_kind[kKinds];
   if (log) log->assign(items.size(), json::object());
   for (size_t i = 0; i < items.size(); ++i) {
     const int k = int(items[i].kind);
@@ -647,13 +507,15 @@ json score_items(const std::vector<TaskItem>& items, const std::vector<ItemOutpu
                    {"prompt_cut_tokens", outs[i].prompt_cut}};
   }
   json out = {{"items", items.size()}};
+  using namespace scoring;
   if (!by_kind[0].empty()) out["choice"] = score_choices(by_kind[0], out_kind[0], opt, log_kind[0]);
   if (!by_kind[1].empty()) out["generate"] = score_generation(by_kind[1], out_kind[1], opt, log_kind[1]);
   if (!by_kind[2].empty()) out["code"] = score_code(by_kind[2], out_kind[2], opt, log_kind[2]);
+  if (!by_kind[3].empty()) out["rolling"] = score_rolling(by_kind[3], out_kind[3], opt, log_kind[3]);
   // Prompts cut to fit the context, per kind and in all: never silent (docs/evaluation.md).
   int64_t cut_all = 0;
-  for (int k = 0; k < 3; ++k) {
-    if (by_kind[k].empty()) continue;
+  for (int k = 0; k < kKinds; ++k) {
+    if (by_kind[k].empty() || TaskKind(k) == TaskKind::Rolling) continue;  // texts are not cut
     int64_t cut = 0;
     for (const ItemOutput* o : out_kind[k]) cut += o->prompt_cut > 0;
     out[kind_name(TaskKind(k))]["prompts_cut"] = cut;
@@ -695,13 +557,17 @@ void read_sample_log(const std::string& path, std::vector<TaskItem>& items, std:
       if (it.kind == TaskKind::Choice) {
         o.loglik = j.at("loglik").get<std::vector<double>>();
         o.tokens = j.value("tokens", std::vector<int64_t>{});
+      } else if (it.kind == TaskKind::Rolling) {
+        o.loglik = j.at("loglik").get<std::vector<double>>();
+        o.tokens = j.at("tokens").get<std::vector<int64_t>>();
       } else {
         o.generations = j.at("generations").get<std::vector<std::string>>();
       }
     } catch (const json::exception&) {
+      const bool numbers = it.kind == TaskKind::Choice || it.kind == TaskKind::Rolling;
       fail("{}:{}: a {} line needs \"{}\" (an array of {})", path, no, kind_name(it.kind),
-           it.kind == TaskKind::Choice ? "loglik" : "generations",
-           it.kind == TaskKind::Choice ? "numbers" : "strings");
+           it.kind == TaskKind::Rolling ? "loglik\" and \"tokens" : numbers ? "loglik" : "generations",
+           numbers ? "numbers" : "strings");
     }
     items.push_back(std::move(it));
     outs.push_back(std::move(o));

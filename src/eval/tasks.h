@@ -1,6 +1,7 @@
 // Evaluation tasks from JSONL files (docs/evaluation.md): multiple choice scored by
 // log-likelihood (acc, acc_norm, acc_bytes), generation scored by exact match and corpus BLEU,
-// and code scored by pass@k with each sample run against the problem's tests in the sandbox.
+// code scored by pass@k with each sample run against the problem's tests in the sandbox, and
+// rolling log-likelihood of whole texts (bits per byte, byte / word / token perplexity).
 // A task names its domain, which routes it to the domain's expert group and embedding slot.
 #pragma once
 #include <nlohmann/json.hpp>
@@ -18,14 +19,16 @@
 
 namespace sigma::eval {
 
-enum class TaskKind { Choice, Generate, Code };
+enum class TaskKind { Choice, Generate, Code, Rolling };
+const char* kind_name(TaskKind k);  // "choice", "generate", "code", "rolling"
 
 struct TaskItem {
   TaskKind kind = TaskKind::Choice;
   std::string domain;
   std::string source;                   // the task file, for messages
   uint64_t line = 0;
-  std::string context;                  // choice: the context; generate and code: the prompt
+  std::string context;                  // choice: the context; generate and code: the prompt;
+                                        // rolling: the text scored
   std::vector<std::string> choices;     // choice
   int answer = -1;                      // choice: index of the right one
   std::vector<std::string> references;  // generate
@@ -68,6 +71,7 @@ struct TaskOptions {
   int num_fewshot = 0;       // solved examples before each item (with_fewshot)
   uint64_t fewshot_seed = 1234;
   SandboxLimits sandbox;
+  int jobs = 1;              // code: samples run at once, each in its own sandbox
   bool progress = false;     // progress lines with an ETA on stderr (core/progress.h)
   size_t limit = 0;          // run_tasks: only the file's first `limit` items (0 = all); their
                              // few-shot examples still come from the whole file
@@ -89,8 +93,9 @@ struct ItemOutput {
   int64_t prompt_cut = 0;                // tokens cut from the prompt's start to fit (choice:
                                          // with its longest choice; generate and code: with
                                          // room for max_new tokens); 0 = whole
-  std::vector<double> loglik;            // choice: log p(choice | context) per choice
-  std::vector<int64_t> tokens;           // choice: tokens per choice
+  std::vector<double> loglik;            // choice: log p(choice | context) per choice;
+                                         // rolling: the sum of log p per window
+  std::vector<int64_t> tokens;           // choice: tokens per choice; rolling: per window
   std::vector<std::string> generations;  // generate: one answer; code: --samples completions
 };
 
@@ -103,7 +108,11 @@ struct ItemOutput {
 std::vector<TaskItem> with_fewshot(const std::vector<TaskItem>& items, int n, uint64_t seed,
                                    size_t first = SIZE_MAX);
 
-// Runs the model on every item.
+// Runs the model on every item. A rolling item's text (the domain's prefix controls, else an
+// <EOT>, before it; no <EOT> after) is scored token by token in disjoint windows of at most the
+// model's context: the first window sees the text from its start, each later one predicts the
+// next `context` tokens from the token before them, the last one with as much context as fits
+// (lm-evaluation-harness's loglikelihood_rolling).
 std::vector<ItemOutput> run_model(const TaskContext& ctx, const std::vector<TaskItem>& items,
                                   const TaskOptions& opt);
 

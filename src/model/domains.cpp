@@ -139,7 +139,14 @@ const DomainSpec& DomainRegistry::at(std::string_view name) const {
 int DomainRegistry::index(std::string_view name) const {
   for (size_t i = 0; i < domains_.size(); ++i)
     if (domains_[i].name == name) return int(i);
-  fail("unknown domain '{}' (known domains: {})", name, fmt::join(names(), ", "));
+  // Met when data names a domain the model was not built with, e.g. training an extract (which
+  // keeps only the domains it was extracted for) on another domain's shards.
+  fail("unknown domain '{}': this model has only the domain{} {} (an extract keeps only the "
+       "domains it was extracted for). Use data of {} (prepare shards of that domain, or choose "
+       "domains with --domains where the command has it), or give the model the domain first: "
+       "sigma domains add --ckpt CKPT --name {} --init-from GROUP --out DIR (docs/surgery.md)",
+       name, domains_.size() == 1 ? "" : "s", fmt::join(names(), ", "),
+       domains_.size() == 1 ? "that domain" : "those domains", name);
 }
 
 std::vector<std::string> DomainRegistry::names() const {

@@ -5,7 +5,7 @@
 namespace sigma {
 
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
-                                 int rows_per_domain) {
+                                 int rows_per_domain, const std::function<void(int rows)>& on_batch) {
   // The source's domains are scored as the model's domains of the same names.
   const auto names = data.domains();
   std::vector<int32_t> to_model;
@@ -23,6 +23,7 @@ std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, in
     token_loss.resize(size_t(b.B) * b.T);
     model.forward(mb, token_loss.data());
     sums.add(b, token_loss);
+    if (on_batch) on_batch(b.B);
   });
   std::vector<DomainLoss> out;
   for (size_t d = 0; d < names.size(); ++d)

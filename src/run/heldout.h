@@ -1,6 +1,7 @@
 // Held-out loss per domain: what the training loop reports at its evaluations and the end,
 // and what `sigma eval` prints for a checkpoint (which must not need the training layer).
 #pragma once
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -45,7 +46,9 @@ struct DomainSums {
 
 // Mean masked loss per domain over the source's held-out batches (the model's expert
 // executor makes each batch's experts usable first: ECSS binds them from its store).
+// `on_batch(rows)` after each batch (progress).
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
-                                 int rows_per_domain);
+                                 int rows_per_domain,
+                                 const std::function<void(int rows)>& on_batch = {});
 
 }  // namespace sigma

@@ -1,5 +1,7 @@
 #include "serve/api.h"
 
+#include "data/prepare.h"
+
 #include <fmt/format.h>
 
 #include <cmath>
@@ -324,6 +326,18 @@ std::vector<int32_t> tokens_of(const json& v, const ServedModel& m, const char* 
   return ids;
 }
 
+std::vector<int32_t> prompt_tokens(const json& v, const ServedModel& m, const char* param, int domain) {
+  const DomainSpec* spec = m.data_domains && m.tok && v.is_string() && domain >= 0 &&
+                                   size_t(domain) < m.cfg->domains.size()
+                               ? m.data_domains->find(m.cfg->domains[size_t(domain)].name)
+                               : nullptr;
+  if (!spec) return tokens_of(v, m, param);
+  std::vector<uint32_t> ids;
+  data::format_sample(*m.tok, *spec, v.get<std::string>(), "", ids);
+  ids.pop_back();  // <EOT>
+  return std::vector<int32_t>(ids.begin(), ids.end());
+}
+
 std::string detokenize(const ServedModel& m, const std::vector<int32_t>& ids) {
   if (m.tok) {
     std::vector<uint32_t> u(ids.begin(), ids.end());
@@ -346,7 +360,7 @@ GenerationRequest parse_generation(const json& j, bool chat, const ServedModel& 
   if (chat) {
     if (!j.contains("messages")) throw bad("messages", "'messages' is required");
     if (!m.tok) throw bad("messages", "this model has no tokenizer, so it cannot chat");
-    r.prompt = tokens_of(json(chat_prompt(j["messages"])), m, "messages");
+    r.prompt = prompt_tokens(json(chat_prompt(j["messages"])), m, "messages", r.domain);
     r.stop.push_back("\nuser:");
     if (boolean(j, "logprobs", false)) r.logprobs = number<int>(j, "top_logprobs", 0, 0, 20, true);
     else if (j.contains("top_logprobs") && !j["top_logprobs"].is_null())
@@ -357,7 +371,7 @@ GenerationRequest parse_generation(const json& j, bool chat, const ServedModel& 
     if (p.is_array() && p.size() == 1 && p[0].is_string()) p = p[0];  // a batch of one prompt
     if (p.is_array() && !p.empty() && !p[0].is_number())
       throw bad("prompt", "one prompt per request: a string or an array of token ids");
-    r.prompt = tokens_of(p, m, "prompt");
+    r.prompt = prompt_tokens(p, m, "prompt", r.domain);
     r.echo = boolean(j, "echo", false);
     r.logprobs = number<int>(j, "logprobs", -1, 0, 20, true);
   }

@@ -12,6 +12,7 @@
 #include "data/tokenizer.h"
 #include "infer/generate.h"
 #include "model/config.h"
+#include "model/domains.h"
 
 namespace sigma::serve {
 
@@ -31,6 +32,10 @@ struct ServedModel {
   std::string name;
   const ModelConfig* cfg = nullptr;
   const data::Tokenizer* tok = nullptr;
+  // The data registry the checkpoint was trained with (null: none): a text prompt is formatted
+  // as training and `sigma eval` format it, its domain's prefix controls (<Python>) first and a
+  // bilingual domain's lines tagged; a prompt of token ids is taken as it is.
+  const DomainRegistry* data_domains = nullptr;
   int max_tokens_limit = 4096;  // largest max_tokens a request may ask for
   int max_n = 8;                // largest n
 };
@@ -71,6 +76,8 @@ std::string chat_prompt(const nlohmann::json& messages);
 std::string detokenize(const ServedModel& m, const std::vector<int32_t>& ids);
 // Token ids of a "prompt"/"text" field: a string (tokenized) or an array of ids.
 std::vector<int32_t> tokens_of(const nlohmann::json& v, const ServedModel& m, const char* param);
+// A generation's prompt: tokens_of, a text formatted for model domain `domain` (ServedModel::data_domains).
+std::vector<int32_t> prompt_tokens(const nlohmann::json& v, const ServedModel& m, const char* param, int domain);
 // A token as logprobs show it: its text when that is valid UTF-8, else OpenAI's
 // "bytes:\xe2\x80" form, so that distinct tokens never share a label.
 std::string token_label(const ServedModel& m, int32_t id);

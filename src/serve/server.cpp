@@ -1,5 +1,7 @@
 #include "serve/server.h"
 
+#include <atomic>
+
 #include <fmt/format.h>
 
 #include <chrono>
@@ -138,6 +140,7 @@ struct Server::Impl {
   std::map<std::pair<std::string, int>, int64_t> counts;  // (route, status) -> requests
 
   explicit Impl(ServerOptions opt) : o(std::move(opt)) {}
+  std::atomic<int> in_flight{0};  // requests whose handler runs
   std::vector<Served*> snapshot() const {
     std::lock_guard<std::mutex> lock(models_m);
     std::vector<Served*> out;
@@ -429,7 +432,14 @@ Server::Server(ServerOptions o) : impl_(std::make_unique<Impl>(std::move(o))) {
   l.workers = s.o.slots + s.o.queue + 4;
   l.max_waiting = 64;
   s.handlers.head = [&s](const http::Request& req) { return s.head(req); };
-  s.handlers.handle = [&s](const http::Request& req, http::Responder& res) { s.handle(req, res); };
+  s.handlers.handle = [&s](const http::Request& req, http::Responder& res) {
+    struct Count {  // requests_in_flight(), on every way out
+      std::atomic<int>& n;
+      explicit Count(std::atomic<int>& c) : n(c) { n.fetch_add(1); }
+      ~Count() { n.fetch_sub(1); }
+    } count(s.in_flight);
+    s.handle(req, res);
+  };
   s.handlers.error = [](int status, const std::string& msg) { return error_response(ApiError{status, msg, ""}); };
   s.handlers.answered = [&s](const http::Request& req, int status) {
     std::string route = "other";
@@ -451,12 +461,14 @@ int Server::start() {
   return s.http->start(s.o.host, s.o.port);
 }
 
-void Server::serve_model(Model& model, const data::Tokenizer* tok, const std::string& name, bool last) {
+void Server::serve_model(Model& model, const data::Tokenizer* tok, const std::string& name, bool last,
+                         const DomainRegistry* data_domains) {
   Impl& s = *impl_;
   auto m = std::make_unique<Served>();
   m->api.name = name;
   m->api.cfg = &model.config();
   m->api.tok = tok;
+  m->api.data_domains = data_domains;
   m->api.max_tokens_limit = s.o.max_tokens;
   m->api.max_n = std::min(8, s.o.queue);  // a request's choices all queue before taking slots
   SIGMA_CHECK(!name.empty() && name.find(':') == std::string::npos,
@@ -485,6 +497,8 @@ std::string Server::answer(const std::string& request) {
 }
 
 int Server::connections() const { return impl_->http ? impl_->http->connections() : 0; }
+
+int Server::requests_in_flight() const { return impl_->in_flight.load(); }
 
 void Server::wait() {
   Impl& s = *impl_;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "data/tokenizer.h"
+#include "model/domains.h"
 #include "model/model.h"
 
 namespace sigma::serve {
@@ -39,7 +40,9 @@ class Server {
   // Serves `model` (and `tok`, null for token-id models) under `name` from now on; the first
   // model served is the default one (a request without `model`). Names must be distinct.
   // /health says ready once the `last` one is served: with more to come, pass last = false.
-  void serve_model(Model& model, const data::Tokenizer* tok, const std::string& name, bool last = true);
+  // `data_domains`: the checkpoint's data registry (text prompts get its domains' prefixes).
+  void serve_model(Model& model, const data::Tokenizer* tok, const std::string& name, bool last = true,
+                   const DomainRegistry* data_domains = nullptr);
   // Stops accepting; requests in flight finish until the drain timeout, then are cut. Safe from
   // any thread, once or more.
   void stop();
@@ -49,6 +52,7 @@ class Server {
   // through the same routes but without a socket (the fuzzer: tests/fuzz/fuzz_serve_request.cpp).
   std::string answer(const std::string& request);
   int connections() const;  // open client sockets
+  int requests_in_flight() const;  // requests being answered now
 
  private:
   struct Impl;
