@@ -11,8 +11,9 @@
 #                 bilingual and code; stage 2 all six domains) against one mixed stage
 #   4 extract     each domain's sub-model of every curriculum model: its held-out loss against
 #                 the full model's on that domain, compared as doubles (to the bit)
-#   5 throughput  dense, RRE, top-1 and top-2 trained side by side, at the same time, for a few
-#                 steps, several rounds: tokens/s under the same load
+#   5 throughput  dense, RRE (experts by ECSS, as train.experts = auto picks, and in the model),
+#                 top-1 and top-2 trained side by side, at the same time, for a few steps,
+#                 several rounds: tokens/s under the same load
 # Every run is repeated for each seed (train.seed, model.routing_seed and the sampler's seed).
 # Resumable: a run whose summary.json exists, an eval whose JSON exists, are skipped; an
 # unfinished run is started again. OUT/report.md holds the tables (examples/paper-small/report.py).
@@ -116,7 +117,7 @@ spawn() {
   train_run "$@" & PIDS+=($!)
 }
 drain() { reap; [[ $FAILED == 0 ]] || die "a run failed (its log is named above)"; }
-seed_set() {  # seed_set S: the seed of initialisation, routing tables and data order
+seed_set() {  # seed_set S: the seed of initialisation and routing tables (a dense model has none)
   echo --set train.seed=$1 --set model.routing_seed=$1
 }
 mixed() { echo "{\"seed\": $((1000 + $1))}"; }
@@ -126,7 +127,7 @@ curriculum() {
 
 for s in $SEEDS; do
   # 1 + 2: from scratch, S steps each; the dense run keeps its checkpoint at S/2 for inherit.
-  spawn dense-$s --config "$EX/dense.json" "${DATA_SET[@]}" $(seed_set $s) --set train.steps=$S \
+  spawn dense-$s --config "$EX/dense.json" "${DATA_SET[@]}" --set train.seed=$s --set train.steps=$S \
     --set data.sampler="$(mixed $s)" --set train.ckpt_every=$HALF --set train.keep_checkpoints=0
   spawn rre-$s --config "$EX/sparse.json" "${DATA_SET[@]}" "${ECSS[@]}" $(seed_set $s) --set train.steps=$S \
     --set data.sampler="$(mixed $s)"
@@ -169,10 +170,11 @@ done
 
 # ---- 5. throughput: the four models side by side, at the same time -------------------------
 for r in $(seq 1 "$ROUNDS"); do
-  JOBS_WAS=$JOBS JOBS=4
+  JOBS_WAS=$JOBS JOBS=5
   TP=(--set train.eval_every=0 --set train.log_every=$((TP_STEPS / 4)) --set train.steps=$TP_STEPS --set train.eval_rows=1)
   spawn tp-dense-$r --config "$EX/dense.json" "${DATA_SET[@]}" "${TP[@]}"
   spawn tp-rre-$r --config "$EX/sparse.json" "${DATA_SET[@]}" "${ECSS[@]}" "${TP[@]}"
+  spawn tp-rremodel-$r --config "$EX/sparse.json" "${DATA_SET[@]}" "${TP[@]}" --set train.experts=model
   spawn tp-top1-$r --config "$EX/sparse.json" "${DATA_SET[@]}" "${TP[@]}" --set model.router=top1
   spawn tp-top2-$r --config "$EX/sparse.json" "${DATA_SET[@]}" "${TP[@]}" --set model.router=top2
   drain

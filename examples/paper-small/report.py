@@ -44,11 +44,11 @@ def mean_dom(losses):
     return sum(losses[d] for d in DOMAINS) / len(DOMAINS)
 
 
-def spread(xs, fmt="{:.3f}"):
+def spread(xs, fmt="{:.3f}", unit="seed"):
     if not xs:
         return "—"
     if len(xs) == 1:
-        return fmt.format(xs[0]) + " (1 seed)"
+        return fmt.format(xs[0]) + f" (1 {unit})"
     m, sd = statistics.mean(xs), statistics.stdev(xs)
     return f"{fmt.format(m)} ± {fmt.format(sd)} [{fmt.format(min(xs))}, {fmt.format(max(xs))}]"
 
@@ -152,14 +152,16 @@ for v, n in VARIANTS:
 rounds = sorted({r.rsplit("-", 1)[1] for r in os.listdir(os.path.join(out, "runs")) if r.startswith("tp-")}, key=int)
 rounds = [r for r in rounds if all(done(f"tp-{v}-{r}") for v, _ in VARIANTS)]
 if rounds:
-    print(f"\nSide by side: the four models trained at the same time (one thread each), "
-          f"{len(rounds)} round(s); tokens/s over the last three quarters of each run, and the ratio to dense in the same round:\n")
+    print(f"\nSide by side: five runs trained at the same time (one thread each), "
+          f"{len(rounds)} round(s); tokens/s over the last three quarters of each run (RRE by ECSS as train.experts = auto chooses, and with its experts in the model), and the ratio to dense in the same round:\n")
     print("| model | " + " | ".join(f"round {r}" for r in rounds) + " | ratio to dense |")
     print("|---|" + "---|" * (len(rounds) + 1))
-    rates = {v: [clean_rate(f"tp-{v}-{r}") for r in rounds] for v, _ in VARIANTS}
-    for v, n in VARIANTS:
+    TPV = VARIANTS[:2] + [("rremodel", "RRE, experts in the model (train.experts = model)")] + VARIANTS[2:]
+    TPV = [(v, n) for v, n in TPV if all(done(f"tp-{v}-{r}") for r in rounds)]
+    rates = {v: [clean_rate(f"tp-{v}-{r}") for r in rounds] for v, _ in TPV}
+    for v, n in TPV:
         ratios = [a / b for a, b in zip(rates[v], rates["dense"])]
-        print(f"| {n} | " + " | ".join(f"{x:.0f}" for x in rates[v]) + f" | {spread(ratios, '{:.2f}')} |")
+        print(f"| {n} | " + " | ".join(f"{x:.0f}" for x in rates[v]) + f" | {spread(ratios, '{:.2f}', 'round')} |")
     print("\nLoad average at the start → end of each round: " +
           "; ".join(load_txt(f"tp-dense-{r}") for r in rounds))
 
