@@ -5,8 +5,8 @@
 #                 gates: held-out loss per domain and tokens/s, equal training tokens, one FFN
 #                 active per token (top-2: two, the gate's definition)
 #   2 inherit     the sparse model inherited from the dense one (half the steps dense, half
-#                 sparse) against the sparse model trained from scratch: held-out loss curves,
-#                 tokens to reach the same loss
+#                 sparse) against the sparse model trained from scratch (all the steps, and
+#                 half of them): held-out loss curves, tokens to reach the same loss
 #   3 curriculum  after inheriting, the two-stage curriculum (§4: stage 1 english, chinese,
 #                 bilingual and code; stage 2 all six domains) against one mixed stage
 #   4 extract     each domain's sub-model of every curriculum model: its held-out loss against
@@ -167,6 +167,14 @@ for s in $SEEDS; do
   done
   say "seed $s done"
 done
+
+# 2, at equal sparse tokens: RRE from scratch for S/2 steps, with its own full schedule (the
+# inherited runs' sparse half has one; the scratch run's step S/2 is mid-schedule).
+for s in $SEEDS; do
+  spawn rrehalf-$s --config "$EX/sparse.json" "${DATA_SET[@]}" "${ECSS[@]}" $(seed_set $s) --set train.steps=$HALF \
+    --set data.sampler="$(mixed $s)"
+done
+drain
 
 # ---- 5. throughput: the four models side by side, at the same time -------------------------
 for r in $(seq 1 "$ROUNDS"); do

@@ -4,9 +4,10 @@
 # over seeds; `gnuplot OUT/curves.gp` makes OUT/curves.svg).
 #
 # Spread: mean ± sample standard deviation over the seeds, and [min, max]. A difference between
-# two models is the mean of the per-seed (paired) differences; it is called noise when its
-# magnitude is at most twice the standard error of those differences (sd / sqrt(n)) or when the
-# seeds disagree on its sign.
+# two models is the mean of the per-seed (paired) differences ± their standard deviation; with
+# t = |mean| / (sd / sqrt(n)) it is called "real" when every seed has its sign and t passes
+# Student's two-sided 95 % point (4.30 for 3 seeds), "likely" when every seed has its sign and
+# t > 2, and "noise" otherwise.
 import json
 import math
 import os
@@ -53,6 +54,10 @@ def spread(xs, fmt="{:.3f}", unit="seed"):
     return f"{fmt.format(m)} ± {fmt.format(sd)} [{fmt.format(min(xs))}, {fmt.format(max(xs))}]"
 
 
+# Student's t, two-sided 95 %, by degrees of freedom (n - 1 for n seeds).
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
 def diff(a, b, fmt="{:+.3f}"):
     """a - b per seed (paired): mean ± sd, and whether it exceeds the noise."""
     d = [x - y for x, y in zip(a, b)]
@@ -61,7 +66,8 @@ def diff(a, b, fmt="{:+.3f}"):
     m, sd = statistics.mean(d), statistics.stdev(d)
     se = sd / math.sqrt(len(d))
     agree = all(x > 0 for x in d) or all(x < 0 for x in d)
-    verdict = "real" if agree and abs(m) > 2 * se else "noise"
+    t = abs(m) / se if se > 0 else math.inf
+    verdict = "real" if agree and t > T95[len(d) - 1] else "likely" if agree and t > 2 else "noise"
     return f"{fmt.format(m)} ± {sd:.3f} ({verdict})"
 
 
@@ -204,8 +210,13 @@ for d in DOMAINS + ["mean"]:
 print("\nTokens to reach the same held-out loss (mean of the six domains), per seed. "
       "*target*: the scratch run's loss at its end; *inherited*: the tokens the inherited run needed "
       "to reach it, counted with the dense tokens before it (total) and without them (sparse only):\n")
-print("| seed | scratch at end | inherited reaches it at, total tokens | sparse tokens only | scratch reaches the inherited start (dense at half) at |")
-print("|---|---|---|---|---|")
+print("| seed | scratch at end | inherited reaches it at, total tokens | sparse tokens only | scratch reaches the inherited start (dense at half) at | equal sparse tokens: scratch at half → inherited at end |")
+print("|---|---|---|---|---|---|")
+def half_scratch(sc):
+    v = [y for x, y in sc if x == HALF * TOK_PER_STEP]
+    return f"{v[0]:.3f}" if v else "—"
+
+
 for s in inh:
     sc = curve(f"rre-{s}")
     dense_half = [y for x, y in curve(f"dense-{s}") if x == HALF * TOK_PER_STEP]
@@ -215,7 +226,20 @@ for s in inh:
     back = first_reach(sc, dense_half[0]) if dense_half else None
     fmt_t = lambda x: "not reached" if x is None else f"{x:,.0f}"
     print(f"| {s} | {target:.3f} | {fmt_t(reach)} | {fmt_t(None if reach is None else reach - HALF * TOK_PER_STEP)} | "
-          f"{fmt_t(back)} |")
+          f"{fmt_t(back)} | {half_scratch(sc)} → {ih[-1][1]:.3f} |")
+
+hs = [s for s in inh if done(f"rrehalf-{s}")]
+if hs:
+    print(f"\nAt equal sparse tokens ({HALF} RRE steps each, each with its own full learning-rate "
+          f"schedule): RRE from scratch against RRE inherited from the dense model at {HALF} steps. "
+          f"Seeds: {', '.join(hs)}.\n")
+    print("| domain | RRE from scratch, half | RRE inherited | inherited − scratch |")
+    print("|---|---|---|---|")
+    fh = {s: final(f"rrehalf-{s}") for s in hs}
+    for d in DOMAINS + ["mean"]:
+        a = [mean_dom(fh[s]) if d == "mean" else fh[s][d] for s in hs]
+        b = [mean_dom(fi["mixed"][s]) if d == "mean" else fi["mixed"][s][d] for s in hs]
+        print(f"| {'**mean of 6**' if d == 'mean' else d} | {spread(a)} | {spread(b)} | {diff(b, a)} |")
 
 # ---- 3. curriculum -------------------------------------------------------------------------
 cur = [s for s in seeds if done(f"curriculum-{s}") and done(f"mixed-{s}")]
@@ -251,7 +275,7 @@ for s in seeds:
 print(f"\n{n_eq} of {n_all} bit-identical.")
 
 # ---- curves for gnuplot --------------------------------------------------------------------
-series = [("dense", "dense", 0), ("rre", "RRE, scratch", 0), ("top1", "top-1 gate", 0), ("top2", "top-2 gate", 0),
+series = [("dense", "dense", 0), ("rre", "RRE, scratch", 0), ("rrehalf", "RRE, scratch, half the steps", 0), ("top1", "top-1 gate", 0), ("top2", "top-2 gate", 0),
           ("mixed", "RRE inherited at half", HALF), ("curriculum", "RRE inherited + curriculum", HALF)]
 with open(os.path.join(out, "curves.dat"), "w") as f:
     for i, (k, title, off) in enumerate(series):
