@@ -91,8 +91,8 @@ fi
 DATA_SET=(--set data.path="$OUT/shards-train" --set data.eval_path="$OUT/shards-heldout"
           --set train.log_every=$LOGE --set train.eval_every=$EVERY --set train.eval_rows=$EVAL_ROWS
           --set train.threads=1)
-# RRE runs train their experts with ECSS (train.experts = auto); its compute buffers default
-# to a quarter of the machine's memory, too much for four runs at once.
+# RRE runs train their experts with ECSS (train.experts = auto); their compute buffers get a
+# fixed bound, so that five runs at once plan a known amount (the 28 experts need ~28 MiB).
 ECSS=(--set train.expert_memory=64MiB)
 
 # ---- runs ------------------------------------------------------------------------------------
