@@ -8,7 +8,8 @@
 #                 sparse) against the sparse model trained from scratch (all the steps, and
 #                 half of them): held-out loss curves, tokens to reach the same loss
 #   3 curriculum  after inheriting, the two-stage curriculum (§4: stage 1 english, chinese,
-#                 bilingual and code; stage 2 all six domains) against one mixed stage
+#                 bilingual and code; stage 2 all six domains) against one mixed stage; and
+#                 again with poetry in its own expert group (its experts idle in stage 1)
 #   4 extract     each domain's sub-model of every curriculum model: its held-out loss against
 #                 the full model's on that domain, compared as doubles (to the bit)
 #   5 throughput  dense, RRE (experts by ECSS, as train.experts = auto picks, and in the model),
@@ -173,6 +174,23 @@ done
 for s in $SEEDS; do
   spawn rrehalf-$s --config "$EX/sparse.json" "${DATA_SET[@]}" "${ECSS[@]}" $(seed_set $s) --set train.steps=$HALF \
     --set data.sampler="$(mixed $s)"
+done
+drain
+
+# 3, closer to the paper: poetry in its own expert group (sparse-poetry.json), whose experts
+# the curriculum's stage 1 leaves untrained, as the paper's stage 1 does its other domains'.
+for s in $SEEDS; do
+  if [[ ! -f $OUT/runs/inherited-pg-$s/.done ]]; then
+    rm -rf "$OUT/runs/inherited-pg-$s"
+    "${NICE[@]}" "$SIGMA" inherit --from "$OUT/runs/dense-$s/checkpoints/$(printf 'step-%08d' $HALF)" \
+      --config "$EX/sparse-poetry.json" "${DATA_SET[@]}" --set model.routing_seed=$s --out "$OUT/runs/inherited-pg-$s" \
+      > "$OUT/logs/inherited-pg-$s.log" 2>&1 || { tail -n 5 "$OUT/logs/inherited-pg-$s.log"; die "inherit failed"; }
+    touch "$OUT/runs/inherited-pg-$s/.done"
+  fi
+  spawn mixedpg-$s --resume "$OUT/runs/inherited-pg-$s" "${DATA_SET[@]}" "${ECSS[@]}" --set train.seed=$s \
+    --set train.steps=$HALF --set data.sampler="$(mixed $s)"
+  spawn curriculumpg-$s --resume "$OUT/runs/inherited-pg-$s" "${DATA_SET[@]}" "${ECSS[@]}" --set train.seed=$s \
+    --set train.steps=$HALF --set data.sampler="$(curriculum $s)"
 done
 drain
 

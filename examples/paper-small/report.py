@@ -254,6 +254,19 @@ for d in DOMAINS + ["mean"]:
     print(f"| {'**mean of 6**' if d == 'mean' else d} | {spread(get('mixed'))} | {spread(get('curriculum'))} | "
           f"{diff(get('curriculum'), get('mixed'))} |")
 
+curpg = [s for s in seeds if done(f"curriculumpg-{s}") and done(f"mixedpg-{s}")]
+if curpg:
+    print(f"\nThe same with poetry in its own expert group (2 experts per block, "
+          f"`examples/paper-small/sparse-poetry.json`), whose experts stage 1 leaves untrained, as "
+          f"the paper's stage 1 does the other domains' experts. Seeds: {', '.join(curpg)}.\n")
+    print("| domain | one mixed stage | curriculum | curriculum − mixed |")
+    print("|---|---|---|---|")
+    fp = {k: {s: final(f"{k}-{s}") for s in curpg} for k in ["mixedpg", "curriculumpg"]}
+    for d in DOMAINS + ["mean"]:
+        get = (lambda k: [mean_dom(fp[k][s]) if d == "mean" else fp[k][s][d] for s in curpg])
+        print(f"| {'**mean of 6**' if d == 'mean' else d} | {spread(get('mixedpg'))} | {spread(get('curriculumpg'))} | "
+              f"{diff(get('curriculumpg'), get('mixedpg'))} |")
+
 # ---- 4. extract ----------------------------------------------------------------------------
 print("\n## 4. Extraction loss-free\n")
 print("Each domain's sub-model of each curriculum model against the full model on that domain's "
