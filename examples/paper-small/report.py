@@ -210,8 +210,8 @@ for d in DOMAINS + ["mean"]:
 print("\nTokens to reach the same held-out loss (mean of the six domains), per seed. "
       "*target*: the scratch run's loss at its end; *inherited*: the tokens the inherited run needed "
       "to reach it, counted with the dense tokens before it (total) and without them (sparse only):\n")
-print("| seed | scratch at end | inherited reaches it at, total tokens | sparse tokens only | scratch reaches the inherited start (dense at half) at | equal sparse tokens: scratch at half → inherited at end |")
-print("|---|---|---|---|---|---|")
+print("| seed | scratch at end | inherited reaches it at, total tokens | sparse tokens only | scratch reaches the inherited start (dense at half) at | scratch reaches the inherited end at | equal sparse tokens: scratch at half → inherited at end |")
+print("|---|---|---|---|---|---|---|")
 def half_scratch(sc):
     v = [y for x, y in sc if x == HALF * TOK_PER_STEP]
     return f"{v[0]:.3f}" if v else "—"
@@ -226,7 +226,7 @@ for s in inh:
     back = first_reach(sc, dense_half[0]) if dense_half else None
     fmt_t = lambda x: "not reached" if x is None else f"{x:,.0f}"
     print(f"| {s} | {target:.3f} | {fmt_t(reach)} | {fmt_t(None if reach is None else reach - HALF * TOK_PER_STEP)} | "
-          f"{fmt_t(back)} | {half_scratch(sc)} → {ih[-1][1]:.3f} |")
+          f"{fmt_t(back)} | {fmt_t(first_reach(sc, ih[-1][1]))} | {half_scratch(sc)} → {ih[-1][1]:.3f} |")
 
 hs = [s for s in inh if done(f"rrehalf-{s}")]
 if hs:
