@@ -18,8 +18,9 @@ namespace {
 bool is_step(const std::string& n) { return n.ends_with(".steps") || n.ends_with(".step"); }
 
 // The tensor `name` of file `path` (its index) must exist with this dtype and shape.
-void check_tensor(const std::map<std::string, TensorInfo>& index, const std::string& path,
+void check_tensor(const std::map<std::string, TensorInfo>& index, const TensorSource& src,
                   const std::string& name, DType dt, const Shape& shape) {
+  const std::string path = src.label();
   auto it = index.find(name);
   SIGMA_CHECK(it != index.end(), "{}: expert tensor '{}' is missing", path, name);
   SIGMA_CHECK(it->second.dtype == dt && it->second.shape == shape,
@@ -31,11 +32,11 @@ void check_tensor(const std::map<std::string, TensorInfo>& index, const std::str
 }  // namespace
 
 std::vector<int64_t> check_expert_group(const ExpertGroupSpec& gs, const std::string& name,
-                                 const std::string& model_path, const std::string& opt_path) {
-  const Safetensors model_index = read_safetensors(model_path, [](const std::string&) { return false; });
+                                 const TensorSource& model_path, const TensorSource& opt_path) {
+  const Safetensors model_index = model_path.read([](const std::string&) { return false; });
   // A checkpoint without optimizer state (surgery output): the experts start fresh.
-  const bool fresh = !std::filesystem::exists(opt_path);
-  const Safetensors steps_file = fresh ? Safetensors{} : read_safetensors(opt_path, is_step);
+  const bool fresh = !opt_path.exists();
+  const Safetensors steps_file = fresh ? Safetensors{} : opt_path.read(is_step);
   for (size_t t = 0; t < gs.tensors.size(); ++t) {
     const std::string base = names::expert(gs.block, name, names::kExpertLeaves[t]);
     Shape shape{gs.experts};
@@ -59,13 +60,13 @@ std::vector<int64_t> check_expert_group(const ExpertGroupSpec& gs, const std::st
     s.assign(size_t(gs.experts), *steps_file.tensors.at(one).data<int64_t>());
   }
   for (int64_t x : s)
-    SIGMA_CHECK(x >= 0, "{}: negative step count {} in group '{}'", opt_path, x, name);
+    SIGMA_CHECK(x >= 0, "{}: negative step count {} in group '{}'", opt_path.label(), x, name);
   return s;
 }
 
 void load_expert_group(ExpertStore& store, const ExpertGroupSpec& gs, int32_t first, int32_t count,
-                       const std::string& name, const std::string& model_path,
-                       const std::string& opt_path, const std::vector<int64_t>& steps,
+                       const std::string& name, const TensorSource& model_path,
+                       const TensorSource& opt_path, const std::vector<int64_t>& steps,
                        int tp_size, int tp_rank) {
   SIGMA_CHECK(first >= 0 && count >= 0 && first + count <= gs.experts,
               "experts {}..{} of group '{}' (of {})", first, first + count, name, gs.experts);
@@ -76,18 +77,18 @@ void load_expert_group(ExpertStore& store, const ExpertGroupSpec& gs, int32_t fi
   auto rest = [&](const std::string& n) {
     return n.starts_with(prefix) ? n.substr(prefix.size()) : std::string(".");
   };
-  const Safetensors weights = read_safetensors(model_path, [&](const std::string& n) {
+  const Safetensors weights = model_path.read([&](const std::string& n) {
     return rest(n).find('.') == std::string::npos;
   });
-  const bool fresh = !std::filesystem::exists(opt_path);  // no optimizer state: m = v = 0
-  const Safetensors moments = fresh ? Safetensors{} : read_safetensors(opt_path, [&](const std::string& n) {
+  const bool fresh = !opt_path.exists();  // no optimizer state: m = v = 0
+  const Safetensors moments = fresh ? Safetensors{} : opt_path.read([&](const std::string& n) {
     const std::string r = rest(n);
     return r.find('.') == r.size() - 2 && (r.ends_with(".m") || r.ends_with(".v"));
   });
   // Checked before this group reaches the store (earlier groups may already be there: a failed
   // resume leaves a store that only another resume, which replaces it all, will open).
-  for (const auto& [n, t] : weights.tensors) check_finite(t, n, model_path);
-  for (const auto& [n, t] : moments.tensors) check_finite(t, n, opt_path);
+  for (const auto& [n, t] : weights.tensors) check_finite(t, n, model_path.label());
+  for (const auto& [n, t] : moments.tensors) check_finite(t, n, opt_path.label());
   for (int32_t k = first; k < first + count; ++k) {
     for (size_t t = 0; t < gs.tensors.size(); ++t) {
       const std::string base = prefix + names::kExpertLeaves[t];
@@ -119,12 +120,14 @@ std::string expert_group_file(int32_t block, const std::string& group, bool adam
   return fmt::format("experts.{}.{}{}.safetensors", block, group, adam ? ".adam" : "");
 }
 
-std::pair<std::string, std::string> expert_group_paths(const std::string& dir, bool per_group,
-                                                       int32_t block, const std::string& group) {
+std::pair<TensorSource, TensorSource> expert_group_paths(const std::string& dir, bool per_group,
+                                                         int32_t block, const std::string& group) {
   if (per_group)
-    return {dir + "/" + expert_group_file(block, group, false),
-            dir + "/" + expert_group_file(block, group, true)};
-  return {dir + "/model.safetensors", dir + "/optimizer.safetensors"};
+    return {TensorSource{dir + "/" + expert_group_file(block, group, false)},
+            TensorSource{dir + "/" + expert_group_file(block, group, true)}};
+  if (is_sharded_checkpoint(dir))
+    return {TensorSource{"", dir, false}, TensorSource{"", dir, true}};
+  return {TensorSource{dir + "/" + kModelFile}, TensorSource{dir + "/" + kOptimizerFile}};
 }
 
 namespace {

@@ -16,6 +16,7 @@
 
 #include "ecss/expert_store.h"
 #include "io/checkpoint_dir.h"
+#include "io/checkpoint_shards.h"
 
 namespace sigma {
 
@@ -31,6 +32,11 @@ class ExpertFiles {
   // The files rank `rank` (> 0) adds, in an order every rank knows: rank 0 records their
   // sizes and checksums in the one manifest. Default: rank 0 writes them all.
   virtual std::vector<std::string> files_of_rank(int /*rank*/) const { return {}; }
+  // A sharded checkpoint (io/checkpoint_shards.h): true when this executor adds each rank's
+  // own experts as pieces (add_shard_tensors, called by every rank: it may be a collective);
+  // false keeps the whole expert group files.
+  virtual bool shardable() const { return false; }
+  virtual void add_shard_tensors(ShardContents& /*out*/) {}
   // Every rank, after the checkpoint `dir` is committed.
   virtual void checkpoint_written(const std::string& /*dir*/) {}
   // Every rank restores its experts from checkpoint directory `dir`.
@@ -54,19 +60,21 @@ void add_expert_adam_file(CheckpointWriter& w, const ExpertGroupSpec& gs, const 
 // A resume, pass 1, for group gs (all its K experts; named `name` in the config): checks every
 // expert tensor's name, dtype and shape in both files and returns the experts' step counts.
 // Reads only indexes and step counts, and takes no store, so it cannot change one.
+// The files are TensorSources: one file each, or a sharded checkpoint's pieces.
 std::vector<int64_t> check_expert_group(const ExpertGroupSpec& gs, const std::string& name,
-                                        const std::string& model_path, const std::string& opt_path);
+                                        const TensorSource& model_path, const TensorSource& opt_path);
 // Pass 2: copies experts [first, first + count) of group gs into `store`, as experts
 // 0 .. count-1 of the store's group (gs.block, gs.group), with their step counts. With
 // tp_size > 1 the store holds rank tp_rank's slice of each expert (tp_slice_expert).
 void load_expert_group(ExpertStore& store, const ExpertGroupSpec& gs, int32_t first, int32_t count,
-                       const std::string& name, const std::string& model_path,
-                       const std::string& opt_path, const std::vector<int64_t>& steps,
+                       const std::string& name, const TensorSource& model_path,
+                       const TensorSource& opt_path, const std::vector<int64_t>& steps,
                        int tp_size = 1, int tp_rank = 0);
 
 // The checkpoint's pair of files for every group, or model.safetensors / optimizer.safetensors
-// when it has none (an in-model run or a surgery output keeps every expert there).
-std::pair<std::string, std::string> expert_group_paths(const std::string& dir, bool per_group,
+// when it has none (an in-model run or a surgery output keeps every expert there), or a
+// sharded checkpoint's weight and Adam shards.
+std::pair<TensorSource, TensorSource> expert_group_paths(const std::string& dir, bool per_group,
                                                        int32_t block, const std::string& group);
 
 }  // namespace sigma

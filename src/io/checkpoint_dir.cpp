@@ -23,7 +23,8 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-constexpr int kManifestVersion = 1;
+constexpr int kManifestVersion = 1;         // whole tensors (one process, or layout whole)
+constexpr int kManifestVersionSharded = 2;  // io/checkpoint_shards.h
 
 // A plain path component: no separators, so nothing can escape the checkpoint root.
 bool plain_name(const std::string& s) {
@@ -219,8 +220,9 @@ std::string CheckpointWriter::commit() {
   json files = json::object();
   for (const auto& [f, s] : files_) files[f] = {{"size", s.size}, {"xxh3_64", hex16(s.xxh3)}};
   json manifest = {{"format", "sigma-checkpoint"},
-                   {"version", kManifestVersion},
+                   {"version", sharded_ ? kManifestVersionSharded : kManifestVersion},
                    {"files", std::move(files)}};
+  if (sharded_) manifest["layout"] = "sharded";
   write_file_synced((fs::path(tmp_) / kManifestFile).string(), manifest.dump(2) + "\n");
   fsync_path(tmp_, true);
 
@@ -309,9 +311,11 @@ std::map<std::string, ManifestEntry> read_manifest(const std::string& dir) {
   SIGMA_CHECK(m.is_object() && m.value("format", json()) == "sigma-checkpoint" &&
                   m.contains("files") && m["files"].is_object(),
               "checkpoint '{}': {} is not a sigma checkpoint manifest", dir, kManifestFile);
-  SIGMA_CHECK(m.value("version", json()) == kManifestVersion,
-              "checkpoint '{}': {} has version {}, this build reads version {}", dir,
-              kManifestFile, m.value("version", json()).dump(), kManifestVersion);
+  SIGMA_CHECK(m.value("version", json()) == kManifestVersion ||
+                  m.value("version", json()) == kManifestVersionSharded,
+              "checkpoint '{}': {} has version {}, this build reads versions {} and {}", dir,
+              kManifestFile, m.value("version", json()).dump(), kManifestVersion,
+              kManifestVersionSharded);
   std::map<std::string, ManifestEntry> out;
   for (const auto& [file, e] : m["files"].items()) {
     SIGMA_CHECK(plain_name(file) && e.is_object() && e.contains("size") &&

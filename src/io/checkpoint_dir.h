@@ -62,6 +62,9 @@ class CheckpointWriter {
   std::string commit();
 
   const std::string& temp_dir() const { return tmp_; }
+  // A sharded checkpoint (io/checkpoint_shards.h): the manifest says version 2, "layout":
+  // "sharded", so that a build that cannot assemble shards refuses it by its version.
+  void set_sharded() { sharded_ = true; }
 
  private:
   std::string start_file(const std::string& file);  // validated path inside tmp_
@@ -76,6 +79,7 @@ class CheckpointWriter {
   std::map<std::string, FileSum> files_;
   bool committed_ = false;
   bool peer_ = false;
+  bool sharded_ = false;
 };
 
 // `path` itself when it holds manifest.json, else the checkpoint named by `path`/latest, else

@@ -99,6 +99,11 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   int writer_of(int block, int group) const;
   void checkpoint_written(const std::string& dir) override;
   void load(const std::string& dir) override;
+  // A sharded checkpoint (dist.ckpt_layout = sharded): each rank's own experts, its tp slice
+  // of each, as pieces of the stacked tensors; nothing travels but each group's largest step
+  // (expert_parallel_shards.cpp).
+  bool shardable() const override { return true; }
+  void add_shard_tensors(ShardContents& out) override;
 
  private:
   struct Chunk;       // one source rank's rows for this rank's experts in one group

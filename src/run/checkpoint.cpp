@@ -11,6 +11,7 @@
 
 #include "core/json_depth.h"
 #include "io/checkpoint_dir.h"
+#include "io/checkpoint_shards.h"
 #include "kernels/ops.h"
 #include "model/names.h"
 
@@ -44,12 +45,14 @@ void merge_optimizer_shards(Safetensors& st, const std::string& dir,
 }  // namespace
 
 TensorMap read_model_tensors(const std::string& dir) {
+  if (is_sharded_checkpoint(dir)) return std::move(read_sharded(dir, false).tensors);
   Safetensors st = read_safetensors(dir + "/" + kModelFile);
   merge_group_files(st, dir, /*adam=*/false, nullptr);
   return std::move(st.tensors);
 }
 
 TensorMap read_optimizer_tensors(const std::string& dir) {
+  if (is_sharded_checkpoint(dir)) return std::move(read_sharded(dir, true).tensors);
   Safetensors st = read_safetensors(dir + "/" + kOptimizerFile);
   merge_optimizer_shards(st, dir, nullptr);
   merge_group_files(st, dir, /*adam=*/true, nullptr);
@@ -57,6 +60,12 @@ TensorMap read_optimizer_tensors(const std::string& dir) {
 }
 
 int64_t checkpoint_model_bytes(const std::string& dir) {
+  if (is_sharded_checkpoint(dir)) {
+    int64_t n = 0;
+    for (const std::string& f : sharded_files(dir, false))
+      n += int64_t(std::filesystem::file_size(dir + "/" + f));
+    return n;
+  }
   int64_t n = int64_t(std::filesystem::file_size(dir + "/" + kModelFile));
   for (const std::string& f : expert_group_files(dir, false))
     n += int64_t(std::filesystem::file_size(dir + "/" + f));
@@ -136,14 +145,16 @@ void upload_slice(Tensor& local, const Tensor& t, const std::string& param, cons
 }  // namespace
 
 void load_model(Model& model, const std::string& dir) {
-  const std::string path = dir + "/" + kModelFile;
+  const bool sharded = is_sharded_checkpoint(dir);
+  const TensorSource src{sharded ? "" : dir + "/" + kModelFile, sharded ? dir : "", false};
+  const std::string path = src.label();
   auto want = [&](const std::string& name) {
     return !model.external_experts() || !names::is_expert(name);
   };
-  Safetensors st = read_safetensors(path, want);
+  Safetensors st = src.read(want);
   SIGMA_CHECK(st.metadata.count("format") && st.metadata["format"] == kModelFormat,
               "{}: not a Sigma model file (metadata 'format' is not '{}')", path, kModelFormat);
-  merge_group_files(st, dir, /*adam=*/false, want);  // an ECSS run's expert groups
+  if (!sharded) merge_group_files(st, dir, /*adam=*/false, want);  // an ECSS run's expert groups
   for (Param& p : model.params().all()) {
     auto it = st.tensors.find(p.name);
     SIGMA_CHECK(it != st.tensors.end(), "{}: tensor '{}' is missing", path, p.name);
@@ -177,10 +188,12 @@ void load_model(Model& model, const std::string& dir) {
 namespace {
 void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir, const TpGroup& tp,
                     const ModelConfig& cfg) {
-  const std::string path = dir + "/" + kOptimizerFile;
+  const bool sharded = is_sharded_checkpoint(dir);
+  const TensorSource src{sharded ? "" : dir + "/" + kOptimizerFile, sharded ? dir : "", true};
+  const std::string path = src.label();
   // Written without optimizer state (a surgery output: a new model at step 0; the manifest,
   // checked on open, says which files a checkpoint holds): training starts a fresh state.
-  if (!std::filesystem::exists(path)) return;
+  if (!src.exists()) return;
   // Expert state that is not in `params` (an expert store's) is left for EcssExperts::load.
   const bool has_experts = std::any_of(params.all().begin(), params.all().end(),
                                        [](const Param& p) { return p.expert; });
@@ -195,9 +208,11 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir, 
     return dot != std::string::npos && owned.count(name.substr(0, dot));
   };
   auto mine = [&](const std::string& name) { return want(name) && owned_name(name); };
-  Safetensors st = read_safetensors(path, mine);
-  merge_optimizer_shards(st, dir, mine);
-  merge_group_files(st, dir, /*adam=*/true, mine);
+  Safetensors st = src.read(mine);  // sharded: the pieces assembled whole
+  if (!sharded) {
+    merge_optimizer_shards(st, dir, mine);
+    merge_group_files(st, dir, /*adam=*/true, mine);
+  }
   const auto& ps = params.all();
   for (size_t i = 0; i < ps.size(); ++i) {
     if (!opt.owns(i)) continue;

@@ -11,6 +11,7 @@
 #include "io/checkpoint_dir.h"
 #include "io/safetensors.h"
 #include "kernels/ops.h"
+#include "train/checkpoint_sharded.h"
 
 namespace sigma {
 
@@ -128,6 +129,18 @@ std::optional<nlohmann::json> data_domains_of(const Config& cfg, const std::stri
   return std::nullopt;
 }
 
+// The trainer state, the tokenizer and the data registry (rank 0's, whatever the layout).
+template <class W>
+void write_run_files(W& w, Config& cfg, const TrainerState& st, const std::string& tokenizer_path) {
+  nlohmann::json trainer{{"step", st.step}, {"tokens", st.tokens}, {"config", cfg.to_json()},
+                         {"data_cursor", st.data_cursor}};
+  if (!st.origin.is_null()) trainer["origin"] = st.origin;
+  w.add_json(kTrainerFile, trainer);
+  if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
+  if (const auto domains = data_domains_of(cfg, tokenizer_path))
+    w.add_json(kDataDomainsFile, {{"domains", *domains}});
+}
+
 // Rank 0's files: the model, its optimizer shard, the trainer state and tokenizer (experts:
 // the caller). W: a CheckpointWriter, or a SaveSnapshot that writes them later.
 template <class W>
@@ -147,13 +160,7 @@ void write_rank0_files(W& w, Config& cfg, const Model& model, const AdamW* opt,
   if (opt)
     w.add_safetensors(kOptimizerFile, optimizer_refs(model, *opt, keep, whole),
                       {{"format", "sigma-adamw"}, {"version", "1"}});
-  nlohmann::json trainer{{"step", st.step}, {"tokens", st.tokens}, {"config", config},
-                         {"data_cursor", st.data_cursor}};
-  if (!st.origin.is_null()) trainer["origin"] = st.origin;
-  w.add_json(kTrainerFile, trainer);
-  if (!tokenizer_path.empty()) w.add_file_copy(kTokenizerFile, tokenizer_path);
-  if (const auto domains = data_domains_of(cfg, tokenizer_path))
-    w.add_json(kDataDomainsFile, {{"domains", *domains}});
+  write_run_files(w, cfg, st, tokenizer_path);
 }
 
 // The files each rank r > 0 writes, in an order every rank knows.
@@ -195,6 +202,11 @@ void record_peer_files(Communicator& c, CheckpointWriter& w,
 
 std::string checkpoint_name(int64_t step) { return fmt::format("step-{:08d}", step); }
 
+void add_run_files(CheckpointWriter& w, Config& cfg, const TrainerState& st,
+                   const std::string& tokenizer_path) {
+  write_run_files(w, cfg, st, tokenizer_path);
+}
+
 void snapshot_checkpoint(SaveSnapshot& files, Config& cfg, const Model& model, const AdamW* opt,
                          const TrainerState& st, const std::string& tokenizer_path,
                          EcssExperts* experts) {
@@ -209,6 +221,12 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   SingleProcess one;
   Communicator& c = comm ? *comm : one;
   const int R = c.size(), me = c.rank();
+  // dist.ckpt_layout = sharded: each rank its own pieces (train/checkpoint_sharded.h). The
+  // experts must be able to go as pieces (expert parallel; ECSS runs in one process).
+  if (cfg.dist.ckpt_layout == "sharded" && R * (tp ? tp->size() : 1) > 1 &&
+      (!experts || experts->shardable()))
+    return save_sharded_checkpoint(root, cfg, model, opt, st, tokenizer_path, experts, c,
+                                   tp ? *tp : one);
   // Tensor parallelism: the group assembles the whole tensors, its rank 0 writes them as a
   // tp = 1 run's data rank `me` would (with the other groups' rank 0s), the others wait.
   std::optional<WholeTensors> whole_tensors;

@@ -10,6 +10,7 @@
 #include "dist/communicator.h"
 #include "ecss/ecss_experts.h"
 #include "train/checkpoint_async.h"
+#include "io/checkpoint_dir.h"
 
 namespace sigma {
 
@@ -28,6 +29,11 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
                             const std::string& tokenizer_path = "",
                             ExpertFiles* experts = nullptr, Communicator* comm = nullptr,
                             Communicator* tp = nullptr);
+
+// trainer.json (step, tokens, config, data cursor, origin), the tokenizer and the data
+// registry: the files rank 0 adds to every checkpoint, whatever its layout.
+void add_run_files(CheckpointWriter& w, Config& cfg, const TrainerState& st,
+                   const std::string& tokenizer_path);
 
 // "step-NNNNNNNN", a training checkpoint's directory name.
 std::string checkpoint_name(int64_t step);

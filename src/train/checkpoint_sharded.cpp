@@ -1,0 +1,243 @@
+#include "train/checkpoint_sharded.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <numeric>
+#include <optional>
+
+#include "io/checkpoint_dir.h"
+#include "io/checkpoint_shards.h"
+#include "kernels/ops.h"
+#include "model/tensor_parallel.h"
+#include "train/checkpoint.h"
+
+namespace sigma {
+
+namespace shard_save {
+
+// A tensor's bytes on the host: as it is, or downloaded into `keep` (deque: stable addresses).
+TensorRef host_view(std::string name, const Tensor& t, std::deque<Tensor>& keep) {
+  if (t.device() == Device::Host) return tensor_ref(std::move(name), t);
+  keep.push_back(ops::to_host(t));
+  return tensor_ref(std::move(name), keep.back());
+}
+
+// Who writes what. Each tp-split parameter's slices go to one data rank (every tp rank writes
+// its slice there); each replicated one to one (data rank, tp rank) pair; both dealt largest
+// first to the least loaded, from shapes alone, so every rank computes the same deal.
+// Adam state stays with its ZeRO owner; a replicated parameter's goes to tp rank
+// `adam_tp[i]` of its owner (dealt alike over the tp ranks).
+struct Deal {
+  std::vector<int> data_rank, tp_rank, adam_tp;  // [params]; tp_rank -1: every tp rank (split)
+};
+
+// `base`: what each rank (data rank * P + tp rank) writes anyway, in elements (its experts,
+// its Adam shard), so that the weights even out the ranks' files.
+Deal deal(const Model& model, int D, int P, std::vector<double> load) {
+  const auto& ps = model.params().all();
+  const size_t n = ps.size();
+  Deal d{std::vector<int>(n, 0), std::vector<int>(n, -1), std::vector<int>(n, 0)};
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return ps[a].value.numel() > ps[b].value.numel(); });
+  std::vector<double> adam_load(size_t(P), 0);
+  const bool split_model = P > 1;
+  auto replicated = [&](size_t i) { return !split_model || tp_split(model.config(), ps[i].name).replicated(); };
+  for (size_t i : order) {  // the split ones: one data rank (the least loaded), every tp rank alike
+    if (replicated(i)) continue;
+    int best = 0;
+    double best_load = 0;
+    for (int r = 0; r < D; ++r) {
+      double l = 0;
+      for (int t = 0; t < P; ++t) l += load[size_t(r * P + t)];
+      if (r == 0 || l < best_load) best = r, best_load = l;
+    }
+    d.data_rank[i] = best;
+    for (int t = 0; t < P; ++t) load[size_t(best * P + t)] += double(ps[i].value.numel());
+  }
+  for (size_t i : order) {  // the replicated ones: one (data rank, tp rank)
+    if (!replicated(i)) continue;
+    const size_t b = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+    d.data_rank[i] = int(b / size_t(P));
+    d.tp_rank[i] = int(b % size_t(P));
+    load[b] += double(ps[i].value.numel());
+    const size_t a = size_t(std::min_element(adam_load.begin(), adam_load.end()) - adam_load.begin());
+    d.adam_tp[i] = int(a);
+    adam_load[a] += double(ps[i].value.numel());
+  }
+  return d;
+}
+
+// Elements of the tensors in `refs` (whole ones or pieces).
+double elements(const std::vector<TensorRef>& refs) {
+  double n = 0;
+  for (const TensorRef& r : refs) n += double(shape_numel(r.shape));
+  return n;
+}
+
+// This rank's weight and Adam pieces of the model's parameters.
+void add_params(ShardContents& out, const Model& model, const AdamW* opt, const Deal& deal,
+                int data_rank, int tp_rank, int P) {
+  const auto& ps = model.params().all();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const TpSplit s = P > 1 ? tp_split(model.config(), ps[i].name) : TpSplit{};
+    const TensorPiece piece = s.replicated() ? TensorPiece{}
+                                             : TensorPiece{s.dim, s.parts, P, tp_rank, 0, 0, 0};
+    const bool split = !s.replicated();
+    if (deal.data_rank[i] == data_rank && (split || deal.tp_rank[i] == tp_rank)) {
+      out.model.push_back(host_view(ps[i].name, ps[i].value, out.keep));
+      if (split) out.model_pieces[ps[i].name] = piece;
+    }
+    if (!opt || !opt->owns(i)) continue;
+    const auto& st = opt->state()[i];
+    if (split || deal.adam_tp[i] == tp_rank) {
+      for (auto [suffix, t] : {std::pair{".m", &st.m}, std::pair{".v", &st.v}}) {
+        out.adam.push_back(host_view(ps[i].name + suffix, *t, out.keep));
+        if (split) out.adam_pieces[ps[i].name + suffix] = piece;
+      }
+    }
+    if (deal.adam_tp[i] != tp_rank) continue;  // the step counts once, whole
+    out.keep.emplace_back(DType::I64, Shape{});
+    *out.keep.back().data<int64_t>() = st.step;
+    out.adam.push_back(tensor_ref(ps[i].name + ".step", out.keep.back()));
+    if (!st.row_step.empty()) {  // lazy rows (not with tp: optim.sparse_embeddings is refused)
+      out.keep.emplace_back(DType::I64, Shape{int64_t(st.row_step.size())});
+      std::copy(st.row_step.begin(), st.row_step.end(), out.keep.back().data<int64_t>());
+      out.adam.push_back(tensor_ref(ps[i].name + ".row_steps", out.keep.back()));
+    }
+  }
+}
+
+// Sizes and checksums of a rank's two files and whether it wrote them, as exact doubles.
+constexpr size_t kRecord = 9;
+void put(double* v, uint64_t x) { v[0] = double(x >> 32), v[1] = double(x & 0xffffffffu); }
+uint64_t get(const double* v) { return (uint64_t(v[0]) << 32) | uint64_t(v[1]); }
+
+// Every rank of the run reaches it before any leaves (the tp groups, then the data groups:
+// each tp group holds one member of every data group).
+void world_barrier(Communicator& data, Communicator& tp) {
+  tp.barrier();
+  data.barrier();
+}
+
+}  // namespace shard_save
+
+std::string save_sharded_checkpoint(const std::string& root, Config& cfg, const Model& model,
+                                    const AdamW* opt, const TrainerState& st,
+                                    const std::string& tokenizer_path, ExpertFiles* experts,
+                                    Communicator& data, Communicator& tp) {
+  using namespace shard_save;
+  const int D = data.size(), P = tp.size(), dr = data.rank(), tr = tp.rank();
+  const int R = D * P, index = dr * P + tr;
+  const bool lead = index == 0;
+  const std::string name = checkpoint_name(st.step);
+
+  ShardContents mine;  // views and copies only: no file yet
+  if (experts) experts->add_shard_tensors(mine);  // a collective over the data group
+  // What each rank writes before the weights are dealt: its experts and its Adam shard.
+  double base = elements(mine.model) + elements(mine.adam);
+  for (size_t i = 0; opt && i < model.params().all().size(); ++i)
+    if (opt->owns(i)) base += 2.0 * double(model.params().all()[i].value.numel());
+  std::vector<double> bases(static_cast<size_t>(P)), all_bases(static_cast<size_t>(R));
+  tp.all_gather(bases.data(), &base, 1);
+  data.all_gather(all_bases.data(), bases.data(), size_t(P));  // rank i's at i
+  add_params(mine, model, opt, deal(model, D, P, std::move(all_bases)), dr, tr, P);
+  if (lead)
+    for (const Buffer& b : model.buffers().all()) mine.model.push_back(tensor_ref(b.name, b.value));
+
+  std::optional<CheckpointWriter> w;
+  std::string tmp;
+  std::string error;  // this rank's failure, said by it; the others learn that it failed
+  try {
+    if (lead) {
+      w.emplace(root, name);
+      w->set_sharded();
+      tmp = w->temp_dir();
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // The temporary directory's path, from the lead: over tp rank 0's data group, then each tp group.
+  for (Communicator* c : {&data, &tp}) {
+    uint64_t n = tmp.size();
+    c->broadcast(&n, sizeof n, 0);
+    tmp.resize(size_t(n));
+    c->broadcast(tmp.data(), size_t(n), 0);
+  }
+  if (tmp.empty() && error.empty()) error = "the checkpoint's temporary directory was not made";
+
+  // Ranks write in waves of dist.ckpt_writers, so that R ranks do not all hit the disk at once.
+  const int writers = std::max(1, cfg.dist.ckpt_writers);
+  std::vector<double> rec(kRecord, 0.0);
+  for (int wave = 0; wave * writers < R; ++wave) {
+    if (index / writers == wave && !tmp.empty()) {
+      try {
+        if (!lead) w.emplace(CheckpointWriter::peer(tmp));
+        const nlohmann::json config = cfg.to_json();
+        w->add_safetensors(shard_file(index, false), mine.model,
+                           {{"format", kModelFormat}, {"version", "1"}, {"config", config.dump()},
+                            {kPiecesKey, pieces_metadata(mine.model_pieces)}});
+        const auto [ms, mx] = w->recorded(shard_file(index, false));
+        put(&rec[1], ms), put(&rec[3], mx);
+        if (opt) {
+          w->add_safetensors(shard_file(index, true), mine.adam,
+                             {{"format", "sigma-adamw"}, {"version", "1"},
+                              {kPiecesKey, pieces_metadata(mine.adam_pieces)}});
+          const auto [as, ax] = w->recorded(shard_file(index, true));
+          put(&rec[5], as), put(&rec[7], ax);
+        }
+        if (lead) add_run_files(*w, cfg, st, tokenizer_path);
+        rec[0] = 1;
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    world_barrier(data, tp);
+  }
+  mine = {};  // the copies are on disk now
+
+  // Every rank's record to every rank: tp group first, then the data group over those.
+  std::vector<double> group(kRecord * size_t(P)), all(kRecord * size_t(R));
+  tp.all_gather(group.data(), rec.data(), kRecord);
+  data.all_gather(all.data(), group.data(), kRecord * size_t(P));  // rank i's at i * kRecord
+  int failed = -1;
+  for (int i = 0; i < R && failed < 0; ++i)
+    if (all[size_t(i) * kRecord] != 1) failed = i;
+  if (failed >= 0) {
+    if (!error.empty())
+      fail("checkpoint {} was not saved: this rank (shard {}) could not write its files: {}; the "
+           "checkpoints committed before it are intact", name, index, error);
+    fail("checkpoint {} was not saved: the rank writing shard {} of {} could not write its files "
+         "(its own message says why); the checkpoints committed before it are intact", name,
+         failed, R);
+  }
+  double committed = 0;
+  std::string dir = (std::filesystem::path(root) / name).string();
+  if (lead) {
+    try {
+      for (int i = 1; i < R; ++i) {
+        const double* r = all.data() + size_t(i) * kRecord;
+        w->add_peer_file(shard_file(i, false), get(r + 1), get(r + 3));
+        if (opt) w->add_peer_file(shard_file(i, true), get(r + 5), get(r + 7));
+      }
+      dir = w->commit();  // the manifest names every rank's files, then the rename, then latest
+      committed = 1;
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  for (Communicator* c : {&data, &tp}) c->broadcast(&committed, sizeof committed, 0);
+  if (committed != 1) {
+    if (lead) fail("checkpoint {} was not saved: {}; the checkpoints committed before it are "
+                   "intact", name, error);
+    fail("checkpoint {} was not saved: its commit failed (data rank 0, tp rank 0 says why); the "
+         "checkpoints committed before it are intact", name);
+  }
+  if (experts) experts->checkpoint_written(dir);
+  return dir;
+}
+
+}  // namespace sigma
