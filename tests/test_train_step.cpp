@@ -54,8 +54,11 @@ std::vector<float> flat(const Model& m) {
   return w;
 }
 
+// overlap: 0 blocking exchanges, 1 dist.overlap, 2 dist.overlap with the gather deferred to
+// the next forward. watch: rank 0 counts the other ranks' gradients after each backward (a
+// fault-injection hook, after which an overlapped step starts its reductions).
 RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_rows = false,
-                    int zero = 1) {
+                    int zero = 1, int overlap = 0, bool watch = true) {
   RunResult out;
   std::vector<std::vector<float>> per_rank(static_cast<size_t>(R));
   test_ranks::run_ranks(R, [&](Communicator& comm) {
@@ -69,7 +72,8 @@ RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_row
     AdamW opt(oc, m.params(), R > 1 ? plan.owned_by(comm.rank()) : std::vector<uint8_t>{});
     TrainStep step(m, opt, comm, oc, plan);
     step.set_zero_stage(zero);
-    if (comm.rank() == 0 && R > 1)
+    step.set_overlap(overlap > 0, overlap == 2);
+    if (comm.rank() == 0 && R > 1 && watch)
       step.set_after_backward([&](ParamSet& ps) {
         for (size_t i = 0; i < ps.all().size(); ++i) {
           if (plan.owner[i] == 0) continue;
@@ -95,6 +99,7 @@ RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_row
         out.norms.push_back(r.grad_norm);
       }
     }
+    step.settle();
     per_rank[size_t(comm.rank())] = flat(m);
     if (comm.rank() == 0) out.reduced_bytes = comm.stats().bytes();
   });
@@ -204,6 +209,30 @@ TEST(TrainStep, ZeroStage2IsBitIdenticalToStage1) {
       if (l.micro == l.ranks) EXPECT_EQ(two.others_nonzero, 0) << what << ": not released";
     }
   const RunResult one = run_steps(2, 2, 3, 2, true), two = run_steps(2, 2, 3, 2, true, 2);
+  EXPECT_TRUE(same_bits(one.weights, two.weights)) << "lazy embedding rows";
+}
+
+// dist.overlap: the reductions started per stage of backward (after folding the stage's tree
+// of partial sums, with several micro-batches per rank) and the gather deferred to the next
+// forward give the blocking exchanges' bits; with the fault-injection hook too.
+TEST(TrainStep, OverlappedZeroIsBitIdenticalToBlocking) {
+  struct Layout { int ranks, micro; };
+  for (int rre : {0, 2})
+    for (const Layout l : {Layout{2, 2}, Layout{4, 4}, Layout{2, 4}, Layout{2, 8}})
+      for (int zero : {1, 2}) {
+        const RunResult base = run_steps(l.ranks, rre, 3, l.micro, false, zero, 0, false);
+        for (int overlap : {1, 2})
+          for (bool watch : {false, true}) {
+            const RunResult o = run_steps(l.ranks, rre, 3, l.micro, false, zero, overlap, watch);
+            const std::string what = fmt::format("rre {} on {} ranks, {} micro-batches, zero {}, "
+                                                 "overlap {}, hook {}", rre, l.ranks, l.micro,
+                                                 zero, overlap, watch);
+            EXPECT_TRUE(same_bits(base.weights, o.weights)) << what;
+            EXPECT_EQ(base.losses, o.losses) << what;
+            EXPECT_EQ(base.norms, o.norms) << what;
+          }
+      }
+  const RunResult one = run_steps(2, 2, 3, 2, true), two = run_steps(2, 2, 3, 2, true, 2, 2);
   EXPECT_TRUE(same_bits(one.weights, two.weights)) << "lazy embedding rows";
 }
 

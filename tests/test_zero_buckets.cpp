@@ -9,6 +9,7 @@
 
 #include "device_access.h"
 #include "parallel/shard_plan.h"
+#include "parallel/zero_overlap.h"
 #include "thread_comm.h"
 
 using namespace sigma;
@@ -31,7 +32,10 @@ ParamSet make_params() {
 
 // Runs reduce + gather on R thread ranks with the given bucket; returns, per rank, the
 // owned gradients (concatenated in parameter order) and every value.
-std::vector<std::vector<float>> exchange(int R, size_t bucket) {
+// overlapped: the same through ZeroOverlap (parallel/zero_overlap.h), the tensors in three
+// stages as backward and forward hand them over, at most `bound` elements in flight.
+std::vector<std::vector<float>> exchange(int R, size_t bucket, bool overlapped = false,
+                                         size_t bound = 0) {
   std::vector<std::vector<float>> out(static_cast<size_t>(R));
   test_ranks::run_ranks(R, [&](Communicator& comm) {
     ParamSet ps = make_params();
@@ -46,8 +50,21 @@ std::vector<std::vector<float>> exchange(int R, size_t bucket) {
         for (int64_t i = 0; i < n; ++i) v[i] = plan.owner[p] == comm.rank() ? value_of(p, i) : -999.0f;
       });
     }
-    reduce_to_owners(comm, plan, ps, bucket);
-    gather_from_owners(comm, plan, ps, bucket);
+    if (overlapped) {
+      ZeroOverlap zo(comm, plan, ps, bucket, bound ? bound : 8 * kZeroBucketElements);
+      const std::vector<std::vector<size_t>> stages{{6, 7}, {2, 3, 4, 5}, {0, 1}};
+      for (const auto& ids : stages) {
+        zo.start_reduce(ids);
+        zo.progress();
+      }
+      zo.finish_reduce();
+      for (size_t s = stages.size(); s-- > 0;) zo.start_gather(stages[s], int(s));
+      for (size_t s = stages.size(); s-- > 0;) zo.finish_gather(int(s));
+      EXPECT_FALSE(zo.gathers_pending());
+    } else {
+      reduce_to_owners(comm, plan, ps, bucket);
+      gather_from_owners(comm, plan, ps, bucket);
+    }
     std::vector<float>& mine = out[size_t(comm.rank())];
     for (size_t p = 0; p < all.size(); ++p) {
       if (plan.owner[p] == comm.rank()) append_floats(mine, all[p].grad);
@@ -86,5 +103,16 @@ TEST(ZeroBuckets, SmallBucketsGiveTheOneRoundResultAndTheTreeSum) {
         for (int64_t i = 0; i < n; ++i)
           ASSERT_EQ(whole[size_t(r)][at[size_t(r)]++], value_of(p, i)) << "value of p" << p << " on rank " << r;
       }
+  }
+}
+
+// The overlapped exchange (dist.overlap) gives the same bits in stages, with any bucket, and
+// with a bound on the buffers in flight that forces the oldest rounds to complete first.
+TEST(ZeroBuckets, TheOverlappedExchangeGivesTheSameBits) {
+  for (int R : {2, 3, 4}) {
+    const auto whole = exchange(R, kZeroBucketElements);
+    for (size_t bucket : {size_t(1), size_t(7), kZeroBucketElements})
+      for (size_t bound : {size_t(0), size_t(1), size_t(40)})
+        EXPECT_EQ(exchange(R, bucket, true, bound), whole) << R << " ranks, bucket " << bucket << ", bound " << bound;
   }
 }

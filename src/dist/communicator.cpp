@@ -113,6 +113,49 @@ void Communicator::all_gather_v(float* out, const float* in, const int64_t* coun
   o.done();
 }
 
+namespace {
+class CompletedOp final : public PendingOp {
+ public:
+  bool test() override { return true; }
+  void wait() override {}
+};
+
+void check_host(const void* p, const char* what) {
+  SIGMA_CHECK(p == nullptr || !ops::is_device(p), "{}: a non-blocking collective takes host "
+              "buffers only (this one is device memory)", what);
+}
+}  // namespace
+
+std::unique_ptr<PendingOp> Communicator::do_start_all_to_all_v(const float* send,
+                                                               const int64_t* send_counts,
+                                                               float* recv,
+                                                               const int64_t* recv_counts) {
+  do_all_to_all_v(send, send_counts, recv, recv_counts);
+  return std::make_unique<CompletedOp>();
+}
+
+std::unique_ptr<PendingOp> Communicator::do_start_all_gather_v(float* out, const float* in,
+                                                               const int64_t* counts) {
+  do_all_gather_v(out, in, counts);
+  return std::make_unique<CompletedOp>();
+}
+
+std::unique_ptr<PendingOp> Communicator::start_all_to_all_v(const float* send,
+                                                            const int64_t* send_counts,
+                                                            float* recv,
+                                                            const int64_t* recv_counts) {
+  check_host(send, "start_all_to_all_v");
+  check_host(recv, "start_all_to_all_v");
+  return do_start_all_to_all_v(send, send_counts, recv, recv_counts);
+}
+
+std::unique_ptr<PendingOp> Communicator::start_all_gather_v(float* out, const float* in,
+                                                            const int64_t* counts) {
+  check_host(in, "start_all_gather_v");
+  check_host(out, "start_all_gather_v");
+  return do_start_all_gather_v(out, in, counts);
+}
+
 void Communicator::all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
                                 const int64_t* recv_counts) {
   Staged s(send, total(send_counts, size()) * sizeof(float), true, device_native());

@@ -29,6 +29,18 @@ namespace sigma {
 
 // What this rank sent: collective calls and payload bytes per destination (world ranks, self
 // included), for the benchmarks and for the test that no token leaves its group.
+// A non-blocking collective in flight (Communicator::start_*). Its buffers must stay alive and
+// untouched until it is complete. test() advances it and says whether it is complete (every
+// MPI call advances every request in flight, so testing one advances all); wait() completes it,
+// ending the run as a blocking collective does when a peer never takes part (dist.timeout_s).
+// Destroying one that is not complete waits for it first.
+class PendingOp {
+ public:
+  virtual ~PendingOp() = default;
+  virtual bool test() = 0;
+  virtual void wait() = 0;
+};
+
 struct CommStats {
   int64_t calls = 0;
   std::vector<int64_t> bytes_to;  // [world size]
@@ -64,6 +76,15 @@ class Communicator {
                     const int64_t* recv_counts);
   // bytes of data from rank `root` to every rank.
   void broadcast(void* data, size_t bytes, int root);
+  // Non-blocking all_to_all_v and all_gather_v (ZeRO's exchange overlapped with compute,
+  // docs/distributed.md "Communication hidden behind compute"): the same results as the
+  // blocking calls, delivered when the PendingOp completes. Every rank starts them in the same
+  // order (they are matched in that order) and may start others before completing one. HOST
+  // buffers only. An implementation without non-blocking calls (SingleProcess, the tests'
+  // thread ranks) runs the blocking call here and returns a completed op.
+  std::unique_ptr<PendingOp> start_all_to_all_v(const float* send, const int64_t* send_counts,
+                                                float* recv, const int64_t* recv_counts);
+  std::unique_ptr<PendingOp> start_all_gather_v(float* out, const float* in, const int64_t* counts);
   virtual void barrier() = 0;
   // The ranks with the same `color` form a new communicator, ordered by rank here; every rank
   // calls it (collective). Expert groups exchange tokens on theirs.
@@ -85,6 +106,12 @@ class Communicator {
   virtual void do_all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
                                const int64_t* recv_counts) = 0;
   virtual void do_broadcast(void* data, size_t bytes, int root) = 0;
+  // The non-blocking calls; the defaults run the blocking ones and return a completed op.
+  virtual std::unique_ptr<PendingOp> do_start_all_to_all_v(const float* send,
+                                                           const int64_t* send_counts, float* recv,
+                                                           const int64_t* recv_counts);
+  virtual std::unique_ptr<PendingOp> do_start_all_gather_v(float* out, const float* in,
+                                                           const int64_t* counts);
 
   // Records one call that sends bytes_to_rank[r] bytes to this communicator's rank r.
   void count(const std::vector<int64_t>& bytes_to_rank);

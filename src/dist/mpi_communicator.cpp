@@ -37,6 +37,7 @@ namespace {
 constexpr int kExchangeTag = 7100;  // point-to-point pieces of all_to_all_v / all_gather_v
 constexpr int kWaitingTag = 7101;   // "I am waiting in call #k" after a timeout
 constexpr int kAliveTag = 7102;     // "I am alive", on the liveness communicator
+constexpr int kOverlapTag = 7103;   // the non-blocking exchanges (start_all_to_all_v, ...)
 
 // Which ranks a rank that timed out can still reach, across every communicator of the process
 // (docs/distributed.md, "Faults"): the world's host names, gathered at start while every rank
@@ -217,25 +218,38 @@ class MpiCommunicator final : public Communicator {
   // path, and a piece longer than an int goes in several messages.
   void do_all_to_all_v(const float* send, const int64_t* send_counts, float* recv,
                        const int64_t* recv_counts) override {
-    std::vector<int64_t> bytes(static_cast<size_t>(size_));
     std::vector<Piece> sends, recvs;
-    int64_t s_at = 0, r_at = 0;
-    for (int r = 0; r < size_; ++r) {
-      SIGMA_CHECK(send_counts[r] >= 0 && recv_counts[r] >= 0, "all_to_all_v: negative count");
-      bytes[size_t(r)] = send_counts[r] * int64_t(sizeof(float));
-      if (r == rank_) {
-        SIGMA_CHECK(send_counts[r] == recv_counts[r], "all_to_all_v: rank {} sends {} elements "
-                    "to itself but expects {}", r, send_counts[r], recv_counts[r]);
-        std::copy(send + s_at, send + s_at + send_counts[r], recv + r_at);
-      } else {
-        sends.push_back({const_cast<float*>(send + s_at), size_t(send_counts[r]), r});
-        recvs.push_back({recv + r_at, size_t(recv_counts[r]), r});
-      }
-      s_at += send_counts[r];
-      r_at += recv_counts[r];
-    }
-    count(bytes);
+    pieces_all_to_all(send, send_counts, recv, recv_counts, sends, recvs);
     exchange(sends, recvs, "all_to_all_v");
+  }
+
+  // Non-blocking: point-to-point requests on a tag of their own, counted as a call when
+  // started (every rank starts them in the same order, so the call numbers a timeout reports
+  // agree across ranks).
+  std::unique_ptr<PendingOp> do_start_all_to_all_v(const float* send, const int64_t* send_counts,
+                                                   float* recv,
+                                                   const int64_t* recv_counts) override {
+    std::vector<Piece> sends, recvs;
+    pieces_all_to_all(send, send_counts, recv, recv_counts, sends, recvs);
+    ++calls_;
+    return std::make_unique<Pending>(*this, post(sends, recvs, kOverlapTag), "start_all_to_all_v");
+  }
+
+  std::unique_ptr<PendingOp> do_start_all_gather_v(float* out, const float* in,
+                                                   const int64_t* counts) override {
+    count_uniform(counts[rank_] * int64_t(sizeof(float)));
+    std::vector<Piece> sends, recvs;
+    int64_t at = 0;
+    for (int r = 0; r < size_; at += counts[r], ++r) {
+      if (r == rank_) {
+        std::copy(in, in + counts[r], out + at);
+        continue;
+      }
+      sends.push_back({const_cast<float*>(in), size_t(counts[rank_]), r});
+      recvs.push_back({out + at, size_t(counts[r]), r});
+    }
+    ++calls_;
+    return std::make_unique<Pending>(*this, post(sends, recvs, kOverlapTag), "start_all_gather_v");
   }
 
   void do_broadcast(void* data, size_t bytes, int root) override {
@@ -316,26 +330,99 @@ class MpiCommunicator final : public Communicator {
     count(bytes);
   }
 
+  // Point-to-point requests in flight and the rank each one waits for.
+  struct Posted {
+    std::vector<MPI_Request> reqs;
+    std::vector<int> peer_of;
+  };
+
   // Sends and receives pieces in messages of at most max_message_elements(); messages between
   // two ranks on one tag arrive in order, so each piece is reassembled in place.
-  void exchange(const std::vector<Piece>& sends, const std::vector<Piece>& recvs, const char* what) {
-    std::vector<MPI_Request> reqs;
-    std::vector<int> peer_of;  // the rank each request waits for
+  Posted post(const std::vector<Piece>& sends, const std::vector<Piece>& recvs, int tag) {
+    Posted p;
     const size_t chunk = max_message_elements();
-    for (const Piece& p : recvs)
-      for (size_t off = 0; off < p.n; off += chunk) {
-        reqs.emplace_back();
-        peer_of.push_back(p.peer);
-        MPI_Irecv(p.data + off, int(std::min(chunk, p.n - off)), MPI_FLOAT, p.peer, kExchangeTag,
-                  comm_, &reqs.back());
+    for (const Piece& q : recvs)
+      for (size_t off = 0; off < q.n; off += chunk) {
+        p.reqs.emplace_back();
+        p.peer_of.push_back(q.peer);
+        MPI_Irecv(q.data + off, int(std::min(chunk, q.n - off)), MPI_FLOAT, q.peer, tag, comm_,
+                  &p.reqs.back());
       }
-    for (const Piece& p : sends)
-      for (size_t off = 0; off < p.n; off += chunk) {
-        reqs.emplace_back();
-        peer_of.push_back(p.peer);
-        MPI_Isend(p.data + off, int(std::min(chunk, p.n - off)), MPI_FLOAT, p.peer, kExchangeTag,
-                  comm_, &reqs.back());
+    for (const Piece& q : sends)
+      for (size_t off = 0; off < q.n; off += chunk) {
+        p.reqs.emplace_back();
+        p.peer_of.push_back(q.peer);
+        MPI_Isend(q.data + off, int(std::min(chunk, q.n - off)), MPI_FLOAT, q.peer, tag, comm_,
+                  &p.reqs.back());
       }
+    return p;
+  }
+
+  void exchange(const std::vector<Piece>& sends, const std::vector<Piece>& recvs, const char* what) {
+    Posted p = post(sends, recvs, kExchangeTag);
+    complete(p, what);
+    ++calls_;
+  }
+
+  // The pieces of an all_to_all_v (or, with the same piece sent to every peer, an
+  // all_gather_v): `sends` and `recvs` point into the caller's buffers; the piece to and from
+  // this rank itself is copied here.
+  void pieces_all_to_all(const float* send, const int64_t* send_counts, float* recv,
+                         const int64_t* recv_counts, std::vector<Piece>& sends,
+                         std::vector<Piece>& recvs) {
+    std::vector<int64_t> bytes(static_cast<size_t>(size_));
+    int64_t s_at = 0, r_at = 0;
+    for (int r = 0; r < size_; ++r) {
+      SIGMA_CHECK(send_counts[r] >= 0 && recv_counts[r] >= 0, "all_to_all_v: negative count");
+      bytes[size_t(r)] = send_counts[r] * int64_t(sizeof(float));
+      if (r == rank_) {
+        SIGMA_CHECK(send_counts[r] == recv_counts[r], "all_to_all_v: rank {} sends {} elements "
+                    "to itself but expects {}", r, send_counts[r], recv_counts[r]);
+        std::copy(send + s_at, send + s_at + send_counts[r], recv + r_at);
+      } else {
+        sends.push_back({const_cast<float*>(send + s_at), size_t(send_counts[r]), r});
+        recvs.push_back({recv + r_at, size_t(recv_counts[r]), r});
+      }
+      s_at += send_counts[r];
+      r_at += recv_counts[r];
+    }
+    count(bytes);
+  }
+
+  // A non-blocking exchange: its requests, completed by test() or wait() on the owner's
+  // timeout (an op must not outlive its communicator).
+  class Pending final : public PendingOp {
+   public:
+    Pending(MpiCommunicator& c, Posted p, const char* what) : c_(c), p_(std::move(p)), what_(what) {}
+    ~Pending() override {
+      if (!done_ && std::uncaught_exceptions() == 0) wait();
+    }
+    bool test() override {
+      if (!done_) {
+        int all = 0;
+        MPI_Testall(int(p_.reqs.size()), p_.reqs.data(), &all, MPI_STATUSES_IGNORE);
+        done_ = all != 0;
+      }
+      return done_;
+    }
+    void wait() override {
+      if (done_) return;
+      c_.complete(p_, what_);
+      done_ = true;
+    }
+
+   private:
+    MpiCommunicator& c_;
+    Posted p_;
+    const char* what_;
+    bool done_ = false;
+  };
+
+  // Polls the requests until all are complete; past the timeout, names the silent peers and
+  // aborts the run.
+  void complete(Posted& posted, const char* what) {
+    std::vector<MPI_Request>& reqs = posted.reqs;
+    const std::vector<int>& peer_of = posted.peer_of;
     const auto start = Clock::now();
     int polls = 0;
     auto nap = std::chrono::microseconds(20);
@@ -359,7 +446,6 @@ class MpiCommunicator final : public Communicator {
       std::this_thread::sleep_for(nap);
       nap = std::min(nap * 2, std::chrono::microseconds(1000));
     }
-    ++calls_;
   }
 
   using Clock = std::chrono::steady_clock;

@@ -163,6 +163,16 @@ class Model {
   // their owners at once (train/train_step.cpp). Empty (the default): nothing is called.
   using GradsDone = std::function<void(const std::vector<size_t>&)>;
   void set_grads_done(GradsDone f) { grads_done_ = std::move(f); }
+  // The parameters of each stage: [l] block l, [L] the final LayerNorm, [L + 1] the embedding
+  // tables (the stages set_grads_done reports).
+  const std::vector<std::vector<size_t>>& param_stages() const { return grad_stages_; }
+  // Called by a training forward() before it first reads a stage's parameters: stage L + 1
+  // (the embeddings) first, then each block l, then L (the final LayerNorm before the tied
+  // head); every stage at once, first, where bf16 copies of all weights are made. ZeRO's
+  // overlapped gather (train/train_step.cpp) completes the stage's values there. Empty (the
+  // default): nothing is called.
+  using ParamsNeeded = std::function<void(size_t stage)>;
+  void set_params_needed(ParamsNeeded f) { params_needed_ = std::move(f); }
 
   // What backward recomputes instead of keeping (model/activations.h); default None.
   void set_remat(Remat r) { remat_ = r; }
@@ -236,6 +246,10 @@ class Model {
   // [L + 1] the embedding tables.
   std::vector<std::vector<size_t>> grad_stages_;
   GradsDone grads_done_;
+  ParamsNeeded params_needed_;
+  void params_needed(size_t stage) const {
+    if (params_needed_) params_needed_(stage);
+  }
   void grads_done(size_t stage) const {
     if (grads_done_ && !grad_stages_[stage].empty()) grads_done_(grad_stages_[stage]);
   }

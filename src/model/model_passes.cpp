@@ -161,13 +161,21 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
   check_batch(batch);
   a.ensure(cfg_, B, T, remat_, tp_.size);
   check_routing_ready();
+  const size_t L = size_t(cfg_.layers);
+  if (loss_weight && ops::precision() == ops::Precision::Bf16)  // mirror_weights reads them all
+    for (size_t s = 0; s < L + 2; ++s) params_needed(s);
+  params_needed(L + 1);
   mirror_weights(loss_weight != nullptr);
   embed(batch, a, nullptr);
   aux_loss_ = 0;
   a.weight_sum = 0;
   if (loss_weight)
     for (int64_t i = 0; i < int64_t(B) * T; ++i) a.weight_sum += loss_weight[i];
-  for (int l = 0; l < cfg_.layers; ++l) block_forward(l, batch, a, nullptr);
+  for (int l = 0; l < cfg_.layers; ++l) {
+    params_needed(size_t(l));
+    block_forward(l, batch, a, nullptr);
+  }
+  params_needed(L);
   head(batch, a, token_loss, loss_weight);
 }
 

@@ -147,6 +147,11 @@ void DistConfig::describe(Options& o, const std::string& p) {
         "rank (its owner); 2 = its gradient too: each block's gradients go to their owners as "
         "soon as backward finishes them and the other ranks' copies are released (the same "
         "bits as 1)", 1, 2);
+  o.add(p + "overlap", &overlap,
+        "hide ZeRO's exchanges behind compute: each block's gradients go to their owners as soon "
+        "as backward finishes them, and the updated values come back while the next forward "
+        "runs, each block's completed just before it is read (the same sums in the same order: "
+        "the same bits as false, which exchanges after backward and after the update)");
 }
 
 Config::Config() {

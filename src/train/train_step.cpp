@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <iterator>
 
 #include "core/error.h"
@@ -37,6 +39,29 @@ class GradTree {
       stack_.back().first += 1;
     }
   }
+  // dist.overlap: the gradients of `ids`, the current micro-batch's (the last leaf, not
+  // pushed), become the tree's total over every leaf: the same additions as push() then
+  // finish() (each carry of push and each step of finish adds the partial sum below to the
+  // total above, so both walk the stack from the top), for these tensors' elements only.
+  void fold_last_into(ParamSet& ps, const std::vector<size_t>& ids) {
+    if (stack_.empty()) return;
+    if (offset_.size() != ps.all().size()) {
+      offset_.assign(ps.all().size(), 0);
+      int64_t at = 0;
+      for (size_t i = 0; i < offset_.size(); ++i) offset_[i] = at, at += ps.all()[i].grad.numel();
+    }
+    for (size_t i : ids) {
+      Param& p = ps.all()[i];
+      const int64_t n = p.grad.numel(), at = offset_[i];
+      const float* cur = p.grad.dev_f();
+      for (size_t k = stack_.size(); k-- > 0;) {
+        ops::add_into(stack_[k].second.dev_f() + at, cur, n);
+        cur = stack_[k].second.dev_f() + at;
+      }
+      ops::copy(p.grad.dev_f(), cur, n);
+    }
+  }
+  void clear() { stack_.clear(); }
   // Writes the total into the gradients and empties the tree.
   void finish(ParamSet& ps) {
     SIGMA_CHECK(!stack_.empty(), "GradTree: no leaf");
@@ -55,9 +80,21 @@ class GradTree {
 
  private:
   std::vector<std::pair<int, Tensor>> stack_;  // (level, partial sum) on the device
+  std::vector<int64_t> offset_;                 // [param]: its first element in a leaf
 };
 
 bool power_of_two(size_t k) { return k && !(k & (k - 1)); }
+
+// The progress strategy of the overlapped exchanges: a test of what is in flight at each layer
+// boundary, unless SIGMA_OVERLAP_POLL=0 (benchmarks measure what the tests are worth: without
+// them, Open MPI advances the exchanges only inside other MPI calls and the final waits).
+bool overlap_polls() {
+  static const bool on = [] {
+    const char* v = std::getenv("SIGMA_OVERLAP_POLL");
+    return !(v && std::string_view(v) == "0");
+  }();
+  return on;
+}
 
 }  // namespace
 
@@ -142,17 +179,42 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   };
   std::vector<size_t> every(ps.all().size());
   for (size_t i = 0; i < every.size(); ++i) every[i] = i;
-  struct Unhook {  // the hook holds references into this call
+  struct Unhook {  // the hooks hold references into this call
     Model& m;
-    ~Unhook() { m.set_grads_done({}); }
+    ~Unhook() {
+      m.set_grads_done({});
+      m.set_params_needed({});
+    }
   } unhook{model_};
-  if (early)
+  // dist.overlap (set_overlap): the exchanges in flight advance at each layer boundary.
+  // With a fault-injection hook, which may change the gradients after backward, the stages
+  // go after it, in the same order: every rank starts the same exchanges either way.
+  const bool ov = overlap_ && comm_.size() > 1, ov_early = ov && !after_backward_;
+  if (ov && !zo_) zo_ = std::make_unique<ZeroOverlap>(comm_, plan_, ps);
+  if (!ov) settle();
+  size_t at_micro = 0;  // the micro-batch being run
+  auto reduce_stage = [&](const std::vector<size_t>& ids) {  // final gradients: to their owners
+    if (mine.size() > 1) tree.fold_last_into(ps, ids);
+    zo_->start_reduce(ids);
+    if (zero2) release_others(ids);  // packed already
+  };
+  if (ov) {
+    model_.set_params_needed([&](size_t stage) {  // the last step's deferred gather
+      zo_->finish_gather(int(stage));
+      if (overlap_polls()) zo_->progress();
+    });
+    model_.set_grads_done([&](const std::vector<size_t>& ids) {
+      if (ov_early && at_micro + 1 == mine.size()) reduce_stage(ids);
+      if (overlap_polls()) zo_->progress();
+    });
+  } else if (early)
     model_.set_grads_done([&](const std::vector<size_t>& ids) {
       reduce_to_owners(comm_, plan_, ps, kZeroBucketElements, &ids);
       release_others(ids);
     });
   for (size_t j = 0; j < mine.size(); ++j) {
     const Batch& b = mine[j];
+    at_micro = j;
     if (j == 0 || mine.size() > 1) {
       if (zero2)
         for (Param& p : ps.all()) ops::zero_release(p.grad);
@@ -169,9 +231,21 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     experts.end_micro_batch();
     sum_losses(b, first + j, per_slot);
     if (after_backward_) after_backward_(model_.params());
-    if (mine.size() > 1) tree.push(model_.params());
+    if (ov && !ov_early && j + 1 == mine.size()) {  // backward's order: final LN, blocks, embeddings
+      const auto& stages = model_.param_stages();
+      const size_t L = stages.size() - 2;
+      reduce_stage(stages[L]);
+      for (size_t l = L; l-- > 0;) reduce_stage(stages[l]);
+      reduce_stage(stages[L + 1]);
+    }
+    if (mine.size() > 1 && !(ov && j + 1 == mine.size())) tree.push(model_.params());
   }
-  if (mine.size() > 1) tree.finish(model_.params());
+  if (mine.size() > 1) {
+    if (ov)
+      tree.clear();  // folded stage by stage into the gradients
+    else
+      tree.finish(model_.params());
+  }
   StepResult r;
   comm_.all_reduce_sum(per_slot.data(), int64_t(per_slot.size()));  // one rank's slots each: exact
   r.domain_loss.assign(D, 0.0);
@@ -185,8 +259,11 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     r.aux_loss += v[2 * D] / double(micro.size());
     r.loss += v[2 * D + 1];
   }
-  if (!early) reduce_to_owners(comm_, plan_, ps);
-  if (zero2 && !early) release_others(every);
+  if (ov)
+    zo_->finish_reduce();
+  else if (!early)
+    reduce_to_owners(comm_, plan_, ps);
+  if (zero2 && !early && !ov) release_others(every);
   if (!mask.all()) mask.mask_grads(model_.params());
   std::vector<double> parts = grad_sq_parts(model_.params(), owned);
   experts.append_grad_sq_parts(parts);
@@ -199,9 +276,23 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   r.skipped = !finite_step(r.loss, r.grad_norm);
   if (r.skipped) return r;
   opt_.step(model_.params(), lr, r.clip, &mask);
+  if (!ov) {
+    experts.update(lr, r.clip);
+    gather_from_owners(comm_, plan_, model_.params());
+    return r;
+  }
+  // In the order the next forward reads them: the embeddings, the blocks, the final LayerNorm.
+  const auto& stages = model_.param_stages();
+  const size_t L = stages.size() - 2;
+  zo_->start_gather(stages[L + 1], int(L + 1));
+  for (size_t s = 0; s <= L; ++s) zo_->start_gather(stages[s], int(s));
   experts.update(lr, r.clip);
-  gather_from_owners(comm_, plan_, model_.params());
+  if (!defer_) zo_->finish_gathers();
   return r;
+}
+
+void TrainStep::settle() {
+  if (zo_) zo_->finish_gathers();
 }
 
 }  // namespace sigma

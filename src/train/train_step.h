@@ -11,6 +11,7 @@
 // threads per rank.
 #pragma once
 #include <functional>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "model/model.h"
 #include "optim/adamw.h"
 #include "parallel/shard_plan.h"
+#include "parallel/zero_overlap.h"
 
 namespace sigma {
 
@@ -64,6 +66,25 @@ class TrainStep {
   // the gradients are reduced after the last one, as with 1, and only then released. The sums
   // are the same either way: the same bits as dist.zero = 1.
   void set_zero_stage(int stage) { zero_ = stage; }
+  // dist.overlap: ZeRO's exchanges hidden behind compute (parallel/zero_overlap.h). Each stage
+  // of the last micro-batch's backward starts its gradients' reduction as soon as it is
+  // finished (with several micro-batches per rank, the stage's tree of partial sums is folded
+  // first, in the same order as without overlap); the reductions are completed after
+  // backward. The updated values go out after the update, overlapped with the experts'
+  // update, and are completed there, or with `defer_gather` only where the next step's
+  // forward first reads each stage (Model::set_params_needed); then anything else that reads
+  // the parameters between steps must call settle() first. Between, the exchanges advance at
+  // every layer boundary (a test of what is in flight). The same sums in the same order: the
+  // same bits as without overlap. With a fault-injection hook (set_after_backward) the
+  // reductions start after it, in the same order.
+  void set_overlap(bool on, bool defer_gather = false) {
+    overlap_ = on;
+    defer_ = defer_gather;
+  }
+  // Completes a deferred gather: every rank's parameters hold the owners' values.
+  void settle();
+  // Seconds this rank spent blocked in overlapped exchanges (ZeroOverlap::blocked_s).
+  double overlap_blocked_s() const { return zo_ ? zo_->blocked_s() : 0.0; }
   // Fault injection for tests: called after each micro-batch's backward (may poison gradients).
   void set_after_backward(std::function<void(ParamSet&)> f) { after_backward_ = std::move(f); }
 
@@ -77,6 +98,8 @@ class TrainStep {
   Communicator& comm_;
   Communicator* tp_ = nullptr;
   int zero_ = 1;
+  bool overlap_ = false, defer_ = false;
+  std::unique_ptr<ZeroOverlap> zo_;
   OptimConfig cfg_;
   ShardPlan plan_;
   Activations acts_;

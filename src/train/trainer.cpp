@@ -329,6 +329,7 @@ void RunLoop::build() {
   step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim, plan_);
   if (grid_->tp() > 1) step_->set_tensor_parallel(&grid_->tensor());
   step_->set_zero_stage(cfg_.dist.zero);
+  step_->set_overlap(cfg_.dist.overlap, true);  // settle() below wherever params are read
   names_ = cfg_.model.domains.names();
   for (const auto& n : data_->domains()) data_to_model_.push_back(cfg_.model.domain_index(n));
   SIGMA_CHECK(cfg_.dist.placement == "spread" || mode_ == ExpertMode::Parallel, "dist.placement = "
@@ -524,7 +525,10 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
   UpdateMask mask = freeze_.mask;
   if (cfg_.optim.sparse_embeddings) limit_to_batch_rows(mask, model_->params(), cfg_.model, micro_);
   const float lr = lr_at(cfg_.optim, step, cfg_.train.steps);
-  if (run_.before_step) run_.before_step(step, micro_);
+  if (run_.before_step) {
+    step_->settle();
+    run_.before_step(step, micro_);
+  }
   if (run_.after_backward) step_->set_after_backward([&](ParamSet& ps) { run_.after_backward(step, ps); });
   const StepResult r = step_->run(micro_, lr, mask);
   window_.add(r.domain_loss, r.domain_tokens);
@@ -550,6 +554,7 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
 // The held-out loss per domain: data.eval_path's windows, else the data's own held-out side.
 // Every rank calls it (the forward passes may be collective).
 std::vector<DomainLoss> RunLoop::held_out_losses() {
+  step_->settle();
   if (!held_out_ && !cfg_.data.eval_path.empty())
     held_out_ = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
   return evaluate(*model_, held_out_ ? *held_out_ : *data_, cfg_.train.batch, cfg_.model.context,
@@ -635,6 +640,7 @@ nlohmann::json RunLoop::exchange_since_last(int64_t steps) {
 
 // Between steps: the store holds exactly this step's experts.
 void RunLoop::checkpoint() {
+  step_->settle();
   state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
   if (run_dir_) run_dir_->sync_metrics();  // the records up to it as durable as the checkpoint
   if (!saver_) {
@@ -670,6 +676,7 @@ void RunLoop::after_save() {
 }
 
 TrainSummary RunLoop::finish() {
+  step_->settle();
   collect_save(true);  // the last checkpoint is committed before the run reports its end
   TrainSummary sum;
   sum.stopped_by = stopped_by_;

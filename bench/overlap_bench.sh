@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Communication hidden behind compute (dist.overlap, docs/distributed.md): the exposed
+# communication time per step with and without overlap, on the simulated cluster
+# (scripts/sim-cluster.sh: 2 hosts x 2 ranks, links shaped to each RATE), side by side in the
+# same rounds. As root, from the repository root, after a build:
+#
+#   bench/overlap_bench.sh build/sigma [ROUNDS=3] [RATE...=1gbit 10gbit]
+#
+# Per round: the compute reference, then for each rate a run without overlap and one with it
+# (their order alternating over the rounds). The reference is the same per-rank work without
+# the data-parallel exchange: 4/TP independent copies of one tp group (TP=1: a single process,
+# TP=2: mpirun -np 2 inside one host), started at the same time so the machine's cores are
+# shared as in the 4-rank runs, each running the same micro-batches per rank of the same model
+# (it updates every parameter where a ZeRO rank updates its quarter: a slightly slower
+# reference, which makes the exposed time slightly smaller with and without overlap alike).
+# A run's step time is the median over its steps after the first WARM; exposed = step time
+# minus the same round's reference. Printed: every run, then per rate and mode the median over
+# the rounds, the ratio of the medians, and whether every round's overlapped run ended with
+# the bits of the one without (model.safetensors compared byte for byte).
+#
+# Environment: D (d_model, 512), LAYERS (4), HEADS (8), CONTEXT (64), BATCH (rows per
+# micro-batch, 4), K (micro-batches per rank, 1), TP (1 or 2), RRE (model.rre_layers, 0),
+# STEPS (14), WARM (4), EXTRA (more --set arguments for every run), MPI_ARGS (more mpirun
+# arguments for the cluster runs, e.g. "--mca btl_tcp_progress_thread 1"), POLL (0 sets
+# SIGMA_OVERLAP_POLL=0: no tests of the exchanges at layer boundaries).
+set -euo pipefail
+sigma=$(realpath "$1")
+rounds=${2:-3}
+shift $(($# >= 2 ? 2 : 1))
+rates=("$@")
+((${#rates[@]})) || rates=(1gbit 10gbit)
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+D=${D:-512} LAYERS=${LAYERS:-4} HEADS=${HEADS:-8} CONTEXT=${CONTEXT:-64} BATCH=${BATCH:-4}
+K=${K:-1} TP=${TP:-1} RRE=${RRE:-0} STEPS=${STEPS:-14} WARM=${WARM:-4} EXTRA=${EXTRA:-}
+MPI_ARGS=${MPI_ARGS:-} POLL=${POLL:-1}
+((TP == 1 || TP == 2)) || { echo "TP=$TP: 1 or 2" >&2; exit 2; }
+DP=$((4 / TP))
+tmp=$(mktemp -d /tmp/overlap-bench.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+
+model="--set model.d_model=$D --set model.layers=$LAYERS --set model.heads=$HEADS \
+--set model.context=$CONTEXT --set model.rre_layers=$RRE --set train.batch=$BATCH \
+--set train.steps=$STEPS --set train.threads=1 --set train.log_every=1 --set train.ckpt_every=0 \
+--set dist.tp=$TP --quiet $EXTRA"
+mpi_x="-x OMP_WAIT_POLICY=passive"
+((POLL)) || mpi_x+=" -x SIGMA_OVERLAP_POLL=0"
+
+# Median step time in ms of a metrics.jsonl, over the steps after the first WARM.
+step_ms() {
+  python3 - "$1" "$WARM" <<'EOF'
+import json, statistics, sys
+recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+tok = [r["tokens"] for r in recs]
+per = [(tok[i] - (tok[i - 1] if i else 0)) / r["tokens_per_s"] for i, r in enumerate(recs)]
+print(f"{statistics.median(per[int(sys.argv[2]):]) * 1e3:.1f}")
+EOF
+}
+# A hash of a safetensors file's tensor data (its header's metadata records dist.overlap).
+tensor_sum() {
+  python3 -c 'import hashlib, struct, sys
+b = open(sys.argv[1], "rb").read(); n = struct.unpack("<Q", b[:8])[0]
+print(hashlib.sha256(b[8 + n:]).hexdigest())' "$1"
+}
+median() { printf '%s\n' "$@" | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+
+# The compute reference: DP independent copies of one tp group, at the same time.
+reference() {
+  local pids=() i
+  rm -rf "$tmp"/ref*
+  for ((i = 0; i < DP; i++)); do
+    if ((TP == 1)); then
+      OMP_WAIT_POLICY=passive "$sigma" train $model --set train.accum=$K --out "$tmp/ref$i" \
+        >"$tmp/ref$i.log" 2>&1 &
+    else
+      mpirun --allow-run-as-root --oversubscribe --bind-to none $mpi_x -np $TP "$sigma" train \
+        $model --set train.accum=$K --out "$tmp/ref$i" >"$tmp/ref$i.log" 2>&1 &
+    fi
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do wait "${pids[$i]}" || { cat "$tmp/ref$i.log" >&2; exit 1; }; done
+  local t=()
+  for ((i = 0; i < DP; i++)); do t+=("$(step_ms "$tmp/ref$i/metrics.jsonl")"); done
+  median "${t[@]}"
+}
+
+cluster() {  # RATE OVERLAP OUT
+  "$root/scripts/sim-cluster.sh" --hosts 2 --slots 2 --bandwidth "$1" --timeout 900 \
+    --mpirun-args "$mpi_x $MPI_ARGS" -- "$sigma" train $model --set train.accum=$((DP * K)) \
+    --set dist.overlap="$2" --out "$3" >"$3.log" 2>&1 || { cat "$3.log" >&2; exit 1; }
+  step_ms "$3/metrics.jsonl"
+}
+
+echo "machine: $("$here/machine.sh"), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "model: d=$D layers=$LAYERS heads=$HEADS context=$CONTEXT rre_layers=$RRE, $BATCH rows x $K micro-batches per rank; tp $TP x dp $DP on 2 hosts x 2 ranks; $STEPS steps (median after $WARM); poll=$POLL; mpirun args: ${MPI_ARGS:-none}"
+declare -A exposed=() steps=()
+refs=() same=0 compared=0
+for ((r = 1; r <= rounds; r++)); do
+  ref=$(reference)
+  refs+=("$ref")
+  echo "round $r: reference (no dp exchange) $ref ms/step; load $(cut -d' ' -f1 /proc/loadavg)"
+  for rate in "${rates[@]}"; do
+    modes=(false true)
+    ((r % 2)) || modes=(true false)
+    for mode in "${modes[@]}"; do
+      out=$tmp/$rate-$mode-$r
+      t=$(cluster "$rate" "$mode" "$out")
+      e=$(awk -v a="$t" -v b="$ref" 'BEGIN {printf "%.1f", a - b}')
+      steps[$rate-$mode]+="$t "
+      exposed[$rate-$mode]+="$e "
+      echo "round $r: $rate overlap=$mode: $t ms/step, exposed $e ms"
+    done
+    compared=$((compared + 1))
+    ck=checkpoints/step-$(printf %08d "$STEPS")/model.safetensors
+    if [[ "$(tensor_sum "$tmp/$rate-false-$r/$ck")" == "$(tensor_sum "$tmp/$rate-true-$r/$ck")" ]]; then
+      same=$((same + 1))
+    fi
+    rm -rf "$tmp/$rate-false-$r" "$tmp/$rate-true-$r"
+  done
+done
+echo "reference: median $(median "${refs[@]}") ms/step (${refs[*]})"
+for rate in "${rates[@]}"; do
+  read -r -a off <<<"${exposed[$rate-false]}"
+  read -r -a on <<<"${exposed[$rate-true]}"
+  mo=$(median "${off[@]}") mn=$(median "${on[@]}")
+  read -r -a soff <<<"${steps[$rate-false]}"
+  read -r -a son <<<"${steps[$rate-true]}"
+  echo "$rate: step ms without overlap $(median "${soff[@]}") (${soff[*]}), with $(median "${son[@]}") (${son[*]}); exposed ms without $mo (${off[*]}), with $mn (${on[*]}); ratio $(awk -v a="$mn" -v b="$mo" 'BEGIN {printf "%.2f", (b > 0) ? a / b : 0}')"
+done
+echo "same bits with and without overlap: $same of $compared pairs"
+echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"

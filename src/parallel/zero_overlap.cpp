@@ -1,0 +1,172 @@
+#include "parallel/zero_overlap.h"
+
+#include <chrono>
+
+#include "core/error.h"
+#include "parallel/owner_streams.h"
+
+namespace sigma {
+
+// One bucketed round in flight: owner o's slice [b, e) of round k of `streams`, for every o.
+struct ZeroOverlap::Round {
+  bool reduce = true;
+  int key = 0;
+  std::shared_ptr<const zero_detail::OwnerStreams> streams;
+  size_t k = 0, S = 0, elements = 0;
+  std::vector<float> send, recv;
+  std::vector<int64_t> send_counts, recv_counts;
+  std::unique_ptr<PendingOp> op;
+};
+
+namespace {
+using OverlapClock = std::chrono::steady_clock;
+double overlap_seconds_since(OverlapClock::time_point t) {
+  return std::chrono::duration<double>(OverlapClock::now() - t).count();
+}
+}  // namespace
+
+ZeroOverlap::ZeroOverlap(Communicator& comm, const ShardPlan& plan, ParamSet& ps, size_t bucket,
+                         size_t max_in_flight)
+    : comm_(comm), plan_(plan), ps_(ps), bucket_(bucket), max_in_flight_(max_in_flight) {
+  SIGMA_CHECK(plan.ranks == comm.size(), "shard plan for {} ranks used with {}", plan.ranks,
+              comm.size());
+  SIGMA_CHECK(bucket >= 1 && max_in_flight >= 1, "ZeroOverlap: bucket {} and bound {} elements",
+              bucket, max_in_flight);
+}
+
+ZeroOverlap::~ZeroOverlap() = default;  // a Round's PendingOp waits for itself
+
+void ZeroOverlap::launch(std::unique_ptr<Round> r) {
+  r->elements = r->send.size() + r->recv.size();
+  if (r->reduce) {
+    r->op = comm_.start_all_to_all_v(r->send.data(), r->send_counts.data(), r->recv.data(),
+                                     r->recv_counts.data());
+  } else {
+    r->op = comm_.start_all_gather_v(r->recv.data(), r->send.data(), r->send_counts.data());
+  }
+  in_flight_ += r->elements;
+  rounds_.push_back(std::move(r));
+}
+
+void ZeroOverlap::take_in(Round& r) {
+  const int R = comm_.size(), me = comm_.rank();
+  const zero_detail::OwnerStreams& st = *r.streams;
+  if (r.reduce) {
+    const auto [b, e] = st.slice(me, r.k, r.S);
+    const size_t n = e - b;
+    sum_.resize(n);
+    parts_.resize(size_t(R));
+    for (int q = 0; q < R; ++q) parts_[size_t(q)] = r.recv.data() + size_t(q) * n;
+    tree_sum(sum_.data(), parts_.data(), R, int64_t(n));
+    st.unpack(me, b, e, sum_.data());
+  } else {
+    const float* at = r.recv.data();
+    for (int o = 0; o < R; ++o) {
+      const auto [ob, oe] = st.slice(o, r.k, r.S);
+      if (o != me) st.unpack(o, ob, oe, at);
+      at += oe - ob;
+    }
+  }
+  in_flight_ -= r.elements;
+  r.send = {};
+  r.recv = {};
+}
+
+void ZeroOverlap::start_reduce(const std::vector<size_t>& ids) {
+  const int R = comm_.size(), me = comm_.rank();
+  if (R == 1 || ids.empty()) return;
+  auto st = std::make_shared<const zero_detail::OwnerStreams>(plan_, ps_.all(), true, &ids);
+  const size_t S = st->slice_elements(bucket_);
+  for (size_t k = 0, rounds = st->rounds(S); k < rounds; ++k) {
+    auto r = std::make_unique<Round>();
+    r->reduce = true, r->streams = st, r->k = k, r->S = S;
+    size_t out = 0;
+    for (int o = 0; o < R; ++o) {
+      const auto [b, e] = st->slice(o, k, S);
+      out += e - b;
+    }
+    const auto [b, e] = st->slice(me, k, S);
+    // Bound the buffers in flight before allocating this round's.
+    while (!rounds_.empty() && in_flight_ + out + size_t(R) * (e - b) > max_in_flight_)
+      complete(3, 0);
+    r->send.resize(out);
+    r->send_counts.resize(size_t(R));
+    float* at = r->send.data();
+    for (int o = 0; o < R; ++o) {
+      const auto [ob, oe] = st->slice(o, k, S);
+      st->pack(o, ob, oe, at);
+      at += oe - ob;
+      r->send_counts[size_t(o)] = int64_t(oe - ob);
+    }
+    r->recv.resize(size_t(R) * (e - b));
+    r->recv_counts.assign(size_t(R), int64_t(e - b));
+    launch(std::move(r));
+  }
+}
+
+void ZeroOverlap::start_gather(const std::vector<size_t>& ids, int key) {
+  const int R = comm_.size(), me = comm_.rank();
+  if (R == 1 || ids.empty()) return;
+  auto st = std::make_shared<const zero_detail::OwnerStreams>(plan_, ps_.all(), false, &ids);
+  const size_t S = st->slice_elements(bucket_);
+  for (size_t k = 0, rounds = st->rounds(S); k < rounds; ++k) {
+    auto r = std::make_unique<Round>();
+    r->reduce = false, r->key = key, r->streams = st, r->k = k, r->S = S;
+    r->send_counts.resize(size_t(R));
+    size_t all = 0;
+    for (int o = 0; o < R; ++o) {
+      const auto [b, e] = st->slice(o, k, S);
+      r->send_counts[size_t(o)] = int64_t(e - b);
+      all += e - b;
+    }
+    const auto [b, e] = st->slice(me, k, S);
+    while (!rounds_.empty() && in_flight_ + all + (e - b) > max_in_flight_) complete(3, 0);
+    r->send.resize(e - b);
+    st->pack(me, b, e, r->send.data());
+    r->recv.resize(all);
+    launch(std::move(r));
+  }
+}
+
+void ZeroOverlap::progress() {
+  for (auto it = rounds_.begin(); it != rounds_.end();) {
+    if ((*it)->op->test()) {
+      take_in(**it);
+      it = rounds_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// Completes (waits for and takes in) the rounds in flight that `which` selects: 0 reduce
+// rounds, 1 gather rounds of `key`, 2 every gather round, 3 the oldest round alone.
+void ZeroOverlap::complete(int which, int key) {
+  const auto t = OverlapClock::now();
+  for (auto it = rounds_.begin(); it != rounds_.end();) {
+    Round& r = **it;
+    const bool pick = which == 3 || (which == 0 && r.reduce) ||
+                      (which == 1 && !r.reduce && r.key == key) || (which == 2 && !r.reduce);
+    if (!pick) {
+      ++it;
+      continue;
+    }
+    r.op->wait();
+    take_in(r);
+    it = rounds_.erase(it);
+    if (which == 3) break;
+  }
+  blocked_s_ += overlap_seconds_since(t);
+}
+
+void ZeroOverlap::finish_reduce() { complete(0, 0); }
+void ZeroOverlap::finish_gather(int key) { complete(1, key); }
+void ZeroOverlap::finish_gathers() { complete(2, 0); }
+
+bool ZeroOverlap::gathers_pending() const {
+  for (const auto& r : rounds_)
+    if (!r->reduce) return true;
+  return false;
+}
+
+}  // namespace sigma

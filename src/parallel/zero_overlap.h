@@ -1,0 +1,73 @@
+// ZeRO's exchanges overlapped with compute (docs/distributed.md, "Communication hidden behind
+// compute"). The same bucketed rounds as reduce_to_owners and gather_from_owners
+// (parallel/shard_plan.h), started as non-blocking collectives (Communicator::start_*) as soon
+// as their data is ready and taken in when complete:
+//  - start_reduce(ids) as backward finishes a stage (a block's gradients): its gradients are
+//    packed at once (so they may be released or overwritten after), each round's parts go to
+//    their owners, and each owner adds the R parts by tree_sum in rank order when the round
+//    arrives: the same sums in the same order as reduce_to_owners, so the same bits;
+//  - start_gather(ids, key) after the update: the owners' new values go to every rank, and
+//    finish_gather(key) waits for them where the next forward first reads them.
+// progress() advances what is in flight (the MPI progress strategy: a test at each layer
+// boundary, where the step calls it) and takes in what has arrived. Buffers in flight are
+// bounded (max_in_flight elements): past it, the oldest round is completed first.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "model/params.h"
+#include "parallel/shard_plan.h"
+
+namespace sigma {
+
+namespace zero_detail {
+class OwnerStreams;
+}
+
+class ZeroOverlap {
+ public:
+  ZeroOverlap(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
+              size_t bucket = kZeroBucketElements, size_t max_in_flight = 8 * kZeroBucketElements);
+  ~ZeroOverlap();
+  ZeroOverlap(const ZeroOverlap&) = delete;
+  ZeroOverlap& operator=(const ZeroOverlap&) = delete;
+
+  // Starts reducing these parameters' gradients to their owners (indices into ps.all(),
+  // ascending). The gradients are read now.
+  void start_reduce(const std::vector<size_t>& ids);
+  // Completes every reduction started: each owner's gradients hold the sums over the ranks.
+  void finish_reduce();
+  // Starts sending the owners' values of these parameters to every rank, under `key`.
+  void start_gather(const std::vector<size_t>& ids, int key);
+  // Completes the gathers started under `key`; the other ranks' tensors then hold the owners'
+  // values. finish_gathers(): every gather in flight.
+  void finish_gather(int key);
+  void finish_gathers();
+  bool gathers_pending() const;
+  // Tests what is in flight and takes in the rounds that are complete.
+  void progress();
+
+  // Seconds spent blocked in finish_* and in waits for the bound, since construction.
+  double blocked_s() const { return blocked_s_; }
+
+ private:
+  struct Round;  // one bucketed round in flight (zero_overlap.cpp)
+  void launch(std::unique_ptr<Round> r);
+  void take_in(Round& r);
+  void complete(int which, int key);
+
+  Communicator& comm_;
+  const ShardPlan& plan_;
+  ParamSet& ps_;
+  size_t bucket_, max_in_flight_, in_flight_ = 0;
+  std::deque<std::unique_ptr<Round>> rounds_;  // in the order started
+  std::vector<float> sum_;                     // a reduce round's R parts added
+  std::vector<const float*> parts_;
+  double blocked_s_ = 0;
+};
+
+}  // namespace sigma
