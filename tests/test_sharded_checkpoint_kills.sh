@@ -38,7 +38,7 @@ ref=$(digest ref)
 [ "$(cat ref/checkpoints/latest)" == step-00000006 ] || fail "the reference run did not end at step 6"
 ls ref/checkpoints/step-00000006 | grep -q '^shard-0001.model.safetensors$' || fail "the reference run is not sharded"
 
-kills=0 during_save=0 fresh=0
+kills=0 during_save=0 fresh=0 unreached=0
 for victim in 0 1; do
   rm -rf C
   on2 "$victim" "SIGMA_KILL_COUNT=$W/count" train "${args[@]}" --out C >/dev/null 2>err || { cat err; fail "the counting run failed"; }
@@ -50,7 +50,12 @@ for victim in 0 1; do
     rm -rf D
     rc=0
     on2 "$victim" "SIGMA_KILL_AT=$k" train "${args[@]}" --out D >/dev/null 2>err || rc=$?
-    ((rc != 0)) || { cat err; fail "rank $victim point $k: the run was not killed"; }
+    if ((rc == 0)); then  # the call count varies a little from run to run (a late point may not come)
+      [ "$(digest D)" == "$ref" ] || fail "rank $victim point $k: not killed, and its end differs from the reference"
+      unreached=$((unreached + 1))
+      ((k > points / 2)) || { cat err; fail "rank $victim point $k: the run was not killed"; }
+      continue
+    fi
     kills=$((kills + 1))
     ls D/checkpoints 2>/dev/null | grep -q '\.tmp-' && during_save=$((during_save + 1))
     for ck in $(complete); do  # every committed checkpoint is whole: all ranks' files, checked
@@ -67,4 +72,4 @@ for victim in 0 1; do
   done
 done
 ((during_save > 0)) || fail "no kill landed during a save"
-echo "sharded saves: $kills kills ($during_save during a save, $fresh before the first commit); every committed checkpoint opened and every resume ended bit-identical"
+echo "sharded saves: $kills kills ($during_save during a save, $fresh before the first commit); every committed checkpoint opened and every resume ended bit-identical; $unreached late points not reached"
