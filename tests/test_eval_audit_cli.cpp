@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "test_util.h"
 #include "cli_util.h"
 #include "eval/bleu.h"
 #include "eval/pass_at_k.h"
@@ -82,13 +83,6 @@ TempDir* Audit::dir = nullptr;
 
 json last_json(const CmdResult& r) { return json::parse(r.out.substr(r.out.rfind("\n{") + 1)); }
 
-std::vector<json> read_lines(const std::string& path) {
-  std::vector<json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
-  return out;
-}
-
 std::string trim(const std::string& s) {
   const size_t b = s.find_first_not_of(" \t\r\n");
   return b == std::string::npos ? "" : s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
@@ -119,7 +113,7 @@ TEST_F(Audit, LogSamplesReproduceThePrintedScoresAndScoreGenerationsAgrees) {
                            "sigma eval: code runs: 4/4 samples (100%)", "| ETA 0m00s"})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
   const json printed = last_json(r);
-  const auto lines = read_lines(log);
+  const auto lines = read_json_lines(log);
   ASSERT_EQ(lines.size(), 9u);
   // Recomputed from the file alone: the items ("doc") and the model's outputs.
   double acc = 0, norm = 0, bytes = 0, exact = 0, pass1 = 0, pass2 = 0;
@@ -196,7 +190,7 @@ TEST_F(Audit, DeletingTheTrainingShardsChangesNothing) {
   json x = last_json(before), y = last_json(after);
   x.erase("date"), y.erase("date");  // the one field that names when it ran
   EXPECT_EQ(x, y);
-  const auto a = read_lines(*dir / "before.jsonl"), b = read_lines(*dir / "after.jsonl");
+  const auto a = read_json_lines(*dir / "before.jsonl"), b = read_json_lines(*dir / "after.jsonl");
   EXPECT_EQ(a, b);
   // The format was applied: the code prompt starts with its domain's prefix control.
   EXPECT_EQ(a.back()["prompt"].get<std::string>().rfind("<Python>", 0), 0u) << a.back().dump();
@@ -222,7 +216,7 @@ TEST_F(Audit, CutPromptsAreCountedReportedAndLoggedAsSeen) {
   const json printed = last_json(r);
   EXPECT_EQ(printed.value("prompts_cut", -1), 1) << printed.dump();
   EXPECT_EQ(printed["code"].value("prompts_cut", -1), 1) << printed.dump();
-  const auto lines = read_lines(log);
+  const auto lines = read_json_lines(log);
   ASSERT_EQ(lines.size(), 2u);
   const std::string seen = lines[0]["prompt"].get<std::string>();
   EXPECT_EQ(seen.rfind("<Python>", 0), 0u) << seen;  // the domain's control kept
@@ -273,7 +267,7 @@ TEST_F(Audit, JsonResultsDescribeThemselvesAndLimitIsStated) {
 // on a model with an RRE block, over prompts that fit, prompts cut for some choices, several
 // domains and 2-4 choices.
 std::vector<double> logliks_of(const std::string& log, const std::string& context) {
-  for (const json& l : read_lines(log))
+  for (const json& l : read_json_lines(log))
     if (l["doc"]["context"] == context) return l["loglik"].get<std::vector<double>>();
   ADD_FAILURE() << context << " not in " << log;
   return {};
@@ -332,7 +326,7 @@ TEST_F(Audit, ChoiceLogLikelihoodsAreBitIdenticalAtAnyBatchAndInAnyMix) {
                                            score("inv-all", 32, 1), score("inv-all", 2, 16),
                                            score("inv-odd", 5, 2),  score("inv-rev", 7, 3)};
   for (const std::string& log : others)
-    for (const json& l : read_lines(log)) {
+    for (const json& l : read_json_lines(log)) {
       const auto want = logliks_of(reference, l["doc"]["context"]);
       const auto got = l["loglik"].get<std::vector<double>>();
       ASSERT_EQ(got.size(), want.size()) << log;
@@ -398,7 +392,7 @@ TEST(ScoreGenerations, StopSequencesApplyToSavedCompletions) {
   const auto r = sigma_cmd("eval --score-generations " + d / "gen.jsonl" + " --json --log-samples " + d / "out.jsonl");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(last_json(r)["code"]["pass@1"].get<double>(), 0.5) << r.out;
-  const auto lines = read_lines(d / "out.jsonl");
+  const auto lines = read_json_lines(d / "out.jsonl");
   EXPECT_EQ(lines[0]["outcomes"][0]["outcome"], "passed");
   EXPECT_EQ(lines[1]["outcomes"][0]["outcome"], "failed");
   EXPECT_NE(lines[1]["outcomes"][0]["why"].get<std::string>().find("NameError"), std::string::npos);

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <numbers>
 
+#include "test_util.h"
 #include "cli_util.h"
 
 using namespace sigma::testing;
@@ -61,13 +62,6 @@ TempDir* Rolling::dir = nullptr;
 
 json last_json(const CmdResult& r) { return json::parse(r.out.substr(r.out.rfind("\n{") + 1)); }
 
-std::vector<json> read_lines(const std::string& path) {
-  std::vector<json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
-  return out;
-}
-
 void write_lines(const std::string& path, const std::vector<json>& lines) {
   std::ofstream out(path);
   for (const json& l : lines) out << l.dump() << "\n";
@@ -91,7 +85,7 @@ TEST_F(Rolling, BitsPerByteIsTheHandMadeSumOfItsWindows) {
   const json j = last_json(r)["rolling"];
   r = sigma_cmd("eval --ckpt " + ckpt() + " --task " + choice + " --json --log-samples " + *dir / "windows.log");
   ASSERT_EQ(r.code, 0) << r.out;
-  const auto windows = read_lines(*dir / "windows.log");
+  const auto windows = read_json_lines(*dir / "windows.log");
   ASSERT_EQ(windows.size(), 3u);
   std::vector<double> by_hand;
   std::vector<int64_t> tokens;
@@ -100,7 +94,7 @@ TEST_F(Rolling, BitsPerByteIsTheHandMadeSumOfItsWindows) {
     tokens.push_back(w["tokens"][0].get<int64_t>());
   }
   EXPECT_EQ(tokens, (std::vector<int64_t>{32, 32, 16}));  // one token per digit, as assumed
-  const json doc = read_lines(*dir / "digits.log").at(0);
+  const json doc = read_json_lines(*dir / "digits.log").at(0);
   EXPECT_EQ(doc["loglik"].get<std::vector<double>>(), by_hand) << doc.dump();
   EXPECT_EQ(doc["tokens"].get<std::vector<int64_t>>(), tokens);
   double nats = 0;
@@ -177,7 +171,7 @@ TEST_F(Rolling, SeveralTasksInOneRunEachDescribingItself) {
     for (const char* key : {"settings", "sigma", "checkpoint", "context", "items"}) EXPECT_EQ(got[key], alone[key]) << key;
     const char* kind = t == 0 ? "choice" : "rolling";
     EXPECT_EQ(got[kind], alone[kind]) << kind;
-    EXPECT_EQ(read_lines(got["log_samples"].get<std::string>()).size(), 2u);
+    EXPECT_EQ(read_json_lines(got["log_samples"].get<std::string>()).size(), 2u);
   }
   EXPECT_TRUE(fs::exists(*dir / "logs/1-choice.jsonl"));
   EXPECT_TRUE(fs::exists(*dir / "logs/2-text.jsonl"));

@@ -26,6 +26,14 @@ inline nlohmann::json read_json(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
+// A JSON Lines file: one value per line.
+inline std::vector<nlohmann::json> read_json_lines(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
 inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
