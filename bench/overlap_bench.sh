@@ -46,49 +46,13 @@ model="--set model.d_model=$D --set model.layers=$LAYERS --set model.heads=$HEAD
 mpi_x="-x OMP_WAIT_POLICY=passive"
 ((POLL)) || mpi_x+=" -x SIGMA_OVERLAP_POLL=0"
 
-# Median step time in ms of a metrics.jsonl, over the steps after the first WARM.
-step_ms() {
-  python3 - "$1" "$WARM" <<'EOF'
-import json, statistics, sys
-recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-tok = [r["tokens"] for r in recs]
-per = [(tok[i] - (tok[i - 1] if i else 0)) / r["tokens_per_s"] for i, r in enumerate(recs)]
-print(f"{statistics.median(per[int(sys.argv[2]):]) * 1e3:.1f}")
-EOF
-}
+source "$here/sim_bench_lib.sh"
+
 # A hash of a safetensors file's tensor data (its header's metadata records dist.overlap).
 tensor_sum() {
   python3 -c 'import hashlib, struct, sys
 b = open(sys.argv[1], "rb").read(); n = struct.unpack("<Q", b[:8])[0]
 print(hashlib.sha256(b[8 + n:]).hexdigest())' "$1"
-}
-median() { printf '%s\n' "$@" | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
-
-# The compute reference: DP independent copies of one tp group, at the same time.
-reference() {
-  local pids=() i
-  rm -rf "$tmp"/ref*
-  for ((i = 0; i < DP; i++)); do
-    if ((TP == 1)); then
-      OMP_WAIT_POLICY=passive "$sigma" train $model --set train.accum=$K --out "$tmp/ref$i" \
-        >"$tmp/ref$i.log" 2>&1 &
-    else
-      mpirun --allow-run-as-root --oversubscribe --bind-to none $mpi_x -np $TP "$sigma" train \
-        $model --set train.accum=$K --out "$tmp/ref$i" >"$tmp/ref$i.log" 2>&1 &
-    fi
-    pids+=($!)
-  done
-  for i in "${!pids[@]}"; do wait "${pids[$i]}" || { cat "$tmp/ref$i.log" >&2; exit 1; }; done
-  local t=()
-  for ((i = 0; i < DP; i++)); do t+=("$(step_ms "$tmp/ref$i/metrics.jsonl")"); done
-  median "${t[@]}"
-}
-
-cluster() {  # RATE OVERLAP OUT
-  "$root/scripts/sim-cluster.sh" --hosts 2 --slots 2 --bandwidth "$1" --timeout 900 \
-    --mpirun-args "$mpi_x $MPI_ARGS" -- "$sigma" train $model --set train.accum=$((DP * K)) \
-    --set dist.overlap="$2" --out "$3" >"$3.log" 2>&1 || { cat "$3.log" >&2; exit 1; }
-  step_ms "$3/metrics.jsonl"
 }
 
 echo "machine: $("$here/machine.sh"), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -45,6 +45,19 @@ def inputs(a):
     )
 
 
+def grad_exchange_bytes(shared_bytes, dp):
+    """Bytes one device sends per step to reduce its shard of the shared gradients over dp
+    replicas and gather the updated values back: reduce-scatter + all-gather (a ring all-reduce,
+    or ZeRO's exchange with the shards' owners), 2 (dp - 1) / dp of its shard each."""
+    return 2 * (dp - 1) / dp * shared_bytes
+
+
+def expert_exchange_bytes(rre_blocks, tokens, rows, d, bytes_per):
+    """Bytes of one device's token rows in the expert all-to-alls of a step: 4 per RRE block
+    (dispatch and combine, forward and backward), each of its tokens' rows once."""
+    return rre_blocks * 4 * tokens * rows * d * bytes_per
+
+
 def model(p, router, active):
     """Seconds per step for one server. router: 'rre'; 'top2-group' (Sigma's gate, inside the
     group, experts on the group's server); 'top2-global' (GShard: one gate over all 640 experts
@@ -79,14 +92,14 @@ def model(p, router, active):
     # Data-parallel gradient all-reduce of the shared parameters over the dp replicas (RoCE),
     # each device its 1/tp shard.
     shared = (dense_params - p["rre_blocks"] * ffn + T * d) * p["bytes_per"] / tp
-    t["gradient all-reduce (RoCE)"] = 2 * (dp - 1) / dp * shared / (p["roce"] * p["a2a_eff"])
+    t["gradient all-reduce (RoCE)"] = grad_exchange_bytes(shared, dp) / (p["roce"] * p["a2a_eff"])
     # Expert exchange: 4 all-to-alls per block (dispatch and combine, forward and backward) of
     # each device's tokens' rows, to the devices holding the experts. RRE and the group's gate:
     # a group's experts on its own devices (group_devices, over 1-2 servers), the rows leave
     # the device over HCCS (same server) or RoCE (the other server) in parallel. Global gate:
     # experts over all devices, nearly every row leaves the server over RoCE.
     per_device = n / p["per_server"]
-    vol_row = p["rre_blocks"] * 4 * per_device * rows * d * p["bytes_per"]
+    vol_row = expert_exchange_bytes(p["rre_blocks"], per_device, rows, d, p["bytes_per"])
     span = p["devices"] if router == "top2-global" else p["group_devices"]
     hccs_share = (p["per_server"] - 1) / span
     roce_share = (span - p["per_server"]) / span

@@ -1,0 +1,54 @@
+# Shared by the benchmarks that time training runs on the simulated cluster
+# (bench/overlap_bench.sh, bench/step_model_check.sh); sourced, not run. The caller sets
+# `sigma`, `root`, `tmp`, `WARM`, `model` (the --set arguments of every run), `TP`, `DP`, `K`
+# and `mpi_x` (mpirun -x arguments).
+
+# Median step time in ms of a metrics.jsonl, over the steps after the first WARM.
+step_ms() {
+  python3 - "$1" "$WARM" <<'PY'
+import json, statistics, sys
+recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+tok = [r["tokens"] for r in recs]
+per = [(tok[i] - (tok[i - 1] if i else 0)) / r["tokens_per_s"] for i, r in enumerate(recs)]
+print(f"{statistics.median(per[int(sys.argv[2]):]) * 1e3:.1f}")
+PY
+}
+
+median() { printf '%s\n' "$@" | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+
+# The compute reference: DP independent copies of one tp group, at the same time, so that the
+# machine's cores are shared as in the 4-rank runs; each runs the same micro-batches per rank.
+# Prints the median of their step times (ms).
+reference() {
+  local pids=() i
+  rm -rf "$tmp"/ref*
+  for ((i = 0; i < DP; i++)); do
+    if ((TP == 1)); then
+      OMP_WAIT_POLICY=passive "$sigma" train $model --set train.accum=$K --out "$tmp/ref$i" \
+        >"$tmp/ref$i.log" 2>&1 &
+    else
+      # Its own session directory: concurrent mpiruns sharing one race to create and remove it.
+      mkdir -p "$tmp/ref$i.ompi"
+      mpirun --allow-run-as-root --oversubscribe --bind-to none $mpi_x -np $TP \
+        --mca orte_tmpdir_base "$tmp/ref$i.ompi" "$sigma" train \
+        $model --set train.accum=$K --out "$tmp/ref$i" >"$tmp/ref$i.log" 2>&1 &
+    fi
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do wait "${pids[$i]}" || { cat "$tmp/ref$i.log" >&2; exit 1; }; done
+  local t=()
+  for ((i = 0; i < DP; i++)); do t+=("$(step_ms "$tmp/ref$i/metrics.jsonl")"); done
+  median "${t[@]}"
+}
+
+# cluster RATE OVERLAP OUT [STATS]: a 2 hosts x 2 ranks run (RATE "none": links not shaped),
+# its log in OUT.log, per-host byte counters in STATS; prints its step time (ms).
+cluster() {
+  local rate=()
+  [[ "$1" == none ]] || rate=(--bandwidth "$1")
+  "$root/scripts/sim-cluster.sh" --hosts 2 --slots 2 "${rate[@]}" ${LATENCY:+--latency "$LATENCY"} \
+    ${4:+--stats "$4"} --timeout 900 --mpirun-args "$mpi_x ${MPI_ARGS:-}" -- "$sigma" train $model \
+    --set train.accum=$((DP * K)) --set dist.overlap="$2" --out "$3" >"$3.log" 2>&1 ||
+    { cat "$3.log" >&2; exit 1; }
+  step_ms "$3/metrics.jsonl"
+}

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""docs/scaling.md's step-time model applied to the simulated cluster, against measured runs
+(issue 38). bench/step_model_check.sh measures and writes one JSON line per run; this script
+predicts each run's step time and bytes per step and prints prediction against measurement.
+
+    python3 bench/step_model_sim.py RUNS.jsonl
+
+The model, per step, 2 hosts x 2 ranks, fp32 everywhere (what Sigma's CPU ranks send):
+- compute: the measured reference (the same per-rank work with the cores shared as in the run,
+  tp's exchanges inside the host included) [M];
+- data parallel: ZeRO's exchange with the shards' owners, scaling_model.grad_exchange_bytes of
+  each rank's shared parameters (its tp slice), the share to dp peers on the other host crossing
+  the host's link;
+- experts (RRE, expert parallel, dist.placement spread): scaling_model.expert_exchange_bytes of
+  each rank's tokens, the rows whose expert lives on the other host crossing the link (groups
+  drawn uniformly, experts within a group uniformly: the random routing table);
+- the exchange's cost on this machine's cores: ranks that share 2 cores by 2 wait for each other
+  to be scheduled before a message moves, a cost per byte out of a host measured once with the
+  links unshaped (layout 1, the "calibration" lines: those runs are not checks), once for the
+  blocking exchange and once for the overlapped one (there the cost measured is what stays
+  exposed while the links are not the bound);
+- the wire: a host's bytes out at the shaped rate (tc tbf counts Ethernet frames: 1,448 bytes of
+  TCP payload per 1,514, MTU 1,500), added to the exchange's cost: Open MPI's TCP transport
+  moves a rank's messages only while the rank runs, so the two alternate more than they overlap
+  (docs/scaling.md's rule: nothing overlapped unless a line says so);
+- latency: the step's rounds of messages (2 per dp exchange, 4 per RRE block) x 2 x one-way.
+With overlap (dist.overlap): the dp wire time hides behind the compute (the reduce-scatter
+behind backward, the gather behind the next forward) except each one's last stage; the experts'
+exchange is not overlapped.
+"""
+import json
+import statistics
+import sys
+
+import scaling_model as sm
+
+BYTES = 4                 # fp32
+WIRE_EFF = 1448 / 1514    # TCP payload per Ethernet frame at MTU 1500
+
+
+def cross_share_experts(groups, hosts, slots):
+    """Mean share of a token's expert rows that go to another host (spread placement)."""
+    R = hosts * slots
+    shares = []
+    for K in groups:
+        owner = []
+        for m in range(R):
+            owner += [m] * (K * (m + 1) // R - K * m // R)
+        for r in range(R):
+            shares.append(sum(o // slots != r // slots for o in owner) / K)
+    return sum(shares) / len(shares)
+
+
+def predict(x, cost_per_byte):
+    """cost_per_byte: {False: the blocking exchange's seconds per byte, True: the overlapped one's}."""
+    hosts, slots, tp, dp = x["hosts"], x["slots"], x["tp"], x["dp"]
+    dp_per_host = max(1, slots // tp)          # tp groups inside a host: dp peers per host
+    dp_cross = (dp - dp_per_host) / (dp - 1) if dp > 1 else 0.0
+    rank_dp = sm.grad_exchange_bytes(x["params_local"] * BYTES, dp) * dp_cross
+    rank_ep = 0.0
+    if x["rre"]:
+        rank_ep = sm.expert_exchange_bytes(x["rre"], x["tokens_per_rank"], 1, x["d"], BYTES) * \
+            cross_share_experts(x["groups"], hosts, slots)
+    host_dp, host_ep = slots * rank_dp, slots * rank_ep
+    host = host_dp + host_ep
+    wire = (lambda b: b * 8 / (x["rate_bps"] * WIRE_EFF)) if x["rate_bps"] else (lambda b: 0.0)
+    stack = host * cost_per_byte[x["overlap"]]
+    rounds = 2 + 4 * x["rre"]
+    latency = rounds * 2 * x.get("latency_s", 0.0)
+    ref = x["ref_ms"] / 1e3
+    if not x["overlap"]:
+        exposed_wire = wire(host)
+    else:
+        stages = x["layers"] + 2
+        exposed_wire = max(wire(host_dp) - ref * (stages - 1) / stages, wire(host_dp) / stages) + \
+            wire(host_ep)
+    return dict(step_ms=(ref + stack + exposed_wire + latency) * 1e3, host_bytes=host,
+                wire_ms=exposed_wire * 1e3, stack_ms=stack * 1e3)
+
+
+def median_over_rounds(lines):
+    """One run per (layout, link, overlap): the medians of the rounds' measured figures."""
+    runs = {}
+    for l in lines:
+        runs.setdefault((l["layout"], l["link"], l["overlap"]), []).append(l)
+    out = []
+    for same in runs.values():
+        r = dict(same[0])
+        for k in ("ref_ms", "measured_ms", "measured_host_bytes"):
+            r[k] = statistics.median(x[k] for x in same)
+        r["rounds"] = [x["measured_ms"] for x in same]
+        out.append(r)
+    return out
+
+
+def main():
+    runs = median_over_rounds([json.loads(l) for l in open(sys.argv[1]) if l.strip()])
+    cost = {}
+    for mode in (False, True):
+        cal = [r for r in runs if r.get("calibration") and r["overlap"] == mode]
+        if len(cal) != 1:
+            sys.exit(f"step_model_sim: need one calibration run (unshaped) with overlap={mode}")
+        c = cal[0]
+        host = predict(c, {False: 0.0, True: 0.0})["host_bytes"]
+        cost[mode] = (c["measured_ms"] - c["ref_ms"]) / 1e3 / host
+        print(f"calibration: {c['layout']}, links unshaped, overlap {'on' if mode else 'off'}: "
+              f"measured {c['measured_ms']:.0f} ms, reference {c['ref_ms']:.0f} ms, "
+              f"{host / 2**20:.1f} MiB out of each host a step -> {cost[mode] * 1e9:.2f} ns per byte")
+    print("| layout | link | overlap | compute (ref) ms | predicted ms (exchange / wire exposed) | measured ms "
+          "| measured ms per round | predicted / measured | MiB out of a host per step: predicted / measured |")
+    print("|---|---|---|---:|---:|---:|---|---:|---:|")
+    worst = 0.0
+    for r in runs:
+        if r.get("calibration"):
+            continue
+        p = predict(r, cost)
+        ratio = p["step_ms"] / r["measured_ms"]
+        worst = max(worst, abs(ratio - 1))
+        mb = r.get("measured_host_bytes")
+        print(f"| {r['layout']} | {r['link']} | {'on' if r['overlap'] else 'off'} | {r['ref_ms']:.0f} | "
+              f"{p['step_ms']:.0f} ({p['stack_ms']:.0f} / {p['wire_ms']:.0f}) | {r['measured_ms']:.0f} | "
+              f"{', '.join(f'{m:.0f}' for m in r['rounds'])} | {ratio:.2f} | {p['host_bytes'] / 2**20:.1f} / "
+              f"{mb / 2**20 if mb is not None else float('nan'):.1f} |")
+    print(f"largest |predicted / measured - 1|: {worst:.0%} (goal: within 25 %)")
+
+
+if __name__ == "__main__":
+    main()
