@@ -2,6 +2,7 @@
 // dense / RRE block layout, experts per group, and how evenly each routing table deals the
 // vocabulary to its experts.
 #include <fmt/format.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -10,6 +11,7 @@
 #include "command.h"
 #include "model/names.h"
 #include "io/checkpoint_dir.h"
+#include "io/checkpoint_shards.h"
 #include "run/checkpoint.h"
 
 namespace sigma::cli {
@@ -18,6 +20,7 @@ namespace {
 struct InspectArgs {
   std::string ckpt;
   bool json = false;
+  bool tensors = false;
 };
 
 nlohmann::json describe(const Model& m, const CheckpointInfo& info) {
@@ -32,7 +35,10 @@ nlohmann::json describe(const Model& m, const CheckpointInfo& info) {
   j["tokens"] = info.state.tokens;
   j["origin"] = info.state.origin;  // null: trained from scratch
   // A surgery output holds no optimizer state: training it starts a fresh AdamW state.
-  j["optimizer"] = std::filesystem::exists(info.dir + "/" + kOptimizerFile) ? "saved" : "none";
+  j["optimizer"] = std::filesystem::exists(info.dir + "/" + kOptimizerFile) ||
+                           (is_sharded_checkpoint(info.dir) && !sharded_files(info.dir, true).empty())
+                       ? "saved"
+                       : "none";
   j["parameters"] = {{"total", m.params().numel()},
                      {"active_per_token", m.active_params_per_token()},
                      {"shared", m.params().numel() - expert_params},
@@ -114,7 +120,26 @@ void print_text(const nlohmann::json& j) {
                t["min"].get<int64_t>(), t["max"].get<int64_t>(), t["imbalance"].get<double>());
 }
 
+// --tensors: one line per weight and optimizer tensor, assembled whole whatever the layout
+// (whole or sharded): "weights|optimizer NAME DTYPE [SHAPE] XXH3", by name. Two checkpoints
+// hold the same tensors bit for bit exactly when these lines are the same (the files' bytes
+// also hold the config and the layout, which may differ).
+void print_tensors(const std::string& path) {
+  const CheckpointInfo info = open_checkpoint(path);
+  const auto print = [](const char* kind, const TensorMap& m) {
+    for (const auto& [name, t] : m)
+      fmt::print("{} {} {} [{}] {:016x}\n", kind, name, dtype_name(t.dtype()), fmt::join(t.shape(), ","),
+                 XXH3_64bits(t.bytes(), size_t(t.nbytes())));
+  };
+  print("weights", read_model_tensors(info.dir));
+  const bool sharded = is_sharded_checkpoint(info.dir);
+  if (sharded ? !sharded_files(info.dir, true).empty()
+              : std::filesystem::exists(info.dir + "/" + kOptimizerFile))
+    print("optimizer", read_optimizer_tensors(info.dir));  // none in a surgery output
+}
+
 void run_inspect(const InspectArgs& a) {
+  if (a.tensors) return print_tensors(a.ckpt);
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
   const nlohmann::json j = describe(*model, info);
@@ -129,6 +154,9 @@ const RegisterCommand reg_inspect([](CLI::App& root) {
   CLI::App* c = root.add_subcommand("inspect", "Describe a checkpoint: parameters, experts, routing");
   c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root)")->required();
   c->add_flag("--json", a->json, "Print JSON instead of text");
+  c->add_flag("--tensors", a->tensors,
+              "Print every weight and optimizer tensor (name, dtype, shape, xxh3 of its bytes), "
+              "assembled whole from either layout: equal lines, equal tensors bit for bit");
   c->callback([a] { run_inspect(*a); });
 });
 

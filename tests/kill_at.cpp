@@ -4,7 +4,10 @@
 // a kill can leave a different state on disk, so N = 1, 2, ... until the process finishes
 // untouched visits every point of a run. SIGMA_KILL_COUNT=FILE writes the number of calls
 // made at exit (how many points there are). Nothing is counted without either variable.
+// SIGMA_FAIL_OPEN=TEXT: instead of a kill, every open/fopen for writing of a path containing
+// TEXT fails with ENOSPC ("No space left on device"): a full disk for those files only.
 #include <dlfcn.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -17,6 +20,7 @@
 static long g_at = -1;
 static long g_calls;  // atomic: OpenMP threads may write too
 static const char* g_count_file;
+static const char* g_fail_open;  // SIGMA_FAIL_OPEN
 
 extern "C" {
 
@@ -30,6 +34,8 @@ __attribute__((constructor)) static void init(void) {
   const char* at = getenv("SIGMA_KILL_AT");
   if (at) g_at = atol(at);
   g_count_file = getenv("SIGMA_KILL_COUNT");
+  g_fail_open = getenv("SIGMA_FAIL_OPEN");
+  if (g_fail_open && !*g_fail_open) g_fail_open = nullptr;
   if (g_count_file) atexit(write_count);
   // Children (mpirun, python) must not inherit the count.
   unsetenv("LD_PRELOAD");
@@ -58,6 +64,12 @@ int rmdir(const char* p) { point(); return REAL(rmdir)(p); }
 int remove(const char* p) { point(); return REAL(remove)(p); }
 
 static int writes(int flags) { return (flags & (O_WRONLY | O_RDWR | O_CREAT | O_TRUNC)) != 0; }
+// True (errno ENOSPC) when a write-open of `p` is to fail (SIGMA_FAIL_OPEN).
+static int refused(const char* p) {
+  if (!g_fail_open || !p || !strstr(p, g_fail_open)) return 0;
+  errno = ENOSPC;
+  return 1;
+}
 
 #define OPEN_MODE(flags) \
   mode_t mode = 0;       \
@@ -66,29 +78,39 @@ static int writes(int flags) { return (flags & (O_WRONLY | O_RDWR | O_CREAT | O_
 int open(const char* p, int flags, ...) {
   OPEN_MODE(flags)
   if (writes(flags)) point();
+  if (writes(flags) && refused(p)) return -1;
   return REAL(open)(p, flags, mode);
 }
 int open64(const char* p, int flags, ...) {
   OPEN_MODE(flags)
   if (writes(flags)) point();
+  if (writes(flags) && refused(p)) return -1;
   return REAL(open64)(p, flags, mode);
 }
 int openat(int d, const char* p, int flags, ...) {
   OPEN_MODE(flags)
   if (writes(flags)) point();
+  if (writes(flags) && refused(p)) return -1;
   return REAL(openat)(d, p, flags, mode);
 }
 int openat64(int d, const char* p, int flags, ...) {
   OPEN_MODE(flags)
   if (writes(flags)) point();
+  if (writes(flags) && refused(p)) return -1;
   return REAL(openat64)(d, p, flags, mode);
 }
 FILE* fopen(const char* p, const char* m) {
-  if (m[0] != 'r' || strchr(m, '+')) point();
+  if (m[0] != 'r' || strchr(m, '+')) {
+    point();
+    if (refused(p)) return nullptr;
+  }
   return REAL(fopen)(p, m);
 }
 FILE* fopen64(const char* p, const char* m) {
-  if (m[0] != 'r' || strchr(m, '+')) point();
+  if (m[0] != 'r' || strchr(m, '+')) {
+    point();
+    if (refused(p)) return nullptr;
+  }
   return REAL(fopen64)(p, m);
 }
 

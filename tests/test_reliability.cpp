@@ -395,7 +395,7 @@ TEST(Reliability, UnderMpirunASignalOrTheTimeLimitStopsCleanlyAndExitsZero) {
   ASSERT_FALSE(steps.empty());
   EXPECT_EQ(checkpoint_step_of(out), fmt::format("step-{:08d}", steps.back()));
   EXPECT_NO_THROW(verify_checkpoint(resolve_checkpoint(out + "/checkpoints")));
-  EXPECT_TRUE(fs::exists(resolve_checkpoint(out + "/checkpoints") + "/optimizer.rank-0001.safetensors"));
+  EXPECT_TRUE(fs::exists(resolve_checkpoint(out + "/checkpoints") + "/shard-0001.adam.safetensors"));
 
   const std::string timed = tmp / "timed";
   const auto t = run_cmd(run + "--set train.max_minutes=0.02 --out " + timed);
@@ -404,7 +404,7 @@ TEST(Reliability, UnderMpirunASignalOrTheTimeLimitStopsCleanlyAndExitsZero) {
   steps = logged_steps(timed);
   ASSERT_FALSE(steps.empty());
   EXPECT_EQ(checkpoint_step_of(timed), fmt::format("step-{:08d}", steps.back()));
-  EXPECT_TRUE(fs::exists(resolve_checkpoint(timed + "/checkpoints") + "/optimizer.rank-0001.safetensors"));
+  EXPECT_TRUE(fs::exists(resolve_checkpoint(timed + "/checkpoints") + "/shard-0001.adam.safetensors"));
 }
 
 // ---- 5. retention ----------------------------------------------------------------------------

@@ -58,8 +58,11 @@ for model in "model.rre_layers=0" "model.rre_layers=1"; do
   pid=$!
   wait "$pid" || { cat "$tmp/sim.log"; fail "$model: the simulated cluster's run"; }
   cat "$tmp/sim.log"
-  ck=checkpoints/step-00000010/model.safetensors
-  cmp -s "$local_out/$ck" "$sim_out/$ck" || fail "$model: 2 hosts x 2 ranks' weights differ from 4 local ranks'"
+  # Every tensor, assembled whole (the runs save sharded: each rank its pieces).
+  ck=checkpoints/step-00000010
+  "$sigma" inspect --tensors --ckpt "$local_out/$ck" >"$tmp/local.tensors" &&
+    "$sigma" inspect --tensors --ckpt "$sim_out/$ck" >"$tmp/sim.tensors" || fail "$model: inspect --tensors failed"
+  cmp -s "$tmp/local.tensors" "$tmp/sim.tensors" || fail "$model: 2 hosts x 2 ranks' weights differ from 4 local ranks'"
   [[ "$(metrics "$local_out/metrics.jsonl")" == "$(metrics "$sim_out/metrics.jsonl")" ]] ||
     fail "$model: 2 hosts x 2 ranks' losses differ from 4 local ranks'"
   grep -q '"step":10' "$sim_out/metrics.jsonl" || fail "$model: no step 10 in metrics.jsonl"

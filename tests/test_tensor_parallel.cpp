@@ -24,6 +24,7 @@
 #include "parallel/grid.h"
 #include "parallel/shard_plan.h"
 #include "train/train_step.h"
+#include "ckpt_compare.h"
 #include "cli_util.h"
 #include "device_access.h"
 #include "thread_comm.h"
@@ -473,21 +474,6 @@ CmdResult on_ranks(int R, const std::string& args) {
                              R, SIGMA_BINARY, args));
 }
 
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// Every tensor's bytes in name order (not the metadata, which holds the run's config).
-std::string tensor_bytes(const std::string& path) {
-  std::string out;
-  for (const auto& [name, t] : read_safetensors(path).tensors)
-    out += name + std::string(reinterpret_cast<const char*>(t.bytes()), t.nbytes());
-  return out;
-}
-
 // Each record's loss and gradient norm (the fields training arithmetic decides).
 std::vector<double> loss_and_norms(const std::string& metrics) {
   std::vector<double> v;
@@ -537,13 +523,14 @@ TEST(TensorParallelRuns, FixedTpIsBitIdenticalAcrossDataAndExpertRanksAndTp1IsCl
     ASSERT_EQ(r.code, 0) << r.out;
     r = on_ranks(4, tp_args(model, steps, 1) + " --set dist.zero=2 --out " + zero2);
     ASSERT_EQ(r.code, 0) << r.out;
-    const std::string ck = fmt::format("/checkpoints/step-{:08d}/model.safetensors", steps);
-    EXPECT_FALSE(file_bytes(two + ck).empty());
-    EXPECT_TRUE(file_bytes(two + ck) == file_bytes(four + ck)) << model << ": tp 2 x dp 2 weights differ from tp 2";
+    // Compared tensor by tensor (tests/ckpt_compare.h): the multi-rank runs save sharded.
+    const std::string ck = fmt::format("/checkpoints/step-{:08d}", steps);
+    EXPECT_FALSE(weight_bits(two + ck).empty());
+    EXPECT_EQ(tensor_difference(two + ck, four + ck), "") << model << ": tp 2 x dp 2 weights differ from tp 2";
     EXPECT_EQ(loss_and_norms(two + "/metrics.jsonl"), loss_and_norms(four + "/metrics.jsonl")) << model;
-    EXPECT_TRUE(file_bytes(two + ck) == file_bytes(eight + ck)) << model << ": tp 2 x dp 4 weights differ from tp 2";
+    EXPECT_EQ(tensor_difference(two + ck, eight + ck), "") << model << ": tp 2 x dp 4 weights differ from tp 2";
     EXPECT_EQ(loss_and_norms(two + "/metrics.jsonl"), loss_and_norms(eight + "/metrics.jsonl")) << model;
-    EXPECT_TRUE(tensor_bytes(zero2 + ck) == tensor_bytes(one + ck)) << model << ": dist.zero = 2 differs";
+    EXPECT_EQ(tensor_difference(zero2 + ck, one + ck), "") << model << ": dist.zero = 2 differs";
     EXPECT_EQ(loss_and_norms(zero2 + "/metrics.jsonl"), loss_and_norms(one + "/metrics.jsonl")) << model;
     EXPECT_LT(worst_rel(loss_and_norms(one + "/metrics.jsonl"), loss_and_norms(two + "/metrics.jsonl")), 1e-5)
         << model << ": tp 2 strays from tp 1";
@@ -582,16 +569,10 @@ TEST(TensorParallelRuns, ACheckpointAtTp2Dp2ResumesAtTp1Dp4AndTp4Dp1) {
       const std::vector<double> got = loss_and_norms(out + "/metrics.jsonl");
       if (l.tp == 2) {
         EXPECT_EQ(got, ref) << model << ": (tp 2, dp 1) after (tp 2, dp 2)";
-        EXPECT_TRUE(file_bytes(out + "/checkpoints/step-00000012/model.safetensors") ==
-                    file_bytes(whole + "/checkpoints/step-00000012/model.safetensors")) << model;
-        int expert_files = 0;  // expert parallel: each group's weights and Adam state, whole
-        for (const auto& e : fs::directory_iterator(whole + "/checkpoints/step-00000012"))
-          if (const std::string name = e.path().filename().string(); name.starts_with("experts.")) {
-            ++expert_files;
-            EXPECT_TRUE(tensor_bytes(e.path().string()) ==
-                        tensor_bytes(out + "/checkpoints/step-00000012/" + name)) << model << ": " << name;
-          }
-        EXPECT_EQ(expert_files > 0, std::string(model) == kRreModel) << model;
+        // Every weight, the experts' included, and every Adam tensor, assembled whole.
+        EXPECT_EQ(tensor_difference(out + "/checkpoints/step-00000012",
+                                    whole + "/checkpoints/step-00000012", /*optimizer=*/true), "")
+            << model;
       } else {
         EXPECT_LT(worst_rel(ref, got), 1e-5) << model << ": tp " << l.tp << " on " << l.ranks << " ranks";
       }
@@ -616,9 +597,9 @@ TEST(TensorParallelRuns, Tp2UnderTheGuardBackendTrainsTheCpuBits) {
                             "--bind-to none -x SIGMA_GUARD_STRICT -np 2 {} {} --set "
                             "train.backend=guard --out {}", SIGMA_BINARY, tp_args(model, 4, 2), guard));
     ASSERT_EQ(r.code, 0) << model << ": " << r.out;
-    const std::string ck = "/checkpoints/step-00000004/model.safetensors";
-    EXPECT_FALSE(tensor_bytes(cpu + ck).empty());
-    EXPECT_TRUE(tensor_bytes(guard + ck) == tensor_bytes(cpu + ck)) << model;
+    const std::string ck = "/checkpoints/step-00000004";
+    EXPECT_FALSE(weight_bits(cpu + ck).empty());
+    EXPECT_EQ(tensor_difference(guard + ck, cpu + ck), "") << model;
     EXPECT_EQ(loss_and_norms(guard + "/metrics.jsonl"), loss_and_norms(cpu + "/metrics.jsonl")) << model;
   }
 }

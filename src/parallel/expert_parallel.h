@@ -100,7 +100,8 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   void checkpoint_written(const std::string& dir) override;
   void load(const std::string& dir) override;
   // A sharded checkpoint (dist.ckpt_layout = sharded): each rank's own experts, its tp slice
-  // of each, as pieces of the stacked tensors; nothing travels but each group's largest step
+  // of each, as pieces of the stacked tensors; a few ranges travel to a less loaded rank to
+  // write, so that the files even out, and each group's largest step to rank 0
   // (expert_parallel_shards.cpp).
   bool shardable() const override { return true; }
   void add_shard_tensors(ShardContents& out) override;

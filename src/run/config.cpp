@@ -126,10 +126,10 @@ void DistConfig::describe(Options& o, const std::string& p) {
   o.add(p + "ckpt_writers", &ckpt_writers,
         "ranks that write their checkpoint files at the same time", 1, 1 << 20);
   o.add(p + "ckpt_layout", &ckpt_layout,
-        "how a run of several ranks saves: whole (each tp group assembles its tensors and "
-        "experts whole; the files of a one-process run) or sharded (each rank writes its own tp "
-        "slices, experts and optimizer shard, shard-IIII.{model,adam}.safetensors; every "
-        "command reads both, and either resumes at any layout)",
+        "how a run of several ranks saves: sharded (each rank writes its own tp slices, "
+        "experts and optimizer shard, shard-IIII.{model,adam}.safetensors) or whole (each tp "
+        "group assembles its tensors and experts whole: the files of a one-process run, which "
+        "always saves whole); every command reads both, and either resumes at any layout",
         {"whole", "sharded"});
   o.add(p + "placement", &placement,
         "where expert groups live with train.experts = parallel: spread (every group over every "

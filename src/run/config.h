@@ -52,7 +52,8 @@ struct DataConfig {
 struct DistConfig {
   float timeout_s = 300;  // a collective that waits longer ends the run: a rank died or hangs
   int ckpt_writers = 4;   // ranks writing their checkpoint files at the same time
-  std::string ckpt_layout = "whole";  // whole: tensors assembled whole; sharded: each rank's pieces
+  std::string ckpt_layout = "sharded";  // sharded: each rank's pieces; whole: tensors assembled whole
+                                        // (a one-process run always writes whole: nothing to shard)
   std::string placement = "spread";  // expert groups over ranks (train.experts = parallel)
   int tp = 1;  // tensor-parallel ranks per group (adjacent ranks; parallel/grid.h)
   int zero = 1;  // ZeRO stage over the data group: 1 shards the Adam state, 2 the gradients too

@@ -183,11 +183,14 @@ void check_ranks_see_dir(Communicator& world, const std::string& dir) {
   const uint8_t ok = seen == token ? 1 : 0;
   std::vector<uint8_t> all(static_cast<size_t>(R));
   world.all_gather_bytes(all.data(), &ok, 1);
-  const std::vector<std::string> hosts = hosts_of_ranks(world);
   if (world.rank() == 0) {
     std::error_code ec;
     fs::remove(path, ec);
   }
+  // The hosts, for the refusal only: every rank has `all`, so all of them gather or none (the
+  // run's start gathered them once already, for the grid; not again on every start).
+  if (std::all_of(all.begin(), all.end(), [](uint8_t x) { return x == 1; })) return;
+  const std::vector<std::string> hosts = hosts_of_ranks(world);
   std::vector<int> blind;
   std::vector<std::string> where;
   for (int r = 0; r < R; ++r)

@@ -210,9 +210,10 @@ std::string save_sharded_checkpoint(const std::string& root, Config& cfg, const 
     if (!error.empty())
       fail("checkpoint {} was not saved: this rank (shard {}) could not write its files: {}; the "
            "checkpoints committed before it are intact", name, index, error);
-    fail("checkpoint {} was not saved: the rank writing shard {} of {} could not write its files "
-         "(its own message says why); the checkpoints committed before it are intact", name,
-         failed, R);
+    fail("checkpoint {} was not saved: the rank writing shard {} of {} (data rank {}, tp rank {}) "
+         "could not write its files {} or {} (its own message says why); the checkpoints committed "
+         "before it are intact", name, failed, R, failed / P, failed % P, shard_file(failed, false),
+         shard_file(failed, true));
   }
   double committed = 0;
   std::string dir = (std::filesystem::path(root) / name).string();

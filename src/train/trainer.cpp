@@ -451,6 +451,10 @@ void RunLoop::open_outputs() {
                double(model_->params().numel()) * 12 / double(1 << 30),
                experts_ ? "; the experts are read from the store, whose next update waits for it"
                         : "");
+  if (!ckpt_root_.empty() && cfg_.train.ckpt_async && !saver_)  // said, not silently ignored
+    fmt::print(stderr, "checkpoints: written in the foreground: train.ckpt_async applies to "
+               "one-process runs (a save of {} ranks is collective: each rank writes its files, "
+               "then rank 0 commits)\n", comm_.size());
   if (!cfg_.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze_.summary);
   if (comm_.size() > 1) {
     const int64_t most = *std::max_element(plan_.elements.begin(), plan_.elements.end());
