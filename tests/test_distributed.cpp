@@ -20,6 +20,7 @@
 #include "ckpt_compare.h"
 #include "cli_util.h"
 #include "dist/communicator.h"
+#include "run/checkpoint.h"
 #include "train/checkpoint.h"
 
 using namespace sigma::testing;
@@ -487,6 +488,42 @@ TEST(Distributed, OverlapOnAndOffTrainTheSameBits) {
                                               << " and " << weights[1].size() << " bytes, first at " << at << ")";
         EXPECT_EQ(metrics[0], metrics[1]) << what;
       }
+}
+
+// dist.zero = 3 (each rank keeps only the values it owns between steps and gathers each stage
+// before a pass reads it) trains the bits of ZeRO-1 on 4 ranks, dense and RRE, with and without
+// dist.overlap, across a save and a resume: the ZeRO-3 run stops at step 6 (whole checkpoint
+// layout, with a held-out evaluation at step 3 between steps) and resumes to 12 (sharded layout).
+TEST(Distributed, ZeroStage3TrainsTheBitsOfStage1AcrossASaveAndResume) {
+  SKIP_WITHOUT_MPI();
+  for (const char* model : {kDense, kSparse})
+    for (const char* overlap : {"false", "true"}) {
+      TempDir t("zero3");
+      const std::string one = t / "z1", three = t / "z3";
+      const std::string what = fmt::format("{} overlap {}", model, overlap);
+      const std::string args = train_args(model, 12, 4) + " --set dist.overlap=" + overlap +
+                               " --set train.ckpt_every=6 --set train.keep_checkpoints=0 "
+                               "--set train.eval_every=3 --set train.log_every=3";
+      CmdResult r = train_on(4, args + " --set dist.zero=1 --out " + one);
+      ASSERT_EQ(r.code, 0) << what << ": " << r.out;
+      r = train_on(4, args + " --set dist.zero=3 --set dist.ckpt_layout=whole --stop-at 6 --out " + three);
+      ASSERT_EQ(r.code, 0) << what << ": " << r.out;
+      r = train_on(4, "train --resume " + three + "/checkpoints --out " + three + " --set dist.zero=3 "
+                   "--set dist.ckpt_layout=sharded --set dist.overlap=" + overlap + " --quiet");
+      ASSERT_EQ(r.code, 0) << what << ": " << r.out;
+      for (const char* step : {"/checkpoints/step-00000006", "/checkpoints/step-00000012"}) {
+        const auto a = sigma::read_model_tensors(one + step), b = sigma::read_model_tensors(three + step);
+        ASSERT_EQ(a.size(), b.size()) << what << step;
+        for (const auto& [name, tensor] : a) {
+          ASSERT_TRUE(b.count(name)) << what << step << ": " << name;
+          EXPECT_TRUE(tensor.nbytes() == b.at(name).nbytes() &&
+                      std::memcmp(tensor.bytes(), b.at(name).bytes(), tensor.nbytes()) == 0)
+              << what << step << ": " << name << " differs";
+        }
+      }
+      EXPECT_EQ(metrics_without_speed(one + "/metrics.jsonl"), metrics_without_speed(three + "/metrics.jsonl"))
+          << what;
+    }
 }
 
 // Starts a long 2-rank run, waits for its first checkpoint, sends `signal` to rank 1 and

@@ -46,6 +46,10 @@ struct RunResult {
   int64_t reduced_bytes = 0;
   // Non-zero gradient elements of tensors rank 0 does not own, seen right after a backward.
   int64_t others_nonzero = 0;
+  // Non-zero value elements of tensors rank 0 does not own, right after the first step, and
+  // the weights settle() gives there (as a checkpoint between steps reads them).
+  int64_t others_values_nonzero = 0;
+  std::vector<float> settled;
 };
 
 std::vector<float> flat(const Model& m) {
@@ -56,7 +60,8 @@ std::vector<float> flat(const Model& m) {
 
 // overlap: 0 blocking exchanges, 1 dist.overlap, 2 dist.overlap with the gather deferred to
 // the next forward. watch: rank 0 counts the other ranks' gradients after each backward (a
-// fault-injection hook, after which an overlapped step starts its reductions).
+// fault-injection hook, after which an overlapped step starts its reductions; set on every
+// rank).
 RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_rows = false,
                     int zero = 1, int overlap = 0, bool watch = true) {
   RunResult out;
@@ -73,8 +78,9 @@ RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_row
     TrainStep step(m, opt, comm, oc, plan);
     step.set_zero_stage(zero);
     step.set_overlap(overlap > 0, overlap == 2);
-    if (comm.rank() == 0 && R > 1 && watch)
+    if (R > 1 && watch)  // on every rank (dist.zero = 3's gathers are ordered with the reductions)
       step.set_after_backward([&](ParamSet& ps) {
+        if (comm.rank() != 0) return;
         for (size_t i = 0; i < ps.all().size(); ++i) {
           if (plan.owner[i] == 0) continue;
           const std::vector<float> g = sigma::testing::host_floats(ps.all()[i].grad);
@@ -97,6 +103,16 @@ RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_row
         for (double x : r.domain_loss) l += x;
         out.losses.push_back(l);
         out.norms.push_back(r.grad_norm);
+      }
+      if (s == 0) {  // between steps: what rank 0 holds, then every value (a checkpoint's read)
+        if (comm.rank() == 0)
+          for (size_t i = 0; i < m.params().all().size(); ++i) {
+            if (plan.owner[i] == 0) continue;
+            const std::vector<float> v = sigma::testing::host_floats(m.params().all()[i].value);
+            out.others_values_nonzero += std::count_if(v.begin(), v.end(), [](float x) { return x != 0.0f; });
+          }
+        step.settle();
+        if (comm.rank() == 0) out.settled = flat(m);
       }
     }
     step.settle();
@@ -234,6 +250,35 @@ TEST(TrainStep, OverlappedZeroIsBitIdenticalToBlocking) {
       }
   const RunResult one = run_steps(2, 2, 3, 2, true), two = run_steps(2, 2, 3, 2, true, 2, 2);
   EXPECT_TRUE(same_bits(one.weights, two.weights)) << "lazy embedding rows";
+}
+
+// dist.zero = 3 trains the bits of ZeRO-1: each rank keeps only its own values between steps
+// (the others' read as zeros there), gathers each stage from its owners before a pass reads it
+// (ahead of use with dist.overlap), and settle() gives every value whole between steps (read
+// after the first step, then training goes on). Dense and RRE models, one and two micro-batches
+// per rank, lazy embedding rows too.
+TEST(TrainStep, ZeroStage3IsBitIdenticalToStage1) {
+  struct Layout { int ranks, micro; };
+  for (int rre : {0, 2})
+    for (const Layout l : {Layout{2, 2}, Layout{4, 4}, Layout{2, 4}}) {
+      const RunResult one = run_steps(l.ranks, rre, 3, l.micro, false, 1, 0, false);
+      EXPECT_GT(one.others_values_nonzero, 0);  // ZeRO-1 holds every value: the check can fail
+      for (int overlap : {0, 1, 2}) {
+        const RunResult three = run_steps(l.ranks, rre, 3, l.micro, false, 3, overlap, overlap != 2);
+        const std::string what = fmt::format("rre {} on {} ranks, {} micro-batches, overlap {}", rre,
+                                             l.ranks, l.micro, overlap);
+        EXPECT_TRUE(same_bits(one.weights, three.weights)) << what;
+        EXPECT_TRUE(same_bits(one.settled, three.settled)) << what << ": settled after step 1";
+        EXPECT_EQ(one.losses, three.losses) << what;
+        EXPECT_EQ(one.norms, three.norms) << what;
+        EXPECT_EQ(three.others_values_nonzero, 0) << what << ": other ranks' values kept";
+        if (l.micro == l.ranks && overlap == 0) {
+          EXPECT_EQ(three.others_nonzero, 0) << what << ": gradients kept";
+        }
+      }
+    }
+  const RunResult one = run_steps(2, 2, 3, 2, true), three = run_steps(2, 2, 3, 2, true, 3, 1);
+  EXPECT_TRUE(same_bits(one.weights, three.weights)) << "lazy embedding rows";
 }
 
 TEST(TrainStep, RefusesARankCountThatCannotSplitTheBatch) {

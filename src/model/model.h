@@ -171,8 +171,16 @@ class Model {
   // head); every stage at once, first, where bf16 copies of all weights are made. ZeRO's
   // overlapped gather (train/train_step.cpp) completes the stage's values there. Empty (the
   // default): nothing is called.
+  // Backward calls it too: stages L and L + 1 before the head's backward, block l before its
+  // (recomputed, under Remat::Blocks) backward. ZeRO-3 gathers the stage's values there.
   using ParamsNeeded = std::function<void(size_t stage)>;
   void set_params_needed(ParamsNeeded f) { params_needed_ = std::move(f); }
+  // Called when a pass has read a stage's parameters for the last time in that pass: forward
+  // after the embedding lookup (L + 1: the tied head asks for it again) and after each block;
+  // backward after the head's backward (L, then L + 1) and after each block's. ZeRO-3
+  // (train/train_step.cpp) releases the other ranks' values there. Empty: nothing is called.
+  using ParamsDone = std::function<void(size_t stage)>;
+  void set_params_done(ParamsDone f) { params_done_ = std::move(f); }
 
   // What backward recomputes instead of keeping (model/activations.h); default None.
   void set_remat(Remat r) { remat_ = r; }
@@ -247,8 +255,12 @@ class Model {
   std::vector<std::vector<size_t>> grad_stages_;
   GradsDone grads_done_;
   ParamsNeeded params_needed_;
+  ParamsDone params_done_;
   void params_needed(size_t stage) const {
     if (params_needed_) params_needed_(stage);
+  }
+  void params_done(size_t stage) const {
+    if (params_done_) params_done_(stage);
   }
   void grads_done(size_t stage) const {
     if (grads_done_ && !grad_stages_[stage].empty()) grads_done_(grad_stages_[stage]);

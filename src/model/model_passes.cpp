@@ -167,6 +167,7 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
   params_needed(L + 1);
   mirror_weights(loss_weight != nullptr);
   embed(batch, a, nullptr);
+  params_done(L + 1);
   aux_loss_ = 0;
   a.weight_sum = 0;
   if (loss_weight)
@@ -174,8 +175,10 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
   for (int l = 0; l < cfg_.layers; ++l) {
     params_needed(size_t(l));
     block_forward(l, batch, a, nullptr);
+    params_done(size_t(l));
   }
   params_needed(L);
+  params_needed(L + 1);  // the tied head reads the token table
   head(batch, a, token_loss, loss_weight);
 }
 
@@ -272,13 +275,20 @@ void Model::backward(const Batch& batch, Activations& a) {
   SIGMA_CHECK(a.has_grad && a.B == batch.B && a.T == batch.T,
               "backward needs the forward pass of the same batch with loss weights first");
   a.has_grad = false;  // the head's gradient is consumed
+  const size_t L = size_t(cfg_.layers);
+  params_needed(L);
+  params_needed(L + 1);
   head_backward(batch, a);
-  grads_done(size_t(cfg_.layers));
+  grads_done(L);
+  params_done(L);
+  params_done(L + 1);  // the embeddings' backward reads no values
   for (int l = cfg_.layers - 1; l >= 0; --l) {
+    params_needed(size_t(l));
     // The shared buffers still hold the last block's forward.
     if (a.remat == Remat::Blocks && l < cfg_.layers - 1) block_forward(l, batch, a, nullptr, true);
     block_backward(l, batch, a, a.dh.dev_f());
     grads_done(size_t(l));
+    params_done(size_t(l));
   }
   ops::embedding_backward(w_->tokens.g, w_->positions.g, a.dh.dev_f(), a.rows_d.dev<int32_t>(), batch.B,
                           batch.T, cfg_.d_model);

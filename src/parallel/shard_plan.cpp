@@ -67,10 +67,11 @@ void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, s
   }
 }
 
-void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, size_t bucket) {
+void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, size_t bucket,
+                        const std::vector<size_t>* only) {
   const int R = comm.size(), me = comm.rank();
-  if (R == 1) return;
-  const zero_detail::OwnerStreams values(plan, ps.all(), false);
+  if (R == 1 || (only && only->empty())) return;
+  const zero_detail::OwnerStreams values(plan, ps.all(), false, only);
   const size_t S = values.slice_elements(bucket);
   std::vector<float> mine(S), every(S * size_t(R));
   std::vector<int64_t> counts(static_cast<size_t>(R));

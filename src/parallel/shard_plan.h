@@ -36,7 +36,8 @@ void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
                       size_t bucket = kZeroBucketElements, const std::vector<size_t>* only = nullptr);
 
 // Every rank receives every parameter's value from its owner, in the same fixed-size rounds.
+// `only`: these parameters' (ascending; ZeRO-3 gathers a stage before it is read), null = all.
 void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
-                        size_t bucket = kZeroBucketElements);
+                        size_t bucket = kZeroBucketElements, const std::vector<size_t>* only = nullptr);
 
 }  // namespace sigma

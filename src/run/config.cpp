@@ -146,7 +146,9 @@ void DistConfig::describe(Options& o, const std::string& p) {
         "ZeRO stage over the data-parallel ranks: 1 = each shared tensor's Adam state on one "
         "rank (its owner); 2 = its gradient too: each block's gradients go to their owners as "
         "soon as backward finishes them and the other ranks' copies are released (the same "
-        "bits as 1)", 1, 2);
+        "bits as 1); 3 = its value too: each rank keeps only the values it owns between steps and "
+        "gathers each block's from their owners just before a pass reads it, releasing them after "
+        "(the same bits as 1)", 1, 3);
   o.add(p + "overlap", &overlap,
         "hide ZeRO's exchanges behind compute: each block's gradients go to their owners as soon "
         "as backward finishes them, and the updated values come back while the next forward "

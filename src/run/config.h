@@ -56,7 +56,7 @@ struct DistConfig {
                                         // (a one-process run always writes whole: nothing to shard)
   std::string placement = "spread";  // expert groups over ranks (train.experts = parallel)
   int tp = 1;  // tensor-parallel ranks per group (adjacent ranks; parallel/grid.h)
-  int zero = 1;  // ZeRO stage over the data group: 1 shards the Adam state, 2 the gradients too
+  int zero = 1;  // ZeRO stage over the data group: 1 shards the Adam state, 2 the gradients too, 3 the values too
   bool overlap = true;  // ZeRO's exchanges hidden behind backward and the next forward
   void describe(Options& o, const std::string& prefix);
 };

@@ -103,6 +103,52 @@ TrainStep::TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimCo
     : model_(model), opt_(opt), comm_(comm), cfg_(cfg), plan_(std::move(plan)) {
   SIGMA_CHECK(plan_.ranks == comm_.size(), "shard plan for {} ranks, communicator of {}",
               plan_.ranks, comm_.size());
+  owned_ = plan_.owned_by(comm_.rank());
+  const size_t S = model_.param_stages().size(), L = S - 2;
+  held_.assign(S, 1);
+  pending_.assign(S, 0);
+  order_.push_back(L + 1);  // forward: the embeddings, the blocks, the final LN, the tied head
+  for (size_t l = 0; l < L; ++l) order_.push_back(l);
+  order_.insert(order_.end(), {L, L + 1, L, L + 1});  // backward: the head, then the blocks
+  for (size_t l = L; l-- > 0;) order_.push_back(l);
+}
+
+void TrainStep::release_stage(size_t s) {
+  for (size_t i : model_.param_stages()[s])
+    if (!owned_[i]) ops::zero_release(model_.params().all()[i].value);
+  held_[s] = 0;
+}
+
+// Stage s is about to be read: its values are completed (a gather in flight) or gathered now;
+// with dist.overlap, the gather of the next stage not held is started (prefetch) when the
+// passes ask in the expected order (in bf16 the forward asks for every stage at once first).
+void TrainStep::need_stage(size_t s) {
+  const auto& stages = model_.param_stages();
+  if (!held_[s]) {
+    if (pending_[s])
+      zo_->finish_gather(int(s));
+    else
+      gather_from_owners(comm_, plan_, model_.params(), kZeroBucketElements, &stages[s]);
+    held_[s] = 1;
+    pending_[s] = 0;
+  }
+  if (!zo_ || at_ >= order_.size() || order_[at_] != s) return;
+  ++at_;
+  for (size_t k = at_; k < order_.size() && k < at_ + 2; ++k) {
+    const size_t t = order_[k];
+    if (t == s || held_[t]) continue;
+    if (!pending_[t]) zo_->start_gather(stages[t], int(t));
+    pending_[t] = 1;
+    break;
+  }
+}
+
+// Stage s was read for the last time in this pass. The last block is kept from its forward to
+// its backward, which reads it next.
+void TrainStep::done_stage(size_t s) {
+  const size_t L = model_.param_stages().size() - 2;
+  if (!in_backward_ && L > 0 && s == L - 1) return;
+  release_stage(s);
 }
 
 void TrainStep::check_split(size_t micro) const {
@@ -172,7 +218,8 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   GradTree tree;
   ParamSet& ps = model_.params();
   const std::vector<uint8_t> owned = comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{};
-  const bool zero2 = zero_ == 2 && comm_.size() > 1, early = zero2 && mine.size() == 1;
+  const bool zero2 = zero_ >= 2 && comm_.size() > 1, early = zero2 && mine.size() == 1;
+  const bool z3 = zero3();
   auto release_others = [&](const std::vector<size_t>& ids) {  // ZeRO-2: keep only my tensors'
     for (size_t i : ids)
       if (!owned[i]) ops::zero_release(ps.all()[i].grad);
@@ -184,6 +231,7 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     ~Unhook() {
       m.set_grads_done({});
       m.set_params_needed({});
+      m.set_params_done({});
     }
   } unhook{model_};
   // dist.overlap (set_overlap): the exchanges in flight advance at each layer boundary.
@@ -191,7 +239,18 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   // go after it, in the same order: every rank starts the same exchanges either way.
   const bool ov = overlap_ && comm_.size() > 1, ov_early = ov && !after_backward_;
   if (ov && !zo_) zo_ = std::make_unique<ZeroOverlap>(comm_, plan_, ps);
-  if (!ov) settle();
+  if (!ov && zo_) zo_->finish_gathers();
+  if (z3) {  // settle() may have gathered every value: back to this rank's own
+    if (zo_) zo_->finish_gathers();
+    std::fill(pending_.begin(), pending_.end(), 0);
+    for (size_t s = 0; s < held_.size(); ++s)
+      if (held_[s]) release_stage(s);
+    model_.set_params_needed([&](size_t stage) {
+      need_stage(stage);
+      if (ov && overlap_polls()) zo_->progress();
+    });
+    model_.set_params_done([&](size_t stage) { done_stage(stage); });
+  }
   size_t at_micro = 0;  // the micro-batch being run
   auto reduce_stage = [&](const std::vector<size_t>& ids) {  // final gradients: to their owners
     if (mine.size() > 1) tree.fold_last_into(ps, ids);
@@ -199,10 +258,11 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     if (zero2) release_others(ids);  // packed already
   };
   if (ov) {
-    model_.set_params_needed([&](size_t stage) {  // the last step's deferred gather
-      zo_->finish_gather(int(stage));
-      if (overlap_polls()) zo_->progress();
-    });
+    if (!z3)
+      model_.set_params_needed([&](size_t stage) {  // the last step's deferred gather
+        zo_->finish_gather(int(stage));
+        if (overlap_polls()) zo_->progress();
+      });
     model_.set_grads_done([&](const std::vector<size_t>& ids) {
       if (ov_early && at_micro + 1 == mine.size()) reduce_stage(ids);
       if (overlap_polls()) zo_->progress();
@@ -226,8 +286,12 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     weight_.resize(n);
     for (size_t i = 0; i < n; ++i) weight_[i] = total > 0 ? float(b.mask[i] / total) : 0.0f;
     experts.begin_micro_batch(j);
+    at_ = 0;
+    in_backward_ = false;
     model_.forward(b, acts_, token_loss_.data(), weight_.data());
+    in_backward_ = true;
     model_.backward(b, acts_);
+    in_backward_ = false;
     experts.end_micro_batch();
     sum_losses(b, first + j, per_slot);
     if (after_backward_) after_backward_(model_.params());
@@ -276,6 +340,10 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   r.skipped = !finite_step(r.loss, r.grad_norm);
   if (r.skipped) return r;
   opt_.step(model_.params(), lr, r.clip, &mask);
+  if (z3) {  // each rank's own values are updated; the others' are gathered where read
+    experts.update(lr, r.clip);
+    return r;
+  }
   if (!ov) {
     experts.update(lr, r.clip);
     gather_from_owners(comm_, plan_, model_.params());
@@ -293,6 +361,11 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
 
 void TrainStep::settle() {
   if (zo_) zo_->finish_gathers();
+  if (!zero3() || std::all_of(held_.begin(), held_.end(), [](uint8_t h) { return h != 0; }))
+    return;
+  std::fill(pending_.begin(), pending_.end(), 0);
+  gather_from_owners(comm_, plan_, model_.params());  // the held stages get their own bits again
+  std::fill(held_.begin(), held_.end(), 1);
 }
 
 }  // namespace sigma

@@ -65,6 +65,17 @@ class TrainStep {
   // micro-batches per rank the fixed summation tree needs each rank's whole partial sums, so
   // the gradients are reduced after the last one, as with 1, and only then released. The sums
   // are the same either way: the same bits as dist.zero = 1.
+  //
+  // dist.zero = 3: the parameters' values sharded too. Between steps each rank holds only the
+  // values of the tensors it owns (the others' are released: ops::zero_release); a stage's
+  // values are gathered from their owners just before a pass reads them
+  // (Model::set_params_needed) and released after its last read in that pass
+  // (Model::set_params_done): the forward's, then again for backward (the last block is kept
+  // from its forward to its backward). With dist.overlap the next stage's gather runs while
+  // the current one computes. The update writes the owners' values only, so nothing is
+  // gathered after it. The gradients are sharded as with 2. The gathered values are the
+  // owners' bits: the same bits as dist.zero = 1. Anything that reads the parameters between
+  // steps calls settle() first, which gathers them whole; the next run() releases them again.
   void set_zero_stage(int stage) { zero_ = stage; }
   // dist.overlap: ZeRO's exchanges hidden behind compute (parallel/zero_overlap.h). Each stage
   // of the last micro-batch's backward starts its gradients' reduction as soon as it is
@@ -76,12 +87,15 @@ class TrainStep {
   // the parameters between steps must call settle() first. Between, the exchanges advance at
   // every layer boundary (a test of what is in flight). The same sums in the same order: the
   // same bits as without overlap. With a fault-injection hook (set_after_backward) the
-  // reductions start after it, in the same order.
+  // reductions start after it, in the same order. With dist.zero = 3 the hook must be set on
+  // every rank or on none: its stages' gathers during backward are matched in order with the
+  // reductions that a rank without the hook starts during backward.
   void set_overlap(bool on, bool defer_gather = false) {
     overlap_ = on;
     defer_ = defer_gather;
   }
-  // Completes a deferred gather: every rank's parameters hold the owners' values.
+  // Completes a deferred gather (with dist.zero = 3: gathers every value): every rank's
+  // parameters hold the owners' values.
   void settle();
   // Seconds this rank spent blocked in overlapped exchanges (ZeroOverlap::blocked_s).
   double overlap_blocked_s() const { return zo_ ? zo_->blocked_s() : 0.0; }
@@ -92,6 +106,11 @@ class TrainStep {
   void check_split(size_t micro) const;
   void sum_losses(const Batch& b, size_t slot, std::vector<double>& per_slot) const;
   void tp_norm_parts(std::vector<double>& parts) const;
+  // ZeRO-3 (set_zero_stage): stage s of Model::param_stages gathered / released.
+  bool zero3() const { return zero_ == 3 && comm_.size() > 1; }
+  void need_stage(size_t s);
+  void done_stage(size_t s);
+  void release_stage(size_t s);
 
   Model& model_;
   AdamW& opt_;
@@ -100,6 +119,13 @@ class TrainStep {
   int zero_ = 1;
   bool overlap_ = false, defer_ = false;
   std::unique_ptr<ZeroOverlap> zo_;
+  // ZeRO-3, per stage: its values are gathered (held) / their gather is in flight (pending).
+  // Every value is held until the first run(). order_: the stages in the order the current
+  // micro-batch's passes ask for them (forward then backward); at_: the next one expected.
+  std::vector<uint8_t> owned_, held_, pending_;
+  std::vector<size_t> order_;
+  size_t at_ = 0;
+  bool in_backward_ = false;
   OptimConfig cfg_;
   ShardPlan plan_;
   Activations acts_;

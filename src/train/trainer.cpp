@@ -461,9 +461,9 @@ void RunLoop::open_outputs() {
     fmt::print(stderr, "data parallel: {} ranks x {} micro-batches each; Adam state{} sharded "
                "(ZeRO-{}): {:.1f} MiB on the most loaded rank, {:.1f} MiB unsharded\n",
                comm_.size(), cfg_.train.accum / comm_.size(),
-               cfg_.dist.zero == 2 ? " and gradients" : "", cfg_.dist.zero,
-               double(most) * (cfg_.dist.zero == 2 ? 12 : 8) / (1 << 20),
-               double(model_->params().numel()) * (cfg_.dist.zero == 2 ? 12 : 8) / (1 << 20));
+               cfg_.dist.zero == 3 ? ", gradients and values" : cfg_.dist.zero == 2 ? " and gradients" : "",
+               cfg_.dist.zero, double(most) * (4 + 4 * cfg_.dist.zero) / (1 << 20),
+               double(model_->params().numel()) * (4 + 4 * cfg_.dist.zero) / (1 << 20));
   }
 }
 
