@@ -84,6 +84,10 @@ void print_json(const CheckpointInfo& info, const std::string& data,
     doms += fmt::format("{}{}: {{\"loss\": {}, \"ppl\": {}, \"tokens\": {}", doms.empty() ? "" : ", ",
                         nlohmann::json(d.name).dump(), json_number(d.loss),
                         json_number(std::exp(d.loss)), d.tokens);
+    // Without a tokenizer (token ids of the synthetic data) there are no bytes: null.
+    const auto bpb = d.bits_per_byte();
+    doms += fmt::format(", \"nats\": {}, \"bytes\": {}, \"bits_per_byte\": {}", json_number(d.nats),
+                        d.bytes ? std::to_string(*d.bytes) : "null", bpb ? json_number(*bpb) : "null");
     if (d.optimum) doms += fmt::format(", \"optimum\": {}", json_number(*d.optimum));
     doms += "}";
   }
@@ -97,14 +101,15 @@ void print_json(const CheckpointInfo& info, const std::string& data,
 void print_table(const std::vector<DomainLoss>& result) {
   const bool optimum = std::any_of(result.begin(), result.end(),
                                    [](const DomainLoss& d) { return d.optimum.has_value(); });
-  fmt::print("{:<12} {:>10} {:>12} {:>10}{}\n", "domain", "loss", "ppl", "tokens",
-             optimum ? fmt::format(" {:>10} {:>10}", "optimum", "gap") : "");
+  fmt::print("{:<12} {:>10} {:>12} {:>10} {:>10}{}\n", "domain", "loss", "ppl", "tokens",
+             "bits/byte", optimum ? fmt::format(" {:>10} {:>10}", "optimum", "gap") : "");
   for (const DomainLoss& d : result) {
     std::string extra;
     if (d.optimum) extra = fmt::format(" {:>10.4f} {:>10.4f}", *d.optimum, d.loss - *d.optimum);
     else if (optimum) extra = fmt::format(" {:>10} {:>10}", "-", "-");
-    fmt::print("{:<12} {:>10.4f} {:>12.3f} {:>10}{}\n", d.name, d.loss, std::exp(d.loss), d.tokens,
-               extra);
+    const auto bpb = d.bits_per_byte();
+    fmt::print("{:<12} {:>10.4f} {:>12.3f} {:>10} {:>10}{}\n", d.name, d.loss, std::exp(d.loss),
+               d.tokens, bpb ? fmt::format("{:.4f}", *bpb) : "-", extra);
   }
 }
 
@@ -350,6 +355,12 @@ void run_eval(const EvalArgs& a) {
     fmt::print(stderr, "sigma eval: skipped {}; evaluating {} (choose with --domains)\n",
                fmt::join(parts, ", "), fmt::join(chosen.keep, ", "));
   }
+  // Bits per byte: the bytes of the scored tokens' text, by the tokenizer behind the ids (the
+  // checkpoint's, which the data must match; else the data's own). None for token-id data.
+  std::string tok_path = checkpoint_tokenizer_path(info.dir);
+  if (tok_path.empty()) tok_path = held.source->tokenizer_path();
+  const std::vector<int32_t> token_bytes =
+      tok_path.empty() ? std::vector<int32_t>{} : token_byte_counts(tok_path);
   auto source = keep_domains(std::move(held.source), chosen.keep);
   // Without --data the defaults are the training run's, so the losses are those its end printed.
   const TrainConfig& t = info.cfg.train;
@@ -359,7 +370,7 @@ void run_eval(const EvalArgs& a) {
   // The total is --rows per domain; a domain with fewer complete windows ends the count short.
   Progress shown("sigma eval: held-out", uint64_t(rows) * chosen.keep.size(), "rows");
   const auto result = evaluate(*model, *source, batch, model->config().context, rows,
-                               [&](int n) { shown.add(uint64_t(n)); });
+                               [&](int n) { shown.add(uint64_t(n)); }, token_bytes);
   shown.finish();
   for (const DomainLoss& d : result)
     SIGMA_CHECK(d.tokens > 0, "{}: domain '{}' has no complete window of {} tokens", held.name,
@@ -427,7 +438,8 @@ const RegisterCommand reg_eval([](CLI::App& root) {
                 "--json; few-shot examples still come from the whole file)")->check(CLI::Range(1, 1 << 30));
   c->add_option("--bootstrap", a->opt.bootstrap, "Resamples for the standard errors (default "
                 "1000, 0 = none)")->check(CLI::Range(0, 1000000));
-  c->add_flag("--json", a->json, "Print {\"domains\": {NAME: {\"loss\", \"ppl\", \"tokens\"}}, "
+  c->add_flag("--json", a->json, "Print {\"domains\": {NAME: {\"loss\", \"ppl\", \"tokens\", "
+              "\"nats\", \"bytes\", \"bits_per_byte\"}}, "
               "\"skipped\": {NAME: WHY}}; with --task {\"choice\", \"generate\", \"code\"} "
               "scores (docs/evaluation.md)");
   c->callback([a, c] {

@@ -1,6 +1,6 @@
 // sigma plot RUN_DIR: figures of a training run from its metrics.jsonl and summary.json, drawn
-// by gnuplot (docs/dependencies.md says why): per-domain training loss with the held-out loss at
-// the end, learning rate, tokens/s, and per RRE block a heatmap of each expert's share of its
+// by gnuplot (docs/dependencies.md says why): per-domain training loss with the held-out loss
+// (train.eval_every's and the end's), learning rate, tokens/s, and per RRE block a heatmap of each expert's share of its
 // group's tokens over the logging windows. Writes SVG (or PNG) files into RUN_DIR/plots.
 #include <fmt/format.h>
 #include <spawn.h>
@@ -67,8 +67,10 @@ struct Figure {
   std::string script;  // gnuplot commands after the terminal and output are set
 };
 
-// Training loss per domain over steps; each domain's held-out loss from summary.json as a
-// point at the last step.
+// Training loss per domain over steps, and beside it each domain's held-out loss: the
+// train.eval_every records' "held_out" (issue 39) and summary.json's end-of-run losses as the
+// point at the last step (when no record evaluated that step). The data file holds two blocks:
+// index 0 the training rows, index 1 the held-out rows.
 Figure loss_figure(const std::vector<json>& m, const json& summary, const std::string& dat) {
   std::set<std::string> names;
   for (const json& r : m)
@@ -82,23 +84,41 @@ Figure loss_figure(const std::vector<json>& m, const json& summary, const std::s
       f.data += fmt::format(" {}", cell(r.contains("domains") ? num(r["domains"], d.c_str()) : NAN));
     f.data += "\n";
   }
+  // Held-out rows: (step, {domain: loss}) in step order.
+  std::map<double, std::map<std::string, double>> held;
+  for (const json& r : m)
+    if (r.contains("held_out") && r["held_out"].is_object())
+      for (const auto& [d, v] : r["held_out"].items())
+        if (v.is_number()) held[num(r, "step")][d] = v.get<double>();
   const double last = num(m.back(), "step");
+  if (summary.contains("domains") && summary["domains"].is_object() && !held.contains(last))
+    for (const auto& [d, v] : summary["domains"].items())
+      if (v.is_object() && v.contains("loss") && v["loss"].is_number()) held[last][d] = v["loss"].get<double>();
+  std::set<std::string> held_names;
+  for (const auto& [step, losses] : held)
+    for (const auto& [d, l] : losses) held_names.insert(d);
+  const std::vector<std::string> hdoms(held_names.begin(), held_names.end());
+  f.data += "\n\n";
+  for (const auto& [step, losses] : held) {
+    f.data += cell(step);
+    for (const auto& d : hdoms) f.data += " " + cell(losses.contains(d) ? losses.at(d) : NAN);
+    f.data += "\n";
+  }
   std::vector<std::string> plots;
   for (size_t i = 0; i < doms.size(); ++i)
-    plots.push_back(fmt::format("{} using 1:{} with lines lw 2 lc {} title {}", quote(dat), i + 2,
-                                i + 1, quote(doms[i] + " (train)")));
+    plots.push_back(fmt::format("{} index 0 using 1:{} with lines lw 2 lc {} title {}", quote(dat),
+                                i + 2, i + 1, quote(doms[i] + " (train)")));
   size_t k = 0;
-  if (summary.contains("domains"))
-    for (const auto& [d, v] : summary["domains"].items()) {
-      const auto it = std::find(doms.begin(), doms.end(), d);
-      const size_t colour = it == doms.end() ? doms.size() + ++k : size_t(it - doms.begin()) + 1;
-      if (v.contains("loss") && v["loss"].is_number())
-        plots.push_back(fmt::format("'+' using ({}):({}) every ::0::0 with points pt 7 ps 1.5 lc {} title {}",
-                                    last, v["loss"].get<double>(), colour, quote(d + " (held-out)")));
-    }
+  for (size_t i = 0; i < hdoms.size(); ++i) {  // a domain's held-out line in its training colour
+    const auto it = std::find(doms.begin(), doms.end(), hdoms[i]);
+    const size_t colour = it == doms.end() ? doms.size() + ++k : size_t(it - doms.begin()) + 1;
+    plots.push_back(fmt::format("{} index 1 using 1:{} with linespoints dt 2 lw 2 pt 7 ps 1.2 lc {} "
+                                "title {}", quote(dat), i + 2, colour, quote(hdoms[i] + " (held-out)")));
+  }
   SIGMA_CHECK(!plots.empty(), "no per-domain losses in the metrics records");
   f.script = "set title 'Loss per domain (nats/token)'\nset xlabel 'step'\nset ylabel 'loss'\n"
-             "set key outside right\nplot " + fmt::format("{}", fmt::join(plots, ", \\\n  ")) + "\n";
+             "set datafile missing '?'\nset key outside right\nplot " +
+             fmt::format("{}", fmt::join(plots, ", \\\n  ")) + "\n";
   return f;
 }
 

@@ -18,7 +18,7 @@
 #include "kernels/ops.h"
 #include "data/tokenizer.h"
 #include "serve/server.h"
-#include "run/checkpoint.h"
+#include "run/checkpoint_bundle.h"
 
 namespace sigma::cli {
 namespace {
@@ -29,7 +29,8 @@ struct ServeArgs {
   serve::ServerOptions o;
 };
 
-// A served checkpoint: the model, its tokenizer, and the name clients select it by.
+// A served checkpoint: the model, its tokenizer and data registry (one checkpoint's, under
+// read_checkpoint's retry: run/checkpoint_bundle.h), and the name clients select it by.
 struct Loaded {
   std::unique_ptr<Model> model;
   std::optional<data::Tokenizer> tok;
@@ -38,25 +39,11 @@ struct Loaded {
 };
 
 Loaded load(const std::string& ckpt, const std::string& precision) {
-  CheckpointInfo info;
-  Loaded l;
-  // The model, its tokenizer and its data registry come from one checkpoint: read together
-  // under read_checkpoint's retry, so that retention pruning the checkpoint `latest` named
-  // while it loads makes all three come from the next one, never a mix or an error.
-  read_checkpoint(ckpt, [&](const std::string& dir) {
-    info = open_checkpoint(dir);
-    l.model = Model::for_loading(info.cfg.model, info.cfg.train.seed);
-    load_model(*l.model, info.dir);
-    l.tok.reset();
-    if (const std::string path = checkpoint_tokenizer_path(info.dir); !path.empty())
-      l.tok = data::Tokenizer::load(path);
-    l.data_domains.reset();
-    if (auto own = checkpoint_data_domains(info.dir))
-      l.data_domains = DomainRegistry::from_json(*own, info.dir + "/" + kDataDomainsFile, DomainForm::Data);
-  });
+  CheckpointBundle b = load_checkpoint_bundle(ckpt);
+  Loaded l{std::move(b.model), std::move(b.tok), std::move(b.data_domains), ""};
   l.model->use_weights(weight_format_from_name(precision));
   // A run's checkpoints/step-N names the run; an extract's folder (holding its step-N) itself.
-  std::filesystem::path dir = std::filesystem::absolute(info.dir).lexically_normal();
+  std::filesystem::path dir = std::filesystem::absolute(b.info.dir).lexically_normal();
   if (dir.filename().empty()) dir = dir.parent_path();
   if (dir.filename().string().rfind("step-", 0) == 0) dir = dir.parent_path();
   if (dir.filename() == "checkpoints") dir = dir.parent_path();

@@ -67,7 +67,10 @@ void run_train(TrainArgs a) {
                a.out.empty() ? "" : "; continue with --resume " + a.out + "/checkpoints");
     return;
   }
-  fmt::print("trained {} steps, {} tokens, {:.0f} tokens/s\n", s.steps, s.tokens, s.tokens_per_s);
+  // Training tokens/s: the held-out evaluations' time is counted apart.
+  fmt::print("trained {} steps, {} tokens, {:.0f} tokens/s ({:.1f} s training; held-out "
+             "evaluation {:.1f} s apart)\n", s.steps, s.tokens, s.tokens_per_s, s.seconds,
+             s.eval_seconds);
   fmt::print("{:<12} {:>10} {:>10} {:>10}\n", "domain", "loss", "optimum", "gap");
   for (const auto& d : s.domains) {
     if (d.optimum)

@@ -41,6 +41,8 @@ TEST(EvalCli, WithoutDataScoresTheSyntheticHeldOutStreamAsTrainingEndedIt) {
     EXPECT_NEAR(e["loss"].get<double>(), t["loss"].get<double>(), 1e-6) << d;
     EXPECT_EQ(e["tokens"], t["tokens"]) << d;
     EXPECT_EQ(e["optimum"].get<double>(), t["optimum"].get<double>()) << d;
+    EXPECT_TRUE(e["bits_per_byte"].is_null()) << d;  // token ids of no tokenizer: no bytes
+    EXPECT_TRUE(e["bytes"].is_null()) << d;
   }
   r = sigma_cmd("eval --ckpt " + tmp / "a/checkpoints");  // the table shows the optimum and gap
   ASSERT_EQ(r.code, 0) << r.out;

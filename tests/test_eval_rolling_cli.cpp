@@ -11,8 +11,11 @@
 #include <nlohmann/json.hpp>
 #include <numbers>
 
-#include "test_util.h"
 #include "cli_util.h"
+#include "data/shards.h"
+#include "data/tokenizer.h"
+#include "data/windows.h"
+#include "test_util.h"
 
 using namespace sigma::testing;
 using nlohmann::json;
@@ -208,4 +211,43 @@ TEST_F(Rolling, HeldOutEvaluationShowsProgress) {
                          " --data " + *dir / "v320-shards" + " --rows 4 --batch 2");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("sigma eval: held-out: "), std::string::npos) << r.out;
+}
+
+// Held-out loss on shards of token ids reports bits per byte too (issue 39): each scored
+// target counts the UTF-8 bytes its token decodes to (controls none), so models with different
+// tokenizers compare. Checked against the shards read here: every window's targets (tokens 1 to
+// windows × context of each domain's stream) decoded by the tokenizer, controls left out.
+TEST_F(Rolling, HeldOutShardsGiveBitsPerByteOverTheTargetsDecodedBytes) {
+  for (const char* tag : {"v320", "v290"}) {
+    const std::string shards = *dir / (std::string(tag) + "-shards");
+    auto r = sigma_cmd("eval --ckpt " + ckpt(tag) + " --data " + shards + " --rows 100000 --json");
+    ASSERT_EQ(r.code, 0) << r.out;
+    const json doms = last_json(r)["domains"];
+    const sigma::data::Tokenizer tok = sigma::data::Tokenizer::load(*dir / (std::string(tag) + "-tok.json"));
+    const sigma::data::ShardSet set = sigma::data::ShardSet::open(shards, 0);
+    ASSERT_EQ(doms.size(), set.shards.size()) << doms.dump();
+    for (size_t d = 0; d < set.shards.size(); ++d) {
+      const sigma::data::Shard& s = *set.shards[d];
+      const uint64_t windows = sigma::data::window_count(s.n_tokens(), 32);
+      std::vector<uint32_t> text;
+      int64_t controls = 0;
+      for (uint64_t i = 1; i <= windows * 32; ++i)
+        if (tok.is_control(s.token(i))) ++controls;
+        else text.push_back(s.token(i));
+      const json& got = doms[set.domains[d].name];
+      SCOPED_TRACE(std::string(tag) + " " + set.domains[d].name + ": " + got.dump());
+      EXPECT_GT(controls, 0);  // <EOT> between documents (and <Python> before code) add no bytes
+      EXPECT_EQ(got["tokens"], int64_t(windows * 32));
+      EXPECT_EQ(got["bytes"], int64_t(tok.decode(text).size()));
+      EXPECT_EQ(got["nats"].get<double>() / got["tokens"].get<double>(), got["loss"].get<double>());
+      EXPECT_EQ(got["bits_per_byte"].get<double>(),
+                got["nats"].get<double>() / (std::numbers::ln2 * got["bytes"].get<double>()));
+    }
+    // The table has the column.
+    r = sigma_cmd("eval --ckpt " + ckpt(tag) + " --data " + shards + " --rows 100000 2>/dev/null");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("bits/byte"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(fmt::format("{:.4f}", doms["prose"]["bits_per_byte"].get<double>())),
+              std::string::npos) << r.out;
+  }
 }

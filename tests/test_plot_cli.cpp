@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -42,6 +43,36 @@ TEST(Plot, WritesLossLrThroughputAndAHeatmapPerRreBlock) {
   r = sigma_cmd("plot " + dir / "run --format png --out " + dir / "png");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(slurp(dir / "png/loss.png").substr(1, 3), "PNG");
+}
+
+// train.eval_every's held-out losses are plotted against their steps beside the training loss
+// (issue 39: only the end's point was): loss.dat's second block holds one row per evaluation,
+// each domain's loss as metrics.jsonl has it, and loss.gp plots it per domain.
+TEST(Plot, HeldOutEvaluationsAreALinePerDomain) {
+  TempDir dir("plot-held");
+  auto r = sigma_cmd("train --quiet --set train.steps=12 --set train.log_every=3 --set train.eval_every=4 "
+                     "--set train.eval_rows=8 --set model.d_model=32 --set model.heads=2 --out " + dir / "run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("plot " + dir / "run");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::vector<std::string> expected;  // "step loss loss loss", domains in name order
+  for (const auto& j : read_json_lines(dir / "run/metrics.jsonl")) {
+    if (!j.contains("held_out")) continue;
+    std::string row = fmt::format("{}", j["step"].get<int64_t>());
+    for (const char* d : {"arith", "copy", "markov"}) row += fmt::format(" {:.9g}", j["held_out"][d].get<double>());
+    expected.push_back(row);
+  }
+  ASSERT_EQ(expected.size(), 3u);  // steps 4, 8, 12
+  const std::string dat = slurp(dir / "run/plots/loss.dat");
+  const size_t block = dat.find("\n\n\n");
+  ASSERT_NE(block, std::string::npos) << dat;
+  std::vector<std::string> rows;
+  std::istringstream held(dat.substr(block + 3));
+  for (std::string line; std::getline(held, line);) rows.push_back(line);
+  EXPECT_EQ(rows, expected) << dat;
+  const std::string gp = slurp(dir / "run/plots/loss.gp");
+  for (int col : {2, 3, 4}) EXPECT_NE(gp.find(fmt::format("index 1 using 1:{} with linespoints", col)), std::string::npos) << gp;
+  EXPECT_NE(slurp(dir / "run/plots/loss.svg").find("markov (held-out)"), std::string::npos);
 }
 
 TEST(Plot, BadRunDirectoriesAreClearErrors) {

@@ -2,6 +2,7 @@
 // processes, and bad input fails with one clear line without touching saved checkpoints.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -109,6 +110,29 @@ TEST(Train, EvalEveryWritesHeldOutLossesAndChangesNoTrainingBit) {
   const TensorMap y = read_model_tensors(tmp / "plain/checkpoints/step-00000012");
   ASSERT_EQ(x.size(), y.size());
   for (const auto& [name, t] : x) EXPECT_EQ(0, std::memcmp(t.bytes(), y.at(name).bytes(), t.nbytes())) << name;
+}
+
+// The end-of-run tokens/s is the training's: held-out evaluation (train.eval_every, and the
+// end's) is timed apart, in summary.json's eval_s and the last line; it once counted in
+// tokens/s (issue 39). tokens_per_s × train_s is the tokens, and the two times fit in the
+// command's wall time.
+TEST(Train, TokensPerSecondLeavesOutHeldOutEvaluation) {
+  TempDir tmp("eval-time");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = sigma_cmd("train " + kTiny + "--set train.steps=4 --set train.log_every=1 "
+                     "--set train.eval_every=1 --set train.eval_rows=100 --out " + tmp / "e");
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto s = nlohmann::json::parse(slurp(tmp / "e/summary.json"));
+  ASSERT_TRUE(s.contains("train_s") && s.contains("eval_s")) << s.dump();
+  const double train_s = s["train_s"], eval_s = s["eval_s"], tps = s["tokens_per_s"];
+  const double tokens = s["tokens"];
+  EXPECT_GT(eval_s, 0.0);
+  EXPECT_GT(train_s, 0.0);
+  EXPECT_LT(train_s + eval_s, wall);
+  EXPECT_NEAR(tps * train_s, tokens, 1e-9 * tokens) << "tokens/s is not tokens over train_s";
+  EXPECT_NE(r.out.find(fmt::format("{:.0f} tokens/s ({:.1f} s training; held-out evaluation "
+                                   "{:.1f} s apart)", tps, train_s, eval_s)), std::string::npos) << r.out;
 }
 
 class BadInput : public ::testing::Test {

@@ -97,16 +97,16 @@ elif cmd == "serve-spec":
 elif cmd == "serve":
     r = load("serve-result.json")
     print(f"served models: {', '.join(r['models'])}")
-    # sigma serve scores a prompt in chunks of 64 positions through its KV cache
-    # (BatchDecoder::kPrefillChunk), sigma eval a window in one pass: the same bits when the
-    # window is one chunk (context <= 64, as at the tiny size), else products of other shapes
-    # and a cached attention, which round differently: there a relative 1e-6 is allowed.
+    # sigma serve scores a prompt with its fast kernels, sigma eval inside ops::BatchInvariant;
+    # an RRE block's experts meet other row counts in the two, which round differently
+    # (docs/serving.md, "Scoring against sigma eval"): the same bits were seen at context <= 64
+    # (the tiny size), and past it a relative 1e-6 is allowed.
     print("| model | tokens | served: -mean log p | sigma eval loss | difference | equal |")
     print("|---|---|---|---|---|---|")
     for c in r["checks"]:
         c["ok"] = c["equal"] or (c["tokens"] > 64 and abs(c["diff"]) <= 1e-6 * abs(c["eval_loss"]))
         print(f"| {c['model']} | {c['tokens']} | {c['served_loss']!r} | {c['eval_loss']!r} | {c['diff']:.3g} | "
-              f"{'to the bit' if c['equal'] else 'within 1e-6 (chunked prefill)' if c['ok'] else 'NO'} |")
+              f"{'to the bit' if c['equal'] else 'within 1e-6 (kernel rounding)' if c['ok'] else 'NO'} |")
     for c in r["completions"]:
         print(f"  {c['model']}: {c['prompt']!r} -> {c['text']!r} ({c['finish_reason']})")
     save("serve.json", r["checks"])

@@ -39,8 +39,9 @@ int64_t checkpoint_model_bytes(const std::string& dir);
 // Runs read(dir) on the checkpoint `path` resolves to (io/checkpoint_dir.h) and returns that
 // dir. A root's checkpoint can vanish while it is read: a live run committed a newer one and
 // retention pruned this one. Then read runs again on the checkpoint the root names now (at
-// most 8 times); an error of a checkpoint that is still there, or of a checkpoint `path`
-// names itself, is thrown as it is.
+// most 8 times): when the checkpoint is gone, or (retention deletes file by file) the root
+// names another one now. An error of the checkpoint the root still names, or of a checkpoint
+// `path` names itself, is thrown as it is.
 std::string read_checkpoint(const std::string& path, const std::function<void(const std::string& dir)>& read);
 
 // Resolves `path` (a checkpoint, or a root with `latest`), verifies its checksums and reads

@@ -1,16 +1,20 @@
 #include "run/heldout.h"
 
+#include "core/error.h"
+#include "data/tokenizer.h"
 #include "kernels/ops.h"
 
 namespace sigma {
 
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
-                                 int rows_per_domain, const std::function<void(int rows)>& on_batch) {
+                                 int rows_per_domain, const std::function<void(int rows)>& on_batch,
+                                 std::span<const int32_t> token_bytes) {
   // The source's domains are scored as the model's domains of the same names.
   const auto names = data.domains();
   std::vector<int32_t> to_model;
   for (const auto& n : names) to_model.push_back(model.config().domain_index(n));
   DomainSums sums(names.size());
+  std::vector<int64_t> bytes(names.size(), 0);
   std::vector<float> token_loss;
   Batch mb;
   // A row's loss must not depend on the rows it is batched with (--batch, --domains): the
@@ -23,13 +27,31 @@ std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, in
     token_loss.resize(size_t(b.B) * b.T);
     model.forward(mb, token_loss.data());
     sums.add(b, token_loss);
+    if (!token_bytes.empty())
+      for (size_t i = 0; i < b.targets.size(); ++i) {
+        if (b.mask[i] == 0.0f) continue;
+        const int32_t t = b.targets[i];
+        SIGMA_CHECK(t >= 0 && size_t(t) < token_bytes.size(), "held-out data: token id {} is "
+                    "outside the tokenizer's {} ids", t, token_bytes.size());
+        bytes[size_t(b.domain[i / size_t(b.T)])] += token_bytes[size_t(t)];
+      }
     if (on_batch) on_batch(b.B);
   });
   std::vector<DomainLoss> out;
-  for (size_t d = 0; d < names.size(); ++d)
+  for (size_t d = 0; d < names.size(); ++d) {
     out.push_back({names[d], sums.count[d] ? sums.loss[d] / double(sums.count[d]) : 0.0,
-                   sums.count[d], data.optimum(int(d), T)});
+                   sums.count[d], data.optimum(int(d), T), sums.loss[d], std::nullopt});
+    if (!token_bytes.empty()) out.back().bytes = bytes[d];
+  }
   return out;
+}
+
+std::vector<int32_t> token_byte_counts(const std::string& tokenizer_path) {
+  const data::Tokenizer tok = data::Tokenizer::load(tokenizer_path);
+  std::vector<int32_t> n(tok.vocab_size(), 0);
+  for (uint32_t id = tok.n_controls(); id < tok.vocab_size(); ++id)
+    n[id] = int32_t(tok.token_bytes(id).size());
+  return n;
 }
 
 }  // namespace sigma

@@ -3,6 +3,7 @@
 #pragma once
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -14,9 +15,16 @@ namespace sigma {
 
 struct DomainLoss {
   std::string name;
-  double loss = 0;
+  double loss = 0;  // mean nats per scored token
   int64_t tokens = 0;
   std::optional<double> optimum;
+  double nats = 0;               // summed over the scored tokens
+  std::optional<int64_t> bytes;  // of the scored tokens' text, when the tokenizer is known
+  // nats / (ln 2 * bytes): comparable between models with different tokenizers.
+  std::optional<double> bits_per_byte() const {
+    if (!bytes || *bytes <= 0) return std::nullopt;
+    return nats / (0.69314718055994530942 * double(*bytes));
+  }
 };
 
 // Per-domain sums of masked token losses.
@@ -46,9 +54,16 @@ struct DomainSums {
 
 // Mean masked loss per domain over the source's held-out batches (the model's expert
 // executor makes each batch's experts usable first: ECSS binds them from its store).
-// `on_batch(rows)` after each batch (progress).
+// `on_batch(rows)` after each batch (progress). `token_bytes` (indexed by token id; empty:
+// none): the bytes each token's text has, summed over the scored targets into
+// DomainLoss::bytes (token_byte_counts).
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
                                  int rows_per_domain,
-                                 const std::function<void(int rows)>& on_batch = {});
+                                 const std::function<void(int rows)>& on_batch = {},
+                                 std::span<const int32_t> token_bytes = {});
+
+// The UTF-8 bytes each id of the tokenizer file `path` decodes to, a control token counting
+// none (its name is not text): the byte count of held-out windows of token ids.
+std::vector<int32_t> token_byte_counts(const std::string& tokenizer_path);
 
 }  // namespace sigma

@@ -213,6 +213,7 @@ class RunLoop {
   std::vector<double> peak_rss_;  // MiB, per rank (finish)
   std::unique_ptr<DataSource> held_out_;  // data.eval_path's windows (null: the data's own)
   std::optional<std::pair<int64_t, std::vector<DomainLoss>>> last_eval_;  // step and losses
+  double eval_s_ = 0;  // wall time of held-out evaluations, kept out of training tokens/s
   // train.ckpt_async: the writer of background saves. Last: it waits for a save in flight
   // before the store and model it may read go.
   std::unique_ptr<BackgroundSaver> saver_;
@@ -557,19 +558,24 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
 
 // The held-out loss per domain: data.eval_path's windows, else the data's own held-out side.
 // Every rank calls it (the forward passes may be collective).
+// Its wall time goes to eval_s_, not to the training's tokens/s.
 std::vector<DomainLoss> RunLoop::held_out_losses() {
   step_->settle();
+  const Clock::time_point t0 = Clock::now();
   if (!held_out_ && !cfg_.data.eval_path.empty())
     held_out_ = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
-  return evaluate(*model_, held_out_ ? *held_out_ : *data_, cfg_.train.batch, cfg_.model.context,
-                  cfg_.train.eval_rows);
+  auto losses = evaluate(*model_, held_out_ ? *held_out_ : *data_, cfg_.train.batch,
+                         cfg_.model.context, cfg_.train.eval_rows);
+  eval_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  return losses;
 }
 
 // A progress line, a metrics.jsonl record, and the window's expert load into the run's; with
 // `eval_now` (train.eval_every), the held-out losses in both.
 void RunLoop::log(double grad_norm, float lr, bool eval_now) {
+  // Tokens/s of the training alone; the ETA includes the evaluations still to come.
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
-  const double tps = tokens_this_run_ / std::max(elapsed, 1e-9);
+  const double tps = tokens_this_run_ / std::max(elapsed - eval_s_, 1e-9);
   const double eta = elapsed / steps_this_run_ * double(last_ - state_.step);
   std::vector<BlockLoad> load = model_->expert_load();  // before evaluation adds to it
   sum_over_ranks(comm_, load);
@@ -687,7 +693,9 @@ TrainSummary RunLoop::finish() {
   sum.steps = state_.step;
   sum.tokens = state_.tokens;
   sum.skipped_steps = guard_.skipped_total();
-  const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
+  // The training steps' wall time: the run's less its train.eval_every evaluations.
+  const double elapsed =
+      std::chrono::duration<double>(Clock::now() - t_start_).count() - eval_s_;
   sum.tokens_per_s = steps_this_run_ ? tokens_this_run_ / std::max(elapsed, 1e-9) : 0.0;
   sum.expert_load = run_load_;
   if (experts_) {
@@ -713,6 +721,7 @@ TrainSummary RunLoop::finish() {
   // The last step's train.eval_every evaluation, when there was one, is the same computation.
   sum.domains = last_eval_ && last_eval_->first == state_.step ? last_eval_->second
                                                                  : held_out_losses();
+  sum.eval_seconds = eval_s_;
   // Each rank's peak resident memory (the high-water mark of the whole process), for summary.json.
   const double peak = peak_rss_mib();
   peak_rss_.assign(size_t(world_.size()), 0.0);
@@ -735,7 +744,8 @@ void RunLoop::write_summary(const TrainSummary& sum) {
   }
   nlohmann::json summary{{"steps", sum.steps}, {"tokens", sum.tokens},
                          {"skipped_steps", sum.skipped_steps},
-                         {"tokens_per_s", sum.tokens_per_s}, {"domains", dom},
+                         {"tokens_per_s", sum.tokens_per_s}, {"train_s", sum.seconds},
+                         {"eval_s", sum.eval_seconds}, {"domains", dom},
                          {"peak_rss_mib_per_rank", peak_rss_}};
   if (experts_) {
     const OffloadStats& o = sum.offload;

@@ -34,11 +34,12 @@ struct RunOptions {
 
 struct TrainSummary {
   int64_t steps = 0, tokens = 0;
-  double tokens_per_s = 0;
+  double tokens_per_s = 0;  // training tokens over `seconds`
   std::vector<DomainLoss> domains;  // held-out losses at the end
   int64_t skipped_steps = 0;           // non-finite steps not applied (train/nonfinite.h)
   std::vector<BlockLoad> expert_load;  // tokens per expert per RRE block over this run's steps
-  double seconds = 0;                  // wall time of the training steps
+  double seconds = 0;                  // wall time of the training steps (no evaluation)
+  double eval_seconds = 0;             // of the held-out evaluations (eval_every, the end)
   std::string expert_mode;             // "ecss" / "vanilla", empty when experts are in the model
   OffloadStats offload;                // ECSS time split (this run's steps)
   // The signal (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) or kStoppedByTimeLimit (train.max_minutes)

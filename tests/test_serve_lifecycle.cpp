@@ -1,0 +1,237 @@
+// `sigma serve`'s start and end under a live run (issue 39): the checkpoint it loads, with its
+// tokenizer and data registry, comes whole from one checkpoint even when retention prunes the
+// one `latest` named while it reads (retried from the next; anything else fails naming the
+// file); and SIGTERM with a request in flight announces the drain and lets the request finish.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cli_util.h"
+#include "io/checkpoint_dir.h"
+#include "io/file.h"
+#include "kernels/ops.h"
+#include "run/checkpoint_bundle.h"
+#include "test_util.h"
+#include "train/checkpoint.h"
+
+using namespace sigma;
+using namespace sigma::testing;
+using nlohmann::json;
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// A run on prepared shards (a tokenizer and a data registry in every checkpoint) with
+// checkpoints at steps 2 and 4.
+class ServeLoad : public ::testing::Test {
+ public:
+  static void SetUpTestSuite() {
+    dir = new TempDir("serve-load");
+    std::ofstream c(*dir / "corpus.jsonl");
+    for (int i = 0; i < 6; ++i) {
+      c << json{{"domain", "prose"}, {"text", "the cat is sleeping and the dog runs fast."}}.dump() << "\n";
+      c << json{{"domain", "python"}, {"text", "def add(a, b):\n    return a + b\n"}}.dump() << "\n";
+    }
+    c.close();
+    auto r = sigma_cmd("tokenizer train --corpus " + *dir / "corpus.jsonl" + " --vocab-size 300 --out " + *dir / "tok.json");
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::ofstream(*dir / "data.json") << json{
+        {"tokenizer", "tok.json"}, {"corpus", {"corpus.jsonl"}},
+        {"domains", {{{"name", "prose"}}, {{"name", "python"}, {"prefix", {"<Python>"}}}}}}.dump();
+    r = sigma_cmd("prepare --config " + *dir / "data.json" + " --out " + *dir / "shards");
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = sigma_cmd("train --quiet --set data.source=shards --set data.path=" + *dir / "shards" +
+                  " --set model.d_model=16 --set model.heads=2 --set model.layers=1 --set model.context=16"
+                  " --set model.rre_layers=1 --set 'model.groups=[{\"name\":\"prose\",\"experts\":1},"
+                  "{\"name\":\"python\",\"experts\":1}]' --set train.batch=2 --set train.steps=4"
+                  " --set train.ckpt_every=2 --set train.eval_rows=2 --out " + *dir / "run");
+    ASSERT_EQ(r.code, 0) << r.out;
+  }
+  static void TearDownTestSuite() { delete dir; }
+  // A fresh copy of the run's checkpoints/ whose `latest` names step 2, as before step 4's save.
+  static std::string root(const std::string& name) {
+    const std::string out = *dir / name;
+    fs::remove_all(out);
+    fs::copy(*dir / "run/checkpoints", out, fs::copy_options::recursive);
+    write_file_atomic(out + "/latest", "step-00000002\n");
+    return out;
+  }
+  static TempDir* dir;
+};
+TempDir* ServeLoad::dir = nullptr;
+
+void expect_same_weights(Model& a, Model& b) {
+  auto& pa = a.params().all();
+  auto& pb = b.params().all();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i)
+    EXPECT_TRUE(same_bits(ops::to_host(pa[i].value), ops::to_host(pb[i].value))) << pa[i].name;
+}
+
+}  // namespace
+
+// Retention prunes step 2 after its model is read and before its tokenizer is: the load starts
+// again from step 4, all three parts. Before, the tokenizer and registry of a vanished
+// checkpoint were taken as absent: a model served without its tokenizer.
+TEST_F(ServeLoad, APrunedCheckpointIsReadAgainWholeFromTheNextOne) {
+  const std::string r = root("pruned");
+  std::vector<std::string> models;
+  ::testing::internal::CaptureStderr();
+  CheckpointBundle b = load_checkpoint_bundle(r, [&](const std::string& d) {
+    models.push_back(fs::path(d).filename().string());
+    if (models.size() == 1) {  // the live run commits step 4 and prunes step 2 now
+      write_file_atomic(r + "/latest", "step-00000004\n");
+      EXPECT_EQ(prune_checkpoints(r, 1, 0), 1);
+    }
+  });
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(models, (std::vector<std::string>{"step-00000002", "step-00000004"}));
+  EXPECT_EQ(b.info.dir, r + "/step-00000004");
+  EXPECT_EQ(b.info.state.step, 4);
+  ASSERT_TRUE(b.tok.has_value()) << "served without its tokenizer";
+  EXPECT_EQ(b.tok->hash(), data::Tokenizer::load(*dir / "tok.json").hash());
+  ASSERT_TRUE(b.data_domains.has_value()) << "served without its data registry";
+  EXPECT_NE(err.find("was deleted while it was read"), std::string::npos) << err;
+  expect_same_weights(*b.model, *load_checkpoint_model(*dir / "run/checkpoints/step-00000004"));
+}
+
+// Retention deletes file by file: caught with step 2's tokenizer gone and its folder still there
+// (and `latest` naming step 4), the load is retried too.
+TEST_F(ServeLoad, ACheckpointCaughtHalfDeletedIsReadAgainFromTheNextOne) {
+  const std::string r = root("half");
+  int calls = 0;
+  ::testing::internal::CaptureStderr();
+  CheckpointBundle b = load_checkpoint_bundle(r, [&](const std::string&) {
+    if (++calls == 1) {
+      write_file_atomic(r + "/latest", "step-00000004\n");
+      fs::remove(r + "/step-00000002/" + kTokenizerFile);
+    }
+  });
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(b.info.dir, r + "/step-00000004");
+  EXPECT_TRUE(b.tok.has_value());
+  EXPECT_TRUE(b.data_domains.has_value());
+}
+
+// Damaged in place, while `latest` still names it: no retry, an error naming the file. And a
+// root whose every checkpoint goes while it is read: the error says what the root lacks.
+TEST_F(ServeLoad, OtherwiseTheLoadFailsNamingWhatIsWrong) {
+  std::string r = root("damaged");
+  int calls = 0;
+  std::string e = error_of([&] {
+    load_checkpoint_bundle(r, [&](const std::string& d) {
+      ++calls;
+      std::ofstream(d + "/" + kTokenizerFile) << "{";
+    });
+  });
+  EXPECT_EQ(calls, 1);
+  EXPECT_NE(e.find(r + "/step-00000002/" + kTokenizerFile), std::string::npos) << e;
+  r = root("gone");
+  ::testing::internal::CaptureStderr();
+  e = error_of([&] {
+    load_checkpoint_bundle(r, [&](const std::string&) {
+      for (const auto& entry : fs::directory_iterator(r)) fs::remove_all(entry.path());
+    });
+  });
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(e.find("'" + r + "' is not a checkpoint"), std::string::npos) << e;
+  // sigma serve loads through it: the same checkpoint, its tokenizer and registry.
+  const auto res = sigma_cmd("serve --ckpt " + *dir / "damaged" + " --port 0");
+  EXPECT_NE(res.code, 0);
+  EXPECT_NE(res.out.find("tokenizer.json"), std::string::npos) << res.out;
+}
+
+// SIGTERM while a request streams: the drain is announced with the count in flight, the request
+// runs to its end (all max_tokens tokens, [DONE]), and the server exits 0. The model is large
+// enough (d 256, 4 blocks, context 1024, one thread) that 1000 tokens take seconds, far longer
+// than the signal takes to arrive after the first token.
+TEST(ServeDrain, ARequestInFlightAtSigtermIsAnnouncedAndFinishes) {
+  TempDir tmp("serve-drain");
+  Config cfg;
+  ModelConfig& m = cfg.model;
+  m.vocab = 256;
+  m.d_model = 256;
+  m.heads = 4;
+  m.context = 1024;
+  m.layers = 4;
+  m.slots = 1;
+  m.rre_layers = 0;
+  m.groups.clear();
+  m.domains = {{"prose", "prose", 0}};
+  {
+    Model model(m, 7);
+    save_checkpoint(tmp / "ckpt", cfg, model, nullptr, TrainerState{});
+  }
+  const std::string out = tmp / "serve.out";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1), dup2(fd, 2);
+    setenv("OMP_NUM_THREADS", "1", 1);
+    const std::string c = tmp / "ckpt";
+    execl(SIGMA_BINARY, SIGMA_BINARY, "serve", "--ckpt", c.c_str(), "--port", "0", "--slots", "1",
+          "--drain-timeout", "600", nullptr);
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  const auto t0 = Clock::now();
+  while (slurp(out).find("sigma serve: ready") == std::string::npos && Clock::now() - t0 < std::chrono::seconds(120))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::string log = slurp(out);
+  const size_t at = log.find("listening on http://127.0.0.1:");
+  ASSERT_NE(at, std::string::npos) << log;
+  const int port = std::stoi(log.substr(at + 30));
+  std::atomic<bool> first{false};
+  std::string body;
+  int status = 0;
+  std::thread client([&] {
+    httplib::Client cli("127.0.0.1", port);
+    cli.set_read_timeout(600, 0);
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.body = json{{"prompt", {5}}, {"max_tokens", 1000}, {"stream", true}}.dump();
+    req.set_header("Content-Type", "application/json");
+    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      body.append(data, n);
+      first = true;
+      return true;
+    };
+    const auto res = cli.send(req);
+    status = res ? res->status : -1;
+  });
+  while (!first && Clock::now() - t0 < std::chrono::seconds(300))
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  kill(pid, SIGTERM);
+  client.join();
+  int wst = 0;
+  waitpid(pid, &wst, 0);
+  log = slurp(out);
+  EXPECT_TRUE(WIFEXITED(wst) && WEXITSTATUS(wst) == 0) << log;
+  EXPECT_NE(log.find("SIGTERM received: finishing the 1 request in flight; any still running after "
+                     "600 s is cut (--drain-timeout)"), std::string::npos) << log;
+  EXPECT_EQ(log.find("no request in flight"), std::string::npos) << log;
+  EXPECT_NE(log.find("sigma serve: stopped"), std::string::npos) << log;
+  EXPECT_EQ(status, 200);
+  // Every token streamed (a model without a tokenizer writes each as " ID"), then the end.
+  std::string text, finish;
+  for (size_t p = 0; (p = body.find("data: {", p)) != std::string::npos; ++p) {
+    const json j = json::parse(body.substr(p + 6, body.find('\n', p) - p - 6));
+    const json& c = j["choices"][0];
+    if (c.contains("finish_reason") && c["finish_reason"].is_string()) finish = c["finish_reason"];
+    if (c.contains("text")) text += c["text"].get<std::string>();
+  }
+  EXPECT_EQ(finish, "length") << body.substr(body.size() > 2000 ? body.size() - 2000 : 0);
+  EXPECT_EQ(std::count(text.begin(), text.end(), ' '), 1000) << "tokens streamed";
+  EXPECT_NE(body.find("data: [DONE]"), std::string::npos);
+}
