@@ -11,8 +11,11 @@
 //   bench_gemv [--d 512] [--layers 8] [--samples 15] [--isa best|avx512vnni|avx512|avx2|portable]
 //              [--vocab V]  (V > 0: also the tied head's [V, d] product, gemv_nt, per token)
 //              [--clock wall|cpu]  (cpu: the thread's CPU time; with OMP_NUM_THREADS=1 only)
+//              [--hugepages 0|1]  (1: the weights in 2 MiB-aligned memory with madvise(MADV_HUGEPAGE),
+//                                  transparent huge pages where the system allows them)
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -50,6 +53,18 @@ struct Shape {
 
 volatile float g_sink;
 
+// n elements of T, 2 MiB-aligned, optionally marked for transparent huge pages (never freed: the
+// process ends with the benchmark).
+template <class T>
+T* weights_alloc(size_t n, bool huge) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t bytes = (n * sizeof(T) + kHuge - 1) / kHuge * kHuge;
+  T* p = static_cast<T*>(std::aligned_alloc(kHuge, bytes));
+  if (!p) std::abort();
+  if (huge) ::madvise(p, bytes, MADV_HUGEPAGE);  // a hint
+  return p;
+}
+
 // Sum of n floats over the threads (the read bandwidth).
 void read_all(const float* a, int64_t n) {
 #pragma omp parallel
@@ -76,6 +91,7 @@ int main(int argc, char** argv) {
   int64_t d = 512, layers = 8, vocab = 0;
   int samples = 15;
   sigma::cpu::GemvIsa isa = sigma::cpu::GemvIsa::Best;
+  bool huge = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--isa") {
@@ -93,13 +109,14 @@ int main(int argc, char** argv) {
       g_cpu_clock = std::string(argv[i + 1]) == "cpu";
       continue;
     }
-    if (k == "--d") d = std::atol(argv[i + 1]);
+    if (k == "--hugepages") huge = std::atoi(argv[i + 1]) != 0;
+    else if (k == "--d") d = std::atol(argv[i + 1]);
     else if (k == "--layers") layers = std::atol(argv[i + 1]);
     else if (k == "--samples") samples = std::atoi(argv[i + 1]);
     else if (k == "--vocab") vocab = std::atol(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: bench_gemv [--d 512] [--layers 8] [--samples 15] "
-                           "[--isa best|avx512vnni|avx512|avx2|portable] [--vocab 0] [--clock wall|cpu]\n");
+                           "[--isa best|avx512vnni|avx512|avx2|portable] [--vocab 0] [--clock wall|cpu] [--hugepages 0|1]\n");
       return 2;
     }
   }
@@ -115,44 +132,45 @@ int main(int argc, char** argv) {
   int64_t total = 0;
   for (Shape s : shapes) total += s.in * s.out;
   const size_t n = size_t(total), nx = size_t(std::max(4 * d, vocab));
-  std::vector<float> w(n), x(nx, 0.01f), y(nx);
-  std::vector<uint16_t> w16(n);
-  std::vector<int8_t> w8(n);
+  std::vector<float> x(nx, 0.01f), y(nx);
+  float* w = weights_alloc<float>(n, huge);
+  uint16_t* w16 = weights_alloc<uint16_t>(n, huge);
+  int8_t* w8 = weights_alloc<int8_t>(n, huge);
   int64_t columns = 0;  // int8: a scale per column of each matrix
   for (Shape s : shapes) columns += s.out;
   std::vector<float> scale(size_t(columns), 1e-3f);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < total; ++i) {
-    w[size_t(i)] = float(i % 97) * 1e-3f;
-    w16[size_t(i)] = sigma::to_bf16(w[size_t(i)]);
-    w8[size_t(i)] = int8_t(i % 97 - 48);
+    w[i] = float(i % 97) * 1e-3f;
+    w16[i] = sigma::to_bf16(w[i]);
+    w8[i] = int8_t(i % 97 - 48);
   }
   auto token = [&](int kind) {  // 0: gemv fp32, 1: gemv bf16, 2: oneDNN fp32, 3: read, 4: int8
-    if (kind == 3) return read_all(w.data(), total);
+    if (kind == 3) return read_all(w, total);
     int64_t off = 0, col = 0;
     for (Shape s : shapes) {
       if (s.head) {  // y[out] = w[out, in] x
-        if (kind == 0) sigma::cpu::gemv_nt(y.data(), x.data(), w.data() + off, 1, s.in, s.out, s.in, s.in, s.out);
-        if (kind == 1) sigma::cpu::gemv_nt(y.data(), x.data(), w16.data() + off, 1, s.in, s.out, s.in, s.in, s.out);
+        if (kind == 0) sigma::cpu::gemv_nt(y.data(), x.data(), w + off, 1, s.in, s.out, s.in, s.in, s.out);
+        if (kind == 1) sigma::cpu::gemv_nt(y.data(), x.data(), w16 + off, 1, s.in, s.out, s.in, s.in, s.out);
         if (kind == 2)
-          sigma::cpu::gemm(false, true, 1, s.out, s.in, 1.0f, x.data(), s.in, w.data() + off, s.in,
+          sigma::cpu::gemm(false, true, 1, s.out, s.in, 1.0f, x.data(), s.in, w + off, s.in,
                            0.0f, y.data(), s.out);
         if (kind == 4)
-          sigma::cpu::gemv_nt(y.data(), x.data(), w8.data() + off, scale.data() + col, 1, s.in,
+          sigma::cpu::gemv_nt(y.data(), x.data(), w8 + off, scale.data() + col, 1, s.in,
                               s.out, s.in, s.in, s.out);
         off += s.in * s.out;
         col += s.out;
         continue;
       }
       if (kind == 0)
-        sigma::cpu::gemv_nn(y.data(), x.data(), w.data() + off, nullptr, 1, s.in, s.out, false, {});
+        sigma::cpu::gemv_nn(y.data(), x.data(), w + off, nullptr, 1, s.in, s.out, false, {});
       if (kind == 1)
-        sigma::cpu::gemv_nn(y.data(), x.data(), w16.data() + off, nullptr, 1, s.in, s.out, false, {});
+        sigma::cpu::gemv_nn(y.data(), x.data(), w16 + off, nullptr, 1, s.in, s.out, false, {});
       if (kind == 2)
-        sigma::cpu::gemm(false, false, 1, s.out, s.in, 1.0f, x.data(), s.in, w.data() + off, s.out,
+        sigma::cpu::gemm(false, false, 1, s.out, s.in, 1.0f, x.data(), s.in, w + off, s.out,
                          0.0f, y.data(), s.out);
       if (kind == 4)
-        sigma::cpu::gemv_nn(y.data(), x.data(), w8.data() + off, scale.data() + col, nullptr, 1,
+        sigma::cpu::gemv_nn(y.data(), x.data(), w8 + off, scale.data() + col, nullptr, 1,
                             s.in, s.out, false, {});
       off += s.in * s.out;
       col += s.out;
@@ -168,10 +186,10 @@ int main(int argc, char** argv) {
                                      : double(total) * (kind == 1 ? 2 : 4);
       if (s > 0) gbs[size_t(kind)].push_back(bytes / dt * 1e-9);
     }
-  std::printf("{\"isa\":\"%s\",\"clock\":\"%s\",\"d\":%ld,\"layers\":%ld,\"threads\":%d,\"weights\":%ld,\"gemv_fp32_gbs\":%.2f,"
+  std::printf("{\"isa\":\"%s\",\"clock\":\"%s\",\"hugepages\":%d,\"d\":%ld,\"layers\":%ld,\"threads\":%d,\"weights\":%ld,\"gemv_fp32_gbs\":%.2f,"
               "\"gemv_bf16_gbs\":%.2f,\"gemv_int8_gbs\":%.2f,\"onednn_fp32_gbs\":%.2f,"
               "\"read_gbs\":%.2f}\n",
-              sigma::cpu::gemv_isa_name(sigma::cpu::gemv_isa()), g_cpu_clock ? "cpu" : "wall", long(d), long(layers), omp_get_max_threads(), long(total), median(gbs[0]),
+              sigma::cpu::gemv_isa_name(sigma::cpu::gemv_isa()), g_cpu_clock ? "cpu" : "wall", int(huge), long(d), long(layers), omp_get_max_threads(), long(total), median(gbs[0]),
               median(gbs[1]), median(gbs[4]), median(gbs[2]), median(gbs[3]));
   return 0;
 }

@@ -18,7 +18,8 @@
 # plain loop and one with software prefetch into L2 as the GEMV kernel streams (on this
 # machine the prefetched read is ~1.2x the plain one, so the plain read alone understates the
 # bound). Fraction of the bound = tokens/s x bytes per token / bandwidth. Each round also
-# streams the same matrices through the GEMV kernels and oneDNN alone (bench/bench_gemv.cpp).
+# streams the same matrices through the GEMV kernels and oneDNN alone (bench/bench_gemv.cpp), on
+# huge pages as the model holds its weights (Model::use_weights).
 #
 # Every figure is printed with the machine kind (bench/machine.sh: CPU family/model and ISA) and
 # the instruction set the GEMV kernels ran on (bench_gemv's "isa"), with the load average. Where
@@ -97,7 +98,7 @@ for r in $(seq 1 "$rounds"); do
   echo "decode_bench: round $r of $rounds" >&2
   $NICE "$probe" --samples 5 | "$python" -c '
 import json, sys; r = json.loads(sys.stdin.read()); r["impl"] = "stream"; print(json.dumps(r))' >> "$results"
-  $NICE "$kernel" --samples 9 | "$python" -c '
+  $NICE "$kernel" --samples 9 --hugepages 1 | "$python" -c '
 import json, sys; r = json.loads(sys.stdin.read()); r["impl"] = "kernel"; print(json.dumps(r))' >> "$results"
   for model in dense extract; do
     # Alternate the order between rounds so that neither side always runs first.

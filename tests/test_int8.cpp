@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <vector>
 
 #include "cli_util.h"
@@ -374,6 +376,55 @@ TEST(Int8Weights, RefusesBackwardAndASecondConversion) {
   EXPECT_THROW(m.backward(b), Error);
   EXPECT_THROW(m.use_weights(WeightFormat::Bf16), Error);
   EXPECT_THROW(weight_format_from_name("int4"), Error);
+}
+
+// The copies lie in one arena whose start is 2 MiB-aligned (huge pages: Model::use_weights),
+// each 64-byte aligned, one after another without overlap, every int8 matrix's scales after it.
+TEST(Int8Weights, CopiesLieInOneAlignedArena) {
+  for (WeightFormat fmt : {WeightFormat::Bf16, WeightFormat::Int8}) {
+    Model m(decode_config(), 1);
+    m.use_weights(fmt);
+    std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // [begin, end) of each copy and scale
+    auto add = [&](const PV& pv, int64_t n, int64_t scales) {
+      const uintptr_t b = fmt == WeightFormat::Bf16 ? uintptr_t(pv.h) : uintptr_t(pv.q);
+      spans.push_back({b, b + uintptr_t(fmt == WeightFormat::Bf16 ? 2 * n : n)});
+      if (fmt == WeightFormat::Int8) spans.push_back({uintptr_t(pv.s), uintptr_t(pv.s + scales)});
+    };
+    const ModelConfig& c = m.config();
+    const ModelWeights& w = m.weights();
+    const int64_t d = c.d_model;
+    add(w.tokens, int64_t(c.slots) * c.vocab * d, int64_t(c.slots) * c.vocab);
+    for (const BlockWeights& b : w.blocks) {
+      add(b.qkv_w, ops::i8_elements(d, 3 * d), 3 * d);
+      add(b.out_w, ops::i8_elements(d, d), d);
+    }
+    ASSERT_FALSE(spans.empty());
+    std::sort(spans.begin(), spans.end());
+    EXPECT_EQ(spans.front().first % (uintptr_t(2) << 20), 0u) << weight_format_name(fmt);
+    for (size_t i = 0; i < spans.size(); ++i) {
+      EXPECT_EQ(spans[i].first % 64, 0u) << weight_format_name(fmt) << " copy " << i;
+      if (i > 0) EXPECT_LE(spans[i - 1].second, spans[i].first) << weight_format_name(fmt);
+    }
+  }
+}
+
+// The huge-page hint keeps the bytes, and where the system grants transparent huge pages
+// (not "[never]") and collapses the pages (MADV_COLLAPSE: the kernel may refuse for a while), it
+// reports every whole 2 MiB range of a host tensor.
+TEST(Int8Weights, HugePageHintKeepsTheBytes) {
+  const int64_t n = int64_t(7) << 20;
+  Tensor t(DType::U8, {n}, Device::Host);
+  for (int64_t i = 0; i < n; ++i) t.bytes()[i] = std::byte(i * 131 % 251);
+  const size_t got = ops::advise_huge_pages(t);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(t.bytes()[i], std::byte(i * 131 % 251)) << i;
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode;
+  std::getline(f, mode);
+  if (mode.empty() || mode.find("[never]") != std::string::npos)
+    GTEST_SKIP() << "transparent huge pages are off here (" << mode << "): the hint gave " << got;
+  if (got == 0) GTEST_SKIP() << "the system granted no huge page just now (a hint may fail)";
+  const uintptr_t b = uintptr_t(t.bytes()), huge = uintptr_t(2) << 20;
+  EXPECT_EQ(got, ((b + uintptr_t(n)) & ~(huge - 1)) - ((b + huge - 1) & ~(huge - 1)));
 }
 
 // The acceptance bound on a trained model, through the command line a user runs: `sigma eval

@@ -118,6 +118,9 @@ std::vector<int32_t> generate(Model& model, int domain, const std::vector<int32_
   std::unique_ptr<BatchDecoder> dec;
   const int slot = 0;
   std::vector<float> loss;
+  // Greedy without penalties: the first largest logit (sample_next's choice), one pass.
+  const bool plain_greedy = s.temperature <= 0.0f && s.repetition_penalty == 1.0f &&
+                            s.frequency_penalty == 0.0f && s.presence_penalty == 0.0f;
   for (int n = 0; n < budget; ++n) {
     const auto t0 = std::chrono::steady_clock::now();
     const float* l = nullptr;
@@ -138,8 +141,13 @@ std::vector<int32_t> generate(Model& model, int domain, const std::vector<int32_
       row = model.logits_row(int64_t(seq.size()) - 1);
       l = row.data();
     }
-    std::copy(l, l + V, logits.begin());
-    const int32_t next = sample_next(logits.data(), V, seq, s, uint64_t(n));
+    int32_t next;
+    if (plain_greedy) {  // sample_next's choice, read where the logits lie: no copy of them
+      next = int32_t(std::max_element(l, l + V) - l);
+    } else {
+      std::copy(l, l + V, logits.begin());
+      next = sample_next(logits.data(), V, seq, s, uint64_t(n));
+    }
     seq.push_back(next);
     (n == 0 ? st.prefill_seconds : st.decode_seconds) += seconds_since(t0);
     st.decode_steps += n > 0;

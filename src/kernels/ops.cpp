@@ -147,6 +147,18 @@ void zero_release(Tensor& t) {
     std::memset(reinterpret_cast<void*>(pb), 0, pe - pb);
 }
 
+size_t advise_huge_pages(Tensor& t) {
+  if (t.device() != Device::Host) return 0;
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  constexpr int kCollapse = 25;  // MADV_COLLAPSE (Linux 6.1), absent from older headers
+  const uintptr_t b = uintptr_t(t.bytes()), e = b + t.nbytes();
+  const uintptr_t hb = (b + kHuge - 1) & ~(kHuge - 1), he = e & ~(kHuge - 1);
+  if (he <= hb) return 0;
+  void* p = reinterpret_cast<void*>(hb);
+  if (madvise(p, he - hb, MADV_HUGEPAGE) != 0) return 0;  // a hint: failures are fine
+  return madvise(p, he - hb, kCollapse) == 0 ? size_t(he - hb) : 0;
+}
+
 void zero(Tensor& t) {
   if (t.device() == Device::Host) return t.zero();
   // Bytes of zero are 0.0f, 0 and +0 bf16 alike: fill as floats, then the odd tail bytes.

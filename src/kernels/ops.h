@@ -283,6 +283,12 @@ void zero(Tensor& t);                              // any device
 // zero(t), and host memory's whole pages handed back to the system (madvise): they read as
 // zeros and take no memory until written again (ZeRO-2's gradients of other ranks' tensors).
 void zero_release(Tensor& t);
+// A hint that host memory's whole 2 MiB ranges in t be backed by transparent huge pages
+// (madvise MADV_HUGEPAGE, then MADV_COLLAPSE for the pages already touched): a decode step
+// streams every weight once, and with 4 KiB pages a sequential read of them is slower (one
+// TLB miss and a new hardware-prefetch stream every 4 KiB; issue 40). Returns the bytes now in
+// huge-page ranges it asked for (0 where the system refuses, or not on the host: nothing done).
+size_t advise_huge_pages(Tensor& t);
 // Host bytes into / out of any tensor at a byte offset (bounds checked).
 void upload(Tensor& dst, const void* host_src, size_t bytes, size_t offset = 0);
 void download(void* host_dst, const Tensor& src, size_t bytes, size_t offset = 0);

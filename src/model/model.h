@@ -97,16 +97,19 @@ class Model {
   // token's forward pass streams -- QKV, attention output, the FFN and expert matrices, the
   // embedding table (the tied head and the lookup) -- becomes, with Bf16, a copy rounded to
   // nearest even, or with Int8, int8 values with one fp32 scale per output channel (a column
-  // of w[in,out]; a row of the embedding table): kernels/cpu/int8.h. One tensor at a time, each
-  // fp32 tensor is freed once converted, and every gradient is freed (F32 frees only those):
-  // the model then holds what inference reads and nothing else (held_bytes), so params()
+  // of w[in,out]; a row of the embedding table): kernels/cpu/int8.h. The copies lie in one
+  // arena on huge pages (allocated first: at the peak the fp32 weights and every copy are
+  // held), each fp32 tensor is freed once converted, and every gradient is freed (F32 frees
+  // only those; its matrices get the huge-page hint where they lie): the model then holds
+  // what inference reads and nothing else (held_bytes), so params()
   // holds empty values for the converted matrices. Activations, biases, LayerNorms, the
   // position and query tables, a learned gate, products and sums stay fp32. backward() is
   // refused from then on. Once per model; not for experts in a store.
   void use_weights(WeightFormat f);
   WeightFormat weight_format() const { return format_; }
   // Bytes of every tensor the model holds for its weights: parameter values and gradients,
-  // buffers (routing tables), and the inference copies with their scales.
+  // buffers (routing tables), and the inference copies with their scales (not the padding that
+  // aligns them in their arena: under 2 MiB, and 64 bytes a matrix).
   int64_t held_bytes() const;
 
   // Expert group index of a domain (index into config().groups), -1 when the model has no groups.
@@ -242,10 +245,14 @@ class Model {
   Remat remat_ = Remat::None;
   std::unique_ptr<ModelWeights> w_;
   // use_weights: the copies by parameter name (device): values, and int8 scales.
+  // Each copy lies in arena_ (one tensor, its copies' start 2 MiB-aligned: huge pages).
   struct WeightCopy {
-    Tensor data, scale;
+    std::byte* data = nullptr;
+    float* scale = nullptr;  // int8 only
   };
   std::map<std::string, WeightCopy> copies_;
+  Tensor arena_;
+  int64_t copy_bytes_ = 0;  // the copies' and scales' bytes (held_bytes; not the arena's padding)
   WeightFormat format_ = WeightFormat::F32;
   bool inference_ = false;
   void attach_copies();
