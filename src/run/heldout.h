@@ -46,9 +46,11 @@ struct DomainSums {
 
 // Mean masked loss per domain over the source's held-out batches (the model's expert
 // executor makes each batch's experts usable first: ECSS binds them from its store).
-// `on_batch(rows)` after each batch (progress).
+// `on_batch(rows)` after each batch (progress). The passes run on `acts` (a training step's,
+// between steps: no second set of buffers), else on the model's own.
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
                                  int rows_per_domain,
-                                 const std::function<void(int rows)>& on_batch = {});
+                                 const std::function<void(int rows)>& on_batch = {},
+                                 Activations* acts = nullptr);
 
 }  // namespace sigma

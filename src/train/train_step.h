@@ -97,6 +97,19 @@ class TrainStep {
   // Completes a deferred gather (with dist.zero = 3: gathers every value): every rank's
   // parameters hold the owners' values.
   void settle();
+  // Forward passes between steps (held-out evaluation): `passes` runs them, on the step's own
+  // activations (no second set). With dist.zero = 3 they read the parameters as the training
+  // forward does: each stage's values gathered from their owners just before it is read and
+  // released after (Model::set_params_needed / set_params_done), so no rank holds every value
+  // at once; the same owners' bits as settle() then a plain forward. Otherwise settle() first.
+  // Every rank calls it with the same passes (the gathers are collective).
+  void forward_only(const std::function<void(Activations&)>& passes);
+  // Completes the exchanges in flight without gathering the other ranks' values: each rank's
+  // own values and Adam state are then final (a save of each rank's owned tensors: the
+  // sharded layout under dist.zero = 3, train/checkpoint_sharded.h). settle() otherwise.
+  void settle_owned();
+  // Whether a rank holds only the values it owns between steps (dist.zero = 3 on R > 1 ranks).
+  bool values_sharded() const { return zero3(); }
   // Seconds this rank spent blocked in overlapped exchanges (ZeroOverlap::blocked_s).
   double overlap_blocked_s() const { return zo_ ? zo_->blocked_s() : 0.0; }
   // Fault injection for tests: called after each micro-batch's backward (may poison gradients).
