@@ -74,8 +74,10 @@ class TrainStep {
   // from its forward to its backward). With dist.overlap the next stage's gather runs while
   // the current one computes. The update writes the owners' values only, so nothing is
   // gathered after it. The gradients are sharded as with 2. The gathered values are the
-  // owners' bits: the same bits as dist.zero = 1. Anything that reads the parameters between
-  // steps calls settle() first, which gathers them whole; the next run() releases them again.
+  // owners' bits: the same bits as dist.zero = 1. The held-out evaluation reads them stage by
+  // stage too (forward_only); a sharded save needs only each rank's own (settle_owned).
+  // Anything else that reads the parameters between steps calls settle() first, which gathers
+  // them whole; the next run() releases them again.
   void set_zero_stage(int stage) { zero_ = stage; }
   // dist.overlap: ZeRO's exchanges hidden behind compute (parallel/zero_overlap.h). Each stage
   // of the last micro-batch's backward starts its gradients' reduction as soon as it is
