@@ -8,7 +8,7 @@ namespace sigma {
 
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
                                  int rows_per_domain, const std::function<void(int rows)>& on_batch,
-                                 std::span<const int32_t> token_bytes) {
+                                 std::span<const int32_t> token_bytes, Activations* acts) {
   // The source's domains are scored as the model's domains of the same names.
   const auto names = data.domains();
   std::vector<int32_t> to_model;
@@ -25,7 +25,10 @@ std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, in
     for (auto& d : mb.domain) d = to_model[size_t(d)];
     model.expert_executor().begin_step({&mb, 1});  // ECSS: bind the experts it routes to
     token_loss.resize(size_t(b.B) * b.T);
-    model.forward(mb, token_loss.data());
+    if (acts)
+      model.forward(mb, *acts, token_loss.data());
+    else
+      model.forward(mb, token_loss.data());
     sums.add(b, token_loss);
     if (!token_bytes.empty())
       for (size_t i = 0; i < b.targets.size(); ++i) {

@@ -56,11 +56,13 @@ struct DomainSums {
 // executor makes each batch's experts usable first: ECSS binds them from its store).
 // `on_batch(rows)` after each batch (progress). `token_bytes` (indexed by token id; empty:
 // none): the bytes each token's text has, summed over the scored targets into
-// DomainLoss::bytes (token_byte_counts).
+// DomainLoss::bytes (token_byte_counts). The passes run on `acts` (a training step's, between
+// steps: no second set of buffers), else on the model's own.
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
                                  int rows_per_domain,
                                  const std::function<void(int rows)>& on_batch = {},
-                                 std::span<const int32_t> token_bytes = {});
+                                 std::span<const int32_t> token_bytes = {},
+                                 Activations* acts = nullptr);
 
 // The UTF-8 bytes each id of the tokenizer file `path` decodes to, a control token counting
 // none (its name is not text): the byte count of held-out windows of token ids.

@@ -214,6 +214,10 @@ void snapshot_checkpoint(SaveSnapshot& files, Config& cfg, const Model& model, c
   if (experts) files.add_first(experts->checkpoint_later());
 }
 
+bool saves_sharded(const Config& cfg, int ranks, const ExpertFiles* experts) {
+  return cfg.dist.ckpt_layout == "sharded" && ranks > 1 && (!experts || experts->shardable());
+}
+
 std::string save_checkpoint(const std::string& root, Config& cfg, const Model& model,
                             const AdamW* opt, const TrainerState& st,
                             const std::string& tokenizer_path, ExpertFiles* experts,
@@ -223,8 +227,7 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   const int R = c.size(), me = c.rank();
   // dist.ckpt_layout = sharded: each rank its own pieces (train/checkpoint_sharded.h). The
   // experts must be able to go as pieces (expert parallel; ECSS runs in one process).
-  if (cfg.dist.ckpt_layout == "sharded" && R * (tp ? tp->size() : 1) > 1 &&
-      (!experts || experts->shardable()))
+  if (saves_sharded(cfg, R * (tp ? tp->size() : 1), experts))
     return save_sharded_checkpoint(root, cfg, model, opt, st, tokenizer_path, experts, c,
                                    tp ? *tp : one);
   // Tensor parallelism: the group assembles the whole tensors, its rank 0 writes them as a

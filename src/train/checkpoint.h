@@ -30,6 +30,11 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
                             ExpertFiles* experts = nullptr, Communicator* comm = nullptr,
                             Communicator* tp = nullptr);
 
+// Whether save_checkpoint writes the sharded layout (each rank its own pieces): dist.ckpt_layout
+// = sharded on more than one rank (`ranks`: data ranks times tp ranks), with experts that can
+// go as pieces. Under dist.zero = 3 that save reads only each rank's own values.
+bool saves_sharded(const Config& cfg, int ranks, const ExpertFiles* experts);
+
 // trainer.json (step, tokens, config, data cursor, origin), the tokenizer and the data
 // registry: the files rank 0 adds to every checkpoint, whatever its layout.
 void add_run_files(CheckpointWriter& w, Config& cfg, const TrainerState& st,

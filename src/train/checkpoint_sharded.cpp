@@ -7,6 +7,7 @@
 #include <numeric>
 #include <optional>
 
+#include "core/error.h"
 #include "io/checkpoint_dir.h"
 #include "io/checkpoint_shards.h"
 #include "kernels/ops.h"
@@ -80,14 +81,17 @@ double elements(const std::vector<TensorRef>& refs) {
 
 // This rank's weight and Adam pieces of the model's parameters.
 void add_params(ShardContents& out, const Model& model, const AdamW* opt, const Deal& deal,
-                int data_rank, int tp_rank, int P) {
+                int data_rank, int tp_rank, int P, bool values_owned) {
   const auto& ps = model.params().all();
   for (size_t i = 0; i < ps.size(); ++i) {
     const TpSplit s = P > 1 ? tp_split(model.config(), ps[i].name) : TpSplit{};
     const TensorPiece piece = s.replicated() ? TensorPiece{}
                                              : TensorPiece{s.dim, s.parts, P, tp_rank, 0, 0, 0};
     const bool split = !s.replicated();
-    if (deal.data_rank[i] == data_rank && (split || deal.tp_rank[i] == tp_rank)) {
+    // dist.zero = 3 (values_owned): each value with its ZeRO owner, the only rank holding it.
+    const bool mine = values_owned ? opt->owns(i) && (split || deal.adam_tp[i] == tp_rank)
+                                   : deal.data_rank[i] == data_rank && (split || deal.tp_rank[i] == tp_rank);
+    if (mine) {
       out.model.push_back(host_view(ps[i].name, ps[i].value, out.keep));
       if (split) out.model_pieces[ps[i].name] = piece;
     }
@@ -144,7 +148,11 @@ std::string save_sharded_checkpoint(const std::string& root, Config& cfg, const 
   std::vector<double> bases(static_cast<size_t>(P)), all_bases(static_cast<size_t>(R));
   tp.all_gather(bases.data(), &base, 1);
   data.all_gather(all_bases.data(), bases.data(), size_t(P));  // rank i's at i
-  add_params(mine, model, opt, deal(model, D, P, std::move(all_bases)), dr, tr, P);
+  // dist.zero = 3: a rank holds only the values it owns between steps (train/train_step.h),
+  // so each goes with its Adam state (the deal's tp rank for a replicated one) instead.
+  const bool values_owned = cfg.dist.zero == 3 && D > 1;
+  SIGMA_CHECK(!values_owned || opt, "a dist.zero = 3 save needs the optimizer (who owns what)");
+  add_params(mine, model, opt, deal(model, D, P, std::move(all_bases)), dr, tr, P, values_owned);
   if (lead)
     for (const Buffer& b : model.buffers().all()) mine.model.push_back(tensor_ref(b.name, b.value));
 

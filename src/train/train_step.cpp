@@ -359,6 +359,44 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   return r;
 }
 
+void TrainStep::settle_owned() {
+  if (!zero3()) return settle();
+  if (zo_) zo_->finish_gathers();  // prefetches only: their stages are released below
+  std::fill(pending_.begin(), pending_.end(), 0);
+  for (size_t s = 0; s < held_.size(); ++s)
+    if (held_[s]) release_stage(s);
+}
+
+void TrainStep::forward_only(const std::function<void(Activations&)>& passes) {
+  if (!zero3()) {
+    settle();
+    passes(acts_);
+    return;
+  }
+  settle_owned();
+  struct Unhook {
+    Model& m;
+    TrainStep& t;
+    ~Unhook() {
+      m.set_params_needed({});
+      m.set_params_done({});
+      t.settle_owned();  // back to this rank's own values, nothing in flight
+    }
+  } unhook{model_, *this};
+  const size_t L = model_.param_stages().size() - 2;
+  const bool polls = zo_ && overlap_polls();
+  at_ = 0;
+  // The forward's stages are order_'s first L + 2; a forward starts with the embeddings
+  // (L + 1) anywhere but at the tied head (order_[L + 2]), where the prefetch restarts.
+  model_.set_params_needed([&, L](size_t stage) {
+    if (stage == L + 1 && at_ != L + 2) at_ = 0;
+    need_stage(stage);
+    if (polls) zo_->progress();
+  });
+  model_.set_params_done([&](size_t stage) { release_stage(stage); });
+  passes(acts_);
+}
+
 void TrainStep::settle() {
   if (zo_) zo_->finish_gathers();
   if (!zero3() || std::all_of(held_.begin(), held_.end(), [](uint8_t h) { return h != 0; }))

@@ -74,8 +74,10 @@ class TrainStep {
   // from its forward to its backward). With dist.overlap the next stage's gather runs while
   // the current one computes. The update writes the owners' values only, so nothing is
   // gathered after it. The gradients are sharded as with 2. The gathered values are the
-  // owners' bits: the same bits as dist.zero = 1. Anything that reads the parameters between
-  // steps calls settle() first, which gathers them whole; the next run() releases them again.
+  // owners' bits: the same bits as dist.zero = 1. The held-out evaluation reads them stage by
+  // stage too (forward_only); a sharded save needs only each rank's own (settle_owned).
+  // Anything else that reads the parameters between steps calls settle() first, which gathers
+  // them whole; the next run() releases them again.
   void set_zero_stage(int stage) { zero_ = stage; }
   // dist.overlap: ZeRO's exchanges hidden behind compute (parallel/zero_overlap.h). Each stage
   // of the last micro-batch's backward starts its gradients' reduction as soon as it is
@@ -97,6 +99,19 @@ class TrainStep {
   // Completes a deferred gather (with dist.zero = 3: gathers every value): every rank's
   // parameters hold the owners' values.
   void settle();
+  // Forward passes between steps (held-out evaluation): `passes` runs them, on the step's own
+  // activations (no second set). With dist.zero = 3 they read the parameters as the training
+  // forward does: each stage's values gathered from their owners just before it is read and
+  // released after (Model::set_params_needed / set_params_done), so no rank holds every value
+  // at once; the same owners' bits as settle() then a plain forward. Otherwise settle() first.
+  // Every rank calls it with the same passes (the gathers are collective).
+  void forward_only(const std::function<void(Activations&)>& passes);
+  // Completes the exchanges in flight without gathering the other ranks' values: each rank's
+  // own values and Adam state are then final (a save of each rank's owned tensors: the
+  // sharded layout under dist.zero = 3, train/checkpoint_sharded.h). settle() otherwise.
+  void settle_owned();
+  // Whether a rank holds only the values it owns between steps (dist.zero = 3 on R > 1 ranks).
+  bool values_sharded() const { return zero3(); }
   // Seconds this rank spent blocked in overlapped exchanges (ZeroOverlap::blocked_s).
   double overlap_blocked_s() const { return zo_ ? zo_->blocked_s() : 0.0; }
   // Fault injection for tests: called after each micro-batch's backward (may poison gradients).

@@ -560,14 +560,17 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
 // Every rank calls it (the forward passes may be collective).
 // Its wall time goes to eval_s_, not to the training's tokens/s.
 std::vector<DomainLoss> RunLoop::held_out_losses() {
-  step_->settle();
   const Clock::time_point t0 = Clock::now();
   if (!held_out_ && !cfg_.data.eval_path.empty())
     held_out_ = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
-  auto losses = evaluate(*model_, held_out_ ? *held_out_ : *data_, cfg_.train.batch,
-                         cfg_.model.context, cfg_.train.eval_rows);
+  std::vector<DomainLoss> out;
+  // The step's activations and, under dist.zero = 3, its per-stage gathers: nothing whole.
+  step_->forward_only([&](Activations& acts) {
+    out = evaluate(*model_, held_out_ ? *held_out_ : *data_, cfg_.train.batch,
+                   cfg_.model.context, cfg_.train.eval_rows, {}, {}, &acts);
+  });
   eval_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
-  return losses;
+  return out;
 }
 
 // A progress line, a metrics.jsonl record, and the window's expert load into the run's; with
@@ -650,7 +653,11 @@ nlohmann::json RunLoop::exchange_since_last(int64_t steps) {
 
 // Between steps: the store holds exactly this step's experts.
 void RunLoop::checkpoint() {
-  step_->settle();
+  // Under dist.zero = 3 the sharded layout writes each rank's own values: none gathered whole.
+  if (!saver_ && saves_sharded(cfg_, comm_.size() * grid_->tensor().size(), expert_files()))
+    step_->settle_owned();
+  else
+    step_->settle();
   state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
   if (run_dir_) run_dir_->sync_metrics();  // the records up to it as durable as the checkpoint
   if (!saver_) {
@@ -686,7 +693,7 @@ void RunLoop::after_save() {
 }
 
 TrainSummary RunLoop::finish() {
-  step_->settle();
+  step_->settle_owned();  // the evaluation below gathers what it reads (forward_only)
   collect_save(true);  // the last checkpoint is committed before the run reports its end
   TrainSummary sum;
   sum.stopped_by = stopped_by_;
