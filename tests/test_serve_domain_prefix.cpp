@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "cli_util.h"
+#include "prose_python_run.h"
 #include "data/tokenizer.h"
 #include "run/checkpoint.h"
 #include "serve/server.h"
@@ -29,25 +30,10 @@ class ServePrefix : public ::testing::Test {
  public:
   static void SetUpTestSuite() {
     dir = new TempDir("serve-prefix");
-    std::ofstream c(*dir / "corpus.jsonl");
-    for (int i = 0; i < 6; ++i) {
-      c << json{{"domain", "prose"}, {"text", "the cat is sleeping and the dog runs fast."}}.dump() << "\n";
-      c << json{{"domain", "python"}, {"text", "def add(a, b):\n    return a + b\n"}}.dump() << "\n";
-    }
-    c.close();
-    auto r = sigma_cmd("tokenizer train --corpus " + *dir / "corpus.jsonl" + " --vocab-size 320 --out " + *dir / "tok.json");
-    ASSERT_EQ(r.code, 0) << r.out;
-    std::ofstream(*dir / "data.json") << json{
-        {"tokenizer", "tok.json"}, {"corpus", {"corpus.jsonl"}},
-        {"domains", {{{"name", "prose"}}, {{"name", "python"}, {"prefix", {"<Python>"}}}}}}.dump();
-    r = sigma_cmd("prepare --config " + *dir / "data.json" + " --out " + *dir / "shards");
-    ASSERT_EQ(r.code, 0) << r.out;
-    r = sigma_cmd("train --quiet --set data.source=shards --set data.path=" + *dir / "shards" +
-                  " --set model.d_model=32 --set model.heads=2 --set model.layers=2 --set model.context=32"
-                  " --set model.rre_layers=1 --set 'model.groups=[{\"name\":\"prose\",\"experts\":1},"
-                  "{\"name\":\"python\",\"experts\":1}]' --set train.batch=4 --set train.steps=3"
-                  " --set train.eval_rows=2 --out " + *dir / "run");
-    ASSERT_EQ(r.code, 0) << r.out;
+    ASSERT_EQ(make_prose_python_run(*dir, 320,
+                                    "--set model.d_model=32 --set model.heads=2 --set model.layers=2 --set model.context=32 "
+                                    "--set model.rre_layers=1 --set train.batch=4 --set train.steps=3 --set train.eval_rows=2"),
+              "");
   }
   static void TearDownTestSuite() { delete dir; }
   static std::string ckpt() { return *dir / "run/checkpoints"; }

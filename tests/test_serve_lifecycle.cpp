@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "cli_util.h"
+#include "prose_python_run.h"
 #include "io/checkpoint_dir.h"
 #include "io/file.h"
 #include "kernels/ops.h"
@@ -36,25 +37,10 @@ class ServeLoad : public ::testing::Test {
  public:
   static void SetUpTestSuite() {
     dir = new TempDir("serve-load");
-    std::ofstream c(*dir / "corpus.jsonl");
-    for (int i = 0; i < 6; ++i) {
-      c << json{{"domain", "prose"}, {"text", "the cat is sleeping and the dog runs fast."}}.dump() << "\n";
-      c << json{{"domain", "python"}, {"text", "def add(a, b):\n    return a + b\n"}}.dump() << "\n";
-    }
-    c.close();
-    auto r = sigma_cmd("tokenizer train --corpus " + *dir / "corpus.jsonl" + " --vocab-size 300 --out " + *dir / "tok.json");
-    ASSERT_EQ(r.code, 0) << r.out;
-    std::ofstream(*dir / "data.json") << json{
-        {"tokenizer", "tok.json"}, {"corpus", {"corpus.jsonl"}},
-        {"domains", {{{"name", "prose"}}, {{"name", "python"}, {"prefix", {"<Python>"}}}}}}.dump();
-    r = sigma_cmd("prepare --config " + *dir / "data.json" + " --out " + *dir / "shards");
-    ASSERT_EQ(r.code, 0) << r.out;
-    r = sigma_cmd("train --quiet --set data.source=shards --set data.path=" + *dir / "shards" +
-                  " --set model.d_model=16 --set model.heads=2 --set model.layers=1 --set model.context=16"
-                  " --set model.rre_layers=1 --set 'model.groups=[{\"name\":\"prose\",\"experts\":1},"
-                  "{\"name\":\"python\",\"experts\":1}]' --set train.batch=2 --set train.steps=4"
-                  " --set train.ckpt_every=2 --set train.eval_rows=2 --out " + *dir / "run");
-    ASSERT_EQ(r.code, 0) << r.out;
+    ASSERT_EQ(make_prose_python_run(*dir, 300,
+                                    "--set model.d_model=16 --set model.heads=2 --set model.layers=1 --set model.context=16 "
+                                    "--set model.rre_layers=1 --set train.batch=2 --set train.steps=4 --set train.ckpt_every=2 --set train.eval_rows=2"),
+              "");
   }
   static void TearDownTestSuite() { delete dir; }
   // A fresh copy of the run's checkpoints/ whose `latest` names step 2, as before step 4's save.
