@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Communication hidden behind compute (dist.overlap, docs/distributed.md): the exposed
 # communication time per step with and without overlap, on the simulated cluster
-# (scripts/sim-cluster.sh: 2 hosts x 2 ranks, links shaped to each RATE), side by side in the
+# (scripts/sim-cluster.sh: 2 hosts x SLOTS ranks, links shaped to each RATE), side by side in the
 # same rounds. As root, from the repository root, after a build:
 #
 #   bench/overlap_bench.sh build/sigma [ROUNDS=3] [RATE...=1gbit 10gbit]
@@ -19,7 +19,8 @@
 # the bits of the one without (model.safetensors compared byte for byte).
 #
 # Environment: D (d_model, 512), LAYERS (4), HEADS (8), CONTEXT (64), BATCH (rows per
-# micro-batch, 4), K (micro-batches per rank, 1), TP (1 or 2), RRE (model.rre_layers, 0),
+# micro-batch, 4), K (micro-batches per rank, 1), TP (1 or 2), SLOTS (ranks per host, 2; 1 gives
+# each rank a core of this 2-core machine to itself), RRE (model.rre_layers, 0),
 # STEPS (14), WARM (4), EXTRA (more --set arguments for every run), MPI_ARGS (more mpirun
 # arguments for the cluster runs, e.g. "--mca btl_tcp_progress_thread 1"), POLL (0 sets
 # SIGMA_OVERLAP_POLL=0: no tests of the exchanges at layer boundaries).
@@ -33,9 +34,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 D=${D:-512} LAYERS=${LAYERS:-4} HEADS=${HEADS:-8} CONTEXT=${CONTEXT:-64} BATCH=${BATCH:-4}
 K=${K:-1} TP=${TP:-1} RRE=${RRE:-0} STEPS=${STEPS:-14} WARM=${WARM:-4} EXTRA=${EXTRA:-}
-MPI_ARGS=${MPI_ARGS:-} POLL=${POLL:-1}
-((TP == 1 || TP == 2)) || { echo "TP=$TP: 1 or 2" >&2; exit 2; }
-DP=$((4 / TP))
+MPI_ARGS=${MPI_ARGS:-} POLL=${POLL:-1} SLOTS=${SLOTS:-2}
+((TP == 1 || TP == 2)) && ((SLOTS % TP == 0)) || { echo "TP=$TP: 1 or 2, dividing SLOTS=$SLOTS" >&2; exit 2; }
+DP=$((2 * SLOTS / TP))
 tmp=$(mktemp -d /tmp/overlap-bench.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 
@@ -56,7 +57,7 @@ print(hashlib.sha256(b[8 + n:]).hexdigest())' "$1"
 }
 
 echo "machine: $("$here/machine.sh"), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "model: d=$D layers=$LAYERS heads=$HEADS context=$CONTEXT rre_layers=$RRE, $BATCH rows x $K micro-batches per rank; tp $TP x dp $DP on 2 hosts x 2 ranks; $STEPS steps (median after $WARM); poll=$POLL; mpirun args: ${MPI_ARGS:-none}"
+echo "model: d=$D layers=$LAYERS heads=$HEADS context=$CONTEXT rre_layers=$RRE, $BATCH rows x $K micro-batches per rank; tp $TP x dp $DP on 2 hosts x $SLOTS ranks; $STEPS steps (median after $WARM); poll=$POLL; mpirun args: ${MPI_ARGS:-none}"
 declare -A exposed=() steps=()
 refs=() same=0 compared=0
 for ((r = 1; r <= rounds; r++)); do

@@ -1,7 +1,7 @@
 # Shared by the benchmarks that time training runs on the simulated cluster
 # (bench/overlap_bench.sh, bench/step_model_check.sh); sourced, not run. The caller sets
 # `sigma`, `root`, `tmp`, `WARM`, `model` (the --set arguments of every run), `TP`, `DP`, `K`
-# and `mpi_x` (mpirun -x arguments).
+# and `mpi_x` (mpirun -x arguments); `SLOTS` (ranks per host, 2 unless set).
 
 # Median step time in ms of a metrics.jsonl, over the steps after the first WARM.
 step_ms() {
@@ -17,7 +17,7 @@ PY
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
 
 # The compute reference: DP independent copies of one tp group, at the same time, so that the
-# machine's cores are shared as in the 4-rank runs; each runs the same micro-batches per rank.
+# machine's cores are shared as in the cluster runs; each runs the same micro-batches per rank.
 # Prints the median of their step times (ms).
 reference() {
   local pids=() i
@@ -41,12 +41,12 @@ reference() {
   median "${t[@]}"
 }
 
-# cluster RATE OVERLAP OUT [STATS]: a 2 hosts x 2 ranks run (RATE "none": links not shaped),
+# cluster RATE OVERLAP OUT [STATS]: a 2 hosts x SLOTS ranks run (RATE "none": links not shaped),
 # its log in OUT.log, per-host byte counters in STATS; prints its step time (ms).
 cluster() {
   local rate=()
   [[ "$1" == none ]] || rate=(--bandwidth "$1")
-  "$root/scripts/sim-cluster.sh" --hosts 2 --slots 2 "${rate[@]}" ${LATENCY:+--latency "$LATENCY"} \
+  "$root/scripts/sim-cluster.sh" --hosts 2 --slots "${SLOTS:-2}" "${rate[@]}" ${LATENCY:+--latency "$LATENCY"} \
     ${4:+--stats "$4"} --timeout 900 --mpirun-args "$mpi_x ${MPI_ARGS:-}" -- "$sigma" train $model \
     --set train.accum=$((DP * K)) --set dist.overlap="$2" --out "$3" >"$3.log" 2>&1 ||
     { cat "$3.log" >&2; exit 1; }
