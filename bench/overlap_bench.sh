@@ -16,7 +16,7 @@
 # A run's step time is the median over its steps after the first WARM; exposed = step time
 # minus the same round's reference. Printed: every run, then per rate and mode the median over
 # the rounds, the ratio of the medians, and whether every round's overlapped run ended with
-# the bits of the one without (model.safetensors compared byte for byte).
+# the bits of the one without (every weight tensor compared by hash, `sigma inspect --tensors`).
 #
 # Environment: D (d_model, 512), LAYERS (4), HEADS (8), CONTEXT (64), BATCH (rows per
 # micro-batch, 4), K (micro-batches per rank, 1), TP (1 or 2), SLOTS (ranks per host, 2; 1 gives
@@ -49,11 +49,13 @@ mpi_x="-x OMP_WAIT_POLICY=passive"
 
 source "$here/sim_bench_lib.sh"
 
-# A hash of a safetensors file's tensor data (its header's metadata records dist.overlap).
-tensor_sum() {
-  python3 -c 'import hashlib, struct, sys
-b = open(sys.argv[1], "rb").read(); n = struct.unpack("<Q", b[:8])[0]
-print(hashlib.sha256(b[8 + n:]).hexdigest())' "$1"
+# A hash of a checkpoint's weights, tensor by tensor in either layout (multi-rank runs save
+# sharded; `sigma inspect --tensors` assembles each tensor whole and prints a hash of its bytes).
+# A checkpoint that cannot be read hashes to its error, never to another's hash.
+weights_hash() {
+  local w
+  w=$("$sigma" inspect --ckpt "$1" --tensors 2>&1 | grep '^weights ') || { echo "unreadable: $1"; return; }
+  sha256sum <<<"$w" | cut -c1-16
 }
 
 echo "machine: $("$here/machine.sh"), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -76,8 +78,8 @@ for ((r = 1; r <= rounds; r++)); do
       echo "round $r: $rate overlap=$mode: $t ms/step, exposed $e ms"
     done
     compared=$((compared + 1))
-    ck=checkpoints/step-$(printf %08d "$STEPS")/model.safetensors
-    if [[ "$(tensor_sum "$tmp/$rate-false-$r/$ck")" == "$(tensor_sum "$tmp/$rate-true-$r/$ck")" ]]; then
+    ck=checkpoints/step-$(printf %08d "$STEPS")
+    if [[ "$(weights_hash "$tmp/$rate-false-$r/$ck")" == "$(weights_hash "$tmp/$rate-true-$r/$ck")" ]]; then
       same=$((same + 1))
     fi
     rm -rf "$tmp/$rate-false-$r" "$tmp/$rate-true-$r"

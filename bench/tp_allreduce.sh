@@ -32,7 +32,9 @@ PY
     done
     a="$work/old.tp$tp.$round" b="$work/new.tp$tp.$round"
     ck=$(cat "$a/checkpoints/latest")
-    if cmp -s "$a/checkpoints/$ck/model.safetensors" "$b/checkpoints/$ck/model.safetensors" &&
+    # Tensor by tensor in either layout (multi-rank runs save sharded), read by the new build.
+    if cmp -s <("$new" inspect --ckpt "$a/checkpoints/$ck" --tensors | grep '^weights ') \
+              <("$new" inspect --ckpt "$b/checkpoints/$ck" --tensors | grep '^weights ') &&
        cmp -s <(grep -o '"loss":[^,]*' "$a/metrics.jsonl") <(grep -o '"loss":[^,]*' "$b/metrics.jsonl"); then
       echo "tp=$tp round $round: same weights and losses"
     else
