@@ -203,6 +203,7 @@ class RunLoop {
   double exchanged_[2] = {0, 0};      // expert exchange calls and bytes at the last log
   nlohmann::json exchange_summary_;   // the whole run's, for summary.json
   nlohmann::json tp_exchange_;        // tensor parallelism: rank 0's tp traffic per step
+  nlohmann::json dp_overlap_;         // dist.overlap: rank 0's time blocked in ZeRO's exchanges
   // The logging window and this run's totals.
   DomainSums window_{0};
   double aux_window_ = 0;
@@ -723,6 +724,10 @@ TrainSummary RunLoop::finish() {
     tp_exchange_ = {{"tp", grid_->tp()}, {"calls_per_step", double(t.calls) / per},
                     {"mib_per_step_per_rank", double(t.bytes() - to_self) / per / double(1 << 20)}};
   }
+  if (const double b = step_->overlap_blocked_s(); b > 0) {  // what overlap left exposed
+    const double per = double(std::max<int64_t>(steps_this_run_, 1));
+    dp_overlap_ = {{"blocked_ms_per_step", b / per * 1e3}};
+  }
   if (stopped_by_) return sum;  // stopped early: no evaluation, no summary of an unfinished run
   if (run_dir_) run_dir_->drop_old_run();  // finished (a run of no steps saves no checkpoint)
   // The last step's train.eval_every evaluation, when there was one, is the same computation.
@@ -764,6 +769,7 @@ void RunLoop::write_summary(const TrainSummary& sum) {
   }
   if (parallel_) summary["expert_exchange"] = exchange_summary_;
   if (!tp_exchange_.is_null()) summary["tp_exchange"] = tp_exchange_;
+  if (!dp_overlap_.is_null()) summary["dp_overlap"] = dp_overlap_;
   if (!sum.expert_load.empty()) {
     summary["expert_load"] = expert_load_json(sum.expert_load, cfg_.model);
     summary["load_imbalance"] = load_imbalance_json(sum.expert_load);
