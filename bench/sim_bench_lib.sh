@@ -37,8 +37,21 @@ reference() {
   done
   for i in "${!pids[@]}"; do wait "${pids[$i]}" || { cat "$tmp/ref$i.log" >&2; exit 1; }; done
   local t=()
-  for ((i = 0; i < DP; i++)); do t+=("$(step_ms "$tmp/ref$i/metrics.jsonl")"); done
+  for ((i = 0; i < DP; i++)); do t+=("$(ref_step_ms "$tmp/ref$i")"); done
   median "${t[@]}"
+}
+
+# A reference run's step time, as a rank of the DP-rank run would spend it: a single process
+# updates the experts of every token it saw (ECSS, summary.json's ecss.update_s), where an
+# experts-parallel rank updates only its 1/DP share, so that part of the update is taken out.
+ref_step_ms() {
+  python3 - "$(step_ms "$1/metrics.jsonl")" "$1/summary.json" "$DP" <<'PY'
+import json, sys
+ms, path, dp = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+s = json.load(open(path))
+update_ms = s.get("ecss", {}).get("update_s", 0.0) / max(s["steps"], 1) * 1e3
+print(f"{ms - update_ms * (dp - 1) / dp:.1f}")
+PY
 }
 
 # cluster RATE OVERLAP OUT [STATS]: a 2 hosts x SLOTS ranks run (RATE "none": links not shaped),
