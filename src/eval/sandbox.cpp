@@ -34,8 +34,6 @@ using namespace detail;
 
 namespace {
 
-constexpr uid_t kNobody = 65534;
-
 int landlock_abi() {
   const long v = syscall(SYS_landlock_create_ruleset, nullptr, 0, LANDLOCK_CREATE_RULESET_VERSION);
   return v < 0 ? 0 : int(v);
@@ -145,20 +143,6 @@ std::string mountinfo_escape(const std::string& s) {
   return o;
 }
 
-// Processes `uid` owns now (RLIMIT_NPROC counts all of them, the evaluator's included).
-int processes_of(uid_t uid) {
-  int n = 0;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator("/proc", ec)) {
-    struct stat st{};
-    const std::string name = e.path().filename().string();
-    if (name.find_first_not_of("0123456789") == std::string::npos &&
-        stat(e.path().c_str(), &st) == 0 && st.st_uid == uid)
-      ++n;
-  }
-  return n;
-}
-
 // Supervisors started and not yet reaped (counted before their fork), and a SIGINT/SIGTERM
 // that came meanwhile.
 std::atomic<int> g_running{0};
@@ -210,7 +194,7 @@ std::string protections_text(uint16_t got, const MemoryCgroup& cg, uint64_t memo
   if (got & kPrivateRoot) s += " private-root";
   if (got & kQuota) s += " disk-quota";
   s += (got & kMemcg) ? fmt::format(" memcg-{}={}MiB", cg.version, memory >> 20) : " memory-per-process-only";
-  if (got & kNobodyUser) s += " nobody";
+  if (got & kOwnUser) s += " own-user";
   if (got & kLandlock) s += fmt::format(" landlock-abi{}", landlock_abi());
   if (got & kScoped) s += " signal-scope";
   return s + " audit-hook sentinel";
@@ -231,7 +215,7 @@ std::string stage_text(uint16_t stage) {
     case kStageRoot: return "cannot build the sample's private root";
     case kStageQuota: return "cannot mount the sample's disk quota (tmpfs)";
     case kStageCgroup: return "cannot join the sample's memory cgroup";
-    case kStageUser: return "cannot switch to user nobody";
+    case kStageUser: return "cannot switch to the sample's own user";
     case kStageLandlock: return "cannot apply Landlock";
     case kStageChroot: return "cannot enter the sample's private root";
     default: return "cannot start the sample";
@@ -281,6 +265,7 @@ struct Running {
   std::string folder, python;
   MemoryCgroup cg;
   uint64_t cg_bytes = 0;
+  SampleUser user;  // as root; released (a member) after the destructor has reaped
   int report = -1, done = -1, out = -1;
   std::vector<int> fds;  // every descriptor this side holds
   double seconds = 0;
@@ -310,8 +295,8 @@ struct Running {
   }
 };
 
-// Forks the supervisor of one sample. `share`: samples that may run at once (their processes
-// count together against RLIMIT_NPROC, which the kernel keeps per user).
+// Forks the supervisor of one sample. `share`: samples that may run at once (as another user
+// than root their processes may count together against RLIMIT_NPROC, see below).
 std::unique_ptr<Running> start_sandboxed(const std::string& program, const SandboxLimits& limits, int share) {
   const fs::path tmp = fs::temp_directory_path();
   remove_stale(tmp);
@@ -334,18 +319,23 @@ std::unique_ptr<Running> start_sandboxed(const std::string& program, const Sandb
   run->python = python_path(limits);
   p.entries = root_entries(p.folder, run->python);
   p.abi = landlock_abi();
-  p.as_root = geteuid() == 0;  // the sample then runs as nobody
-  const uid_t uid = p.as_root ? kNobody : geteuid();
-  const gid_t gid = p.as_root ? kNobody : getegid();
+  p.as_root = geteuid() == 0;  // the sample then runs as a user of its own
+  if (p.as_root) run->user = take_sample_user();
+  const uid_t uid = p.as_root ? uid_t(run->user.id) : geteuid();
+  const gid_t gid = p.as_root ? gid_t(run->user.id) : getegid();
+  p.uid = uid, p.gid = gid;
   p.root_opts = "size=1m,nr_inodes=1024,mode=0755";
   p.box_opts = fmt::format("size={},nr_inodes=4096,mode=0700,uid={},gid={}",
                            std::max<uint64_t>(limits.disk_bytes, 4096), uid, gid);
   p.uid_map = fmt::format("{} {} 1\n", geteuid(), geteuid());
   p.gid_map = fmt::format("{} {} 1\n", getegid(), getegid());
-  // RLIMIT_NPROC counts every process of the user; as nobody or in a user namespace those are
-  // the sandboxes' (`share` of them at once); otherwise the evaluator's own count is added.
-  p.nproc = limits.processes * std::max(1, share);
-  if (!p.as_root) p.nproc += processes_of(geteuid());
+  // RLIMIT_NPROC counts every process of the user. As root the user is the sample's alone. As
+  // another user the sample runs in a user namespace as that user: Linux >= 5.14 counts a user
+  // namespace's processes on their own (and the user's total against the evaluator's limit),
+  // older kernels per user, so there the limit leaves room for `share` samples at once and the
+  // user's other processes.
+  p.nproc = limits.processes;
+  if (!p.as_root) p.nproc = limits.processes * std::max(1, share) + processes_of(geteuid());
   p.memory = limits.memory_bytes;
   p.file = limits.file_bytes;
   p.seconds = limits.seconds;
