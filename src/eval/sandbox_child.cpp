@@ -102,7 +102,7 @@ bool write_file(const char* path, const std::string& text, int flags, mode_t mod
   return ok;
 }
 
-// The sample's process: its root, limits, its user, Landlock, then python3. A failure is
+// The sample's process: its root, limits, its user, Landlock, then python3 or java. A failure is
 // reported with its stage; the supervisor cleans up.
 [[noreturn]] void sample_process(const ChildPlan& p) {
   sigset_t none;
@@ -119,7 +119,7 @@ bool write_file(const char* path, const std::string& text, int flags, mode_t mod
   // (no host socket, no /proc, no /tmp). The caller may chroot: root, or a user namespace.
   if (chroot(p.folder.c_str()) != 0 || chdir("/box") != 0) fail(kStageChroot);
   set_limit(RLIMIT_CPU, uint64_t(std::ceil(p.seconds)) + 1);
-  set_limit(RLIMIT_AS, p.memory);
+  if (p.memory) set_limit(RLIMIT_AS, p.memory);  // none for the JVM: its cgroup bounds it
   set_limit(RLIMIT_FSIZE, p.file);
   set_limit(RLIMIT_NOFILE, 64);
   set_limit(RLIMIT_CORE, 0);

@@ -7,10 +7,27 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
+#include "eval/sandbox.h"
+
 namespace sigma::eval::detail {
+
+inline constexpr std::string_view kSentinel = "SIGMA-SANDBOX-END\n";
+
+// What a language's sample runs (sandbox_lang.cpp): strings the evaluator prepares before fork.
+struct LanguagePlan {
+  std::string exe;                    // real path of the program exec'd
+  std::string guard, guard_file;      // the guard's source and its file in /box
+  std::string program_file;           // the sample's file in /box
+  std::vector<std::string> args, env;
+  uint64_t address_space = 0;         // RLIMIT_AS of the sample's processes; 0 = none
+  bool audit_hook = false;            // Python's second line
+};
+// Throws when the language's program cannot be found, naming the package to install.
+LanguagePlan plan_language(SandboxLanguage language, const SandboxLimits& limits, bool memcg);
 
 // Protections the sample got (the bits of a kGot record).
 enum : uint16_t {
@@ -94,7 +111,7 @@ struct ChildPlan {
   int report_fd = -1;    // write end: Records
   int done_fd = -1;      // write end: the guard's sentinel (fd 3 in the sample)
   int out_fd = -1;       // the sample's stdout and stderr (a memfd the evaluator reads)
-  uint64_t memory = 0, file = 0;
+  uint64_t memory = 0, file = 0;  // memory: RLIMIT_AS, 0 = none
   int nproc = 64;
   double seconds = 0;
   MemoryCgroup cg;
