@@ -64,6 +64,20 @@ TEST(SandboxJava, PassesFailsAndEarlyExitsAreTold) {
   EXPECT_EQ(r[6].outcome, "passed") << r[6].why;
 }
 
+// The JVM needs ~100 MiB of its own besides a heap: a smaller limit is refused, saying so,
+// before anything runs.
+TEST(SandboxJava, ATooSmallMemoryLimitIsAClearError) {
+  SandboxLimits l = limits();
+  l.memory_bytes = 256ull << 20;
+  try {
+    run_java({java_main("")}, l, 1);
+    ADD_FAILURE() << "a 256 MiB limit was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("a Java sample needs a memory limit of at least 320 MiB"), std::string::npos)
+        << e.what();
+  }
+}
+
 // Each hostile sample, as root and as uid 1000, in a forked child that drops to it.
 class SandboxJavaHostile : public ::testing::Test {
  protected:

@@ -16,8 +16,9 @@
 // - Landlock: writes only in its directory; no signals to processes outside (ABI >= 6); as
 //   root the sample also runs as a uid and gid of its own, unused by any account and by any
 //   other sample running at once (sandbox_uid.cpp), so its process limit is its own;
-// - a Python audit hook refuses fork/exec/subprocess, sockets, ctypes and writes outside the
-//   directory, as a second line.
+// - Python: an audit hook refuses fork/exec/subprocess, sockets, ctypes and writes outside the
+//   directory, as a second line; Java has none (the JVM runs without RLIMIT_AS where the memory
+//   cgroup bounds it: it reserves far more address space than it uses).
 // Whatever the sample does, the result is pass or fail with a reason.
 #pragma once
 #include <cstdint>
