@@ -17,7 +17,7 @@
 #   7 finetune   the bilingual sub-model fine-tuned on translation pairs (prompt English, answer
 #     + eval     Chinese), then sigma eval: held-out loss per domain, a multiple-choice task and a
 #                translation task (BLEU, chrF) made from held-out pairs, a code task (pass@k,
-#                examples/paper-workflow/code-tasks.jsonl)
+#                examples/paper-workflow/code-tasks.jsonl, code-tasks-java.jsonl)
 #   8 serve      sigma serve of the full model and every extract, queried with the openai npm
 #                client; the served log-probabilities of a held-out window against sigma eval
 # Everything goes into OUT; each stage's commands and output are in OUT/logs/STAGE.log, and
@@ -127,6 +127,7 @@ if [[ $TRAIN_KB == 0 ]]; then PART="the whole corpus"; else PART="the first $TRA
 stage split "95 % / 5 % by line per domain, $PART"
 python3 "$EX/split.py" "$DATA/corpus" "$OUT" "$TRAIN_KB" "$HELD_KB" "$FT_PAIRS" "$TASK_ITEMS" | tee -a "$(LOG)"
 cp "$EX/code-tasks.jsonl" "$OUT/tasks/code-python.jsonl"
+cp "$EX/code-tasks-java.jsonl" "$OUT/tasks/code-java.jsonl"
 
 # ---- 1. tokenizer --------------------------------------------------------------------------
 stage tokenizer "byte-level BPE, $VOCAB ids, control tokens <EOT> <Pad> <EN> <CN> <Python> <Java> ..."
@@ -214,6 +215,8 @@ for m in extract/bilingual finetune/checkpoints; do
   ev "translate-$tag" --ckpt "$OUT/$m" --task "$OUT/tasks/translate-en-zh.jsonl" --max-new $MAX_NEW
 done
 ev code-python --ckpt "$OUT/extract/python" --task "$OUT/tasks/code-python.jsonl" --samples $SAMPLES --k $KS \
+  --temperature 0.8 --seed 1 --max-new $MAX_NEW
+ev code-java --ckpt "$OUT/extract/java" --task "$OUT/tasks/code-java.jsonl" --samples $SAMPLES --k $KS \
   --temperature 0.8 --seed 1 --max-new $MAX_NEW
 python3 "$EX/checks.py" eval "$OUT" | tee -a "$(LOG)"
 

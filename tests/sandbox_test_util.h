@@ -10,6 +10,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -77,9 +78,10 @@ struct Outcome {
   int leftover_dirs = -1;  // entries in its TMPDIR afterwards
 };
 
-// Runs the sandbox in a forked child that has dropped to `uid` (when the tests run as root;
-// otherwise as the current user), with its own TMPDIR; the result comes back on a pipe.
-inline Outcome run_as(uid_t uid, const std::string& program, const SandboxLimits& l = limits()) {
+// Runs `run` (which runs the sandbox) in a forked child that has dropped to `uid` (when the
+// tests run as root; otherwise as the current user), with its own TMPDIR; the result comes
+// back on a pipe.
+inline Outcome run_as_with(uid_t uid, const std::function<SandboxResult()>& run) {
   sigma::testing::TempDir tmp("sandbox-user");
   if (geteuid() == 0) (void)!chown(tmp.path.c_str(), uid, uid);
   fs::permissions(tmp.path, fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);  // as /tmp: nobody may pass
@@ -92,7 +94,7 @@ inline Outcome run_as(uid_t uid, const std::string& program, const SandboxLimits
     setenv("TMPDIR", tmp.str().c_str(), 1);
     SandboxResult r;
     try {
-      r = run_python_sandboxed(program, l);
+      r = run();
     } catch (const std::exception& e) {  // never back into the test's own code from this child
       std::fprintf(stderr, "run_as: %s\n", e.what());
       _exit(4);
@@ -121,6 +123,10 @@ inline Outcome run_as(uid_t uid, const std::string& program, const SandboxLimits
   o.r.passed = passed == "1";
   o.leftover_dirs = std::stoi(left);
   return o;
+}
+
+inline Outcome run_as(uid_t uid, const std::string& program, const SandboxLimits& l = limits()) {
+  return run_as_with(uid, [&] { return run_python_sandboxed(program, l); });
 }
 
 // The sandbox refused the sample because this user gets no namespaces here (a chroot, or a

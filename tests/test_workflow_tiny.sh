@@ -73,7 +73,7 @@ ft = config("finetune/checkpoints")
 check(ft["data"]["finetune"] and ft["data"]["mask_prompt"], "7 fine-tuned with data.finetune and mask_prompt")
 check(load("finetune/summary.json")["steps"] > 0, "7 fine-tuning ran")
 files = sorted(glob.glob(os.path.join(out, "eval", "*.json")))
-want = (["heldout-dense", "heldout-inherited", "heldout-sparse", "heldout-finetune", "heldout-before-finetune", "code-python"]
+want = (["heldout-dense", "heldout-inherited", "heldout-sparse", "heldout-finetune", "heldout-before-finetune", "code-python", "code-java"]
         + [f"{k}-{m}" for k in ["choice", "translate"] for m in ["before-finetune", "finetune"]]
         + [f"{k}-{d}" for k in ["heldout-full", "heldout-extract", "window-extract"] for d in DOMAINS])
 have = {os.path.basename(f)[:-5] for f in files}
@@ -84,6 +84,9 @@ g = load("eval/translate-finetune.json")["generate"]
 check("zh" in g["bleu"] and "chrf" in g, "7 translation: BLEU (zh) and chrF")
 k = load("eval/code-python.json")["code"]
 check("pass@1" in k and "pass@2" in k, "7 code: pass@1, pass@2")
+kj = load("eval/code-java.json")["code"]
+check(kj["items"] == 5 and kj["samples"] == 2 and "pass@2" in kj and "audit-hook" not in kj["sandbox"]
+      and "sentinel" in kj["sandbox"], "7 code (java): 5 problems x 2 samples compiled and run in the sandbox")
 def undated(path):
     j = json.load(open(path, encoding="utf-8"))
     j.pop("date", None)

@@ -72,6 +72,9 @@ elif cmd == "eval":
     k = load("eval/code-python.json")["code"]
     ks = ", ".join(f"{m} {k[m]:.3f}" for m in sorted(x for x in k if x.startswith("pass@") and not x.endswith("stderr")))
     print(f"| code (python) | python extract | {k['items']} x {k['samples']} samples | {ks} |")
+    k = load("eval/code-java.json")["code"]
+    ks = ", ".join(f"{m} {k[m]:.3f}" for m in sorted(x for x in k if x.startswith("pass@") and not x.endswith("stderr")))
+    print(f"| code (java) | java extract | {k['items']} x {k['samples']} samples | {ks} |")
 
 elif cmd == "serve-spec":
     ctx, url, key, domains = int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6:]

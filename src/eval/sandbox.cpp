@@ -34,71 +34,9 @@ using namespace detail;
 
 namespace {
 
-constexpr uid_t kNobody = 65534;
-
 int landlock_abi() {
   const long v = syscall(SYS_landlock_create_ruleset, nullptr, 0, LANDLOCK_CREATE_RULESET_VERSION);
   return v < 0 ? 0 : int(v);
-}
-
-// Installed before the sample runs; an audit hook cannot be removed from Python code. After the
-// program (sample and tests) returns, the guard writes the sentinel to fd 3: an early exit
-// (sys.exit, os._exit, SystemExit from anywhere) never reaches that line.
-constexpr const char* kGuard = R"PY(import os, sys
-_root = os.path.realpath(os.getcwd())
-def _inside(p):
-    if isinstance(p, int):
-        return True
-    try:
-        r = os.path.realpath(os.fsdecode(p))
-    except Exception:
-        return False
-    return r == _root or r.startswith(_root + os.sep)
-_deny = {'os.fork', 'os.forkpty', 'os.posix_spawn', 'os.spawn', 'os.exec', 'os.system',
-         'subprocess.Popen', 'socket.__new__', 'socket.connect', 'socket.bind', 'os.setuid',
-         'pty.spawn', 'os.startfile'}
-_paths = {'os.remove', 'os.rename', 'os.mkdir', 'os.rmdir', 'os.chmod', 'os.chown',
-          'os.symlink', 'os.link', 'os.truncate', 'os.utime', 'shutil.rmtree', 'shutil.copyfile'}
-_write = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-def _hook(event, args):
-    if event in _deny or event.startswith('ctypes.'):
-        raise PermissionError('sandbox: ' + event + ' is not allowed')
-    if event == 'open':
-        path, mode, flags = args
-        w = any(c in mode for c in 'wax+') if isinstance(mode, str) else bool(flags & _write)
-        if w and not _inside(path):
-            raise PermissionError('sandbox: writing outside the sandbox: ' + str(path))
-    elif event in _paths:
-        for p in args[:2]:
-            if isinstance(p, (str, bytes, os.PathLike)) and not _inside(p):
-                raise PermissionError('sandbox: ' + event + ' outside the sandbox: ' + str(p))
-sys.addaudithook(_hook)
-del _hook
-_end = os.write
-with open('sample.py', 'rb') as _f:
-    _code = compile(_f.read(), 'sample.py', 'exec')
-exec(_code, {'__name__': '__main__'})
-_end(3, b'SIGMA-SANDBOX-END\n')
-)PY";
-constexpr std::string_view kSentinel = "SIGMA-SANDBOX-END\n";
-
-// The interpreter's real path (what the sample's root must hold): /usr/bin/python3 unless
-// limits.python names another, which is looked up on PATH as execvp would.
-std::string python_path(const SandboxLimits& l) {
-  std::string exe = l.python.empty() && ::access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3"
-                    : l.python.empty() ? "python3" : l.python;
-  if (exe.find('/') == std::string::npos)
-    if (const char* path = std::getenv("PATH"))
-      for (std::string_view rest = path; !rest.empty();) {
-        const size_t c = rest.find(':');
-        const fs::path cand = fs::path(std::string(rest.substr(0, c))) / exe;
-        if (::access(cand.c_str(), X_OK) == 0) { exe = cand.string(); break; }
-        rest = c == std::string_view::npos ? std::string_view() : rest.substr(c + 1);
-      }
-  std::error_code ec;
-  const fs::path real = fs::canonical(exe, ec);
-  SIGMA_CHECK(!ec, "sandbox: cannot find the interpreter {}: {}", exe, ec.message());
-  return real.string();
 }
 
 // What the sample's root holds, in the order the supervisor makes it: the system directories
@@ -145,20 +83,6 @@ std::string mountinfo_escape(const std::string& s) {
   return o;
 }
 
-// Processes `uid` owns now (RLIMIT_NPROC counts all of them, the evaluator's included).
-int processes_of(uid_t uid) {
-  int n = 0;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator("/proc", ec)) {
-    struct stat st{};
-    const std::string name = e.path().filename().string();
-    if (name.find_first_not_of("0123456789") == std::string::npos &&
-        stat(e.path().c_str(), &st) == 0 && st.st_uid == uid)
-      ++n;
-  }
-  return n;
-}
-
 // Supervisors started and not yet reaped (counted before their fork), and a SIGINT/SIGTERM
 // that came meanwhile.
 std::atomic<int> g_running{0};
@@ -202,7 +126,7 @@ void remove_stale(const fs::path& tmp) {
   remove_stale_cgroups();
 }
 
-std::string protections_text(uint16_t got, const MemoryCgroup& cg, uint64_t memory) {
+std::string protections_text(uint16_t got, const MemoryCgroup& cg, uint64_t memory, bool audit_hook) {
   std::string s = "rlimits subreaper";
   if (got & kPidns) s += " pidns";
   if (got & kUserns) s += " userns";
@@ -210,10 +134,10 @@ std::string protections_text(uint16_t got, const MemoryCgroup& cg, uint64_t memo
   if (got & kPrivateRoot) s += " private-root";
   if (got & kQuota) s += " disk-quota";
   s += (got & kMemcg) ? fmt::format(" memcg-{}={}MiB", cg.version, memory >> 20) : " memory-per-process-only";
-  if (got & kNobodyUser) s += " nobody";
+  if (got & kOwnUser) s += " own-user";
   if (got & kLandlock) s += fmt::format(" landlock-abi{}", landlock_abi());
   if (got & kScoped) s += " signal-scope";
-  return s + " audit-hook sentinel";
+  return s + (audit_hook ? " audit-hook sentinel" : " sentinel");
 }
 
 std::string stage_text(uint16_t stage) {
@@ -231,7 +155,7 @@ std::string stage_text(uint16_t stage) {
     case kStageRoot: return "cannot build the sample's private root";
     case kStageQuota: return "cannot mount the sample's disk quota (tmpfs)";
     case kStageCgroup: return "cannot join the sample's memory cgroup";
-    case kStageUser: return "cannot switch to user nobody";
+    case kStageUser: return "cannot switch to the sample's own user";
     case kStageLandlock: return "cannot apply Landlock";
     case kStageChroot: return "cannot enter the sample's private root";
     default: return "cannot start the sample";
@@ -278,9 +202,11 @@ namespace {
 // (an empty directory on this side of the mount namespace) and the cgroup.
 struct Running {
   pid_t pid = 0;  // the supervisor, until reaped
-  std::string folder, python;
+  std::string folder, exe;  // exe: what the sample execs (python3, java)
+  bool audit_hook = false;
   MemoryCgroup cg;
   uint64_t cg_bytes = 0;
+  SampleUser user;  // as root; released (a member) after the destructor has reaped
   int report = -1, done = -1, out = -1;
   std::vector<int> fds;  // every descriptor this side holds
   double seconds = 0;
@@ -310,9 +236,9 @@ struct Running {
   }
 };
 
-// Forks the supervisor of one sample. `share`: samples that may run at once (their processes
-// count together against RLIMIT_NPROC, which the kernel keeps per user).
-std::unique_ptr<Running> start_sandboxed(const std::string& program, const SandboxLimits& limits, int share) {
+// Forks the supervisor of one sample. `share`: samples that may run at once (as another user
+// than root their processes may count together against RLIMIT_NPROC, see below).
+std::unique_ptr<Running> start_sandboxed(const SandboxProgram& program, const SandboxLimits& limits, int share) {
   const fs::path tmp = fs::temp_directory_path();
   remove_stale(tmp);
   uint64_t rnd = 0;
@@ -327,38 +253,45 @@ std::unique_ptr<Running> start_sandboxed(const std::string& program, const Sandb
   run->folder = p.folder;
   p.folder_escaped = mountinfo_escape(p.folder);
   p.box = p.folder + "/box";
-  p.guard = kGuard;
-  p.program = program;
-  p.guard_path = p.box + "/guard.py";
-  p.sample_path = p.box + "/sample.py";
-  run->python = python_path(limits);
-  p.entries = root_entries(p.folder, run->python);
-  p.abi = landlock_abi();
-  p.as_root = geteuid() == 0;  // the sample then runs as nobody
-  const uid_t uid = p.as_root ? kNobody : geteuid();
-  const gid_t gid = p.as_root ? kNobody : getegid();
-  p.root_opts = "size=1m,nr_inodes=1024,mode=0755";
-  p.box_opts = fmt::format("size={},nr_inodes=4096,mode=0700,uid={},gid={}",
-                           std::max<uint64_t>(limits.disk_bytes, 4096), uid, gid);
-  p.uid_map = fmt::format("{} {} 1\n", geteuid(), geteuid());
-  p.gid_map = fmt::format("{} {} 1\n", getegid(), getegid());
-  // RLIMIT_NPROC counts every process of the user; as nobody or in a user namespace those are
-  // the sandboxes' (`share` of them at once); otherwise the evaluator's own count is added.
-  p.nproc = limits.processes * std::max(1, share);
-  if (!p.as_root) p.nproc += processes_of(geteuid());
-  p.memory = limits.memory_bytes;
-  p.file = limits.file_bytes;
-  p.seconds = limits.seconds;
-  std::string a0 = run->python, a1 = "-I", a2 = "-B", a3 = "guard.py";
-  std::string e0 = "PATH=/usr/bin:/bin", e1 = "HOME=/box", e2 = "TMPDIR=/box", e3 = "LANG=C.UTF-8";
-  p.argv = {a0.data(), a1.data(), a2.data(), a3.data(), nullptr};
-  p.envp = {e0.data(), e1.data(), e2.data(), e3.data(), nullptr};
-
   // Its files are in memory too (the tmpfs pages count against the cgroup): the limit leaves
   // room for a full disk quota besides the processes' memory_bytes.
   run->cg_bytes = limits.memory_bytes + limits.disk_bytes;
   p.cg = plan_memory_cgroup(name, run->cg_bytes);
   run->cg = p.cg;
+  const LanguagePlan lang = plan_language(program.language, limits, !p.cg.version.empty());
+  p.guard = lang.guard;
+  p.program = program.source;
+  p.guard_path = p.box + "/" + lang.guard_file;
+  p.sample_path = p.box + "/" + lang.program_file;
+  run->exe = lang.exe;
+  run->audit_hook = lang.audit_hook;
+  p.entries = root_entries(p.folder, run->exe);
+  p.abi = landlock_abi();
+  p.as_root = geteuid() == 0;  // the sample then runs as a user of its own
+  if (p.as_root) run->user = take_sample_user();
+  const uid_t uid = p.as_root ? uid_t(run->user.id) : geteuid();
+  const gid_t gid = p.as_root ? gid_t(run->user.id) : getegid();
+  p.uid = uid, p.gid = gid;
+  p.root_opts = "size=1m,nr_inodes=1024,mode=0755";
+  p.box_opts = fmt::format("size={},nr_inodes=4096,mode=0700,uid={},gid={}",
+                           std::max<uint64_t>(limits.disk_bytes, 4096), uid, gid);
+  p.uid_map = fmt::format("{} {} 1\n", geteuid(), geteuid());
+  p.gid_map = fmt::format("{} {} 1\n", getegid(), getegid());
+  // RLIMIT_NPROC counts every process of the user. As root the user is the sample's alone. As
+  // another user the sample runs in a user namespace as that user: Linux >= 5.14 counts a user
+  // namespace's processes on their own (and the user's total against the evaluator's limit),
+  // older kernels per user, so there the limit leaves room for `share` samples at once and the
+  // user's other processes.
+  p.nproc = limits.processes;
+  if (!p.as_root) p.nproc = limits.processes * std::max(1, share) + processes_of(geteuid());
+  p.memory = lang.address_space;
+  p.file = limits.file_bytes;
+  p.seconds = limits.seconds;
+  std::vector<std::string> args = lang.args, env = lang.env;  // alive until the fork below
+  for (std::string& a : args) p.argv.push_back(a.data());
+  p.argv.push_back(nullptr);
+  for (std::string& e : env) p.envp.push_back(e.data());
+  p.envp.push_back(nullptr);
 
   // Read ends non-blocking: a writer the sample left behind can never stall the evaluator.
   int report[2], done[2];
@@ -423,7 +356,7 @@ SandboxResult finish_sandboxed(Running& run) {
     if (rec.kind == kOom) r.oom_kills = rec.value;
   }
   r.finished = read_available(run.done, 64) == kSentinel;
-  r.protections = reported ? protections_text(got, run.cg, run.cg_bytes) : "";
+  r.protections = reported ? protections_text(got, run.cg, run.cg_bytes, run.audit_hook) : "";
   r.timed_out = code == 124;
   have_status = have_status && code == 0;
   if (have_status && WIFEXITED(st)) r.exit_code = WEXITSTATUS(st);
@@ -436,7 +369,7 @@ SandboxResult finish_sandboxed(Running& run) {
   else if (code == 126) r.outcome = "error", r.why = "the sample was stopped (the evaluator was interrupted)";
   else if (!have_status) r.outcome = "error", r.why = "the sandbox could not be set up";
   else if (r.signal) r.outcome = "killed", r.why = fmt::format("killed by signal {} ({}){}", r.signal, strsignal(r.signal), r.oom_kills ? ": " + oom : "");
-  else if (r.exit_code == 127) r.outcome = "error", r.why = fmt::format("cannot run {}", run.python);
+  else if (r.exit_code == 127) r.outcome = "error", r.why = fmt::format("cannot run {}", run.exe);
   else if (r.oom_kills) r.outcome = "failed", r.why = oom;
   else if (r.exit_code != 0) r.outcome = "failed", r.why = fmt::format("exit {}: {}", r.exit_code, tail);
   else if (!r.finished) r.outcome = "early_exit", r.why = "exit 0 before the tests finished (sys.exit or os._exit)";
@@ -462,8 +395,8 @@ int default_sandbox_jobs(const SandboxLimits& limits) {
   return int(std::min<uint64_t>({cores, by_memory, 64}));
 }
 
-std::vector<SandboxResult> run_python_sandboxed_many(
-    const std::vector<std::string>& programs, const SandboxLimits& limits, int jobs,
+std::vector<SandboxResult> run_sandboxed_many(
+    const std::vector<SandboxProgram>& programs, const SandboxLimits& limits, int jobs,
     const std::function<void(size_t, const SandboxResult&)>& on_done) {
   SIGMA_CHECK(jobs >= 1, "sandbox: {} concurrent samples (at least 1)", jobs);
   const int share = int(std::min<size_t>(size_t(jobs), std::max<size_t>(1, programs.size())));
@@ -491,8 +424,21 @@ std::vector<SandboxResult> run_python_sandboxed_many(
   return results;
 }
 
+std::vector<SandboxResult> run_python_sandboxed_many(
+    const std::vector<std::string>& programs, const SandboxLimits& limits, int jobs,
+    const std::function<void(size_t, const SandboxResult&)>& on_done) {
+  std::vector<SandboxProgram> p;
+  p.reserve(programs.size());
+  for (const std::string& s : programs) p.push_back({SandboxLanguage::Python, s});
+  return run_sandboxed_many(p, limits, jobs, on_done);
+}
+
 SandboxResult run_python_sandboxed(const std::string& program, const SandboxLimits& limits) {
   return run_python_sandboxed_many({program}, limits, 1)[0];
+}
+
+SandboxResult run_java_sandboxed(const std::string& program, const SandboxLimits& limits) {
+  return run_sandboxed_many({{SandboxLanguage::Java, program}}, limits, 1)[0];
 }
 
 }  // namespace sigma::eval

@@ -35,7 +35,6 @@ struct LandlockAttr {
 constexpr uint64_t kFsTruncate = 1ull << 14;
 constexpr uint64_t kNetBindTcp = 1ull << 0, kNetConnectTcp = 1ull << 1;
 constexpr uint64_t kScopeAbstractUnix = 1ull << 0, kScopeSignal = 1ull << 1;
-constexpr uid_t kNobody = 65534;
 
 // Every write-like access Landlock knows at this ABI; reads and execution stay allowed.
 uint64_t landlock_write_mask(int abi) {
@@ -103,7 +102,7 @@ bool write_file(const char* path, const std::string& text, int flags, mode_t mod
   return ok;
 }
 
-// The sample's process: its root, limits, its user, Landlock, then python3. A failure is
+// The sample's process: its root, limits, its user, Landlock, then python3 or java. A failure is
 // reported with its stage; the supervisor cleans up.
 [[noreturn]] void sample_process(const ChildPlan& p) {
   sigset_t none;
@@ -120,15 +119,16 @@ bool write_file(const char* path, const std::string& text, int flags, mode_t mod
   // (no host socket, no /proc, no /tmp). The caller may chroot: root, or a user namespace.
   if (chroot(p.folder.c_str()) != 0 || chdir("/box") != 0) fail(kStageChroot);
   set_limit(RLIMIT_CPU, uint64_t(std::ceil(p.seconds)) + 1);
-  set_limit(RLIMIT_AS, p.memory);
+  if (p.memory) set_limit(RLIMIT_AS, p.memory);  // none for the JVM: its cgroup bounds it
   set_limit(RLIMIT_FSIZE, p.file);
   set_limit(RLIMIT_NOFILE, 64);
   set_limit(RLIMIT_CORE, 0);
-  set_limit(RLIMIT_NPROC, uint64_t(p.nproc));  // binds below root only: hence nobody as root
+  // Binds below root only: hence a user of the sample's own as root, whose count starts at 0.
+  set_limit(RLIMIT_NPROC, uint64_t(p.nproc));
   uint16_t got = p.got;
   if (p.as_root) {
-    if (setgroups(0, nullptr) != 0 || setgid(kNobody) != 0 || setuid(kNobody) != 0) fail(kStageUser);
-    got |= kNobodyUser;
+    if (setgroups(0, nullptr) != 0 || setgid(p.gid) != 0 || setuid(p.uid) != 0) fail(kStageUser);
+    got |= kOwnUser;
   }
   if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail(kStageLandlock);
   const int ll = restrict_with_landlock(p);

@@ -7,13 +7,31 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
+
+#include "eval/sandbox.h"
 
 namespace sigma::eval::detail {
 
+inline constexpr std::string_view kSentinel = "SIGMA-SANDBOX-END\n";
+
+// What a language's sample runs (sandbox_lang.cpp): strings the evaluator prepares before fork.
+struct LanguagePlan {
+  std::string exe;                    // real path of the program exec'd
+  std::string guard, guard_file;      // the guard's source and its file in /box
+  std::string program_file;           // the sample's file in /box
+  std::vector<std::string> args, env;
+  uint64_t address_space = 0;         // RLIMIT_AS of the sample's processes; 0 = none
+  bool audit_hook = false;            // Python's second line
+};
+// Throws when the language's program cannot be found, naming the package to install.
+LanguagePlan plan_language(SandboxLanguage language, const SandboxLimits& limits, bool memcg);
+
 // Protections the sample got (the bits of a kGot record).
 enum : uint16_t {
-  kNetns = 1, kNobodyUser = 2, kLandlock = 4, kPidns = 8, kQuota = 16, kUserns = 32,
+  kNetns = 1, kOwnUser = 2, kLandlock = 4, kPidns = 8, kQuota = 16, kUserns = 32,
   kScoped = 64, kPrivateRoot = 128, kMemcg = 256,
 };
 
@@ -61,6 +79,23 @@ void remove_stale_cgroups();
 // longer runs.
 bool stale_sandbox_name(const std::string& name);
 
+// The uid and gid (the same number) a sample run as root gets for itself alone, so that its
+// processes have their own RLIMIT_NPROC count (sandbox_uid.cpp says how the id is chosen and
+// why no two samples at once, of any evaluator on this machine, get the same one). Held until
+// destroyed (after the sample's supervisor is reaped).
+struct SampleUser {
+  uint32_t id = 0;
+  int lock_fd = -1;  // the socket bound to the id's abstract name; the supervisor inherits it
+  SampleUser() = default;
+  SampleUser(SampleUser&& o) noexcept { *this = std::move(o); }
+  SampleUser& operator=(SampleUser&& o) noexcept;
+  ~SampleUser();
+  void release();
+};
+SampleUser take_sample_user();
+// Processes whose real uid is `uid` (RLIMIT_NPROC counts all of them).
+int processes_of(uid_t uid);
+
 struct ChildPlan {
   pid_t evaluator = 0;
   std::string folder;          // the sample's root: a tmpfs mounted here in its mount namespace
@@ -70,11 +105,13 @@ struct ChildPlan {
   std::string root_opts, box_opts, uid_map, gid_map;
   std::vector<char*> argv, envp;
   int abi = 0;
-  bool as_root = false;  // the sample then runs as nobody
+  bool as_root = false;  // the sample then runs as its own user (uid, gid)
+  uid_t uid = 0;
+  gid_t gid = 0;
   int report_fd = -1;    // write end: Records
   int done_fd = -1;      // write end: the guard's sentinel (fd 3 in the sample)
   int out_fd = -1;       // the sample's stdout and stderr (a memfd the evaluator reads)
-  uint64_t memory = 0, file = 0;
+  uint64_t memory = 0, file = 0;  // memory: RLIMIT_AS, 0 = none
   int nproc = 64;
   double seconds = 0;
   MemoryCgroup cg;

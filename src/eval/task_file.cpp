@@ -61,7 +61,7 @@ void check_keys(const json& j, TaskKind k, const LineCheck& at) {
   const std::set<std::string> own =
       k == TaskKind::Choice     ? std::set<std::string>{"context", "choices", "answer"}
       : k == TaskKind::Generate ? std::set<std::string>{"prompt", "references", "tokenize", "stop"}
-      : k == TaskKind::Code     ? std::set<std::string>{"prompt", "tests", "stop"}
+      : k == TaskKind::Code     ? std::set<std::string>{"prompt", "tests", "stop", "language"}
                                 : std::set<std::string>{"text"};
   for (const auto& [key, v] : j.items())
     if (!common.count(key) && !own.count(key)) at.fail("unknown key \"{}\"", key);
@@ -104,7 +104,10 @@ TaskItem parse_item(const json& j, const LineCheck& at, const std::vector<std::s
   }
   if (it.kind == TaskKind::Code) {
     it.tests = at.text(j, "tests");
-    it.stop = kCodeStops;
+    const std::string lang = j.contains("language") ? at.text(j, "language") : it.domain == "java" ? "java" : "python";
+    if (lang != "python" && lang != "java") at.fail("\"language\" must be \"python\" or \"java\", not \"{}\"", lang);
+    it.language = lang == "java" ? SandboxLanguage::Java : SandboxLanguage::Python;
+    it.stop = it.language == SandboxLanguage::Java ? kJavaCodeStops : kCodeStops;
   }
   if (j.contains("stop")) {  // [] turns the code default off
     if (!j["stop"].is_array()) at.fail("\"stop\" must be an array of strings");

@@ -144,7 +144,7 @@ json score_code(const std::vector<const TaskItem*>& items, const std::vector<con
   int64_t passed = 0;
   std::string protections;  // as the first sample's child reported them
   json failures = json::object();  // why samples failed, counted by outcome
-  std::vector<std::string> programs;
+  std::vector<SandboxProgram> programs;
   std::vector<json> cut(items.size(), json::array());
   for (size_t i = 0; i < items.size(); ++i) {
     const TaskItem& it = *items[i];
@@ -153,13 +153,13 @@ json score_code(const std::vector<const TaskItem*>& items, const std::vector<con
     for (const std::string& raw : outs[i]->generations) {  // saved ones may not be cut yet
       const std::string completion = cut_at_stop(raw, it.stop);
       cut[i].push_back(completion);
-      programs.push_back(it.context + completion + "\n\n" + it.tests + "\n");
+      programs.push_back({it.language, it.context + completion + "\n\n" + it.tests + "\n"});
     }
   }
   // Up to opt.jobs samples at once, each in its own sandbox; the results come back in order,
   // so the scores are those of one sample after the other.
   Progress shown("sigma eval: code runs", programs.size(), "samples", opt.progress);
-  const std::vector<SandboxResult> ran = run_python_sandboxed_many(
+  const std::vector<SandboxResult> ran = run_sandboxed_many(
       programs, opt.sandbox, std::max(1, opt.jobs), [&](size_t, const SandboxResult&) { shown.add(); });
   for (size_t i = 0; i < items.size(); ++i) {
     int c = 0;

@@ -33,7 +33,9 @@ struct TaskItem {
   int answer = -1;                      // choice: index of the right one
   std::vector<std::string> references;  // generate
   BleuTokenizer tokenize = BleuTokenizer::V13a;  // generate
-  std::string tests;                    // code: Python run after prompt + completion
+  std::string tests;                    // code: run after prompt + completion ("\n\n" between)
+  SandboxLanguage language = SandboxLanguage::Python;  // code: "language", else java for the
+                                                        // domain "java", else python
   std::vector<std::string> stop;        // generate and code: the answer ends before the first
                                         // (code: kCodeStops unless the item says otherwise)
   nlohmann::json doc;                   // the line as read (kept in --log-samples)
@@ -42,6 +44,10 @@ struct TaskItem {
 // Where a code completion ends when the item names no "stop" (HumanEval's: the next top-level
 // statement after the function).
 inline const std::vector<std::string> kCodeStops = {"\ndef", "\nclass", "\nif", "\nprint", "\n#"};
+// Java: the prompt ends inside a method of 4-space-indented class members; the completion ends
+// at the method's closing brace, which the tests put back (they begin "    }\n}\n" and then
+// define class Main with main()).
+inline const std::vector<std::string> kJavaCodeStops = {"\n    }\n"};
 
 // Reads and checks a whole task file; any problem throws "FILE:LINE: what" (one line).
 // `domains` are the model's; a task naming another domain is an error.
