@@ -10,7 +10,9 @@
 #           save and the steps it overlaps), its median; minus EVERY x step = the save's cost
 #           to the loop.
 # Each run's checkpoints are deleted after it.
-# Usage: bench/ckpt_async_bench.sh SIGMA [ROUNDS=3] [STEPS=48] [EVERY=12] [--set model.KEY=V ...]
+# NP=R in the environment runs each training under `mpirun -np R` (data parallel: the sharded
+# layout, each rank writing its shard; rank 0's progress lines are timed), issue 38.
+# Usage: [NP=2] bench/ckpt_async_bench.sh SIGMA [ROUNDS=3] [STEPS=48] [EVERY=12] [--set model.KEY=V ...]
 set -euo pipefail
 SIGMA=$(realpath "$1")
 ROUNDS=${2:-3} STEPS=${3:-48} EVERY=${4:-12}
@@ -21,13 +23,18 @@ export OMP_WAIT_POLICY=passive
 model=(--set model.d_model=1024 --set model.layers=8 --set model.heads=16 --set model.rre_layers=0
        --set model.context=32 --set train.batch=2 --set train.eval_rows=2 "$@")
 ((STEPS / EVERY >= 2)) || { echo "STEPS / EVERY must be at least 2"; exit 1; }
+NP=${NP:-1}
+launch=()
+if ((NP > 1)); then  # each rank a share of the cores (train.threads = 0 divides them)
+  launch=(mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$NP")
+fi
 "$(dirname "$0")/machine.sh" 2>/dev/null || true
-echo "load: $(cut -d' ' -f1-3 /proc/loadavg); saves every $EVERY of $STEPS steps"
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg); saves every $EVERY of $STEPS steps; $NP rank(s)"
 
 # One run: prints "loop step window" (seconds).
 run() {
   rm -rf "$W/out"
-  "$SIGMA" train "${model[@]}" --set train.steps="$STEPS" --set train.log_every=1 \
+  "${launch[@]}" "$SIGMA" train "${model[@]}" --set train.steps="$STEPS" --set train.log_every=1 \
     --set train.ckpt_every="$EVERY" --set train.ckpt_async="$1" --out "$W/out" 2>&1 |
     while IFS= read -r line; do  # a line a step (stderr is not a terminal), unbuffered
       if [[ $line =~ ^step\ +([0-9]+)/ ]]; then echo "${BASH_REMATCH[1]} $(date +%s.%N)"; fi
