@@ -175,6 +175,7 @@ class RunLoop {
   // had to wait for the one before (train.ckpt_every shorter than a save) and the time waited.
   int64_t bg_saves_ = 0, bg_overlapped_ = 0, bg_waits_ = 0;
   double bg_wait_s_ = 0;
+  double save_stall_s_ = 0;  // the training thread's time in saves between steps (summary.json)
 };
 
 // OpenMP threads per rank: train.threads, else the cores shared among the ranks on this node.
@@ -421,9 +422,12 @@ void RunLoop::open_outputs() {
                "every rank's files are written (agreed at a step boundary)\n", world_.size(),
                parallel_ ? ", its experts" : "");
   if (!ckpt_root_.empty() && cfg_.train.ckpt_async && !saver_ && !sharded_saver_)  // said, not ignored
-    fmt::print(stderr, "checkpoints: written in the foreground: dist.ckpt_layout = whole "
-               "assembles tensors over the ranks while it writes (the sharded layout, the "
-               "default, saves in the background)\n");
+    fmt::print(stderr, "checkpoints: written in the foreground: {}\n",
+               world_.size() == 1 ? "train.ckpt_async does not apply to train.experts = parallel in one process"
+               : cfg_.dist.ckpt_layout != "sharded"
+                   ? "dist.ckpt_layout = whole assembles tensors over the ranks while it writes "
+                     "(the sharded layout, the default, saves in the background)"
+                   : "these experts are not written as pieces, which background saves need");
   if (!cfg_.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze_.summary);
   if (comm_.size() > 1) {
     const int64_t most = *std::max_element(plan_.elements.begin(), plan_.elements.end());
@@ -486,7 +490,9 @@ TrainSummary RunLoop::run() {
 }
 
 void RunLoop::one_step(int64_t step, const StopSignals& signals) {
+  const Clock::time_point t_collect = Clock::now();
   collect_save(false);  // a background save that has finished: its error, retention
+  save_stall_s_ += std::chrono::duration<double>(Clock::now() - t_collect).count();
   if (save_in_flight()) ++bg_overlapped_;
   if (have_next_) {
     std::swap(micro_, next_);
@@ -532,7 +538,11 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
   const bool eval_now = eval_due(state_.step);
   if (state_.step % cfg_.train.log_every == 0 || state_.step == last_ || stopped_by_ || eval_now)
     log(r.grad_norm, lr, eval_now);
-  if (ckpt_now || (stopped_by_ && !ckpt_root_.empty())) checkpoint();
+  if (ckpt_now || (stopped_by_ && !ckpt_root_.empty())) {
+    const Clock::time_point t0 = Clock::now();
+    checkpoint();
+    save_stall_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  }
 }
 
 // The held-out loss per domain: data.eval_path's windows, else the data's own held-out side.
@@ -644,7 +654,7 @@ void RunLoop::checkpoint() {
     collect_save(true);  // the last one's error surfaces here
     const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
     ++bg_waits_, bg_wait_s_ += waited;
-    if (lead_)
+    if (run_.progress)  // rank 0's; summary.json counts them either way
       fmt::print(stderr, "{}checkpoints: the save of step {} waited {:.2f} s for the previous "
                  "background save to finish (train.ckpt_every is shorter than a save)\n",
                  tty_ && run_.progress ? "\n" : "", state_.step, waited);
@@ -765,6 +775,9 @@ void RunLoop::write_summary(const TrainSummary& sum) {
   }
   if (parallel_) summary["expert_exchange"] = exchange_summary_;
   if (!tp_exchange_.is_null()) summary["tp_exchange"] = tp_exchange_;
+  // Wall time the training thread spent on saves between steps: the whole save in the
+  // foreground; the copy, waits, agreement and commit in the background (the end's wait aside).
+  summary["checkpoint_stall_s"] = save_stall_s_;
   if (saver_ || sharded_saver_)  // train.ckpt_async: how the background saves went
     summary["background_saves"] = {{"saves", bg_saves_}, {"steps_overlapped", bg_overlapped_},
                                    {"waits", bg_waits_}, {"wait_s", bg_wait_s_}};
