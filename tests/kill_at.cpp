@@ -6,6 +6,9 @@
 // made at exit (how many points there are). Nothing is counted without either variable.
 // SIGMA_FAIL_OPEN=TEXT: instead of a kill, every open/fopen for writing of a path containing
 // TEXT fails with ENOSPC ("No space left on device"): a full disk for those files only.
+// SIGMA_SLOW_OPEN=TEXT: every open/fopen for writing of a path containing TEXT first sleeps
+// SIGMA_SLOW_MS milliseconds (default 500): a slow disk for those files, so that a background
+// save is still being written when the next steps run.
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -21,6 +24,8 @@ static long g_at = -1;
 static long g_calls;  // atomic: OpenMP threads may write too
 static const char* g_count_file;
 static const char* g_fail_open;  // SIGMA_FAIL_OPEN
+static const char* g_slow_open;  // SIGMA_SLOW_OPEN
+static long g_slow_ms = 500;     // SIGMA_SLOW_MS
 
 extern "C" {
 
@@ -36,6 +41,9 @@ __attribute__((constructor)) static void init(void) {
   g_count_file = getenv("SIGMA_KILL_COUNT");
   g_fail_open = getenv("SIGMA_FAIL_OPEN");
   if (g_fail_open && !*g_fail_open) g_fail_open = nullptr;
+  g_slow_open = getenv("SIGMA_SLOW_OPEN");
+  if (g_slow_open && !*g_slow_open) g_slow_open = nullptr;
+  if (const char* ms = getenv("SIGMA_SLOW_MS")) g_slow_ms = atol(ms);
   if (g_count_file) atexit(write_count);
   // Children (mpirun, python) must not inherit the count.
   unsetenv("LD_PRELOAD");
@@ -64,8 +72,10 @@ int rmdir(const char* p) { point(); return REAL(rmdir)(p); }
 int remove(const char* p) { point(); return REAL(remove)(p); }
 
 static int writes(int flags) { return (flags & (O_WRONLY | O_RDWR | O_CREAT | O_TRUNC)) != 0; }
-// True (errno ENOSPC) when a write-open of `p` is to fail (SIGMA_FAIL_OPEN).
+// True (errno ENOSPC) when a write-open of `p` is to fail (SIGMA_FAIL_OPEN); first the delay
+// of SIGMA_SLOW_OPEN.
 static int refused(const char* p) {
+  if (g_slow_open && p && strstr(p, g_slow_open)) usleep(useconds_t(g_slow_ms) * 1000);
   if (!g_fail_open || !p || !strstr(p, g_fail_open)) return 0;
   errno = ENOSPC;
   return 1;

@@ -112,6 +112,47 @@ TEST(ShardedCheckpoint, AssemblesToTheWholeTensorsAndResumesBitIdentically) {
   }
 }
 
+// train.ckpt_async on 4 ranks (tp 2, dp 2): the saves are written in the background (summary.json
+// counts them) and hold the foreground run's tensors bit for bit; a run stopped at step 4 and
+// resumed from its background checkpoint ends with the uninterrupted runs' files (issue 38).
+TEST(ShardedCheckpoint, BackgroundSavesHoldTheForegroundTensorsAndResumeBitIdentically) {
+  SKIP_WITHOUT_MPI();
+  for (const char* model : {kShardDense, kShardRre}) {
+    TempDir t("shard-bg");
+    const std::string fg = t / "fg", bg = t / "bg", stopped = t / "stopped";
+    auto args = [&](bool async) {
+      return shard_args(model, 8, 2, "sharded") + fmt::format(" --set train.ckpt_async={}", async);
+    };
+    CmdResult r = ranks(4, args(false) + " --out " + fg);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = ranks(4, args(true) + " --out " + bg);
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = ranks(4, args(true) + " --out " + stopped + " --stop-at 4");
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = ranks(4, "train --quiet --resume " + stopped + "/checkpoints --out " + stopped);
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::ifstream in(bg + "/summary.json");
+    const auto summary = nlohmann::json::parse(in);
+    ASSERT_TRUE(summary.contains("background_saves")) << model << ": not saved in the background";
+    EXPECT_EQ(summary["background_saves"]["saves"], 2) << model;
+    EXPECT_EQ(losses(bg + "/metrics.jsonl"), losses(fg + "/metrics.jsonl")) << model;
+    for (int step : {4, 8}) {
+      EXPECT_TRUE(bytes_of(read_model_tensors(ck(bg, step))) == bytes_of(read_model_tensors(ck(fg, step))))
+          << model << ": step " << step << "'s weights differ from the foreground save's";
+      EXPECT_TRUE(bytes_of(read_optimizer_tensors(ck(bg, step))) == bytes_of(read_optimizer_tensors(ck(fg, step))))
+          << model << ": step " << step << "'s Adam state differs from the foreground save's";
+    }
+    EXPECT_EQ(losses(stopped + "/metrics.jsonl"), losses(bg + "/metrics.jsonl")) << model;
+    for (bool adam : {false, true})
+      for (const std::string& f : sharded_files(ck(bg, 8), adam)) {
+        std::ifstream a(ck(bg, 8) + "/" + f, std::ios::binary), b(ck(stopped, 8) + "/" + f, std::ios::binary);
+        std::stringstream x, y;
+        x << a.rdbuf(), y << b.rdbuf();
+        EXPECT_TRUE(!x.str().empty() && x.str() == y.str()) << model << ": " << f << " differs after the resume";
+      }
+  }
+}
+
 // A tp 4 checkpoint, sharded, resumes at tp 2 on 2 ranks, at tp 1 on 2 ranks and in one
 // process exactly as the whole-layout checkpoint of the same run does (the same bits: so the
 // loaded parameters are the same), and every reading command opens it.

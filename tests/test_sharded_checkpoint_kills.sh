@@ -6,11 +6,15 @@
 # complete checkpoint must open (`sigma inspect`: every rank's file with its size and
 # checksum), no half-written one may count, and a resume from the newest (or a fresh start
 # when none was committed) at the same layout must end with the uninterrupted run's files.
-# Usage: test_sharded_checkpoint_kills.sh SIGMA KILL_AT_SHIM [MAX]   (~3 s per point)
+# ASYNC (train.ckpt_async, default true): true writes each save on a writer thread per rank
+# while the next steps run (a kill lands during the writes, between them and the ranks'
+# agreement, or in the commit); false writes it in the foreground.
+# Usage: test_sharded_checkpoint_kills.sh SIGMA KILL_AT_SHIM [MAX] [ASYNC]   (~3 s per point)
 set -euo pipefail
 SIGMA=$(realpath "$1")
 SHIM=$(realpath "$2")
 MAX=${3:-8}
+ASYNC=${4:-true}
 command -v mpirun >/dev/null || { echo "SKIP: no mpirun"; exit 0; }
 W=$(mktemp -d "${TMPDIR:-/tmp}/sigma-shard-kills-XXXXXX")
 trap 'rm -rf "$W"' EXIT
@@ -19,7 +23,7 @@ export OMP_WAIT_POLICY=passive OMP_NUM_THREADS=1
 args=(--quiet --set model.d_model=32 --set model.heads=2 --set model.layers=3 --set model.context=16
       --set train.batch=4 --set train.accum=2 --set train.steps=6 --set train.ckpt_every=2
       --set train.log_every=1 --set train.eval_rows=4 --set dist.tp=2 --set dist.ckpt_layout=sharded
-      --set dist.timeout_s=10)
+      --set dist.timeout_s=10 --set train.ckpt_async="$ASYNC")
 mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2)
 fail() { echo "FAIL: $*"; ls -laR D 2>/dev/null | head -60; exit 1; }
 # Runs sigma on 2 ranks; rank $1 gets the shim with the environment in $2 (empty: none).
@@ -72,4 +76,4 @@ for victim in 0 1; do
   done
 done
 ((during_save > 0)) || fail "no kill landed during a save"
-echo "sharded saves: $kills kills ($during_save during a save, $fresh before the first commit); every committed checkpoint opened and every resume ended bit-identical; $unreached late points not reached"
+echo "sharded saves (ckpt_async=$ASYNC): $kills kills ($during_save during a save, $fresh before the first commit); every committed checkpoint opened and every resume ended bit-identical; $unreached late points not reached"

@@ -59,8 +59,8 @@ void TrainConfig::describe(Options& o, const std::string& p) {
   o.add(p + "keep_every", &keep_every, "with keep_checkpoints: also keep each checkpoint whose "
         "step is a multiple of this, as milestones (0 = none)", 0, int64_t(1) << 40);
   o.add(p + "ckpt_async", &ckpt_async, "write checkpoints on a background thread from a copy "
-        "taken between two steps, so that the next steps run meanwhile (one-process runs; the "
-        "copy's size is printed at the start; the same files as false)");
+        "taken between two steps, so that the next steps run meanwhile (one process, or each rank "
+        "with dist.ckpt_layout = sharded; at most one save in flight; the same files as false)");
   o.add(p + "threads", &threads, "CPU threads (0 = every core; more than the machine's cores are "
         "capped to them)", 0, 4096);
   o.add(p + "max_minutes", &max_minutes, "time limit in minutes from the start of sigma train (set-up included): "

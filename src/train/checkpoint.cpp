@@ -207,6 +207,11 @@ void add_run_files(CheckpointWriter& w, Config& cfg, const TrainerState& st,
   write_run_files(w, cfg, st, tokenizer_path);
 }
 
+void add_run_files(SaveSnapshot& s, Config& cfg, const TrainerState& st,
+                   const std::string& tokenizer_path) {
+  write_run_files(s, cfg, st, tokenizer_path);
+}
+
 void snapshot_checkpoint(SaveSnapshot& files, Config& cfg, const Model& model, const AdamW* opt,
                          const TrainerState& st, const std::string& tokenizer_path,
                          EcssExperts* experts) {

@@ -39,6 +39,9 @@ bool saves_sharded(const Config& cfg, int ranks, const ExpertFiles* experts);
 // registry: the files rank 0 adds to every checkpoint, whatever its layout.
 void add_run_files(CheckpointWriter& w, Config& cfg, const TrainerState& st,
                    const std::string& tokenizer_path);
+// The same files taken into a background save's snapshot (written by its writer thread).
+void add_run_files(SaveSnapshot& s, Config& cfg, const TrainerState& st,
+                   const std::string& tokenizer_path);
 
 // "step-NNNNNNNN", a training checkpoint's directory name.
 std::string checkpoint_name(int64_t step);

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "core/error.h"
@@ -106,26 +107,36 @@ SaveSnapshot BackgroundSaver::snapshot() {
 }
 
 void BackgroundSaver::start(std::string root, std::string name, SaveSnapshot files) {
+  auto f = std::make_shared<SaveSnapshot>(std::move(files));  // std::function copies
+  start_job(name, [root = std::move(root), name, f] {
+    struct Release {  // a write that failed early releases the store too
+      SaveSnapshot& f;
+      ~Release() { f.clear(); }
+    } release{*f};
+    CheckpointWriter w(root, name);
+    f->write(w);
+    return w.commit();
+  });
+}
+
+void BackgroundSaver::start_job(std::string name, std::function<std::string()> job) {
   SIGMA_CHECK(!in_flight(), "internal: two background saves at once");
-  name_ = name;
+  name_ = std::move(name);
   dir_.clear();
   error_ = nullptr;
   done_ = false;
-  writer_ = std::thread([this, root = std::move(root), name = std::move(name),
-                         files = std::move(files)]() mutable {
+  writer_ = std::thread([this, job = std::move(job)]() mutable {
     // Stop signals go to the training thread, which decides when to stop.
     sigset_t stop;
     sigemptyset(&stop);
     for (int s : {SIGTERM, SIGINT, SIGUSR1, SIGUSR2}) sigaddset(&stop, s);
     pthread_sigmask(SIG_BLOCK, &stop, nullptr);
     try {
-      CheckpointWriter w(root, name);
-      files.write(w);
-      dir_ = w.commit();
+      dir_ = job();
     } catch (...) {
       error_ = std::current_exception();
     }
-    files.clear();  // a write that failed early releases the store too
+    job = nullptr;  // what it holds goes before the training thread hears it is done
     done_.store(true, std::memory_order_release);
   });
 }

@@ -71,6 +71,9 @@ class BackgroundSaver {
   SaveSnapshot snapshot();
   // Writes `files` as checkpoint ROOT/NAME on the writer thread and commits it.
   void start(std::string root, std::string name, SaveSnapshot files);
+  // Runs `job` on the writer thread (stop signals blocked there); what it returns is what
+  // wait() returns, what it throws is wait()'s error. `name`: the checkpoint, for messages.
+  void start_job(std::string name, std::function<std::string()> job);
   bool in_flight() const { return writer_.joinable(); }
   bool finished() const { return done_.load(std::memory_order_acquire); }
   // Waits for the save in flight and returns its committed directory; its error, if it

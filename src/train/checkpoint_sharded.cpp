@@ -129,23 +129,25 @@ void world_barrier(Communicator& data, Communicator& tp) {
 
 }  // namespace shard_save
 
-std::string save_sharded_checkpoint(const std::string& root, Config& cfg, const Model& model,
-                                    const AdamW* opt, const TrainerState& st,
-                                    const std::string& tokenizer_path, ExpertFiles* experts,
-                                    Communicator& data, Communicator& tp) {
+std::unique_ptr<ShardedSave> begin_sharded_save(const std::string& root, Config& cfg,
+                                                const Model& model, const AdamW* opt,
+                                                const TrainerState& st, ExpertFiles* experts,
+                                                Communicator& data, Communicator& tp) {
   using namespace shard_save;
+  auto s = std::make_unique<ShardedSave>();
   const int D = data.size(), P = tp.size(), dr = data.rank(), tr = tp.rank();
-  const int R = D * P, index = dr * P + tr;
-  const bool lead = index == 0;
-  const std::string name = checkpoint_name(st.step);
-
-  ShardContents mine;  // views and copies only: no file yet
+  s->root = root, s->name = checkpoint_name(st.step);
+  s->ranks = D * P, s->tp = P, s->index = dr * P + tr;
+  s->lead = s->index == 0;
+  s->adam = opt != nullptr;
+  s->record.assign(kRecord, 0.0);
+  ShardContents& mine = s->mine;  // views and copies only: no file yet
   if (experts) experts->add_shard_tensors(mine);  // a collective over the data group
   // What each rank writes before the weights are dealt: its experts and its Adam shard.
   double base = elements(mine.model) + elements(mine.adam);
   for (size_t i = 0; opt && i < model.params().all().size(); ++i)
     if (opt->owns(i)) base += 2.0 * double(model.params().all()[i].value.numel());
-  std::vector<double> bases(static_cast<size_t>(P)), all_bases(static_cast<size_t>(R));
+  std::vector<double> bases(static_cast<size_t>(P)), all_bases(static_cast<size_t>(s->ranks));
   tp.all_gather(bases.data(), &base, 1);
   data.all_gather(all_bases.data(), bases.data(), size_t(P));  // rank i's at i
   // dist.zero = 3: a rank holds only the values it owns between steps (train/train_step.h),
@@ -153,63 +155,58 @@ std::string save_sharded_checkpoint(const std::string& root, Config& cfg, const 
   const bool values_owned = cfg.dist.zero == 3 && D > 1;
   SIGMA_CHECK(!values_owned || opt, "a dist.zero = 3 save needs the optimizer (who owns what)");
   add_params(mine, model, opt, deal(model, D, P, std::move(all_bases)), dr, tr, P, values_owned);
-  if (lead)
+  if (s->lead)
     for (const Buffer& b : model.buffers().all()) mine.model.push_back(tensor_ref(b.name, b.value));
+  s->config = cfg.to_json();
 
-  std::optional<CheckpointWriter> w;
-  std::string tmp;
-  std::string error;  // this rank's failure, said by it; the others learn that it failed
   try {
-    if (lead) {
-      w.emplace(root, name);
-      w->set_sharded();
-      tmp = w->temp_dir();
+    if (s->lead) {
+      s->writer.emplace(root, s->name);
+      s->writer->set_sharded();
+      s->tmp = s->writer->temp_dir();
     }
   } catch (const std::exception& e) {
-    error = e.what();
+    s->error = e.what();
   }
   // The temporary directory's path, from the lead: over tp rank 0's data group, then each tp group.
   for (Communicator* c : {&data, &tp}) {
-    uint64_t n = tmp.size();
+    uint64_t n = s->tmp.size();
     c->broadcast(&n, sizeof n, 0);
-    tmp.resize(size_t(n));
-    c->broadcast(tmp.data(), size_t(n), 0);
+    s->tmp.resize(size_t(n));
+    c->broadcast(s->tmp.data(), size_t(n), 0);
   }
-  if (tmp.empty() && error.empty()) error = "the checkpoint's temporary directory was not made";
+  if (s->tmp.empty() && s->error.empty()) s->error = "the checkpoint's temporary directory was not made";
+  return s;
+}
 
-  // Ranks write in waves of dist.ckpt_writers, so that R ranks do not all hit the disk at once.
-  const int writers = std::max(1, cfg.dist.ckpt_writers);
-  std::vector<double> rec(kRecord, 0.0);
-  for (int wave = 0; wave * writers < R; ++wave) {
-    if (index / writers == wave && !tmp.empty()) {
-      try {
-        if (!lead) w.emplace(CheckpointWriter::peer(tmp));
-        const nlohmann::json config = cfg.to_json();
-        w->add_safetensors(shard_file(index, false), mine.model,
-                           {{"format", kModelFormat}, {"version", "1"}, {"config", config.dump()},
-                            {kPiecesKey, pieces_metadata(mine.model_pieces)}});
-        const auto [ms, mx] = w->recorded(shard_file(index, false));
-        put(&rec[1], ms), put(&rec[3], mx);
-        if (opt) {
-          w->add_safetensors(shard_file(index, true), mine.adam,
-                             {{"format", "sigma-adamw"}, {"version", "1"},
-                              {kPiecesKey, pieces_metadata(mine.adam_pieces)}});
-          const auto [as, ax] = w->recorded(shard_file(index, true));
-          put(&rec[5], as), put(&rec[7], ax);
-        }
-        if (lead) add_run_files(*w, cfg, st, tokenizer_path);
-        rec[0] = 1;
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
+void write_sharded_files(ShardedSave& s, const std::function<void(CheckpointWriter&)>& files) {
+  using namespace shard_save;
+  if (s.tmp.empty()) return;
+  try {
+    if (!s.lead) s.writer.emplace(CheckpointWriter::peer(s.tmp));
+    files(*s.writer);
+    const auto [ms, mx] = s.writer->recorded(shard_file(s.index, false));
+    put(&s.record[1], ms), put(&s.record[3], mx);
+    if (s.adam) {
+      const auto [as, ax] = s.writer->recorded(shard_file(s.index, true));
+      put(&s.record[5], as), put(&s.record[7], ax);
     }
-    world_barrier(data, tp);
+    s.record[0] = 1;
+  } catch (const std::exception& e) {
+    s.error = e.what();
   }
-  mine = {};  // the copies are on disk now
+}
 
+std::string finish_sharded_save(std::unique_ptr<ShardedSave> s, ExpertFiles* experts,
+                                Communicator& data, Communicator& tp) {
+  using namespace shard_save;
+  const int R = s->ranks, P = s->tp, index = s->index;
+  const bool lead = s->lead;
+  const std::string& name = s->name;
+  std::string& error = s->error;
   // Every rank's record to every rank: tp group first, then the data group over those.
   std::vector<double> group(kRecord * size_t(P)), all(kRecord * size_t(R));
-  tp.all_gather(group.data(), rec.data(), kRecord);
+  tp.all_gather(group.data(), s->record.data(), kRecord);
   data.all_gather(all.data(), group.data(), kRecord * size_t(P));  // rank i's at i * kRecord
   int failed = -1;
   for (int i = 0; i < R && failed < 0; ++i)
@@ -224,15 +221,15 @@ std::string save_sharded_checkpoint(const std::string& root, Config& cfg, const 
          shard_file(failed, true));
   }
   double committed = 0;
-  std::string dir = (std::filesystem::path(root) / name).string();
+  std::string dir = (std::filesystem::path(s->root) / name).string();
   if (lead) {
     try {
       for (int i = 1; i < R; ++i) {
         const double* r = all.data() + size_t(i) * kRecord;
-        w->add_peer_file(shard_file(i, false), get(r + 1), get(r + 3));
-        if (opt) w->add_peer_file(shard_file(i, true), get(r + 5), get(r + 7));
+        s->writer->add_peer_file(shard_file(i, false), get(r + 1), get(r + 3));
+        if (s->adam) s->writer->add_peer_file(shard_file(i, true), get(r + 5), get(r + 7));
       }
-      dir = w->commit();  // the manifest names every rank's files, then the rename, then latest
+      dir = s->writer->commit();  // the manifest names every rank's files, then the rename, then latest
       committed = 1;
     } catch (const std::exception& e) {
       error = e.what();
@@ -247,6 +244,26 @@ std::string save_sharded_checkpoint(const std::string& root, Config& cfg, const 
   }
   if (experts) experts->checkpoint_written(dir);
   return dir;
+}
+
+std::string save_sharded_checkpoint(const std::string& root, Config& cfg, const Model& model,
+                                    const AdamW* opt, const TrainerState& st,
+                                    const std::string& tokenizer_path, ExpertFiles* experts,
+                                    Communicator& data, Communicator& tp) {
+  std::unique_ptr<ShardedSave> s = begin_sharded_save(root, cfg, model, opt, st, experts, data, tp);
+  ShardedSave& me = *s;
+  // Ranks write in waves of dist.ckpt_writers, so that R ranks do not all hit the disk at once.
+  const int writers = std::max(1, cfg.dist.ckpt_writers);
+  for (int wave = 0; wave * writers < me.ranks; ++wave) {
+    if (me.index / writers == wave)
+      write_sharded_files(me, [&](CheckpointWriter& w) {
+        add_shard_files(w, me);
+        if (me.lead) add_run_files(w, cfg, st, tokenizer_path);
+      });
+    shard_save::world_barrier(data, tp);
+  }
+  me.mine = {};  // the copies are on disk now
+  return finish_sharded_save(std::move(s), experts, data, tp);
 }
 
 }  // namespace sigma

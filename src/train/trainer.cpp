@@ -28,11 +28,13 @@
 #include "run/heldout.h"
 #include "train/agreement.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_sharded_async.h"
 #include "train/freeze.h"
 #include "train/nonfinite.h"
 #include "train/preflight.h"
 #include "train/resume.h"
 #include "train/run_dir.h"
+#include "train/stop_signals.h"
 #include "train/train_step.h"
 
 namespace sigma {
@@ -85,60 +87,6 @@ void sum_over_ranks(Communicator& comm, std::vector<BlockLoad>& load) {
   }
 }
 
-// SIGTERM / SIGINT during the steps (schedulers send SIGTERM before they kill), and SIGUSR1 /
-// SIGUSR2 (the ones Open MPI's mpirun forwards to every rank: it turns its own SIGTERM into an
-// abort that exits 1, docs/distributed.md): the first asks the run to stop after the current
-// step with a checkpoint; a second one ends the process at once with the default action (a
-// save in progress stays a temporary directory, removed by the next run in OUT).
-std::atomic<int> g_stop_signal{0};
-
-extern "C" void on_stop_signal(int sig) {
-  if (g_stop_signal.exchange(sig) != 0) {
-    ::signal(sig, SIG_DFL);
-    ::raise(sig);
-    return;
-  }
-  const char msg[] = "\nsigma train: signal received: stopping after this step with a checkpoint "
-                     "(send it again to stop at once, without saving)\n";
-  (void)!::write(STDERR_FILENO, msg, sizeof msg - 1);
-}
-
-class StopSignals {
- public:
-  explicit StopSignals(bool install) : installed_(install) {
-    if (!installed_) return;
-    g_stop_signal = 0;
-    struct sigaction sa {};
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART;
-    for (size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &sa, &old_[i]);
-  }
-  ~StopSignals() {
-    if (!installed_) return;
-    for (size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &old_[i], nullptr);
-  }
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
-  // The signal that asked to stop, else kStoppedByTimeLimit when `time_up` (0 = go on).
-  // Collective over the ranks (when any may stop: `limited`, the same on every rank), so that
-  // they all stop after the same step even when only some got the signal or passed the limit.
-  int requested(Communicator& comm, bool limited, bool time_up) const {
-    const int sig = installed_ ? g_stop_signal.load() : 0;
-    if (comm.size() == 1 || (!installed_ && !limited)) return sig ? sig : time_up ? kStoppedByTimeLimit : 0;
-    double v[3] = {sig ? 1.0 : 0.0, double(sig), time_up ? 1.0 : 0.0};
-    comm.all_reduce_sum(v, 3);
-    if (sig) return sig;
-    if (v[0] > 0) return int(v[1] / v[0] + 0.5);  // the ranks that got one got the same
-    return v[2] > 0 ? kStoppedByTimeLimit : 0;
-  }
-
- private:
-  static constexpr int kSignals[] = {SIGTERM, SIGINT, SIGUSR1, SIGUSR2};
-  bool installed_;
-  struct sigaction old_[std::size(kSignals)] {};
-};
-
 // One training run: set-up, the loop of TrainSteps, metrics, checkpoints, final evaluation.
 class RunLoop {
  public:
@@ -162,6 +110,9 @@ class RunLoop {
   std::vector<DomainLoss> held_out_losses();
   nlohmann::json exchange_since_last(int64_t steps);
   void checkpoint();
+  bool save_in_flight() const {
+    return (saver_ && saver_->in_flight()) || (sharded_saver_ && sharded_saver_->in_flight());
+  }
   void collect_save(bool wait);
   void after_save();
   TrainSummary finish();
@@ -218,6 +169,14 @@ class RunLoop {
   // train.ckpt_async: the writer of background saves. Last: it waits for a save in flight
   // before the store and model it may read go.
   std::unique_ptr<BackgroundSaver> saver_;
+  // train.ckpt_async on several ranks (sharded layout): each rank's writer; the ranks agree
+  // at step boundaries (train/checkpoint_sharded_async.h).
+  std::unique_ptr<ShardedBackgroundSaver> sharded_saver_;
+  // Background saves of this run: started, steps begun while one was in flight, saves that
+  // had to wait for the one before (train.ckpt_every shorter than a save) and the time waited.
+  int64_t bg_saves_ = 0, bg_overlapped_ = 0, bg_waits_ = 0;
+  double bg_wait_s_ = 0;
+  double save_stall_s_ = 0;  // the training thread's time in saves between steps (summary.json)
 };
 
 // OpenMP threads per rank: train.threads, else the cores shared among the ranks on this node.
@@ -402,10 +361,14 @@ void RunLoop::open_outputs() {
   else if (lead_)  // said once the run is checked and about to train (usage.md's first example)
     fmt::print(stderr, "sigma train: no --out: this run saves nothing (no checkpoint, "
                "metrics.jsonl or summary.json); to keep it, pass --out DIR\n");
-  // Background saves in one process; a multi-rank save's collectives (gathers of shards and
-  // experts) stay in the steps' order on the training thread: written in the foreground.
+  // Background saves in one process, and on several ranks in the sharded layout (each rank
+  // copies its own pieces; the collectives of a save stay on the training thread). The whole
+  // layout's gathers of tensors assembled whole keep the foreground.
+  const bool sharded = saves_sharded(cfg_, comm_.size() * grid_->tensor().size(), expert_files());
   if (!ckpt_root_.empty() && cfg_.train.ckpt_async && world_.size() == 1 && !parallel_)
     saver_ = std::make_unique<BackgroundSaver>();
+  else if (!ckpt_root_.empty() && cfg_.train.ckpt_async && world_.size() > 1 && sharded)
+    sharded_saver_ = std::make_unique<ShardedBackgroundSaver>(comm_, grid_->tensor());
   // metrics.jsonl is created with the first record (RunDir::append_metrics).
   if (run_dir_ && ck_) run_dir_->drop_metrics_after(state_.step);  // the dead run's steps are redone
   tty_ = isatty(STDERR_FILENO);
@@ -453,10 +416,19 @@ void RunLoop::open_outputs() {
                double(model_->params().numel()) * 12 / double(1 << 30),
                experts_ ? "; the experts are read from the store, whose next update waits for it"
                         : "");
-  if (!ckpt_root_.empty() && cfg_.train.ckpt_async && !saver_)  // said, not silently ignored
-    fmt::print(stderr, "checkpoints: written in the foreground: train.ckpt_async applies to "
-               "one-process runs (a save of {} ranks is collective: each rank writes its files, "
-               "then rank 0 commits)\n", comm_.size());
+  if (sharded_saver_)
+    fmt::print(stderr, "checkpoints: written in the background (train.ckpt_async): after the "
+               "step each of the {} ranks copies the pieces it writes (its shard of the weights "
+               "and Adam state{}), a writer thread per rank writes them, and rank 0 commits once "
+               "every rank's files are written (agreed at a step boundary)\n", world_.size(),
+               parallel_ ? ", its experts" : "");
+  if (!ckpt_root_.empty() && cfg_.train.ckpt_async && !saver_ && !sharded_saver_)  // said, not ignored
+    fmt::print(stderr, "checkpoints: written in the foreground: {}\n",
+               world_.size() == 1 ? "train.ckpt_async does not apply to train.experts = parallel in one process"
+               : cfg_.dist.ckpt_layout != "sharded"
+                   ? "dist.ckpt_layout = whole assembles tensors over the ranks while it writes "
+                     "(the sharded layout, the default, saves in the background)"
+                   : "these experts are not written as pieces, which background saves need");
   if (!cfg_.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze_.summary);
   if (comm_.size() > 1) {
     const int64_t most = *std::max_element(plan_.elements.begin(), plan_.elements.end());
@@ -497,8 +469,18 @@ TrainSummary RunLoop::run() {
   } catch (...) {
     // A background save in flight is of an earlier, good step: it completes (committed, the
     // old run of an --overwrite dropped) before the error ends the run.
+    // On several ranks the commit needs every rank's agreement, which a failed run cannot
+    // count on: the save in flight is dropped uncommitted (the last committed one stands).
     try {
-      collect_save(true);
+      if (sharded_saver_) {
+        const std::string name = sharded_saver_->abandon();
+        if (!name.empty())
+          fmt::print(stderr, "sigma train: checkpoint {} (written in the background) was not "
+                     "committed: the run failed before the ranks agreed on it; the checkpoints "
+                     "committed before it are intact\n", name);
+      } else {
+        collect_save(true);
+      }
     } catch (const std::exception& e) {
       fmt::print(stderr, "sigma train: {}\n", e.what());
     }
@@ -509,7 +491,10 @@ TrainSummary RunLoop::run() {
 }
 
 void RunLoop::one_step(int64_t step, const StopSignals& signals) {
+  const Clock::time_point t_collect = Clock::now();
   collect_save(false);  // a background save that has finished: its error, retention
+  save_stall_s_ += std::chrono::duration<double>(Clock::now() - t_collect).count();
+  if (save_in_flight()) ++bg_overlapped_;
   if (have_next_) {
     std::swap(micro_, next_);
     have_next_ = false;
@@ -554,7 +539,11 @@ void RunLoop::one_step(int64_t step, const StopSignals& signals) {
   const bool eval_now = eval_due(state_.step);
   if (state_.step % cfg_.train.log_every == 0 || state_.step == last_ || stopped_by_ || eval_now)
     log(r.grad_norm, lr, eval_now);
-  if (ckpt_now || (stopped_by_ && !ckpt_root_.empty())) checkpoint();
+  if (ckpt_now || (stopped_by_ && !ckpt_root_.empty())) {
+    const Clock::time_point t0 = Clock::now();
+    checkpoint();
+    save_stall_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  }
 }
 
 // The held-out loss per domain: data.eval_path's windows, else the data's own held-out side.
@@ -661,6 +650,24 @@ void RunLoop::checkpoint() {
     step_->settle();
   state_.data_cursor = have_next_ ? cursor_after_step_ : data_->cursor();
   if (run_dir_) run_dir_->sync_metrics();  // the records up to it as durable as the checkpoint
+  if (save_in_flight()) {  // one save in flight at most: this one waits for the last one
+    const Clock::time_point t0 = Clock::now();
+    collect_save(true);  // the last one's error surfaces here
+    const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+    ++bg_waits_, bg_wait_s_ += waited;
+    if (run_.progress)  // rank 0's; summary.json counts them either way
+      fmt::print(stderr, "{}checkpoints: the save of step {} waited {:.2f} s for the previous "
+                 "background save to finish (train.ckpt_every is shorter than a save)\n",
+                 tty_ && run_.progress ? "\n" : "", state_.step, waited);
+  }
+  if (sharded_saver_) {
+    std::function<void()> hook;
+    if (run_.saving) hook = [f = run_.saving, step = state_.step] { f(step); };
+    sharded_saver_->start(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
+                          expert_files(), std::move(hook));
+    ++bg_saves_;
+    return;
+  }
   if (!saver_) {
     if (run_.saving) run_.saving(state_.step);
     save_checkpoint(ckpt_root_, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
@@ -668,18 +675,22 @@ void RunLoop::checkpoint() {
     after_save();
     return;
   }
-  collect_save(true);  // one save in flight at most; the last one's error surfaces here
   SaveSnapshot files = saver_->snapshot();
   if (run_.saving)
     files.add_first([f = run_.saving, step = state_.step](CheckpointWriter&) { f(step); });
   snapshot_checkpoint(files, cfg_, *model_, opt_.get(), state_, data_->tokenizer_path(),
                       experts_.get());
   saver_->start(ckpt_root_, checkpoint_name(state_.step), std::move(files));
+  ++bg_saves_;
 }
 
 // A background save in flight: when it has finished (or at once, waiting, with `wait`) its
 // commit is taken in, or its error thrown.
 void RunLoop::collect_save(bool wait) {
+  if (sharded_saver_ && sharded_saver_->in_flight()) {  // collective: every rank, same step
+    if (!sharded_saver_->collect(wait, world_).empty()) after_save();
+    return;
+  }
   if (!saver_ || !saver_->in_flight() || (!wait && !saver_->finished())) return;
   const std::string dir = saver_->wait();
   if (experts_) experts_->link_from(dir);  // the next save may link its unchanged groups
@@ -770,6 +781,12 @@ void RunLoop::write_summary(const TrainSummary& sum) {
   if (parallel_) summary["expert_exchange"] = exchange_summary_;
   if (!tp_exchange_.is_null()) summary["tp_exchange"] = tp_exchange_;
   if (!dp_overlap_.is_null()) summary["dp_overlap"] = dp_overlap_;
+  // Wall time the training thread spent on saves between steps: the whole save in the
+  // foreground; the copy, waits, agreement and commit in the background (the end's wait aside).
+  summary["checkpoint_stall_s"] = save_stall_s_;
+  if (saver_ || sharded_saver_)  // train.ckpt_async: how the background saves went
+    summary["background_saves"] = {{"saves", bg_saves_}, {"steps_overlapped", bg_overlapped_},
+                                   {"waits", bg_waits_}, {"wait_s", bg_wait_s_}};
   if (!sum.expert_load.empty()) {
     summary["expert_load"] = expert_load_json(sum.expert_load, cfg_.model);
     summary["load_imbalance"] = load_imbalance_json(sum.expert_load);
