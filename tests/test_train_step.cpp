@@ -13,6 +13,7 @@
 #include "core/rng.h"
 #include "dist/communicator.h"
 #include "model/model.h"
+#include "model/names.h"
 #include "train/train_step.h"
 #include "step_config.h"
 #include "thread_comm.h"
@@ -347,4 +348,50 @@ TEST(TrainStep, RreBlocksRunTheirExpertsThroughTheExecutor) {
   EXPECT_EQ(ex.rows, 2 * 2 * 3 * c.context);
   EXPECT_EQ(ex.updates, 1);
   m.set_expert_executor(nullptr);
+}
+
+// dist.zero = 3 reads an RRE block's experts group by group (Model::expert_stages): a rank
+// holds at most one group's worth of the other ranks' expert values at a time, not a whole
+// block's (where the memory peak was), blocking and overlapped, with the same bits as ZeRO-1
+// (ZeroStage3IsBitIdenticalToStage1).
+TEST(TrainStep, ZeroStage3GathersOneExpertGroupAtATime) {
+  for (int overlap : {0, 1}) {
+    test_ranks::run_ranks(4, [&](Communicator& comm) {
+      omp_set_num_threads(1);
+      const ModelConfig c = step_config(2);
+      Model m(c, 5);
+      OptimConfig oc;
+      const ShardPlan plan = plan_shards(m.params(), 4);
+      AdamW opt(oc, m.params(), plan.owned_by(comm.rank()));
+      TrainStep step(m, opt, comm, oc, plan);
+      step.set_zero_stage(3);
+      step.set_overlap(overlap > 0);
+      // The bound: the largest of one (block, group)'s expert tensors this rank does not own;
+      // a whole block's would exceed it wherever the rank misses tensors of two groups.
+      int64_t group_max = 0, block_max = 0;
+      for (int l = c.first_rre_block(); l < c.layers; ++l) {
+        int64_t block = 0;
+        for (const GroupSpec& g : c.groups) {
+          int64_t n = 0;
+          for (size_t i = 0; i < m.params().all().size(); ++i) {
+            const Param& p = m.params().all()[i];
+            if (plan.owner[i] != comm.rank() && p.name.starts_with(names::expert_prefix(l, g.name) + "."))
+              n += p.value.numel();
+          }
+          group_max = std::max(group_max, n);
+          block += n;
+        }
+        block_max = std::max(block_max, block);
+      }
+      for (int s = 0; s < 2; ++s) {
+        const auto batches = micro_batches(c, 4, uint64_t(s) + 1);
+        step.prepare(batches);
+        step.run(batches, oc.lr, UpdateMask{});
+      }
+      const std::string what = fmt::format("rank {}, overlap {}, a block's {}", comm.rank(), overlap,
+                                           block_max);
+      EXPECT_GT(step.peak_gathered_expert_elements(), 0) << what;
+      EXPECT_LE(step.peak_gathered_expert_elements(), group_max) << what;
+    });
+  }
 }

@@ -78,9 +78,23 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
   register_params(params_, cfg_, !external_experts, tp_.size);
   register_buffers(buffers_, cfg_);
   grad_stages_.resize(size_t(L) + 2);
+  // RRE blocks with their experts in the model: each group's experts a stage of their own
+  // (L + 2 + (l - first RRE block) * G + g), read and finished group by group.
+  const bool group_stages = !external_experts && cfg_.rre_layers > 0 && !cfg_.gated();
+  const size_t G = cfg_.groups.size();
+  expert_stages_.assign(size_t(L), {});
+  if (group_stages) {
+    for (int l = cfg_.first_rre_block(); l < L; ++l)
+      for (size_t g = 0; g < G; ++g) expert_stages_[size_t(l)].push_back(grad_stages_.size() + (size_t(l - cfg_.first_rre_block()) * G) + g);
+    grad_stages_.resize(size_t(L) + 2 + size_t(cfg_.rre_layers) * G);
+  }
   for (size_t i = 0; i < params_.all().size(); ++i) {
     const std::string& n = params_.all()[i].name;
     const int l = names::block_of(n);
+    if (group_stages && l >= 0 && names::is_expert(n)) {
+      grad_stages_[expert_stages_[size_t(l)][size_t(cfg_.group_index(names::group_of(n)))]].push_back(i);
+      continue;
+    }
     grad_stages_[l >= 0 ? size_t(l) : n.starts_with("final_ln.") ? size_t(L) : size_t(L) + 1].push_back(i);
   }
   for (const DomainSpec& d : cfg_.domains)

@@ -167,8 +167,15 @@ class Model {
   using GradsDone = std::function<void(const std::vector<size_t>&)>;
   void set_grads_done(GradsDone f) { grads_done_ = std::move(f); }
   // The parameters of each stage: [l] block l, [L] the final LayerNorm, [L + 1] the embedding
-  // tables (the stages set_grads_done reports).
+  // tables (the stages set_grads_done reports), then, in an RRE block whose experts are in the
+  // model, each group's experts (expert_stages(l), in group order), so that a pass holds one
+  // group's values and gradients at a time: block l's stage is then its other tensors.
   const std::vector<std::vector<size_t>>& param_stages() const { return grad_stages_; }
+  // Block l's group stages (empty: a dense block, a learned gate's, or experts in a store).
+  // A pass asks for them after block l's own stage and finishes them before it: the forward
+  // group by group around each group's experts, backward likewise (each group's gradients
+  // reported finished after its experts' backward, before the rest of the block's).
+  const std::vector<size_t>& expert_stages(int l) const { return expert_stages_[size_t(l)]; }
   // Called by a training forward() before it first reads a stage's parameters: stage L + 1
   // (the embeddings) first, then each block l, then L (the final LayerNorm before the tied
   // head); every stage at once, first, where bf16 copies of all weights are made. ZeRO's
@@ -260,6 +267,7 @@ class Model {
   // The parameters each stage of backward finishes: [l] block l, [L] the final LayerNorm,
   // [L + 1] the embedding tables.
   std::vector<std::vector<size_t>> grad_stages_;
+  std::vector<std::vector<size_t>> expert_stages_;  // [l]: block l's group stages
   GradsDone grads_done_;
   ParamsNeeded params_needed_;
   ParamsDone params_done_;

@@ -163,7 +163,7 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
   check_routing_ready();
   const size_t L = size_t(cfg_.layers);
   if (loss_weight && ops::precision() == ops::Precision::Bf16)  // mirror_weights reads them all
-    for (size_t s = 0; s < L + 2; ++s) params_needed(s);
+    for (size_t s = 0; s < grad_stages_.size(); ++s) params_needed(s);
   params_needed(L + 1);
   mirror_weights(loss_weight != nullptr);
   embed(batch, a, nullptr);
@@ -418,8 +418,23 @@ void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* 
     load.dropped += gp.dropped;
   } else {
     rre_plan(k.plan, w.rre, batch.tokens.data(), acts.row_group.data(), N);
+    const std::vector<size_t>& stages = expert_stages(l);
     add_tp_sum(tp_, out, acts.tp_sum.dev_f(), N * d, [&](float* y) {
-      executor_->forward(l, rw, k.plan, buf, y, k.a2.dev_f(), N, d, f);
+      if (stages.empty() || executor_ != &local_) {
+        for (size_t s : stages) params_needed(s);
+        executor_->forward(l, rw, k.plan, buf, y, k.a2.dev_f(), N, d, f);
+        for (size_t s : stages) params_done(s);
+        return;
+      }
+      // Group by group, each group's experts read between its stage's hooks: the slices of the
+      // whole pass (whole_plan), so the same bits as one call (rre.h).
+      const ExpertSlice whole = whole_plan(k.plan);
+      for (size_t g = 0; g < stages.size(); ++g) {
+        params_needed(stages[g]);
+        rre_forward(y, buf.pre, buf.act, buf.gx, buf.gy, k.a2.dev_f(), rw, k.plan,
+                    {rw.offset[g], rw.offset[g + 1], whole.side_by_side}, N, d, f);
+        params_done(stages[g]);
+      }
     });
   }
   if (recompute) return;
@@ -532,7 +547,23 @@ void Model::expert_backward(int l, Activations& a, float* dh) {
   BlockActs& k = a.block(l);
   const ExpertBuffers buf{k.pre.dev_f(), k.act.dev_f(), a.gx.dev_f(), a.gy.dev_f(), a.gdx.dev_f(), a.dffn.dev_f()};
   if (!cfg_.gated()) {
-    executor_->backward(l, w.rre, k.plan, buf, a.da.dev_f(), dh, k.a2.dev_f(), N, d, f);
+    const std::vector<size_t>& stages = expert_stages(l);
+    if (stages.empty() || executor_ != &local_) {
+      for (size_t s : stages) params_needed(s);
+      executor_->backward(l, w.rre, k.plan, buf, a.da.dev_f(), dh, k.a2.dev_f(), N, d, f);
+      for (size_t s : stages) grads_done(s);
+      for (size_t s : stages) params_done(s);
+    } else {  // group by group, as the forward (each row's dx from one expert: the same bits)
+      const ExpertSlice whole = whole_plan(k.plan);
+      for (size_t g = 0; g < stages.size(); ++g) {
+        params_needed(stages[g]);
+        rre_backward(a.da.dev_f(), buf.scratch, buf.gx, buf.gy, buf.gdx, dh, k.a2.dev_f(), buf.pre,
+                     buf.act, w.rre, k.plan, {w.rre.offset[g], w.rre.offset[g + 1], whole.side_by_side},
+                     N, d, f);
+        grads_done(stages[g]);
+        params_done(stages[g]);
+      }
+    }
     return tp_.all_reduce(a.da.dev_f(), N * d);  // column-parallel w_in: dL/da2 is the group's sum
   }
   const GatePlan& gp = k.gplan;

@@ -104,13 +104,34 @@ TrainStep::TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimCo
   SIGMA_CHECK(plan_.ranks == comm_.size(), "shard plan for {} ranks, communicator of {}",
               plan_.ranks, comm_.size());
   owned_ = plan_.owned_by(comm_.rank());
-  const size_t S = model_.param_stages().size(), L = S - 2;
+  const size_t S = model_.param_stages().size(), L = size_t(model_.config().layers);
   held_.assign(S, 1);
   pending_.assign(S, 0);
-  order_.push_back(L + 1);  // forward: the embeddings, the blocks, the final LN, the tied head
-  for (size_t l = 0; l < L; ++l) order_.push_back(l);
-  order_.insert(order_.end(), {L, L + 1, L, L + 1});  // backward: the head, then the blocks
-  for (size_t l = L; l-- > 0;) order_.push_back(l);
+  // Forward: the embeddings, each block (then its expert groups), the final LN, the tied head;
+  // backward: the head, then each block (then its groups) top down.
+  auto block = [&](size_t l) {
+    order_.push_back(l);
+    for (size_t s : model_.expert_stages(int(l))) order_.push_back(s);
+  };
+  order_.push_back(L + 1);
+  for (size_t l = 0; l < L; ++l) block(l);
+  order_.push_back(L);
+  head_at_ = order_.size();
+  order_.insert(order_.end(), {L + 1, L, L + 1});
+  for (size_t l = L; l-- > 0;) block(l);
+}
+
+// Every stage in backward's order of finishing: the final LN, each block's groups then the
+// block top down, the embeddings (the order the stages' reductions start in).
+std::vector<size_t> TrainStep::backward_stages() const {
+  const size_t L = size_t(model_.config().layers);
+  std::vector<size_t> out{L};
+  for (size_t l = L; l-- > 0;) {
+    for (size_t s : model_.expert_stages(int(l))) out.push_back(s);
+    out.push_back(l);
+  }
+  out.push_back(L + 1);
+  return out;
 }
 
 void TrainStep::release_stage(size_t s) {
@@ -131,6 +152,15 @@ void TrainStep::need_stage(size_t s) {
       gather_from_owners(comm_, plan_, model_.params(), kZeroBucketElements, &stages[s]);
     held_[s] = 1;
     pending_[s] = 0;
+    int64_t experts = 0;  // the other ranks' expert values held now
+    for (size_t t = 0; t < stages.size(); ++t) {
+      if (!held_[t]) continue;
+      for (size_t i : stages[t]) {
+        const Param& p = model_.params().all()[i];
+        if (!owned_[i] && p.expert) experts += p.value.numel();
+      }
+    }
+    peak_experts_ = std::max(peak_experts_, experts);
   }
   if (!zo_ || at_ >= order_.size() || order_[at_] != s) return;
   ++at_;
@@ -146,7 +176,7 @@ void TrainStep::need_stage(size_t s) {
 // Stage s was read for the last time in this pass. The last block is kept from its forward to
 // its backward, which reads it next.
 void TrainStep::done_stage(size_t s) {
-  const size_t L = model_.param_stages().size() - 2;
+  const size_t L = size_t(model_.config().layers);
   if (!in_backward_ && L > 0 && s == L - 1) return;
   release_stage(s);
 }
@@ -295,13 +325,8 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     experts.end_micro_batch();
     sum_losses(b, first + j, per_slot);
     if (after_backward_) after_backward_(model_.params());
-    if (ov && !ov_early && j + 1 == mine.size()) {  // backward's order: final LN, blocks, embeddings
-      const auto& stages = model_.param_stages();
-      const size_t L = stages.size() - 2;
-      reduce_stage(stages[L]);
-      for (size_t l = L; l-- > 0;) reduce_stage(stages[l]);
-      reduce_stage(stages[L + 1]);
-    }
+    if (ov && !ov_early && j + 1 == mine.size())  // backward's order: final LN, blocks, embeddings
+      for (size_t s : backward_stages()) reduce_stage(model_.param_stages()[s]);
     if (mine.size() > 1 && !(ov && j + 1 == mine.size())) tree.push(model_.params());
   }
   if (mine.size() > 1) {
@@ -341,6 +366,9 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   if (r.skipped) return r;
   opt_.step(model_.params(), lr, r.clip, &mask);
   if (z3) {  // each rank's own values are updated; the others' are gathered where read
+    // Its gradients are read by nothing before the next backward writes them: released
+    // (most of them are not written again until late in that backward).
+    for (Param& p : ps.all()) ops::zero_release(p.grad);
     experts.update(lr, r.clip);
     return r;
   }
@@ -349,11 +377,10 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     gather_from_owners(comm_, plan_, model_.params());
     return r;
   }
-  // In the order the next forward reads them: the embeddings, the blocks, the final LayerNorm.
+  // In the order the next forward reads them: the embeddings, the blocks (each with its
+  // groups), the final LayerNorm.
   const auto& stages = model_.param_stages();
-  const size_t L = stages.size() - 2;
-  zo_->start_gather(stages[L + 1], int(L + 1));
-  for (size_t s = 0; s <= L; ++s) zo_->start_gather(stages[s], int(s));
+  for (size_t k = 0; k < head_at_; ++k) zo_->start_gather(stages[order_[k]], int(order_[k]));
   experts.update(lr, r.clip);
   if (!defer_) zo_->finish_gathers();
   return r;
@@ -383,13 +410,13 @@ void TrainStep::forward_only(const std::function<void(Activations&)>& passes) {
       t.settle_owned();  // back to this rank's own values, nothing in flight
     }
   } unhook{model_, *this};
-  const size_t L = model_.param_stages().size() - 2;
+  const size_t L = size_t(model_.config().layers);
   const bool polls = zo_ && overlap_polls();
   at_ = 0;
-  // The forward's stages are order_'s first L + 2; a forward starts with the embeddings
-  // (L + 1) anywhere but at the tied head (order_[L + 2]), where the prefetch restarts.
+  // The forward's stages are order_'s first head_at_; a forward starts with the embeddings
+  // (L + 1) anywhere but at the tied head (order_[head_at_]), where the prefetch restarts.
   model_.set_params_needed([&, L](size_t stage) {
-    if (stage == L + 1 && at_ != L + 2) at_ = 0;
+    if (stage == L + 1 && at_ != head_at_) at_ = 0;
     need_stage(stage);
     if (polls) zo_->progress();
   });

@@ -112,6 +112,9 @@ class TrainStep {
   void settle_owned();
   // Whether a rank holds only the values it owns between steps (dist.zero = 3 on R > 1 ranks).
   bool values_sharded() const { return zero3(); }
+  // dist.zero = 3: the most elements of other ranks' expert tensors this rank has held gathered
+  // at once (one group's at most where the model reads its experts group by group).
+  int64_t peak_gathered_expert_elements() const { return peak_experts_; }
   // Seconds this rank spent blocked in overlapped exchanges (ZeroOverlap::blocked_s).
   double overlap_blocked_s() const { return zo_ ? zo_->blocked_s() : 0.0; }
   // Fault injection for tests: called after each micro-batch's backward (may poison gradients).
@@ -126,6 +129,7 @@ class TrainStep {
   void need_stage(size_t s);
   void done_stage(size_t s);
   void release_stage(size_t s);
+  std::vector<size_t> backward_stages() const;
 
   Model& model_;
   AdamW& opt_;
@@ -139,7 +143,8 @@ class TrainStep {
   // micro-batch's passes ask for them (forward then backward); at_: the next one expected.
   std::vector<uint8_t> owned_, held_, pending_;
   std::vector<size_t> order_;
-  size_t at_ = 0;
+  int64_t peak_experts_ = 0;
+  size_t at_ = 0, head_at_ = 0;  // head_at_: where the tied head's stage is in order_
   bool in_backward_ = false;
   OptimConfig cfg_;
   ShardPlan plan_;
