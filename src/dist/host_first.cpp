@@ -149,7 +149,7 @@ void tree_sum_nodes(T* out, int lo, int hi, int64_t n, const Node& node) {
   for (int64_t i = 0; i < n; ++i) out[i] += right[size_t(i)];
 }
 
-std::vector<int64_t> offsets(const std::vector<int64_t>& counts) {
+std::vector<int64_t> host_first_offsets(const std::vector<int64_t>& counts) {
   std::vector<int64_t> at(counts.size(), 0);
   for (size_t r = 1; r < counts.size(); ++r) at[r] = at[r - 1] + counts[r - 1];
   return at;
@@ -161,7 +161,7 @@ template <class T>
 HostFirstReduce<T>::HostFirstReduce(PointToPoint& net, const HostPlan& plan, int me, T* out,
                                     const T* in, const int64_t* counts, int tag1, int tag2)
     : net_(net), plan_(plan), me_(me), block_(plan.block_of(me)), out_(out), in_(in),
-      counts_(counts, counts + plan.size()), at_(offsets(counts_)), tag2_(tag2) {
+      counts_(counts, counts + plan.size()), at_(host_first_offsets(counts_)), tag2_(tag2) {
   const int P = plan.size();
   const HostPlan::Block b = plan.blocks()[size_t(block_)];
   bytes_to_.assign(size_t(P), 0);
@@ -284,7 +284,7 @@ HostFirstGather<T>::HostFirstGather(PointToPoint& net, const HostPlan& plan, int
                                     const T* in, const int64_t* counts, int tag1, int tag2)
     : net_(net), tag2_(tag2) {
   const int P = plan.size(), h = plan.host_of(me);
-  const std::vector<int64_t> c(counts, counts + P), at = offsets(c);
+  const std::vector<int64_t> c(counts, counts + P), at = host_first_offsets(c);
   bytes_to_.assign(size_t(P), 0);
   const size_t mine = size_t(c[size_t(me)]);
   if (mine > 0 && out + at[size_t(me)] != in) std::memmove(out + at[size_t(me)], in, mine * sizeof(T));
