@@ -260,6 +260,8 @@ TEST(HostPlan, OneHostOrOneRankPerHostChangesNothing) {
   EXPECT_FALSE(p.sums_host_first());
   EXPECT_FALSE(p.gathers_host_first());
   EXPECT_DOUBLE_EQ(p.reduce_cross().host_first, p.reduce_cross().direct);
+  EXPECT_NE(p.describe().find("64 ranks on 64 hosts, one on each: nothing to add or gather inside "
+                              "a host, so sums and gathers go direct"), std::string::npos) << p.describe();
   // tp 2 on the same hosts (dp 256): a data group holds 4 ranks of each host, aligned.
   std::vector<int> tp2(256);
   for (int d = 0; d < 256; ++d) tp2[size_t(d)] = (2 * d + 1) / 8;
@@ -300,6 +302,8 @@ TEST(HostFirst, TheBytesOutOfEachHostAreThePlans) {
     for (int64_t b : run<float>(host, false, counts, 1)) gathers = std::max(gathers, b);
     EXPECT_EQ(sums, int64_t(std::lround(plan.reduce_cross().host_first * double(vector_bytes))));
     EXPECT_EQ(gathers, int64_t(std::lround(plan.gather_cross().host_first * double(vector_bytes))));
-    if (plan.sums_host_first()) EXPECT_LT(sums, int64_t(plan.reduce_cross().direct * double(vector_bytes)));
+    if (plan.sums_host_first()) {
+      EXPECT_LT(sums, int64_t(plan.reduce_cross().direct * double(vector_bytes)));
+    }
   }
 }

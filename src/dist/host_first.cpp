@@ -97,6 +97,10 @@ std::string HostPlan::describe() const {
   std::vector<std::string> where;
   for (int h = 0; h < hosts(); ++h) where.push_back(rank_list(members(h)));
   const Cross s = reduce_cross(), g = gather_cross();
+  if (hosts() == size())
+    return fmt::format("{} ranks on {} hosts, one on each: nothing to add or gather inside a host, "
+                       "so sums and gathers go direct, {:.2f} of the vector out of each host per "
+                       "reduce-scatter and {:.2f} per all-gather", size(), hosts(), s.direct, g.direct);
   std::string sums, gathers;
   if (sums_) {
     sums = fmt::format("sums host-first (each host adds its ranks' parts, then sends its partial "
