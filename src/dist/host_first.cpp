@@ -356,6 +356,26 @@ void HostFirstGather<T>::wait() {
   }
 }
 
+CountedOp::~CountedOp() {
+  op_.reset();  // waits for it (unless unwinding)
+  if (!done_) --live_;
+}
+
+bool CountedOp::test() {
+  if (!done_ && op_->test()) {
+    done_ = true;
+    --live_;
+  }
+  return done_;
+}
+
+void CountedOp::wait() {
+  if (done_) return;
+  op_->wait();
+  done_ = true;
+  --live_;
+}
+
 template class HostFirstReduce<float>;
 template class HostFirstReduce<double>;
 template class HostFirstGather<float>;

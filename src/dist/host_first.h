@@ -110,6 +110,21 @@ inline int host_first_tag(int64_t seq, int round) {
   return 8192 + 2 * int(seq % kHostFirstOpsInFlight) + round;
 }
 
+// An op that counts itself in flight: `live` is decremented once, when it completes (or is
+// destroyed, which waits for it). The communicator's bound on host-first ops in flight.
+class CountedOp final : public PendingOp {
+ public:
+  CountedOp(std::unique_ptr<PendingOp> op, int64_t& live) : op_(std::move(op)), live_(live) {}
+  ~CountedOp() override;
+  bool test() override;
+  void wait() override;
+
+ private:
+  std::unique_ptr<PendingOp> op_;
+  int64_t& live_;
+  bool done_ = false;
+};
+
 // out[counts[me]] = the sum over ranks of each rank's in-block for `me`, added as tree_sum adds
 // them in rank order; `in` holds counts[o] elements for each rank o, packed in rank order; every
 // rank passes the same counts. Round 1: each rank sends its part for `owner` to the reducer of

@@ -344,30 +344,8 @@ class MpiCommunicator final : public Communicator, public PointToPoint {
   template <class Op>
   std::unique_ptr<PendingOp> counted(std::unique_ptr<Op> op) {
     count(op->bytes_to());
-    return std::make_unique<Counted>(std::move(op), live_);
+    return std::make_unique<CountedOp>(std::move(op), live_);
   }
-  class Counted final : public PendingOp {
-   public:
-    Counted(std::unique_ptr<PendingOp> op, int64_t& live) : op_(std::move(op)), live_(live) {}
-    ~Counted() override {
-      op_.reset();  // waits for it (unless unwinding)
-      if (!done_) --live_;
-    }
-    bool test() override {
-      if (!done_ && op_->test()) done_ = true, --live_;
-      return done_;
-    }
-    void wait() override {
-      if (done_) return;
-      op_->wait();
-      done_ = true, --live_;
-    }
-
-   private:
-    std::unique_ptr<PendingOp> op_;
-    int64_t& live_;
-    bool done_ = false;
-  };
 
   template <class T>
   void gather(T* out, const T* in, size_t n) {
