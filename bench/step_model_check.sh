@@ -16,7 +16,8 @@
 #
 # Environment: D (256), LAYERS (4), HEADS (8), CONTEXT (64), BATCH (4), K (1), RRE_BLOCKS (2),
 # STEPS (10), WARM (3), LATENCY (one-way, e.g. 100us: tc netem; default none), OUT (write the
-# runs' JSON lines there, as they finish: `python3 bench/step_model_sim.py OUT` re-reads them).
+# runs' JSON lines there, as they finish: `python3 bench/step_model_sim.py OUT` re-reads them),
+# HOST_FIRST (1; 0 runs SIGMA_HOST_FIRST=0, the direct sums and gathers: dist/host_first.h).
 set -euo pipefail
 sigma=$(realpath "$1")
 rounds=${2:-3}
@@ -27,10 +28,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 D=${D:-256} LAYERS=${LAYERS:-4} HEADS=${HEADS:-8} CONTEXT=${CONTEXT:-64} BATCH=${BATCH:-4}
 K=${K:-1} RRE_BLOCKS=${RRE_BLOCKS:-2} STEPS=${STEPS:-10} WARM=${WARM:-3} LATENCY=${LATENCY:-}
+HOST_FIRST=${HOST_FIRST:-1}
 SHORT=$((WARM + 1))
 tmp=$(mktemp -d /tmp/step-model.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
-mpi_x="-x OMP_WAIT_POLICY=passive"
+mpi_x="-x OMP_WAIT_POLICY=passive -x SIGMA_HOST_FIRST=$HOST_FIRST"
 source "$here/sim_bench_lib.sh"
 runs=${OUT:-$tmp/runs.jsonl}
 : >"$runs"
@@ -78,7 +80,7 @@ name, tp, dp, rre, params, ref, t, link, rate, mode, tx, short_tx, first, lat = 
 print(json.dumps(dict(layout=name, hosts=2, slots=2, tp=int(tp), dp=int(dp), rre=int(rre),
     params_local=int(params), d=$D, layers=$LAYERS, tokens_per_rank=$BATCH * $CONTEXT * $K,
     groups=[2, 3, 4], ref_ms=float(ref), measured_ms=float(t), link=link, rate_bps=int(rate),
-    latency_s=float(lat), overlap=mode == "true",
+    latency_s=float(lat), overlap=mode == "true", host_first=$HOST_FIRST == 1,
     measured_host_bytes=(int(tx) - int(short_tx)) / ($STEPS - $SHORT) * 1448 / 1514,
     calibration=first == "1" and link == "none")))
 PY

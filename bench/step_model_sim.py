@@ -10,7 +10,10 @@ The model, per step, 2 hosts x 2 ranks, fp32 everywhere (what Sigma's CPU ranks 
   tp's exchanges inside the host included) [M];
 - data parallel: ZeRO's exchange with the shards' owners, scaling_model.grad_exchange_bytes of
   each rank's shared parameters (its tp slice), the share to dp peers on the other host crossing
-  the host's link;
+  the host's link; host-first (dist/host_first.h, the default; "host_first": false in a run's
+  line for SIGMA_HOST_FIRST=0) where a data group holds several ranks of a host that tree_sum
+  adds first: each host sends one partial sum per owner away and each owner's slice once to
+  each other host (dp_host_bytes);
 - experts (RRE, expert parallel, dist.placement spread): scaling_model.expert_exchange_bytes of
   each rank's tokens, the rows whose expert lives on the other host crossing the link (groups
   drawn uniformly, experts within a group uniformly: the random routing table);
@@ -51,17 +54,46 @@ def cross_share_experts(groups, hosts, slots):
     return sum(shares) / len(shares)
 
 
+def tree_blocks(host, lo, hi):
+    """The maximal subtrees of tree_sum's rank-order tree over [lo, hi) whose ranks share a host
+    (dist/host_first.cpp, host_blocks)."""
+    if len(set(host[lo:hi])) == 1:
+        return [(lo, hi)]
+    left = 1
+    while left * 2 < hi - lo:
+        left *= 2
+    return tree_blocks(host, lo, lo + left) + tree_blocks(host, lo + left, hi)
+
+
+def dp_host_bytes(x, shared_bytes):
+    """Bytes out of the busiest host per step for ZeRO's reduce-scatter and all-gather of each
+    rank's `shared_bytes` (its tp slice), over the tp data groups (world rank = tp x data rank +
+    tp rank, hosts of `slots` ranks in rank order), each owner's slice shared_bytes / dp."""
+    hosts, slots, tp, dp = x["hosts"], x["slots"], x["tp"], x["dp"]
+    out = [0.0] * hosts
+    for t in range(tp):
+        host = [(d * tp + t) // slots for d in range(dp)]
+        members = {h: host.count(h) for h in set(host)}
+        blocks = tree_blocks(host, 0, dp)
+        first = x.get("host_first", True) and len(members) > 1
+        sums = first and any(hi - lo > 1 for lo, hi in blocks)
+        gathers = first and any(n > 1 for n in members.values())
+        for h, n in members.items():
+            away = dp - n                                  # owners on other hosts
+            senders = sum(host[lo] == h for lo, hi in blocks) if sums else n
+            reach = len(members) - 1 if gathers else away  # copies of each of h's slices sent away
+            out[h] += (senders * away + n * reach) * shared_bytes / dp
+    return max(out)
+
+
 def predict(x, cost_per_byte):
     """cost_per_byte: {False: the blocking exchange's seconds per byte, True: the overlapped one's}."""
     hosts, slots, tp, dp = x["hosts"], x["slots"], x["tp"], x["dp"]
-    dp_per_host = max(1, slots // tp)          # tp groups inside a host: dp peers per host
-    dp_cross = (dp - dp_per_host) / (dp - 1) if dp > 1 else 0.0
-    rank_dp = sm.grad_exchange_bytes(x["params_local"] * BYTES, dp) * dp_cross
     rank_ep = 0.0
     if x["rre"]:
         rank_ep = sm.expert_exchange_bytes(x["rre"], x["tokens_per_rank"], 1, x["d"], BYTES) * \
             cross_share_experts(x["groups"], hosts, slots)
-    host_dp, host_ep = slots * rank_dp, slots * rank_ep
+    host_dp, host_ep = dp_host_bytes(x, x["params_local"] * BYTES), slots * rank_ep
     host = host_dp + host_ep
     wire = (lambda b: b * 8 / (x["rate_bps"] * WIRE_EFF)) if x["rate_bps"] else (lambda b: 0.0)
     stack = host * cost_per_byte[x["overlap"]]

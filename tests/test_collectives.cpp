@@ -6,7 +6,11 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
@@ -95,6 +99,101 @@ void check_all_reduce(sigma::Communicator& c) {
   sigma::set_max_message_elements(size_t(1) << 30);
 }
 
+// Under faked hosts (SIGMA_TEST_HOSTS): the reduce-scatter-v and the all-gather-v, blocking and
+// non-blocking (three in flight at once, completed newest first), give tree_sum's bits and the
+// pieces exactly, and the bytes that leave the busiest host are SIGMA_TEST_EXPECT_CROSS's
+// ("sums,gathers": fractions of the vector), with the path the line at start names.
+void check_host_first(sigma::Communicator& c) {
+  const int R = c.size(), me = c.rank();
+  std::vector<int> host;
+  for (const char* p = std::getenv("SIGMA_TEST_HOSTS"); *p;) {
+    char* end = nullptr;
+    host.push_back(int(std::strtol(p, &end, 10)));
+    p = *end == ',' ? end + 1 : end;
+  }
+  ASSERT_EQ(host.size(), size_t(R));
+  const std::string layout = c.host_layout();
+  const std::string want_path = std::getenv("SIGMA_TEST_EXPECT_PATH");
+  EXPECT_NE(layout.find(want_path), std::string::npos) << layout;
+  double want_sums = 0, want_gathers = 0;
+  ASSERT_EQ(std::sscanf(std::getenv("SIGMA_TEST_EXPECT_CROSS"), "%lf,%lf", &want_sums, &want_gathers), 2);
+  // Bytes this rank sent to other hosts since `before`, then the busiest host's.
+  auto busiest = [&](const std::vector<int64_t>& before) {
+    double mine = 0;
+    for (int r = 0; r < R; ++r)
+      if (host[size_t(r)] != host[size_t(me)])
+        mine += double(c.stats().bytes_to[size_t(r)] - (before.empty() ? 0 : before[size_t(r)]));
+    std::vector<double> all(static_cast<size_t>(R));
+    c.all_gather(all.data(), &mine, 1);
+    std::vector<double> per_host(size_t(R), 0);
+    for (int r = 0; r < R; ++r) per_host[size_t(host[size_t(r)])] += all[size_t(r)];
+    return *std::max_element(per_host.begin(), per_host.end());
+  };
+  std::vector<int64_t> counts(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) counts[size_t(r)] = 5 + 3 * r;
+  int64_t total = 0;
+  std::vector<int64_t> at(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) at[size_t(r)] = total, total += counts[size_t(r)];
+  // Parts: in[o] is this rank's part for owner o (op k's values).
+  auto input = [&](int rank, int k) {
+    std::vector<float> x(static_cast<size_t>(total));
+    for (int64_t i = 0; i < total; ++i) x[size_t(i)] = part<float>(rank + 17 * k, size_t(i));
+    return x;
+  };
+  auto want_sum = [&](int k) {
+    std::vector<std::vector<float>> all;
+    std::vector<const float*> p;
+    for (int r = 0; r < R; ++r) all.push_back(input(r, k));
+    for (int r = 0; r < R; ++r) p.push_back(all[size_t(r)].data() + at[size_t(me)]);
+    std::vector<float> w(static_cast<size_t>(counts[size_t(me)]));
+    tree_sum(w.data(), p.data(), R, int64_t(w.size()));
+    return w;
+  };
+  for (int k = 0; k < 2; ++k) {
+    const std::vector<float> in = input(me, k);
+    std::vector<float> out(static_cast<size_t>(counts[size_t(me)]), -1.0f);
+    c.reduce_scatter_sum_v(out.data(), in.data(), counts.data());
+    EXPECT_EQ(0, std::memcmp(out.data(), want_sum(k).data(), out.size() * 4)) << "blocking, op " << k;
+  }
+  {  // three non-blocking at once, completed in reverse
+    std::vector<std::vector<float>> in, out;
+    std::vector<std::unique_ptr<PendingOp>> ops;
+    for (int k = 0; k < 3; ++k) {
+      in.push_back(input(me, k));
+      out.emplace_back(size_t(counts[size_t(me)]), -1.0f);
+    }
+    for (int k = 0; k < 3; ++k)
+      ops.push_back(c.start_reduce_scatter_sum_v(out[size_t(k)].data(), in[size_t(k)].data(), counts.data()));
+    for (int k = 2; k >= 0; --k) ops[size_t(k)]->wait();
+    for (int k = 0; k < 3; ++k)
+      EXPECT_EQ(0, std::memcmp(out[size_t(k)].data(), want_sum(k).data(), out[size_t(k)].size() * 4))
+          << "non-blocking, op " << k;
+  }
+  {  // gathers, blocking and non-blocking
+    std::vector<float> mine(static_cast<size_t>(counts[size_t(me)])), got(static_cast<size_t>(total)),
+        got2(static_cast<size_t>(total));
+    for (size_t i = 0; i < mine.size(); ++i) mine[i] = part<float>(me, i);
+    c.all_gather_v(got.data(), mine.data(), counts.data());
+    c.start_all_gather_v(got2.data(), mine.data(), counts.data())->wait();
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = 0; i < counts[size_t(r)]; ++i) {
+        ASSERT_EQ(got[size_t(at[size_t(r)] + i)], part<float>(r, size_t(i))) << "rank " << r;
+        ASSERT_EQ(got2[size_t(at[size_t(r)] + i)], part<float>(r, size_t(i))) << "rank " << r;
+      }
+  }
+  // The bytes of one even reduce-scatter and one even all-gather of a vector of R * n.
+  const size_t n = 1000;
+  std::vector<float> v(size_t(R) * n, 1.0f), o(n);
+  std::vector<int64_t> before = c.stats().bytes_to;
+  c.reduce_scatter_sum(o.data(), v.data(), n);
+  const double sums = busiest(before) / double(v.size() * 4);
+  before = c.stats().bytes_to;
+  c.all_gather(v.data(), o.data(), n);
+  const double gathers = busiest(before) / double(v.size() * 4);
+  EXPECT_NEAR(sums, want_sums, 1e-9) << layout;
+  EXPECT_NEAR(gathers, want_gathers, 1e-9) << layout;
+}
+
 // Three training steps of a small model split over one tp group of all the world's ranks (dense
 // and one RRE layer, experts in the model, clipping on): each rank's losses, gradient norms
 // and a hash of its weights, in a line to compare bit for bit.
@@ -171,9 +270,27 @@ TEST(Collectives, AllReduceKeepsTheBitsOnTwoRanks) { run_children(2); }
 TEST(Collectives, AllReduceKeepsTheBitsAndMovesLessOnThreeRanks) { run_children(3); }
 TEST(Collectives, AllReduceKeepsTheBitsAndMovesHalfOnFourRanks) { run_children(4); }
 
+// Faked hosts (SIGMA_TEST_HOSTS; the simulated cluster has real ones): 4 ranks as 2 hosts of
+// 2, aligned with the tree ((0 1) (2 3)): sums and gathers host-first, half the bytes out of a
+// host; 3 ranks as hosts {0} {1, 2}, not aligned with ((0 1) 2): sums direct (the same bytes),
+// gathers host-first. Every all-reduce of the bit checks above runs on the same paths.
+TEST(Collectives, HostFirstSumsKeepTheBitsOnTwoFakedHostsOfTwo) {
+  run_children(4, "SIGMA_TEST_HOSTS=0,0,1,1 SIGMA_TEST_EXPECT_PATH='sums host-first' "
+                  "SIGMA_TEST_EXPECT_CROSS=0.5,0.5");
+}
+TEST(Collectives, FakedHostsUnalignedWithTheTreeSumDirect) {
+  run_children(3, "SIGMA_TEST_HOSTS=0,1,1 SIGMA_TEST_EXPECT_PATH='sums direct: no host holds' "
+                  "SIGMA_TEST_EXPECT_CROSS=0.6666666666666666,0.6666666666666666");
+}
+TEST(Collectives, HostFirstSwitchedOffSendsEveryPartDirect) {
+  run_children(4, "SIGMA_HOST_FIRST=0 SIGMA_TEST_HOSTS=0,0,1,1 "
+                  "SIGMA_TEST_EXPECT_PATH='sums direct (SIGMA_HOST_FIRST=0)' SIGMA_TEST_EXPECT_CROSS=1,1");
+}
+
 TEST(CollectivesChild, AllReduceIsTreeSumInRankOrder) {
   if (!std::getenv("SIGMA_TEST_CHILD")) GTEST_SKIP() << "started by Collectives.AllReduce...";
   auto world = sigma::make_world(60);
+  if (std::getenv("SIGMA_TEST_HOSTS")) check_host_first(*world);
   check_all_reduce<float>(*world);
   check_all_reduce<double>(*world);
   if (const char* dir = std::getenv("SIGMA_TEST_TP_OUT"))

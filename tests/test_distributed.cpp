@@ -526,6 +526,34 @@ TEST(Distributed, ZeroStage3TrainsTheBitsOfStage1AcrossASaveAndResume) {
     }
 }
 
+// Host-first sums and gathers (dist/host_first.h) in training: 4 ranks as 2 faked hosts of 2
+// (SIGMA_TEST_HOSTS; the simulated cluster's test has real ones) send ZeRO's gradients,
+// gathers and the experts' all-reduces host-first, and train the bits of the same 4 ranks on
+// one host (direct): ZeRO-1 blocking, ZeRO-2 overlapped with experts parallel, ZeRO-3
+// overlapped.
+TEST(Distributed, HostFirstSumsOnFakedHostsTrainTheBitsOfOneHost) {
+  SKIP_WITHOUT_MPI();
+  for (const auto& [model, more] : std::vector<std::pair<const char*, const char*>>{
+           {kDense, "--set dist.zero=1 --set dist.overlap=false"},
+           {kSparse, "--set dist.zero=2 --set dist.overlap=true --set train.experts=auto"},
+           {kSparse, "--set dist.zero=3 --set dist.overlap=true"}}) {
+    TempDir t("host_first");
+    std::string weights[2], metrics[2];
+    for (int fake : {0, 1}) {
+      const std::string out = t / ("h" + std::to_string(fake));
+      const CmdResult r = run_cmd(std::string(fake ? "SIGMA_TEST_HOSTS=0,0,1,1 " : "") + kMpirun +
+                                  "4 " + SIGMA_BINARY + " " + train_args(model, 8, 4) + " " + more +
+                                  " --set train.ckpt_every=8 --out " + out);
+      ASSERT_EQ(r.code, 0) << r.out;
+      weights[fake] = weight_bits(out + "/checkpoints/step-00000008");
+      metrics[fake] = metrics_without_speed(out + "/metrics.jsonl");
+      ASSERT_FALSE(weights[fake].empty());
+    }
+    EXPECT_TRUE(weights[0] == weights[1]) << model << " " << more << ": the weights differ";
+    EXPECT_EQ(metrics[0], metrics[1]) << model << " " << more;
+  }
+}
+
 // Starts a long 2-rank run, waits for its first checkpoint, sends `signal` to rank 1 and
 // returns the run's exit code, output and seconds from the signal to the end.
 struct Fault {

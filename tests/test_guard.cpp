@@ -246,6 +246,14 @@ TEST(Guard, CollectivesTakeDeviceBuffersAndGiveTheHostBits) {
     Tensor rsd = ops::empty(DType::F32, {n});
     c.reduce_scatter_sum(rsd.dev_f(), mine.data(), size_t(n));
     EXPECT_EQ(host(rsd), rs);
+    // reduce_scatter_sum_v: device in, host out; host in, device out
+    const int64_t each[2] = {n, n};
+    std::vector<float> rsv(static_cast<size_t>(n));
+    c.reduce_scatter_sum_v(rsv.data(), dev(mine).dev_f(), each);
+    EXPECT_EQ(rsv, rs);
+    Tensor rsvd = ops::empty(DType::F32, {n});
+    c.reduce_scatter_sum_v(rsvd.dev_f(), mine.data(), each);
+    EXPECT_EQ(host(rsvd), rs);
     // all_gather, all_gather_v, all_to_all_v, broadcast: all on the device
     std::vector<float> ag(size_t(4 * n));
     c.all_gather(ag.data(), mine.data(), size_t(2 * n));

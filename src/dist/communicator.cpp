@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <numeric>
 
 #include "core/error.h"
@@ -85,6 +86,13 @@ void Communicator::reduce_scatter_sum(float* out, const float* in, size_t n) {
   o.done();
 }
 
+void Communicator::reduce_scatter_sum_v(float* out, const float* in, const int64_t* counts) {
+  Staged i(in, total(counts, size()) * sizeof(float), true, device_native());
+  Staged o(out, size_t(counts[rank()]) * sizeof(float), false, device_native());
+  do_reduce_scatter_sum_v(o.as<float>(), i.as<const float>(), counts);
+  o.done();
+}
+
 void Communicator::all_gather(float* out, const float* in, size_t n) {
   Staged i(in, n * sizeof(float), true, device_native());
   Staged o(out, size_t(size()) * n * sizeof(float), false, device_native());
@@ -138,6 +146,72 @@ std::unique_ptr<PendingOp> Communicator::do_start_all_gather_v(float* out, const
                                                                const int64_t* counts) {
   do_all_gather_v(out, in, counts);
   return std::make_unique<CompletedOp>();
+}
+
+void Communicator::do_reduce_scatter_sum_v(float* out, const float* in, const int64_t* counts) {
+  const int R = size();
+  const size_t n = size_t(counts[rank()]);
+  const std::vector<int64_t> from(static_cast<size_t>(R), static_cast<int64_t>(n));
+  std::vector<float> parts(size_t(R) * n);
+  do_all_to_all_v(in, counts, parts.data(), from.data());
+  std::vector<const float*> p(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) p[size_t(r)] = parts.data() + size_t(r) * n;
+  tree_sum(out, p.data(), R, int64_t(n));
+}
+
+namespace {
+// The default non-blocking reduce-scatter: the parts' exchange in flight, their sum taken when
+// it completes.
+class SumWhenComplete final : public PendingOp {
+ public:
+  SumWhenComplete(int R, float* out, size_t n) : R_(R), n_(n), out_(out), parts_(size_t(R) * n) {}
+  void start(std::unique_ptr<PendingOp> exchange) { exchange_ = std::move(exchange); }
+  ~SumWhenComplete() override {
+    if (!summed_ && exchange_ && std::uncaught_exceptions() == 0) wait();
+  }
+  float* parts() { return parts_.data(); }
+  bool test() override {
+    if (!summed_ && exchange_->test()) sum();
+    return summed_;
+  }
+  void wait() override {
+    if (summed_) return;
+    exchange_->wait();
+    sum();
+  }
+
+ private:
+  void sum() {
+    std::vector<const float*> p(static_cast<size_t>(R_));
+    for (int r = 0; r < R_; ++r) p[size_t(r)] = parts_.data() + size_t(r) * n_;
+    tree_sum(out_, p.data(), R_, int64_t(n_));
+    parts_ = {};
+    summed_ = true;
+  }
+  int R_;
+  size_t n_;
+  float* out_;
+  std::vector<float> parts_;
+  std::unique_ptr<PendingOp> exchange_;
+  bool summed_ = false;
+};
+}  // namespace
+
+std::unique_ptr<PendingOp> Communicator::do_start_reduce_scatter_sum_v(float* out, const float* in,
+                                                                       const int64_t* counts) {
+  const int R = size();
+  const size_t n = size_t(counts[rank()]);
+  auto op = std::make_unique<SumWhenComplete>(R, out, n);
+  const std::vector<int64_t> from(static_cast<size_t>(R), static_cast<int64_t>(n));
+  op->start(do_start_all_to_all_v(in, counts, op->parts(), from.data()));
+  return op;
+}
+
+std::unique_ptr<PendingOp> Communicator::start_reduce_scatter_sum_v(float* out, const float* in,
+                                                                    const int64_t* counts) {
+  check_host(in, "start_reduce_scatter_sum_v");
+  check_host(out, "start_reduce_scatter_sum_v");
+  return do_start_reduce_scatter_sum_v(out, in, counts);
 }
 
 std::unique_ptr<PendingOp> Communicator::start_all_to_all_v(const float* send,

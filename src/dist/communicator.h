@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace sigma {
@@ -63,6 +64,10 @@ class Communicator {
   void all_reduce_sum(double* data, size_t n);
   // out[n] = the sum over ranks of in[rank * n .. rank * n + n) (in holds size() * n).
   void reduce_scatter_sum(float* out, const float* in, size_t n);
+  // out[counts[rank()]] = the sum over ranks of the part each holds for this rank: `in` holds
+  // counts[r] elements for each rank r, packed in rank order (every rank passes the same
+  // counts). Added by tree_sum in rank order: ZeRO's gradients reduced to their owners.
+  void reduce_scatter_sum_v(float* out, const float* in, const int64_t* counts);
   // out[size() * n]: rank r's in[n] at out + r * n.
   void all_gather(float* out, const float* in, size_t n);
   void all_gather(double* out, const double* in, size_t n);
@@ -76,21 +81,27 @@ class Communicator {
                     const int64_t* recv_counts);
   // bytes of data from rank `root` to every rank.
   void broadcast(void* data, size_t bytes, int root);
-  // Non-blocking all_to_all_v and all_gather_v (ZeRO's exchange overlapped with compute,
-  // docs/distributed.md "Communication hidden behind compute"): the same results as the
-  // blocking calls, delivered when the PendingOp completes. Every rank starts them in the same
-  // order (they are matched in that order) and may start others before completing one. HOST
-  // buffers only. An implementation without non-blocking calls (SingleProcess, the tests'
-  // thread ranks) runs the blocking call here and returns a completed op.
+  // Non-blocking all_to_all_v, all_gather_v and reduce_scatter_sum_v (ZeRO's exchanges
+  // overlapped with compute, docs/distributed.md "Communication hidden behind compute"): the
+  // same results as the blocking calls, delivered when the PendingOp completes (test() also
+  // moves a host-first op on to its second round). Every rank starts them in the same order
+  // (they are matched in that order) and may start others before completing one. HOST buffers
+  // only. An implementation without non-blocking calls (SingleProcess, the tests' thread
+  // ranks) runs the blocking call here and returns a completed op.
   std::unique_ptr<PendingOp> start_all_to_all_v(const float* send, const int64_t* send_counts,
                                                 float* recv, const int64_t* recv_counts);
   std::unique_ptr<PendingOp> start_all_gather_v(float* out, const float* in, const int64_t* counts);
+  std::unique_ptr<PendingOp> start_reduce_scatter_sum_v(float* out, const float* in,
+                                                        const int64_t* counts);
   virtual void barrier() = 0;
   // The ranks with the same `color` form a new communicator, ordered by rank here; every rank
   // calls it (collective). Expert groups exchange tokens on theirs.
   virtual std::unique_ptr<Communicator> split(int color) = 0;
 
   const CommStats& stats() const { return stats_; }
+  // Where this communicator's ranks live and which path its sums and gathers take across hosts
+  // (dist/host_first.h), in one line; empty when its ranks share one host (or it cannot tell).
+  virtual std::string host_layout() const { return {}; }
 
  protected:
   // The implementations, with the public collectives' meaning. Their buffers are host memory,
@@ -99,6 +110,8 @@ class Communicator {
   virtual void do_all_reduce_sum(float* data, size_t n) = 0;
   virtual void do_all_reduce_sum(double* data, size_t n) = 0;
   virtual void do_reduce_scatter_sum(float* out, const float* in, size_t n) = 0;
+  // The default: do_all_to_all_v, then tree_sum over the parts received.
+  virtual void do_reduce_scatter_sum_v(float* out, const float* in, const int64_t* counts);
   virtual void do_all_gather(float* out, const float* in, size_t n) = 0;
   virtual void do_all_gather(double* out, const double* in, size_t n) = 0;
   virtual void do_all_gather_bytes(void* out, const void* in, size_t bytes);  // by broadcasts
@@ -112,6 +125,9 @@ class Communicator {
                                                            const int64_t* recv_counts);
   virtual std::unique_ptr<PendingOp> do_start_all_gather_v(float* out, const float* in,
                                                            const int64_t* counts);
+  // The default: do_start_all_to_all_v, and tree_sum over the parts when it completes.
+  virtual std::unique_ptr<PendingOp> do_start_reduce_scatter_sum_v(float* out, const float* in,
+                                                                   const int64_t* counts);
 
   // Records one call that sends bytes_to_rank[r] bytes to this communicator's rank r.
   void count(const std::vector<int64_t>& bytes_to_rank);

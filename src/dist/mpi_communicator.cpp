@@ -7,7 +7,9 @@
 // every rank; mpirun exits non-zero; a rank whose abort hangs ends itself). Polling backs off to short sleeps, which also keeps
 // waiting ranks from spinning on cores that working ranks need.
 // Sums are deterministic: each element's parts are added by tree_sum in rank order (the
-// all-reduce as reduce-scatter + all-gather, each piece summed by its owner).
+// all-reduce as reduce-scatter + all-gather, each piece summed by its owner). Where ranks share
+// a host (MPI_Comm_split_type, at start) and hold whole subtrees of that order, sums and gathers
+// go host-first (dist/host_first.h): the same additions, fewer bytes between hosts.
 // Counts beyond MPI's int go in chunks of max_message_elements(): a strided datatype places
 // each rank's chunk, and the personalised exchanges are point-to-point messages.
 #include <mpi.h>
@@ -28,6 +30,7 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/host_first.h"
 #include "dist/rank_list.h"
 
 namespace sigma {
@@ -85,6 +88,12 @@ struct Liveness {
 };
 Liveness g_live;
 
+// The world's ranks' hosts, learned at start (make_mpi_world): [world rank] the lowest world
+// rank on the same host. And whether host-first collectives are allowed (SIGMA_HOST_FIRST=0:
+// every collective direct, the comparison the benchmarks make).
+std::vector<int> g_world_host;
+bool g_host_first = true;
+
 template <class T> MPI_Datatype mpi_type();
 template <> MPI_Datatype mpi_type<float>() { return MPI_FLOAT; }
 template <> MPI_Datatype mpi_type<double>() { return MPI_DOUBLE; }
@@ -105,7 +114,7 @@ struct Strided {
   ~Strided() { MPI_Type_free(&type); }
 };
 
-class MpiCommunicator final : public Communicator {
+class MpiCommunicator final : public Communicator, public PointToPoint {
  public:
   MpiCommunicator(MPI_Comm comm, double timeout_s, bool world) : comm_(comm), timeout_s_(timeout_s), world_(world) {
     MPI_Comm_rank(comm_, &rank_);
@@ -120,6 +129,10 @@ class MpiCommunicator final : public Communicator {
     MPI_Group_translate_ranks(mine, size_, local.data(), all, world_ranks_.data());
     MPI_Group_free(&mine);
     MPI_Group_free(&all);
+    std::vector<int> host(static_cast<size_t>(size_), 0);
+    for (int r = 0; r < size_ && !g_world_host.empty(); ++r)
+      host[size_t(r)] = g_world_host[size_t(world_ranks_[size_t(r)])];
+    plan_ = HostPlan(host, g_host_first);
   }
   ~MpiCommunicator() override {
     if (!world_) {
@@ -137,6 +150,7 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   int world_rank(int r) const override { return world_ranks_[size_t(r)]; }
+  std::string host_layout() const override { return plan_.describe(); }
 
   void barrier() override {
     count_uniform(0);
@@ -158,6 +172,10 @@ class MpiCommunicator final : public Communicator {
 
   // Chunk by chunk: rank r's part of each chunk, R parts summed by tree_sum.
   void do_reduce_scatter_sum(float* out, const float* in, size_t n) override {
+    if (plan_.sums_host_first()) {
+      const std::vector<int64_t> c(static_cast<size_t>(size_), static_cast<int64_t>(n));
+      return host_first_sum(out, in, c.data());
+    }
     count_uniform(int64_t(n * sizeof(float)));
     const size_t chunk = std::min(n, max_message_elements());
     std::vector<float> parts(chunk * size_t(size_));
@@ -185,6 +203,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   void do_all_gather_v(float* out, const float* in, const int64_t* counts) override {
+    if (plan_.gathers_host_first()) return host_first_gather(out, in, counts);
     count_uniform(counts[rank_] * int64_t(sizeof(float)));
     // Every rank holds the same counts, so every rank takes the same path.
     int64_t total = 0, most = 0;
@@ -237,6 +256,11 @@ class MpiCommunicator final : public Communicator {
 
   std::unique_ptr<PendingOp> do_start_all_gather_v(float* out, const float* in,
                                                    const int64_t* counts) override {
+    if (plan_.gathers_host_first()) {
+      const int64_t seq = start_host_first();
+      return counted(std::make_unique<HostFirstGather<float>>(
+          *this, plan_, rank_, out, in, counts, host_first_tag(seq, 0), host_first_tag(seq, 1)));
+    }
     count_uniform(counts[rank_] * int64_t(sizeof(float)));
     std::vector<Piece> sends, recvs;
     int64_t at = 0;
@@ -252,6 +276,29 @@ class MpiCommunicator final : public Communicator {
     return std::make_unique<Pending>(*this, post(sends, recvs, kOverlapTag), "start_all_gather_v");
   }
 
+  // Host-first where the plan says so; otherwise the base's exchange and tree_sum (direct).
+  void do_reduce_scatter_sum_v(float* out, const float* in, const int64_t* counts) override {
+    if (plan_.sums_host_first()) return host_first_sum(out, in, counts);
+    Communicator::do_reduce_scatter_sum_v(out, in, counts);
+  }
+
+  std::unique_ptr<PendingOp> do_start_reduce_scatter_sum_v(float* out, const float* in,
+                                                           const int64_t* counts) override {
+    if (!plan_.sums_host_first()) return Communicator::do_start_reduce_scatter_sum_v(out, in, counts);
+    const int64_t seq = start_host_first();
+    return counted(std::make_unique<HostFirstReduce<float>>(
+        *this, plan_, rank_, out, in, counts, host_first_tag(seq, 0), host_first_tag(seq, 1)));
+  }
+
+  // The host-first collectives' messages (PointToPoint): point-to-point, completed on this
+  // communicator's timeout.
+  std::unique_ptr<Messages> post(const std::vector<Transfer>& sends,
+                                 const std::vector<Transfer>& recvs, size_t elem_bytes,
+                                 int tag) override {
+    const MPI_Datatype type = elem_bytes == sizeof(double) ? MPI_DOUBLE : MPI_FLOAT;
+    return std::make_unique<MpiMessages>(*this, post(sends, recvs, tag, type));
+  }
+
   void do_broadcast(void* data, size_t bytes, int root) override {
     count_uniform(rank_ == root ? int64_t(bytes) : 0);
     char* p = static_cast<char*>(data);
@@ -265,14 +312,47 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  struct Piece {
-    float* data;
-    size_t n;
-    int peer;
-  };
+  using Piece = Transfer;
+
+  // A blocking host-first sum or gather (two rounds of messages on tags of their own).
+  template <class T>
+  void host_first_sum(T* out, const T* in, const int64_t* counts) {
+    HostFirstReduce<T> op(*this, plan_, rank_, out, in, counts, kHostFirstBlockingTag,
+                          kHostFirstBlockingTag + 1);
+    count(op.bytes_to());
+    op.wait();
+    ++calls_;
+  }
+  template <class T>
+  void host_first_gather(T* out, const T* in, const int64_t* counts) {
+    HostFirstGather<T> op(*this, plan_, rank_, out, in, counts, kHostFirstBlockingTag,
+                          kHostFirstBlockingTag + 1);
+    count(op.bytes_to());
+    op.wait();
+    ++calls_;
+  }
+
+  // A non-blocking host-first op: its number on this communicator (its tags), counted in flight
+  // until it completes (the tags repeat after kHostFirstOpsInFlight ops).
+  int64_t start_host_first() {
+    SIGMA_CHECK(live_ < kHostFirstOpsInFlight, "{} host-first collectives in flight on one "
+                "communicator: complete some first", live_);
+    ++live_;
+    ++calls_;
+    return started_++;
+  }
+  template <class Op>
+  std::unique_ptr<PendingOp> counted(std::unique_ptr<Op> op) {
+    count(op->bytes_to());
+    return std::make_unique<CountedOp>(std::move(op), live_);
+  }
 
   template <class T>
   void gather(T* out, const T* in, size_t n) {
+    if (plan_.gathers_host_first()) {
+      const std::vector<int64_t> c(static_cast<size_t>(size_), static_cast<int64_t>(n));
+      return host_first_gather(out, in, c.data());
+    }
     count_uniform(int64_t(n * sizeof(T)));
     if (n <= max_message_elements()) {
       MPI_Request req;
@@ -311,12 +391,18 @@ class MpiCommunicator final : public Communicator {
         piece[q] = int(len * (q + 1) / R) - start[q];
       }
       const int own = piece[me];
+      T* x = data + off;
+      if (plan_.sums_host_first()) {  // the same pieces and sums, each host's parts added first
+        const std::vector<int64_t> c(piece.begin(), piece.end());
+        host_first_sum(x + start[me], x, c.data());
+        host_first_gather(x, x + start[me], c.data());
+        continue;
+      }
       for (size_t q = 0; q < R; ++q) {
         mine[q] = own;
         at[q] = int(q) * own;
         bytes[q] += int64_t(piece[q] + own) * int64_t(sizeof(T));  // its piece, then my sum
       }
-      T* x = data + off;
       MPI_Request req;
       MPI_Ialltoallv(x, piece.data(), start.data(), mpi_type<T>(), parts.data(), mine.data(),
                      at.data(), mpi_type<T>(), comm_, &req);
@@ -327,7 +413,7 @@ class MpiCommunicator final : public Communicator {
                       mpi_type<T>(), comm_, &req);
       wait(req, "all_reduce_sum");
     }
-    count(bytes);
+    if (!plan_.sums_host_first()) count(bytes);
   }
 
   // Point-to-point requests in flight and the rank each one waits for.
@@ -338,25 +424,45 @@ class MpiCommunicator final : public Communicator {
 
   // Sends and receives pieces in messages of at most max_message_elements(); messages between
   // two ranks on one tag arrive in order, so each piece is reassembled in place.
-  Posted post(const std::vector<Piece>& sends, const std::vector<Piece>& recvs, int tag) {
+  Posted post(const std::vector<Piece>& sends, const std::vector<Piece>& recvs, int tag,
+              MPI_Datatype type = MPI_FLOAT) {
     Posted p;
     const size_t chunk = max_message_elements();
+    int elem = 0;
+    MPI_Type_size(type, &elem);
+    auto at = [&](const Piece& q, size_t off) { return static_cast<char*>(q.data) + off * size_t(elem); };
     for (const Piece& q : recvs)
       for (size_t off = 0; off < q.n; off += chunk) {
         p.reqs.emplace_back();
         p.peer_of.push_back(q.peer);
-        MPI_Irecv(q.data + off, int(std::min(chunk, q.n - off)), MPI_FLOAT, q.peer, tag, comm_,
+        MPI_Irecv(at(q, off), int(std::min(chunk, q.n - off)), type, q.peer, tag, comm_,
                   &p.reqs.back());
       }
     for (const Piece& q : sends)
       for (size_t off = 0; off < q.n; off += chunk) {
         p.reqs.emplace_back();
         p.peer_of.push_back(q.peer);
-        MPI_Isend(q.data + off, int(std::min(chunk, q.n - off)), MPI_FLOAT, q.peer, tag, comm_,
+        MPI_Isend(at(q, off), int(std::min(chunk, q.n - off)), type, q.peer, tag, comm_,
                   &p.reqs.back());
       }
     return p;
   }
+
+  // A host-first op's round of messages (Messages), completed on the timeout.
+  class MpiMessages final : public Messages {
+   public:
+    MpiMessages(MpiCommunicator& c, Posted p) : c_(c), p_(std::move(p)) {}
+    bool test() override {
+      int all = 0;
+      MPI_Testall(int(p_.reqs.size()), p_.reqs.data(), &all, MPI_STATUSES_IGNORE);
+      return all != 0;
+    }
+    void wait() override { c_.complete(p_, "a host-first sum or gather"); }
+
+   private:
+    MpiCommunicator& c_;
+    Posted p_;
+  };
 
   void exchange(const std::vector<Piece>& sends, const std::vector<Piece>& recvs, const char* what) {
     Posted p = post(sends, recvs, kExchangeTag);
@@ -604,8 +710,40 @@ class MpiCommunicator final : public Communicator {
   std::vector<int64_t> heard_;  // and the one each other rank said it waits in
   std::vector<int64_t> world_heard_;  // after a timeout: which world ranks said they are alive
   std::vector<int> world_ranks_;
+  HostPlan plan_;  // where this communicator's ranks live (host-first sums and gathers)
+  int64_t started_ = 0, live_ = 0;  // non-blocking host-first ops started, and in flight
 };
 
+}  // namespace
+
+namespace {
+// Which world ranks share a host: MPI_Comm_split_type's shared-memory groups (what Open MPI
+// knows of its nodes), each named by its lowest world rank. SIGMA_TEST_HOSTS (a host id per
+// world rank, "0,0,1,1") stands in for them in tests that fake hosts on one machine.
+void learn_hosts() {
+  const int me = g_live.rank, R = g_live.size;
+  MPI_Comm local;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, me, MPI_INFO_NULL, &local);
+  int lowest = me;
+  MPI_Allreduce(&me, &lowest, 1, MPI_INT, MPI_MIN, local);
+  MPI_Comm_free(&local);
+  g_world_host.assign(size_t(R), 0);
+  MPI_Allgather(&lowest, 1, MPI_INT, g_world_host.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  if (const char* fake = std::getenv("SIGMA_TEST_HOSTS")) {
+    std::vector<int> ids;
+    for (const char* p = fake; *p;) {
+      char* end = nullptr;
+      ids.push_back(int(std::strtol(p, &end, 10)));
+      SIGMA_CHECK(end != p, "SIGMA_TEST_HOSTS = '{}': a host id per world rank, e.g. 0,0,1,1", fake);
+      p = *end == ',' ? end + 1 : end;
+    }
+    SIGMA_CHECK(ids.size() == size_t(R), "SIGMA_TEST_HOSTS = '{}' names {} ranks' hosts; the world "
+                "has {}", fake, ids.size(), R);
+    g_world_host = ids;
+  }
+  const char* allow = std::getenv("SIGMA_HOST_FIRST");
+  g_host_first = !(allow && std::string(allow) == "0");
+}
 }  // namespace
 
 std::unique_ptr<Communicator> make_mpi_world(double timeout_s) {
@@ -626,6 +764,7 @@ std::unique_ptr<Communicator> make_mpi_world(double timeout_s) {
     std::vector<char> all(size_t(kName) * size_t(g_live.size));
     MPI_Allgather(mine, kName, MPI_CHAR, all.data(), kName, MPI_CHAR, MPI_COMM_WORLD);
     for (int r = 0; r < g_live.size; ++r) g_live.hosts.emplace_back(all.data() + size_t(r) * kName);
+    learn_hosts();
   }
   return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, timeout_s, true);
 }

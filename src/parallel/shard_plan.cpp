@@ -45,9 +45,8 @@ void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, s
   if (R == 1) return;
   const zero_detail::OwnerStreams grads(plan, ps.all(), true, only);
   const size_t S = grads.slice_elements(bucket);
-  std::vector<float> send(S * size_t(R)), recv(S * size_t(R)), sum(S);
-  std::vector<int64_t> send_counts(static_cast<size_t>(R)), recv_counts(static_cast<size_t>(R));
-  std::vector<const float*> parts(static_cast<size_t>(R));
+  std::vector<float> send(S * size_t(R)), sum(S);
+  std::vector<int64_t> send_counts(static_cast<size_t>(R));
   for (size_t k = 0, rounds = grads.rounds(S); k < rounds; ++k) {
     // To each owner its slice of this round, straight from the gradient tensors.
     float* at = send.data();
@@ -57,12 +56,10 @@ void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, s
       at += e - b;
       send_counts[size_t(o)] = int64_t(e - b);
     }
+    // The R ranks' parts of my slice, added in rank order (tree_sum; host-first where ranks
+    // share a host: dist/host_first.h), into my gradients.
+    comm.reduce_scatter_sum_v(sum.data(), send.data(), send_counts.data());
     const auto [b, e] = grads.slice(me, k, S);
-    std::fill(recv_counts.begin(), recv_counts.end(), int64_t(e - b));
-    comm.all_to_all_v(send.data(), send_counts.data(), recv.data(), recv_counts.data());
-    // The R ranks' parts of my slice, added in rank order (tree_sum), into my gradients.
-    for (int r = 0; r < R; ++r) parts[size_t(r)] = recv.data() + size_t(r) * (e - b);
-    tree_sum(sum.data(), parts.data(), R, int64_t(e - b));
     grads.unpack(me, b, e, sum.data());
   }
 }

@@ -13,8 +13,8 @@ struct ZeroOverlap::Round {
   int key = 0;
   std::shared_ptr<const zero_detail::OwnerStreams> streams;
   size_t k = 0, S = 0, elements = 0;
-  std::vector<float> send, recv;
-  std::vector<int64_t> send_counts, recv_counts;
+  std::vector<float> send, recv;  // reduce: recv is the sum of my slice
+  std::vector<int64_t> send_counts;
   std::unique_ptr<PendingOp> op;
 };
 
@@ -37,10 +37,11 @@ ZeroOverlap::ZeroOverlap(Communicator& comm, const ShardPlan& plan, ParamSet& ps
 ZeroOverlap::~ZeroOverlap() = default;  // a Round's PendingOp waits for itself
 
 void ZeroOverlap::launch(std::unique_ptr<Round> r) {
-  r->elements = r->send.size() + r->recv.size();
+  // A reduce round holds the R parts of its slice inside the communicator until it is summed.
+  r->elements = r->send.size() + r->recv.size() * (r->reduce ? size_t(comm_.size()) : 1);
   if (r->reduce) {
-    r->op = comm_.start_all_to_all_v(r->send.data(), r->send_counts.data(), r->recv.data(),
-                                     r->recv_counts.data());
+    r->op = comm_.start_reduce_scatter_sum_v(r->recv.data(), r->send.data(),
+                                             r->send_counts.data());
   } else {
     r->op = comm_.start_all_gather_v(r->recv.data(), r->send.data(), r->send_counts.data());
   }
@@ -51,14 +52,9 @@ void ZeroOverlap::launch(std::unique_ptr<Round> r) {
 void ZeroOverlap::take_in(Round& r) {
   const int R = comm_.size(), me = comm_.rank();
   const zero_detail::OwnerStreams& st = *r.streams;
-  if (r.reduce) {
+  if (r.reduce) {  // the op added the R parts of my slice (tree_sum in rank order)
     const auto [b, e] = st.slice(me, r.k, r.S);
-    const size_t n = e - b;
-    sum_.resize(n);
-    parts_.resize(size_t(R));
-    for (int q = 0; q < R; ++q) parts_[size_t(q)] = r.recv.data() + size_t(q) * n;
-    tree_sum(sum_.data(), parts_.data(), R, int64_t(n));
-    st.unpack(me, b, e, sum_.data());
+    st.unpack(me, b, e, r.recv.data());
   } else {
     const float* at = r.recv.data();
     for (int o = 0; o < R; ++o) {
@@ -98,8 +94,7 @@ void ZeroOverlap::start_reduce(const std::vector<size_t>& ids) {
       at += oe - ob;
       r->send_counts[size_t(o)] = int64_t(oe - ob);
     }
-    r->recv.resize(size_t(R) * (e - b));
-    r->recv_counts.assign(size_t(R), int64_t(e - b));
+    r->recv.resize(e - b);
     launch(std::move(r));
   }
 }

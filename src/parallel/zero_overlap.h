@@ -3,9 +3,9 @@
 // (parallel/shard_plan.h), started as non-blocking collectives (Communicator::start_*) as soon
 // as their data is ready and taken in when complete:
 //  - start_reduce(ids) as backward finishes a stage (a block's gradients): its gradients are
-//    packed at once (so they may be released or overwritten after), each round's parts go to
-//    their owners, and each owner adds the R parts by tree_sum in rank order when the round
-//    arrives: the same sums in the same order as reduce_to_owners, so the same bits;
+//    packed at once (so they may be released or overwritten after), and each round is a
+//    non-blocking reduce_scatter_sum_v: the R parts of each owner's slice added by tree_sum in
+//    rank order, the same sums in the same order as reduce_to_owners, so the same bits;
 //  - start_gather(ids, key) after the update: the owners' new values go to every rank, and
 //    finish_gather(key) waits for them where the next forward first reads them.
 // progress() advances what is in flight (the MPI progress strategy: a test at each layer
@@ -65,8 +65,6 @@ class ZeroOverlap {
   ParamSet& ps_;
   size_t bucket_, max_in_flight_, in_flight_ = 0;
   std::deque<std::unique_ptr<Round>> rounds_;  // in the order started
-  std::vector<float> sum_;                     // a reduce round's R parts added
-  std::vector<const float*> parts_;
   double blocked_s_ = 0;
 };
 

@@ -218,6 +218,10 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   // Each rank's share of the global batch, checked before anything is written.
   const std::string share = resolve_batch(cfg_.train, comm_.size());
   if (!share.empty() && lead_ && run_.progress) fmt::print(stderr, "sigma train: {}\n", share);
+  // Where rank 0's data group lives and the path its sums and gathers take across hosts
+  // (dist/host_first.h): once, where the group spans hosts.
+  const std::string hosts = comm_.host_layout();
+  if (!hosts.empty() && lead_ && run_.progress) fmt::print(stderr, "sigma train: data group: {}\n", hosts);
   data_->start_training(cfg_);  // the stream's micro-batch shape is this rank's share
   cfg_.model.validate();
   if (lead_) claim_out_dir();  // rank 0 owns the directory; the others write only checkpoints
