@@ -140,21 +140,6 @@ SIGMA_SIMD inline vec load_w_masked(const float* p, int n) { return load_masked(
 SIGMA_SIMD inline vec load_w_masked(const uint16_t* p, int n) {
   return widen_bf16(_mm256_maskz_loadu_epi16(mask(n), p));
 }
-// 32 bf16 weights from one load: even = columns 0, 2, .., 30 (the low halves shifted up), odd =
-// 1, 3, .., 31 (the high halves); interleave_pairs puts them back as columns 0-15 and 16-31.
-constexpr bool kPairWiden = true;
-SIGMA_SIMD inline void widen_pairs(const uint16_t* p, vec& even, vec& odd) {
-  const __m512i v = _mm512_loadu_si512(p);
-  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-}
-SIGMA_SIMD inline void interleave_pairs(vec& even, vec& odd) {
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  const vec a = _mm512_permutex2var_ps(even, lo, odd), b = _mm512_permutex2var_ps(even, hi, odd);
-  even = a;
-  odd = b;
-}
 // 16 lanes added by halving: 16 -> 8 -> 4 -> 2 -> 1 (GCC's _mm512_reduce_add_ps).
 SIGMA_SIMD inline float reduce16(const vec* v) { return _mm512_reduce_add_ps(v[0]); }
 using ivec = __m512i;
@@ -210,9 +195,6 @@ SIGMA_SIMD inline vec load_w(const float* p) { return _mm256_loadu_ps(p); }
 SIGMA_SIMD inline vec load_w(const uint16_t* p) {
   return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-constexpr bool kPairWiden = false;  // (widen_pairs would need a permute per use on 8 lanes)
-SIGMA_SIMD inline void widen_pairs(const uint16_t*, vec&, vec&) {}
-SIGMA_SIMD inline void interleave_pairs(vec&, vec&) {}
 // AVX2 has no masked load of 16-bit elements: a tail goes through a zeroed copy.
 template <class W>
 SIGMA_SIMD inline vec load_w_masked(const W* p, int n) {
