@@ -4,7 +4,8 @@
 # BatchDecoder::step and the spin team's helpers) sorted by the function they were in:
 # products (the GEMV kernels; the x rounding and partial sums around them), attention,
 # LayerNorm/activation, hand-offs (helpers spinning, yielding or waking; the caller waiting for
-# the helpers' items) and the rest: fractions of all decode threads' CPU time, then of the
+# the helpers' items; both include the prefetch of the next product's item that a waiting
+# thread issues, kernels/cpu/spin_team.h's NextJob) and the rest: fractions of all decode threads' CPU time, then of the
 # calling thread's alone (a token's wall time), printed with the machine kind.
 #
 #   bench/decode_breakdown.sh [SIGMA=build/sigma] [CKPT] [PRECISION=int8] [TOKENS=250]
@@ -30,7 +31,7 @@ rules = [("products: GEMV kernels", r"nn_i8_kernel|nn_kernel|nt_kernel|nt_i8_gro
          ("products: x rounding, partial sums", r"nn_i8|::nn<|::nt<|nt_i8|sum_rows|rows16|quantize_rows16|round_row16"),
          ("attention", r"attention|row_scores|row_output"),
          ("layernorm / activation", r"layernorm|gelu|activation"),
-         ("hand-offs (spin, yield, wake, wait)", r"for_each_item|_M_run|sched_yield|futex|pvm_irq|schedule|spin_until|syscall")]
+         ("hand-offs (spin, yield, wake, wait, prefetch while waiting)", r"for_each_item|_M_run|sched_yield|futex|pvm_irq|schedule|spin_until|syscall")]
 cats, caller, stack = collections.Counter(), collections.Counter(), []
 def flush():
     joined = " ".join(stack)

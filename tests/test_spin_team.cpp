@@ -145,3 +145,36 @@ TEST(SpinTeam, PhasedJobsStartTheSecondPhaseAfterTheFirst) {
   EXPECT_EQ(phased(5, 3, 1, nullptr), 0);
   omp_set_num_threads(2);
 }
+
+// Jobs that name the next job's streams (NextJob: the caller prefetches its stream while it
+// waits, a helper its own while it spins for the next job): still every item once, helpers
+// still take part, and a helper with a stream left to prefetch still answers the next job at
+// once, whether the streams are larger than the prefetch budget, tiny, unaligned or empty.
+TEST(SpinTeam, JobsNamingTheNextJobsStreamsRunEachItemOnce) {
+  omp_set_num_threads(2);
+  ASSERT_GT(cpu::prefetch_budget(), 0);
+  std::vector<float> memory(size_t(4 * cpu::prefetch_budget() / 4));
+  const int64_t n = int64_t(memory.size()) * 4;
+  const cpu::NextJob hints[] = {{{memory.data(), n}, {memory.data() + memory.size() / 2, n / 2}},
+                                {{memory.data() + 3, 100}, {memory.data() + 1, 1}},
+                                {{}, {memory.data(), n}},
+                                {}};
+  std::atomic<bool> helped{false};
+  const auto caller = std::this_thread::get_id();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  for (int k = 0; k < 400 || (!helped && std::chrono::steady_clock::now() < deadline); ++k) {
+    std::vector<std::atomic<int>> runs(17);
+    cpu::for_each_item_phased(
+        12, 5,
+        [&](int64_t i) {
+          runs[size_t(i)].fetch_add(1);
+          if (std::this_thread::get_id() != caller) helped = true;
+          const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(2);
+          while (std::chrono::steady_clock::now() < until) {
+          }
+        },
+        hints[k % 4]);
+    for (const auto& r : runs) ASSERT_EQ(r.load(), 1) << "job " << k;
+  }
+  EXPECT_TRUE(helped);
+}

@@ -358,11 +358,48 @@ struct NTI8 {
 // 12). The chunk bounds do not depend on the thread count, so neither do the bits.
 constexpr int64_t kChunkRows = 64;
 
+// ---- the next product's streams (spin_team.h's NextJob) ----
+// A decode step runs the same products in the same order every token (a served batch's steps
+// too), so the product that followed a matrix the last time is the one likely to follow it
+// now. Per calling thread, each product shared with the team records the streams of its first
+// two items (its weights' first rows of the caller's and a helper's first item) as the successor
+// of the product before it, and hands the team those recorded as its own successor's: a thread
+// that waits at the end of this product (or, a helper, while the caller runs the LayerNorms,
+// attention and activations between two products) pulls the start of its next item into L2.
+// Only prefetches: a wrong guess costs bandwidth, never a bit.
+struct Successor {
+  const void* key = nullptr;
+  NextJob next;
+};
+constexpr int kSuccessorSlots = 256;
+thread_local Successor t_successors[kSuccessorSlots];
+thread_local const void* t_last_product = nullptr;
+
+Successor& successor_slot(const void* key) {
+  const uint64_t h = uint64_t(reinterpret_cast<uintptr_t>(key) >> 4) * 0x9E3779B97F4A7C15ull;
+  return t_successors[h >> 56];
+}
+
+// `mine`: this product's first two items' streams (key: its weights); returns its successor's.
+NextJob next_product(const void* key, const NextJob& mine) {
+  if (t_last_product) successor_slot(t_last_product) = {t_last_product, mine};
+  t_last_product = key;
+  const Successor& s = successor_slot(key);
+  return s.key == key ? s.next : NextJob{};
+}
+
+// Item k's stream where item k is `rows` whole rows of row_bytes from row r0 of base (nothing
+// where the rows are not contiguous: a column slice of a wider matrix).
+Stream rows_stream(const void* base, int64_t r0, int64_t rows, int64_t row_bytes, bool contiguous) {
+  if (!contiguous || rows <= 0) return {};
+  return {static_cast<const char*>(base) + r0 * row_bytes, rows * row_bytes};
+}
+
 // The items of a product of `weights` weights, on the spin team (kernels/cpu/spin_team.h) when
 // it is large enough: a decode step runs dozens of these back to back.
 template <class Fn>
-void run_items(int64_t weights, int64_t items, Fn&& fn) {
-  if (weights >= kParallelWeights) return for_each_item(items, fn);
+void run_items(int64_t weights, int64_t items, Fn&& fn, const NextJob& next = {}) {
+  if (weights >= kParallelWeights) return for_each_item(items, fn, next);
   for (int64_t i = 0; i < items; ++i) fn(i);
 }
 
@@ -372,10 +409,11 @@ void run_items(int64_t weights, int64_t items, Fn&& fn) {
 // after the product's job, as a job of their own would (a helper that came late could
 // otherwise take a sum item and keep the caller waiting on a busy machine).
 template <class Fn>
-void run_items_phased(int64_t weights, int64_t items, int64_t then, int64_t then_weights, Fn&& fn) {
+void run_items_phased(int64_t weights, int64_t items, int64_t then, int64_t then_weights, Fn&& fn,
+                      const NextJob& next) {
   if (weights >= kParallelWeights && then_weights >= kParallelWeights)
-    return for_each_item_phased(items, then, fn);
-  run_items(weights, items, fn);
+    return for_each_item_phased(items, then, fn, next);
+  run_items(weights, items, fn, next);
   for (int64_t i = items; i < items + then; ++i) fn(i);
 }
 
@@ -397,12 +435,25 @@ int64_t chunks_of(int64_t in, int64_t rows = kChunkRows) {
 // (bench_gemv, Zen 5; issue 40). Partials stay per chunk, so the bits do not change.
 // Then then_fn(b) for b in [0, then) once every chunk has run (the sums, reading then_weights
 // values; run_items_phased).
+// w: the weights (row_bytes a row of w, in row pairs for int8; contiguous: rows of exactly the
+// out columns), for the prefetch of the next product (next_product).
 template <class Fn, class Then>
 void for_each_chunk(int64_t in, int64_t out, Fn&& fn, int64_t chunk_rows, int64_t per_thread,
-                    int64_t then, int64_t then_weights, Then&& then_fn) {
+                    int64_t then, int64_t then_weights, Then&& then_fn, const void* w,
+                    int64_t row_bytes, bool contiguous) {
   const int64_t chunks = chunks_of(in, chunk_rows), items = per_thread * team_threads();
   const int64_t blocks = std::max<int64_t>(1, (items + chunks - 1) / chunks);
   const int64_t runs = std::min(chunks, items);
+  NextJob next;
+  if (in * out >= kParallelWeights) {
+    auto run_rows = [&](int64_t run) -> Stream {  // run `run`'s rows (whole rows: one block)
+      if (blocks > 1 || run >= runs) return {};
+      const int64_t r0 = run * chunks / runs * chunk_rows;
+      const int64_t r1 = std::min(in, (run + 1) * chunks / runs * chunk_rows);
+      return rows_stream(w, r0, r1 - r0, row_bytes, contiguous);
+    };
+    next = next_product(w, {run_rows(0), run_rows(1)});
+  }
   run_items_phased(in * out, runs * blocks, then, then_weights, [&](int64_t it) {
     if (it >= runs * blocks) return then_fn(it - runs * blocks);
     const int64_t run = it / blocks;
@@ -413,7 +464,7 @@ void for_each_chunk(int64_t in, int64_t out, Fn&& fn, int64_t chunk_rows, int64_
       const int64_t i0 = c * chunk_rows, rows = std::min(chunk_rows, in - i0);
       if (cols.lo < cols.hi && rows > 0) fn(c, i0, rows, end - i0, cols);
     }
-  });
+  }, next);
 }
 
 template <class W>
@@ -437,10 +488,20 @@ void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t
       kChunkRows, 2, sum_blocks, sum_chunks * stride,
       [&](int64_t blk) {
         sum_rows(y, ldy, b, M, accumulate, column_block(out, blk, sum_blocks), p, sum_chunks, out);
-      });
+      },
+      w, ldw * int64_t(sizeof(W)), ldw == out);
 }
 
 constexpr int64_t kGroup = 64;  // rows of the head's w an item streams
+
+// The head's items' streams (groups of kGroup rows of w[out, in]) for next_product.
+NextJob head_next(const void* w, int64_t in, int64_t out, int64_t ldw, int64_t elem_bytes) {
+  if (in * out < kParallelWeights) return {};
+  auto group = [&](int64_t g) {
+    return rows_stream(w, g * kGroup, std::min(out, (g + 1) * kGroup) - g * kGroup, ldw * elem_bytes, ldw == in);
+  };
+  return next_product(w, {group(0), group(1)});
+}
 
 template <class W>
 void nt(float* y, const float* x, const W* w, int64_t M, int64_t in, int64_t out, int64_t ldx,
@@ -450,7 +511,7 @@ void nt(float* y, const float* x, const W* w, int64_t M, int64_t in, int64_t out
   run_items(in * out, (out + kGroup - 1) / kGroup, [&](int64_t g) {
     const Range rows{g * kGroup, std::min(out, (g + 1) * kGroup)};
     with_rows<NT<W>::template K>(M, y, ldy, x, ldx, w, ldw, in, rows);
-  });
+  }, head_next(w, in, out, ldw, int64_t(sizeof(W))));
 }
 
 // ---- int8 weights: x as 16-bit fixed point, exact integer sums ----
@@ -548,7 +609,7 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
                            q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, (reach + 1) / 2,
                            cols);
       },
-      kI8ChunkRows, 1, sum_blocks, sum_chunks * stride, sums);
+      kI8ChunkRows, 1, sum_blocks, sum_chunks * stride, sums, q, ldw, ldw == out);
 }
 
 // y = scale * (step * S) over the head's rows of q[out, in] (a scale per row).
@@ -560,7 +621,7 @@ void nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_
   run_items(in * out, (out + kGroup - 1) / kGroup, [&](int64_t g) {
     const Range rows{g * kGroup, std::min(out, (g + 1) * kGroup)};
     with_rows<NTI8::K>(M, y, ldy, xq.q.data(), xq.ld, xq.step, q, ldw, scale, in, rows);
-  });
+  }, head_next(q, in, out, ldw, 1));
 }
 
 // Prompts (more than kGemvMaxRows rows) on bf16 or int8 weights: oneDNN's sgemm on the weights
