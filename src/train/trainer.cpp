@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -13,7 +12,6 @@
 #include <optional>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 
 #include "core/progress.h"
 #include "data/sampler.h"
@@ -49,10 +47,6 @@ void check_same_model(const Config& now, const Config& checkpoint) {
               "keeps the checkpoint's model (drop the model.* --set, or give it the checkpoint's "
               "value)", diff);
 }
-
-}  // namespace
-
-namespace {
 
 // Frequency-balanced routing tables come from the training data's token counts per group (a
 // resumed run takes its tables from the checkpoint instead). Empty when not needed.
@@ -154,7 +148,6 @@ class RunLoop {
   double exchanged_[2] = {0, 0};      // expert exchange calls and bytes at the last log
   nlohmann::json exchange_summary_;   // the whole run's, for summary.json
   nlohmann::json tp_exchange_;        // tensor parallelism: rank 0's tp traffic per step
-  nlohmann::json dp_overlap_;         // dist.overlap: rank 0's time blocked in ZeRO's exchanges
   // The logging window and this run's totals.
   DomainSums window_{0};
   double aux_window_ = 0;
@@ -218,8 +211,7 @@ RunLoop::RunLoop(Config cfg, const RunOptions& run)
   // Each rank's share of the global batch, checked before anything is written.
   const std::string share = resolve_batch(cfg_.train, comm_.size());
   if (!share.empty() && lead_ && run_.progress) fmt::print(stderr, "sigma train: {}\n", share);
-  // Where rank 0's data group lives and the path its sums and gathers take across hosts
-  // (dist/host_first.h): once, where the group spans hosts.
+  // Rank 0's data group's hosts and its sums' path across them (dist/host_first.h), if any.
   const std::string hosts = comm_.host_layout();
   if (!hosts.empty() && lead_ && run_.progress) fmt::print(stderr, "sigma train: data group: {}\n", hosts);
   data_->start_training(cfg_);  // the stream's micro-batch shape is this rank's share
@@ -739,10 +731,6 @@ TrainSummary RunLoop::finish() {
     tp_exchange_ = {{"tp", grid_->tp()}, {"calls_per_step", double(t.calls) / per},
                     {"mib_per_step_per_rank", double(t.bytes() - to_self) / per / double(1 << 20)}};
   }
-  if (const double b = step_->overlap_blocked_s(); b > 0) {  // what overlap left exposed
-    const double per = double(std::max<int64_t>(steps_this_run_, 1));
-    dp_overlap_ = {{"blocked_ms_per_step", b / per * 1e3}};
-  }
   if (stopped_by_) return sum;  // stopped early: no evaluation, no summary of an unfinished run
   if (run_dir_) run_dir_->drop_old_run();  // finished (a run of no steps saves no checkpoint)
   // The last step's train.eval_every evaluation, when there was one, is the same computation.
@@ -784,7 +772,8 @@ void RunLoop::write_summary(const TrainSummary& sum) {
   }
   if (parallel_) summary["expert_exchange"] = exchange_summary_;
   if (!tp_exchange_.is_null()) summary["tp_exchange"] = tp_exchange_;
-  if (!dp_overlap_.is_null()) summary["dp_overlap"] = dp_overlap_;
+  if (const double b = step_->overlap_blocked_s(); b > 0)  // rank 0's wait: what overlap left exposed
+    summary["dp_overlap"] = {{"blocked_ms_per_step", b * 1e3 / double(std::max<int64_t>(steps_this_run_, 1))}};
   // Wall time the training thread spent on saves between steps: the whole save in the
   // foreground; the copy, waits, agreement and commit in the background (the end's wait aside).
   summary["checkpoint_stall_s"] = save_stall_s_;
