@@ -64,6 +64,10 @@ int main(int argc, char** argv) {
     const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
     fmt::print(stderr, "sigma: error: {}{}\n", rank ? fmt::format("rank {}: ", rank) : "", e.what());
     std::fflush(stderr);
+    // Ranks that fail together (an agreed failure, e.g. a save one rank could not write) all
+    // say why: rank 0 aborts at once, the others a moment later, so that no rank's abort ends
+    // rank 0 before it has printed (its abort then ends them). A lone failure waits 2 s more.
+    if (rank && std::atoi(rank) != 0) sleep(2);
     sigma::abort_run(1);  // a distributed run ends on every rank now, not at the timeout
     return 1;
   }
