@@ -11,16 +11,7 @@ set -euo pipefail
 sigma=$1 src=$2
 sim=$src/scripts/sim-cluster.sh
 
-skip() { echo "SKIPPED: $*"; exit 77; }
-fail() { echo "FAILED: $*"; exit 1; }
-((EUID == 0)) || skip "needs root (network namespaces, veth pairs, tc)"
-for tool in ip tc unshare mpirun; do
-  command -v "$tool" >/dev/null || skip "'$tool' not found (iproute2, util-linux, openmpi-bin)"
-done
-mountpoint -q / || skip "/ is not a mount point here (a chroot?): ip netns exec cannot make it a slave mount"
-probe_ns=sigma-simtest-$$
-ip netns add "$probe_ns" 2>/dev/null || skip "cannot create a network namespace here (ip netns add)"
-ip netns del "$probe_ns"
+source "$src/tests/sim_cluster_preamble.sh"  # skip(), fail(); skips where no cluster can start
 
 tmp=$(mktemp -d /tmp/sim-host-first-test.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
