@@ -57,8 +57,8 @@ import step_model_sim as sim
 name, tp, dp, rre, params, hf, f0, s0, f1, s1, line = sys.argv[2:]
 x = dict(hosts=2, slots=2, tp=int(tp), dp=int(dp), rre=int(rre), params_local=int(params), d=$D,
          layers=$LAYERS, tokens_per_rank=$BATCH * $CONTEXT * $K, groups=[2, 3, 4], ref_ms=0.0,
-         rate_bps=0, overlap=False, host_first=hf == "1")
-pred = sim.predict(x, {False: 0.0, True: 0.0})["host_bytes"]
+         link="none", rate_bps=0, overlap=False, host_first=hf == "1")
+pred = sim.predict(x, {})["host_bytes"]
 per = lambda f, s: (int(f) - int(s)) / ($STEPS - $SHORT) * 1448 / 1514 / 2**20
 said = line.split("): ", 1)[-1].split(" (")[0].split(":")[0]  # "sums host-first", "sums direct"
 print(f"| {name} | {'host-first' if hf == '1' else 'direct (SIGMA_HOST_FIRST=0)'} | "

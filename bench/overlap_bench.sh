@@ -23,7 +23,7 @@
 # each rank a core of this 2-core machine to itself), RRE (model.rre_layers, 0),
 # STEPS (14), WARM (4), EXTRA (more --set arguments for every run), MPI_ARGS (more mpirun
 # arguments for the cluster runs, e.g. "--mca btl_tcp_progress_thread 1"), POLL (0 sets
-# SIGMA_OVERLAP_POLL=0: no tests of the exchanges at layer boundaries).
+# SIGMA_OVERLAP_POLL=0: no tests of the exchanges at layer boundaries), MTU (the links' MTU, 1500).
 set -euo pipefail
 sigma=$(realpath "$1")
 rounds=${2:-3}
@@ -59,6 +59,7 @@ weights_hash() {
 }
 
 echo "machine: $("$here/machine.sh"), $(nproc) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "links: mtu ${MTU:-1500}${LATENCY:+, latency $LATENCY}"
 echo "model: d=$D layers=$LAYERS heads=$HEADS context=$CONTEXT rre_layers=$RRE, $BATCH rows x $K micro-batches per rank; tp $TP x dp $DP on 2 hosts x $SLOTS ranks; $STEPS steps (median after $WARM); poll=$POLL; mpirun args: ${MPI_ARGS:-none}"
 declare -A exposed=() steps=()
 refs=() same=0 compared=0

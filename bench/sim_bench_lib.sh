@@ -1,8 +1,10 @@
 # Shared by the benchmarks that time training runs on the simulated cluster
 # (bench/overlap_bench.sh, bench/step_model_check.sh); sourced, not run. The caller sets
 # `sigma`, `root`, `tmp`, `WARM`, `model` (the --set arguments of every run), `TP`, `DP`, `K`
-# and `mpi_x` (mpirun -x arguments); `SLOTS` (ranks per host, 2 unless set).
+# and `mpi_x` (mpirun -x arguments); `SLOTS` (ranks per host, 2 unless set); optionally `ref_set`
+# (an array of more arguments for the reference runs only) and `REF_UPDATE_KEEP` (ref_step_ms).
 
+declare -p ref_set >/dev/null 2>&1 || ref_set=()
 # Median step time in ms of a metrics.jsonl, over the steps after the first WARM.
 step_ms() {
   python3 - "$1" "$WARM" <<'PY'
@@ -24,14 +26,14 @@ reference() {
   rm -rf "$tmp"/ref*
   for ((i = 0; i < DP; i++)); do
     if ((TP == 1)); then
-      OMP_WAIT_POLICY=passive "$sigma" train $model --set train.accum=$K --out "$tmp/ref$i" \
+      OMP_WAIT_POLICY=passive "$sigma" train $model "${ref_set[@]}" --set train.accum=$K --out "$tmp/ref$i" \
         >"$tmp/ref$i.log" 2>&1 &
     else
       # Its own session directory: concurrent mpiruns sharing one race to create and remove it.
       mkdir -p "$tmp/ref$i.ompi"
       mpirun --allow-run-as-root --oversubscribe --bind-to none $mpi_x -np $TP \
         --mca orte_tmpdir_base "$tmp/ref$i.ompi" "$sigma" train \
-        $model --set train.accum=$K --out "$tmp/ref$i" >"$tmp/ref$i.log" 2>&1 &
+        $model "${ref_set[@]}" --set train.accum=$K --out "$tmp/ref$i" >"$tmp/ref$i.log" 2>&1 &
     fi
     pids+=($!)
   done
@@ -43,14 +45,15 @@ reference() {
 
 # A reference run's step time, as a rank of the DP-rank run would spend it: a single process
 # updates the experts of every token it saw (ECSS, summary.json's ecss.update_s), where an
-# experts-parallel rank updates only its 1/DP share, so that part of the update is taken out.
+# experts-parallel rank updates only its share, so the rest of that update is taken out: the
+# share kept is REF_UPDATE_KEEP (default 1/DP: a reference holding every expert).
 ref_step_ms() {
-  python3 - "$(step_ms "$1/metrics.jsonl")" "$1/summary.json" "$DP" <<'PY'
+  python3 - "$(step_ms "$1/metrics.jsonl")" "$1/summary.json" "${REF_UPDATE_KEEP:-$(python3 -c "print(1 / $DP)")}" <<'PY'
 import json, sys
-ms, path, dp = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+ms, path, keep = float(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 s = json.load(open(path))
 update_ms = s.get("ecss", {}).get("update_s", 0.0) / max(s["steps"], 1) * 1e3
-print(f"{ms - update_ms * (dp - 1) / dp:.1f}")
+print(f"{ms - update_ms * (1 - keep):.1f}")
 PY
 }
 
@@ -60,6 +63,7 @@ cluster() {
   local rate=()
   [[ "$1" == none ]] || rate=(--bandwidth "$1")
   "$root/scripts/sim-cluster.sh" --hosts 2 --slots "${SLOTS:-2}" "${rate[@]}" ${LATENCY:+--latency "$LATENCY"} \
+    ${MTU:+--mtu "$MTU"} \
     ${4:+--stats "$4"} --timeout 900 --mpirun-args "$mpi_x ${MPI_ARGS:-}" -- "$sigma" train $model \
     --set train.accum=$((DP * K)) --set dist.overlap="$2" --out "$3" >"$3.log" 2>&1 ||
     { cat "$3.log" >&2; exit 1; }

@@ -3,11 +3,13 @@
 (issue 38). bench/step_model_check.sh measures and writes one JSON line per run; this script
 predicts each run's step time and bytes per step and prints prediction against measurement.
 
-    python3 bench/step_model_sim.py RUNS.jsonl
+    python3 bench/step_model_sim.py RUNS.jsonl [--hide]
 
 The model, per step, 2 hosts x 2 ranks, fp32 everywhere (what Sigma's CPU ranks send):
 - compute: the measured reference (the same per-rank work with the cores shared as in the run,
-  tp's exchanges inside the host included) [M];
+  tp's exchanges inside the host included) [M]; for RRE a single process with 1 expert per
+  group, its rows in one product per group as an experts-parallel rank of 4 runs them
+  (bench/step_model_check.sh);
 - data parallel: ZeRO's exchange with the shards' owners, scaling_model.grad_exchange_bytes of
   each rank's shared parameters (its tp slice), the share to dp peers on the other host crossing
   the host's link; host-first (dist/host_first.h, the default; "host_first": false in a run's
@@ -17,19 +19,33 @@ The model, per step, 2 hosts x 2 ranks, fp32 everywhere (what Sigma's CPU ranks 
 - experts (RRE, expert parallel, dist.placement spread): scaling_model.expert_exchange_bytes of
   each rank's tokens, the rows whose expert lives on the other host crossing the link (groups
   drawn uniformly, experts within a group uniformly: the random routing table);
-- the exchange's cost on this machine's cores: ranks that share 2 cores by 2 wait for each other
-  to be scheduled before a message moves, a cost per byte out of a host measured once with the
-  links unshaped (layout 1, the "calibration" lines: those runs are not checks), once for the
-  blocking exchange and once for the overlapped one (there the cost measured is what stays
-  exposed while the links are not the bound);
+- the exchange's cost on this machine's cores, [M] per operation, measured with the links
+  unshaped (those runs are the calibration, not checks), once blocking and once overlapped:
+  ZeRO's exchange per byte out of a host, per path (below; ranks that share
+  2 cores by 2 wait for each other to be scheduled before a message moves, and the kernel's TCP,
+  Open MPI's copies and the owners' sums run on those cores); the experts' exchange per
+  all-to-all round (the RRE layout's unshaped runs, less their ZeRO part): each of its 4 rounds
+  per RRE block makes all 4 ranks meet, so its cost on shared cores is a wait for the slowest
+  rank's turn more than bytes (10 KiB-1 MiB a round here), and it also takes in what the RRE
+  reference gets wrong of an experts-parallel rank's expert work (a single process runs other
+  products than a rank of 4: docs/scaling.md);
 - the wire: a host's bytes out at the shaped rate (tc tbf counts Ethernet frames: 1,448 bytes of
   TCP payload per 1,514, MTU 1,500), added to the exchange's cost: Open MPI's TCP transport
   moves a rank's messages only while the rank runs, so the two alternate more than they overlap
   (docs/scaling.md's rule: nothing overlapped unless a line says so);
 - latency: the step's rounds of messages (2 per dp exchange, 4 per RRE block) x 2 x one-way.
-With overlap (dist.overlap): the dp wire time hides behind the compute (the reduce-scatter
-behind backward, the gather behind the next forward) except each one's last stage; the experts'
-exchange is not overlapped.
+With overlap (dist.overlap), measured on this machine: the link time is added as without
+overlap (each layout's runs at 1 Gbit/s with overlap are slower than its unshaped ones with
+overlap by about the link's time; docs/scaling.md), so the overlapped runs differ from the
+blocking ones only in the exchange's cost, calibrated apart. `--hide` predicts instead what
+overlap would give with a core to spare: the dp link time hidden behind the compute (the
+reduce-scatter behind backward, the gather behind the next forward) except each one's last
+stage; the experts' exchange is not overlapped either way.
+
+ZeRO's exchange is calibrated per path (dist/host_first.h): host-first sums (a data group with
+several ranks of a host: a partial sum inside each host, then across) and direct (one rank of
+the group per host, or SIGMA_HOST_FIRST=0), each on the first unshaped dense run that takes it;
+the unshaped runs of another dense layout on a path already calibrated are checks.
 """
 import json
 import statistics
@@ -86,9 +102,22 @@ def dp_host_bytes(x, shared_bytes):
     return max(out)
 
 
-def predict(x, cost_per_byte):
-    """cost_per_byte: {False: the blocking exchange's seconds per byte, True: the overlapped one's}."""
-    hosts, slots, tp, dp = x["hosts"], x["slots"], x["tp"], x["dp"]
+HIDE = False  # --hide: the dp link time hidden behind compute (a spare core), see above
+
+
+def dp_path(x):
+    """"host-first" where a data group holds several ranks of a host (and SIGMA_HOST_FIRST is
+    not 0), else "direct": the path dist/host_first.h takes."""
+    hosts = [[(d * x["tp"] + t) // x["slots"] for d in range(x["dp"])] for t in range(x["tp"])]
+    aligned = any(len(set(h)) > 1 and any(hi - lo > 1 for lo, hi in tree_blocks(h, 0, len(h)))
+                  for h in hosts)
+    return "host-first" if x.get("host_first", True) and aligned else "direct"
+
+
+def predict(x, cost):
+    """cost: {"dp": {(path, overlap): seconds per byte out of a host}, "ep": {overlap: seconds
+    per all-to-all round of the experts' exchange}}; a missing entry counts 0."""
+    hosts, slots = x["hosts"], x["slots"]
     rank_ep = 0.0
     if x["rre"]:
         rank_ep = sm.expert_exchange_bytes(x["rre"], x["tokens_per_rank"], 1, x["d"], BYTES) * \
@@ -96,18 +125,32 @@ def predict(x, cost_per_byte):
     host_dp, host_ep = dp_host_bytes(x, x["params_local"] * BYTES), slots * rank_ep
     host = host_dp + host_ep
     wire = (lambda b: b * 8 / (x["rate_bps"] * WIRE_EFF)) if x["rate_bps"] else (lambda b: 0.0)
-    stack = host * cost_per_byte[x["overlap"]]
-    rounds = 2 + 4 * x["rre"]
-    latency = rounds * 2 * x.get("latency_s", 0.0)
+    ep_rounds = 4 * x["rre"]
+    stack = host_dp * cost.get("dp", {}).get((dp_path(x), x["overlap"]), 0.0) + \
+        ep_rounds * cost.get("ep", {}).get(x["overlap"], 0.0)
+    latency = (2 + ep_rounds) * 2 * x.get("latency_s", 0.0)
     ref = x["ref_ms"] / 1e3
-    if not x["overlap"]:
+    if not (x["overlap"] and HIDE):
         exposed_wire = wire(host)
     else:
         stages = x["layers"] + 2
         exposed_wire = max(wire(host_dp) - ref * (stages - 1) / stages, wire(host_dp) / stages) + \
             wire(host_ep)
     return dict(step_ms=(ref + stack + exposed_wire + latency) * 1e3, host_bytes=host,
-                wire_ms=exposed_wire * 1e3, stack_ms=stack * 1e3)
+                host_dp=host_dp, ep_rounds=ep_rounds, wire_ms=exposed_wire * 1e3,
+                stack_ms=stack * 1e3)
+
+
+def calibrations(runs):
+    """The runs that measure the machine's costs (see the top): per (path, overlap) the first
+    unshaped dense run on it, per overlap the first unshaped RRE run."""
+    seen, out = set(), []
+    for r in runs:
+        key = ("ep", r["overlap"]) if r["rre"] else (dp_path(r), r["overlap"])
+        if r["link"] == "none" and key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
 
 
 def median_over_rounds(lines):
@@ -126,24 +169,33 @@ def median_over_rounds(lines):
 
 
 def main():
+    global HIDE
+    HIDE = "--hide" in sys.argv[1:]
+    sys.argv = [a for a in sys.argv if a != "--hide"]
     runs = median_over_rounds([json.loads(l) for l in open(sys.argv[1]) if l.strip()])
-    cost = {}
-    for mode in (False, True):
-        cal = [r for r in runs if r.get("calibration") and r["overlap"] == mode]
-        if len(cal) != 1:
-            sys.exit(f"step_model_sim: need one calibration run (unshaped) with overlap={mode}")
-        c = cal[0]
-        host = predict(c, {False: 0.0, True: 0.0})["host_bytes"]
-        cost[mode] = (c["measured_ms"] - c["ref_ms"]) / 1e3 / host
-        print(f"calibration: {c['layout']}, links unshaped, overlap {'on' if mode else 'off'}: "
-              f"measured {c['measured_ms']:.0f} ms, reference {c['ref_ms']:.0f} ms, "
-              f"{host / 2**20:.1f} MiB out of each host a step -> {cost[mode] * 1e9:.2f} ns per byte")
+    cal = calibrations(runs)
+    cost = {"dp": {}, "ep": {}}
+    for c in sorted(cal, key=lambda r: r["rre"]):  # ZeRO's costs first: the RRE runs use them
+        mode = "on" if c["overlap"] else "off"
+        p = predict(c, cost)
+        if not c["rre"]:
+            cost["dp"][(dp_path(c), c["overlap"])] = (c["measured_ms"] - c["ref_ms"]) / 1e3 / p["host_dp"]
+            print(f"calibration: {c['layout']}, links unshaped, overlap {mode} ({dp_path(c)}): "
+                  f"measured {c['measured_ms']:.0f} ms, reference {c['ref_ms']:.0f} ms, "
+                  f"{p['host_dp'] / 2**20:.1f} MiB out of each host a step -> "
+                  f"{cost['dp'][(dp_path(c), c['overlap'])] * 1e9:.2f} ns per byte")
+        else:
+            cost["ep"][c["overlap"]] = (c["measured_ms"] - p["step_ms"]) / 1e3 / p["ep_rounds"]
+            print(f"calibration: {c['layout']}, links unshaped, overlap {mode}: measured "
+                  f"{c['measured_ms']:.0f} ms, reference {c['ref_ms']:.0f} ms, ZeRO's exchange "
+                  f"{p['stack_ms']:.0f} ms, {p['ep_rounds']} expert rounds -> "
+                  f"{cost['ep'][c['overlap']] * 1e3:.1f} ms per round")
     print("| layout | link | overlap | compute (ref) ms | predicted ms (exchange / wire exposed) | measured ms "
           "| measured ms per round | predicted / measured | MiB out of a host per step: predicted / measured |")
     print("|---|---|---|---:|---:|---:|---|---:|---:|")
     worst = 0.0
     for r in runs:
-        if r.get("calibration"):
+        if any(r is c for c in cal):
             continue
         p = predict(r, cost)
         ratio = p["step_ms"] / r["measured_ms"]

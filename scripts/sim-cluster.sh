@@ -79,6 +79,8 @@ usage: scripts/sim-cluster.sh [options] -- COMMAND [ARG...]
                      200mbit); default: not shaped
   --latency TIME     one-way delay per direction (tc netem, e.g. 50us); refused where the
                      kernel has no netem (no latency is injected otherwise)
+  --mtu BYTES        the links' MTU (576 to 9000), default 1500; 9000 gives jumbo frames as
+                     cluster networks use (fewer packets for the kernel and the shaper to move)
   --timeout SEC      the whole run's bound (default 600): then every rank is killed, exit 124
   --probe            measure the RTT and bandwidth h0 -> h1 before the run (python3)
   --stats FILE       write per-host byte counters of the run (key=value lines)
@@ -87,13 +89,14 @@ EOF
   exit 2
 }
 
-hosts=2 slots=2 rate="" latency="" timeout_s=600 probe=0 stats="" extra=""
+hosts=2 slots=2 mtu=1500 rate="" latency="" timeout_s=600 probe=0 stats="" extra=""
 while (($#)); do
   case $1 in
     --hosts) hosts=${2:?}; shift 2 ;;
     --slots) slots=${2:?}; shift 2 ;;
     --bandwidth) rate=${2:?}; shift 2 ;;
     --latency) latency=${2:?}; shift 2 ;;
+    --mtu) mtu=${2:?}; shift 2 ;;
     --timeout) timeout_s=${2:?}; shift 2 ;;
     --probe) probe=1; shift ;;
     --stats) stats=${2:?}; shift 2 ;;
@@ -106,6 +109,7 @@ done
 (($#)) || { say "no command after --"; usage; }
 [[ "$hosts" =~ ^[0-9]+$ ]] && ((hosts >= 1 && hosts <= 64)) || die "--hosts $hosts: expected 1 to 64"
 [[ "$slots" =~ ^[0-9]+$ ]] && ((slots >= 1 && slots <= 256)) || die "--slots $slots: expected 1 to 256"
+[[ "$mtu" =~ ^[0-9]+$ ]] && ((mtu >= 576 && mtu <= 9000)) || die "--mtu $mtu: expected 576 to 9000 bytes"
 [[ "$timeout_s" =~ ^[0-9]+$ ]] && ((timeout_s >= 1)) || die "--timeout $timeout_s: expected seconds"
 [[ -z "$rate" || "$rate" =~ ^[0-9]+(\.[0-9]+)?([kmg]?bit|[kmg]?bps)$ ]] ||
   die "--bandwidth $rate: expected a tc rate such as 2gbit, 200mbit or 100mbps"
@@ -155,7 +159,7 @@ in_ns() { local n=$1; shift; ip netns exec "$(ns "$n")" "$@"; }
 # The bridge in a namespace of its own: the root namespace gets no interface.
 ip netns add "$(ns br)"
 ip -n "$(ns br)" link add br0 type bridge
-ip -n "$(ns br)" link set br0 up
+ip -n "$(ns br)" link set br0 mtu "$mtu" up
 {
   echo "127.0.0.1 localhost"
   for ((h = 0; h < hosts; h++)); do echo "$subnet_prefix.$((h + 1)) h$h"; done
@@ -190,7 +194,7 @@ for ((h = 0; h < hosts; h++)); do
   ip netns add "$n"
   ip -n "$n" link set lo up
   # Both ends made in namespaces of the run: eth0 in the host, h<k> on the bridge.
-  ip -n "$n" link add eth0 type veth peer name "h$h" netns "$(ns br)"
+  ip -n "$n" link add eth0 mtu "$mtu" type veth peer name "h$h" mtu "$mtu" netns "$(ns br)"
   ip -n "$n" addr add "$subnet_prefix.$((h + 1))/24" dev eth0
   ip -n "$n" link set eth0 up
   ip -n "$(ns br)" link set "h$h" master br0 up
@@ -220,7 +224,7 @@ hostfile=$tmp/hostfile
 for ((h = 0; h < hosts; h++)); do echo "h$h slots=$slots"; done >"$hostfile"
 declare -a before
 for ((h = 0; h < hosts; h++)); do before[h]=$(counters "$h"); done
-say "$hosts hosts x $slots slots, links ${rate:-unshaped}${latency:+, latency $latency}, run $run"
+say "$hosts hosts x $slots slots, links ${rate:-unshaped}, mtu $mtu${latency:+, latency $latency}, run $run"
 
 export SIM_CLUSTER_RUN=$run
 # The transports, from the environment so that --mpirun-args "--mca btl self,tcp" can replace

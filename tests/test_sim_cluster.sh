@@ -2,7 +2,7 @@
 # The simulated cluster (scripts/sim-cluster.sh, docs/distributed.md): 2 hosts x 2 ranks,
 # tp 2 inside a host and dp 2 across, train the same bits as 4 ranks on one host, dense and
 # RRE; the hosts' traffic crossed the veths; and nothing of the cluster is left after a run or
-# after a SIGKILL of the script mid-run. Needs root and network namespaces: skipped (exit 77,
+# after a SIGKILL of the script mid-run; `--mtu` reaches both ends of a link. Needs root and network namespaces: skipped (exit 77,
 # with the reason) where they are missing.
 #   tests/test_sim_cluster.sh SIGMA_BINARY SOURCE_DIR
 set -euo pipefail
@@ -68,9 +68,14 @@ for model in "model.rre_layers=0" "model.rre_layers=1"; do
   echo "ok: $model: bit-identical to 4 local ranks; $(grep eth0 "$tmp/stats" | tr '\n' ' ')"
 done
 
-# SIGKILL of the script mid-run: its watchdog ends the ranks and removes everything.
+# --mtu out of range: refused before anything is made.
+if "$sim" --mtu 100 -- true >"$tmp/mtu.log" 2>&1; then fail "--mtu 100 was accepted"; fi
+grep -q -- "--mtu 100: expected 576 to 9000" "$tmp/mtu.log" || { cat "$tmp/mtu.log"; fail "--mtu 100: no clear refusal"; }
+
+# SIGKILL of the script mid-run: its watchdog ends the ranks and removes everything. The run
+# has jumbo frames (--mtu 9000), checked on both ends of h0's link while it runs.
 # shellcheck disable=SC2046
-"$sim" --hosts 2 --slots 2 --timeout 120 -- "$sigma" $(train --set model.rre_layers=0 --set train.steps=100000 --out "$tmp/killed") \
+"$sim" --hosts 2 --slots 2 --mtu 9000 --timeout 120 -- "$sigma" $(train --set model.rre_layers=0 --set train.steps=100000 --out "$tmp/killed") \
   >"$tmp/kill.log" 2>&1 &
 pid=$!
 for ((i = 0; i < 600; i++)); do
@@ -79,6 +84,11 @@ for ((i = 0; i < 600; i++)); do
   sleep 0.1
 done
 [[ -s "$tmp/killed/metrics.jsonl" ]] || { cat "$tmp/kill.log"; fail "the run to be killed never logged a step"; }
+for end in "sigma-sim-$pid-h0 eth0" "sigma-sim-$pid-br h0"; do
+  read -r ns dev <<<"$end"
+  ip -n "$ns" link show "$dev" | grep -q " mtu 9000 " || fail "--mtu 9000: $dev in $ns has $(ip -n "$ns" link show "$dev" | grep -o 'mtu [0-9]*')"
+done
+echo "ok: --mtu 9000 set on both ends of a host's link; --mtu 100 refused"
 kill -KILL "$pid"
 wait "$pid" 2>/dev/null || true
 for ((i = 0; i < 150; i++)); do

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/uninit_vector.h"
 #include "dist/communicator.h"
 
 namespace sigma {
@@ -151,9 +152,9 @@ class HostFirstReduce final : public PendingOp {
   const T* in_;
   std::vector<int64_t> counts_, at_;  // at_[o]: owner o's part in `in`
   std::vector<int> mine_;             // the owners whose block partial this rank adds
-  std::vector<std::vector<T>> parts_;     // [i of mine_] the block's other ranks' parts
-  std::vector<std::vector<T>> partial_;   // [i of mine_] the block's partial sum for mine_[i]
-  std::vector<std::vector<T>> received_;  // [block] its partial sum for me (not my block's)
+  std::vector<UninitVector<T>> parts_;     // [i of mine_] the block's other ranks' parts
+  std::vector<UninitVector<T>> partial_;   // [i of mine_] the block's partial sum for mine_[i]
+  std::vector<UninitVector<T>> received_;  // [block] its partial sum for me (not my block's)
   std::unique_ptr<Messages> round1_, recv2_, send2_;
   std::vector<int64_t> bytes_to_;
   int tag2_;

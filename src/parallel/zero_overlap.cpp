@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "core/error.h"
+#include "core/uninit_vector.h"
 #include "parallel/owner_streams.h"
 
 namespace sigma {
@@ -13,7 +14,7 @@ struct ZeroOverlap::Round {
   int key = 0;
   std::shared_ptr<const zero_detail::OwnerStreams> streams;
   size_t k = 0, S = 0, elements = 0;
-  std::vector<float> send, recv;  // reduce: recv is the sum of my slice
+  UninitVector<float> send, recv;  // reduce: recv is the sum of my slice (both filled whole)
   std::vector<int64_t> send_counts;
   std::unique_ptr<PendingOp> op;
 };
