@@ -64,13 +64,15 @@ std::vector<float> flat(const Model& m) {
 // fault-injection hook, after which an overlapped step starts its reductions; set on every
 // rank).
 RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_rows = false,
-                    int zero = 1, int overlap = 0, bool watch = true) {
+                    int zero = 1, int overlap = 0, bool watch = true,
+                    Remat remat = Remat::None) {
   RunResult out;
   std::vector<std::vector<float>> per_rank(static_cast<size_t>(R));
   test_ranks::run_ranks(R, [&](Communicator& comm) {
     omp_set_num_threads(1);
     const ModelConfig c = step_config(rre_layers);
     Model m(c, 5);
+    m.set_remat(remat);
     OptimConfig oc;
     oc.lr = 1e-2f;
     oc.grad_clip = 0.05f;  // clipping on: the norm must agree across ranks too
@@ -280,6 +282,26 @@ TEST(TrainStep, ZeroStage3IsBitIdenticalToStage1) {
     }
   const RunResult one = run_steps(2, 2, 3, 2, true), three = run_steps(2, 2, 3, 2, true, 3, 1);
   EXPECT_TRUE(same_bits(one.weights, three.weights)) << "lazy embedding rows";
+}
+
+// train.remat under ZeRO-3 (the memory it saves adds to ZeRO-3's, docs/distributed.md): a
+// recomputed block asks for its stage (and its expert groups) again in backward, and the
+// weights are still ZeRO-1's without remat, bit for bit.
+TEST(TrainStep, ZeroStage3WithRematIsBitIdenticalToStage1) {
+  for (int rre : {0, 2})
+    for (int ranks : {2, 4}) {
+      const RunResult one = run_steps(ranks, rre, 3, ranks, false, 1, 0, false);
+      for (Remat remat : {Remat::Attention, Remat::Blocks})
+        for (int overlap : {0, 1, 2}) {
+          const RunResult three =
+              run_steps(ranks, rre, 3, ranks, false, 3, overlap, false, remat);
+          const std::string what = fmt::format("rre {} on {} ranks, remat {}, overlap {}", rre,
+                                               ranks, int(remat), overlap);
+          EXPECT_TRUE(same_bits(one.weights, three.weights)) << what;
+          EXPECT_EQ(one.losses, three.losses) << what;
+          EXPECT_EQ(three.others_values_nonzero, 0) << what << ": other ranks' values kept";
+        }
+    }
 }
 
 TEST(TrainStep, RefusesARankCountThatCannotSplitTheBatch) {

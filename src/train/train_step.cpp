@@ -109,6 +109,7 @@ TrainStep::TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimCo
   pending_.assign(S, 0);
   // Forward: the embeddings, each block (then its expert groups), the final LN, the tied head;
   // backward: the head, then each block (then its groups) top down.
+  // (The order only steers the prefetch: a stage asked for out of it is gathered when asked.)
   auto block = [&](size_t l) {
     order_.push_back(l);
     for (size_t s : model_.expert_stages(int(l))) order_.push_back(s);
@@ -118,7 +119,13 @@ TrainStep::TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimCo
   order_.push_back(L);
   head_at_ = order_.size();
   order_.insert(order_.end(), {L + 1, L, L + 1});
-  for (size_t l = L; l-- > 0;) block(l);
+  for (size_t l = L; l-- > 0;) {
+    block(l);
+    // train.remat = blocks reruns block l's forward (its groups once) before its backward
+    // (the groups again); the last block is not rerun.
+    if (model_.remat() == Remat::Blocks && l + 1 < L)
+      for (size_t s : model_.expert_stages(int(l))) order_.push_back(s);
+  }
 }
 
 // Every stage in backward's order of finishing: the final LN, each block's groups then the
