@@ -315,3 +315,25 @@ TEST(ExpertParallel, ARowOfAGroupPlacedElsewhereIsAnError) {
     }
   });
 }
+
+// The run's log line on where groups lie by host: by_group on hosts of 2 keeps each group on
+// one host; spread puts every group on both; one host says nothing.
+TEST(ExpertParallel, GroupsByHostSayWhichGroupsCrossHosts) {
+  const std::vector<std::string> names{"copy", "arith", "markov"};
+  const std::vector<std::string> two_hosts{"h0", "h0", "h1", "h1"};
+  const GroupPlacement by_group = GroupPlacement::by_group(3, 4, 4);
+  ASSERT_EQ(by_group.ranks, (std::vector<std::vector<int>>{{0, 1}, {2}, {3}}));
+  const std::string inside = describe_groups_by_host(by_group, names, two_hosts);
+  EXPECT_NE(inside.find("copy on h0 (ranks 0-1), arith on h1 (rank 2), markov on h1 (rank 3)"),
+            std::string::npos) << inside;
+  EXPECT_NE(inside.find("stays inside its host"), std::string::npos) << inside;
+  const std::string across = describe_groups_by_host(GroupPlacement::everywhere(3, 4), names, two_hosts);
+  EXPECT_NE(across.find("copy on h0+h1 (ranks 0-3)"), std::string::npos) << across;
+  EXPECT_NE(across.find("3 of 3 groups span hosts"), std::string::npos) << across;
+  // Hosts of one rank each: a group on ranks {0, 1} spans two hosts.
+  const std::string one_each = describe_groups_by_host(by_group, names, {"a", "b", "c", "d"});
+  EXPECT_NE(one_each.find("1 of 3 groups span hosts"), std::string::npos) << one_each;
+  EXPECT_EQ(describe_groups_by_host(by_group, names, {"h", "h", "h", "h"}), "");
+  // A placement naming ranks the host list does not have is an error, not a read past it.
+  EXPECT_THROW(describe_groups_by_host(by_group, names, {"h0", "h1"}), Error);
+}

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace sigma {
@@ -20,5 +21,12 @@ struct GroupPlacement {
   // Member m of a group's n ranks holds its experts [first(K, n, m), first(K, n, m + 1)).
   static int32_t first(int32_t K, size_t n, size_t m) { return int32_t(int64_t(K) * int64_t(m) / int64_t(n)); }
 };
+
+// Where each group's experts lie by host, for the run's log: a group on ranks of one host keeps
+// its expert exchange inside that host (each row goes to its expert's rank; docs/distributed.md
+// "Placement across hosts"); a group over several hosts sends rows across them every RRE block.
+// `host` names the host of each rank the placement counts; "" when they share one host.
+std::string describe_groups_by_host(const GroupPlacement& p, const std::vector<std::string>& names,
+                                    const std::vector<std::string>& host);
 
 }  // namespace sigma

@@ -325,6 +325,13 @@ void RunLoop::build_expert_parallel() {
     }
     data_->restrict_batches(std::move(allowed));
   }
+  // A collective: every rank names its host; rank 0 says where the groups' exchange goes.
+  if (R > 1) {
+    std::vector<std::string> names;
+    for (const auto& g : cfg_.model.groups) names.push_back(g.name);
+    const std::string by_host = describe_groups_by_host(placement, names, hosts_of_ranks(comm_));
+    if (!by_host.empty() && lead_ && run_.progress) fmt::print(stderr, "sigma train: {}\n", by_host);
+  }
   std::string store = cfg_.train.expert_store;
   // A store per rank, named for the rank count too: a resume on another count starts new ones.
   // By world rank: with tp > 1 the ranks of a tp group hold different slices of one expert.
