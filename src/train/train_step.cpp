@@ -408,6 +408,12 @@ void TrainStep::settle_owned() {
     if (held_[s]) release_stage(s);
 }
 
+void TrainStep::values_written() {
+  if (!zero3()) return;
+  std::fill(held_.begin(), held_.end(), 1);
+  settle_owned();
+}
+
 void TrainStep::forward_only(const std::function<void(Activations&)>& passes) {
   if (!zero3()) {
     settle();

@@ -349,6 +349,7 @@ ExpertFiles* RunLoop::expert_files() {
 void RunLoop::restore() {
   if (ck_) {
     load_model(*model_, ck_->dir);
+    step_->values_written();
     load_optimizer(*opt_, *model_, ck_->dir);
     if (expert_files()) expert_files()->load(ck_->dir);
     state_ = ck_->state;
