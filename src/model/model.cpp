@@ -50,15 +50,15 @@ void init_expert_matrix(float* v, const std::string& name, int64_t e, int64_t co
 }  // namespace
 
 Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts, bool external_experts,
-             TpGroup tp)
-    : Model(cfg, seed, counts, external_experts, true, tp) {}
+             TpGroup tp, const InitOnly& init_only)
+    : Model(cfg, seed, counts, external_experts, true, tp, init_only) {}
 
 std::unique_ptr<Model> Model::for_loading(const ModelConfig& cfg, uint64_t seed) {
-  return std::unique_ptr<Model>(new Model(cfg, seed, nullptr, false, false, TpGroup{}));
+  return std::unique_ptr<Model>(new Model(cfg, seed, nullptr, false, false, TpGroup{}, {}));
 }
 
 Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
-             bool external_experts, bool initialise, TpGroup tp)
+             bool external_experts, bool initialise, TpGroup tp, const InitOnly& init_only)
     : cfg_(cfg), seed_(seed), external_experts_(external_experts), tp_(tp), w_(new ModelWeights),
       own_(new Activations) {
   cfg_.validate();
@@ -103,9 +103,18 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
   // Initialisation: N(0, std) per tensor from its own RNG stream (so adding a tensor never
   // shifts another's values), and per expert from its own stream (so resizing a group never
   // shifts another expert); residual output projections scaled by 1/sqrt(2L) (GPT-2);
-  // LayerNorm gains 1, biases 0.
-  for (Param& p : params_.all()) {
+  // LayerNorm gains 1, biases 0. Per-tensor streams: skipping a tensor (init_only) changes
+  // no other tensor's bits.
+  if (initialise && init_only) {
+    initialised_only_ = init_only(params_);
+    SIGMA_CHECK(initialised_only_.size() == params_.all().size(),
+                "init_only: a mask of {} entries for {} parameters", initialised_only_.size(),
+                params_.all().size());
+  }
+  for (size_t i = 0; i < params_.all().size(); ++i) {
     if (!initialise) break;
+    if (!initialised_only_.empty() && !initialised_only_[i]) continue;
+    Param& p = params_.all()[i];
     const std::string& n = p.name;
     // A tensor split over tp ranks: the whole one drawn (the values one rank starts from),
     // this rank's slice kept.

@@ -105,7 +105,12 @@ TrainStep::TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimCo
               plan_.ranks, comm_.size());
   owned_ = plan_.owned_by(comm_.rank());
   const size_t S = model_.param_stages().size(), L = size_t(model_.config().layers);
-  held_.assign(S, 1);
+  // A model built with only this rank's values (sharded construction, Model::InitOnly) holds
+  // no stage whole yet: the first read of each gathers it.
+  const std::vector<uint8_t>& built = model_.initialised_only();
+  SIGMA_CHECK(built.empty() || built == owned_, "the model was initialised for another shard "
+              "plan than this step's (rank {} of {})", comm_.rank(), comm_.size());
+  held_.assign(S, built.empty() ? 1 : 0);
   pending_.assign(S, 0);
   // Forward: the embeddings, each block (then its expert groups), the final LN, the tied head;
   // backward: the head, then each block (then its groups) top down.
@@ -244,6 +249,8 @@ void TrainStep::tp_norm_parts(std::vector<double>& parts) const {
 }
 
 StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMask& mask) {
+  SIGMA_CHECK(model_.initialised_only().empty() || zero3(), "a model holding only this rank's "
+              "values (sharded construction) trains with dist.zero = 3 only, not {}", zero_);
   const std::span<const Batch> mine = local(micro);
   const size_t first = size_t(comm_.rank()) * mine.size();
   double total = 0;  // every rank sees the whole batch: no exchange needed
@@ -399,6 +406,12 @@ void TrainStep::settle_owned() {
   std::fill(pending_.begin(), pending_.end(), 0);
   for (size_t s = 0; s < held_.size(); ++s)
     if (held_[s]) release_stage(s);
+}
+
+void TrainStep::values_written() {
+  if (!zero3()) return;
+  std::fill(held_.begin(), held_.end(), 1);
+  settle_owned();
 }
 
 void TrainStep::forward_only(const std::function<void(Activations&)>& passes) {

@@ -110,6 +110,9 @@ class TrainStep {
   // own values and Adam state are then final (a save of each rank's owned tensors: the
   // sharded layout under dist.zero = 3, train/checkpoint_sharded.h). settle() otherwise.
   void settle_owned();
+  // Every value was just written whole (a checkpoint load): under dist.zero = 3 the ones this
+  // rank does not own are given back now rather than where the first step reads them.
+  void values_written();
   // Whether a rank holds only the values it owns between steps (dist.zero = 3 on R > 1 ranks).
   bool values_sharded() const { return zero3(); }
   // dist.zero = 3: the most elements of other ranks' expert tensors this rank has held gathered

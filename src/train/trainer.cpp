@@ -265,8 +265,15 @@ void RunLoop::build() {
   mode_ = expert_mode_of(cfg_, comm_.size(), grid_->tp());
   refuse_inapplicable_options(cfg_, expert_mode_name(mode_), comm_.size(), !run_.out_dir.empty());
   const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
+  // ZeRO-3: each rank initialises only the values it owns (the plan depends on the registered
+  // tensors and the rank count alone); the others are gathered when first read.
+  Model::InitOnly init_only;
+  if (cfg_.dist.zero >= 3 && comm_.size() > 1)
+    init_only = [R = comm_.size(), r = comm_.rank()](const ParamSet& ps) {
+      return plan_shards(ps, R).owned_by(r);
+    };
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
-                                   mode_ != ExpertMode::InModel, grid_->tp_group());
+                                   mode_ != ExpertMode::InModel, grid_->tp_group(), init_only);
   model_->set_remat(remat_from_name(cfg_.train.remat));
   plan_ = plan_shards(model_->params(), comm_.size());
   opt_ = std::make_unique<AdamW>(cfg_.optim, model_->params(),
@@ -349,6 +356,7 @@ ExpertFiles* RunLoop::expert_files() {
 void RunLoop::restore() {
   if (ck_) {
     load_model(*model_, ck_->dir);
+    step_->values_written();
     load_optimizer(*opt_, *model_, ck_->dir);
     if (expert_files()) expert_files()->load(ck_->dir);
     state_ = ck_->state;
