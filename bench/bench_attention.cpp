@@ -2,12 +2,17 @@
 // and bf16 products, forward and backward: milliseconds per call (median of --reps) and the
 // GFLOP/s they execute (the causal half of the key blocks, as run_train_bench.sh counts them).
 //   bench_attention [--B 8] [--T 512] [--H 8] [--hd 64] [--reps 9] [--threads 2]
+// With --decode L: a batch-1 generation of T positions over L layers' KV caches instead (one
+// query row a layer a step, the calling thread as Model::cached_pass runs it, a layer's weights
+// read between two layers), CPU microseconds a
+// token (the calling thread's, median of --reps; run it with --threads 1) with the cache laid out by rows ([T, 2d], before issue 40) and by heads (KvCache's).
 #include <fmt/format.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -16,9 +21,60 @@
 
 using namespace sigma;
 
+// The calling thread's CPU time: on a shared machine the wall time mostly counts other processes.
+double cpu_us() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return double(t.tv_sec) * 1e6 + double(t.tv_nsec) * 1e-3;
+}
+
+int decode_bench(int64_t L, int64_t C, int64_t H, int64_t hd, int reps) {
+  const int64_t d = H * hd;
+  std::vector<float> q(static_cast<size_t>(d)), out(q.size()), lse(static_cast<size_t>(H));
+  std::vector<std::vector<float>> rows(static_cast<size_t>(L)), heads(rows.size());
+  for (size_t i = 0; i < q.size(); ++i) q[i] = rng_normal(1, 3, i);
+  for (int64_t l = 0; l < L; ++l) {
+    rows[size_t(l)].resize(size_t(C * 2 * d));
+    heads[size_t(l)].resize(size_t(C * 2 * d));
+    for (size_t i = 0; i < rows[size_t(l)].size(); ++i)
+      rows[size_t(l)][i] = heads[size_t(l)][i] = rng_normal(1, 4 + uint64_t(l), i);
+  }
+  // Between two layers' attention a decode step streams the layer's weights (3.2 MB, int8 at
+  // d = 512), which evicts the KV cache from L2 and some of L3 as in Model::cached_pass.
+  std::vector<float> weights(size_t(800) << 10, 1.0f);
+  volatile float sink = 0;
+  const ops::FewRowKernels few;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  for (const bool by_head : {false, true}) {
+    std::vector<double> us;
+    for (int r = 0; r <= reps; ++r) {
+      double t = 0;  // the attention's alone
+      for (int64_t pos = 1; pos <= C; ++pos)
+        for (int64_t l = 0; l < L; ++l) {
+          const float* p = by_head ? heads[size_t(l)].data() : rows[size_t(l)].data();
+          const ops::AttnOperand k = by_head ? ops::AttnOperand{p, hd, 0, C * hd}
+                                             : ops::AttnOperand{p, 2 * d, 0},
+                                 v = by_head ? ops::AttnOperand{p + H * C * hd, hd, 0, C * hd}
+                                             : ops::AttnOperand{p + d, 2 * d, 0};
+          const double t0 = cpu_us();
+          ops::flash_attention_forward(out.data(), lse.data(), {q.data(), d, 0}, k, v,
+                                       {1, 1, pos, H, hd}, scale);
+          t += cpu_us() - t0;
+          for (size_t i = 0; i < weights.size(); i += 16) sink = sink + weights[i];  // a layer's GEMVs
+        }
+      if (r > 0)
+        us.push_back(t / double(C));
+    }
+    std::sort(us.begin(), us.end());
+    fmt::print("{{\"decode_layout\":\"{}\",\"layers\":{},\"positions\":{},\"us_per_token\":{:.1f}}}\n",
+               by_head ? "heads" : "rows", L, C, us[us.size() / 2]);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   int64_t B = 8, T = 512, H = 8, hd = 64;
-  int reps = 9, threads = 2;
+  int reps = 9, threads = 2, decode = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     const int v = std::stoi(argv[i + 1]);
@@ -28,9 +84,11 @@ int main(int argc, char** argv) {
     else if (k == "--hd") hd = v;
     else if (k == "--reps") reps = v;
     else if (k == "--threads") threads = v;
+    else if (k == "--decode") decode = v;
     else return fmt::print(stderr, "unknown option {}\n", k), 2;
   }
   omp_set_num_threads(threads);
+  if (decode > 0) return decode_bench(decode, T, H, hd, reps);
   const int64_t d = H * hd, N = B * T;
   std::vector<float> qkv(size_t(N * 3 * d)), dout(size_t(N * d)), out(size_t(N * d)),
       lse(size_t(B * H * T)), g(size_t(N * 3 * d));

@@ -33,6 +33,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <set>
 #include <string>
@@ -765,3 +766,77 @@ TEST(Ops, EveryMutationIsCaught) {
 }
 
 }  // namespace
+
+// The KV cache's layout (model.h KvCache): each head's positions contiguous (ld = hd, head
+// stride hs). A forward kernel given that view must compute exactly what it computes from the
+// same numbers laid out with heads side by side in a row (the layout before issue 40): the
+// same operations in the same order, so cached decode keeps its bits. Every forward, both
+// backends, the decode (one row), few-row, batch-invariant and blocked paths.
+TEST(Attention, HeadStrideViewsGiveTheBitsOfTheRowLayout) {
+  struct Shape {
+    int64_t B, Tq, Tk, H, hd;
+    bool invariant;
+  };
+  const Shape shapes[] = {{1, 1, 300, 4, 16, false}, {1, 1, 77, 2, 64, false},
+                          {2, 3, 40, 3, 8, false},   {1, 1, 520, 8, 64, false},
+                          {3, 2, 90, 2, 32, true},   {2, 150, 150, 2, 32, false},
+                          {1, 130, 200, 2, 24, false}};
+  for (const ops::BackendKind kind : {ops::BackendKind::Cpu, ops::BackendKind::Ref}) {
+    ops::use_backend(kind);
+    for (const Shape& sh : shapes) {
+      if (kind == ops::BackendKind::Ref && sh.Tk * sh.Tq > 4000) continue;  // slow, same code
+      const int64_t B = sh.B, Tq = sh.Tq, Tk = sh.Tk, H = sh.H, hd = sh.hd, d = H * hd;
+      const int64_t C = Tk + 5;  // the cache's context: a head's run is longer than its keys
+      const AttnShape s{B, Tq, Tk, H, hd};
+      const float scale = 1.0f / std::sqrt(float(hd));
+      const auto q = vec(B * Tq * d, 11, 1.5f), rows = vec(B * Tk * 2 * d, 12, 1.5f);
+      // The same keys and values per head: [B, 2, H, C, hd], unused positions NaN (read = fail).
+      std::vector<float> heads(size_t(B * 2 * H * C * hd), NAN);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t kv = 0; kv < 2; ++kv)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t j = 0; j < Tk; ++j)
+              std::memcpy(&heads[size_t((((b * 2 + kv) * H + h) * C + j) * hd)],
+                          &rows[size_t((b * Tk + j) * 2 * d + kv * d + h * hd)], size_t(hd) * 4);
+      const AttnOperand qo{q.data(), d, Tq * d};
+      const AttnOperand k_rows{rows.data(), 2 * d, Tk * 2 * d}, v_rows{rows.data() + d, 2 * d, Tk * 2 * d};
+      const AttnOperand k_heads{heads.data(), hd, 2 * H * C * hd, C * hd},
+          v_heads{heads.data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
+      const std::string label = fmt::format("{} B={} Tq={} Tk={} H={} hd={}{}",
+                                            kind == ops::BackendKind::Cpu ? "cpu" : "ref", B, Tq,
+                                            Tk, H, hd, sh.invariant ? " batch-invariant" : "");
+      std::optional<ops::BatchInvariant> invariant;
+      if (sh.invariant) invariant.emplace();
+      const ops::FewRowKernels decode;  // as Model::cached_pass (the spin team for big caches)
+      using Fwd = void (*)(float*, float*, AttnOperand, AttnOperand, AttnOperand, AttnShape, float);
+      const std::pair<const char*, Fwd> fwds[] = {
+          {"flash", ops::flash_attention_forward},
+          {"flash bf16", ops::flash_attention_forward_bf16},
+          {"probs", ops::attention_forward}};
+      for (const auto& [name, fwd] : fwds) {
+        const bool probs = std::string(name) == "probs";
+        const size_t saved = size_t(B * H * Tq * (probs ? Tk : 1));
+        std::vector<float> o1(size_t(B * Tq * d)), o2(o1.size()), s1(saved), s2(saved);
+        fwd(o1.data(), s1.data(), qo, k_rows, v_rows, s, scale);
+        fwd(o2.data(), s2.data(), qo, k_heads, v_heads, s, scale);
+        EXPECT_EQ(0, std::memcmp(o1.data(), o2.data(), o1.size() * 4)) << name << " out, " << label;
+        EXPECT_EQ(0, std::memcmp(s1.data(), s2.data(), s1.size() * 4)) << name << " saved, " << label;
+        EXPECT_TRUE(std::all_of(o2.begin(), o2.end(), [](float x) { return std::isfinite(x); }))
+            << name << ", " << label;
+      }
+    }
+  }
+  ops::use_backend(ops::BackendKind::Cpu);
+}
+
+// The cpu backward kernels index heads side by side: a head-strided view is refused, not misread.
+TEST(Attention, BackwardRefusesAHeadStride) {
+  const int64_t T = 4, H = 2, hd = 8, d = H * hd;
+  std::vector<float> x(size_t(T * 3 * d), 0.5f), out(size_t(T * d)), lse(size_t(H * T)),
+      g(size_t(T * 3 * d));
+  const AttnOperand q{x.data(), 3 * d, 0}, k{x.data() + d, hd, 0, T * hd}, v{x.data() + 2 * d, 3 * d, 0};
+  const AttnGrad dq{g.data(), 3 * d, 0}, dk{g.data() + d, 3 * d, 0}, dv{g.data() + 2 * d, 3 * d, 0};
+  EXPECT_THROW(ops::flash_attention_backward(dq, dk, dv, out.data(), out.data(), lse.data(), q, k,
+                                             v, {1, T, T, H, hd}, 1.0f),
+               Error);
+}

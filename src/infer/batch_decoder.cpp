@@ -69,11 +69,7 @@ void BatchDecoder::copy_prefix(int from, int to, int n) {
   SIGMA_CHECK(from >= 0 && from < slots() && to >= 0 && to < slots() && n >= 0 &&
                   n <= cache_.length[size_t(from)] && n <= model_.config().context,
               "cannot copy {} cached positions from slot {} to slot {}", n, from, to);
-  if (from == to || n == 0) return;
-  const int64_t row = int64_t(model_.config().context) * 2 * model_.config().d_model;
-  const int64_t width = 2 * int64_t(model_.config().d_model);
-  for (Tensor& kv : cache_.kv)  // device to device: the cache lives on the backend's device
-    ops::copy_bytes(kv.dev_f() + to * row, kv.dev_f() + from * row, size_t(n * width) * sizeof(float));
+  cache_.copy_prefix(from, to, n);
 }
 
 void BatchDecoder::score(int slot, int domain, std::span<const int32_t> tokens, float* logprobs) {

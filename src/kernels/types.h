@@ -27,9 +27,15 @@ struct AttnShape {
       : B(B_), Tq(Tq_), Tk(Tk_), H(H_), hd(hd_) {}
 };
 
-struct AttnOperand {  // a read-only [B, rows, H*hd] view: row stride ld, batch stride bs
+// A read-only [B, rows, H, hd] view: row stride ld, batch stride bs, head stride hs (0: hd,
+// heads side by side in a row). A KV cache lays each head's positions out contiguously
+// (hs = context * hd, ld = hd), so that a decode step reads a head's keys in one stream; only
+// the forward kernels take such a view (a backward checks that hs is 0 or hd).
+struct AttnOperand {
   const float* p;
-  int64_t ld, bs;
+  int64_t ld, bs, hs = 0;
+  const float* head(int64_t b, int64_t h, int64_t hd) const { return p + b * bs + h * (hs ? hs : hd); }
+  bool heads_in_rows(int64_t hd) const { return hs == 0 || hs == hd; }
 };
 
 struct AttnGrad {  // a gradient [B, rows, H*hd] view (accumulated)

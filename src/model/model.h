@@ -40,9 +40,15 @@ struct BlockLoad {
 struct KvCache {
   int B = 0;                // sequences
   std::vector<int> length;  // [B] positions cached so far, per sequence
-  std::vector<Tensor> kv;   // [L] of [B, context, 2d]: key | value of each position
+  // [L] of [B, 2, H, context, hd]: a row's keys, then its values, each head's positions
+  // contiguous, so that a decode step streams a head's keys instead of reading one hd-float
+  // piece every 2d floats (a page apart at d = 512; issue 40).
+  std::vector<Tensor> kv;
+  int64_t context = 0, heads = 0, head_dim = 0;
   void reset(const ModelConfig& cfg, int B);
   void clear(int row) { length[size_t(row)] = 0; }
+  // Row `to`'s first n positions become row `from`'s (its length is the caller's to set).
+  void copy_prefix(int from, int to, int n);
 };
 
 class Model {

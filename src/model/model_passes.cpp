@@ -185,9 +185,19 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
 void KvCache::reset(const ModelConfig& cfg, int rows) {
   B = rows;
   length.assign(size_t(rows), 0);
+  context = cfg.context, heads = cfg.heads, head_dim = cfg.head_dim();
   kv.clear();
   for (int l = 0; l < cfg.layers; ++l)
-    kv.push_back(ops::empty(DType::F32, {rows, cfg.context, 2 * int64_t(cfg.d_model)}));
+    kv.push_back(ops::empty(DType::F32, {rows, 2, heads, context, head_dim}));
+}
+
+void KvCache::copy_prefix(int from, int to, int n) {
+  if (from == to || n == 0) return;
+  const int64_t run = context * head_dim;  // one head's keys (or values) of one row
+  for (Tensor& t : kv)  // device to device: the cache lives on the backend's device
+    for (int64_t part = 0; part < 2 * heads; ++part)
+      ops::copy_bytes(t.dev_f() + (to * 2 * heads + part) * run,
+                      t.dev_f() + (from * 2 * heads + part) * run, size_t(n * head_dim) * sizeof(float));
 }
 
 void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, float* token_loss,
@@ -230,15 +240,21 @@ void Model::cached_pass(const Batch& batch, KvCache& cache, Activations& a, floa
   if (outputs) head(batch, a, token_loss, nullptr);
 }
 
-// Batch row b's new keys and values join cache row cache_rows[b] after its cached positions.
+// Batch row b's new keys and values join cache row cache_rows[b] after its cached positions:
+// head h's slice of the key (value) row goes to its own positions of the cache.
 void Model::append_kv(int l, const Batch& batch, Activations& acts, KvCache& cache, const int* cache_rows) {
-  const int64_t d = cfg_.d_model, bs = int64_t(cfg_.context) * 2 * d;
+  const int64_t d = cfg_.d_model, H = cache.heads, hd = cache.head_dim, C = cache.context;
   const float* qkv = acts.block(l).qkv.dev_f();
   for (int b = 0; b < batch.B; ++b) {
     const int r = cache_rows[b];
-    float* kv = cache.kv[size_t(l)].dev_f() + r * bs + int64_t(cache.length[size_t(r)]) * 2 * d;
-    for (int t = 0; t < batch.T; ++t)
-      ops::copy(kv + int64_t(t) * 2 * d, qkv + (int64_t(b) * batch.T + t) * 3 * d + d, 2 * d);
+    float* row = cache.kv[size_t(l)].dev_f() + r * 2 * H * C * hd;
+    for (int t = 0; t < batch.T; ++t) {
+      const float* src = qkv + (int64_t(b) * batch.T + t) * 3 * d + d;  // key | value
+      const int64_t pos = cache.length[size_t(r)] + t;
+      for (int64_t kv = 0; kv < 2; ++kv)
+        for (int64_t h = 0; h < H; ++h)
+          ops::copy(row + ((kv * H + h) * C + pos) * hd, src + kv * d + h * hd, hd);
+    }
   }
 }
 
@@ -247,7 +263,8 @@ void Model::append_kv(int l, const Batch& batch, Activations& acts, KvCache& cac
 void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCache& cache,
                              const int* cache_rows, ops::AttnOperand q, float* att) {
   const int B = batch.B, T = batch.T;
-  const int64_t d = cfg_.d_model, H = cfg_.heads, bs = int64_t(cfg_.context) * 2 * d;
+  const int64_t d = cfg_.d_model, H = cache.heads, hd = cache.head_dim, C = cache.context;
+  const int64_t bs = 2 * H * C * hd;  // one cache row
   BlockActs& k = acts.block(l);
   append_kv(l, batch, acts, cache, cache_rows);
   // Scoring (ops::BatchInvariant, where a row's bits do not depend on the call's shape): rows
@@ -260,12 +277,11 @@ void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCac
     const int p0 = cache.length[size_t(cache_rows[b])];
     if (one_call && b + 1 < B) continue;
     const int b0 = one_call ? 0 : b, n = one_call ? B : 1;
-    float* kv0 = cache.kv[size_t(l)].dev_f() + cache_rows[b0] * bs;
+    const float* keys = cache.kv[size_t(l)].dev_f() + cache_rows[b0] * bs;
     const ops::AttnOperand qb{q.p + b0 * q.bs, q.ld, q.bs};
     ops::flash_attention_forward(att + int64_t(b0) * T * d, k.lse.dev_f() + int64_t(b0) * H * T, qb,
-                                 {kv0, 2 * d, bs}, {kv0 + d, 2 * d, bs},
-                                 {n, T, p0 + T, H, cfg_.head_dim()},
-                                 1.0f / std::sqrt(float(cfg_.head_dim())));
+                                 {keys, hd, bs, C * hd}, {keys + H * C * hd, hd, bs, C * hd},
+                                 {n, T, p0 + T, H, hd}, 1.0f / std::sqrt(float(hd)));
   }
 }
 

@@ -26,6 +26,14 @@ void check_shape(const AttnShape& s) {
               "attention: need 0 <= Tq <= Tk and H, hd > 0 (got B={} Tq={} Tk={} H={} hd={})",
               s.B, s.Tq, s.Tk, s.H, s.hd);
 }
+// The backward kernels index heads side by side in a row (a KV cache is never trained).
+void check_backward_views(const AttnOperand& q, const AttnOperand& k, const AttnOperand& v,
+                          const AttnShape& s) {
+  check_shape(s);
+  SIGMA_CHECK(q.heads_in_rows(s.hd) && k.heads_in_rows(s.hd) && v.heads_in_rows(s.hd),
+              "attention backward: views with a head stride (hs = {}, {}, {}; hd = {}) are for the "
+              "forward only", q.hs, k.hs, v.hs, s.hd);
+}
 // A forward pass's two products; a decode step's (one query a row) run on the calling thread.
 bool worth_threads(const AttnShape& s) {
   return 2 * s.B * s.H * s.Tq * s.Tk * s.hd > kParallelMacs;
@@ -41,9 +49,9 @@ void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, A
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
     const int64_t b = bh / s.H, h = bh % s.H;
-    const float* qb = q.p + b * q.bs + h * hd;
-    const float* kb = k.p + b * k.bs + h * hd;
-    const float* vb = v.p + b * v.bs + h * hd;
+    const float* qb = q.head(b, h, hd);
+    const float* kb = k.head(b, h, hd);
+    const float* vb = v.head(b, h, hd);
     float* P = probs + bh * Tq * Tk;
     float* ob = out + b * Tq * d + h * hd;
     for (int64_t i0 = 0; i0 < Tq; i0 += kRowBlock) {
@@ -65,7 +73,7 @@ void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, A
 void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
                         const float* out, const float* probs, AttnOperand q, AttnOperand k,
                         AttnOperand v, AttnShape s, float scale) {
-  check_shape(s);
+  check_backward_views(q, k, v, s);
   SIGMA_CHECK(s.B == 1 || (dq.bs != 0 && dk.bs != 0 && dv.bs != 0),
               "attention_backward: gradient views need a batch stride (they are accumulated)");
   const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, hd = s.hd, d = s.H * s.hd;
@@ -217,14 +225,15 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
     if (scores.size() < size_t(2 * Tk)) scores.resize(size_t(2 * Tk));
     float* S = scores.data();
     const int64_t b = bh / s.H, h = bh % s.H;
-    const float* kb = k.p + b * k.bs + h * hd;
-    const float* vb = v.p + b * v.bs + h * hd;
+    const float* qb = q.head(b, h, hd);
+    const float* kb = k.head(b, h, hd);
+    const float* vb = v.head(b, h, hd);
 #if defined(SIGMA_ATTN_ROWS8)
     if (hd % 8 == 0 && hd <= kMaxAvx2Hd) {
       float* S1 = scores.data() + Tk;  // the second row's probabilities
       auto probabilities = [&](float* P, int64_t i) {  // row i's, into P; returns its keys
         const int64_t n = off + i + 1;
-        row_scores_avx2(P, q.p + b * q.bs + i * q.ld + h * hd, kb, k.ld, n, hd, scale);
+        row_scores_avx2(P, qb + i * q.ld, kb, k.ld, n, hd, scale);
         const float mx = max_of(P, n), sum = exp_shift_sum(P, n, mx);
         lse[bh * Tq + i] = mx + std::log(sum);
         scale_into(P, P, n, 1.0f / sum);
@@ -242,7 +251,7 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
     }
 #endif
     for (int64_t i = 0; i < Tq; ++i) {
-      const float* qi = q.p + b * q.bs + i * q.ld + h * hd;
+      const float* qi = qb + i * q.ld;
       const int64_t n = off + i + 1;  // keys this row sees
       for (int64_t j = 0; j < n; ++j) {
         const float* kj = kb + j * k.ld;
@@ -301,8 +310,8 @@ void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand 
     for (int64_t task = 0; task < s.B * s.H * blocks; ++task) {
       const int64_t bh = task / blocks, b = bh / s.H, h = bh % s.H;
       const int64_t i0 = (task % blocks) * kRowBlock, i1 = std::min(Tq, i0 + kRowBlock);
-      const float* qb = q.p + b * q.bs + h * hd;
-      block_scores(S.data(), Tk, qb, q.ld, k.p + b * k.bs + h * hd, k.ld, i0, i1, off, hd, scale);
+      block_scores(S.data(), Tk, q.head(b, h, hd), q.ld, k.head(b, h, hd), k.ld, i0, i1, off, hd,
+                   scale);
       for (int64_t i = i0; i < i1; ++i) {
         float* row = S.data() + (i - i0) * Tk;
         const int64_t n = off + i + 1, keys = off + i1;
@@ -311,7 +320,7 @@ void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand 
         for (int64_t j = n; j < keys; ++j) row[j] = 0.0f;
         lse[bh * Tq + i] = mx + std::log(sum);
       }
-      gemm(false, false, i1 - i0, hd, off + i1, 1.0f, S.data(), Tk, v.p + b * v.bs + h * hd, v.ld,
+      gemm(false, false, i1 - i0, hd, off + i1, 1.0f, S.data(), Tk, v.head(b, h, hd), v.ld,
            0.0f, out + (b * Tq + i0) * d + h * hd, d);
     }
   }
@@ -320,7 +329,7 @@ void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand 
 void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
                               const float* out, const float* lse, AttnOperand q, AttnOperand k,
                               AttnOperand v, AttnShape s, float scale) {
-  check_shape(s);
+  check_backward_views(q, k, v, s);
   SIGMA_CHECK(s.B == 1 || (dq.bs != 0 && dk.bs != 0 && dv.bs != 0),
               "flash_attention_backward: gradient views need a batch stride (they are accumulated)");
   const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, hd = s.hd, d = s.H * s.hd;
@@ -387,15 +396,16 @@ struct AttnBf16Scratch {
 };
 thread_local AttnBf16Scratch t_attn;
 
-Bf16Operand convert(const float* p, int64_t ld, int64_t bs, int64_t B, int64_t rows, int64_t H,
-                    int64_t hd, std::vector<uint16_t>& buf) {
+Bf16Operand convert(AttnOperand x, int64_t B, int64_t rows, int64_t H, int64_t hd,
+                    std::vector<uint16_t>& buf) {
+  const int64_t bs = x.bs;
   const int64_t nb = bs == 0 ? 1 : B;
   buf.resize(size_t(nb * H * rows * hd));
 #pragma omp parallel for collapse(2) schedule(static) if (nb * H * rows * hd > kParallelFloats)
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t r = 0; r < rows; ++r)
-        row_to_bf16(buf.data() + ((b * H + h) * rows + r) * hd, p + b * bs + r * ld + h * hd, hd);
+        row_to_bf16(buf.data() + ((b * H + h) * rows + r) * hd, x.head(b, h, hd) + r * x.ld, hd);
   return {buf.data(), rows * hd, bs == 0};
 }
 
@@ -456,9 +466,9 @@ void flash_attention_forward_bf16(float* out, float* lse, AttnOperand q, AttnOpe
   const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, H = s.H, hd = s.hd, d = H * hd;
   const int64_t blocks = (Tq + kRowBlock - 1) / kRowBlock;
   AttnBf16Scratch& own = t_attn;
-  const Bf16Operand qb = convert(q.p, q.ld, q.bs, s.B, Tq, H, hd, own.q),
-                    kb = convert(k.p, k.ld, k.bs, s.B, Tk, H, hd, own.k),
-                    vb = convert(v.p, v.ld, v.bs, s.B, Tk, H, hd, own.v);
+  const Bf16Operand qb = convert(q, s.B, Tq, H, hd, own.q),
+                    kb = convert(k, s.B, Tk, H, hd, own.k),
+                    vb = convert(v, s.B, Tk, H, hd, own.v);
 #pragma omp parallel
   {
     AttnBf16Scratch& t = t_attn;
@@ -490,15 +500,15 @@ void flash_attention_forward_bf16(float* out, float* lse, AttnOperand q, AttnOpe
 void flash_attention_backward_bf16(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
                                    const float* out, const float* lse, AttnOperand q,
                                    AttnOperand k, AttnOperand v, AttnShape s, float scale) {
-  check_shape(s);
+  check_backward_views(q, k, v, s);
   SIGMA_CHECK(s.B == 1 || (dq.bs != 0 && dk.bs != 0 && dv.bs != 0),
               "flash_attention_backward: gradient views need a batch stride (they are accumulated)");
   const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, H = s.H, hd = s.hd, d = H * hd;
   AttnBf16Scratch& own = t_attn;
-  const Bf16Operand qb = convert(q.p, q.ld, q.bs, s.B, Tq, H, hd, own.q),
-                    kb = convert(k.p, k.ld, k.bs, s.B, Tk, H, hd, own.k),
-                    vb = convert(v.p, v.ld, v.bs, s.B, Tk, H, hd, own.v),
-                    dob = convert(dout, d, Tq * d, s.B, Tq, H, hd, own.dout);
+  const Bf16Operand qb = convert(q, s.B, Tq, H, hd, own.q),
+                    kb = convert(k, s.B, Tk, H, hd, own.k),
+                    vb = convert(v, s.B, Tk, H, hd, own.v),
+                    dob = convert({dout, d, Tq * d}, s.B, Tq, H, hd, own.dout);
 #pragma omp parallel
   {
     AttnBf16Scratch& t = t_attn;

@@ -47,11 +47,11 @@ void attention_rows(float* out, float* probs, float* lse, AttnOperand q, AttnOpe
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h)
       for (int64_t i = 0; i < Tq; ++i) {
-        const float* qi = q.p + b * q.bs + i * q.ld + h * hd;
+        const float* qi = q.head(b, h, hd) + i * q.ld;
         const int64_t last = off + i;  // the last key this row sees
         T mx = 0;
         for (int64_t j = 0; j <= last; ++j) {
-          const float* kj = k.p + b * k.bs + j * k.ld + h * hd;
+          const float* kj = k.head(b, h, hd) + j * k.ld;
           T dot = 0;
           for (int64_t c = 0; c < hd; ++c) dot += T(attn_in<Bf16>(qi[c])) * T(attn_in<Bf16>(kj[c]));
           S[size_t(j)] = T(scale) * dot;
@@ -71,7 +71,7 @@ void attention_rows(float* out, float* probs, float* lse, AttnOperand q, AttnOpe
           T o = 0;
           for (int64_t j = 0; j <= last; ++j)
             o += attn_computed<Bf16>(S[size_t(j)]) *
-                 T(attn_in<Bf16>(v.p[b * v.bs + j * v.ld + h * hd + c]));
+                 T(attn_in<Bf16>(v.head(b, h, hd)[j * v.ld + c]));
           store<T>(out + (b * Tq + i) * d + h * hd + c, o);
         }
       }
@@ -121,8 +121,8 @@ void attention_grads(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout, c
           }
           T dot = 0;
           for (int64_t c = 0; c < hd; ++c)
-            dot += T(attn_in<Bf16>(q.p[b * q.bs + i * q.ld + h * hd + c])) *
-                   T(attn_in<Bf16>(k.p[b * k.bs + j * k.ld + h * hd + c]));
+            dot += T(attn_in<Bf16>(q.head(b, h, hd)[i * q.ld + c])) *
+                   T(attn_in<Bf16>(k.head(b, h, hd)[j * k.ld + c]));
           P[size_t(i * Tk + j)] = exp(T(scale) * dot - T(lse[(b * s.H + h) * Tq + i]));
         }
       for (int64_t i = 0; i < Tq; ++i) {
@@ -136,7 +136,7 @@ void attention_grads(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout, c
             T dp = 0;
             for (int64_t c = 0; c < hd; ++c)
               dp += T(attn_in<Bf16>(doi[c])) *
-                    T(attn_in<Bf16>(v.p[b * v.bs + j * v.ld + h * hd + c]));
+                    T(attn_in<Bf16>(v.head(b, h, hd)[j * v.ld + c]));
             ds = T(scale) * P[size_t(i * Tk + j)] * (dp - dot);
           }
           dS[size_t(i * Tk + j)] = ds;
@@ -147,7 +147,7 @@ void attention_grads(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout, c
           T a = T(*at(dq, i, c));
           for (int64_t j = 0; j <= off + i; ++j)
             a += attn_computed<Bf16>(dS[size_t(i * Tk + j)]) *
-                 T(attn_in<Bf16>(k.p[b * k.bs + j * k.ld + h * hd + c]));
+                 T(attn_in<Bf16>(k.head(b, h, hd)[j * k.ld + c]));
           gq[size_t(i * hd + c)] = a;
         }
       for (int64_t j = 0; j < Tk; ++j)
@@ -155,7 +155,7 @@ void attention_grads(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout, c
           T ak = T(*at(dk, j, c)), av = T(*at(dv, j, c));
           for (int64_t i = std::max<int64_t>(0, j - off); i < Tq; ++i) {
             ak += attn_computed<Bf16>(dS[size_t(i * Tk + j)]) *
-                  T(attn_in<Bf16>(q.p[b * q.bs + i * q.ld + h * hd + c]));
+                  T(attn_in<Bf16>(q.head(b, h, hd)[i * q.ld + c]));
             av += attn_computed<Bf16>(P[size_t(i * Tk + j)]) *
                   T(attn_in<Bf16>(dout[(b * Tq + i) * d + h * hd + c]));
           }
