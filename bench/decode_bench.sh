@@ -79,10 +79,19 @@ run_sigma() {  # model precision
 import json, re, sys
 m = re.search(r"\(([\d.]+) tokens/s, \w+ weights: ([\d.]+) MB a token.*?([\d.]+) MB of weights "
               r"held, ([\d.]+) MB resident", sys.stdin.read())
-print(json.dumps({"impl": "sigma", "model": sys.argv[1], "precision": sys.argv[2],
+print(json.dumps({"impl": "sigma", "model": sys.argv[1], "precision": sys.argv[2], "round": int(sys.argv[3]),
                   "tokens_per_s": float(m.group(1)), "weight_bytes_per_token": float(m.group(2)) * 1e6,
                   "held_bytes": float(m.group(3)) * 1e6, "resident_bytes": float(m.group(4)) * 1e6}))
-' "$1" "$2" >> "$results"
+' "$1" "$2" "$r" >> "$results"
+}
+
+# The read bound right before and after a model's Sigma runs (2 s each): the VM's memory
+# bandwidth moves by up to ~30 % within minutes (47-66 GB/s on one quiet Zen 5), so the round's
+# first probe can be minutes away from the run it bounds.
+probe_near() {  # model
+  $NICE "$probe" --samples 3 | "$python" -c '
+import json, sys; r = json.loads(sys.stdin.read()); r["impl"] = "stream_near"; r["model"] = sys.argv[1]
+r["round"] = int(sys.argv[2]); print(json.dumps(r))' "$1" "$r" >> "$results"
 }
 
 run_torch() {  # model precision
@@ -106,7 +115,9 @@ import json, sys; r = json.loads(sys.stdin.read()); r["impl"] = "kernel"; print(
     for impl in $order; do
       [ "$impl" = torch ] && [ "$peer" = 0 ] && continue
       if [ "$impl" = sigma ]; then precisions="fp32 bf16 int8"; else precisions="fp32 bf16"; fi
+      if [ "$impl" = sigma ]; then probe_near "$model"; fi
       for precision in $precisions; do "run_$impl" "$model" "$precision"; done
+      if [ "$impl" = sigma ]; then probe_near "$model"; fi
     done
   done
 done
@@ -120,6 +131,10 @@ print(f"machine: {sys.argv[2]}; GEMV kernels: {'/'.join(isas) or '?'}; load aver
       f"{sys.argv[3]}, after {sys.argv[4]}")
 streams = [r for r in rows if r["impl"] == "stream"]
 reads = ("read_gbs_1t", "read_gbs", "read_prefetched_gbs_1t", "read_prefetched_gbs")
+def near_bound(r):  # the mean of the best reads just before and after r's model's Sigma runs
+    near = [max(s[k] for k in reads) for s in rows if s["impl"] == "stream_near"
+            and s["model"] == r["model"] and s["round"] == r.get("round")]
+    return sum(near) / len(near) * 1e9 if near else None
 bw = statistics.median(max(s[k] for k in reads) for s in streams) * 1e9
 triad = statistics.median(s["triad_gbs"] for s in streams)
 print(f"read bandwidth {bw * 1e-9:.2f} GB/s (median of {len(streams)} rounds; the best of 1 and 2 "
@@ -135,7 +150,7 @@ if kern:
           f"int8 / read {med['gemv_int8_gbs'] / med['read_gbs']:.0%}, "
           f"oneDNN M=1 / read {med['onednn_fp32_gbs'] / med['read_gbs']:.0%} {tag}")
 print(f"{'model':8} {'impl':8} {'precision':9} {'tokens/s':>9} {'rounds':28} {'MB/token':>9} "
-      f"{'bound t/s':>9} {'of bound':>8}  machine")
+      f"{'bound t/s':>9} {'of bound':>8} {'of near':>8}  machine")
 summary = {}
 for model in ("dense", "extract"):
     for impl in ("sigma", "pytorch"):
@@ -146,8 +161,11 @@ for model in ("dense", "extract"):
             tps = statistics.median(r["tokens_per_s"] for r in rs)
             b = rs[0]["weight_bytes_per_token"]
             summary[(model, impl, prec)] = tps
+            # "of near": each round's tokens/s against the bound read around it, then the median.
+            nears = [r["tokens_per_s"] * b / near_bound(r) for r in rs if near_bound(r)]
+            of_near = f"{statistics.median(nears):8.1%}" if nears else f"{'-':>8}"
             print(f"{model:8} {impl:8} {prec:9} {tps:9.1f} {str([round(r['tokens_per_s'], 1) for r in rs]):28} "
-                  f"{b * 1e-6:9.1f} {bw / b:9.1f} {tps * b / bw:8.1%}  {tag}")
+                  f"{b * 1e-6:9.1f} {bw / b:9.1f} {tps * b / bw:8.1%} {of_near}  {tag}")
 for model in ("dense", "extract"):
     for prec in ("fp32", "bf16"):
         s, t = summary.get((model, "sigma", prec)), summary.get((model, "pytorch", prec))
