@@ -307,9 +307,10 @@ std::string signalled_run(const std::string& out, const std::string& signals) {
   const std::string cmd =
       std::string(SIGMA_BINARY) + " " + kTiny +
       "--set model.d_model=128 --set model.context=64 --set train.batch=8 "
-      "--set train.steps=100000 --set train.log_every=1 --out " + out + " >/dev/null 2>&1 & pid=$!; "
+      "--set train.steps=100000 --set train.log_every=1 --out " + out + " >/dev/null 2>" + out +
+      ".stderr & pid=$!; "
       "for i in $(seq 600); do [ -s " + out + "/metrics.jsonl ] && break; sleep 0.05; done; " +
-      signals + "; wait $pid; echo rc=$?";
+      signals + "; wait $pid; echo rc=$?; cat " + out + ".stderr";  // sigma's own words, on failure
   return run_cmd("bash -c '" + cmd + "'").out;
 }
 

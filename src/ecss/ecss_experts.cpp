@@ -91,7 +91,6 @@ EcssExperts::EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim
   // of a small model is its expert count, and the trainer's memory plan shows what is used.
   budget_experts_ = std::min<int64_t>(budget_experts_, store_.num_experts());
   grads_ = GradientArea(store_.num_experts(), P_, grads_in_file ? store_path : "");
-  grad_slot_.assign(size_t(store_.num_experts()), -1);
   changed_.assign(store_.spec().groups.size(), 1);
   model_.set_expert_executor(this);
   if (resuming) return;  // load() fills the store
@@ -236,16 +235,10 @@ ExpertId EcssExperts::expert_id(int block, int e) const {
 }
 
 void EcssExperts::release_grads() {
-  grads_.zero(0, int64_t(ids_.size()));
-  for (ExpertId id : ids_) grad_slot_[size_t(store_.ordinal(id))] = -1;
+  std::vector<int64_t> slots;
+  for (ExpertId id : ids_) slots.push_back(store_.ordinal(id));
+  grads_.release(slots);
   grads_pending_ = false;
-}
-
-float* EcssExperts::grad_of(ExpertId id) const {
-  const int32_t s = grad_slot_[size_t(store_.ordinal(id))];
-  SIGMA_CHECK(s >= 0, "expert (block {}, group {}, expert {}) has no gradient slot: it is not one "
-              "of this step's experts", id.block, id.group, id.expert);
-  return grads_.slot(s);
 }
 
 void EcssExperts::begin_step(std::span<const Batch> micro) {
@@ -253,7 +246,6 @@ void EcssExperts::begin_step(std::span<const Batch> micro) {
   if (grads_pending_) release_grads();  // the last step was not applied: its gradients go
   const std::vector<Active> active = active_of(micro);
   ids_ = active_ids(active);
-  for (size_t i = 0; i < ids_.size(); ++i) grad_slot_[size_t(store_.ordinal(ids_[i]))] = int32_t(i);
   step_pieces_ = step_gathered_ = step_reused_ = 0;
   whole_step_ = int64_t(ids_.size()) <= budget_experts_;
   reset_pool(whole_step_ ? int64_t(ids_.size()) : budget_experts_);
@@ -330,9 +322,6 @@ void EcssExperts::backward_pass(int block, const RrePlan& p, const ExpertSlice& 
   for (int e : busy) ops::fill(grads(e), 0.0f, P_);
   pass();
   const int64_t n = int64_t(busy.size());
-  // Looked up before the threads: grad_of's error must not be thrown inside them.
-  std::vector<float*> areas;
-  for (int e : busy) areas.push_back(grad_of(expert_id(block, e)));
 #pragma omp parallel if (n > 1)
   {
     std::vector<float> h(static_cast<size_t>(P_));
@@ -340,7 +329,7 @@ void EcssExperts::backward_pass(int block, const RrePlan& p, const ExpertSlice& 
     for (int64_t i = 0; i < n; ++i) {
       const int e = busy[size_t(i)];
       ops::download(h.data(), grads(e), size_t(P_) * sizeof(float));
-      float* area = areas[size_t(i)];  // host memory
+      float* area = grad_of(expert_id(block, e));  // host memory
       for (int64_t k = 0; k < P_; ++k) area[k] += h[size_t(k)];
     }
   }
@@ -395,7 +384,7 @@ void EcssExperts::append_grad_sq_parts(std::vector<double>& parts) const {
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) {
     if (is_frozen(ids_[size_t(i)])) continue;
-    const float* g = grads_.slot(i);  // ids_[i]'s slot (grad_of)
+    const float* g = grad_of(ids_[size_t(i)]);
     for (size_t t = 0; t < leaves; ++t)
       parts[first + size_t(i) * leaves + t] = host_sum_sq(g + gs.offset(t), shape_numel(gs.tensors[t].shape));
   }
