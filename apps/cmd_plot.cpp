@@ -172,7 +172,15 @@ Figure load_figure(const std::vector<json>& m, const std::string& block, const s
 void run_gnuplot(const std::string& script) {
   const char* argv[] = {"gnuplot", script.c_str(), nullptr};
   pid_t pid;
-  const int e = posix_spawnp(&pid, "gnuplot", nullptr, nullptr, const_cast<char**>(argv), environ);
+  // gnuplot gets the signals sigma routes to its quiet thread (core/quiet_signals.h) unblocked.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t none;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attr, &none);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+  const int e = posix_spawnp(&pid, "gnuplot", nullptr, &attr, const_cast<char**>(argv), environ);
+  posix_spawnattr_destroy(&attr);
   SIGMA_CHECK(e == 0, "cannot run gnuplot ({}): install it with scripts/install-deps.sh "
               "(Debian package gnuplot-nox)", std::strerror(e));
   int status = 0;

@@ -1,12 +1,15 @@
 // sigma serve: an OpenAI-compatible HTTP server for a checkpoint (full or extracted), with
 // continuous batching over --slots (docs/serving.md). SIGTERM or SIGINT drains and exits 0.
 #include <fmt/format.h>
-#include <pthread.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <optional>
 #include <thread>
@@ -22,6 +25,15 @@
 
 namespace sigma::cli {
 namespace {
+
+// SIGTERM and SIGINT reach the quiet thread (core/quiet_signals.h), whose handler hands the
+// signal's number to the waiter below through a pipe; a 0 byte wakes it when none came.
+int g_signal_pipe[2] = {-1, -1};
+extern "C" void on_serve_signal(int sig) {
+  const unsigned char b = static_cast<unsigned char>(sig);
+  (void)!::write(g_signal_pipe[1], &b, 1);
+}
+void wake_waiter() { on_serve_signal(0); }
 
 struct ServeArgs {
   std::string ckpt, name, precision = "fp32", backend = "cpu";
@@ -70,12 +82,13 @@ void fit_descriptor_limit(serve::ServerOptions& o) {
 }
 
 void run_serve(ServeArgs a) {
-  // Signals go to one waiting thread only (blocked here, before any thread starts).
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGTERM);
-  sigaddset(&sigs, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  SIGMA_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC) == 0, "sigma serve: a pipe for signals: {}",
+              std::strerror(errno));
+  struct sigaction sa {};
+  sa.sa_handler = on_serve_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  for (int s : {SIGTERM, SIGINT}) ::sigaction(s, &sa, nullptr);
   ops::use_backend(a.backend);
   fit_descriptor_limit(a.o);
   serve::Server server(a.o);
@@ -84,9 +97,10 @@ void run_serve(ServeArgs a) {
   std::fflush(stdout);
   std::atomic<bool> finished{false};
   std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&sigs, &sig);
-    if (finished) return;
+    unsigned char b = 0;
+    while (::read(g_signal_pipe[0], &b, 1) < 0 && errno == EINTR) {}
+    const int sig = b;
+    if (finished || sig == 0) return;
     const char* name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
     if (const int n = server.requests_in_flight(); n > 0)
       fmt::print(stderr, "sigma serve: {} received: finishing the {} request{} in flight; any still "
@@ -110,7 +124,7 @@ void run_serve(ServeArgs a) {
   } catch (...) {  // a checkpoint that does not load: stop and join before the error surfaces
     finished = true;
     server.stop();
-    pthread_kill(waiter.native_handle(), SIGTERM);
+    wake_waiter();
     waiter.join();
     throw;
   }
@@ -129,7 +143,7 @@ void run_serve(ServeArgs a) {
   std::fflush(stdout);
   server.wait();
   finished = true;
-  pthread_kill(waiter.native_handle(), SIGTERM);  // wakes the waiter if no signal came
+  wake_waiter();  // if no signal came
   waiter.join();
   fmt::print("sigma serve: stopped\n");
 }

@@ -8,6 +8,7 @@
 
 #include "command.h"
 #include "core/error.h"
+#include "core/quiet_signals.h"
 #include "core/refusal.h"
 #include "dist/communicator.h"
 
@@ -37,6 +38,7 @@ int main(int argc, char** argv) {
     mallopt(M_MMAP_THRESHOLD, 32 << 20);
     mallopt(M_TRIM_THRESHOLD, 512 << 20);
   }
+  sigma::route_signals_to_quiet_thread();  // before any thread starts (core/quiet_signals.h)
   CLI::App app{"Sigma: sparse multi-domain language models (PanGu-Sigma)"};
   app.require_subcommand(1);
   for (auto& add : sigma::cli::commands()) add(app);

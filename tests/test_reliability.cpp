@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/file.h>
+#include <signal.h>
 #include <sys/mount.h>
 
 #include <cstddef>
@@ -12,6 +13,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "cli_util.h"
 #include "test_util.h"
@@ -356,6 +358,37 @@ TEST(Reliability, SigusrStopsAfterTheStepWithACheckpoint) {
   ASSERT_FALSE(steps.empty());
   EXPECT_EQ(resolve_checkpoint(out + "/checkpoints"),
             out + fmt::format("/checkpoints/step-{:08d}", steps.back()));
+}
+
+// Stop signals reach one quiet thread only (core/quiet_signals.h): a handler entered on a thread
+// inside one of oneDNN's f32 GEMM kernels, which move the stack pointer onto a heap workspace,
+// would write its frame over the heap. Every other thread of a training run, the main one and
+// the OpenMP team included, blocks them; the run still stops cleanly on SIGTERM.
+TEST(Reliability, StopSignalsReachOnlyTheQuietThread) {
+  TempDir tmp("rel-quiet");
+  const std::string out = tmp / "out";
+  const std::string r = signalled_run(
+      out, "for t in /proc/$pid/task/*; do echo \"${t##*/} $(grep SigBlk $t/status | cut -f2)\"; "
+           "done > " + out + ".tasks; echo $pid > " + out + ".pid; kill -TERM $pid");
+  EXPECT_NE(r.find("rc=0"), std::string::npos) << r;
+  const long pid = std::stol(slurp(out + ".pid"));
+  std::istringstream tasks(slurp(out + ".tasks"));
+  std::vector<long> unblocked;
+  int threads = 0;
+  for (long tid; tasks >> tid;) {
+    std::string mask;
+    tasks >> mask;
+    ++threads;
+    const uint64_t blocked = std::stoull(mask, nullptr, 16);
+    for (int sig : {SIGTERM, SIGINT, SIGUSR1, SIGUSR2})
+      if (!(blocked >> (sig - 1) & 1)) {
+        unblocked.push_back(tid);
+        break;
+      }
+  }
+  EXPECT_GE(threads, 2) << "the main thread and the quiet thread at least";
+  ASSERT_EQ(unblocked.size(), 1u) << "threads taking stop signals, of " << threads;
+  EXPECT_NE(unblocked[0], pid) << "the main thread takes them";
 }
 
 // The name of the checkpoint OUT/checkpoints resolves to.
