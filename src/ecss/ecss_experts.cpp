@@ -91,6 +91,7 @@ EcssExperts::EcssExperts(Model& model, ExpertMode mode, const OptimConfig& optim
   // of a small model is its expert count, and the trainer's memory plan shows what is used.
   budget_experts_ = std::min<int64_t>(budget_experts_, store_.num_experts());
   grads_ = GradientArea(store_.num_experts(), P_, grads_in_file ? store_path : "");
+  grad_slot_.assign(size_t(store_.num_experts()), -1);
   changed_.assign(store_.spec().groups.size(), 1);
   model_.set_expert_executor(this);
   if (resuming) return;  // load() fills the store
@@ -235,10 +236,16 @@ ExpertId EcssExperts::expert_id(int block, int e) const {
 }
 
 void EcssExperts::release_grads() {
-  std::vector<int64_t> slots;
-  for (ExpertId id : ids_) slots.push_back(store_.ordinal(id));
-  grads_.release(slots);
+  grads_.zero(0, int64_t(ids_.size()));
+  for (ExpertId id : ids_) grad_slot_[size_t(store_.ordinal(id))] = -1;
   grads_pending_ = false;
+}
+
+float* EcssExperts::grad_of(ExpertId id) const {
+  const int32_t s = grad_slot_[size_t(store_.ordinal(id))];
+  SIGMA_CHECK(s >= 0, "expert (block {}, group {}, expert {}) has no gradient slot: it is not one "
+              "of this step's experts", id.block, id.group, id.expert);
+  return grads_.slot(s);
 }
 
 void EcssExperts::begin_step(std::span<const Batch> micro) {
@@ -246,6 +253,7 @@ void EcssExperts::begin_step(std::span<const Batch> micro) {
   if (grads_pending_) release_grads();  // the last step was not applied: its gradients go
   const std::vector<Active> active = active_of(micro);
   ids_ = active_ids(active);
+  for (size_t i = 0; i < ids_.size(); ++i) grad_slot_[size_t(store_.ordinal(ids_[i]))] = int32_t(i);
   step_pieces_ = step_gathered_ = step_reused_ = 0;
   whole_step_ = int64_t(ids_.size()) <= budget_experts_;
   reset_pool(whole_step_ ? int64_t(ids_.size()) : budget_experts_);

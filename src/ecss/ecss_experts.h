@@ -160,7 +160,9 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   // with rows, runs `pass`, then adds those buffers into the GradientArea (the scatter out).
   template <class Pass>
   void backward_pass(int block, const RrePlan& p, const ExpertSlice& s, Pass pass);
-  float* grad_of(ExpertId id) const { return grads_.slot(store_.ordinal(id)); }
+  // Expert id's gradient slot: its place in ids_ (grad_slot_), so a step touches slots
+  // [0, ids_.size()) whichever experts it runs and the area's pages are reused step after step.
+  float* grad_of(ExpertId id) const;
   void release_grads();
 
   Model& model_;
@@ -173,6 +175,7 @@ class EcssExperts : public LocalExperts, public ExpertFiles {
   size_t group_slot(ExpertId id) const;  // index of id's group in store_.spec().groups
   std::vector<uint8_t> frozen_;    // [(RRE block, group)]; empty = none
   std::vector<ExpertId> ids_;      // the step's experts, in (block, group, expert) order
+  std::vector<int32_t> grad_slot_; // [store ordinal] its place in ids_, -1 when not in the step
   bool whole_step_ = false;        // ids_ fit the budget: bound for the whole step
   bool grads_pending_ = false;     // ids_' gradients not yet applied and released
   int64_t budget_experts_ = 0, memory_budget_ = 0;

@@ -6,11 +6,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <utility>
-#include <vector>
 
 #include "core/error.h"
 #include "io/file.h"
@@ -84,10 +83,13 @@ void GradientArea::close() noexcept {
   fd_ = -1;
 }
 
-void GradientArea::release_range(uint64_t offset, uint64_t bytes) {
-  if (fd_ < 0) {  // anonymous: the pages go back, and read zero when touched again
-    SIGMA_CHECK(::madvise(map_ + offset, bytes, MADV_DONTNEED) == 0,
-                "releasing expert gradients in RAM: {}", errno_str(errno));
+void GradientArea::zero(int64_t first, int64_t count) {
+  SIGMA_CHECK(first >= 0 && count >= 0 && uint64_t(first + count) * slot_bytes_ <= map_bytes_,
+              "gradient area: slots [{}, {}) of {}", first, first + count, map_bytes_ / slot_bytes_);
+  if (count == 0) return;
+  const uint64_t offset = uint64_t(first) * slot_bytes_, bytes = uint64_t(count) * slot_bytes_;
+  if (fd_ < 0) {  // anonymous: in place, the pages stay (see the header)
+    std::memset(map_ + offset, 0, bytes);
     return;
   }
   // Zero the range in the file, dropping its cached pages unwritten; the blocks stay reserved.
@@ -100,18 +102,6 @@ void GradientArea::release_range(uint64_t offset, uint64_t bytes) {
               "releasing expert gradients in {}: {}", where_, errno_str(errno));
   if (int e = ::posix_fallocate(fd_, off_t(offset), off_t(bytes)); e != 0)
     fail("reserving disk for the experts' gradients in {} again: {}", where_, errno_str(e));
-}
-
-void GradientArea::release(std::span<const int64_t> slots) {
-  std::vector<int64_t> s(slots.begin(), slots.end());
-  std::sort(s.begin(), s.end());
-  s.erase(std::unique(s.begin(), s.end()), s.end());
-  for (size_t i = 0; i < s.size();) {
-    size_t j = i + 1;
-    while (j < s.size() && s[j] == s[j - 1] + 1) ++j;
-    release_range(uint64_t(s[i]) * slot_bytes_, uint64_t(s[j - 1] - s[i] + 1) * slot_bytes_);
-    i = j;
-  }
 }
 
 }  // namespace sigma
