@@ -330,6 +330,9 @@ void EcssExperts::backward_pass(int block, const RrePlan& p, const ExpertSlice& 
   for (int e : busy) ops::fill(grads(e), 0.0f, P_);
   pass();
   const int64_t n = int64_t(busy.size());
+  // Looked up before the threads: grad_of's error must not be thrown inside them.
+  std::vector<float*> areas;
+  for (int e : busy) areas.push_back(grad_of(expert_id(block, e)));
 #pragma omp parallel if (n > 1)
   {
     std::vector<float> h(static_cast<size_t>(P_));
@@ -337,7 +340,7 @@ void EcssExperts::backward_pass(int block, const RrePlan& p, const ExpertSlice& 
     for (int64_t i = 0; i < n; ++i) {
       const int e = busy[size_t(i)];
       ops::download(h.data(), grads(e), size_t(P_) * sizeof(float));
-      float* area = grad_of(expert_id(block, e));  // host memory
+      float* area = areas[size_t(i)];  // host memory
       for (int64_t k = 0; k < P_; ++k) area[k] += h[size_t(k)];
     }
   }
@@ -392,7 +395,7 @@ void EcssExperts::append_grad_sq_parts(std::vector<double>& parts) const {
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) {
     if (is_frozen(ids_[size_t(i)])) continue;
-    const float* g = grad_of(ids_[size_t(i)]);
+    const float* g = grads_.slot(i);  // ids_[i]'s slot (grad_of)
     for (size_t t = 0; t < leaves; ++t)
       parts[first + size_t(i) * leaves + t] = host_sum_sq(g + gs.offset(t), shape_numel(gs.tensors[t].shape));
   }
