@@ -1,5 +1,6 @@
 #include "parallel/zero_overlap.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "core/error.h"
@@ -47,6 +48,7 @@ void ZeroOverlap::launch(std::unique_ptr<Round> r) {
     r->op = comm_.start_all_gather_v(r->recv.data(), r->send.data(), r->send_counts.data());
   }
   in_flight_ += r->elements;
+  peak_in_flight_ = std::max(peak_in_flight_, in_flight_);
   rounds_.push_back(std::move(r));
 }
 

@@ -53,6 +53,9 @@ class ZeroOverlap {
 
   // Seconds spent blocked in finish_* and in waits for the bound, since construction.
   double blocked_s() const { return blocked_s_; }
+  // The most elements of exchange buffers in flight at once, since construction (the bound,
+  // or one round where a round alone exceeds it).
+  size_t peak_in_flight() const { return peak_in_flight_; }
 
  private:
   struct Round;  // one bucketed round in flight (zero_overlap.cpp)
@@ -63,7 +66,7 @@ class ZeroOverlap {
   Communicator& comm_;
   const ShardPlan& plan_;
   ParamSet& ps_;
-  size_t bucket_, max_in_flight_, in_flight_ = 0;
+  size_t bucket_, max_in_flight_, in_flight_ = 0, peak_in_flight_ = 0;
   std::deque<std::unique_ptr<Round>> rounds_;  // in the order started
   double blocked_s_ = 0;
 };

@@ -282,7 +282,23 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   // With a fault-injection hook, which may change the gradients after backward, the stages
   // go after it, in the same order: every rank starts the same exchanges either way.
   const bool ov = overlap_ && comm_.size() > 1, ov_early = ov && !after_backward_;
-  if (ov && !zo_) zo_ = std::make_unique<ZeroOverlap>(comm_, plan_, ps);
+  if (ov && !zo_) {
+    // ZeRO-3 holds a stage or two of the others' values; the exchange buffers in flight (each
+    // round's packed copy and what it receives) are kept to about one round of the largest
+    // stage (at most a bucket's) on top: with 8 buckets' worth (ZeRO-1 and 2's bound, sized
+    // for throughput) they were the largest part of the peak above the shard (issue 38).
+    size_t bound = 8 * kZeroBucketElements;
+    if (z3) {
+      size_t stage = 0;
+      for (const std::vector<size_t>& ids : model_.param_stages()) {
+        size_t n = 0;
+        for (size_t i : ids) n += size_t(ps.all()[i].value.numel());
+        stage = std::max(stage, n);
+      }
+      bound = 2 * std::min(stage, kZeroBucketElements);
+    }
+    zo_ = std::make_unique<ZeroOverlap>(comm_, plan_, ps, kZeroBucketElements, bound);
+  }
   if (!ov && zo_) zo_->finish_gathers();
   if (z3) {  // settle() may have gathered every value: back to this rank's own
     if (zo_) zo_->finish_gathers();
