@@ -121,8 +121,8 @@ class TrainStep {
   // Seconds this rank spent blocked in overlapped exchanges (ZeroOverlap::blocked_s).
   double overlap_blocked_s() const { return zo_ ? zo_->blocked_s() : 0.0; }
   // The most elements of overlapped exchange buffers in flight at once
-  // (ZeroOverlap::peak_in_flight). With dist.zero = 3 they are bounded by twice the largest
-  // stage's elements (at most a bucket's): one round in flight at a time.
+  // (ZeroOverlap::peak_in_flight). With dist.zero = 3 the bound is twice the largest stage's
+  // elements, at most two buckets (one round alone may exceed it): about one round at a time.
   size_t overlap_peak_in_flight() const { return zo_ ? zo_->peak_in_flight() : 0; }
   // Fault injection for tests: called after each micro-batch's backward (may poison gradients).
   void set_after_backward(std::function<void(ParamSet&)> f) { after_backward_ = std::move(f); }
