@@ -14,7 +14,10 @@ struct ZeroOverlap::Round {
   bool reduce = true;
   int key = 0;
   std::shared_ptr<const zero_detail::OwnerStreams> streams;
-  size_t k = 0, S = 0, elements = 0;
+  size_t k = 0, S = 0;
+  size_t elements = 0;  // this rank's buffers
+  size_t counted = 0;   // as the bound counts them: alike on every rank
+  bool taken = false;   // complete and taken in (by progress() or a wait)
   UninitVector<float> send, recv;  // reduce: recv is the sum of my slice (both filled whole)
   std::vector<int64_t> send_counts;
   std::unique_ptr<PendingOp> op;
@@ -38,9 +41,11 @@ ZeroOverlap::ZeroOverlap(Communicator& comm, const ShardPlan& plan, ParamSet& ps
 
 ZeroOverlap::~ZeroOverlap() = default;  // a Round's PendingOp waits for itself
 
-void ZeroOverlap::launch(std::unique_ptr<Round> r) {
+void ZeroOverlap::launch(std::unique_ptr<Round> r, size_t counted) {
   // A reduce round holds the R parts of its slice inside the communicator until it is summed.
   r->elements = r->send.size() + r->recv.size() * (r->reduce ? size_t(comm_.size()) : 1);
+  r->counted = counted;
+  counted_ += counted;
   if (r->reduce) {
     r->op = comm_.start_reduce_scatter_sum_v(r->recv.data(), r->send.data(),
                                              r->send_counts.data());
@@ -69,6 +74,25 @@ void ZeroOverlap::take_in(Round& r) {
   in_flight_ -= r.elements;
   r.send = {};
   r.recv = {};
+  r.taken = true;
+}
+
+// The bound's count of a round of S-element slices: what the rank with the largest slice
+// holds (the same figure on every rank). all: the elements of every owner's slice.
+size_t ZeroOverlap::counted_size(const zero_detail::OwnerStreams& st, size_t k, size_t S,
+                                 bool reduce) const {
+  const int R = comm_.size();
+  size_t all = 0, most = 0;
+  for (int o = 0; o < R; ++o) {
+    const auto [b, e] = st.slice(o, k, S);
+    all += e - b;
+    most = std::max(most, e - b);
+  }
+  return reduce ? all + size_t(R) * most : all + most;
+}
+
+void ZeroOverlap::make_room(size_t counted) {
+  while (!rounds_.empty() && counted_ + counted > max_in_flight_) complete(3, 0);
 }
 
 void ZeroOverlap::start_reduce(const std::vector<size_t>& ids) {
@@ -85,9 +109,8 @@ void ZeroOverlap::start_reduce(const std::vector<size_t>& ids) {
       out += e - b;
     }
     const auto [b, e] = st->slice(me, k, S);
-    // Bound the buffers in flight before allocating this round's.
-    while (!rounds_.empty() && in_flight_ + out + size_t(R) * (e - b) > max_in_flight_)
-      complete(3, 0);
+    const size_t counted = counted_size(*st, k, S, true);
+    make_room(counted);  // before allocating this round's buffers
     r->send.resize(out);
     r->send_counts.resize(size_t(R));
     float* at = r->send.data();
@@ -98,7 +121,7 @@ void ZeroOverlap::start_reduce(const std::vector<size_t>& ids) {
       r->send_counts[size_t(o)] = int64_t(oe - ob);
     }
     r->recv.resize(e - b);
-    launch(std::move(r));
+    launch(std::move(r), counted);
   }
 }
 
@@ -118,23 +141,18 @@ void ZeroOverlap::start_gather(const std::vector<size_t>& ids, int key) {
       all += e - b;
     }
     const auto [b, e] = st->slice(me, k, S);
-    while (!rounds_.empty() && in_flight_ + all + (e - b) > max_in_flight_) complete(3, 0);
+    const size_t counted = counted_size(*st, k, S, false);
+    make_room(counted);
     r->send.resize(e - b);
     st->pack(me, b, e, r->send.data());
     r->recv.resize(all);
-    launch(std::move(r));
+    launch(std::move(r), counted);
   }
 }
 
-void ZeroOverlap::progress() {
-  for (auto it = rounds_.begin(); it != rounds_.end();) {
-    if ((*it)->op->test()) {
-      take_in(**it);
-      it = rounds_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+void ZeroOverlap::progress() {  // takes in, but retires nothing: only waits every rank makes do
+  for (auto& r : rounds_)
+    if (!r->taken && r->op->test()) take_in(*r);
 }
 
 // Completes (waits for and takes in) the rounds in flight that `which` selects: 0 reduce
@@ -149,8 +167,11 @@ void ZeroOverlap::complete(int which, int key) {
       ++it;
       continue;
     }
-    r.op->wait();
-    take_in(r);
+    if (!r.taken) {
+      r.op->wait();
+      take_in(r);
+    }
+    counted_ -= r.counted;
     it = rounds_.erase(it);
     if (which == 3) break;
   }
@@ -163,7 +184,7 @@ void ZeroOverlap::finish_gathers() { complete(2, 0); }
 
 bool ZeroOverlap::gathers_pending() const {
   for (const auto& r : rounds_)
-    if (!r->reduce) return true;
+    if (!r->reduce && !r->taken) return true;
   return false;
 }
 

@@ -10,7 +10,12 @@
 //    finish_gather(key) waits for them where the next forward first reads them.
 // progress() advances what is in flight (the MPI progress strategy: a test at each layer
 // boundary, where the step calls it) and takes in what has arrived. Buffers in flight are
-// bounded (max_in_flight elements): past it, the oldest round is completed first.
+// bounded (max_in_flight elements): past it, the oldest round is completed first. That bound
+// is decided alike on every rank: a rank that waits for a round while another goes on to a
+// blocking collective deadlocks when the round needs the other rank to move it on (a
+// host-first op's forwarder). So it counts each round at its size on the rank with the largest
+// slice, and a round stays counted until a wait every rank makes (the bound's, or a finish_*)
+// retires it, even when progress() took it in earlier.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -59,15 +64,19 @@ class ZeroOverlap {
 
  private:
   struct Round;  // one bucketed round in flight (zero_overlap.cpp)
-  void launch(std::unique_ptr<Round> r);
+  void launch(std::unique_ptr<Round> r, size_t counted);
+  size_t counted_size(const zero_detail::OwnerStreams& st, size_t k, size_t S, bool reduce) const;
+  void make_room(size_t counted);  // completes the oldest rounds until `counted` more fit
   void take_in(Round& r);
   void complete(int which, int key);
 
   Communicator& comm_;
   const ShardPlan& plan_;
   ParamSet& ps_;
-  size_t bucket_, max_in_flight_, in_flight_ = 0, peak_in_flight_ = 0;
-  std::deque<std::unique_ptr<Round>> rounds_;  // in the order started
+  size_t bucket_, max_in_flight_;
+  size_t in_flight_ = 0, peak_in_flight_ = 0;  // this rank's buffers not yet taken in
+  size_t counted_ = 0;                          // the rounds_' sizes as the bound counts them
+  std::deque<std::unique_ptr<Round>> rounds_;   // not yet retired, in the order started
   double blocked_s_ = 0;
 };
 
