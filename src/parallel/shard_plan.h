@@ -32,6 +32,11 @@ ShardPlan plan_shards(const ParamSet& ps, int ranks);
 // `only`: the indices of the parameters to reduce (ascending; ZeRO-2 reduces each stage of
 // backward as it finishes), null = all. Each element's sum is the same whatever the rounds.
 constexpr size_t kZeroBucketElements = size_t(1) << 22;  // 16 MiB of fp32
+// ZeRO-3's rounds, smaller: each round's packed copy and receive buffer sit on top of the
+// gathered stage and its gradients at the peak (30-37 MiB less per rank than 16 MiB rounds at
+// d = 512, R = 4, tokens/s unchanged: issue 38); 4 MiB rounds still take a 10 Gbit/s link
+// ~3 ms each, far above its latency.
+constexpr size_t kZero3BucketElements = size_t(1) << 20;
 void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
                       size_t bucket = kZeroBucketElements, const std::vector<size_t>* only = nullptr);
 

@@ -161,7 +161,7 @@ void TrainStep::need_stage(size_t s) {
     if (pending_[s])
       zo_->finish_gather(int(s));
     else
-      gather_from_owners(comm_, plan_, model_.params(), kZeroBucketElements, &stages[s]);
+      gather_from_owners(comm_, plan_, model_.params(), zero_bucket(), &stages[s]);
     held_[s] = 1;
     pending_[s] = 0;
     int64_t experts = 0;  // the other ranks' expert values held now
@@ -295,9 +295,9 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
         for (size_t i : ids) n += size_t(ps.all()[i].value.numel());
         stage = std::max(stage, n);
       }
-      bound = 2 * std::min(stage, kZeroBucketElements);
+      bound = 2 * std::min(stage, zero_bucket());
     }
-    zo_ = std::make_unique<ZeroOverlap>(comm_, plan_, ps, kZeroBucketElements, bound);
+    zo_ = std::make_unique<ZeroOverlap>(comm_, plan_, ps, zero_bucket(), bound);
   }
   if (!ov && zo_) zo_->finish_gathers();
   if (z3) {  // settle() may have gathered every value: back to this rank's own
@@ -329,7 +329,7 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     });
   } else if (early)
     model_.set_grads_done([&](const std::vector<size_t>& ids) {
-      reduce_to_owners(comm_, plan_, ps, kZeroBucketElements, &ids);
+      reduce_to_owners(comm_, plan_, ps, zero_bucket(), &ids);
       release_others(ids);
     });
   for (size_t j = 0; j < mine.size(); ++j) {

@@ -133,6 +133,7 @@ class TrainStep {
   void tp_norm_parts(std::vector<double>& parts) const;
   // ZeRO-3 (set_zero_stage): stage s of Model::param_stages gathered / released.
   bool zero3() const { return zero_ == 3 && comm_.size() > 1; }
+  size_t zero_bucket() const { return zero3() ? kZero3BucketElements : kZeroBucketElements; }
   void need_stage(size_t s);
   void done_stage(size_t s);
   void release_stage(size_t s);
