@@ -44,6 +44,19 @@ PY
 slow2 train "${args[@]}" --set train.ckpt_async=true --out bg >bg.log 2>&1 || { cat bg.log; fail "the background run failed"; }
 slow2 train "${args[@]}" --set train.ckpt_async=false --out fg >fg.log 2>&1 || { cat fg.log; fail "the foreground run failed"; }
 grep -q 'checkpoints: written in the background' bg.log || { cat bg.log; fail "the saves were not in the background"; }
+# The banner states the copy each rank keeps: the largest rank's shard files, to 2 %.
+python3 - bg.log bg/checkpoints/step-00000008 <<'PY' || fail "the banner's copy size is not the largest rank's shard files"
+import os, re, sys
+m = re.search(r"Adam state, ([\d.]+) MiB on the most loaded rank", open(sys.argv[1]).read())
+assert m, "no copy size in the banner"
+ranks = {}
+for f in os.listdir(sys.argv[2]):
+    if f.startswith("shard-"):
+        ranks[f[:10]] = ranks.get(f[:10], 0) + os.path.getsize(os.path.join(sys.argv[2], f))
+said, largest = float(m.group(1)), max(ranks.values()) / 2**20
+print(f"banner {said} MiB, largest rank's shard files {largest:.1f} MiB")
+sys.exit(0 if abs(said - largest) <= 0.02 * largest else 1)
+PY
 read -r overlapped waits n < <(python3 -c "import json,sys; b=json.load(open(sys.argv[1]))['background_saves']; print(b['steps_overlapped'], b['waits'], b['saves'])" bg/summary.json)
 ((n == 4)) || fail "background: $n saves, not 4"
 ((overlapped > 0)) || fail "background: no step ran while a save was written ($(saves bg))"

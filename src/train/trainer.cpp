@@ -427,12 +427,20 @@ void RunLoop::open_outputs() {
                double(model_->params().numel()) * 12 / double(1 << 30),
                experts_ ? "; the experts are read from the store, whose next update waits for it"
                         : "");
-  if (sharded_saver_)
+  if (sharded_saver_) {  // the copy is memory on top of training's (ZeRO-3 users count it)
+    double most = 0;  // bytes: values and Adam moments of the rank's own tensors, its experts
+    for (int64_t e : plan_.elements) most = std::max(most, double(e) * 12);
+    double experts = 0;
+    for (int r = 0; parallel_ && r < comm_.size(); ++r)
+      experts = std::max(experts, shares[2 * size_t(r) + 1]);
     fmt::print(stderr, "checkpoints: written in the background (train.ckpt_async): after the "
                "step each of the {} ranks copies the pieces it writes (its shard of the weights "
-               "and Adam state{}), a writer thread per rank writes them, and rank 0 commits once "
-               "every rank's files are written (agreed at a step boundary)\n", world_.size(),
-               parallel_ ? ", its experts" : "");
+               "and Adam state, {:.1f} MiB on the most loaded rank{}; train.ckpt_async = false "
+               "saves that memory by writing in the foreground), a writer thread per rank writes "
+               "them, and rank 0 commits once every rank's files are written (agreed at a step "
+               "boundary)\n", world_.size(), (most + experts) / double(1 << 20),
+               parallel_ ? " with its experts" : "");
+  }
   if (!ckpt_root_.empty() && cfg_.train.ckpt_async && !saver_ && !sharded_saver_)  // said, not ignored
     fmt::print(stderr, "checkpoints: written in the foreground: {}\n",
                world_.size() == 1 ? "train.ckpt_async does not apply to train.experts = parallel in one process"
