@@ -19,6 +19,13 @@ struct TrainArgs {
   bool quiet = false, overwrite = false, print_config = false, config_help = false;
 };
 
+// Before the world communicator exists (it is made from the loaded config), Open MPI's launcher
+// has told each process its rank: the config's warnings are said once, by rank 0.
+bool first_rank() {
+  const char* r = std::getenv("OMPI_COMM_WORLD_RANK");
+  return !r || std::atoi(r) == 0;
+}
+
 // The run's config: a fresh run's file and --set keys, or a resumed run's checkpoint config,
 // file (data and training keys) and --set keys, with a warning when its learning-rate schedule
 // changes. Relative expert store and data paths are made absolute here, so a resumed run opens
@@ -34,9 +41,9 @@ Config load_config(const TrainArgs& a) {
   const CheckpointInfo ck = open_checkpoint(a.resume);
   cfg = resume_config(ck.cfg, a.config, a.sets);
   const std::string change = schedule_change(ck.cfg, cfg, ck.state.step);
-  if (!change.empty()) fmt::print(stderr, "sigma train: warning: {}\n", change);
+  if (!change.empty() && first_rank()) fmt::print(stderr, "sigma train: warning: {}\n", change);
   const bool from_checkpoint = cfg.train.expert_store == ck.cfg.train.expert_store;
-  if (make_store_path_absolute(cfg) && from_checkpoint)  // a checkpoint of an older sigma
+  if (make_store_path_absolute(cfg) && from_checkpoint && first_rank())  // an older sigma's
     fmt::print(stderr, "sigma train: warning: the checkpoint names its expert store by the "
                "relative path '{}'; using {} (pass --expert-store to choose)\n",
                ck.cfg.train.expert_store, cfg.train.expert_store);

@@ -132,6 +132,22 @@ TEST(Distributed, ACheckpointResumesOnAnyRankCountBitIdentically) {
   }
 }
 
+// Warnings about a resumed run's config come before the ranks have met: each rank used to
+// print its own copy (2 lines at 2 ranks); rank 0 says it once.
+TEST(Distributed, AResumeWarnsOnceNotOncePerRank) {
+  SKIP_WITHOUT_MPI();
+  TempDir t("warn-once");
+  const std::string out = t / "run";
+  CmdResult r = train_on(2, train_args(kDense, 4, 2) + " --out " + out);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = train_on(2, "train --resume " + out + "/checkpoints --out " + out + " --set train.steps=6 --quiet");
+  ASSERT_EQ(r.code, 0) << r.out;
+  size_t said = 0;
+  for (size_t at = 0; (at = r.out.find("the learning-rate schedule changes", at)) != std::string::npos; ++at)
+    ++said;
+  EXPECT_EQ(said, 1u) << r.out;
+}
+
 // Expert parallelism (train.experts = parallel, what auto picks with several ranks): each rank
 // holds a share of every group's experts (dist.placement = spread), or each group lives on the
 // ranks that run its micro-batches (by_group: with 4 ranks and 3 groups, groups on {0, 1}, {2}

@@ -201,6 +201,25 @@ TEST_F(ShardsTrain, RelativeDataPathResumesFromAnotherDirectory) {
   EXPECT_EQ(open_checkpoint(*dir / "rel/checkpoints").state.step, 6);
 }
 
+// A resume that cuts each step's rows into other micro-batches than the checkpoint's run did
+// (here 4-row micro-batches, then 2 of 2 rows: what a resume on twice the ranks does when
+// train.batch must shrink) continues the data stream at the same step, counted in the new
+// micro-batches, and says so; the saved cursor's count of 4-row micro-batches was refused.
+TEST_F(ShardsTrain, ResumeMayCutTheStepsIntoOtherMicroBatches) {
+  auto r = sigma_cmd(train_args() + "--set train.steps=6 --stop-at 3 --out " + *dir / "cut");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = sigma_cmd("train --resume " + *dir / "cut/checkpoints --out " + *dir / "cut" +
+                " --set train.batch=2 --set train.accum=2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("the data stream continues after step 3 in micro-batches of 2 rows (2 a "
+                       "step; the checkpoint's run read 3 micro-batches in 3 steps)"),
+            std::string::npos) << r.out;
+  const CheckpointInfo ck = open_checkpoint(*dir / "cut/checkpoints");
+  EXPECT_EQ(ck.state.step, 6);
+  EXPECT_EQ(ck.state.data_cursor.at("index").get<uint64_t>(), 12u) << ck.state.data_cursor.dump();
+  EXPECT_EQ(ck.state.data_cursor.at("sampler").at("step").get<uint64_t>(), 12u);
+}
+
 // One domain per micro-batch: `sigma train` runs a step's micro-batches in expert-group order,
 // so under a memory budget that holds one group's experts (3 of the 5) but not both groups',
 // ECSS gathers each active expert once a step, as a budget that holds the whole step does,

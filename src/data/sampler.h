@@ -60,6 +60,11 @@ class Sampler {
 
   nlohmann::json cursor() const;
   void restore(const nlohmann::json& cursor);  // throws if it was saved for other data or seed
+  // After restore: the next batch is number `batch` (a resume whose micro-batches are cut
+  // otherwise than the checkpoint's: the same optimizer step counted in the new batches, so
+  // stages still end at their steps). The items continue where they were; the domain draws
+  // of the batches from here are the new batch numbers'.
+  void continue_at(uint64_t batch) { step_ = batch; }
 
  private:
   uint64_t next_item(uint32_t d);

@@ -51,6 +51,7 @@ class BatchSource {
   void next(Batch& b);
   nlohmann::json cursor() const { return sampler_.cursor(); }
   void restore(const nlohmann::json& c) { sampler_.restore(c); }
+  void continue_at(uint64_t batch) { sampler_.continue_at(batch); }
   const Sampler& sampler() const { return sampler_; }
   void restrict_batches(std::vector<std::vector<uint32_t>> allowed) { sampler_.restrict_batches(std::move(allowed)); }
   const ShardSet& shards() const { return shards_; }

@@ -187,6 +187,13 @@ class ShardsSource : public DataSource {
     }
     next_index_ = c["index"].get<uint64_t>();
   }
+  uint64_t continue_at(uint64_t index) override {
+    SIGMA_CHECK(batches_, "shards source: no training stream");
+    const uint64_t was = next_index_;
+    if (index != was) batches_->continue_at(index);
+    next_index_ = index;
+    return was;
+  }
 
  private:
   void convert(const data::Batch& in, Batch& out) const {

@@ -44,6 +44,10 @@ class DataSource {
     return {};
   }
   virtual void restore(const nlohmann::json& /*cursor*/) {}
+  // After restore(): training batch `index` is the next one. A resume that cuts the step's
+  // rows into other micro-batches than the checkpoint's (another rank count, train.batch or
+  // train.accum) counts the same step in other batches; returns the index the cursor was at.
+  virtual uint64_t continue_at(uint64_t index) { return index; }
   // Training micro-batch i draws its rows only from the domains allowed[i % allowed.size()]
   // (indices into domains()): dist.placement = by_group. Empty = every domain.
   virtual void restrict_batches(std::vector<std::vector<uint32_t>> allowed);

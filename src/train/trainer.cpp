@@ -360,7 +360,18 @@ void RunLoop::restore() {
     load_optimizer(*opt_, *model_, ck_->dir);
     if (expert_files()) expert_files()->load(ck_->dir);
     state_ = ck_->state;
-    if (!state_.data_cursor.is_null()) data_->restore(state_.data_cursor);
+    if (!state_.data_cursor.is_null()) {
+      data_->restore(state_.data_cursor);
+      // The cursor counts micro-batches of the checkpoint's run; this run may cut its steps
+      // into others (another rank count, train.batch or train.accum): same step, new count.
+      const uint64_t next = uint64_t(state_.step) * uint64_t(cfg_.train.accum);
+      const uint64_t was = data_->continue_at(next);
+      if (was != next && lead_)
+        fmt::print(stderr, "sigma train: the data stream continues after step {} in micro-batches "
+                   "of {} rows ({} a step; the checkpoint's run read {} micro-batches in {} "
+                   "steps): the same items in order, the domain of each row drawn anew\n",
+                   state_.step, cfg_.train.batch, cfg_.train.accum, was, state_.step);
+    }
   }
   if (experts_) experts_->set_frozen(freeze_.frozen_experts);
   last_ = run_.stop_at >= 0 ? std::min(run_.stop_at, cfg_.train.steps) : cfg_.train.steps;
