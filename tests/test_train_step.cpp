@@ -17,6 +17,9 @@
 #include "dist/communicator.h"
 #include "model/model.h"
 #include "model/names.h"
+#include "run/config.h"
+#include "run/data_source.h"
+#include "run/heldout.h"
 #include "train/train_step.h"
 #include "step_config.h"
 #include "thread_comm.h"
@@ -575,4 +578,49 @@ TEST(TrainStep, ZeroStage3LeavesOtherRanksTensorsUntouchedAtStartUp) {
     EXPECT_GT(big_own_resident, 0);
   });
   mallopt(M_MMAP_THRESHOLD, 128 << 10);
+}
+
+// A training run's held-out evaluation shared by its data ranks (run/heldout.h's EvalRanks):
+// each rank runs about 1/R of the batches (its model's expert load counts the rows it ran;
+// every rank ran every batch before), and the per-domain losses are one process's bits, on 2
+// and 4 ranks, with a last round of fewer batches than ranks (7 batches).
+TEST(HeldOut, DataRanksShareTheBatchesAndKeepOneProcesssBits) {
+  Config c;
+  c.train.batch = 4;
+  c.model.d_model = 16, c.model.heads = 2, c.model.layers = 2, c.model.context = 8;
+  const auto data = make_data_source(c);
+  c.model.vocab = data->vocab();
+  c.model.domains = data->domain_specs();
+  c.model.rre_layers = 1;
+  c.model.groups.clear();
+  for (const std::string& d : data->domains()) c.model.groups.push_back({d, 2});
+  const int rows = 9, T = c.model.context;  // 9 rows of each of 3 domains: 7 batches of 4
+  auto routed = [](const Model& m) {
+    int64_t n = 0;
+    for (const BlockLoad& b : m.expert_load())
+      for (const auto& g : b.tokens)
+        for (int64_t t : g) n += t;
+    return n;
+  };
+  Model one(c.model, 3);
+  const std::vector<DomainLoss> whole = evaluate(one, *data, c.train.batch, T, rows);
+  ASSERT_EQ(routed(one), int64_t(3 * rows * T));
+  for (int R : {2, 4}) {
+    test_ranks::run_ranks(R, [&](Communicator& comm) {
+      omp_set_num_threads(1);
+      Model m(c.model, 3);
+      const EvalRanks ranks{comm.rank(), comm.size(), [&](float* all, const float* mine, size_t n) {
+                              comm.all_gather(all, mine, n);
+                            }};
+      const std::vector<DomainLoss> shared = evaluate(m, *data, c.train.batch, T, rows, {}, {},
+                                                      nullptr, &ranks);
+      const int rounds = (7 + R - 1) / R;
+      EXPECT_LE(routed(m), int64_t(rounds * c.train.batch * T)) << R << " ranks, rank " << comm.rank();
+      ASSERT_EQ(shared.size(), whole.size());
+      for (size_t d = 0; d < whole.size(); ++d) {
+        EXPECT_EQ(shared[d].tokens, whole[d].tokens) << whole[d].name;
+        EXPECT_EQ(std::memcmp(&shared[d].nats, &whole[d].nats, sizeof(double)), 0) << R << " ranks, " << whole[d].name;
+      }
+    });
+  }
 }

@@ -52,17 +52,29 @@ struct DomainSums {
   }
 };
 
+// The data-parallel ranks of a training run sharing an evaluation (run/ does not see dist/):
+// all_gather(out, mine, n) gives every rank every rank's n floats, in rank order, in out.
+struct EvalRanks {
+  int rank = 0, size = 1;
+  std::function<void(float* out, const float* mine, size_t n)> all_gather;
+};
+
 // Mean masked loss per domain over the source's held-out batches (the model's expert
 // executor makes each batch's experts usable first: ECSS binds them from its store).
 // `on_batch(rows)` after each batch (progress). `token_bytes` (indexed by token id; empty:
 // none): the bytes each token's text has, summed over the scored targets into
 // DomainLoss::bytes (token_byte_counts). The passes run on `acts` (a training step's, between
 // steps: no second set of buffers), else on the model's own.
+// With `ranks` (every one of them calling this alike) the batches are dealt round-robin: each
+// round, every rank runs one batch (a rank past the last batch runs the round's first again
+// and scores nothing: the passes are collective under ZeRO-3 and expert parallelism), the
+// round's token losses are all-gathered, and every rank adds them up in batch order as one
+// process does, so the losses are the same bits on any rank count.
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
                                  int rows_per_domain,
                                  const std::function<void(int rows)>& on_batch = {},
                                  std::span<const int32_t> token_bytes = {},
-                                 Activations* acts = nullptr);
+                                 Activations* acts = nullptr, const EvalRanks* ranks = nullptr);
 
 // The UTF-8 bytes each id of the tokenizer file `path` decodes to, a control token counting
 // none (its name is not text): the byte count of held-out windows of token ids.

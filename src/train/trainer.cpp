@@ -584,10 +584,17 @@ std::vector<DomainLoss> RunLoop::held_out_losses() {
   if (!held_out_ && !cfg_.data.eval_path.empty())
     held_out_ = make_eval_source(cfg_.data.eval_path, data_->tokenizer_hash());
   std::vector<DomainLoss> out;
+  // The data ranks share the batches (each rank runs 1/R of them; the same bits as one), except
+  // with experts parallel, whose exchange is planned from every rank's batch of a step (a
+  // forward here is given its rank's alone): there every rank runs every batch.
+  const EvalRanks ranks{comm_.rank(), parallel_ ? 1 : comm_.size(),
+                        [this](float* all, const float* mine, size_t n) {
+                          comm_.all_gather(all, mine, n);
+                        }};
   // The step's activations and, under dist.zero = 3, its per-stage gathers: nothing whole.
   step_->forward_only([&](Activations& acts) {
     out = evaluate(*model_, held_out_ ? *held_out_ : *data_, cfg_.train.batch,
-                   cfg_.model.context, cfg_.train.eval_rows, {}, {}, &acts);
+                   cfg_.model.context, cfg_.train.eval_rows, {}, {}, &acts, &ranks);
   });
   eval_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
   return out;
