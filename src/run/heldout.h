@@ -67,7 +67,7 @@ struct EvalRanks {
 // steps: no second set of buffers), else on the model's own.
 // With `ranks` (every one of them calling this alike) the batches are dealt round-robin: each
 // round, every rank runs one batch (a rank past the last batch runs the round's first again
-// and scores nothing: the passes are collective under ZeRO-3 and expert parallelism), the
+// and scores nothing: the passes are collective under ZeRO-3 and tensor parallelism), the
 // round's token losses are all-gathered, and every rank adds them up in batch order as one
 // process does, so the losses are the same bits on any rank count.
 std::vector<DomainLoss> evaluate(Model& model, const DataSource& data, int B, int T,
