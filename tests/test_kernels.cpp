@@ -91,7 +91,7 @@ TEST(FastGelu, ValuesAndGradient) {
     cpu::fast_gelu_forward(y.data(), x.data(), n);
     return dot(r, y.data());
   };
-  std::vector<float> dx(n, 0);
+  std::vector<float> dx(n, 7.0f);  // written, not added to
   cpu::fast_gelu_backward(dx.data(), r.data(), x.data(), n);
   expect_grad_matches("dx", x.data(), n, dx, loss, 1e-3);
 }

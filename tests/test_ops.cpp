@@ -472,6 +472,9 @@ void add_gelu(std::vector<Case>& cs, int64_t n, uint64_t seed) {
                          [=](auto fn, Outs& o) { fn(o[0].data(), x.data(), n); }));
   cs.push_back(make_case(OP(fast_gelu_backward), label, {{"dx", vec(n, seed + 3)}},
                          [=](auto fn, Outs& o) { fn(o[0].data(), dy.data(), x.data(), n); }));
+  // In place (ffn_backward: dL/dact becomes dL/dpre in act's buffer).
+  cs.push_back(make_case(OP(fast_gelu_backward), label + " in place", {{"dy", dy}},
+                         [=](auto fn, Outs& o) { fn(o[0].data(), o[0].data(), x.data(), n); }));
 }
 
 void add_xent(std::vector<Case>& cs, int64_t N, int64_t V, bool grad, uint64_t seed) {

@@ -356,7 +356,7 @@ void EcssExperts::backward(int block, const RreWeights& w, const RrePlan& p,
   if (micro_ >= 0) pass_at_ = pass_position(block, true);
   by_slices(block, p, [&](const ExpertSlice& s) {
     backward_pass(block, p, s, [&] {
-      rre_backward(dx, b.scratch, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, s, N, d, f);
+      rre_backward(dx, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, s, N, d, f);
     });
   });
 }

@@ -119,6 +119,7 @@ struct Backend {
                                         const float* out, const float* lse, AttnOperand q,
                                         AttnOperand k, AttnOperand v, AttnShape s, float scale);
   void (*fast_gelu_forward)(float* y, const float* x, int64_t n);
+  // dx = dy * FastGelu'(x), written (not added); dx may be dy (in place: ffn_backward).
   void (*fast_gelu_backward)(float* dx, const float* dy, const float* x, int64_t n);
   void (*softmax_xent)(float* logits, float* loss, const int32_t* targets,
                        const float* grad_scale, int64_t N, int64_t V);

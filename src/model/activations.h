@@ -55,7 +55,6 @@ struct Activations {
   double weight_sum = 0;           // sum of the loss weights: d(loss)/d(aux loss)
   // Backward and expert scratch (overwritten by every call that uses it).
   Tensor dh, da, datt, dqkv;       // [N,d], [N,d], [N,d], [N,3d]
-  Tensor dffn;                     // [2*k*N,f]
   Tensor dq_shared;                // [T,d] query layer: dq summed over the batch
   Tensor gx, gy, gdx;              // [k*N,d] expert gather buffers
   Tensor z;                        // [N,Kmax] learned gate: logits, then their gradient

@@ -19,9 +19,9 @@
 namespace sigma {
 
 // Buffers of one RRE block's expert pass. pre, act: [N,f] saved for backward, in plan order;
-// gx, gy, gdx: [N,d] scratch; scratch: [2N,f].
+// gx, gy, gdx: [N,d] scratch. Backward overwrites act (ffn_backward).
 struct ExpertBuffers {
-  float *pre, *act, *gx, *gy, *gdx, *scratch;
+  float *pre, *act, *gx, *gy, *gdx;
 };
 
 class ExpertExecutor {

@@ -23,14 +23,16 @@ void ffn_forward(float* y, float* pre, float* act, const float* x, const FfnWeig
     ops::linear_forward(y, act, w.w_out, w.b_out, N, f, d, /*accumulate=*/true);
 }
 
-void ffn_backward(float* dx, const FfnGrads& g, float* scratch, const float* dy, const float* x,
-                  const float* pre, const float* act, const FfnWeights& w, int64_t N, int64_t d,
-                  int64_t f) {
-  float* d_act = scratch;
-  float* d_pre = scratch + N * f;
-  ops::fill(scratch, 0.0f, 2 * N * f);  // device scratch: zeroed by an op
-  ops::linear_backward(d_act, g.w_out, g.b_out, dy, act, w.w_out, N, f, d);
-  ops::fast_gelu_backward(d_pre, d_act, pre, N * f);
+// The products and their order are those of dL/dact and dL/dpre in buffers of their own (the
+// same bits); reusing act's buffer spares 2*N*f floats of scratch, the largest buffer of an
+// FFN's backward after pre and act themselves (issue 38: a ZeRO-3 rank's activations).
+void ffn_backward(float* dx, const FfnGrads& g, const float* dy, const float* x, const float* pre,
+                  float* act, const FfnWeights& w, int64_t N, int64_t d, int64_t f) {
+  ops::linear_backward(nullptr, g.w_out, g.b_out, dy, act, w.w_out, N, f, d);  // last read of act
+  float* d_act = act;
+  ops::gemm(false, true, N, f, d, 1.0f, dy, d, w.w_out, d, 0.0f, d_act, f);  // dy W_out^T
+  float* d_pre = d_act;
+  ops::fast_gelu_backward(d_pre, d_act, pre, N * f);  // in place
   ops::linear_backward(dx, g.w_in, g.b_in, d_pre, x, w.w_in, N, d, f);
 }
 

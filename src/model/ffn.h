@@ -26,9 +26,9 @@ struct FfnGrads {
 void ffn_forward(float* y, float* pre, float* act, const float* x, const FfnWeights& w, int64_t N,
                  int64_t d, int64_t f);
 
-// Accumulates dx[N,d] and the weight gradients. scratch holds 2*N*f floats (overwritten).
-void ffn_backward(float* dx, const FfnGrads& g, float* scratch, const float* dy, const float* x,
-                  const float* pre, const float* act, const FfnWeights& w, int64_t N, int64_t d,
-                  int64_t f);
+// Accumulates dx[N,d] and the weight gradients. act is overwritten: once W_out's gradient has
+// read it, its buffer holds dL/dact and then dL/dpre (no scratch of its own).
+void ffn_backward(float* dx, const FfnGrads& g, const float* dy, const float* x, const float* pre,
+                  float* act, const FfnWeights& w, int64_t N, int64_t d, int64_t f);
 
 }  // namespace sigma

@@ -94,7 +94,6 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_, i
   logits = t({N, V / tp});  // vocabulary-parallel: never the whole rows
   xent_stats = tp > 1 ? t({tp, N, 3}) : Tensor{};
   dh = t({N, d}), da = t({N, d}), datt = t({N, d}), dqkv = t({N, 3 * d});
-  dffn = t({2 * k * N, f / tp});
   dq_shared = t({T, d});
   tp_sum = tp > 1 ? t({N, d}) : Tensor{};
   if (cfg.rre_layers > 0) {
@@ -418,7 +417,7 @@ void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* 
   const RreWeights& rw = tp_.rank != 0 ? split_w : w.rre;
   BlockActs& k = acts.block(l);
   BlockLoad& load = load_[size_t(l - cfg_.first_rre_block())];
-  const ExpertBuffers buf{k.pre.dev_f(), k.act.dev_f(), acts.gx.dev_f(), acts.gy.dev_f(), acts.gdx.dev_f(), acts.dffn.dev_f()};
+  const ExpertBuffers buf{k.pre.dev_f(), k.act.dev_f(), acts.gx.dev_f(), acts.gy.dev_f(), acts.gdx.dev_f()};
   if (cfg_.gated()) {  // the gate picks the rows' experts; the executor runs them
     GatePlan& gp = k.gplan;
     gate_route(gp, acts.z.dev_f(), k.a2.dev_f(), w.rre, w.gate, acts.row_group.data(),
@@ -545,7 +544,7 @@ void Model::block_backward(int l, const Batch& batch, Activations& a, float* dh)
   // FFN branch; the residual passes dh through unchanged.
   zero(a.da);
   if (!w.is_rre()) {
-    ffn_backward(a.da.dev_f(), w.ffn_grad(), a.dffn.dev_f(), dh, k.a2.dev_f(), k.pre.dev_f(), k.act.dev_f(), w.ffn(),
+    ffn_backward(a.da.dev_f(), w.ffn_grad(), dh, k.a2.dev_f(), k.pre.dev_f(), k.act.dev_f(), w.ffn(),
                  N, d, fl);
     tp_.all_reduce(a.da.dev_f(), N * d);  // w_in is column-parallel: dL/da2 is the group's sum
   } else {
@@ -561,7 +560,7 @@ void Model::expert_backward(int l, Activations& a, float* dh) {
   const int64_t N = int64_t(a.B) * a.T, d = cfg_.d_model, f = cfg_.ffn() / tp_.size;
   const BlockWeights& w = w_->blocks[l];
   BlockActs& k = a.block(l);
-  const ExpertBuffers buf{k.pre.dev_f(), k.act.dev_f(), a.gx.dev_f(), a.gy.dev_f(), a.gdx.dev_f(), a.dffn.dev_f()};
+  const ExpertBuffers buf{k.pre.dev_f(), k.act.dev_f(), a.gx.dev_f(), a.gy.dev_f(), a.gdx.dev_f()};
   if (!cfg_.gated()) {
     const std::vector<size_t>& stages = expert_stages(l);
     if (stages.empty() || executor_ != &local_) {
@@ -573,7 +572,7 @@ void Model::expert_backward(int l, Activations& a, float* dh) {
       const ExpertSlice whole = whole_plan(k.plan);
       for (size_t g = 0; g < stages.size(); ++g) {
         params_needed(stages[g]);
-        rre_backward(a.da.dev_f(), buf.scratch, buf.gx, buf.gy, buf.gdx, dh, k.a2.dev_f(), buf.pre,
+        rre_backward(a.da.dev_f(), buf.gx, buf.gy, buf.gdx, dh, k.a2.dev_f(), buf.pre,
                      buf.act, w.rre, k.plan, {w.rre.offset[g], w.rre.offset[g + 1], whole.side_by_side},
                      N, d, f);
         grads_done(stages[g]);

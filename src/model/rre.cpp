@@ -101,12 +101,12 @@ void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const f
   ops::scatter_rows(y, gy + r0 * d, order, n, d, /*accumulate=*/false);
 }
 
-void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, const float* dy,
-                  const float* x, const float* pre, const float* act, const RreWeights& w,
+void rre_backward(float* dx, float* gx, float* gdy, float* gdx, const float* dy,
+                  const float* x, const float* pre, float* act, const RreWeights& w,
                   const RrePlan& p, const ExpertSlice& s, int64_t N, int64_t d, int64_t f) {
   if (p.single >= 0) {
     if (p.single >= s.begin && p.single < s.end)
-      ffn_backward(dx, w.expert_grad[size_t(p.single)], scratch, dy, x, pre, act,
+      ffn_backward(dx, w.expert_grad[size_t(p.single)], dy, x, pre, act,
                    w.expert[size_t(p.single)], N, d, f);
     return;
   }
@@ -120,8 +120,7 @@ void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, 
   for (size_t i = 0; i < busy.size(); ++i) {
     const int e = busy[i];
     const int64_t at = p.start[size_t(e)], rows = p.rows(e);
-    // Each expert its own part of the scratch (2*rows*f of the 2*N*f floats).
-    ffn_backward(gdx + at * d, w.expert_grad[size_t(e)], scratch + 2 * at * f, gdy + at * d,
+    ffn_backward(gdx + at * d, w.expert_grad[size_t(e)], gdy + at * d,
                  gx + at * d, pre + at * f, act + at * f, w.expert[size_t(e)], rows, d, f);
   }
   ops::scatter_rows(dx, gdx + r0 * d, order, n, d, /*accumulate=*/true);
@@ -144,7 +143,7 @@ void LocalExperts::forward(int block, const RreWeights& w, const RrePlan& p,
 void LocalExperts::backward(int, const RreWeights& w, const RrePlan& p, const ExpertBuffers& b,
                             float* dx, const float* dy, const float* x, int64_t N, int64_t d,
                             int64_t f) {
-  rre_backward(dx, b.scratch, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, whole_plan(p), N, d,
+  rre_backward(dx, b.gx, b.gy, b.gdx, dy, x, b.pre, b.act, w, p, whole_plan(p), N, d,
                f);
 }
 

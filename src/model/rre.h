@@ -51,9 +51,9 @@ void rre_forward(float* y, float* pre, float* act, float* gx, float* gy, const f
                  int64_t d, int64_t f);
 
 // Accumulates dx[N,d] over the rows of the experts in `s`, and those experts' gradients (+=).
-// scratch: 2*N*f floats; gx, gdy, gdx: [N,d] (overwritten).
-void rre_backward(float* dx, float* scratch, float* gx, float* gdy, float* gdx, const float* dy,
-                  const float* x, const float* pre, const float* act, const RreWeights& w,
+// gx, gdy, gdx: [N,d] (overwritten); act's rows of those experts are overwritten (ffn_backward).
+void rre_backward(float* dx, float* gx, float* gdy, float* gdx, const float* dy,
+                  const float* x, const float* pre, float* act, const RreWeights& w,
                   const RrePlan& p, const ExpertSlice& s, int64_t N, int64_t d, int64_t f);
 
 }  // namespace sigma

@@ -464,11 +464,10 @@ void ExpertParallel::backward(int block, const RreWeights& w, const RrePlan& p,
         const int32_t slot = slot_[size_t(bi) * size_t(E_) + size_t(e)];
         if (slot >= 0) wl.expert_grad[size_t(e)] = grads_at(leaf_[size_t(ch.source)].dev_f() + slot * stride_, layout);
       }
-      reserve(scratch_, 2 * ch.rows * f);
       reserve(gx_, ch.rows * d);
       reserve(gy_, ch.rows * d);
       reserve(gdx_, ch.rows * d);
-      rre_backward(out_d_.dev_f() + o * d, scratch_.dev_f(), gx_.dev_f(), gy_.dev_f(), gdx_.dev_f(),
+      rre_backward(out_d_.dev_f() + o * d, gx_.dev_f(), gy_.dev_f(), gdx_.dev_f(),
                    in_d_.dev_f() + o * d, s.x.dev_f() + ch.at * d, s.pre.dev_f() + ch.at * f,
                    s.act.dev_f() + ch.at * f, wl, ch.plan, ch.slice, ch.rows, d, f);
       o += ch.rows;

@@ -156,7 +156,7 @@ class ExpertParallel final : public ExpertExecutor, public ExpertFiles {
   std::vector<Tensor> leaf_;
   // Device scratch of the passes: rows to and from the exchanges, the experts' inputs and
   // outputs, rre_forward's and rre_backward's work buffers. They only grow.
-  Tensor rows_d_, in_d_, out_d_, gx_, gy_, gdx_, scratch_;
+  Tensor rows_d_, in_d_, out_d_, gx_, gy_, gdx_;
   // Host: each source's leaves so far (downloaded after each micro-batch), and the step's sums
   // [ids_, stride_] that the store's Adam reads.
   std::vector<TreeAccumulator> trees_;

@@ -38,7 +38,7 @@ void fast_gelu_backward(float* dx, const float* dy, const float* x, int64_t n) {
     sigmoid_scaled(s, x + c, m, kGeluAlpha);
     for (int64_t i = 0; i < m; ++i) {
       const float xi = x[c + i];
-      dx[c + i] += dy[c + i] * (s[i] + kGeluAlpha * xi * s[i] * (1.0f - s[i]));
+      dx[c + i] = dy[c + i] * (s[i] + kGeluAlpha * xi * s[i] * (1.0f - s[i]));
     }
   }
 }

@@ -76,13 +76,13 @@ void fast_gelu_forward(float* y, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) store<T>(y + i, T(x[i]) * sigmoid_scaled<T>(x[i]));
 }
 
-// dx += dy * (s + 1.702 x s (1 - s)), s = sigmoid(1.702 x).
+// dx = dy * (s + 1.702 x s (1 - s)), s = sigmoid(1.702 x); dx may be dy.
 template <class T>
 void fast_gelu_backward(float* dx, const float* dy, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const T s = sigmoid_scaled<T>(x[i]);
     const T d = T(dy[i]) * (s + T(kGeluAlpha) * T(x[i]) * s * (T(1) - s));
-    store<T>(dx + i, T(dx[i]) + d);
+    store<T>(dx + i, d);
   }
 }
 
