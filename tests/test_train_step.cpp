@@ -398,11 +398,11 @@ struct Zero3Step {
   }
 };
 
-// dist.zero = 3 reads an RRE block's experts group by group (Model::expert_stages): a rank
-// holds at most one group's worth of the other ranks' expert values at a time, not a whole
-// block's (where the memory peak was), blocking and overlapped, with the same bits as ZeRO-1
-// (ZeroStage3IsBitIdenticalToStage1).
-TEST(TrainStep, ZeroStage3GathersOneExpertGroupAtATime) {
+// dist.zero = 3 reads an RRE block's experts one by one (Model::expert_stages: each expert's
+// slice of its group's stacked tensors): a rank holds at most one expert's worth of the other
+// ranks' expert values at a time, not a group's (where the memory peak was), blocking and
+// overlapped, with the same bits as ZeRO-1 (ZeroStage3IsBitIdenticalToStage1).
+TEST(TrainStep, ZeroStage3GathersOneExpertAtATime) {
   for (int overlap : {0, 1}) {
     test_ranks::run_ranks(4, [&](Communicator& comm) {
       omp_set_num_threads(1);
@@ -410,11 +410,10 @@ TEST(TrainStep, ZeroStage3GathersOneExpertGroupAtATime) {
       Zero3Step z(comm, c, overlap > 0);
       const Model& m = z.m;
       const ShardPlan& plan = z.plan;
-      // The bound: the largest of one (block, group)'s expert tensors this rank does not own;
-      // a whole block's would exceed it wherever the rank misses tensors of two groups.
-      int64_t group_max = 0, block_max = 0;
-      for (int l = c.first_rre_block(); l < c.layers; ++l) {
-        int64_t block = 0;
+      // The bound: one expert's slices of its group's tensors that this rank does not own; a
+      // group's would exceed it wherever the rank misses a tensor of a group of 2 or more.
+      int64_t expert_max = 0, group_max = 0;
+      for (int l = c.first_rre_block(); l < c.layers; ++l)
         for (const GroupSpec& g : c.groups) {
           int64_t n = 0;
           for (size_t i = 0; i < m.params().all().size(); ++i) {
@@ -422,20 +421,18 @@ TEST(TrainStep, ZeroStage3GathersOneExpertGroupAtATime) {
             if (plan.owner[i] != comm.rank() && p.name.starts_with(names::expert_prefix(l, g.name) + "."))
               n += p.value.numel();
           }
+          expert_max = std::max(expert_max, n / g.experts);
           group_max = std::max(group_max, n);
-          block += n;
         }
-        block_max = std::max(block_max, block);
-      }
       for (int s = 0; s < 2; ++s) {
         const auto batches = micro_batches(c, 4, uint64_t(s) + 1);
         z.step.prepare(batches);
         z.step.run(batches, z.oc.lr, UpdateMask{});
       }
-      const std::string what = fmt::format("rank {}, overlap {}, a block's {}", comm.rank(), overlap,
-                                           block_max);
+      const std::string what = fmt::format("rank {}, overlap {}, a group's {}", comm.rank(), overlap,
+                                           group_max);
       EXPECT_GT(z.step.peak_gathered_expert_elements(), 0) << what;
-      EXPECT_LE(z.step.peak_gathered_expert_elements(), group_max) << what;
+      EXPECT_LE(z.step.peak_gathered_expert_elements(), expert_max) << what;
     });
   }
 }
@@ -507,9 +504,9 @@ TEST(TrainStep, ZeroStage3KeepsAboutOneStagesExchangeInFlight) {
       c.d_model = d;
       Zero3Step z(comm, c, true);
       size_t stage = 0, all = 0;
-      for (const std::vector<size_t>& ids : z.m.param_stages()) {
+      for (const ParamStage& pieces : z.m.param_stages()) {
         size_t n = 0;
-        for (size_t i : ids) n += size_t(z.m.params().all()[i].value.numel());
+        for (const ParamPiece& p : pieces) n += size_t(p.size());
         stage = std::max(stage, n);
         all += n;
       }

@@ -32,8 +32,9 @@ ParamSet make_params() {
 
 // Runs reduce + gather on R thread ranks with the given bucket; returns, per rank, the
 // owned gradients (concatenated in parameter order) and every value.
-// overlapped: the same through ZeroOverlap (parallel/zero_overlap.h), the tensors in three
-// stages as backward and forward hand them over, at most `bound` elements in flight.
+// overlapped: the same through ZeroOverlap (parallel/zero_overlap.h), the tensors in four
+// stages as backward and forward hand them over (p6 in two pieces, as an expert's slices of a
+// stacked tensor), at most `bound` elements in flight.
 std::vector<std::vector<float>> exchange(int R, size_t bucket, bool overlapped = false,
                                          size_t bound = 0) {
   std::vector<std::vector<float>> out(static_cast<size_t>(R));
@@ -52,9 +53,13 @@ std::vector<std::vector<float>> exchange(int R, size_t bucket, bool overlapped =
     }
     if (overlapped) {
       ZeroOverlap zo(comm, plan, ps, bucket, bound ? bound : 8 * kZeroBucketElements);
-      const std::vector<std::vector<size_t>> stages{{6, 7}, {2, 3, 4, 5}, {0, 1}};
-      for (const auto& ids : stages) {
-        zo.start_reduce(ids);
+      auto whole = [&](size_t i) { return whole_param(ps, i); };
+      const std::vector<ParamStage> stages{{{6, 45, 90}, whole(7)},
+                                           {{6, 0, 45}},
+                                           {whole(2), whole(3), whole(4), whole(5)},
+                                           {whole(0), whole(1)}};
+      for (const ParamStage& pieces : stages) {
+        zo.start_reduce(pieces);
         zo.progress();
       }
       zo.finish_reduce();

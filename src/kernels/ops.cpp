@@ -135,16 +135,31 @@ Tensor clone(const Tensor& t) {
   return c;
 }
 
-void zero_release(Tensor& t) {
-  if (t.device() != Device::Host) return zero(t);
+namespace {
+// Zeroes host bytes [b, e), handing their whole pages back to the system.
+void release_host_bytes(uintptr_t b, uintptr_t e) {
   static const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
-  const uintptr_t b = uintptr_t(t.bytes()), e = b + t.nbytes();
   const uintptr_t pb = (b + page - 1) & ~(page - 1), pe = e & ~(page - 1);
-  if (pe <= pb) return t.zero();
+  if (pe <= pb) return (void)std::memset(reinterpret_cast<void*>(b), 0, e - b);
   std::memset(reinterpret_cast<void*>(b), 0, pb - b);  // the partial pages at both ends
   std::memset(reinterpret_cast<void*>(pe), 0, e - pe);
   if (madvise(reinterpret_cast<void*>(pb), pe - pb, MADV_DONTNEED) != 0)
     std::memset(reinterpret_cast<void*>(pb), 0, pe - pb);
+}
+}  // namespace
+
+void zero_release(Tensor& t) {
+  if (t.device() != Device::Host) return zero(t);
+  release_host_bytes(uintptr_t(t.bytes()), uintptr_t(t.bytes()) + t.nbytes());
+}
+
+void zero_release(Tensor& t, int64_t begin, int64_t end) {
+  SIGMA_CHECK(t.dtype() == DType::F32 && 0 <= begin && begin <= end && end <= t.numel(),
+              "zero_release: elements [{}, {}) of a tensor of {}", begin, end, t.numel());
+  if (begin == end) return;
+  if (t.device() != Device::Host) return owner(t.device()).fill(t.dev_f() + begin, 0.0f, end - begin);
+  const uintptr_t b = uintptr_t(t.bytes()) + uintptr_t(begin) * sizeof(float);
+  release_host_bytes(b, b + uintptr_t(end - begin) * sizeof(float));
 }
 
 size_t advise_huge_pages(Tensor& t) {

@@ -284,6 +284,8 @@ void zero(Tensor& t);                              // any device
 // zero(t), and host memory's whole pages handed back to the system (madvise): they read as
 // zeros and take no memory until written again (ZeRO-2's gradients of other ranks' tensors).
 void zero_release(Tensor& t);
+// The same for elements [begin, end) of an F32 tensor (a stage's piece of it).
+void zero_release(Tensor& t, int64_t begin, int64_t end);
 // A hint that host memory's whole 2 MiB ranges in t be backed by transparent huge pages
 // (madvise MADV_HUGEPAGE, then MADV_COLLAPSE for the pages already touched): a decode step
 // streams every weight once, and with 4 KiB pages a sequential read of them is slower (one

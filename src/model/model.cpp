@@ -78,24 +78,32 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
   register_params(params_, cfg_, !external_experts, tp_.size);
   register_buffers(buffers_, cfg_);
   grad_stages_.resize(size_t(L) + 2);
-  // RRE blocks with their experts in the model: each group's experts a stage of their own
-  // (L + 2 + (l - first RRE block) * G + g), read and finished group by group.
-  const bool group_stages = !external_experts && cfg_.rre_layers > 0 && !cfg_.gated();
-  const size_t G = cfg_.groups.size();
+  // RRE blocks with their experts in the model: each expert a stage of its own (its slice of
+  // each of its group's stacked tensors), read and finished expert by expert, so that a pass
+  // holds one expert's gathered values and gradients at a time under ZeRO-3, not a group's.
+  const bool expert_stages = !external_experts && cfg_.rre_layers > 0 && !cfg_.gated();
   expert_stages_.assign(size_t(L), {});
-  if (group_stages) {
+  if (expert_stages)
     for (int l = cfg_.first_rre_block(); l < L; ++l)
-      for (size_t g = 0; g < G; ++g) expert_stages_[size_t(l)].push_back(grad_stages_.size() + (size_t(l - cfg_.first_rre_block()) * G) + g);
-    grad_stages_.resize(size_t(L) + 2 + size_t(cfg_.rre_layers) * G);
-  }
+      for (const GroupSpec& g : cfg_.groups)
+        for (int e = 0; e < g.experts; ++e) {
+          expert_stages_[size_t(l)].push_back(grad_stages_.size());
+          grad_stages_.emplace_back();
+        }
   for (size_t i = 0; i < params_.all().size(); ++i) {
-    const std::string& n = params_.all()[i].name;
-    const int l = names::block_of(n);
-    if (group_stages && l >= 0 && names::is_expert(n)) {
-      grad_stages_[expert_stages_[size_t(l)][size_t(cfg_.group_index(names::group_of(n)))]].push_back(i);
+    const Param& p = params_.all()[i];
+    const int l = names::block_of(p.name);
+    if (expert_stages && l >= 0 && names::is_expert(p.name)) {  // stacked [K, ...]
+      const int g = cfg_.group_index(names::group_of(p.name));
+      int first = 0;  // the group's first expert in block l
+      for (int h = 0; h < g; ++h) first += cfg_.groups[size_t(h)].experts;
+      const int64_t K = p.value.dim(0), per = p.value.numel() / K;
+      for (int64_t e = 0; e < K; ++e)
+        grad_stages_[expert_stages_[size_t(l)][size_t(first + e)]].push_back({i, e * per, (e + 1) * per});
       continue;
     }
-    grad_stages_[l >= 0 ? size_t(l) : n.starts_with("final_ln.") ? size_t(L) : size_t(L) + 1].push_back(i);
+    grad_stages_[l >= 0 ? size_t(l) : p.name.starts_with("final_ln.") ? size_t(L) : size_t(L) + 1]
+        .push_back(whole_param(params_, i));
   }
   for (const DomainSpec& d : cfg_.domains)
     domain_group_.push_back(cfg_.rre_layers == 0 ? -1 : cfg_.group_index(d.group));

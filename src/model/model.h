@@ -172,21 +172,23 @@ class Model {
   std::vector<float> logits_row(int64_t r) const;
   std::vector<float> logits() const;  // every row, [B*T, V]
 
-  // Called during backward() with the indices (into params().all()) of the parameters whose
-  // gradients the pass has finished, as it finishes them: the final LayerNorm after the head,
+  // Called during backward() with the pieces of the parameters whose gradients the pass has
+  // finished (a stage of param_stages()), as it finishes them: the final LayerNorm after the head,
   // each block after its backward (top down), the embedding tables last. ZeRO-2 hands them to
   // their owners at once (train/train_step.cpp). Empty (the default): nothing is called.
-  using GradsDone = std::function<void(const std::vector<size_t>&)>;
+  using GradsDone = std::function<void(const ParamStage&)>;
   void set_grads_done(GradsDone f) { grads_done_ = std::move(f); }
   // The parameters of each stage: [l] block l, [L] the final LayerNorm, [L + 1] the embedding
   // tables (the stages set_grads_done reports), then, in an RRE block whose experts are in the
-  // model, each group's experts (expert_stages(l), in group order), so that a pass holds one
-  // group's values and gradients at a time: block l's stage is then its other tensors.
-  const std::vector<std::vector<size_t>>& param_stages() const { return grad_stages_; }
-  // Block l's group stages (empty: a dense block, a learned gate's, or experts in a store).
+  // model, each expert (expert_stages(l), in expert order: its slice of its group's stacked
+  // tensors), so that a pass holds one expert's values and gradients at a time: block l's
+  // stage is then its other tensors. Whole tensors elsewhere.
+  const std::vector<ParamStage>& param_stages() const { return grad_stages_; }
+  // Block l's expert stages (empty: a dense block, a learned gate's, or experts in a store).
   // A pass asks for them after block l's own stage and finishes them before it: the forward
-  // group by group around each group's experts, backward likewise (each group's gradients
-  // reported finished after its experts' backward, before the rest of the block's).
+  // expert by expert, backward likewise (each expert's gradients reported finished after its
+  // backward, before the rest of the block's). Without hooks (set_params_needed,
+  // set_grads_done) the experts run in one pass, side by side where that pays: the same bits.
   const std::vector<size_t>& expert_stages(int l) const { return expert_stages_[size_t(l)]; }
   // Called by a training forward() before it first reads a stage's parameters: stage L + 1
   // (the embeddings) first, then each block l, then L (the final LayerNorm before the tied
@@ -279,11 +281,12 @@ class Model {
   std::unique_ptr<Activations> own_;
   // The parameters each stage of backward finishes: [l] block l, [L] the final LayerNorm,
   // [L + 1] the embedding tables.
-  std::vector<std::vector<size_t>> grad_stages_;
-  std::vector<std::vector<size_t>> expert_stages_;  // [l]: block l's group stages
+  std::vector<ParamStage> grad_stages_;
+  std::vector<std::vector<size_t>> expert_stages_;  // [l]: block l's expert stages
   GradsDone grads_done_;
   ParamsNeeded params_needed_;
   ParamsDone params_done_;
+  bool staged() const { return params_needed_ || params_done_ || grads_done_; }
   void params_needed(size_t stage) const {
     if (params_needed_) params_needed_(stage);
   }

@@ -435,20 +435,19 @@ void Model::expert_forward(int l, const Batch& batch, Activations& acts, float* 
     rre_plan(k.plan, w.rre, batch.tokens.data(), acts.row_group.data(), N);
     const std::vector<size_t>& stages = expert_stages(l);
     add_tp_sum(tp_, out, acts.tp_sum.dev_f(), N * d, [&](float* y) {
-      if (stages.empty() || executor_ != &local_) {
+      if (stages.empty() || executor_ != &local_ || !staged()) {
         for (size_t s : stages) params_needed(s);
         executor_->forward(l, rw, k.plan, buf, y, k.a2.dev_f(), N, d, f);
         for (size_t s : stages) params_done(s);
         return;
       }
-      // Group by group, each group's experts read between its stage's hooks: the slices of the
-      // whole pass (whole_plan), so the same bits as one call (rre.h).
-      const ExpertSlice whole = whole_plan(k.plan);
-      for (size_t g = 0; g < stages.size(); ++g) {
-        params_needed(stages[g]);
+      // Expert by expert, each read between its stage's hooks: slices of the whole pass, so
+      // the same bits as one call (rre.h).
+      for (size_t e = 0; e < stages.size(); ++e) {
+        params_needed(stages[e]);
         rre_forward(y, buf.pre, buf.act, buf.gx, buf.gy, k.a2.dev_f(), rw, k.plan,
-                    {rw.offset[g], rw.offset[g + 1], whole.side_by_side}, N, d, f);
-        params_done(stages[g]);
+                    {int(e), int(e) + 1, false}, N, d, f);
+        params_done(stages[e]);
       }
     });
   }
@@ -563,20 +562,18 @@ void Model::expert_backward(int l, Activations& a, float* dh) {
   const ExpertBuffers buf{k.pre.dev_f(), k.act.dev_f(), a.gx.dev_f(), a.gy.dev_f(), a.gdx.dev_f()};
   if (!cfg_.gated()) {
     const std::vector<size_t>& stages = expert_stages(l);
-    if (stages.empty() || executor_ != &local_) {
+    if (stages.empty() || executor_ != &local_ || !staged()) {
       for (size_t s : stages) params_needed(s);
       executor_->backward(l, w.rre, k.plan, buf, a.da.dev_f(), dh, k.a2.dev_f(), N, d, f);
       for (size_t s : stages) grads_done(s);
       for (size_t s : stages) params_done(s);
-    } else {  // group by group, as the forward (each row's dx from one expert: the same bits)
-      const ExpertSlice whole = whole_plan(k.plan);
-      for (size_t g = 0; g < stages.size(); ++g) {
-        params_needed(stages[g]);
-        rre_backward(a.da.dev_f(), buf.gx, buf.gy, buf.gdx, dh, k.a2.dev_f(), buf.pre,
-                     buf.act, w.rre, k.plan, {w.rre.offset[g], w.rre.offset[g + 1], whole.side_by_side},
-                     N, d, f);
-        grads_done(stages[g]);
-        params_done(stages[g]);
+    } else {  // expert by expert, as the forward (each row's dx from one expert: the same bits)
+      for (size_t e = 0; e < stages.size(); ++e) {
+        params_needed(stages[e]);
+        rre_backward(a.da.dev_f(), buf.gx, buf.gy, buf.gdx, dh, k.a2.dev_f(), buf.pre, buf.act,
+                     w.rre, k.plan, {int(e), int(e) + 1, false}, N, d, f);
+        grads_done(stages[e]);
+        params_done(stages[e]);
       }
     }
     return tp_.all_reduce(a.da.dev_f(), N * d);  // column-parallel w_in: dL/da2 is the group's sum

@@ -34,6 +34,20 @@ class ParamSet {
   std::map<std::string, size_t> index_;
 };
 
+// Elements [begin, end) of parameter `param` (an index into ParamSet::all()): the unit of a
+// pass's stages (Model::param_stages), so that one expert of a stacked group tensor is a
+// stage of its own.
+struct ParamPiece {
+  size_t param;
+  int64_t begin, end;
+  int64_t size() const { return end - begin; }
+};
+using ParamStage = std::vector<ParamPiece>;  // pieces in ascending (param, begin) order
+// Param i whole.
+inline ParamPiece whole_param(const ParamSet& ps, size_t i) {
+  return {i, 0, ps.all()[i].value.numel()};
+}
+
 // Non-trainable named tensors of a model (the RRE routing tables): saved and loaded with the
 // parameters, never seen by the optimizer. Host memory: the RRE planner reads them on the host
 // to group a batch's rows by expert before any op runs.

@@ -11,24 +11,25 @@
 
 namespace sigma::zero_detail {
 
-// Owner o's stream: the elements of the tensors it owns, in parameter order. Buckets walk
+// Owner o's stream: the elements of the tensors it owns (or of the pieces of them that `only`
+// names), in parameter order. Buckets walk
 // every owner's stream at once, S elements of each per round, so that a round moves at most
 // R * S elements per rank and no buffer grows with the model (ZeRO's bucketed exchange).
 class OwnerStreams {
  public:
   OwnerStreams(const ShardPlan& plan, std::vector<Param>& all, bool grads,
-               const std::vector<size_t>* only = nullptr)
+               const ParamStage* only = nullptr)
       : plan_(plan), lengths_(size_t(plan.ranks), 0) {
     tensors_.resize(size_t(plan.ranks));
-    auto add = [&](size_t i) {
+    auto add = [&](size_t i, int64_t begin, int64_t end) {
       Tensor& t = grads ? all[i].grad : all[i].value;
-      tensors_[size_t(plan.owner[i])].push_back({t.dev_f(), size_t(t.numel())});
-      lengths_[size_t(plan.owner[i])] += size_t(t.numel());
+      tensors_[size_t(plan.owner[i])].push_back({t.dev_f() + begin, size_t(end - begin)});
+      lengths_[size_t(plan.owner[i])] += size_t(end - begin);
     };
     if (only)
-      for (size_t i : *only) add(i);
+      for (const ParamPiece& p : *only) add(p.param, p.begin, p.end);
     else
-      for (size_t i = 0; i < all.size(); ++i) add(i);
+      for (size_t i = 0; i < all.size(); ++i) add(i, 0, all[i].value.numel());
   }
   size_t length(int o) const { return lengths_[size_t(o)]; }
   // Calls fn(pointer, n) over owner o's stream elements [begin, end) in order.

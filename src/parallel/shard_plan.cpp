@@ -39,7 +39,7 @@ ShardPlan plan_shards(const ParamSet& ps, int ranks) {
 
 
 void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, size_t bucket,
-                      const std::vector<size_t>* only) {
+                      const ParamStage* only) {
   const int R = comm.size(), me = comm.rank();
   SIGMA_CHECK(plan.ranks == R, "shard plan for {} ranks used with {}", plan.ranks, R);
   if (R == 1) return;
@@ -65,7 +65,7 @@ void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, s
 }
 
 void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps, size_t bucket,
-                        const std::vector<size_t>* only) {
+                        const ParamStage* only) {
   const int R = comm.size(), me = comm.rank();
   if (R == 1 || (only && only->empty())) return;
   const zero_detail::OwnerStreams values(plan, ps.all(), false, only);

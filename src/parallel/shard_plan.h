@@ -29,7 +29,7 @@ ShardPlan plan_shards(const ParamSet& ps, int ranks);
 // rank order); the other ranks' copies are left as they were and must not be used. Moved in
 // rounds of fixed-size buckets straight from the gradient tensors (no copy of them all).
 // `bucket`: elements per round over all owners (tests shrink it to cross tensor boundaries).
-// `only`: the indices of the parameters to reduce (ascending; ZeRO-2 reduces each stage of
+// `only`: the pieces of the parameters to reduce (ascending; ZeRO-2 reduces each stage of
 // backward as it finishes), null = all. Each element's sum is the same whatever the rounds.
 constexpr size_t kZeroBucketElements = size_t(1) << 22;  // 16 MiB of fp32
 // ZeRO-3's rounds, smaller: each round's packed copy and receive buffer sit on top of the
@@ -38,11 +38,11 @@ constexpr size_t kZeroBucketElements = size_t(1) << 22;  // 16 MiB of fp32
 // ~3 ms each, far above its latency.
 constexpr size_t kZero3BucketElements = size_t(1) << 20;
 void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
-                      size_t bucket = kZeroBucketElements, const std::vector<size_t>* only = nullptr);
+                      size_t bucket = kZeroBucketElements, const ParamStage* only = nullptr);
 
 // Every rank receives every parameter's value from its owner, in the same fixed-size rounds.
-// `only`: these parameters' (ascending; ZeRO-3 gathers a stage before it is read), null = all.
+// `only`: these pieces' (ascending; ZeRO-3 gathers a stage before it is read), null = all.
 void gather_from_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
-                        size_t bucket = kZeroBucketElements, const std::vector<size_t>* only = nullptr);
+                        size_t bucket = kZeroBucketElements, const ParamStage* only = nullptr);
 
 }  // namespace sigma

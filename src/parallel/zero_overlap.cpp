@@ -95,10 +95,10 @@ void ZeroOverlap::make_room(size_t counted) {
   while (!rounds_.empty() && counted_ + counted > max_in_flight_) complete(3, 0);
 }
 
-void ZeroOverlap::start_reduce(const std::vector<size_t>& ids) {
+void ZeroOverlap::start_reduce(const ParamStage& pieces) {
   const int R = comm_.size(), me = comm_.rank();
-  if (R == 1 || ids.empty()) return;
-  auto st = std::make_shared<const zero_detail::OwnerStreams>(plan_, ps_.all(), true, &ids);
+  if (R == 1 || pieces.empty()) return;
+  auto st = std::make_shared<const zero_detail::OwnerStreams>(plan_, ps_.all(), true, &pieces);
   const size_t S = st->slice_elements(bucket_);
   for (size_t k = 0, rounds = st->rounds(S); k < rounds; ++k) {
     auto r = std::make_unique<Round>();
@@ -125,10 +125,10 @@ void ZeroOverlap::start_reduce(const std::vector<size_t>& ids) {
   }
 }
 
-void ZeroOverlap::start_gather(const std::vector<size_t>& ids, int key) {
+void ZeroOverlap::start_gather(const ParamStage& pieces, int key) {
   const int R = comm_.size(), me = comm_.rank();
-  if (R == 1 || ids.empty()) return;
-  auto st = std::make_shared<const zero_detail::OwnerStreams>(plan_, ps_.all(), false, &ids);
+  if (R == 1 || pieces.empty()) return;
+  auto st = std::make_shared<const zero_detail::OwnerStreams>(plan_, ps_.all(), false, &pieces);
   const size_t S = st->slice_elements(bucket_);
   for (size_t k = 0, rounds = st->rounds(S); k < rounds; ++k) {
     auto r = std::make_unique<Round>();

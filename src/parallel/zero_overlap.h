@@ -2,11 +2,11 @@
 // compute"). The same bucketed rounds as reduce_to_owners and gather_from_owners
 // (parallel/shard_plan.h), started as non-blocking collectives (Communicator::start_*) as soon
 // as their data is ready and taken in when complete:
-//  - start_reduce(ids) as backward finishes a stage (a block's gradients): its gradients are
-//    packed at once (so they may be released or overwritten after), and each round is a
+//  - start_reduce(pieces) as backward finishes a stage (a block's or an expert's gradients):
+//    they are packed at once (so they may be released or overwritten after), and each round is a
 //    non-blocking reduce_scatter_sum_v: the R parts of each owner's slice added by tree_sum in
 //    rank order, the same sums in the same order as reduce_to_owners, so the same bits;
-//  - start_gather(ids, key) after the update: the owners' new values go to every rank, and
+//  - start_gather(pieces, key) after the update: the owners' new values go to every rank, and
 //    finish_gather(key) waits for them where the next forward first reads them.
 // progress() advances what is in flight (the MPI progress strategy: a test at each layer
 // boundary, where the step calls it) and takes in what has arrived. Buffers in flight are
@@ -41,13 +41,13 @@ class ZeroOverlap {
   ZeroOverlap(const ZeroOverlap&) = delete;
   ZeroOverlap& operator=(const ZeroOverlap&) = delete;
 
-  // Starts reducing these parameters' gradients to their owners (indices into ps.all(),
-  // ascending). The gradients are read now.
-  void start_reduce(const std::vector<size_t>& ids);
+  // Starts reducing these pieces' gradients to their owners (ascending). The gradients are
+  // read now.
+  void start_reduce(const ParamStage& pieces);
   // Completes every reduction started: each owner's gradients hold the sums over the ranks.
   void finish_reduce();
-  // Starts sending the owners' values of these parameters to every rank, under `key`.
-  void start_gather(const std::vector<size_t>& ids, int key);
+  // Starts sending the owners' values of these pieces to every rank, under `key`.
+  void start_gather(const ParamStage& pieces, int key);
   // Completes the gathers started under `key`; the other ranks' tensors then hold the owners'
   // values. finish_gathers(): every gather in flight.
   void finish_gather(int key);

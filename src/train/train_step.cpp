@@ -39,26 +39,26 @@ class GradTree {
       stack_.back().first += 1;
     }
   }
-  // dist.overlap: the gradients of `ids`, the current micro-batch's (the last leaf, not
+  // dist.overlap: the gradients of `pieces`, the current micro-batch's (the last leaf, not
   // pushed), become the tree's total over every leaf: the same additions as push() then
   // finish() (each carry of push and each step of finish adds the partial sum below to the
-  // total above, so both walk the stack from the top), for these tensors' elements only.
-  void fold_last_into(ParamSet& ps, const std::vector<size_t>& ids) {
+  // total above, so both walk the stack from the top), for these pieces' elements only.
+  void fold_last_into(ParamSet& ps, const ParamStage& pieces) {
     if (stack_.empty()) return;
     if (offset_.size() != ps.all().size()) {
       offset_.assign(ps.all().size(), 0);
       int64_t at = 0;
       for (size_t i = 0; i < offset_.size(); ++i) offset_[i] = at, at += ps.all()[i].grad.numel();
     }
-    for (size_t i : ids) {
-      Param& p = ps.all()[i];
-      const int64_t n = p.grad.numel(), at = offset_[i];
-      const float* cur = p.grad.dev_f();
+    for (const ParamPiece& piece : pieces) {
+      float* grad = ps.all()[piece.param].grad.dev_f() + piece.begin;
+      const int64_t n = piece.size(), at = offset_[piece.param] + piece.begin;
+      const float* cur = grad;
       for (size_t k = stack_.size(); k-- > 0;) {
         ops::add_into(stack_[k].second.dev_f() + at, cur, n);
         cur = stack_[k].second.dev_f() + at;
       }
-      ops::copy(p.grad.dev_f(), cur, n);
+      ops::copy(grad, cur, n);
     }
   }
   void clear() { stack_.clear(); }
@@ -147,8 +147,8 @@ std::vector<size_t> TrainStep::backward_stages() const {
 }
 
 void TrainStep::release_stage(size_t s) {
-  for (size_t i : model_.param_stages()[s])
-    if (!owned_[i]) ops::zero_release(model_.params().all()[i].value);
+  for (const ParamPiece& p : model_.param_stages()[s])
+    if (!owned_[p.param]) ops::zero_release(model_.params().all()[p.param].value, p.begin, p.end);
   held_[s] = 0;
 }
 
@@ -167,10 +167,8 @@ void TrainStep::need_stage(size_t s) {
     int64_t experts = 0;  // the other ranks' expert values held now
     for (size_t t = 0; t < stages.size(); ++t) {
       if (!held_[t]) continue;
-      for (size_t i : stages[t]) {
-        const Param& p = model_.params().all()[i];
-        if (!owned_[i] && p.expert) experts += p.value.numel();
-      }
+      for (const ParamPiece& p : stages[t])
+        if (!owned_[p.param] && model_.params().all()[p.param].expert) experts += p.size();
     }
     peak_experts_ = std::max(peak_experts_, experts);
   }
@@ -264,12 +262,12 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   const std::vector<uint8_t> owned = comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{};
   const bool zero2 = zero_ >= 2 && comm_.size() > 1, early = zero2 && mine.size() == 1;
   const bool z3 = zero3();
-  auto release_others = [&](const std::vector<size_t>& ids) {  // ZeRO-2: keep only my tensors'
-    for (size_t i : ids)
-      if (!owned[i]) ops::zero_release(ps.all()[i].grad);
+  auto release_others = [&](const ParamStage& pieces) {  // ZeRO-2: keep only my tensors'
+    for (const ParamPiece& p : pieces)
+      if (!owned[p.param]) ops::zero_release(ps.all()[p.param].grad, p.begin, p.end);
   };
-  std::vector<size_t> every(ps.all().size());
-  for (size_t i = 0; i < every.size(); ++i) every[i] = i;
+  ParamStage every;
+  for (size_t i = 0; i < ps.all().size(); ++i) every.push_back(whole_param(ps, i));
   struct Unhook {  // the hooks hold references into this call
     Model& m;
     ~Unhook() {
@@ -290,9 +288,9 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     size_t bound = 8 * kZeroBucketElements;
     if (z3) {
       size_t stage = 0;
-      for (const std::vector<size_t>& ids : model_.param_stages()) {
+      for (const ParamStage& pieces : model_.param_stages()) {
         size_t n = 0;
-        for (size_t i : ids) n += size_t(ps.all()[i].value.numel());
+        for (const ParamPiece& p : pieces) n += size_t(p.size());
         stage = std::max(stage, n);
       }
       bound = 2 * std::min(stage, zero_bucket());
@@ -312,10 +310,10 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     model_.set_params_done([&](size_t stage) { done_stage(stage); });
   }
   size_t at_micro = 0;  // the micro-batch being run
-  auto reduce_stage = [&](const std::vector<size_t>& ids) {  // final gradients: to their owners
-    if (mine.size() > 1) tree.fold_last_into(ps, ids);
-    zo_->start_reduce(ids);
-    if (zero2) release_others(ids);  // packed already
+  auto reduce_stage = [&](const ParamStage& pieces) {  // final gradients: to their owners
+    if (mine.size() > 1) tree.fold_last_into(ps, pieces);
+    zo_->start_reduce(pieces);
+    if (zero2) release_others(pieces);  // packed already
   };
   if (ov) {
     if (!z3)
@@ -323,14 +321,14 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
         zo_->finish_gather(int(stage));
         if (overlap_polls()) zo_->progress();
       });
-    model_.set_grads_done([&](const std::vector<size_t>& ids) {
-      if (ov_early && at_micro + 1 == mine.size()) reduce_stage(ids);
+    model_.set_grads_done([&](const ParamStage& pieces) {
+      if (ov_early && at_micro + 1 == mine.size()) reduce_stage(pieces);
       if (overlap_polls()) zo_->progress();
     });
   } else if (early)
-    model_.set_grads_done([&](const std::vector<size_t>& ids) {
-      reduce_to_owners(comm_, plan_, ps, zero_bucket(), &ids);
-      release_others(ids);
+    model_.set_grads_done([&](const ParamStage& pieces) {
+      reduce_to_owners(comm_, plan_, ps, zero_bucket(), &pieces);
+      release_others(pieces);
     });
   for (size_t j = 0; j < mine.size(); ++j) {
     const Batch& b = mine[j];
