@@ -492,9 +492,9 @@ class UnprogressedComm final : public Communicator {
 // stage: 2x its elements, or one round alone where it is more (a reduce round counts its
 // packed copy and R times this rank's part: (R + 1)x). ZeRO-1's bound of 8 buckets (32 M
 // elements) leaves every stage of backward in flight at once here (fails on it); the bits are
-// ZeroStage3IsBitIdenticalToStage1's. At d = 256 a stage (an expert group's stacked tensors: 1.6 M elements) is larger than
-// ZeRO-3's round (kZero3BucketElements), so the bound is two of those rounds (about 2 M
-// elements in flight), not of ZeRO-1's 4x larger rounds (fails with them: 4.7 M).
+// ZeroStage3IsBitIdenticalToStage1's. At d = 256 the largest stage (0.79 M elements) is larger
+// than ZeRO-3's round (kZero3BucketElements), so the bound is two of those rounds (0.52 M
+// elements in flight), not of ZeRO-1's 16x larger rounds (fails with them: 1.6-1.8 M).
 TEST(TrainStep, ZeroStage3KeepsAboutOneStagesExchangeInFlight) {
   for (int d : {16, 256}) {
     test_ranks::run_ranks(4, [&](Communicator& threads) {

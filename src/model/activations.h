@@ -54,7 +54,7 @@ struct Activations {
   bool has_grad = false;           // logits hold dL/dlogits: backward may run
   double weight_sum = 0;           // sum of the loss weights: d(loss)/d(aux loss)
   // Backward and expert scratch (overwritten by every call that uses it).
-  Tensor dh, da, datt, dqkv;       // [N,d], [N,d], [N,d], [N,3d]
+  Tensor dh, da;                   // [N,d]
   Tensor dq_shared;                // [T,d] query layer: dq summed over the batch
   Tensor gx, gy, gdx;              // [k*N,d] expert gather buffers
   Tensor z;                        // [N,Kmax] learned gate: logits, then their gradient
@@ -71,6 +71,11 @@ struct Activations {
   // Block l's buffers (the shared set under Remat::Blocks; its input x is always blocks[l].x)
   // and its attention output.
   BlockActs& block(int l) { return remat == Remat::Blocks ? work : blocks[size_t(l)]; }
+  // Block l's attention backward: dL/datt [N, d/tp] then dL/dqkv [N, 3d/tp], in the block's
+  // pre ([>= N, 4d/tp]), which its FFN backward has finished with: 4 N x d floats less than
+  // buffers of their own.
+  float* att_grad(int l) { return block(l).pre.dev_f(); }
+  float* qkv_grad(int l, int64_t d_local) { return block(l).pre.dev_f() + int64_t(B) * T * d_local; }
   float* att(int l) { return remat == Remat::None ? blocks[size_t(l)].att.dev_f() : work.att.dev_f(); }
 };
 

@@ -93,7 +93,8 @@ void Activations::ensure(const ModelConfig& cfg, int B_, int T_, Remat remat_, i
   h_final = t({N, d}), hf = t({N, d}), meanf = t({N}), rstdf = t({N});
   logits = t({N, V / tp});  // vocabulary-parallel: never the whole rows
   xent_stats = tp > 1 ? t({tp, N, 3}) : Tensor{};
-  dh = t({N, d}), da = t({N, d}), datt = t({N, d}), dqkv = t({N, 3 * d});
+  dh = t({N, d}), da = t({N, d});
+  SIGMA_CHECK(f >= 4 * d, "attention's gradients live in the FFN's pre (att_grad)");
   dq_shared = t({T, d});
   tp_sum = tp > 1 ? t({N, d}) : Tensor{};
   if (cfg.rre_layers > 0) {
@@ -605,14 +606,15 @@ void Model::attention_backward(int l, const Batch& batch, Activations& a, float*
   float* att = a.att(l);
   if (a.remat == Remat::Attention)  // the same call on the same inputs: the same bits
     ops::flash_attention_forward(att, k.lse.dev_f(), q, kk, vv, {B, T, T, Hl, hd}, scale);
-  zero(a.datt);
+  float* datt = a.att_grad(l);
+  ops::fill(datt, 0.0f, N * dl);
   // Row-parallel output: its input gradient and weight gradient are this rank's rows alone.
-  ops::linear_backward(a.datt.dev_f(), w.out_w.g, w.out_b.g, dh, att, w.out_w.v, N, dl, d);
-  zero(a.dqkv);
+  ops::linear_backward(datt, w.out_w.g, w.out_b.g, dh, att, w.out_w.v, N, dl, d);
   // dq always gets per-row storage (the q third of dqkv), even when q is shared.
-  float* dqkv = a.dqkv.dev_f();
+  float* dqkv = a.qkv_grad(l, dl);
+  ops::fill(dqkv, 0.0f, N * 3 * dl);
   ops::flash_attention_backward({dqkv, 3 * dl, T * 3 * dl}, {dqkv + dl, 3 * dl, T * 3 * dl},
-                                {dqkv + 2 * dl, 3 * dl, T * 3 * dl}, a.datt.dev_f(), att, k.lse.dev_f(),
+                                {dqkv + 2 * dl, 3 * dl, T * 3 * dl}, datt, att, k.lse.dev_f(),
                                 q, kk, vv, {B, T, T, Hl, hd}, scale);
   zero(a.da);
   if (!query_layer) {

@@ -33,10 +33,10 @@ ShardPlan plan_shards(const ParamSet& ps, int ranks);
 // backward as it finishes), null = all. Each element's sum is the same whatever the rounds.
 constexpr size_t kZeroBucketElements = size_t(1) << 22;  // 16 MiB of fp32
 // ZeRO-3's rounds, smaller: each round's packed copy and receive buffer sit on top of the
-// gathered stage and its gradients at the peak (30-37 MiB less per rank than 16 MiB rounds at
-// d = 512, R = 4, tokens/s unchanged: issue 38); 4 MiB rounds still take a 10 Gbit/s link
-// ~3 ms each, far above its latency.
-constexpr size_t kZero3BucketElements = size_t(1) << 20;
+// gathered stage (one expert at most) and its gradients at the peak: at d = 512, R = 4 a rank
+// peaks 3-11 MiB lower with 1 MiB rounds than with 4 MiB ones (issue 38); a 10 Gbit/s link
+// still takes ~0.8 ms a round, 8x its latency.
+constexpr size_t kZero3BucketElements = size_t(1) << 18;
 void reduce_to_owners(Communicator& comm, const ShardPlan& plan, ParamSet& ps,
                       size_t bucket = kZeroBucketElements, const ParamStage* only = nullptr);
 

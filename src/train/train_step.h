@@ -116,7 +116,7 @@ class TrainStep {
   // Whether a rank holds only the values it owns between steps (dist.zero = 3 on R > 1 ranks).
   bool values_sharded() const { return zero3(); }
   // dist.zero = 3: the most elements of other ranks' expert tensors this rank has held gathered
-  // at once (one group's at most where the model reads its experts group by group).
+  // at once (one expert's at most where the model reads its experts one by one).
   int64_t peak_gathered_expert_elements() const { return peak_experts_; }
   // Seconds this rank spent blocked in overlapped exchanges (ZeroOverlap::blocked_s).
   double overlap_blocked_s() const { return zo_ ? zo_->blocked_s() : 0.0; }
