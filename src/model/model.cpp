@@ -83,6 +83,11 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
   // holds one expert's gathered values and gradients at a time under ZeRO-3, not a group's.
   const bool expert_stages = !external_experts && cfg_.rre_layers > 0 && !cfg_.gated();
   expert_stages_.assign(size_t(L), {});
+  std::vector<int> group_first;  // [g]: the group's first expert in a block
+  for (int first = 0; const GroupSpec& g : cfg_.groups) {
+    group_first.push_back(first);
+    first += g.experts;
+  }
   if (expert_stages)
     for (int l = cfg_.first_rre_block(); l < L; ++l)
       for (const GroupSpec& g : cfg_.groups)
@@ -94,9 +99,7 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
     const Param& p = params_.all()[i];
     const int l = names::block_of(p.name);
     if (expert_stages && l >= 0 && names::is_expert(p.name)) {  // stacked [K, ...]
-      const int g = cfg_.group_index(names::group_of(p.name));
-      int first = 0;  // the group's first expert in block l
-      for (int h = 0; h < g; ++h) first += cfg_.groups[size_t(h)].experts;
+      const int first = group_first[size_t(cfg_.group_index(names::group_of(p.name)))];
       const int64_t K = p.value.dim(0), per = p.value.numel() / K;
       for (int64_t e = 0; e < K; ++e)
         grad_stages_[expert_stages_[size_t(l)][size_t(first + e)]].push_back({i, e * per, (e + 1) * per});

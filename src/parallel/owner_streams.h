@@ -12,9 +12,9 @@
 namespace sigma::zero_detail {
 
 // Owner o's stream: the elements of the tensors it owns (or of the pieces of them that `only`
-// names), in parameter order. Buckets walk
-// every owner's stream at once, S elements of each per round, so that a round moves at most
-// R * S elements per rank and no buffer grows with the model (ZeRO's bucketed exchange).
+// names), in parameter order. Buckets walk every owner's stream at once, S elements of each
+// per round, so that a round moves at most R * S elements per rank and no buffer grows with
+// the model (ZeRO's bucketed exchange).
 class OwnerStreams {
  public:
   OwnerStreams(const ShardPlan& plan, std::vector<Param>& all, bool grads,
