@@ -82,7 +82,7 @@ Trained train_ep(int R, const GroupPlacement& placement, int steps, int micro,
     oc.grad_clip = 0.05f;  // clipping on: the norm must agree across ranks too
     ExpertParallel ep(m, comm, placement, oc, "", false);
     const ShardPlan plan = plan_shards(m.params(), R);
-    AdamW opt(oc, m.params(), R > 1 ? plan.owned_by(comm.rank()) : std::vector<uint8_t>{});
+    AdamW opt(oc, m.params(), R > 1 ? plan.owned_by(comm.rank()) : std::vector<ParamPiece>{});
     TrainStep step(m, opt, comm, oc, plan);
     for (int s = 0; s < steps; ++s) {
       const auto mb = make(c, micro, uint64_t(s) + 1);

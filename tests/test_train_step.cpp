@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "device_access.h"
 #include "core/rng.h"
@@ -45,6 +46,15 @@ std::vector<Batch> micro_batches(const ModelConfig& c, int n, uint64_t seed) {
   return out;
 }
 
+// Non-zero elements of t (param i's value or gradient) that rank 0 does not own.
+int64_t others_nonzero(const ShardPlan& plan, size_t i, const Tensor& t) {
+  const std::vector<float> v = sigma::testing::host_floats(t);
+  const ParamPiece own = plan.owned(i, 0);
+  int64_t n = 0;
+  for (int64_t k = 0; k < int64_t(v.size()); ++k) n += (k < own.begin || k >= own.end) && v[size_t(k)] != 0.0f;
+  return n;
+}
+
 // Trains `steps` steps of `micro` micro-batches on R thread-ranks (one OpenMP thread each)
 // and returns rank 0's weights and per-step losses. Every rank's weights must agree.
 struct RunResult {
@@ -56,6 +66,7 @@ struct RunResult {
   // Non-zero value elements of tensors rank 0 does not own, right after the first step, and
   // the weights settle() gives there (as a checkpoint between steps reads them).
   int64_t others_values_nonzero = 0;
+  int cut = 0;  // tensors the plan cuts over the ranks
   std::vector<float> settled;
 };
 
@@ -69,44 +80,47 @@ std::vector<float> flat(const Model& m) {
 // the next forward. watch: rank 0 counts the other ranks' gradients after each backward (a
 // fault-injection hook, after which an overlapped step starts its reductions; set on every
 // rank).
+// slab: the norm's slab, which the plan's cuts follow; vocab (when set) a larger vocabulary,
+// whose embedding table ZeRO cuts over the ranks (with a small slab).
 RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_rows = false,
                     int zero = 1, int overlap = 0, bool watch = true,
-                    Remat remat = Remat::None) {
+                    Remat remat = Remat::None, int64_t slab = kNormSlabElements, int vocab = 0) {
   RunResult out;
   std::vector<std::vector<float>> per_rank(static_cast<size_t>(R));
   test_ranks::run_ranks(R, [&](Communicator& comm) {
     omp_set_num_threads(1);
-    const ModelConfig c = step_config(rre_layers);
+    ModelConfig c = step_config(rre_layers);
+    if (vocab) c.vocab = vocab;
     // ZeRO-3 builds each rank's own values only (sharded construction), as `sigma train` does.
     Model::InitOnly init_only;
     if (zero == 3 && R > 1)
-      init_only = [&](const ParamSet& ps) { return plan_shards(ps, R).owned_by(comm.rank()); };
+      init_only = [&](const ParamSet& ps) { return plan_shards(ps, R, slab).holds(comm.rank()); };
     Model m(c, 5, nullptr, false, {}, init_only);
     m.set_remat(remat);
     OptimConfig oc;
     oc.lr = 1e-2f;
     oc.grad_clip = 0.05f;  // clipping on: the norm must agree across ranks too
-    const ShardPlan plan = plan_shards(m.params(), R);
-    AdamW opt(oc, m.params(), R > 1 ? plan.owned_by(comm.rank()) : std::vector<uint8_t>{});
+    const ShardPlan plan = plan_shards(m.params(), R, slab);
+    if (comm.rank() == 0)
+      for (size_t i = 0; i < m.params().all().size(); ++i) out.cut += !plan.whole(i);
+    AdamW opt(oc, m.params(), R > 1 ? plan.owned_by(comm.rank()) : std::vector<ParamPiece>{});
     TrainStep step(m, opt, comm, oc, plan);
     step.set_zero_stage(zero);
     step.set_overlap(overlap > 0, overlap == 2);
     if (R > 1 && watch)  // on every rank (dist.zero = 3's gathers are ordered with the reductions)
       step.set_after_backward([&](ParamSet& ps) {
         if (comm.rank() != 0) return;
-        for (size_t i = 0; i < ps.all().size(); ++i) {
-          if (plan.owner[i] == 0) continue;
-          const std::vector<float> g = sigma::testing::host_floats(ps.all()[i].grad);
-          out.others_nonzero += std::count_if(g.begin(), g.end(), [](float x) { return x != 0.0f; });
-        }
+        for (size_t i = 0; i < ps.all().size(); ++i)
+          out.others_nonzero += others_nonzero(plan, i, ps.all()[i].grad);
       });
     for (int s = 0; s < steps; ++s) {
       const auto batches = micro_batches(c, micro, uint64_t(s) + 1);
       UpdateMask mask;
-      if (sparse_rows) {  // only embedding rows 0..5 train, lazily
+      if (sparse_rows) {  // only embedding rows 0..5 and the last 3 train, lazily
+        const int64_t rows = m.params().all()[0].value.dim(0);
         mask.rows.assign(m.params().all().size(), {});
         mask.lazy_rows.assign(m.params().all().size(), 0);
-        mask.rows[0] = {{0, 5}};
+        mask.rows[0] = {{0, 5}, {rows - 3, rows}};
         mask.lazy_rows[0] = 1;
       }
       step.prepare(batches);
@@ -119,11 +133,8 @@ RunResult run_steps(int R, int rre_layers, int steps, int micro, bool sparse_row
       }
       if (s == 0) {  // between steps: what rank 0 holds, then every value (a checkpoint's read)
         if (comm.rank() == 0)
-          for (size_t i = 0; i < m.params().all().size(); ++i) {
-            if (plan.owner[i] == 0) continue;
-            const std::vector<float> v = sigma::testing::host_floats(m.params().all()[i].value);
-            out.others_values_nonzero += std::count_if(v.begin(), v.end(), [](float x) { return x != 0.0f; });
-          }
+          for (size_t i = 0; i < m.params().all().size(); ++i)
+            out.others_values_nonzero += others_nonzero(plan, i, m.params().all()[i].value);
         step.settle();
         if (comm.rank() == 0) out.settled = flat(m);
       }
@@ -186,11 +197,28 @@ TEST(TreeSum, BlocksOfAPowerOfTwoCombineToTheWholeTree) {
   EXPECT_EQ(t, (a + b) + c);
 }
 
+// Every element has exactly one owner, the ranks' element counts add up to the model's.
+void expect_a_partition(const ShardPlan& p, const ParamSet& ps, int R) {
+  ASSERT_EQ(p.cuts.size(), ps.all().size());
+  std::vector<int64_t> owned(size_t(R), 0);
+  for (size_t i = 0; i < ps.all().size(); ++i) {
+    const std::vector<int64_t>& c = p.cuts[i];
+    ASSERT_EQ(c.size(), size_t(R) + 1);
+    EXPECT_EQ(c.front(), 0);
+    EXPECT_EQ(c.back(), ps.all()[i].value.numel());
+    for (int r = 0; r < R; ++r) {
+      EXPECT_LE(c[size_t(r)], c[size_t(r) + 1]) << ps.all()[i].name;
+      owned[size_t(r)] += p.owned(i, r).size();
+    }
+  }
+  EXPECT_EQ(owned, p.elements);
+}
+
 TEST(ShardPlan, BalancesWholeTensorsDeterministically) {
   const ModelConfig c = step_config(2);
   Model m(c, 5);
   const ShardPlan p = plan_shards(m.params(), 3);
-  ASSERT_EQ(p.owner.size(), m.params().all().size());
+  expect_a_partition(p, m.params(), 3);
   int64_t total = 0;
   for (int64_t e : p.elements) total += e;
   EXPECT_EQ(total, m.params().numel());
@@ -199,9 +227,67 @@ TEST(ShardPlan, BalancesWholeTensorsDeterministically) {
   for (const Param& q : m.params().all()) largest = std::max(largest, q.value.numel());
   const auto [lo, hi] = std::minmax_element(p.elements.begin(), p.elements.end());
   EXPECT_LE(*hi - *lo, largest);
-  EXPECT_EQ(plan_shards(m.params(), 3).owner, p.owner);
-  const auto owned = p.owned_by(1);
-  for (size_t i = 0; i < owned.size(); ++i) EXPECT_EQ(owned[i] != 0, p.owner[i] == 1);
+  EXPECT_EQ(plan_shards(m.params(), 3).cuts, p.cuts);
+  for (size_t i = 0; i < m.params().all().size(); ++i) {  // whole: the slab is larger than all
+    EXPECT_TRUE(p.whole(i)) << m.params().all()[i].name;
+    EXPECT_EQ(p.holds(1)[i] != 0, p.owned_by(1)[i].size() > 0);
+  }
+}
+
+// A tensor larger than half a rank's share (a big vocabulary's embedding table) is cut into
+// row runs on slab boundaries so that the ranks' loads even out; a plan of whole tensors
+// leaves one rank with most of the model.
+TEST(ShardPlan, CutsATensorLargerThanHalfARanksShareIntoRowRuns) {
+  ModelConfig c = step_config(0);
+  c.vocab = 1000;  // embed.tokens [2000, 16]: 32 k of ~42 k elements
+  Model m(c, 5);
+  const ParamSet& ps = m.params();
+  const int64_t slab = 256, width = c.d_model;
+  for (int R : {2, 3, 4, 8}) {
+    const ShardPlan p = plan_shards(ps, R, slab);
+    expect_a_partition(p, ps, R);
+    const double mean = double(ps.numel()) / R;
+    const int64_t most = *std::max_element(p.elements.begin(), p.elements.end());
+    EXPECT_LE(double(most), 1.2 * mean) << R << " ranks: " << fmt::format("{}", p.elements);
+    EXPECT_FALSE(p.whole(0)) << ps.all()[0].name;
+    for (int r = 0; r <= R; ++r) {
+      const int64_t at = p.cuts[0][size_t(r)];
+      EXPECT_TRUE(at % (slab_rows(ps.all()[0], slab) * width) == 0 || at == ps.all()[0].value.numel())
+          << "cut at element " << at << " is not on a slab boundary";
+    }
+    // Whole tensors, as before: the table alone exceeds 1.2x the mean.
+    const ShardPlan whole = plan_shards(ps, R, slab, [](size_t) { return false; });
+    EXPECT_GT(double(*std::max_element(whole.elements.begin(), whole.elements.end())), 1.2 * mean);
+  }
+}
+
+// Cut tensors train the bits of one rank: ZeRO-1, 2 and 3, blocking and overlapped, dense and
+// RRE, lazy embedding rows on both sides of a cut; the norm's slabs are the same pieces
+// whatever the rank count.
+TEST(TrainStep, CutTensorsTrainTheBitsOfOneRank) {
+  constexpr int64_t slab = 64;
+  constexpr int vocab = 500;  // the embedding table is most of the model
+  for (int rre : {0, 2}) {
+    const RunResult one = run_steps(1, rre, 3, 4, false, 1, 0, false, Remat::None, slab, vocab);
+    for (int R : {2, 4})
+      for (int zero : {1, 2, 3})
+        for (int overlap : {0, 1}) {
+          const RunResult r = run_steps(R, rre, 3, 4, false, zero, overlap, false, Remat::None, slab, vocab);
+          const std::string what = fmt::format("rre {} on {} ranks, zero {}, overlap {}", rre, R, zero, overlap);
+          EXPECT_GT(r.cut, 0) << what << ": nothing cut";
+          EXPECT_TRUE(same_bits(one.weights, r.weights)) << what;
+          EXPECT_EQ(one.losses, r.losses) << what;
+          EXPECT_EQ(one.norms, r.norms) << what;
+          if (zero == 3) {
+            EXPECT_EQ(r.others_values_nonzero, 0) << what << ": other ranks' rows kept";
+          }
+        }
+  }
+  const RunResult one = run_steps(1, 2, 3, 4, true, 1, 0, false, Remat::None, slab, vocab);
+  for (int zero : {1, 3}) {
+    const RunResult r = run_steps(4, 2, 3, 4, true, zero, 0, false, Remat::None, slab, vocab);
+    EXPECT_TRUE(same_bits(one.weights, r.weights)) << "lazy embedding rows, zero " << zero;
+  }
 }
 
 // Data parallel + ZeRO-1 at the same global batch: 1, 2 and 4 ranks give the same losses,
@@ -418,8 +504,8 @@ TEST(TrainStep, ZeroStage3GathersOneExpertAtATime) {
           int64_t n = 0;
           for (size_t i = 0; i < m.params().all().size(); ++i) {
             const Param& p = m.params().all()[i];
-            if (plan.owner[i] != comm.rank() && p.name.starts_with(names::expert_prefix(l, g.name) + "."))
-              n += p.value.numel();
+            if (p.name.starts_with(names::expert_prefix(l, g.name) + "."))
+              n += p.value.numel() - plan.owned(i, comm.rank()).size();
           }
           expert_max = std::max(expert_max, n / g.experts);
           group_max = std::max(group_max, n);
@@ -552,7 +638,7 @@ TEST(TrainStep, ZeroStage3LeavesOtherRanksTensorsUntouchedAtStartUp) {
   test_ranks::run_ranks(2, [&](Communicator& comm) {
     omp_set_num_threads(1);
     Model m(c, 5, nullptr, false, {},
-            [&](const ParamSet& ps) { return plan_shards(ps, 2).owned_by(comm.rank()); });
+            [&](const ParamSet& ps) { return plan_shards(ps, 2).holds(comm.rank()); });
     OptimConfig oc;
     const ShardPlan plan = plan_shards(m.params(), 2);
     AdamW opt(oc, m.params(), plan.owned_by(comm.rank()));
@@ -563,7 +649,7 @@ TEST(TrainStep, ZeroStage3LeavesOtherRanksTensorsUntouchedAtStartUp) {
     for (size_t i = 0; i < m.params().all().size(); ++i) {
       const Param& p = m.params().all()[i];
       if (p.value.nbytes() < (512 << 10)) continue;
-      if (plan.owner[i] == comm.rank()) {
+      if (plan.owned(i, comm.rank()).size() > 0) {
         big_own_resident += resident(p.value) > 0;  // the check can fail: own values are written
         continue;
       }

@@ -35,12 +35,13 @@ ParamSet make_params() {
 // overlapped: the same through ZeroOverlap (parallel/zero_overlap.h), the tensors in four
 // stages as backward and forward hand them over (p6 in two pieces, as an expert's slices of a
 // stacked tensor), at most `bound` elements in flight.
+// slab: the norm's slab, which a plan's cuts follow (8: p2 and p6 are cut over the ranks).
 std::vector<std::vector<float>> exchange(int R, size_t bucket, bool overlapped = false,
-                                         size_t bound = 0) {
+                                         size_t bound = 0, int64_t slab = kNormSlabElements) {
   std::vector<std::vector<float>> out(static_cast<size_t>(R));
   test_ranks::run_ranks(R, [&](Communicator& comm) {
     ParamSet ps = make_params();
-    const ShardPlan plan = plan_shards(ps, R);
+    const ShardPlan plan = plan_shards(ps, R, slab);
     auto& all = ps.all();
     for (size_t p = 0; p < all.size(); ++p) {
       edit_floats(all[p].grad, [&](float* g, int64_t n) {
@@ -48,7 +49,7 @@ std::vector<std::vector<float>> exchange(int R, size_t bucket, bool overlapped =
       });
       // Owners hold the true value; the others hold garbage that must be overwritten.
       edit_floats(all[p].value, [&](float* v, int64_t n) {
-        for (int64_t i = 0; i < n; ++i) v[i] = plan.owner[p] == comm.rank() ? value_of(p, i) : -999.0f;
+        for (int64_t i = 0; i < n; ++i) v[i] = plan.owner_of(p, i) == comm.rank() ? value_of(p, i) : -999.0f;
       });
     }
     if (overlapped) {
@@ -72,7 +73,9 @@ std::vector<std::vector<float>> exchange(int R, size_t bucket, bool overlapped =
     }
     std::vector<float>& mine = out[size_t(comm.rank())];
     for (size_t p = 0; p < all.size(); ++p) {
-      if (plan.owner[p] == comm.rank()) append_floats(mine, all[p].grad);
+      const ParamPiece own = plan.owned(p, comm.rank());
+      const std::vector<float> g = sigma::testing::host_floats(all[p].grad);
+      mine.insert(mine.end(), g.begin() + own.begin, g.begin() + own.end);
       append_floats(mine, all[p].value);
     }
   });
@@ -82,20 +85,25 @@ std::vector<std::vector<float>> exchange(int R, size_t bucket, bool overlapped =
 }  // namespace
 
 TEST(ZeroBuckets, SmallBucketsGiveTheOneRoundResultAndTheTreeSum) {
+  for (int64_t slab : {kNormSlabElements, int64_t(8)})
   for (int R : {2, 3, 4}) {
-    const auto whole = exchange(R, kZeroBucketElements);
+    const auto whole = exchange(R, kZeroBucketElements, false, 0, slab);
     for (size_t bucket : {size_t(1), size_t(4), size_t(7), size_t(30)})
-      EXPECT_EQ(exchange(R, bucket), whole) << R << " ranks, bucket " << bucket;
+      EXPECT_EQ(exchange(R, bucket, false, 0, slab), whole) << R << " ranks, bucket " << bucket;
     // The one-round result itself: owners hold the tree_sum of the ranks' gradients and every
     // rank every value.
     ParamSet ps = make_params();
-    const ShardPlan plan = plan_shards(ps, R);
+    const ShardPlan plan = plan_shards(ps, R, slab);
+    if (slab == 8) {
+      EXPECT_FALSE(plan.whole(6)) << "p6 is cut at " << R << " ranks";
+    }
     std::vector<size_t> at(static_cast<size_t>(R), 0);
     for (size_t p = 0; p < ps.all().size(); ++p)
       for (int r = 0; r < R; ++r) {
         const int64_t n = ps.all()[p].value.numel();
-        if (plan.owner[p] == r) {
-          for (int64_t i = 0; i < n; ++i) {
+        const ParamPiece own = plan.owned(p, r);
+        {
+          for (int64_t i = own.begin; i < own.end; ++i) {
             std::vector<float> parts(static_cast<size_t>(R));
             std::vector<const float*> ptr;
             for (int q = 0; q < R; ++q) parts[size_t(q)] = grad_of(q, p, i);
@@ -114,10 +122,12 @@ TEST(ZeroBuckets, SmallBucketsGiveTheOneRoundResultAndTheTreeSum) {
 // The overlapped exchange (dist.overlap) gives the same bits in stages, with any bucket, and
 // with a bound on the buffers in flight that forces the oldest rounds to complete first.
 TEST(ZeroBuckets, TheOverlappedExchangeGivesTheSameBits) {
-  for (int R : {2, 3, 4}) {
-    const auto whole = exchange(R, kZeroBucketElements);
-    for (size_t bucket : {size_t(1), size_t(7), kZeroBucketElements})
-      for (size_t bound : {size_t(0), size_t(1), size_t(40)})
-        EXPECT_EQ(exchange(R, bucket, true, bound), whole) << R << " ranks, bucket " << bucket << ", bound " << bound;
-  }
+  for (int64_t slab : {kNormSlabElements, int64_t(8)})
+    for (int R : {2, 3, 4}) {
+      const auto whole = exchange(R, kZeroBucketElements, false, 0, slab);
+      for (size_t bucket : {size_t(1), size_t(7), kZeroBucketElements})
+        for (size_t bound : {size_t(0), size_t(1), size_t(40)})
+          EXPECT_EQ(exchange(R, bucket, true, bound, slab), whole)
+              << R << " ranks, bucket " << bucket << ", bound " << bound << ", slab " << slab;
+    }
 }

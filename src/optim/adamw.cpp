@@ -36,17 +36,29 @@ float lr_at(const OptimConfig& c, int64_t step, int64_t total) {
   return float(floor + (c.lr - floor) * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 
-AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params, std::vector<uint8_t> owned)
-    : cfg_(cfg), owned_(std::move(owned)) {
-  SIGMA_CHECK(owned_.empty() || owned_.size() == params.all().size(),
-              "AdamW: ownership mask of {} entries for {} parameters", owned_.size(),
-              params.all().size());
-  for (size_t i = 0; i < params.all().size(); ++i) {
-    const Shape& s = params.all()[i].value.shape();
-    state_.push_back(owns(i) ? State{ops::empty(DType::F32, s), ops::empty(DType::F32, s), 0, {}}
-                            : State{});  // beside the parameters, on the device
+AdamW::AdamW(const OptimConfig& cfg, const ParamSet& params, std::vector<ParamPiece> owned_pieces)
+    : cfg_(cfg), owned_(std::move(owned_pieces)) {
+  const auto& ps = params.all();
+  SIGMA_CHECK(owned_.empty() || owned_.size() == ps.size(),
+              "AdamW: ownership of {} entries for {} parameters", owned_.size(), ps.size());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    whole_.push_back(whole_param(params, i));
+    const Shape& s = ps[i].value.shape();
+    const int64_t n = ps[i].value.numel();
+    width_.push_back(s.empty() || s[0] == 0 ? std::max<int64_t>(1, n) : n / s[0]);
+    const ParamPiece mine = owned(i);
+    SIGMA_CHECK(mine.param == i && 0 <= mine.begin && mine.begin <= mine.end && mine.end <= n &&
+                    mine.begin % width_[i] == 0 && mine.end % width_[i] == 0,
+                "AdamW: '{}' owned as elements [{}, {}) of {}, not whole rows of {}", ps[i].name,
+                mine.begin, mine.end, n, width_[i]);
+    Shape rows = s;  // beside the parameters, on the device
+    if (!rows.empty()) rows[0] = mine.size() / width_[i];
+    state_.push_back(owns(i) ? State{ops::empty(DType::F32, rows), ops::empty(DType::F32, rows), 0, {}}
+                             : State{});
   }
 }
+
+int64_t AdamW::first_row(size_t i) const { return owned(i).begin / width_[i]; }
 
 void UpdateMask::mask_grads(ParamSet& params) const {
   auto& ps = params.all();
@@ -67,23 +79,24 @@ void UpdateMask::mask_grads(ParamSet& params) const {
   }
 }
 
-void AdamW::lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_t, int64_t>>& ranges,
-                          float lr, float eps, float grad_scale) {
-  const int64_t rows = p.value.dim(0), width = p.value.numel() / rows;
+void AdamW::lazy_row_step(size_t i, Param& p, State& s,
+                          const std::vector<std::pair<int64_t, int64_t>>& ranges, float lr,
+                          float eps, float grad_scale) {
+  const int64_t width = width_[i], first = first_row(i), rows = owned(i).size() / width;
   if (s.row_step.empty()) s.row_step.assign(size_t(rows), s.step);  // rows so far moved together
   s.step += 1;  // counts the steps that updated any row
   std::vector<int64_t> list;
   for (auto [b, e] : ranges)
-    for (int64_t r = b; r < e; ++r) list.push_back(r);
+    for (int64_t r = std::max(b, first); r < std::min(e, first + rows); ++r) list.push_back(r);
   AdamStepArgs a = args(p, lr, eps, grad_scale, 0);
   float *w = p.value.dev_f(), *m = s.m.dev_f(), *v = s.v.dev_f();
   const float* g = p.grad.dev_f();
   const int64_t n = int64_t(list.size());
 #pragma omp parallel for schedule(static) firstprivate(a) if (n * width > (int64_t(1) << 16))
   for (int64_t k = 0; k < n; ++k) {
-    const int64_t r = list[size_t(k)];
-    a.step = ++s.row_step[size_t(r)];
-    ops::adam_step(w + r * width, m + r * width, v + r * width, g + r * width, width, a);
+    const int64_t r = list[size_t(k)], at = r - first;
+    a.step = ++s.row_step[size_t(at)];
+    ops::adam_step(w + r * width, m + at * width, v + at * width, g + r * width, width, a);
   }
 }
 
@@ -107,21 +120,25 @@ void AdamW::step(ParamSet& params, float lr, float grad_scale, const UpdateMask*
     State& s = state_[i];
     const float eps0 = ps[i].expert ? cfg_.eps_rre : cfg_.eps;
     if (mask && !mask->lazy_rows.empty() && mask->lazy_rows[i]) {
-      lazy_row_step(ps[i], s, mask->rows.at(i), lr, eps0, grad_scale);
+      lazy_row_step(i, ps[i], s, mask->rows.at(i), lr, eps0, grad_scale);
       continue;
     }
     s.step += 1;
     const AdamStepArgs a = args(ps[i], lr, eps0, grad_scale, s.step);
+    const ParamPiece mine = owned(i);
     float *w = ps[i].value.dev_f(), *m = s.m.dev_f(), *v = s.v.dev_f();
     const float* g = ps[i].grad.dev_f();
     if (mask && !mask->rows.empty() && !mask->rows[i].empty()) {
-      const int64_t width = ps[i].value.numel() / ps[i].value.dim(0);
-      for (auto [b, e] : mask->rows[i])
-        ops::adam_step(w + b * width, m + b * width, v + b * width, g + b * width,
-                       (e - b) * width, a);
+      const int64_t width = width_[i], first = first_row(i), last = mine.end / width;
+      for (auto [b, e] : mask->rows[i]) {
+        b = std::max(b, first), e = std::min(e, last);
+        if (b < e)
+          ops::adam_step(w + b * width, m + (b - first) * width, v + (b - first) * width,
+                         g + b * width, (e - b) * width, a);
+      }
       continue;
     }
-    ops::adam_step(w, m, v, g, ps[i].value.numel(), a);
+    ops::adam_step(w + mine.begin, m, v, g + mine.begin, mine.size(), a);
   }
 }
 

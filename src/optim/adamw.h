@@ -49,31 +49,39 @@ struct UpdateMask {
 
 class AdamW {
  public:
-  // `owned` (ZeRO-1, parallel/shard_plan.h): this rank keeps state for and updates only the
-  // parameters marked there; empty = all.
-  AdamW(const OptimConfig& cfg, const ParamSet& params, std::vector<uint8_t> owned = {});
+  // `owned` (ZeRO, parallel/shard_plan.h): [params], the elements of each (whole rows, or
+  // nothing) this rank keeps state for and updates; empty = all of every one.
+  AdamW(const OptimConfig& cfg, const ParamSet& params, std::vector<ParamPiece> owned = {});
 
   // Updates every owned parameter (those `mask` allows) with learning rate `lr`; gradients
   // scaled by grad_scale first.
   void step(ParamSet& params, float lr, float grad_scale, const UpdateMask* mask = nullptr);
 
+  // m and v cover the owned rows only: [rows owned, ...] of the parameter's shape.
   struct State {
     Tensor m, v;
     int64_t step = 0;
-    std::vector<int64_t> row_step;  // lazy row updates only: per row (empty until first used)
+    std::vector<int64_t> row_step;  // lazy row updates only: per owned row (empty until used)
   };
   std::vector<State>& state() { return state_; }  // parallel to params.all()
   const std::vector<State>& state() const { return state_; }
-  bool owns(size_t i) const { return owned_.empty() || owned_[i]; }
+  bool owns(size_t i) const { return owned_.empty() || owned_[i].size() > 0; }
+  // The elements of param i this optimizer updates (its rows from first_row(i) on).
+  ParamPiece owned(size_t i) const { return owned_.empty() ? whole_[i] : owned_[i]; }
+  // True when param i is updated only in part here (another rank owns the rest).
+  bool owns_part(size_t i) const { return owns(i) && owned(i).size() < whole_[i].size(); }
+  int64_t first_row(size_t i) const;
 
  private:
-  void lazy_row_step(Param& p, State& s, const std::vector<std::pair<int64_t, int64_t>>& ranges,
-                     float lr, float eps, float grad_scale);
+  void lazy_row_step(size_t i, Param& p, State& s,
+                     const std::vector<std::pair<int64_t, int64_t>>& ranges, float lr, float eps,
+                     float grad_scale);
   // The kernel's arguments for parameter p at its update number `step`.
   AdamStepArgs args(const Param& p, float lr, float eps, float grad_scale, int64_t step) const;
   OptimConfig cfg_;
   std::vector<State> state_;
-  std::vector<uint8_t> owned_;
+  std::vector<ParamPiece> owned_, whole_;
+  std::vector<int64_t> width_;  // [params]: elements a row
 };
 
 }  // namespace sigma

@@ -13,9 +13,26 @@ namespace sigma {
 double sum_sq(const float* x, int64_t n) { return ops::sum_sq(x, n); }
 double host_sum_sq(const float* x, int64_t n) { return cpu::sum_sq(x, n); }
 
-std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<uint8_t>& owned) {
+int64_t param_rows(const Param& p) { return p.value.shape().empty() ? 1 : p.value.dim(0); }
+
+int64_t slab_rows(const Param& p, int64_t slab) {
+  if (p.expert && p.value.shape().size() >= 2) return 1;
+  const int64_t width = p.value.numel() / std::max<int64_t>(1, param_rows(p));
+  return std::max<int64_t>(1, slab / std::max<int64_t>(1, width));
+}
+
+int64_t norm_slabs(const Param& p, int64_t slab) {
+  const int64_t per = slab_rows(p, slab);
+  return std::max<int64_t>(1, (param_rows(p) + per - 1) / per);
+}
+
+std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<ParamPiece>& owned,
+                                  int64_t slab) {
   std::vector<double> parts;
-  auto mine = [&](size_t i) { return owned.empty() || owned[i]; };
+  // Elements [b, e) of param i are this rank's to add.
+  auto mine = [&](size_t i, int64_t b, int64_t e) {
+    return owned.empty() || (owned[i].begin <= b && e <= owned[i].end && b < e);
+  };
   std::vector<size_t> experts;  // stacked [K, ...]: four per (block, group), in order
   const auto& all = ps.all();
   for (size_t i = 0; i < all.size(); ++i) {
@@ -24,7 +41,12 @@ std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<uint8_t>
       experts.push_back(i);
       continue;
     }
-    parts.push_back(mine(i) ? sum_sq(p.grad.dev_f(), p.grad.numel()) : 0.0);
+    const int64_t n = p.grad.numel();
+    const int64_t per = slab_rows(p, slab) * (n / std::max<int64_t>(1, param_rows(p)));
+    for (int64_t s = 0, slabs = norm_slabs(p, slab); s < slabs; ++s) {
+      const int64_t b = s * per, e = std::min(n, b + per);
+      parts.push_back(mine(i, b, e) ? sum_sq(p.grad.dev_f() + b, e - b) : 0.0);
+    }
   }
   // Registration order is block, group, leaf: each run of tensors with the same leading K is
   // one (block, group); within it, expert k's leaves in order.
@@ -38,7 +60,8 @@ std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<uint8_t>
       for (size_t t = first; t < last; ++t) {
         const Param& p = all[experts[t]];
         const int64_t per = p.grad.numel() / K;
-        parts.push_back(mine(experts[t]) ? sum_sq(p.grad.dev_f() + k * per, per) : 0.0);
+        parts.push_back(mine(experts[t], k * per, (k + 1) * per)
+                            ? sum_sq(p.grad.dev_f() + k * per, per) : 0.0);
       }
     first = last;
   }
@@ -51,6 +74,6 @@ double fold(const std::vector<double>& parts) {
   return total;
 }
 
-double grad_sq(const ParamSet& ps) { return fold(grad_sq_parts(ps)); }
+double grad_sq(const ParamSet& ps, int64_t slab) { return fold(grad_sq_parts(ps, {}, slab)); }
 
 }  // namespace sigma

@@ -20,14 +20,27 @@ double sum_sq(const float* x, int64_t n);
 // by the cpu kernel behind ops::sum_sq: the bits of the in-model sum on the cpu backend.
 double host_sum_sq(const float* x, int64_t n);
 
+// A non-expert tensor adds one piece per slab: a run of its rows (dim 0) of about this many
+// elements, at least one row. ZeRO cuts a tensor only on slab boundaries (parallel/
+// shard_plan.h), so every piece has one owner and the fold is the same for any rank count.
+constexpr int64_t kNormSlabElements = int64_t(1) << 16;
+// Rows of p (dim 0; 1 for a scalar) and the rows of one of its slabs (an expert tensor
+// stacked [K, ...]: one expert, whose pieces are its own).
+int64_t param_rows(const Param& p);
+int64_t slab_rows(const Param& p, int64_t slab);
+// The pieces of non-expert param p.
+int64_t norm_slabs(const Param& p, int64_t slab);
+
 // Squared norm of the gradients of `ps` in the canonical order above (frozen or masked
 // gradients are zero and add nothing). Expert tensors are stacked [K, ...] per (block, group).
-double grad_sq(const ParamSet& ps);
+double grad_sq(const ParamSet& ps, int64_t slab = kNormSlabElements);
 
-// The pieces grad_sq adds, in its order: one per non-expert tensor, one per (expert, leaf).
-// With `owned` (ZeRO-1) the pieces of parameters this rank does not own are 0, so a sum over
-// ranks is exact and its left fold equals the one-rank grad_sq bit for bit.
-std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<uint8_t>& owned = {});
+// The pieces grad_sq adds, in its order: per non-expert tensor its slabs, then one per
+// (expert, leaf). With `owned` ([params], ZeRO: what this rank owns of each) the pieces this
+// rank does not own are 0, so a sum over ranks is exact and its left fold equals the one-rank
+// grad_sq bit for bit.
+std::vector<double> grad_sq_parts(const ParamSet& ps, const std::vector<ParamPiece>& owned = {},
+                                  int64_t slab = kNormSlabElements);
 double fold(const std::vector<double>& parts);
 
 }  // namespace sigma

@@ -11,7 +11,7 @@
 
 namespace sigma::zero_detail {
 
-// Owner o's stream: the elements of the tensors it owns (or of the pieces of them that `only`
+// Owner o's stream: the elements it owns (of every tensor, or of the pieces that `only`
 // names), in parameter order. Buckets walk every owner's stream at once, S elements of each
 // per round, so that a round moves at most R * S elements per rank and no buffer grows with
 // the model (ZeRO's bucketed exchange).
@@ -21,10 +21,15 @@ class OwnerStreams {
                const ParamStage* only = nullptr)
       : plan_(plan), lengths_(size_t(plan.ranks), 0) {
     tensors_.resize(size_t(plan.ranks));
-    auto add = [&](size_t i, int64_t begin, int64_t end) {
+    auto add = [&](size_t i, int64_t begin, int64_t end) {  // each owner's part of [begin, end)
       Tensor& t = grads ? all[i].grad : all[i].value;
-      tensors_[size_t(plan.owner[i])].push_back({t.dev_f() + begin, size_t(end - begin)});
-      lengths_[size_t(plan.owner[i])] += size_t(end - begin);
+      for (int o = 0; o < plan.ranks; ++o) {
+        const ParamPiece mine = plan.owned(i, o);
+        const int64_t b = std::max(begin, mine.begin), e = std::min(end, mine.end);
+        if (b >= e) continue;
+        tensors_[size_t(o)].push_back({t.dev_f() + b, size_t(e - b)});
+        lengths_[size_t(o)] += size_t(e - b);
+      }
     };
     if (only)
       for (const ParamPiece& p : *only) add(p.param, p.begin, p.end);

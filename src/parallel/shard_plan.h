@@ -1,29 +1,50 @@
-// Data parallelism for the shared parameters (DESIGN §9): ZeRO-1 at tensor granularity. Each
-// parameter tensor is owned by one rank, which alone holds its Adam state and updates it. A
-// step's gradients go to their owners, summed by tree_sum in rank order (deterministic: the
-// same bits as one rank summing the same micro-batches), and the owners' updated values go
-// back to every rank. Whole tensors keep the norm's pieces, lazy embedding rows and frozen
-// masks exactly as on one rank; the cost is a coarser balance (reported per rank).
+// Data parallelism for the shared parameters (DESIGN §9): ZeRO. Each parameter tensor, or
+// each run of its rows, is owned by one rank, which alone holds its Adam state and updates
+// it. A step's gradients go to their owners, summed by tree_sum in rank order (deterministic:
+// the same bits as one rank summing the same micro-batches), and the owners' updated values
+// go back to every rank. Tensors are owned whole, except one larger than half a rank's fair
+// share (a real-text vocabulary's embedding table is most of a small model): it is cut into
+// row runs, one per rank, on slab boundaries (optim/grad_norm.h: the norm's pieces are
+// slabs, so every cut keeps one rank's bits).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "dist/communicator.h"
 #include "model/params.h"
+#include "optim/grad_norm.h"
 
 namespace sigma {
 
 struct ShardPlan {
   int ranks = 1;
-  std::vector<int> owner;                // [params]: the rank that updates param i
-  std::vector<int64_t> elements;         // [ranks]: parameter elements each rank owns
-  // owned[i] != 0 when `rank` owns param i (the AdamW mask of that rank).
-  std::vector<uint8_t> owned_by(int rank) const;
+  int64_t slab = 0;  // the norm's slab (elements): cuts fall on slab boundaries
+  // [params][ranks + 1]: rank r owns elements [cuts[i][r], cuts[i][r + 1]) of param i.
+  std::vector<std::vector<int64_t>> cuts;
+  std::vector<int64_t> elements;  // [ranks]: parameter elements each rank owns
+  ParamPiece owned(size_t i, int rank) const {
+    return {i, cuts[i][size_t(rank)], cuts[i][size_t(rank) + 1]};
+  }
+  // [params]: what `rank` owns of each (empty pieces where nothing).
+  std::vector<ParamPiece> owned_by(int rank) const;
+  // [params]: 1 where `rank` owns any element (what ZeRO-3's sharded construction builds).
+  std::vector<uint8_t> holds(int rank) const;
+  // True when param i is owned whole by one rank.
+  bool whole(size_t i) const;
+  // The rank owning param i's element `at`.
+  int owner_of(size_t i, int64_t at) const;
 };
 
-// Largest tensors first, each to the rank owning the fewest elements so far (ties: lowest
-// rank): deterministic, so every rank computes the same plan.
-ShardPlan plan_shards(const ParamSet& ps, int ranks);
+// Largest tensors first: one larger than half a rank's fair share (and `may_split`) is cut
+// over the ranks so that their loads even out, the others go whole to the rank owning the
+// fewest elements so far (ties: lowest rank). Deterministic: every rank computes the same.
+// `slab`: the grad norm's slab (tests shrink it to cut small tensors).
+ShardPlan plan_shards(const ParamSet& ps, int ranks, int64_t slab = kNormSlabElements,
+                      const std::function<bool(size_t)>& may_split = nullptr);
+
+// Piece p without the part `mine` covers (same param): up to two pieces, appended to out.
+void add_outside(std::vector<ParamPiece>& out, const ParamPiece& p, const ParamPiece& mine);
 
 // Each parameter's gradient, summed over the ranks, lands in its owner's grad (tree_sum in
 // rank order); the other ranks' copies are left as they were and must not be used. Moved in

@@ -231,7 +231,17 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir, 
       auto it = st.tensors.find(ps[i].name + suffix);
       SIGMA_CHECK(it != st.tensors.end(), "{}: optimizer tensor '{}{}' is missing", path,
                   ps[i].name, suffix);
-      upload_slice(*dst, it->second, ps[i].name, ps[i].name + suffix, path, tp, cfg);
+      if (!opt.owns_part(i)) {
+        upload_slice(*dst, it->second, ps[i].name, ps[i].name + suffix, path, tp, cfg);
+        continue;
+      }
+      // ZeRO cut this tensor into row runs (never a tp slice): this rank's rows of it.
+      const Tensor& t = it->second;
+      SIGMA_CHECK(t.dtype() == DType::F32 && t.shape() == ps[i].value.shape(),
+                  "{}: tensor '{}{}' is {} {} but the model expects F32 {}", path, ps[i].name,
+                  suffix, dtype_name(t.dtype()), shape_str(t.shape()), shape_str(ps[i].value.shape()));
+      check_finite(t, ps[i].name + suffix, path);
+      ops::upload(*dst, t.bytes() + size_t(opt.owned(i).begin) * sizeof(float), dst->nbytes());
     }
     auto it = st.tensors.find(ps[i].name + ".step");
     SIGMA_CHECK(it != st.tensors.end() && it->second.dtype() == DType::I64 &&
@@ -243,7 +253,9 @@ void load_optimizer(AdamW& opt, const ParamSet& params, const std::string& dir, 
     if (rs != st.tensors.end()) {
       SIGMA_CHECK(rs->second.dtype() == DType::I64 && rs->second.numel() == ps[i].value.dim(0),
                   "{}: '{}.row_steps' must be I64 [{}]", path, ps[i].name, ps[i].value.dim(0));
-      s.row_step.assign(rs->second.data<int64_t>(), rs->second.data<int64_t>() + rs->second.numel());
+      const int64_t* steps = rs->second.data<int64_t>();  // this rank's rows of them
+      const int64_t first = opt.first_row(i), width = ps[i].value.numel() / ps[i].value.dim(0);
+      s.row_step.assign(steps + first, steps + first + opt.owned(i).size() / width);
     }
   }
 }

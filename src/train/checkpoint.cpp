@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -33,9 +34,67 @@ TensorRef host_ref(std::string name, const Tensor& t, std::vector<Tensor>& keep)
 // and resume at any tp. value: every parameter (only data rank 0's group writes the model);
 // m, v: the Adam moments of the parameters this data rank owns. Host tensors; a tensor left
 // empty is read from the model or optimizer as it is (replicated, or not needed).
+// ZeRO's cut tensors (parallel/shard_plan.h) are assembled alike over the data group, on the
+// rank owning their first rows, which writes them (skip[i]: another rank does).
 struct WholeTensors {
   std::vector<Tensor> value, m, v;  // [params]
+  std::vector<std::vector<int64_t>> row_step;  // [params]: lazy rows' step counts, assembled
+  std::vector<uint8_t> skip;  // [params]
 };
+
+// The Adam state of the tensors ZeRO cut into row runs, assembled whole on the first rows'
+// owner: each owner broadcasts its rows in turn (every rank of `data` calls it).
+void gather_cut_state(Communicator& data, const Model& model, const AdamW& opt, WholeTensors& w) {
+  const auto& ps = model.params().all();
+  const size_t n = ps.size(), R = size_t(data.size());
+  w.m.resize(n), w.v.resize(n), w.row_step.resize(n), w.skip.assign(n, 0);
+  if (R == 1) return;
+  std::vector<double> mine(2 * n), all(2 * n * R);  // per param: owned elements, lazy rows
+  for (size_t i = 0; i < n; ++i) {
+    mine[2 * i] = double(opt.owned(i).size());
+    mine[2 * i + 1] = opt.owns(i) && !opt.state()[i].row_step.empty();
+  }
+  data.all_gather(all.data(), mine.data(), 2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = ps[i].value.numel(), width = numel / std::max<int64_t>(1, ps[i].value.dim(0));
+    std::vector<int64_t> count(R);
+    bool cut = false, lazy = false;
+    for (size_t r = 0; r < R; ++r) {
+      count[r] = int64_t(all[2 * (r * n + i)]);
+      cut = cut || (count[r] > 0 && count[r] < numel);
+      lazy = lazy || all[2 * (r * n + i) + 1] != 0;
+    }
+    if (!cut) continue;
+    const size_t first = size_t(std::find_if(count.begin(), count.end(), [](int64_t c) { return c > 0; }) -
+                                count.begin());
+    const AdamW::State& s = opt.state()[i];
+    // Each owner's elements, at its offset (the plan's cuts ascend with the rank).
+    auto assemble = [&](std::byte* whole, size_t es, const std::byte* own) {
+      int64_t at = 0;
+      for (size_t r = 0; r < R; ++r) {
+        if (count[r] == 0) continue;
+        const size_t bytes = size_t(count[r]) * es;
+        if (int(r) == data.rank()) std::memcpy(whole + size_t(at) * es, own, bytes);
+        data.broadcast(whole + size_t(at) * es, bytes, int(r));
+        at += count[r];
+      }
+    };
+    for (auto [dst, src] : {std::pair{&w.m[i], &s.m}, std::pair{&w.v[i], &s.v}}) {
+      Tensor whole(DType::F32, ps[i].value.shape(), Device::Host);
+      const Tensor own = opt.owns(i) ? ops::to_host(*src) : Tensor{};
+      assemble(whole.bytes(), sizeof(float), opt.owns(i) ? own.bytes() : nullptr);
+      if (size_t(data.rank()) == first) *dst = std::move(whole);
+    }
+    if (lazy) {
+      std::vector<int64_t> rows(size_t(numel / width));
+      for (int64_t& c : count) c /= width;
+      assemble(reinterpret_cast<std::byte*>(rows.data()), sizeof(int64_t),
+               reinterpret_cast<const std::byte*>(s.row_step.data()));
+      if (size_t(data.rank()) == first) w.row_step[i] = std::move(rows);
+    }
+    w.skip[i] = size_t(data.rank()) != first;
+  }
+}
 
 // Every rank of the tp group calls it for the same tensors in the same order (collective).
 Tensor gather_whole(Communicator& tp, const TpSplit split, const Tensor& local) {
@@ -72,7 +131,7 @@ WholeTensors gather_whole_tensors(Communicator& tp, bool model_file, const Model
 
 // t, or its whole assembled copy when there is one.
 const Tensor& whole_or(const std::vector<Tensor>* whole, size_t i, const Tensor& t) {
-  return whole && (*whole)[i].numel() ? (*whole)[i] : t;
+  return whole && i < whole->size() && (*whole)[i].numel() ? (*whole)[i] : t;
 }
 
 std::vector<TensorRef> optimizer_refs(const Model& model, const AdamW& opt, std::vector<Tensor>& keep,
@@ -80,21 +139,23 @@ std::vector<TensorRef> optimizer_refs(const Model& model, const AdamW& opt, std:
   std::vector<TensorRef> state;
   const auto& ps = model.params().all();
   keep.reserve(2 * ps.size());  // TensorRefs point into it: no reallocation
+  auto writes = [&](size_t i) { return opt.owns(i) && !(whole && !whole->skip.empty() && whole->skip[i]); };
   for (size_t i = 0; i < ps.size(); ++i) {
-    if (!opt.owns(i)) continue;
+    if (!writes(i)) continue;
     const auto& s = opt.state()[i];
     state.push_back(host_ref(ps[i].name + ".m", whole_or(whole ? &whole->m : nullptr, i, s.m), keep));
     state.push_back(host_ref(ps[i].name + ".v", whole_or(whole ? &whole->v : nullptr, i, s.v), keep));
   }
   for (size_t i = 0; i < ps.size(); ++i) {
-    if (!opt.owns(i)) continue;
+    if (!writes(i)) continue;
     keep.emplace_back(DType::I64, Shape{});
     *keep.back().data<int64_t>() = opt.state()[i].step;
     state.push_back(tensor_ref(ps[i].name + ".step", keep.back()));
   }
   for (size_t i = 0; i < ps.size(); ++i) {  // lazy row updates: a step count per row
-    const auto& rs = opt.state()[i].row_step;
-    if (!opt.owns(i) || rs.empty()) continue;
+    const auto& rs = whole && !whole->row_step.empty() && !whole->row_step[i].empty()
+                         ? whole->row_step[i] : opt.state()[i].row_step;
+    if (!writes(i) || rs.empty()) continue;
     keep.emplace_back(DType::I64, Shape{int64_t(rs.size())});
     std::copy(rs.begin(), rs.end(), keep.back().data<int64_t>());
     state.push_back(tensor_ref(ps[i].name + ".row_steps", keep.back()));
@@ -238,7 +299,8 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   // Tensor parallelism: the group assembles the whole tensors, its rank 0 writes them as a
   // tp = 1 run's data rank `me` would (with the other groups' rank 0s), the others wait.
   std::optional<WholeTensors> whole_tensors;
-  if (tp && tp->size() > 1) {
+  const bool tp_whole = tp && tp->size() > 1;
+  if (tp_whole) {
     whole_tensors = gather_whole_tensors(*tp, me == 0, model, opt);
     // Each expert group comes to the rank writing it, assembled whole over the tp group first.
     if (experts) experts->collect();
@@ -247,9 +309,13 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
       return (std::filesystem::path(root) / checkpoint_name(st.step)).string();
     }
   }
+  if (opt && R > 1) {
+    if (!whole_tensors) whole_tensors.emplace();
+    gather_cut_state(c, model, *opt, *whole_tensors);
+  }
   const WholeTensors* whole = whole_tensors ? &*whole_tensors : nullptr;
   const std::string name = checkpoint_name(st.step);
-  if (experts && !whole) experts->collect();  // each expert group comes to the rank writing it
+  if (experts && !tp_whole) experts->collect();  // each expert group comes to the rank writing it
   std::optional<CheckpointWriter> w;
   if (me == 0) w.emplace(root, name);
   const std::string tmp = R > 1 ? broadcast_string(c, me == 0 ? w->temp_dir() : "") : w->temp_dir();
@@ -277,7 +343,7 @@ std::string save_checkpoint(const std::string& root, Config& cfg, const Model& m
   if (me == 0) dir = w->commit();
   if (R > 1) c.barrier();  // nobody reads or writes the next one before this one is in place
   if (experts) experts->checkpoint_written(dir);
-  if (whole) tp->barrier();  // the group's other ranks go on once it is in place
+  if (tp_whole) tp->barrier();  // the group's other ranks go on once it is in place
   return dir;
 }
 

@@ -79,39 +79,68 @@ double elements(const std::vector<TensorRef>& refs) {
   return n;
 }
 
-// This rank's weight and Adam pieces of the model's parameters.
+// Rows [first, first + count) of t on the host, as a tensor of `count` rows.
+TensorRef host_rows(std::string name, const Tensor& t, int64_t first, int64_t count,
+                    std::deque<Tensor>& keep) {
+  Shape rows = t.shape();
+  const size_t row_bytes = t.nbytes() / size_t(rows[0]);
+  rows[0] = count;
+  const size_t at = size_t(first) * row_bytes;
+  if (t.device() == Device::Host) return {std::move(name), t.dtype(), rows, t.bytes() + at};
+  keep.emplace_back(t.dtype(), rows, Device::Host);
+  ops::download(keep.back().bytes(), t.dev_bytes() + at, size_t(count) * row_bytes);
+  return tensor_ref(std::move(name), keep.back());
+}
+
+// This rank's weight and Adam pieces of the model's parameters. A tensor ZeRO cuts into row
+// runs (parallel/shard_plan.h) goes as each owner's rows: a piece along dim 0.
 void add_params(ShardContents& out, const Model& model, const AdamW* opt, const Deal& deal,
                 int data_rank, int tp_rank, int P, bool values_owned) {
   const auto& ps = model.params().all();
   for (size_t i = 0; i < ps.size(); ++i) {
     const TpSplit s = P > 1 ? tp_split(model.config(), ps[i].name) : TpSplit{};
-    const TensorPiece piece = s.replicated() ? TensorPiece{}
-                                             : TensorPiece{s.dim, s.parts, P, tp_rank, 0, 0, 0};
     const bool split = !s.replicated();
-    // dist.zero = 3 (values_owned): each value with its ZeRO owner, the only rank holding it.
+    const TensorPiece tp_piece = split ? TensorPiece{s.dim, s.parts, P, tp_rank, 0, 0, 0} : TensorPiece{};
+    const bool part = opt && opt->owns_part(i);  // never a tp slice (trainer.cpp)
+    TensorPiece rows_piece;  // this rank's rows of a tensor ZeRO cut
+    if (part) {
+      rows_piece.experts = ps[i].value.dim(0);
+      rows_piece.first = opt->first_row(i);
+      rows_piece.count = opt->owned(i).size() / (ps[i].value.numel() / rows_piece.experts);
+    }
+    // t holds the whole parameter's rows (a value) or, when `owned_rows`, this rank's only.
+    auto add = [&](std::vector<TensorRef>& refs, std::map<std::string, TensorPiece>& pieces,
+                   std::string name, const Tensor& t, bool owned_rows) {
+      if (part) pieces[name] = rows_piece;
+      else if (split) pieces[name] = tp_piece;
+      refs.push_back(part && !owned_rows
+                         ? host_rows(std::move(name), t, rows_piece.first, rows_piece.count, out.keep)
+                         : host_view(std::move(name), t, out.keep));
+    };
+    // dist.zero = 3 (values_owned): each value with its ZeRO owner, the only rank holding it
+    // (its rows of a tensor ZeRO cut). Otherwise one rank writes it whole.
     const bool mine = values_owned ? opt->owns(i) && (split || deal.adam_tp[i] == tp_rank)
                                    : deal.data_rank[i] == data_rank && (split || deal.tp_rank[i] == tp_rank);
-    if (mine) {
+    if (mine && values_owned) add(out.model, out.model_pieces, ps[i].name, ps[i].value, false);
+    if (mine && !values_owned) {
       out.model.push_back(host_view(ps[i].name, ps[i].value, out.keep));
-      if (split) out.model_pieces[ps[i].name] = piece;
+      if (split) out.model_pieces[ps[i].name] = tp_piece;
     }
     if (!opt || !opt->owns(i)) continue;
     const auto& st = opt->state()[i];
-    if (split || deal.adam_tp[i] == tp_rank) {
-      for (auto [suffix, t] : {std::pair{".m", &st.m}, std::pair{".v", &st.v}}) {
-        out.adam.push_back(host_view(ps[i].name + suffix, *t, out.keep));
-        if (split) out.adam_pieces[ps[i].name + suffix] = piece;
-      }
-    }
-    if (deal.adam_tp[i] != tp_rank) continue;  // the step counts once, whole
-    out.keep.emplace_back(DType::I64, Shape{});
-    *out.keep.back().data<int64_t>() = st.step;
-    out.adam.push_back(tensor_ref(ps[i].name + ".step", out.keep.back()));
+    if (split || deal.adam_tp[i] == tp_rank)  // m and v hold the owned rows only
+      for (auto [suffix, t] : {std::pair{".m", &st.m}, std::pair{".v", &st.v}})
+        add(out.adam, out.adam_pieces, ps[i].name + suffix, *t, true);
+    if (deal.adam_tp[i] != tp_rank) continue;
     if (!st.row_step.empty()) {  // lazy rows (not with tp: optim.sparse_embeddings is refused)
       out.keep.emplace_back(DType::I64, Shape{int64_t(st.row_step.size())});
       std::copy(st.row_step.begin(), st.row_step.end(), out.keep.back().data<int64_t>());
-      out.adam.push_back(tensor_ref(ps[i].name + ".row_steps", out.keep.back()));
+      add(out.adam, out.adam_pieces, ps[i].name + ".row_steps", out.keep.back(), true);
     }
+    if (part && rows_piece.first != 0) continue;  // the step count once, by the first rows' owner
+    out.keep.emplace_back(DType::I64, Shape{});
+    *out.keep.back().data<int64_t>() = st.step;
+    out.adam.push_back(tensor_ref(ps[i].name + ".step", out.keep.back()));
   }
 }
 
@@ -146,7 +175,7 @@ std::unique_ptr<ShardedSave> begin_sharded_save(const std::string& root, Config&
   // What each rank writes before the weights are dealt: its experts and its Adam shard.
   double base = elements(mine.model) + elements(mine.adam);
   for (size_t i = 0; opt && i < model.params().all().size(); ++i)
-    if (opt->owns(i)) base += 2.0 * double(model.params().all()[i].value.numel());
+    base += 2.0 * double(opt->owned(i).size());
   std::vector<double> bases(static_cast<size_t>(P)), all_bases(static_cast<size_t>(s->ranks));
   tp.all_gather(bases.data(), &base, 1);
   data.all_gather(all_bases.data(), bases.data(), size_t(P));  // rank i's at i

@@ -106,10 +106,13 @@ TrainStep::TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimCo
   owned_ = plan_.owned_by(comm_.rank());
   const size_t S = model_.param_stages().size(), L = size_t(model_.config().layers);
   // A model built with only this rank's values (sharded construction, Model::InitOnly) holds
-  // no stage whole yet: the first read of each gathers it.
+  // no stage whole yet: the first read of each gathers it. A tensor it owns in part was
+  // initialised whole: the rest is released.
   const std::vector<uint8_t>& built = model_.initialised_only();
-  SIGMA_CHECK(built.empty() || built == owned_, "the model was initialised for another shard "
-              "plan than this step's (rank {} of {})", comm_.rank(), comm_.size());
+  SIGMA_CHECK(built.empty() || built == plan_.holds(comm_.rank()), "the model was initialised "
+              "for another shard plan than this step's (rank {} of {})", comm_.rank(), comm_.size());
+  for (size_t i = 0; i < built.size(); ++i)
+    if (built[i]) release_others(model_.params().all()[i].value, whole_param(model_.params(), i));
   held_.assign(S, built.empty() ? 1 : 0);
   pending_.assign(S, 0);
   // Forward: the embeddings, each block (then its expert groups), the final LN, the tied head;
@@ -146,9 +149,15 @@ std::vector<size_t> TrainStep::backward_stages() const {
   return out;
 }
 
+void TrainStep::release_others(Tensor& t, const ParamPiece& p) const {
+  std::vector<ParamPiece> others;
+  add_outside(others, p, owned_[p.param]);
+  for (const ParamPiece& o : others) ops::zero_release(t, o.begin, o.end);
+}
+
 void TrainStep::release_stage(size_t s) {
   for (const ParamPiece& p : model_.param_stages()[s])
-    if (!owned_[p.param]) ops::zero_release(model_.params().all()[p.param].value, p.begin, p.end);
+    release_others(model_.params().all()[p.param].value, p);
   held_[s] = 0;
 }
 
@@ -167,8 +176,11 @@ void TrainStep::need_stage(size_t s) {
     int64_t experts = 0;  // the other ranks' expert values held now
     for (size_t t = 0; t < stages.size(); ++t) {
       if (!held_[t]) continue;
-      for (const ParamPiece& p : stages[t])
-        if (!owned_[p.param] && model_.params().all()[p.param].expert) experts += p.size();
+      for (const ParamPiece& p : stages[t]) {
+        if (!model_.params().all()[p.param].expert) continue;
+        const ParamPiece& mine = owned_[p.param];
+        experts += p.size() - std::max<int64_t>(0, std::min(p.end, mine.end) - std::max(p.begin, mine.begin));
+      }
     }
     peak_experts_ = std::max(peak_experts_, experts);
   }
@@ -229,15 +241,17 @@ void TrainStep::sum_losses(const Batch& b, size_t slot, std::vector<double>& per
 
 // The norm's pieces over the tp group: a split tensor's piece is the sum of its slices' (added
 // in rank order: the same bits on every rank of the group), a replicated tensor's comes from
-// tp rank 0 alone. The pieces are grad_sq_parts', then the executor's: per (expert, leaf) in
-// kExpertLeaves order, each leaf split as tp_expert_leaf_split says (b_out replicated).
+// tp rank 0 alone. The pieces are grad_sq_parts' (each tensor's slabs), then the executor's:
+// per (expert, leaf) in kExpertLeaves order, each leaf split as tp_expert_leaf_split says
+// (b_out replicated).
 void TrainStep::tp_norm_parts(std::vector<double>& parts) const {
   if (tp_->rank() != 0) {
     size_t j = 0;
     for (const Param& p : model_.params().all()) {
       if (p.expert && p.grad.shape().size() >= 2) continue;  // grad_sq_parts' expert pieces
-      if (tp_split(model_.config(), p.name).replicated()) parts[j] = 0.0;
-      ++j;
+      const bool replicated = tp_split(model_.config(), p.name).replicated();
+      for (int64_t k = norm_slabs(p, plan_.slab); k-- > 0; ++j)
+        if (replicated) parts[j] = 0.0;
     }
     constexpr size_t leaves = std::size(names::kExpertLeaves);
     for (size_t i = j; i < parts.size(); ++i)
@@ -259,12 +273,10 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   std::vector<double> per_slot(micro.size() * (2 * D + 2), 0.0);
   GradTree tree;
   ParamSet& ps = model_.params();
-  const std::vector<uint8_t> owned = comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{};
   const bool zero2 = zero_ >= 2 && comm_.size() > 1, early = zero2 && mine.size() == 1;
   const bool z3 = zero3();
-  auto release_others = [&](const ParamStage& pieces) {  // ZeRO-2: keep only my tensors'
-    for (const ParamPiece& p : pieces)
-      if (!owned[p.param]) ops::zero_release(ps.all()[p.param].grad, p.begin, p.end);
+  auto release_other_grads = [&](const ParamStage& pieces) {  // ZeRO-2: keep only my elements'
+    for (const ParamPiece& p : pieces) release_others(ps.all()[p.param].grad, p);
   };
   ParamStage every;
   for (size_t i = 0; i < ps.all().size(); ++i) every.push_back(whole_param(ps, i));
@@ -313,7 +325,7 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   auto reduce_stage = [&](const ParamStage& pieces) {  // final gradients: to their owners
     if (mine.size() > 1) tree.fold_last_into(ps, pieces);
     zo_->start_reduce(pieces);
-    if (zero2) release_others(pieces);  // packed already
+    if (zero2) release_other_grads(pieces);  // packed already
   };
   if (ov) {
     if (!z3)
@@ -328,7 +340,7 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   } else if (early)
     model_.set_grads_done([&](const ParamStage& pieces) {
       reduce_to_owners(comm_, plan_, ps, zero_bucket(), &pieces);
-      release_others(pieces);
+      release_other_grads(pieces);
     });
   for (size_t j = 0; j < mine.size(); ++j) {
     const Batch& b = mine[j];
@@ -380,9 +392,10 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
     zo_->finish_reduce();
   else if (!early)
     reduce_to_owners(comm_, plan_, ps);
-  if (zero2 && !early && !ov) release_others(every);
+  if (zero2 && !early && !ov) release_other_grads(every);
   if (!mask.all()) mask.mask_grads(model_.params());
-  std::vector<double> parts = grad_sq_parts(model_.params(), owned);
+  std::vector<double> parts = grad_sq_parts(
+      model_.params(), comm_.size() > 1 ? owned_ : std::vector<ParamPiece>{}, plan_.slab);
   experts.append_grad_sq_parts(parts);
   if (tp_) tp_norm_parts(parts);
   comm_.all_reduce_sum(parts.data(), int64_t(parts.size()));  // one owner per piece: exact

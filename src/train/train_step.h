@@ -138,6 +138,8 @@ class TrainStep {
   void done_stage(size_t s);
   void release_stage(size_t s);
   std::vector<size_t> backward_stages() const;
+  // Releases the elements of piece p of t (a value or gradient) that this rank does not own.
+  void release_others(Tensor& t, const ParamPiece& p) const;
 
   Model& model_;
   AdamW& opt_;
@@ -149,7 +151,8 @@ class TrainStep {
   // ZeRO-3, per stage: its values are gathered (held) / their gather is in flight (pending).
   // Every value is held until the first run(). order_: the stages in the order the current
   // micro-batch's passes ask for them (forward then backward); at_: the next one expected.
-  std::vector<uint8_t> owned_, held_, pending_;
+  std::vector<ParamPiece> owned_;  // [params]: this rank's elements of each (shard plan)
+  std::vector<uint8_t> held_, pending_;
   std::vector<size_t> order_;
   int64_t peak_experts_ = 0;
   size_t at_ = 0, head_at_ = 0;  // head_at_: where the tied head's stage is in order_

@@ -267,17 +267,23 @@ void RunLoop::build() {
   const TokenCounts counts = routing_counts(cfg_, *data_, ck_.has_value());
   // ZeRO-3: each rank initialises only the values it owns (the plan depends on the registered
   // tensors and the rank count alone); the others are gathered when first read.
+  // Under tp a split tensor is the rank's slice: ZeRO owns it whole (its rows are not the
+  // tensor's), a replicated one may be cut into row runs.
+  auto plan = [this](const ParamSet& ps) {
+    const int tp = grid_->tp();
+    return plan_shards(ps, comm_.size(), kNormSlabElements, [&ps, tp, this](size_t i) {
+      return tp == 1 || tp_split(cfg_.model, ps.all()[i].name).replicated();
+    });
+  };
   Model::InitOnly init_only;
   if (cfg_.dist.zero >= 3 && comm_.size() > 1)
-    init_only = [R = comm_.size(), r = comm_.rank()](const ParamSet& ps) {
-      return plan_shards(ps, R).owned_by(r);
-    };
+    init_only = [&](const ParamSet& ps) { return plan(ps).holds(comm_.rank()); };
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
                                    mode_ != ExpertMode::InModel, grid_->tp_group(), init_only);
   model_->set_remat(remat_from_name(cfg_.train.remat));
-  plan_ = plan_shards(model_->params(), comm_.size());
+  plan_ = plan(model_->params());
   opt_ = std::make_unique<AdamW>(cfg_.optim, model_->params(),
-                                 comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<uint8_t>{});
+                                 comm_.size() > 1 ? plan_.owned_by(comm_.rank()) : std::vector<ParamPiece>{});
   // Checked before the store is created: a bad selector leaves no store file behind.
   freeze_ = plan_freeze(cfg_.train.freeze, cfg_.model, model_->params(),
                         model_->external_experts(), data_->domains());
