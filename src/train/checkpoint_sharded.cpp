@@ -35,8 +35,9 @@ struct Deal {
 };
 
 // `base`: what each rank (data rank * P + tp rank) writes anyway, in elements (its experts,
-// its Adam shard), so that the weights even out the ranks' files.
-Deal deal(const Model& model, int D, int P, std::vector<double> load) {
+// its Adam shard, its rows of the tensors ZeRO cut), so that the weights even out the ranks'
+// files. `cut` ([params]): ZeRO cut it over the data ranks, whose owners write their rows.
+Deal deal(const Model& model, int D, int P, std::vector<double> load, const std::vector<uint8_t>& cut) {
   const auto& ps = model.params().all();
   const size_t n = ps.size();
   Deal d{std::vector<int>(n, 0), std::vector<int>(n, -1), std::vector<int>(n, 0)};
@@ -61,10 +62,12 @@ Deal deal(const Model& model, int D, int P, std::vector<double> load) {
   }
   for (size_t i : order) {  // the replicated ones: one (data rank, tp rank)
     if (!replicated(i)) continue;
-    const size_t b = size_t(std::min_element(load.begin(), load.end()) - load.begin());
-    d.data_rank[i] = int(b / size_t(P));
-    d.tp_rank[i] = int(b % size_t(P));
-    load[b] += double(ps[i].value.numel());
+    if (!cut[i]) {
+      const size_t b = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+      d.data_rank[i] = int(b / size_t(P));
+      d.tp_rank[i] = int(b % size_t(P));
+      load[b] += double(ps[i].value.numel());
+    }
     const size_t a = size_t(std::min_element(adam_load.begin(), adam_load.end()) - adam_load.begin());
     d.adam_tp[i] = int(a);
     adam_load[a] += double(ps[i].value.numel());
@@ -95,7 +98,7 @@ TensorRef host_rows(std::string name, const Tensor& t, int64_t first, int64_t co
 // This rank's weight and Adam pieces of the model's parameters. A tensor ZeRO cuts into row
 // runs (parallel/shard_plan.h) goes as each owner's rows: a piece along dim 0.
 void add_params(ShardContents& out, const Model& model, const AdamW* opt, const Deal& deal,
-                int data_rank, int tp_rank, int P, bool values_owned) {
+                const std::vector<uint8_t>& cut, int data_rank, int tp_rank, int P, bool values_owned) {
   const auto& ps = model.params().all();
   for (size_t i = 0; i < ps.size(); ++i) {
     const TpSplit s = P > 1 ? tp_split(model.config(), ps[i].name) : TpSplit{};
@@ -117,12 +120,13 @@ void add_params(ShardContents& out, const Model& model, const AdamW* opt, const 
                          ? host_rows(std::move(name), t, rows_piece.first, rows_piece.count, out.keep)
                          : host_view(std::move(name), t, out.keep));
     };
-    // dist.zero = 3 (values_owned): each value with its ZeRO owner, the only rank holding it
-    // (its rows of a tensor ZeRO cut). Otherwise one rank writes it whole.
-    const bool mine = values_owned ? opt->owns(i) && (split || deal.adam_tp[i] == tp_rank)
-                                   : deal.data_rank[i] == data_rank && (split || deal.tp_rank[i] == tp_rank);
-    if (mine && values_owned) add(out.model, out.model_pieces, ps[i].name, ps[i].value, false);
-    if (mine && !values_owned) {
+    // dist.zero = 3 (values_owned): each value with its ZeRO owner, the only rank holding it;
+    // a tensor ZeRO cut: each owner its rows, at every stage. Otherwise one rank writes it whole.
+    const bool with_owner = values_owned || cut[i];
+    const bool mine = with_owner ? opt->owns(i) && (split || deal.adam_tp[i] == tp_rank)
+                                 : deal.data_rank[i] == data_rank && (split || deal.tp_rank[i] == tp_rank);
+    if (mine && with_owner) add(out.model, out.model_pieces, ps[i].name, ps[i].value, false);
+    if (mine && !with_owner) {
       out.model.push_back(host_view(ps[i].name, ps[i].value, out.keep));
       if (split) out.model_pieces[ps[i].name] = tp_piece;
     }
@@ -174,8 +178,15 @@ std::unique_ptr<ShardedSave> begin_sharded_save(const std::string& root, Config&
   if (experts) experts->add_shard_tensors(mine);  // a collective over the data group
   // What each rank writes before the weights are dealt: its experts and its Adam shard.
   double base = elements(mine.model) + elements(mine.adam);
-  for (size_t i = 0; opt && i < model.params().all().size(); ++i)
-    base += 2.0 * double(opt->owned(i).size());
+  const size_t n = model.params().all().size();
+  std::vector<double> cut_by(n, 0.0);  // ranks owning part of param i: > 0 where ZeRO cut it
+  for (size_t i = 0; opt && i < n; ++i) {
+    cut_by[i] = opt->owns_part(i);
+    base += (cut_by[i] ? 3.0 : 2.0) * double(opt->owned(i).size());  // a cut one: its value rows too
+  }
+  data.all_reduce_sum(cut_by.data(), int64_t(n));
+  std::vector<uint8_t> cut(n);
+  for (size_t i = 0; i < n; ++i) cut[i] = cut_by[i] > 0;
   std::vector<double> bases(static_cast<size_t>(P)), all_bases(static_cast<size_t>(s->ranks));
   tp.all_gather(bases.data(), &base, 1);
   data.all_gather(all_bases.data(), bases.data(), size_t(P));  // rank i's at i
@@ -183,7 +194,7 @@ std::unique_ptr<ShardedSave> begin_sharded_save(const std::string& root, Config&
   // so each goes with its Adam state (the deal's tp rank for a replicated one) instead.
   const bool values_owned = cfg.dist.zero == 3 && D > 1;
   SIGMA_CHECK(!values_owned || opt, "a dist.zero = 3 save needs the optimizer (who owns what)");
-  add_params(mine, model, opt, deal(model, D, P, std::move(all_bases)), dr, tr, P, values_owned);
+  add_params(mine, model, opt, deal(model, D, P, std::move(all_bases), cut), cut, dr, tr, P, values_owned);
   if (s->lead)
     for (const Buffer& b : model.buffers().all()) mine.model.push_back(tensor_ref(b.name, b.value));
   s->config = cfg.to_json();
