@@ -468,12 +468,17 @@ void RunLoop::open_outputs() {
   if (!cfg_.train.freeze.empty()) fmt::print(stderr, "{}\n", freeze_.summary);
   if (comm_.size() > 1) {
     const int64_t most = *std::max_element(plan_.elements.begin(), plan_.elements.end());
+    std::string cut;  // tensors larger than half a rank's share, owned as row runs
+    for (size_t i = 0; i < plan_.cuts.size(); ++i)
+      if (!plan_.whole(i)) cut += (cut.empty() ? "" : ", ") + model_->params().all()[i].name;
     fmt::print(stderr, "data parallel: {} ranks x {} micro-batches each; Adam state{} sharded "
-               "(ZeRO-{}): {:.1f} MiB on the most loaded rank, {:.1f} MiB unsharded\n",
+               "(ZeRO-{}): {:.1f} MiB on the most loaded rank, {:.1f} MiB unsharded{}\n",
                comm_.size(), cfg_.train.accum / comm_.size(),
                cfg_.dist.zero == 3 ? ", gradients and values" : cfg_.dist.zero == 2 ? " and gradients" : "",
                cfg_.dist.zero, double(most) * (4 + 4 * cfg_.dist.zero) / (1 << 20),
-               double(model_->params().numel()) * (4 + 4 * cfg_.dist.zero) / (1 << 20));
+               double(model_->params().numel()) * (4 + 4 * cfg_.dist.zero) / (1 << 20),
+               cut.empty() ? "" : "; cut into row runs over the ranks (each larger than half a "
+                                  "rank's share): " + cut);
   }
 }
 
