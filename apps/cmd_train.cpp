@@ -5,6 +5,7 @@
 #include <csignal>
 
 #include "command.h"
+#include "core/refusal.h"
 #include "train/checkpoint.h"
 #include "train/resume.h"
 #include "train/trainer.h"
@@ -59,7 +60,13 @@ void run_train(TrainArgs a) {
     fmt::print("Config keys (JSON file via --config, or --set key=value):\n{}", cfg.options().help());
     return;
   }
-  cfg = load_config(a);
+  try {  // every rank reads the same files and keys: a bad one is said once (core/refusal.h)
+    cfg = load_config(a);
+  } catch (const Refusal&) {
+    throw;
+  } catch (const Error& e) {
+    throw Refusal(e.what());
+  }
   if (a.print_config) {
     fmt::print("{}\n", cfg.to_json().dump(2));
     return;

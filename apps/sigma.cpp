@@ -19,6 +19,19 @@ std::vector<AddCommand>& commands() {
 }
 }  // namespace sigma::cli
 
+// Under mpirun, for an error every rank reaches alike: rank 0 says it and exits, which ends
+// the other ranks (mpirun aborts the job, or rank 0's MPI_Abort); they wait for that, and say
+// their own only if rank 0 went on (it differed), with their rank. "" on rank 0 and alone.
+namespace {
+std::string label_after_rank0() {
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  if (!rank || !size || std::atoi(size) <= 1 || std::atoi(rank) == 0) return "";
+  sleep(10);
+  return fmt::format("rank {}: ", rank);
+}
+}  // namespace
+
 int main(int argc, char** argv) {
   // OpenMP threads that spin at barriers collapse when the cores are shared: measured 1,800
   // against 51,000 tokens/s for the main job on 2 busy cores. libgomp reads its environment
@@ -48,17 +61,11 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
-  } catch (const CLI::ParseError& e) {  // one line, like every other error
-    fmt::print(stderr, "sigma: error: {} (see --help)\n", e.what());
+  } catch (const CLI::ParseError& e) {  // one line, like every other error; once, as a refusal
+    fmt::print(stderr, "sigma: error: {}{} (see --help)\n", label_after_rank0(), e.what());
     return e.get_exit_code() ? e.get_exit_code() : 2;
   } catch (const sigma::Refusal& e) {  // every rank refuses alike: rank 0 says it, once
-    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
-    const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
-    if (rank && size && std::atoi(size) > 1 && std::atoi(rank) != 0)
-      sleep(10);  // rank 0's abort ends this rank first; if rank 0 went on, it differed: say it
-    else
-      rank = nullptr;
-    fmt::print(stderr, "sigma: error: {}{}\n", rank ? fmt::format("rank {}: ", rank) : "", e.what());
+    fmt::print(stderr, "sigma: error: {}{}\n", label_after_rank0(), e.what());
     std::fflush(stderr);
     sigma::abort_run(1);
     return 1;

@@ -12,6 +12,7 @@
 #include "test_util.h"
 #include "model/domains.h"
 #include "data/prepare.h"
+#include "run/config.h"
 
 using namespace sigma;
 using namespace sigma::testing;
@@ -64,6 +65,24 @@ TEST(Configs, EveryConfigTheDocsNameExists) {
   }
   EXPECT_TRUE(named.count("configs/tiny.json"));
   for (const std::string& c : named) EXPECT_TRUE(fs::exists(kRoot / c)) << c << " is named in the docs";
+}
+
+// --set on a list key takes a bare word or comma list as users type it, as well as JSON; text
+// that starts as JSON must still parse.
+TEST(Configs, AListKeyTakesBareNamesOrJson) {
+  sigma::Config cfg;
+  cfg.load("", {"train.freeze=shared"});
+  EXPECT_EQ(cfg.train.freeze, std::vector<std::string>{"shared"});
+  cfg.load("", {"train.freeze=embeddings,experts"});
+  EXPECT_EQ(cfg.train.freeze, (std::vector<std::string>{"embeddings", "experts"}));
+  cfg.load("", {R"(train.freeze=["shared"])"});
+  EXPECT_EQ(cfg.train.freeze, std::vector<std::string>{"shared"});
+  try {
+    cfg.load("", {R"(train.freeze=["shared")"});
+    ADD_FAILURE() << "a broken JSON list was accepted";
+  } catch (const sigma::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--set train.freeze: value is not valid JSON"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Configs, TinyTrainsOnTheBuiltInData) {

@@ -342,6 +342,21 @@ TEST(Distributed, RanksStartedDifferentlyStopWithOneLine) {
   }
 }
 
+// A config every rank reads alike and refuses (a malformed --set value, a missing config
+// file) is said once, by rank 0, and the run ends at once: each rank printed its own copy.
+TEST(Distributed, ABadConfigIsSaidOnceNotOncePerRank) {
+  SKIP_WITHOUT_MPI();
+  for (const std::string& bad : {std::string("--set 'train.freeze=[\"shared\"'"),
+                                 std::string("--config /nonexistent/sigma.json")}) {
+    const CmdResult r = train_on(4, train_args(kDense, 3, 4) + " " + bad);
+    EXPECT_NE(r.code, 0) << bad << ": " << r.out;
+    size_t lines = 0;
+    for (size_t at = r.out.find("sigma: error:"); at != std::string::npos; at = r.out.find("sigma: error:", at + 1))
+      ++lines;
+    EXPECT_EQ(lines, 1u) << bad << ": " << r.out;
+  }
+}
+
 // Ranks given different dist.tp split the world differently: the agreement runs on the world
 // before any split, so they stop at once with the key named (before, each waited in its own
 // split for dist.timeout_s, 300 s by default, and blamed "rank 0 never entered it").

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string_view>
 
 #include "core/error.h"
 #include "core/json_depth.h"
@@ -147,6 +148,10 @@ void Options::apply_set(const std::string& assignment) {
   nlohmann::json v;
   if (f.set_json) {
     v = nlohmann::json::parse(text, json_depth_limit("--set " + key), false);
+    // A bare word (--set train.freeze=shared) is the JSON string it spells; what starts as
+    // JSON must parse.
+    if (v.is_discarded() && !text.empty() && std::string_view("[{\"").find(text[0]) == std::string_view::npos)
+      v = text;
     SIGMA_CHECK(!v.is_discarded(), "--set {}: value is not valid JSON", key);
     f.set_json(v);
     return;
