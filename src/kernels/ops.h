@@ -150,6 +150,9 @@ struct Backend {
   // bf16 once and reuse the copy (kernels/cpu/bf16_matmul.h).
   void (*bf16_mirror_add)(const float* p, int64_t n);
   void (*bf16_mirror_clear)();
+  // Ends the promise for the range registered at p before the clear: its last read is done
+  // and the caller writes it next (later products convert it per call). Unregistered: no-op.
+  void (*bf16_mirror_drop)(const float* p);
 
   // ---- data movement on activations ----
   void (*copy)(float* dst, const float* src, int64_t n);    // dst = src (no overlap)
@@ -411,6 +414,9 @@ inline void bf16_mirror_add(const float* p, int64_t n) {
 }
 inline void bf16_mirror_clear() {
   if (detail::active->bf16_mirror_clear) detail::active->bf16_mirror_clear();
+}
+inline void bf16_mirror_drop(const float* p) {
+  if (detail::active->bf16_mirror_drop) detail::active->bf16_mirror_drop(p);
 }
 inline void fast_gelu_forward(float* y, const float* x, int64_t n) {
   detail::active->fast_gelu_forward(y, x, n);

@@ -29,6 +29,7 @@ void ffn_forward(float* y, float* pre, float* act, const float* x, const FfnWeig
 void ffn_backward(float* dx, const FfnGrads& g, const float* dy, const float* x, const float* pre,
                   float* act, const FfnWeights& w, int64_t N, int64_t d, int64_t f) {
   ops::linear_backward(nullptr, g.w_out, g.b_out, dy, act, w.w_out, N, f, d);  // last read of act
+  ops::bf16_mirror_drop(act);  // in bf16 its copy (Model::mirror) would be read for d_pre below
   float* d_act = act;
   ops::gemm(false, true, N, f, d, 1.0f, dy, d, w.w_out, d, 0.0f, d_act, f);  // dy W_out^T
   float* d_pre = d_act;

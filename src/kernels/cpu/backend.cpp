@@ -64,6 +64,7 @@ const ops::Backend kBackend = {
     .adam_step = &adam_step_auto,
     .bf16_mirror_add = &bf16_mirror_add,
     .bf16_mirror_clear = &bf16_mirror_clear,
+    .bf16_mirror_drop = &bf16_mirror_drop,
     .copy = &copy,
     .fill = &fill,
     .add_into = &add_into,

@@ -251,6 +251,15 @@ void bf16_mirror_clear() {
   ms.live.clear();
 }
 
+void bf16_mirror_drop(const float* p) {
+  MirrorSet& ms = mirrors();
+  auto at = std::lower_bound(ms.live.begin(), ms.live.end(), p,
+                             [](const std::unique_ptr<Mirror>& x, const float* q) { return x->p < q; });
+  if (at == ms.live.end() || (*at)->p != p) return;
+  ms.spare[{(*at)->p, (*at)->n}] = std::move((*at)->data);
+  ms.live.erase(at);
+}
+
 void row_to_bf16(uint16_t* dst, const float* src, int64_t n) { row_to_bf16_impl(dst, src, n); }
 
 int64_t bf16_mirror_conversions() { return mirrors().conversions.load(); }

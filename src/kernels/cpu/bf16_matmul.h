@@ -50,6 +50,9 @@ Bf16View bf16_operand_column_sums(const float* src, int64_t rows, int64_t cols, 
 // parallel regions, as the model does); lookups and conversions are.
 void bf16_mirror_add(const float* p, int64_t n);
 void bf16_mirror_clear();
+// Drops the range registered at p (its copy kept as a spare): the caller is done reading it
+// and writes it next, so later products must not read the old copy. Unregistered p: no-op.
+void bf16_mirror_drop(const float* p);
 // Conversions done since the start (tests: a mirrored weight converts once per registration).
 int64_t bf16_mirror_conversions();
 

@@ -288,6 +288,7 @@ const ops::Backend kBackend = {
     .adam_step = wrapped<&B::adam_step>,
     .bf16_mirror_add = wrapped<&B::bf16_mirror_add>,
     .bf16_mirror_clear = wrapped<&B::bf16_mirror_clear>,
+    .bf16_mirror_drop = wrapped<&B::bf16_mirror_drop>,
     .copy = wrapped<&B::copy>,
     .fill = wrapped<&B::fill>,
     .add_into = wrapped<&B::add_into>,

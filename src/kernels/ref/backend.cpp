@@ -228,6 +228,7 @@ const ops::Backend kBackend = {
     .adam_step = &adam_step,
     .bf16_mirror_add = nullptr,  // converts every bf16 input where it reads it
     .bf16_mirror_clear = nullptr,
+    .bf16_mirror_drop = nullptr,
     .copy = &copy,
     .fill = &fill,
     .add_into = &add_into,
