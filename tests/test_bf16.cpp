@@ -291,18 +291,28 @@ TEST(Bf16, BiasGradientRidesInTheConversionOfDy) {
   }
 }
 
-// Through the model: a bf16 training step, an AdamW update, and the next forward reads the
-// updated weights, bit for bit what a fresh model holding them computes; not the old ones.
-TEST(Bf16Mirror, TheForwardAfterAnOptimizerStepReadsTheNewWeights) {
+// A 2-block model and a batch of 3 rows of 12 random tokens, for the tests through the model.
+ModelConfig tiny_config() {
   ModelConfig c;
   c.vocab = 41, c.d_model = 32, c.heads = 2, c.context = 12, c.layers = 2, c.slots = 1;
   c.domains = {{"a", "a", 0}};
+  return c;
+}
+Batch tiny_batch(const ModelConfig& c) {
   Batch b;
   b.resize(3, 12);
   Rng r(12, 1);
   for (auto& t : b.tokens) t = int32_t(r.below(uint32_t(c.vocab)));
   for (auto& t : b.targets) t = int32_t(r.below(uint32_t(c.vocab)));
   b.domain = {0, 0, 0};
+  return b;
+}
+
+// Through the model: a bf16 training step, an AdamW update, and the next forward reads the
+// updated weights, bit for bit what a fresh model holding them computes; not the old ones.
+TEST(Bf16Mirror, TheForwardAfterAnOptimizerStepReadsTheNewWeights) {
+  const ModelConfig c = tiny_config();
+  const Batch b = tiny_batch(c);
   std::vector<float> w(b.tokens.size(), 1.0f / float(b.tokens.size())), loss0(w.size()),
       loss1(w.size()), loss2(w.size());
   ops::use_precision(ops::Precision::Bf16);
@@ -330,15 +340,8 @@ TEST(Bf16Mirror, TheForwardAfterAnOptimizerStepReadsTheNewWeights) {
 // tensor, the norm of the difference is a small fraction of the fp32 gradient's norm (the
 // global norm clips the step, so one tensor off by a factor shows as a wrong clip).
 TEST(Bf16, GradientsTrackFp32TensorByTensor) {
-  ModelConfig c;
-  c.vocab = 41, c.d_model = 32, c.heads = 2, c.context = 12, c.layers = 2, c.slots = 1;
-  c.domains = {{"a", "a", 0}};
-  Batch b;
-  b.resize(3, 12);
-  Rng r(12, 1);
-  for (auto& t : b.tokens) t = int32_t(r.below(uint32_t(c.vocab)));
-  for (auto& t : b.targets) t = int32_t(r.below(uint32_t(c.vocab)));
-  b.domain = {0, 0, 0};
+  const ModelConfig c = tiny_config();
+  const Batch b = tiny_batch(c);
   std::vector<float> w(b.tokens.size(), 1.0f / float(b.tokens.size())), loss(w.size());
   auto grads = [&](ops::Precision p) {
     ops::use_precision(p);
