@@ -1,6 +1,7 @@
 // Parameter registry: every trainable tensor has a stable hierarchical name (DESIGN §4), a
 // gradient of the same shape, and the optimizer facts that depend on its role.
 #pragma once
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
@@ -41,6 +42,10 @@ struct ParamPiece {
   size_t param;
   int64_t begin, end;
   int64_t size() const { return end - begin; }
+  // Elements this piece and `o` (of the same param) have in common.
+  int64_t overlap(const ParamPiece& o) const {
+    return std::max<int64_t>(0, std::min(end, o.end) - std::max(begin, o.begin));
+  }
 };
 using ParamStage = std::vector<ParamPiece>;  // pieces in ascending (param, begin) order
 // Param i whole.

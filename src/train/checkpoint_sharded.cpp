@@ -125,11 +125,7 @@ void add_params(ShardContents& out, const Model& model, const AdamW* opt, const 
     const bool with_owner = values_owned || cut[i];
     const bool mine = with_owner ? opt->owns(i) && (split || deal.adam_tp[i] == tp_rank)
                                  : deal.data_rank[i] == data_rank && (split || deal.tp_rank[i] == tp_rank);
-    if (mine && with_owner) add(out.model, out.model_pieces, ps[i].name, ps[i].value, false);
-    if (mine && !with_owner) {
-      out.model.push_back(host_view(ps[i].name, ps[i].value, out.keep));
-      if (split) out.model_pieces[ps[i].name] = tp_piece;
-    }
+    if (mine) add(out.model, out.model_pieces, ps[i].name, ps[i].value, false);
     if (!opt || !opt->owns(i)) continue;
     const auto& st = opt->state()[i];
     if (split || deal.adam_tp[i] == tp_rank)  // m and v hold the owned rows only

@@ -176,11 +176,8 @@ void TrainStep::need_stage(size_t s) {
     int64_t experts = 0;  // the other ranks' expert values held now
     for (size_t t = 0; t < stages.size(); ++t) {
       if (!held_[t]) continue;
-      for (const ParamPiece& p : stages[t]) {
-        if (!model_.params().all()[p.param].expert) continue;
-        const ParamPiece& mine = owned_[p.param];
-        experts += p.size() - std::max<int64_t>(0, std::min(p.end, mine.end) - std::max(p.begin, mine.begin));
-      }
+      for (const ParamPiece& p : stages[t])
+        if (model_.params().all()[p.param].expert) experts += p.size() - p.overlap(owned_[p.param]);
     }
     peak_experts_ = std::max(peak_experts_, experts);
   }
