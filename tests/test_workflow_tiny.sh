@@ -98,8 +98,12 @@ for f in files:
     same = os.path.exists(again) and undated(f) == undated(again)
     check(same, f"7 eval/{name} recomputed by eval/rerun.sh: the same JSON")
 srv = load("checks/serve.json")
-check(len(srv) == 12 and all(r["equal"] for r in srv),
-      "8 served log-probabilities (openai client, echo) equal sigma eval's loss to the bit, extracts and full model")
+# To the bit where the served pass meets eval's kernels (seen on Zen 5), else within a relative
+# 1e-6 (Zen 3's AVX2 kernels: 7e-9 to 1.5e-8 nats; docs/serving.md, "Scoring against sigma eval").
+bits = sum(1 for r in srv if r["equal"])
+check(len(srv) == 12 and all(r["equal"] or abs(r["diff"]) <= 1e-6 * abs(r["eval_loss"]) for r in srv),
+      f"8 served log-probabilities (openai client, echo) equal sigma eval's loss within a relative 1e-6, "
+      f"extracts and full model ({bits} of {len(srv)} to the bit)")
 summ = load("summary.json")
 check(len(summ["stages_s"]) == 10, f"wall time of 10 stages in summary.json ({summ['total_s']:.0f} s in all)")
 if failed:

@@ -102,12 +102,13 @@ elif cmd == "serve":
     print(f"served models: {', '.join(r['models'])}")
     # sigma serve scores a prompt with its fast kernels, sigma eval inside ops::BatchInvariant;
     # an RRE block's experts meet other row counts in the two, which round differently
-    # (docs/serving.md, "Scoring against sigma eval"): the same bits were seen at context <= 64
-    # (the tiny size), and past it a relative 1e-6 is allowed.
+    # (docs/serving.md, "Scoring against sigma eval"): a relative 1e-6 is allowed at any context
+    # (the tiny size's context-64 windows agreed to the bit on AVX-512 machines, not on Zen 3's
+    # AVX2 kernels: 7e-9 to 1.5e-8 nats there).
     print("| model | tokens | served: -mean log p | sigma eval loss | difference | equal |")
     print("|---|---|---|---|---|---|")
     for c in r["checks"]:
-        c["ok"] = c["equal"] or (c["tokens"] > 64 and abs(c["diff"]) <= 1e-6 * abs(c["eval_loss"]))
+        c["ok"] = c["equal"] or abs(c["diff"]) <= 1e-6 * abs(c["eval_loss"])
         print(f"| {c['model']} | {c['tokens']} | {c['served_loss']!r} | {c['eval_loss']!r} | {c['diff']:.3g} | "
               f"{'to the bit' if c['equal'] else 'within 1e-6 (kernel rounding)' if c['ok'] else 'NO'} |")
     for c in r["completions"]:
