@@ -8,6 +8,7 @@
 
 #include "command.h"
 #include "core/error.h"
+#include "core/passive_wait.h"
 #include "core/quiet_signals.h"
 #include "core/refusal.h"
 #include "dist/communicator.h"
@@ -33,13 +34,7 @@ std::string label_after_rank0() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // OpenMP threads that spin at barriers collapse when the cores are shared: measured 1,800
-  // against 51,000 tokens/s for the main job on 2 busy cores. libgomp reads its environment
-  // before main, so set a passive wait policy (unless the user chose one) and re-execute.
-  if (!std::getenv("OMP_WAIT_POLICY")) {
-    setenv("OMP_WAIT_POLICY", "passive", 1);
-    execv("/proc/self/exe", argv);  // returns only on failure: then run as we are
-  }
+  sigma::ensure_passive_omp_wait(argv);  // core/passive_wait.h
   // Keep freed memory for the next step instead of handing it back to the kernel: a training
   // step frees and reallocates the same buffers (exchange buckets, collective temporaries), and
   // glibc's defaults unmap or trim them each time, so every step faulted them in again, ~8,000

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "core/passive_wait.h"
 #include "kernels/cpu/adam.h"
 #include "kernels/ops.h"
 
@@ -138,6 +139,7 @@ __attribute__((optimize("no-tree-vectorize"))) void plain_loop_novec(
 }  // namespace
 
 int main(int argc, char** argv) {
+  sigma::ensure_passive_omp_wait(argv);  // as sigma runs (core/passive_wait.h)
   const int64_t n = argc > 1 ? std::atoll(argv[1]) : 100'000'000;
   const int repeats = argc > 2 ? std::max(1, std::atoi(argv[2])) : 15;
   const int threads = omp_get_max_threads();

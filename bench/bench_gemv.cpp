@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "core/bf16.h"
+#include "core/passive_wait.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/gemv.h"
 #include "simd.h"
@@ -91,6 +92,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sigma::ensure_passive_omp_wait(argv);  // as sigma runs (core/passive_wait.h)
   int64_t d = 512, layers = 8, vocab = 0;
   int samples = 15;
   sigma::cpu::GemvIsa isa = sigma::cpu::GemvIsa::Best;

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "core/passive_wait.h"
 #include "simd.h"
 
 namespace {
@@ -101,6 +102,7 @@ double triad_gbs(const Arrays& x, int threads, int samples) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sigma::ensure_passive_omp_wait(argv);  // as sigma runs (core/passive_wait.h)
   int threads = 2, samples = 9;
   int64_t mb = 256;
   for (int i = 1; i + 1 < argc; i += 2) {
