@@ -309,9 +309,14 @@ for name in ("torch-fp32", "torch-bf16", "sigma-fp32", "sigma-bf16"):
     print(f"{name:11} {tps:7.1f} {' '.join(f'{v:.0f}' for v in runs):>22} "
           f"{(e['peak_rss_mib'] or 0):8.0f} {gf:8.1f} {gfx:6.1f} {pct(e['of_gemm_peak'])} "
           f"{pct(e['of_fma_peak'])} {pct(e['executed_of_gemm_peak']):>9}  {tag}")
+bf16_native = all(p.get("bf16_native", True) for p in probes)
+res["bf16_native"] = bf16_native
 for dt in ("fp32", "bf16"):
+    note = ("" if dt == "fp32" or bf16_native else
+            " (oneDNN has no bf16 matmul on this CPU: Sigma's bf16 products widen to fp32, so the"
+            " GEMM limit is sgemm's and there is no bf16 dot product)")
     print(f"{dt} limits (max of 2 runs): GEMM {peak[dt]['gemm'][0]:.1f} GFLOP/s "
-          f"(runs {peak[dt]['gemm'][1]}), FMA/dot {peak[dt]['fma'][0]:.1f} (runs {peak[dt]['fma'][1]}) {tag}")
+          f"(runs {peak[dt]['gemm'][1]}), FMA/dot {peak[dt]['fma'][0]:.1f} (runs {peak[dt]['fma'][1]}){note} {tag}")
 print(f"flops/token: convention {fpt / 1e6:.2f} M; executed: PyTorch {executed['torch'] / 1e6:.2f} M,"
       f" Sigma {executed['sigma'] / 1e6:.2f} M (masked key blocks skipped, scores recomputed in backward)")
 ratios = {}
