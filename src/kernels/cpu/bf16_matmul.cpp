@@ -62,20 +62,6 @@ Matmul make_matmul(const MatmulKey& k) {
   return {pd, dnnl::matmul(pd)};
 }
 
-// Whether oneDNN multiplies bf16 on this CPU: it needs AVX-512 (native bf16 dot products or its
-// emulation on avx512_core) or AMX; on an AVX2-only CPU (this project's Zen 3 machines) it
-// cannot create the primitive. Asked once, with a small product.
-bool native_bf16() {
-  static const bool ok = [] {
-    try {
-      make_matmul({false, false, false, 2, 2, 2, 2, 2, 2, 1.0f, 0.0f});
-      return true;
-    } catch (const dnnl::error&) {
-      return false;
-    }
-  }();
-  return ok;
-}
 
 // Without native bf16 products: the same product in fp32 on the widened operands (a product of
 // two bf16 values is exact in fp32, the sums are fp32 as oneDNN's bf16 path accumulates), so the
@@ -142,6 +128,21 @@ Mirror* find_mirror(const float* src, int64_t extent) {
 }
 
 }  // namespace
+
+// oneDNN's bf16 products need AVX-512 (native bf16 dot products or its
+// emulation on avx512_core) or AMX; on an AVX2-only CPU (this project's Zen 3 machines) it
+// cannot create the primitive. Asked once, with a small product.
+bool native_bf16() {
+  static const bool ok = [] {
+    try {
+      make_matmul({false, false, false, 2, 2, 2, 2, 2, 2, 1.0f, 0.0f});
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return ok;
+}
 
 void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16View A,
                  Bf16View B, float beta, float* C, int64_t ldc, const float* bias) {

@@ -22,6 +22,10 @@ struct Bf16View {
 void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16View A,
                  Bf16View B, float beta, float* C, int64_t ldc, const float* bias = nullptr);
 
+// Whether oneDNN multiplies bf16 on this CPU (AVX-512 or AMX); false on an AVX2-only CPU, where
+// matmul_bf16 widens its operands to fp32 and runs sgemm.
+bool native_bf16();
+
 // dst[rows, cols] (row stride ldd) = bf16 of src[rows, cols] (row stride lds), round to nearest
 // even, NaN kept (sigma::to_bf16, bit for bit). Parallel over rows when large and not nested.
 void to_bf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows,
