@@ -119,13 +119,15 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
   if (initialise && init_only) {
     initialised_only_ = init_only(params_);
     SIGMA_CHECK(initialised_only_.size() == params_.all().size(),
-                "init_only: a mask of {} entries for {} parameters", initialised_only_.size(),
+                "init_only: pieces of {} parameters for {}", initialised_only_.size(),
                 params_.all().size());
   }
   for (size_t i = 0; i < params_.all().size(); ++i) {
     if (!initialise) break;
-    if (!initialised_only_.empty() && !initialised_only_[i]) continue;
     Param& p = params_.all()[i];
+    ParamPiece only{i, 0, p.value.numel()};  // the elements written
+    if (!initialised_only_.empty()) only = initialised_only_[i];
+    if (only.size() <= 0) continue;
     const std::string& n = p.name;
     // A tensor split over tp ranks: the whole one drawn (the values one rank starts from),
     // this rank's slice kept.
@@ -149,7 +151,8 @@ Model::Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts,
       tp_slice(local.f(), v, full, split, tp_.size, tp_.rank);
       init = std::move(local);
     }
-    ops::upload(p.value, init.f(), init.nbytes());
+    ops::upload(p.value, init.f() + only.begin, size_t(only.size()) * sizeof(float),
+                size_t(only.begin) * sizeof(float));
   }
 
   // Routing tables R[l][g] (DESIGN §2), independent per (block, group).

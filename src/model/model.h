@@ -66,14 +66,15 @@ class Model {
   // (model/tensor_parallel.h): split tensors hold its slice of the weights the same model on
   // one rank would start from, and forward/backward meet the group in all-reduces (training
   // only: no KV cache, no bf16 weight copies).
-  // init_only (ZeRO-3's sharded construction): given the registered parameters, which ones to
-  // initialise (the rank's own); the others stay zero, their pages never written (the host
-  // allocator hands out lazily zeroed memory for large tensors), so never resident. Empty: all.
-  using InitOnly = std::function<std::vector<uint8_t>(const ParamSet&)>;
+  // init_only (ZeRO-3's sharded construction): given the registered parameters, which elements
+  // of each to initialise ([params]: the rank's own piece, empty for none); the others stay
+  // zero, their pages never written (the host allocator hands out lazily zeroed memory for
+  // large tensors), so never resident. Empty: all.
+  using InitOnly = std::function<std::vector<ParamPiece>(const ParamSet&)>;
   Model(const ModelConfig& cfg, uint64_t seed, const TokenCounts* counts = nullptr,
         bool external_experts = false, TpGroup tp = {}, const InitOnly& init_only = {});
-  // The mask init_only gave (empty when every parameter was initialised).
-  const std::vector<uint8_t>& initialised_only() const { return initialised_only_; }
+  // The pieces init_only gave (empty when every parameter was initialised whole).
+  const std::vector<ParamPiece>& initialised_only() const { return initialised_only_; }
   // A model whose parameters are zeros, for a load that sets every one of them (load_model
   // refuses a checkpoint that misses one): skips drawing the random initialisation.
   static std::unique_ptr<Model> for_loading(const ModelConfig& cfg, uint64_t seed);
@@ -256,7 +257,7 @@ class Model {
   uint64_t seed_;
   bool external_experts_;
   TpGroup tp_;
-  std::vector<uint8_t> initialised_only_;
+  std::vector<ParamPiece> initialised_only_;
   bool mirrored_ = false;  // this forward registered bf16 copies (mirror_weights)
   ParamSet params_;
   BufferSet buffers_;

@@ -17,12 +17,6 @@ std::vector<ParamPiece> ShardPlan::owned_by(int rank) const {
   return out;
 }
 
-std::vector<uint8_t> ShardPlan::holds(int rank) const {
-  std::vector<uint8_t> out(cuts.size());
-  for (size_t i = 0; i < cuts.size(); ++i) out[i] = owned(i, rank).size() > 0;
-  return out;
-}
-
 bool ShardPlan::whole(size_t i) const {
   const std::vector<int64_t>& c = cuts[i];
   for (int r = 0; r < ranks; ++r)

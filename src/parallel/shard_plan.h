@@ -28,8 +28,6 @@ struct ShardPlan {
   }
   // [params]: what `rank` owns of each (empty pieces where nothing).
   std::vector<ParamPiece> owned_by(int rank) const;
-  // [params]: 1 where `rank` owns any element (what ZeRO-3's sharded construction builds).
-  std::vector<uint8_t> holds(int rank) const;
   // True when param i is owned whole by one rank.
   bool whole(size_t i) const;
   // The rank owning param i's element `at`.

@@ -106,13 +106,14 @@ TrainStep::TrainStep(Model& model, AdamW& opt, Communicator& comm, const OptimCo
   owned_ = plan_.owned_by(comm_.rank());
   const size_t S = model_.param_stages().size(), L = size_t(model_.config().layers);
   // A model built with only this rank's values (sharded construction, Model::InitOnly) holds
-  // no stage whole yet: the first read of each gathers it. A tensor it owns in part was
-  // initialised whole: the rest is released.
-  const std::vector<uint8_t>& built = model_.initialised_only();
-  SIGMA_CHECK(built.empty() || built == plan_.holds(comm_.rank()), "the model was initialised "
-              "for another shard plan than this step's (rank {} of {})", comm_.rank(), comm_.size());
-  for (size_t i = 0; i < built.size(); ++i)
-    if (built[i]) release_others(model_.params().all()[i].value, whole_param(model_.params(), i));
+  // no stage whole yet: the first read of each gathers it.
+  const std::vector<ParamPiece>& built = model_.initialised_only();
+  const bool same_plan = std::equal(built.begin(), built.end(), owned_.begin(), owned_.end(),
+                                    [](const ParamPiece& a, const ParamPiece& b) {
+                                      return a.size() == b.size() && (a.size() == 0 || a.begin == b.begin);
+                                    });
+  SIGMA_CHECK(built.empty() || same_plan, "the model was initialised for another shard plan than "
+              "this step's (rank {} of {})", comm_.rank(), comm_.size());
   held_.assign(S, built.empty() ? 1 : 0);
   pending_.assign(S, 0);
   // Forward: the embeddings, each block (then its expert groups), the final LN, the tied head;

@@ -277,7 +277,7 @@ void RunLoop::build() {
   };
   Model::InitOnly init_only;
   if (cfg_.dist.zero >= 3 && comm_.size() > 1)
-    init_only = [&](const ParamSet& ps) { return plan(ps).holds(comm_.rank()); };
+    init_only = [&](const ParamSet& ps) { return plan(ps).owned_by(comm_.rank()); };
   model_ = std::make_unique<Model>(cfg_.model, cfg_.train.seed, counts.empty() ? nullptr : &counts,
                                    mode_ != ExpertMode::InModel, grid_->tp_group(), init_only);
   model_->set_remat(remat_from_name(cfg_.train.remat));
