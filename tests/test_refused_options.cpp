@@ -81,6 +81,14 @@ TEST(RefusedOptions, RunOptionsTheRunCannotUse) {
                       tmp / "ok").code, 0);
 }
 
+TEST(RefusedOptions, AnOverlapBoundWithoutOverlapOrOutOfRange) {
+  refused(kTrain + "--set dist.overlap=false --set dist.overlap_mib=32",
+          {"dist.overlap_mib = 32", "does not apply", "dist.overlap = false"});
+  refused(kTrain + "--set dist.overlap_mib=-1", {"dist.overlap_mib", "-1 is out of range"});
+  refused(kTrain + "--set dist.overlap_mib=lots", {"dist.overlap_mib", "cannot parse 'lots'"});
+  EXPECT_EQ(sigma_cmd(kTrain + "--set dist.overlap_mib=0.5").code, 0);
+}
+
 // Refused before the checkpoint is opened: none is needed to see the refusal.
 TEST(RefusedOptions, EvalAndGenerateFlagsTheirModeIgnores) {
   const std::string eval = "eval --ckpt /nonexistent ";

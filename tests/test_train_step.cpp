@@ -609,6 +609,57 @@ TEST(TrainStep, ZeroStage3KeepsAboutOneStagesExchangeInFlight) {
   }
 }
 
+// dist.overlap_mib: ZeRO-1 and 2's exchange buffers in flight stay within the bound a user
+// gives (plus the one round that may exceed it alone: a reduce round counts its packed copy and
+// R times this rank's part, ~2x a stage), with the bits of the default bound. On ranks that
+// never progress an exchange the default (8 buckets: 32 M elements) keeps every stage of
+// backward in flight, so a TrainStep that ignored the bound fails the first check.
+TEST(TrainStep, ZeroOverlapKeepsTheBoundItIsGiven) {
+  for (int zero : {1, 2}) {
+    std::vector<float> weights[2];
+    size_t peak[2] = {}, stage = 0;
+    for (int bounded : {0, 1}) {
+      test_ranks::run_ranks(4, [&](Communicator& threads) {
+        UnprogressedComm comm(threads);
+        omp_set_num_threads(1);
+        ModelConfig c = step_config(2);
+        c.d_model = 64;
+        Model m(c, 5);
+        OptimConfig oc;
+        oc.lr = 1e-2f;
+        const ShardPlan plan = plan_shards(m.params(), 4);
+        AdamW opt(oc, m.params(), plan.owned_by(comm.rank()));
+        TrainStep step(m, opt, comm, oc, plan);
+        step.set_zero_stage(zero);
+        size_t largest = 0;
+        for (const ParamStage& pieces : m.param_stages()) {
+          size_t n = 0;
+          for (const ParamPiece& p : pieces) n += size_t(p.size());
+          largest = std::max(largest, n);
+        }
+        step.set_overlap(true, false, bounded ? largest : 0);
+        for (int s = 0; s < 2; ++s) {
+          const auto batches = micro_batches(c, 4, uint64_t(s) + 1);
+          step.prepare(batches);
+          step.run(batches, oc.lr, UpdateMask{});
+        }
+        if (comm.rank() == 0) {
+          stage = largest;
+          peak[bounded] = step.overlap_peak_in_flight();
+          weights[bounded] = flat(m);
+        }
+      });
+    }
+    const std::string what = fmt::format("zero {}: the largest stage {} elements, peak in flight "
+                                         "{} with the default bound, {} bounded to one stage",
+                                         zero, stage, peak[0], peak[1]);
+    EXPECT_GT(peak[0], 3 * stage) << what;
+    EXPECT_LE(peak[1], 3 * stage) << what;
+    EXPECT_GT(peak[1], 0u) << what;
+    EXPECT_TRUE(weights[0] == weights[1]) << what << ": the bound changed the bits";
+  }
+}
+
 // Sharded construction (dist.zero = 3): a rank never writes the values, gradients or optimizer
 // state of the tensors (or the rows of a cut tensor) it does not own, so their pages stay out
 // of memory through construction and the step's setup (mincore). Fails where the model

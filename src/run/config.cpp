@@ -154,6 +154,13 @@ void DistConfig::describe(Options& o, const std::string& p) {
         "as backward finishes them, and the updated values come back while the next forward "
         "runs, each block's completed just before it is read (the same sums in the same order: "
         "the same bits as false, which exchanges after backward and after the update)");
+  o.add(p + "overlap_mib", &overlap_mib,
+        "with dist.overlap, the most MiB of exchange buffers (each round's packed copy and what it "
+        "receives) a rank keeps in flight; past it the oldest round is completed first. 0 = the "
+        "default: 128 for ZeRO-1 and 2 (sized for a slow network), two of the largest block's "
+        "rounds for ZeRO-3. Smaller saves memory and can expose more of the exchanges "
+        "(docs/distributed.md has measured trade-offs); any value trains the same bits",
+        0.0, 1048576.0);
 }
 
 Config::Config() {

@@ -58,6 +58,7 @@ struct DistConfig {
   int tp = 1;  // tensor-parallel ranks per group (adjacent ranks; parallel/grid.h)
   int zero = 1;  // ZeRO stage over the data group: 1 shards the Adam state, 2 the gradients too, 3 the values too
   bool overlap = true;  // ZeRO's exchanges hidden behind backward and the next forward
+  float overlap_mib = 0;  // exchange buffers in flight with overlap, per rank (0 = the stage's default)
   void describe(Options& o, const std::string& prefix);
 };
 

@@ -234,7 +234,9 @@ static void refuse_options(const Config& cfg, const std::string& experts, int ra
     refuse(key, out_dir, "this run writes no checkpoints (no output directory, --out)");
   refuse("train.keep_every", cfg.train.keep_checkpoints > 0, "it spares checkpoints from the "
          "pruning that train.keep_checkpoints sets, and train.keep_checkpoints = 0 keeps them all");
-  // dist.* is not refused on one process: the rank count belongs to the launch, not to the
+  refuse("dist.overlap_mib", cfg.dist.overlap, "it bounds the exchanges that dist.overlap keeps in "
+         "flight, and this run has dist.overlap = false");
+  // Otherwise dist.* is not refused on one process: the rank count belongs to the launch, not to the
   // config, and a run (or a checkpoint's config) must resume at any rank count (docs/distributed.md).
   (void)ranks;
 }

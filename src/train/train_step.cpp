@@ -258,6 +258,24 @@ void TrainStep::tp_norm_parts(std::vector<double>& parts) const {
   tp_->all_reduce_sum(parts.data(), parts.size());
 }
 
+size_t TrainStep::overlap_bound() const {
+  if (max_in_flight_ > 0) return max_in_flight_;
+  // ZeRO-1 and 2: 8 buckets' worth, sized for throughput on a slow link (issue 38's notes:
+  // 2 buckets cost 3-6 % of the step at 1 Gbit/s and save ~110 MiB a rank at d = 512, R = 4).
+  if (!zero3()) return 8 * kZeroBucketElements;
+  // ZeRO-3 holds a stage or two of the others' values; the exchange buffers in flight (each
+  // round's packed copy and what it receives) are kept to about one round of the largest stage
+  // (at most a bucket's) on top: with 8 buckets' worth they were the largest part of the peak
+  // above the shard (issue 38).
+  size_t stage = 0;
+  for (const ParamStage& pieces : model_.param_stages()) {
+    size_t n = 0;
+    for (const ParamPiece& p : pieces) n += size_t(p.size());
+    stage = std::max(stage, n);
+  }
+  return 2 * std::min(stage, zero_bucket());
+}
+
 StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMask& mask) {
   SIGMA_CHECK(model_.initialised_only().empty() || zero3(), "a model holding only this rank's "
               "values (sharded construction) trains with dist.zero = 3 only, not {}", zero_);
@@ -290,23 +308,7 @@ StepResult TrainStep::run(std::span<const Batch> micro, float lr, const UpdateMa
   // With a fault-injection hook, which may change the gradients after backward, the stages
   // go after it, in the same order: every rank starts the same exchanges either way.
   const bool ov = overlap_ && comm_.size() > 1, ov_early = ov && !after_backward_;
-  if (ov && !zo_) {
-    // ZeRO-3 holds a stage or two of the others' values; the exchange buffers in flight (each
-    // round's packed copy and what it receives) are kept to about one round of the largest
-    // stage (at most a bucket's) on top: with 8 buckets' worth (ZeRO-1 and 2's bound, sized
-    // for throughput) they were the largest part of the peak above the shard (issue 38).
-    size_t bound = 8 * kZeroBucketElements;
-    if (z3) {
-      size_t stage = 0;
-      for (const ParamStage& pieces : model_.param_stages()) {
-        size_t n = 0;
-        for (const ParamPiece& p : pieces) n += size_t(p.size());
-        stage = std::max(stage, n);
-      }
-      bound = 2 * std::min(stage, zero_bucket());
-    }
-    zo_ = std::make_unique<ZeroOverlap>(comm_, plan_, ps, zero_bucket(), bound);
-  }
+  if (ov && !zo_) zo_ = std::make_unique<ZeroOverlap>(comm_, plan_, ps, zero_bucket(), overlap_bound());
   if (!ov && zo_) zo_->finish_gathers();
   if (z3) {  // settle() may have gathered every value: back to this rank's own
     if (zo_) zo_->finish_gathers();

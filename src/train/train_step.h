@@ -15,6 +15,7 @@
 #include <span>
 #include <vector>
 
+#include "core/error.h"
 #include "dist/communicator.h"
 #include "model/activations.h"
 #include "model/model.h"
@@ -92,9 +93,15 @@ class TrainStep {
   // reductions start after it, in the same order. With dist.zero = 3 the hook must be set on
   // every rank or on none: its stages' gathers during backward are matched in order with the
   // reductions that a rank without the hook starts during backward.
-  void set_overlap(bool on, bool defer_gather = false) {
+  // max_in_flight: the most elements of exchange buffers in flight (ZeroOverlap's bound; one
+  // round alone may exceed it); 0 = the stage's default (overlap_bound). Set before the first
+  // overlapped step: the bound is fixed then.
+  void set_overlap(bool on, bool defer_gather = false, size_t max_in_flight = 0) {
+    SIGMA_CHECK(!zo_ || max_in_flight == max_in_flight_,
+                "TrainStep: the overlap's bound is set before the first overlapped step");
     overlap_ = on;
     defer_ = defer_gather;
+    max_in_flight_ = max_in_flight;
   }
   // Completes a deferred gather (with dist.zero = 3: gathers every value): every rank's
   // parameters hold the owners' values.
@@ -147,6 +154,8 @@ class TrainStep {
   Communicator* tp_ = nullptr;
   int zero_ = 1;
   bool overlap_ = false, defer_ = false;
+  size_t max_in_flight_ = 0;  // set_overlap; 0: overlap_bound's default
+  size_t overlap_bound() const;
   std::unique_ptr<ZeroOverlap> zo_;
   // ZeRO-3, per stage: its values are gathered (held) / their gather is in flight (pending).
   // Every value is held until the first run(). order_: the stages in the order the current

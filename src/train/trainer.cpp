@@ -299,7 +299,9 @@ void RunLoop::build() {
   step_ = std::make_unique<TrainStep>(*model_, *opt_, comm_, cfg_.optim, plan_);
   if (grid_->tp() > 1) step_->set_tensor_parallel(&grid_->tensor());
   step_->set_zero_stage(cfg_.dist.zero);
-  step_->set_overlap(cfg_.dist.overlap, true);  // settle() below wherever params are read
+  // settle() below wherever params are read; dist.overlap_mib in fp32 elements (0: the default)
+  const double in_flight = std::ceil(double(cfg_.dist.overlap_mib) * double(1 << 20) / sizeof(float));
+  step_->set_overlap(cfg_.dist.overlap, true, size_t(in_flight));
   names_ = cfg_.model.domains.names();
   for (const auto& n : data_->domains()) data_to_model_.push_back(cfg_.model.domain_index(n));
   SIGMA_CHECK(cfg_.dist.placement == "spread" || mode_ == ExpertMode::Parallel, "dist.placement = "
@@ -825,7 +827,8 @@ void RunLoop::write_summary(const TrainSummary& sum) {
   if (parallel_) summary["expert_exchange"] = exchange_summary_;
   if (!tp_exchange_.is_null()) summary["tp_exchange"] = tp_exchange_;
   if (const double b = step_->overlap_blocked_s(); b > 0)  // rank 0's wait: what overlap left exposed
-    summary["dp_overlap"] = {{"blocked_ms_per_step", b * 1e3 / double(std::max<int64_t>(steps_this_run_, 1))}};
+    summary["dp_overlap"] = {{"blocked_ms_per_step", b * 1e3 / double(std::max<int64_t>(steps_this_run_, 1))},
+                             {"peak_in_flight_mib", double(step_->overlap_peak_in_flight()) * sizeof(float) / double(1 << 20)}};
   // Wall time the training thread spent on saves between steps: the whole save in the
   // foreground; the copy, waits, agreement and commit in the background (the end's wait aside).
   summary["checkpoint_stall_s"] = save_stall_s_;
