@@ -156,9 +156,10 @@ void DistConfig::describe(Options& o, const std::string& p) {
         "the same bits as false, which exchanges after backward and after the update)");
   o.add(p + "overlap_mib", &overlap_mib,
         "with dist.overlap, the most MiB of exchange buffers (each round's packed copy and what it "
-        "receives) a rank keeps in flight; past it the oldest round is completed first. 0 = the "
-        "default: 128 for ZeRO-1 and 2 (sized for a slow network), two of the largest block's "
-        "rounds for ZeRO-3. Smaller saves memory and can expose more of the exchanges "
+        "receives) a rank keeps in flight; past it the oldest round is completed first, so one "
+        "round is always allowed (up to 32 MiB under ZeRO-1 and 2, 2 MiB under ZeRO-3: smaller "
+        "values act as that). 0 = the default: 128 for ZeRO-1 and 2 (sized for a slow network), "
+        "two of the largest block's rounds for ZeRO-3. Smaller saves memory and can expose more of the exchanges "
         "(docs/distributed.md has measured trade-offs); any value trains the same bits",
         0.0, 1048576.0);
 }
