@@ -9,9 +9,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -226,6 +228,24 @@ TEST(Int8Gemv, StaysWithinTheRoundingBoundOfTheDequantisedProduct) {
 // The integer sums cannot overflow: every product at its largest (|q| = 127, |xq| = 32767, signs
 // aligned) over 9,000 inputs (past the head's 4,096-input int32 blocks, 141 of the linear's
 // 64-row chunks) gives scale * max|x| * 127 * in to fp32 rounding, on every ISA.
+// The int8 products' exact sums become floats through kernels::exact_to_float, which must
+// round as float(v) does over the whole range the sums reach (|v| < 2^51): exact below 2^24,
+// ties to even above (2^25 + 1 is halfway), both signs, and random magnitudes at every scale.
+TEST(Int8Gemv, SumsConvertToFloatAsTheConversionRounds) {
+  std::vector<int64_t> v = {0, 1, -1, (1 << 24) - 1, 1 << 24, (1 << 24) + 1, (1 << 25) + 1,
+                            (1 << 25) + 3, (int64_t(1) << 51) - 1, -((int64_t(1) << 51) - 1),
+                            int64_t(1) << 40, (int64_t(1) << 40) + (int64_t(1) << 16)};
+  std::mt19937_64 rng(7);
+  for (int bits = 1; bits <= 51; ++bits)
+    for (int k = 0; k < 200; ++k) {
+      const int64_t m = int64_t(rng() >> (64 - bits));
+      v.push_back(k % 2 ? m : -m);
+    }
+  for (const int64_t x : v) {
+    ASSERT_EQ(std::bit_cast<uint32_t>(kernels::exact_to_float(x)), std::bit_cast<uint32_t>(float(x))) << x;
+  }
+}
+
 TEST(Int8Gemv, LongSumsAtFullScaleDoNotOverflow) {
   const int64_t in = 9000, out = 37;
   std::vector<float> w(static_cast<size_t>(in * out)), x(static_cast<size_t>(in));

@@ -2,6 +2,7 @@
 // kernels/ref/), so that a call site changes only its namespace when it moves between them.
 // Plain structs of pointers and sizes: no framework types reach a kernel (STYLE rule 1).
 #pragma once
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -83,6 +84,14 @@ inline float round_row16(int16_t* xq, const float* x, int64_t n) {
     xq[k] = c == c ? int16_t(c) : int16_t(0);
   }
   return step;
+}
+
+// float(v), rounded once as the conversion rounds it, for |v| < 2^51 (the int8 products' exact
+// sums): v lands exactly in the mantissa of 1.5 * 2^52 (a double), then one rounding to float.
+// Unlike cvtsi2ss (scalar below AVX-512) it vectorises: the scalar conversion was ~40 % of the
+// int8 products' sums (perf, Zen 3; issue 40).
+inline float exact_to_float(int64_t v) {
+  return float(std::bit_cast<double>(v + int64_t(0x4338000000000000)) - 0x1.8p52);
 }
 
 }  // namespace kernels

@@ -345,7 +345,7 @@ struct NTI8 {
         if (Q == 4) group<4>(s, xq, ldq, w, ldw, in, j, j + 8 <= rows.hi);
         else group<1>(s, xq, ldq, w, ldw, in, j, false);
         for (int r = 0; r < M; ++r)
-          for (int q = 0; q < Q; ++q) y[r * ldy + j + q] = scale[j + q] * (step[r] * float(s[r * Q + q]));
+          for (int q = 0; q < Q; ++q) y[r * ldy + j + q] = scale[j + q] * (step[r] * kernels::exact_to_float(s[r * Q + q]));
         j += Q;
       }
     }
@@ -575,6 +575,7 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
   const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
   const Rows16& xq = rows16(x, ldx, M, in);
   const int64_t chunks = chunks_of(in, kI8ChunkRows), stride = M * out;
+  SIGMA_CHECK(chunks < (int64_t(1) << 20), "gemv: {} input rows (at most 2^28)", in);  // |S| < 2^51
   thread_local std::vector<int32_t> partial;  // [chunks][M][out]
   partial.resize(size_t(chunks * stride));
   int32_t* p = partial.data();
@@ -599,7 +600,7 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
       const float* sc = scale + c.lo;
       const float* bias = b ? b + c.lo : nullptr;
       for (int64_t j = 0; j < n; ++j)
-        row[j] = (accumulate ? row[j] : 0.0f) + (bias ? bias[j] : 0.0f) + sc[j] * (xq.step[r] * float(t[j]));
+        row[j] = (accumulate ? row[j] : 0.0f) + (bias ? bias[j] : 0.0f) + sc[j] * (xq.step[r] * kernels::exact_to_float(t[j]));
     }
   };
   for_each_chunk(
@@ -617,6 +618,7 @@ void nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_
            int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
   if (M == 0 || out == 0) return;
+  SIGMA_CHECK(in < (int64_t(1) << 28), "gemv: {} inputs (at most 2^28)", in);  // |S| < 2^51
   const Rows16& xq = rows16(x, ldx, M, in);
   run_items(in * out, (out + kGroup - 1) / kGroup, [&](int64_t g) {
     const Range rows{g * kGroup, std::min(out, (g + 1) * kGroup)};
