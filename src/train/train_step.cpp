@@ -261,7 +261,8 @@ void TrainStep::tp_norm_parts(std::vector<double>& parts) const {
 size_t TrainStep::overlap_bound() const {
   if (max_in_flight_ > 0) return max_in_flight_;
   // ZeRO-1 and 2: 8 buckets' worth, sized for throughput on a slow link (issue 38's notes:
-  // 2 buckets cost 3-6 % of the step at 1 Gbit/s and save ~110 MiB a rank at d = 512, R = 4).
+  // 2 buckets cost 2-6 % of the step at 1 Gbit/s and save ~110 MiB a rank at d = 512, R = 4;
+  // dist.overlap_mib lets a user make that trade).
   if (!zero3()) return 8 * kZeroBucketElements;
   // ZeRO-3 holds a stage or two of the others' values; the exchange buffers in flight (each
   // round's packed copy and what it receives) are kept to about one round of the largest stage
