@@ -521,6 +521,18 @@ TEST(TrainStep, ZeroStage3GathersOneExpertAtATime) {
   }
 }
 
+// Elements of the model's largest stage (Model::param_stages) and of all of them.
+static std::pair<size_t, size_t> stage_sizes(const Model& m) {
+  size_t largest = 0, all = 0;
+  for (const ParamStage& pieces : m.param_stages()) {
+    size_t n = 0;
+    for (const ParamPiece& p : pieces) n += size_t(p.size());
+    largest = std::max(largest, n);
+    all += n;
+  }
+  return {largest, all};
+}
+
 // Thread ranks whose non-blocking exchanges complete only when waited for (as an MPI
 // library's that is not progressed): what TrainStep keeps in flight is then its bound's doing.
 class UnprogressedComm final : public Communicator {
@@ -587,13 +599,7 @@ TEST(TrainStep, ZeroStage3KeepsAboutOneStagesExchangeInFlight) {
       ModelConfig c = step_config(2);
       c.d_model = d;
       Zero3Step z(comm, c, true);
-      size_t stage = 0, all = 0;
-      for (const ParamStage& pieces : z.m.param_stages()) {
-        size_t n = 0;
-        for (const ParamPiece& p : pieces) n += size_t(p.size());
-        stage = std::max(stage, n);
-        all += n;
-      }
+      const auto [stage, all] = stage_sizes(z.m);
       for (int s = 0; s < 2; ++s) {
         const auto batches = micro_batches(c, 4, uint64_t(s) + 1);
         z.step.prepare(batches);
@@ -631,12 +637,7 @@ TEST(TrainStep, ZeroOverlapKeepsTheBoundItIsGiven) {
         AdamW opt(oc, m.params(), plan.owned_by(comm.rank()));
         TrainStep step(m, opt, comm, oc, plan);
         step.set_zero_stage(zero);
-        size_t largest = 0;
-        for (const ParamStage& pieces : m.param_stages()) {
-          size_t n = 0;
-          for (const ParamPiece& p : pieces) n += size_t(p.size());
-          largest = std::max(largest, n);
-        }
+        const size_t largest = stage_sizes(m).first;
         step.set_overlap(true, false, bounded ? largest : 0);
         for (int s = 0; s < 2; ++s) {
           const auto batches = micro_batches(c, 4, uint64_t(s) + 1);

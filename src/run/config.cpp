@@ -159,8 +159,9 @@ void DistConfig::describe(Options& o, const std::string& p) {
         "receives) a rank keeps in flight; past it the oldest round is completed first, so one "
         "round is always allowed (up to 32 MiB under ZeRO-1 and 2, 2 MiB under ZeRO-3: smaller "
         "values act as that). 0 = the default: 128 for ZeRO-1 and 2 (sized for a slow network), "
-        "two of the largest block's rounds for ZeRO-3. Smaller saves memory and can expose more of the exchanges "
-        "(docs/distributed.md has measured trade-offs); any value trains the same bits",
+        "two of the largest block's rounds for ZeRO-3. Smaller saves memory and can expose more "
+        "of the exchanges (docs/distributed.md has measured trade-offs); any value trains the "
+        "same bits",
         0.0, 1048576.0);
 }
 
