@@ -27,7 +27,7 @@ namespace {
 
 struct EvalArgs {
   std::string ckpt, data, domains, k = "1", log_samples, score_generations,
-      precision = "fp32", backend = "cpu";
+      precision = "fp32", backend = "cpu", kv_cache = "fp32";
   int rows = 256, batch = 8;
   bool rows_given = false, batch_given = false, json = false;
   std::vector<std::string> tasks;  // --task, repeatable
@@ -222,7 +222,8 @@ void describe_run(nlohmann::json& r, const EvalArgs& a, const std::string& file,
   r["settings"] = {{"num_fewshot", o.num_fewshot}, {"fewshot_seed", o.fewshot_seed},
                    {"temperature", o.temperature}, {"top_k", o.top_k}, {"top_p", o.top_p},
                    {"seed", o.seed}, {"max_new", o.max_new}, {"samples", o.samples}, {"k", o.k},
-                   {"bootstrap", o.bootstrap}, {"precision", a.precision}, {"jobs", o.jobs},
+                   {"bootstrap", o.bootstrap}, {"precision", a.precision},
+                   {"kv_cache", a.kv_cache}, {"jobs", o.jobs},
                    {"timeout_s", o.sandbox.seconds}, {"memory_mb", a.memory_mb},
                    {"limit", a.limit}, {"items_in_file", items_in_file}};
 }
@@ -280,6 +281,7 @@ void run_task(EvalArgs a) {
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
   model->use_weights(weight_format_from_name(a.precision));
+  model->use_kv_cache(kv_cache_dtype(a.kv_cache));
   const std::string tok_path = checkpoint_tokenizer_path(info.dir);
   SIGMA_CHECK(!tok_path.empty(), "{} has no tokenizer (it was trained on token ids, e.g. the "
               "synthetic data); tasks are text, so evaluate a model trained on prepared shards", info.dir);
@@ -421,6 +423,7 @@ const RegisterCommand reg_eval([](CLI::App& root) {
   c->add_option("--memory-mb", a->memory_mb, "Code tasks: memory limit per sample: each process's address space, and all its processes together where a cgroup can be made (default 1024)")
       ->check(CLI::Range(64.0, 1e6));
   add_backend_option(*c, a->backend);
+  add_kv_cache_option(*c, a->kv_cache);
   c->add_option("--log-samples", a->log_samples, "With --task or --score-generations: write "
                 "one JSON line per item (prompt, generations, per-choice log-likelihoods, metric "
                 "values, sandbox outcomes) to this file");
@@ -445,11 +448,11 @@ const RegisterCommand reg_eval([](CLI::App& root) {
   c->callback([a, c] {
     if (!a->score_generations.empty())  // scores saved completions: no model, no windows
       refuse_given(*c, {"--backend", "--samples", "--temperature", "--top-k", "--top-p", "--seed", "--max-new",
-                        "--domains", "--rows", "--batch"},
+                        "--domains", "--rows", "--batch", "--kv-cache"},
                    "--score-generations scores saved completions and runs no model");
     else if (a->tasks.empty())
       refuse_given(*c, {"--samples", "--k", "--temperature", "--top-k", "--top-p", "--seed",
-                        "--max-new", "--timeout", "--memory-mb", "--limit", "--jobs"},
+                        "--max-new", "--timeout", "--memory-mb", "--limit", "--jobs", "--kv-cache"},
                    "without --task, sigma eval measures held-out loss and generates nothing");
     else
       refuse_given(*c, {"--domains", "--rows", "--batch"},

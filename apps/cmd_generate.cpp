@@ -16,7 +16,7 @@ namespace sigma::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string ckpt, prompt, domain, precision = "fp32", backend = "cpu";
+  std::string ckpt, prompt, domain, precision = "fp32", backend = "cpu", kv_cache = "fp32";
   SamplingConfig s;
   bool no_cache = false;
 };
@@ -56,6 +56,7 @@ void run_generate(GenerateArgs a) {
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
   model->use_weights(weight_format_from_name(a.precision));
+  model->use_kv_cache(kv_cache_dtype(a.kv_cache));
   const ModelConfig& c = model->config();
   const int domain = a.domain.empty() ? 0 : c.domain_index(a.domain);
   const std::string tok_path = checkpoint_tokenizer_path(info.dir);
@@ -88,10 +89,10 @@ void run_generate(GenerateArgs a) {
   const double bytes = double(weight_bytes_per_token(*model));
   fmt::print(stderr, "sigma generate: prompt of {} tokens and first token in {:.3f} s; {} more "
              "tokens in {:.3f} s ({:.1f} tokens/s, {} weights: {:.1f} MB a token, {:.1f} GB/s; "
-             "{:.1f} MB of weights held, {:.1f} MB resident)\n",
+             "{:.1f} MB of weights held, {} KV cache: {:.3f} MB, {:.1f} MB resident)\n",
              st.prompt_tokens, st.prefill_seconds, st.decode_steps, st.decode_seconds, rate,
              a.precision, bytes * 1e-6, rate * bytes * 1e-9, double(model->held_bytes()) * 1e-6,
-             resident_bytes() * 1e-6);
+             a.kv_cache, double(st.kv_cache_bytes) * 1e-6, resident_bytes() * 1e-6);
 }
 
 const RegisterCommand reg_generate([](CLI::App& root) {
@@ -115,9 +116,11 @@ const RegisterCommand reg_generate([](CLI::App& root) {
                  "matrices freed; activations and sums stay fp32")
       ->check(CLI::IsMember({"fp32", "bf16", "int8"}));
   add_backend_option(*c, a->backend);
+  add_kv_cache_option(*c, a->kv_cache);
   c->add_flag("--no-cache", a->no_cache, "Recompute the whole prefix each step (reference path)");
   c->callback([a, c] {
     a->s.validate();  // before the model loads: CLI11's ranges let NaN through
+    if (a->no_cache) refuse_given(*c, {"--kv-cache"}, "--no-cache decodes without a KV cache");
     if (a->s.temperature <= 0.0f)
       refuse_given(*c, {"--top-k", "--top-p", "--seed"}, "--temperature 0 (the default) decodes "
                    "greedily; give --temperature > 0 to sample");

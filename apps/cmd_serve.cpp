@@ -36,7 +36,7 @@ extern "C" void on_serve_signal(int sig) {
 void wake_waiter() { on_serve_signal(0); }
 
 struct ServeArgs {
-  std::string ckpt, name, precision = "fp32", backend = "cpu";
+  std::string ckpt, name, precision = "fp32", backend = "cpu", kv_cache = "fp32";
   std::vector<std::string> extra;  // NAME=CKPT
   serve::ServerOptions o;
 };
@@ -50,10 +50,11 @@ struct Loaded {
   std::string name;
 };
 
-Loaded load(const std::string& ckpt, const std::string& precision) {
+Loaded load(const std::string& ckpt, const ServeArgs& a) {
   CheckpointBundle b = load_checkpoint_bundle(ckpt);
   Loaded l{std::move(b.model), std::move(b.tok), std::move(b.data_domains), ""};
-  l.model->use_weights(weight_format_from_name(precision));
+  l.model->use_weights(weight_format_from_name(a.precision));
+  l.model->use_kv_cache(kv_cache_dtype(a.kv_cache));
   // A run's checkpoints/step-N names the run; an extract's folder (holding its step-N) itself.
   std::filesystem::path dir = std::filesystem::absolute(b.info.dir).lexically_normal();
   if (dir.filename().empty()) dir = dir.parent_path();
@@ -112,13 +113,13 @@ void run_serve(ServeArgs a) {
   });
   std::vector<Loaded> models;
   try {
-    models.push_back(load(a.ckpt, a.precision));
+    models.push_back(load(a.ckpt, a));
     if (!a.name.empty()) models[0].name = a.name;
     for (const std::string& spec : a.extra) {
       const size_t eq = spec.find('=');
       SIGMA_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
                   "--model takes NAME=CKPT, not '{}'", spec);
-      models.push_back(load(spec.substr(eq + 1), a.precision));
+      models.push_back(load(spec.substr(eq + 1), a));
       models.back().name = spec.substr(0, eq);
     }
   } catch (...) {  // a checkpoint that does not load: stop and join before the error surfaces
@@ -138,8 +139,8 @@ void run_serve(ServeArgs a) {
   }
   int64_t held = 0;
   for (const Loaded& m : models) held += m.model->held_bytes();
-  fmt::print("sigma serve: ready: {}, {} slots each, {} weights ({:.1f} MB held)\n", listed,
-             a.o.slots, a.precision, double(held) * 1e-6);
+  fmt::print("sigma serve: ready: {}, {} slots each, {} weights ({:.1f} MB held), {} KV cache\n",
+             listed, a.o.slots, a.precision, double(held) * 1e-6, a.kv_cache);
   std::fflush(stdout);
   server.wait();
   finished = true;
@@ -163,6 +164,7 @@ const RegisterCommand reg_serve([](CLI::App& root) {
   c->add_option("--max-tokens", a->o.max_tokens, "Largest max_tokens a request may ask for")
       ->check(CLI::Range(1, 1 << 20));
   add_backend_option(*c, a->backend);
+  add_kv_cache_option(*c, a->kv_cache);
   c->add_option("--precision", a->precision,
                  "Weights decoding reads: fp32; bf16 (half the bytes per token); or int8 with a "
                  "scale per output channel (a quarter). Converted at load, the fp32 matrices "

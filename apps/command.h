@@ -40,4 +40,15 @@ inline void add_backend_option(CLI::App& c, std::string& backend) {
       ->check(CLI::IsMember(ops::backend_list()));
 }
 
+// --kv-cache for the commands that generate or score through a KV cache (eval, generate, serve):
+// the type of its keys and values (Model::use_kv_cache).
+inline void add_kv_cache_option(CLI::App& c, std::string& kv_cache) {
+  c.add_option("--kv-cache", kv_cache,
+               "Type of the KV cache's keys and values: fp32 (default), or bf16: half the bytes "
+               "a decode step's attention reads and a cache holds, each key and value rounded "
+               "once to bf16 as it is cached (attention itself stays fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+}
+inline DType kv_cache_dtype(const std::string& name) { return name == "bf16" ? DType::BF16 : DType::F32; }
+
 }  // namespace sigma::cli

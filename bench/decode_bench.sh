@@ -78,7 +78,7 @@ run_sigma() {  # model precision
   echo "$err" | "$python" -c '
 import json, re, sys
 m = re.search(r"\(([\d.]+) tokens/s, \w+ weights: ([\d.]+) MB a token.*?([\d.]+) MB of weights "
-              r"held, ([\d.]+) MB resident", sys.stdin.read())
+              r"held, .*?([\d.]+) MB resident", sys.stdin.read())
 print(json.dumps({"impl": "sigma", "model": sys.argv[1], "precision": sys.argv[2], "round": int(sys.argv[3]),
                   "tokens_per_s": float(m.group(1)), "weight_bytes_per_token": float(m.group(2)) * 1e6,
                   "held_bytes": float(m.group(3)) * 1e6, "resident_bytes": float(m.group(4)) * 1e6}))

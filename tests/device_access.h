@@ -18,6 +18,13 @@ inline std::vector<float> host_floats(const Tensor& t) {
   return v;
 }
 
+// A host copy of a tensor's bytes, whatever its type.
+inline std::vector<uint8_t> host_bytes(const Tensor& t) {
+  std::vector<uint8_t> v(size_t(t.numel()) * dtype_size(t.dtype()));
+  ops::download(v.data(), t, v.size());
+  return v;
+}
+
 // Appends a tensor's floats to `out`.
 inline void append_floats(std::vector<float>& out, const Tensor& t) {
   const std::vector<float> v = host_floats(t);

@@ -223,6 +223,28 @@ TEST(GenerateCli, PrecisionFlag) {
   EXPECT_NE(bad.out.find("--precision"), std::string::npos) << bad.out;
 }
 
+// --kv-cache bf16 decodes through a cache of half the bytes (reported on stderr); a wrong value
+// is refused before anything loads (with --no-cache: RefusedOptions).
+TEST(GenerateCli, KvCacheFlag) {
+  TempDir dir("genkv");
+  const auto train = sigma_cmd("train --quiet --set train.steps=2 --set train.eval_rows=2 --out " +
+                               dir.str());
+  ASSERT_EQ(train.code, 0) << train.out;
+  const std::string ckpt = dir / "checkpoints", gen = "generate --ckpt " + ckpt + " --prompt '1 2 3' --max-new 5";
+  const auto f32 = sigma_cmd(gen), bf16 = sigma_cmd(gen + " --kv-cache bf16 --precision int8");
+  ASSERT_EQ(f32.code, 0) << f32.out;
+  ASSERT_EQ(bf16.code, 0) << bf16.out;
+  auto cache_mb = [](const std::string& out, const char* type) {
+    const size_t at = out.find(std::string(type) + " KV cache: ");
+    return at == std::string::npos ? -1.0 : std::stod(out.substr(at + std::strlen(type) + 11));
+  };
+  EXPECT_GT(cache_mb(f32.out, "fp32"), 0.0) << f32.out;
+  EXPECT_NEAR(cache_mb(bf16.out, "bf16"), cache_mb(f32.out, "fp32") / 2, 1e-3) << bf16.out;
+  const auto bad = sigma_cmd(gen + " --kv-cache fp16");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.out.find("--kv-cache"), std::string::npos) << bad.out;
+}
+
 // The bytes a decode step reads, from the parameter registry: everything but the looked-up
 // tables (positions, query table), the other slots' embedding rows and the experts a token
 // does not run (one of K per group and block; here one group is used, K = 2).
@@ -273,24 +295,84 @@ TEST(Decode, FillCacheWritesTheCacheForwardCachedWrites) {
   };
   const Batch context = batch_of(9, 1), next = batch_of(5, 2);
   const int rows[2] = {2, 0};  // rows out of order, one left empty
+  for (DType t : {DType::F32, DType::BF16}) {
+  SCOPED_TRACE(dtype_name(t));
   KvCache full, filled;
-  full.reset(c, 3);
-  filled.reset(c, 3);
+  full.reset(c, 3, t);
+  filled.reset(c, 3, t);
   Activations a1, a2;
   std::vector<float> loss(size_t(2 * 9)), loss_full(size_t(2 * 5)), loss_filled(size_t(2 * 5));
   m.forward_cached(context, full, a1, loss.data(), rows);
   m.fill_cache(context, filled, a2, rows);
   EXPECT_EQ(filled.length, full.length);
   for (int l = 0; l < c.layers; ++l) {
-    const std::vector<float> want = sigma::testing::host_floats(full.kv[size_t(l)]),
-                             got = sigma::testing::host_floats(filled.kv[size_t(l)]);
-    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4)) << "block " << l;
+    EXPECT_EQ(sigma::testing::host_bytes(full.kv[size_t(l)]), sigma::testing::host_bytes(filled.kv[size_t(l)]))
+        << "block " << l;
   }
   m.forward_cached(next, full, a1, loss_full.data(), rows);
   m.forward_cached(next, filled, a2, loss_filled.data(), rows);
   EXPECT_EQ(0, std::memcmp(loss_full.data(), loss_filled.data(), loss_full.size() * 4));
   const std::vector<float> l1 = sigma::testing::host_floats(a1.logits), l2 = sigma::testing::host_floats(a2.logits);
   EXPECT_EQ(0, std::memcmp(l1.data(), l2.data(), l1.size() * 4));
+  }
+}
+
+// A bf16 KV cache (Model::use_kv_cache) holds half the bytes of an fp32 one, and decoding through
+// it stays near the fp32 cache's logits (keys and values rounded once to bf16: a relative
+// 2^-9 each) on fp32 and int8 weights, without being the same computation (the rounding is
+// there). The bits of its attention against the widened values: Attention.Bf16Cache* (test_ops).
+TEST(Decode, Bf16KvCacheHalvesTheCacheAndStaysNearTheFp32Cache) {
+  const ModelConfig c = decode_config();
+  const auto tokens = some_tokens(c, c.context);
+  for (WeightFormat f : {WeightFormat::F32, WeightFormat::Int8}) {
+    Model m(c, 31);
+    m.use_weights(f);
+    const std::vector<float> want = cached_logits(m, 1, tokens);
+    m.use_kv_cache(DType::BF16);
+    const std::vector<float> got = cached_logits(m, 1, tokens);
+    ASSERT_EQ(got.size(), want.size());
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << i;
+      worst = std::max(worst, double(std::fabs(got[i] - want[i])));
+      scale = std::max(scale, double(std::fabs(want[i])));
+    }
+    EXPECT_GT(worst, 0.0) << "the bf16 cache computed the fp32 cache's logits: nothing rounded";
+    EXPECT_LT(worst, 2e-2 * scale) << weight_format_name(f);
+    const BatchDecoder half(m, 2);  // a decoder's cache takes the model's type when it is made
+    m.use_kv_cache(DType::F32);
+    const BatchDecoder full(m, 2);
+    EXPECT_EQ(2 * half.cache_bytes(), full.cache_bytes());
+    EXPECT_EQ(full.cache_bytes(), int64_t(c.layers) * 2 * 2 * c.context * c.d_model * 4);
+  }
+  Model m(c, 32);
+  EXPECT_THROW(m.use_kv_cache(DType::I32), Error);
+}
+
+// The serving guarantees hold on a bf16 cache as on an fp32 one: a sequence's logits are the
+// same bits decoded alone or with three others, fill_cache writes what forward_cached writes,
+// and a prompt continuing a copied prefix (the prefix cache) computes what the whole prompt does.
+TEST(Decode, Bf16KvCacheKeepsTheServingGuaranteesBitForBit) {
+  ModelConfig c = decode_config();
+  Model m(c, 33);
+  m.use_kv_cache(DType::BF16);
+  expect_steps_batch_invariant(m, 6, "bf16 KV cache");
+
+  c.context = 3 * BatchDecoder::kPrefillChunk;
+  Model long_model(c, 34);
+  long_model.use_kv_cache(DType::BF16);
+  const auto prompt = some_tokens(c, 2 * BatchDecoder::kPrefillChunk + 9);
+  BatchDecoder fresh(long_model, 1), reuse(long_model, 2);
+  const float* want = fresh.prefill(0, 1, prompt);
+  reuse.prefill(0, 1, prompt);
+  reuse.copy_prefix(0, 1, 2 * BatchDecoder::kPrefillChunk);
+  const float* got = reuse.prefill(1, 1, prompt, nullptr, 2 * BatchDecoder::kPrefillChunk);
+  EXPECT_EQ(0, std::memcmp(got, want, size_t(c.vocab) * 4));
+  const int zero = 0, one = 1, domain = 1;
+  const int32_t next = 3;
+  fresh.step({&zero, 1}, {&domain, 1}, {&next, 1});
+  reuse.step({&one, 1}, {&domain, 1}, {&next, 1});
+  EXPECT_EQ(0, std::memcmp(reuse.logits(0), fresh.logits(0), size_t(c.vocab) * 4));
 }
 
 // A checkpoint that does not load stops `sigma serve` with its error and exit status 1 (it used

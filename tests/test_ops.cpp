@@ -425,6 +425,26 @@ void add_attention(std::vector<Case>& cs, int64_t B, int64_t Tq, int64_t Tk, int
       }));
 }
 
+// The forward on bf16 keys and values (a bf16 KV cache) against its ref formula on their widened
+// values, in the cache's layout (each head's positions contiguous, a context longer than Tk).
+void add_attention_kv16(std::vector<Case>& cs, int64_t B, int64_t Tq, int64_t Tk, int64_t H,
+                        int64_t hd, uint64_t seed) {
+  const int64_t d = H * hd, C = Tk + 3;
+  const AttnShape s{B, Tq, Tk, H, hd};
+  const float scale = 1.0f / std::sqrt(float(hd));
+  const auto q = std::make_shared<const std::vector<float>>(vec(B * Tq * d, seed, 1.5f));
+  const auto kv = std::make_shared<const std::vector<uint16_t>>(bf16_vec(B * 2 * H * C * hd, seed + 1, 1.5f));
+  const AttnOperand qo{q->data(), d, Tq * d};
+  const ops::AttnOperand16 ko{kv->data(), hd, 2 * H * C * hd, C * hd},
+      vo{kv->data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
+  cs.push_back(make_case(OP(attention_forward_kv16), fmt::format("B={} Tq={} Tk={} H={} hd={}", B, Tq, Tk, H, hd),
+                         {{"out", vec(B * Tq * d, seed + 8)}, {"lse", vec(B * H * Tq, seed + 9)}},
+                         [=](auto fn, Outs& o) {
+                           fn(o[0].data(), o[1].data(), qo, ko, vo, s, scale);
+                           (void)q, (void)kv;
+                         }));
+}
+
 // The bf16 pair against its ref formula (inputs rounded to bf16, the probabilities and dS
 // rounded where the products read them), from add_attention's operand layout.
 void add_attention_bf16(std::vector<Case>& cs, int64_t B, int64_t Tq, int64_t Tk, int64_t H,
@@ -654,6 +674,10 @@ std::vector<Case> all_cases() {
   add_attention_bf16(cs, 2, 33, 33, 1, 7, true, seed += 10);
   add_attention_bf16(cs, 2, 5, 33, 3, 4, false, seed += 10);     // queries behind an offset
   add_attention_bf16(cs, 1, 130, 131, 1, 3, false, seed += 10);  // offset 1, two row blocks
+  add_attention_kv16(cs, 2, 1, 33, 2, 16, seed += 10);   // decode steps: 8-key blocks, a tail
+  add_attention_kv16(cs, 1, 2, 40, 2, 64, seed += 10);   // two rows at once
+  add_attention_kv16(cs, 2, 5, 33, 3, 4, seed += 10);    // hd not a multiple of 8: plain loops
+  add_attention_kv16(cs, 2, 70, 70, 2, 32, seed += 10);  // a prompt: threads over the heads
   for (int64_t n : {1, 7, 33, 131, 4097}) add_gelu(cs, n, seed += 10);
   for (bool grad : {false, true}) {
     add_xent(cs, 1, 1, grad, seed += 10);
@@ -704,12 +728,12 @@ TEST(Ops, EveryOpOfTheFrontHasACase) {
         "layernorm_forward",
         "layernorm_backward", "attention_forward", "attention_backward",
         "flash_attention_forward", "flash_attention_backward", "flash_attention_forward_bf16",
-        "flash_attention_backward_bf16", "fast_gelu_forward",
+        "flash_attention_backward_bf16", "attention_forward_kv16", "fast_gelu_forward",
         "fast_gelu_backward", "softmax_xent", "xent_partial", "xent_combine",
         "embedding_forward", "embedding_backward",
         "adam_step", "copy", "fill", "add_into", "gather_rows", "scatter_rows"})
     EXPECT_TRUE(seen.count(op)) << op;
-  EXPECT_EQ(seen.size(), 34u);
+  EXPECT_EQ(seen.size(), 35u);
 }
 
 // cpu vs ref, element by element. Prints, per op, how far below its tolerance the worst
@@ -827,6 +851,59 @@ TEST(Attention, HeadStrideViewsGiveTheBitsOfTheRowLayout) {
         EXPECT_TRUE(std::all_of(o2.begin(), o2.end(), [](float x) { return std::isfinite(x); }))
             << name << ", " << label;
       }
+    }
+  }
+  ops::use_backend(ops::BackendKind::Cpu);
+}
+
+// A bf16 KV cache (Model::use_kv_cache): attention_forward_kv16 widens each key and value where
+// it reads it and otherwise runs the fp32 forward's rows, so it gives, bit for bit, what that
+// forward gives on the widened values (a decode step's path; the rows path with threads over
+// the heads for a prompt, which the fp32 forward takes under ops::BatchInvariant). Both
+// backends, every row path: 8-key blocks with tails, two rows at once, plain loops (hd not a
+// multiple of 8), a prompt, the spin team's heads (a cache of 256 KiB and more).
+TEST(Attention, Bf16CacheGivesTheBitsOfItsWidenedValues) {
+  struct Shape {
+    int64_t B, Tq, Tk, H, hd;
+  };
+  const Shape shapes[] = {{1, 1, 300, 4, 16}, {1, 1, 77, 2, 64}, {2, 3, 40, 3, 8}, {1, 1, 520, 8, 64},
+                          {2, 5, 33, 3, 4},   {2, 150, 150, 2, 32}, {1, 130, 200, 2, 24}};
+  for (const ops::BackendKind kind : {ops::BackendKind::Cpu, ops::BackendKind::Ref}) {
+    ops::use_backend(kind);
+    for (const Shape& sh : shapes) {
+      if (kind == ops::BackendKind::Ref && sh.Tk * sh.Tq > 4000) continue;  // slow, same code
+      const int64_t B = sh.B, Tq = sh.Tq, Tk = sh.Tk, H = sh.H, hd = sh.hd, d = H * hd;
+      const int64_t C = Tk + 5;  // the cache's context: a head's run is longer than its keys
+      const AttnShape s{B, Tq, Tk, H, hd};
+      const float scale = 1.0f / std::sqrt(float(hd));
+      const auto q = vec(B * Tq * d, 21, 1.5f);
+      // [B, 2, H, C, hd] in bf16, positions past Tk NaN (read = fail), and its widened copy.
+      std::vector<uint16_t> cache16 = bf16_vec(B * 2 * H * C * hd, 22, 1.5f);
+      for (int64_t run = 0; run < B * 2 * H; ++run)
+        std::fill(cache16.begin() + (run * C + Tk) * hd, cache16.begin() + (run + 1) * C * hd,
+                  uint16_t(0x7FC0));
+      std::vector<float> cache32;
+      for (uint16_t h : cache16) cache32.push_back(from_bf16(h));
+      const AttnOperand qo{q.data(), d, Tq * d};
+      const ops::AttnOperand16 k16{cache16.data(), hd, 2 * H * C * hd, C * hd},
+          v16{cache16.data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
+      const AttnOperand k32{cache32.data(), hd, 2 * H * C * hd, C * hd},
+          v32{cache32.data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
+      const std::string label = fmt::format("{} B={} Tq={} Tk={} H={} hd={}",
+                                            kind == ops::BackendKind::Cpu ? "cpu" : "ref", B, Tq, Tk, H, hd);
+      std::vector<float> o16(size_t(B * Tq * d)), o32(o16.size()), l16(size_t(B * H * Tq)), l32(l16.size());
+      {
+        const ops::FewRowKernels decode;  // as Model::cached_pass
+        ops::attention_forward_kv16(o16.data(), l16.data(), qo, k16, v16, s, scale);
+      }
+      {
+        const ops::FewRowKernels decode;
+        const ops::BatchInvariant rows;  // the fp32 forward's rows path at every shape
+        ops::flash_attention_forward(o32.data(), l32.data(), qo, k32, v32, s, scale);
+      }
+      EXPECT_EQ(0, std::memcmp(o16.data(), o32.data(), o16.size() * 4)) << "out, " << label;
+      EXPECT_EQ(0, std::memcmp(l16.data(), l32.data(), l16.size() * 4)) << "lse, " << label;
+      EXPECT_TRUE(std::all_of(o16.begin(), o16.end(), [](float x) { return std::isfinite(x); })) << label;
     }
   }
   ops::use_backend(ops::BackendKind::Cpu);

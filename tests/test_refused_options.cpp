@@ -92,7 +92,8 @@ TEST(RefusedOptions, AnOverlapBoundWithoutOverlapOrOutOfRange) {
 // Refused before the checkpoint is opened: none is needed to see the refusal.
 TEST(RefusedOptions, EvalAndGenerateFlagsTheirModeIgnores) {
   const std::string eval = "eval --ckpt /nonexistent ";
-  for (const char* flag : {"--samples 3", "--k 2", "--temperature 1", "--max-new 5", "--timeout 3", "--memory-mb 100"})
+  for (const char* flag : {"--samples 3", "--k 2", "--temperature 1", "--max-new 5", "--timeout 3", "--memory-mb 100",
+                           "--kv-cache bf16"})
     refused(eval + flag, {std::string(flag).substr(0, std::string(flag).find(' ')) + " does not apply",
                           "without --task"});
   for (const char* flag : {"--rows 5", "--batch 2", "--domains a"})
@@ -103,6 +104,7 @@ TEST(RefusedOptions, EvalAndGenerateFlagsTheirModeIgnores) {
   for (const char* flag : {"--top-k 5", "--top-p 0.5", "--seed 3"})
     refused(gen + flag, {std::string(flag).substr(0, std::string(flag).find(' ')) + " does not apply", "greedily"});
   // Sampling takes them: the error is then the missing checkpoint.
+  refused(gen + "--no-cache --kv-cache bf16", {"--kv-cache does not apply", "--no-cache"});
   const auto r = sigma_cmd(gen + "--temperature 0.7 --top-k 5 --top-p 0.5 --seed 3");
   EXPECT_NE(r.code, 0);
   EXPECT_EQ(r.out.find("does not apply"), std::string::npos) << r.out;

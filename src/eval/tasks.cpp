@@ -186,7 +186,7 @@ class Scorer {
   Scorer(const TaskContext& ctx, const std::vector<TaskItem>& items, int rows,
          std::vector<ItemOutput>& outs)
       : ctx_(ctx), items_(items), outs_(outs), rows_(rows), context_(ctx.model.config().context) {
-    cache_.reset(ctx.model.config(), rows == 1 ? 1 : 2 * rows);  // the second half: idle rows
+    cache_.reset(ctx.model.config(), rows == 1 ? 1 : 2 * rows, ctx.model.kv_cache_dtype());  // 2nd half: idle rows
   }
 
   // Units of one choice (a prompt cut for it alone, or a one-choice item) share nothing: each

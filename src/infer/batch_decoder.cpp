@@ -11,7 +11,7 @@ BatchDecoder::BatchDecoder(Model& model, int slots)
     : model_(model), step_acts_(static_cast<size_t>(slots)) {
   SIGMA_CHECK(slots >= 1, "a batch decoder needs at least one slot, not {}", slots);
   model.check_routing_ready();
-  cache_.reset(model.config(), slots);
+  cache_.reset(model.config(), slots, model.kv_cache_dtype());
 }
 
 void BatchDecoder::run_prompt(int slot, int domain, std::span<const int32_t> inputs,

@@ -23,6 +23,7 @@ class BatchDecoder {
   BatchDecoder(Model& model, int slots);
   int slots() const { return cache_.B; }
   int position(int slot) const { return cache_.length[size_t(slot)]; }
+  int64_t cache_bytes() const { return cache_.bytes(); }
   const ModelConfig& config() const { return model_.config(); }
 
   // Starts a sequence of `domain` in `slot` with `tokens` (non-empty, at most the context),

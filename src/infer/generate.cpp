@@ -153,6 +153,7 @@ std::vector<int32_t> generate(Model& model, int domain, const std::vector<int32_
     st.decode_steps += n > 0;
     if (next == s.stop_token || int(seq.size()) > c.context) break;
   }
+  if (dec) st.kv_cache_bytes = dec->cache_bytes();
   if (stats) *stats = st;
   return std::vector<int32_t>(seq.begin() + prompt.size(), seq.end());
 }

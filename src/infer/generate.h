@@ -54,6 +54,7 @@ struct GenerateStats {
   double prefill_seconds = 0;
   int decode_steps = 0;
   double decode_seconds = 0;
+  int64_t kv_cache_bytes = 0;  // the KV cache's keys and values (its whole context), 0 without
 };
 
 // Bytes of weights one decode step reads: every weight matrix of the blocks (one expert per

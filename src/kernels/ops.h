@@ -25,6 +25,7 @@ namespace sigma::ops {
 
 using kernels::AttnGrad;
 using kernels::AttnOperand;
+using kernels::AttnOperand16;
 using kernels::AttnShape;
 using kernels::i8_elements;
 using kernels::i8_index;
@@ -118,6 +119,13 @@ struct Backend {
   void (*flash_attention_backward_bf16)(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
                                         const float* out, const float* lse, AttnOperand q,
                                         AttnOperand k, AttnOperand v, AttnShape s, float scale);
+  // flash_attention_forward (fp32, whatever the precision) reading keys and values kept in
+  // bf16 (a KV cache of half the bytes: Model::use_kv_cache), each widened exactly where read.
+  // Every query row is computed alone as the fp32 op's decode rows are, so the bits equal
+  // flash_attention_forward's on a decode step (few rows, no threads over them) given the
+  // widened keys and values.
+  void (*attention_forward_kv16)(float* out, float* lse, AttnOperand q, AttnOperand16 k,
+                                 AttnOperand16 v, AttnShape s, float scale);
   void (*fast_gelu_forward)(float* y, const float* x, int64_t n);
   // dx = dy * FastGelu'(x), written (not added); dx may be dy (in place: ffn_backward).
   void (*fast_gelu_backward)(float* dx, const float* dy, const float* x, int64_t n);
@@ -396,6 +404,10 @@ inline void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, cons
   (detail::bf16() ? detail::active->flash_attention_backward_bf16
                   : detail::active->flash_attention_backward)(dq, dk, dv, dout, out, lse, q, k,
                                                               v, s, scale);
+}
+inline void attention_forward_kv16(float* out, float* lse, AttnOperand q, AttnOperand16 k,
+                                   AttnOperand16 v, AttnShape s, float scale) {
+  detail::active->attention_forward_kv16(out, lse, q, k, v, s, scale);
 }
 // The bf16 pair by name, whatever the precision (tests, benchmarks).
 inline void flash_attention_forward_bf16(float* out, float* lse, AttnOperand q, AttnOperand k,

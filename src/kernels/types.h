@@ -39,6 +39,13 @@ struct AttnOperand {
   bool heads_in_rows(int64_t hd) const { return hs == 0 || hs == hd; }
 };
 
+// The same view of bf16 values: a KV cache kept in bf16 (ops::attention_forward_kv16).
+struct AttnOperand16 {
+  const uint16_t* p;
+  int64_t ld, bs, hs = 0;
+  const uint16_t* head(int64_t b, int64_t h, int64_t hd) const { return p + b * bs + h * (hs ? hs : hd); }
+};
+
 struct AttnGrad {  // a gradient [B, rows, H*hd] view (accumulated)
   float* p;
   int64_t ld, bs;

@@ -43,12 +43,15 @@ struct KvCache {
   // [L] of [B, 2, H, context, hd]: a row's keys, then its values, each head's positions
   // contiguous, so that a decode step streams a head's keys instead of reading one hd-float
   // piece every 2d floats (a page apart at d = 512; issue 40).
+  // F32, or BF16 (Model::use_kv_cache): keys and values rounded to bf16 as they are cached.
   std::vector<Tensor> kv;
   int64_t context = 0, heads = 0, head_dim = 0;
-  void reset(const ModelConfig& cfg, int B);
+  DType dtype = DType::F32;
+  void reset(const ModelConfig& cfg, int B, DType dtype = DType::F32);
   void clear(int row) { length[size_t(row)] = 0; }
   // Row `to`'s first n positions become row `from`'s (its length is the caller's to set).
   void copy_prefix(int from, int to, int n);
+  int64_t bytes() const;  // the keys and values held (every row, the whole context)
 };
 
 class Model {
@@ -120,6 +123,13 @@ class Model {
   // refused from then on. Once per model; not for experts in a store.
   void use_weights(WeightFormat f);
   WeightFormat weight_format() const { return format_; }
+  // The type the KV caches of this model's generation keep their keys and values in (those
+  // reset after the call): F32 (the default), or BF16, half the bytes a decode step's attention
+  // reads and a cache holds, each key and value rounded once to nearest even as it is cached;
+  // attention then reads them widened (exact), its products and softmax in fp32
+  // (ops::attention_forward_kv16). Anything else is refused.
+  void use_kv_cache(DType t);
+  DType kv_cache_dtype() const { return kv_dtype_; }
   // Bytes of every tensor the model holds for its weights: parameter values and gradients,
   // buffers (routing tables), and the inference copies with their scales (not the padding that
   // aligns them in their arena: under 2 MiB, and 64 bytes a matrix).
@@ -277,6 +287,7 @@ class Model {
   Tensor arena_;
   int64_t copy_bytes_ = 0;  // the copies' and scales' bytes (held_bytes; not the arena's padding)
   WeightFormat format_ = WeightFormat::F32;
+  DType kv_dtype_ = DType::F32;
   bool inference_ = false;
   void attach_copies();
   std::unique_ptr<Activations> own_;

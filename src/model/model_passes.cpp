@@ -182,22 +182,40 @@ void Model::forward(const Batch& batch, Activations& a, float* token_loss,
   head(batch, a, token_loss, loss_weight);
 }
 
-void KvCache::reset(const ModelConfig& cfg, int rows) {
+void KvCache::reset(const ModelConfig& cfg, int rows, DType t) {
+  SIGMA_CHECK(t == DType::F32 || t == DType::BF16, "a KV cache holds F32 or BF16 values, not {}",
+              dtype_name(t));
   B = rows;
   length.assign(size_t(rows), 0);
   context = cfg.context, heads = cfg.heads, head_dim = cfg.head_dim();
+  dtype = t;
   kv.clear();
   for (int l = 0; l < cfg.layers; ++l)
-    kv.push_back(ops::empty(DType::F32, {rows, 2, heads, context, head_dim}));
+    kv.push_back(ops::empty(dtype, {rows, 2, heads, context, head_dim}));
 }
 
 void KvCache::copy_prefix(int from, int to, int n) {
   if (from == to || n == 0) return;
   const int64_t run = context * head_dim;  // one head's keys (or values) of one row
-  for (Tensor& t : kv)  // device to device: the cache lives on the backend's device
+  const size_t elem = dtype_size(dtype);
+  for (Tensor& t : kv) {  // device to device: the cache lives on the backend's device
+    auto* base = t.dev<uint8_t>();
     for (int64_t part = 0; part < 2 * heads; ++part)
-      ops::copy_bytes(t.dev_f() + (to * 2 * heads + part) * run,
-                      t.dev_f() + (from * 2 * heads + part) * run, size_t(n * head_dim) * sizeof(float));
+      ops::copy_bytes(base + size_t((to * 2 * heads + part) * run) * elem,
+                      base + size_t((from * 2 * heads + part) * run) * elem, size_t(n * head_dim) * elem);
+  }
+}
+
+int64_t KvCache::bytes() const {
+  int64_t n = 0;
+  for (const Tensor& t : kv) n += t.numel() * int64_t(dtype_size(t.dtype()));
+  return n;
+}
+
+void Model::use_kv_cache(DType t) {
+  SIGMA_CHECK(t == DType::F32 || t == DType::BF16, "a KV cache holds F32 or BF16 values, not {}",
+              dtype_name(t));
+  kv_dtype_ = t;
 }
 
 void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, float* token_loss,
@@ -214,7 +232,7 @@ void Model::cached_pass(const Batch& batch, KvCache& cache, Activations& a, floa
   const ops::FewRowKernels decode;  // a decode step's few rows may take the GEMVs (kernels/ops.h)
   const int B = batch.B, T = batch.T;
   check_batch(batch);
-  if (cache.kv.empty()) cache.reset(cfg_, B);
+  if (cache.kv.empty()) cache.reset(cfg_, B, kv_dtype_);
   SIGMA_CHECK(cache_rows || cache.B == B, "KV cache holds {} sequences, the batch {}", cache.B, B);
   std::vector<int> rows(static_cast<size_t>(B)), start(static_cast<size_t>(B));
   std::vector<bool> used(static_cast<size_t>(cache.B), false);
@@ -245,15 +263,21 @@ void Model::cached_pass(const Batch& batch, KvCache& cache, Activations& a, floa
 void Model::append_kv(int l, const Batch& batch, Activations& acts, KvCache& cache, const int* cache_rows) {
   const int64_t d = cfg_.d_model, H = cache.heads, hd = cache.head_dim, C = cache.context;
   const float* qkv = acts.block(l).qkv.dev_f();
+  const bool bf16 = cache.dtype == DType::BF16;
   for (int b = 0; b < batch.B; ++b) {
     const int r = cache_rows[b];
-    float* row = cache.kv[size_t(l)].dev_f() + r * 2 * H * C * hd;
+    const int64_t row = r * 2 * H * C * hd;
     for (int t = 0; t < batch.T; ++t) {
       const float* src = qkv + (int64_t(b) * batch.T + t) * 3 * d + d;  // key | value
       const int64_t pos = cache.length[size_t(r)] + t;
       for (int64_t kv = 0; kv < 2; ++kv)
-        for (int64_t h = 0; h < H; ++h)
-          ops::copy(row + ((kv * H + h) * C + pos) * hd, src + kv * d + h * hd, hd);
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t at = row + ((kv * H + h) * C + pos) * hd;
+          if (bf16)
+            ops::convert_bf16(cache.kv[size_t(l)].dev<uint16_t>() + at, src + kv * d + h * hd, hd);
+          else
+            ops::copy(cache.kv[size_t(l)].dev_f() + at, src + kv * d + h * hd, hd);
+        }
     }
   }
 }
@@ -277,11 +301,20 @@ void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCac
     const int p0 = cache.length[size_t(cache_rows[b])];
     if (one_call && b + 1 < B) continue;
     const int b0 = one_call ? 0 : b, n = one_call ? B : 1;
-    const float* keys = cache.kv[size_t(l)].dev_f() + cache_rows[b0] * bs;
     const ops::AttnOperand qb{q.p + b0 * q.bs, q.ld, q.bs};
-    ops::flash_attention_forward(att + int64_t(b0) * T * d, k.lse.dev_f() + int64_t(b0) * H * T, qb,
-                                 {keys, hd, bs, C * hd}, {keys + H * C * hd, hd, bs, C * hd},
-                                 {n, T, p0 + T, H, hd}, 1.0f / std::sqrt(float(hd)));
+    float* out = att + int64_t(b0) * T * d;
+    float* lse = k.lse.dev_f() + int64_t(b0) * H * T;
+    const ops::AttnShape shape{n, T, p0 + T, H, hd};
+    const float scale = 1.0f / std::sqrt(float(hd));
+    if (cache.dtype == DType::BF16) {
+      const uint16_t* keys = cache.kv[size_t(l)].dev<uint16_t>() + cache_rows[b0] * bs;
+      ops::attention_forward_kv16(out, lse, qb, {keys, hd, bs, C * hd},
+                                  {keys + H * C * hd, hd, bs, C * hd}, shape, scale);
+    } else {
+      const float* keys = cache.kv[size_t(l)].dev_f() + cache_rows[b0] * bs;
+      ops::flash_attention_forward(out, lse, qb, {keys, hd, bs, C * hd},
+                                   {keys + H * C * hd, hd, bs, C * hd}, shape, scale);
+    }
   }
 }
 

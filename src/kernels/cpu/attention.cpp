@@ -1,7 +1,10 @@
 #include "kernels/cpu/attention.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "core/bf16.h"
@@ -118,8 +121,24 @@ void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout
 }
 
 namespace {
+// A key's or value's element: fp32, or bf16 (a bf16 KV cache) widened exactly.
+inline float kv_at(const float* p, int64_t i) { return p[i]; }
+inline float kv_at(const uint16_t* p, int64_t i) { return from_bf16(p[i]); }
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define SIGMA_ATTN_ROWS8 1
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 // AVX2 and AVX-512 builds (hd a multiple of 8, at most 64): a query row's scores 8 keys at a
 // time and its output with the hd / 8 column blocks in registers. Key j's dot product is one sum
 // in one order wherever j falls (8 lanes over c, then lane i + i+4, i + i+2, i + i+1), and each
@@ -129,7 +148,8 @@ namespace {
 // (int8 weights, one thread; bench/decode_breakdown.sh).
 constexpr int64_t kMaxAvx2Hd = 64;
 
-void row_scores_avx2(float* S, const float* qi, const float* kb, int64_t ldk, int64_t n,
+template <class E>
+void row_scores_avx2(float* S, const float* qi, const E* kb, int64_t ldk, int64_t n,
                      int64_t hd, float scale) {
   __m256 qv[kMaxAvx2Hd / 8];
   const int64_t nc = hd / 8;
@@ -139,9 +159,9 @@ void row_scores_avx2(float* S, const float* qi, const float* kb, int64_t ldk, in
   for (int64_t j = 0; j < n; j += 8) {
     __m256 a[8];
     for (int64_t t = 0; t < 8; ++t) {
-      const float* kj = kb + std::min(j + t, n - 1) * ldk;  // past n: a repeat, not stored
-      __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
-      for (int64_t c = 1; c < nc; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kj + 8 * c), acc);
+      const E* kj = kb + std::min(j + t, n - 1) * ldk;  // past n: a repeat, not stored
+      __m256 acc = _mm256_mul_ps(qv[0], load8(kj));
+      for (int64_t c = 1; c < nc; ++c) acc = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), acc);
       a[t] = acc;
     }
     __m256 u[4];
@@ -161,14 +181,15 @@ void row_scores_avx2(float* S, const float* qi, const float* kb, int64_t ldk, in
   }
 }
 
-void row_output_avx2(float* o, const float* S, const float* vb, int64_t ldv, int64_t n, int64_t hd) {
+template <class E>
+void row_output_avx2(float* o, const float* S, const E* vb, int64_t ldv, int64_t n, int64_t hd) {
   __m256 acc[kMaxAvx2Hd / 8];
   const int64_t nc = hd / 8;
   for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m256 p = _mm256_set1_ps(S[j]);
-    const float* vj = vb + j * ldv;
-    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+    const E* vj = vb + j * ldv;
+    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, load8(vj + 8 * c), acc[c]);
   }
   for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
 }
@@ -176,16 +197,17 @@ void row_output_avx2(float* o, const float* S, const float* vb, int64_t ldv, int
 // Two consecutive query rows (n and n + 1 keys) at once: each column's chain over j is
 // row_output_avx2's, so the bits are its; the second row's chains hide the first's fma latency
 // (with hd = 32 one row's four chains left the fma units idle half the time) and share V's loads.
-void row_output2_avx2(float* o0, const float* S0, float* o1, const float* S1, const float* vb,
+template <class E>
+void row_output2_avx2(float* o0, const float* S0, float* o1, const float* S1, const E* vb,
                       int64_t ldv, int64_t n, int64_t hd) {
   __m256 a0[kMaxAvx2Hd / 8], a1[kMaxAvx2Hd / 8];
   const int64_t nc = hd / 8;
   for (int64_t c = 0; c < nc; ++c) a0[c] = a1[c] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m256 p0 = _mm256_set1_ps(S0[j]), p1 = _mm256_set1_ps(S1[j]);
-    const float* vj = vb + j * ldv;
+    const E* vj = vb + j * ldv;
     for (int64_t c = 0; c < nc; ++c) {
-      const __m256 vc = _mm256_loadu_ps(vj + 8 * c);
+      const __m256 vc = load8(vj + 8 * c);
       a0[c] = _mm256_fmadd_ps(p0, vc, a0[c]);
       a1[c] = _mm256_fmadd_ps(p1, vc, a1[c]);
     }
@@ -193,7 +215,7 @@ void row_output2_avx2(float* o0, const float* S0, float* o1, const float* S1, co
   const __m256 p1 = _mm256_set1_ps(S1[n]);
   for (int64_t c = 0; c < nc; ++c) {
     _mm256_storeu_ps(o0 + 8 * c, a0[c]);
-    _mm256_storeu_ps(o1 + 8 * c, _mm256_fmadd_ps(p1, _mm256_loadu_ps(vb + n * ldv + 8 * c), a1[c]));
+    _mm256_storeu_ps(o1 + 8 * c, _mm256_fmadd_ps(p1, load8(vb + n * ldv + 8 * c), a1[c]));
   }
 }
 #endif
@@ -217,8 +239,11 @@ void block_scores(float* S, int64_t ld, const float* qb, int64_t ldq, const floa
 // computed the same way on any thread, so the bits do not change.
 constexpr int64_t kSpinCacheBytes = int64_t(1) << 18;
 
-void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k, AttnOperand v,
-                            AttnShape s, float scale, bool threads) {
+// K: AttnOperand, or AttnOperand16 (bf16 keys and values, widened where read).
+template <class K>
+void attention_rows_forward(float* out, float* lse, AttnOperand q, K k, K v, AttnShape s,
+                            float scale, bool threads) {
+  using E = std::remove_cv_t<std::remove_pointer_t<decltype(k.p)>>;
   const int64_t Tq = s.Tq, Tk = s.Tk, off = Tk - Tq, hd = s.hd, d = s.H * s.hd;
   auto pair = [&](int64_t bh) {
     thread_local std::vector<float> scores;
@@ -226,8 +251,8 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
     float* S = scores.data();
     const int64_t b = bh / s.H, h = bh % s.H;
     const float* qb = q.head(b, h, hd);
-    const float* kb = k.head(b, h, hd);
-    const float* vb = v.head(b, h, hd);
+    const E* kb = k.head(b, h, hd);
+    const E* vb = v.head(b, h, hd);
 #if defined(SIGMA_ATTN_ROWS8)
     if (hd % 8 == 0 && hd <= kMaxAvx2Hd) {
       float* S1 = scores.data() + Tk;  // the second row's probabilities
@@ -254,10 +279,10 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
       const float* qi = qb + i * q.ld;
       const int64_t n = off + i + 1;  // keys this row sees
       for (int64_t j = 0; j < n; ++j) {
-        const float* kj = kb + j * k.ld;
+        const E* kj = kb + j * k.ld;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t c = 0; c < hd; ++c) dot += qi[c] * kj[c];
+        for (int64_t c = 0; c < hd; ++c) dot += qi[c] * kv_at(kj, c);
         S[j] = scale * dot;
       }
       const float mx = max_of(S, n), sum = exp_shift_sum(S, n, mx);
@@ -271,16 +296,16 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, AttnOperand k
       for (; c0 + 16 <= hd; c0 += 16) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; ++j)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(S[j]), _mm512_loadu_ps(vb + j * v.ld + c0), acc);
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(S[j]), load16(vb + j * v.ld + c0), acc);
         _mm512_storeu_ps(o + c0, acc);
       }
 #endif
       std::fill(o + c0, o + hd, 0.0f);
       for (int64_t j = 0; j < n; ++j) {
-        const float* vj = vb + j * v.ld;
+        const E* vj = vb + j * v.ld;
         const float p = S[j];
 #pragma omp simd
-        for (int64_t c = c0; c < hd; ++c) o[c] += p * vj[c];
+        for (int64_t c = c0; c < hd; ++c) o[c] += p * kv_at(vj, c);
       }
     }
   };
@@ -324,6 +349,12 @@ void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand 
            0.0f, out + (b * Tq + i0) * d + h * hd, d);
     }
   }
+}
+
+void attention_forward_kv16(float* out, float* lse, AttnOperand q, AttnOperand16 k,
+                            AttnOperand16 v, AttnShape s, float scale) {
+  check_shape(s);
+  attention_rows_forward(out, lse, q, k, v, s, scale, worth_threads(s));
 }
 
 void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,

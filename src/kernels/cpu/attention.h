@@ -13,6 +13,7 @@ namespace sigma::cpu {
 
 using kernels::AttnGrad;
 using kernels::AttnOperand;
+using kernels::AttnOperand16;
 using kernels::AttnShape;
 
 // out[B,Tq,H*hd] (row stride H*hd) = softmax(scale * q k^T, causal) v; saves probs[B,H,Tq,Tk]
@@ -36,6 +37,10 @@ void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand 
 void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,
                               const float* out, const float* lse, AttnOperand q, AttnOperand k,
                               AttnOperand v, AttnShape s, float scale);
+
+// flash_attention_forward's rows on bf16 keys and values (ops.h: attention_forward_kv16).
+void attention_forward_kv16(float* out, float* lse, AttnOperand q, AttnOperand16 k,
+                            AttnOperand16 v, AttnShape s, float scale);
 
 // train.precision = bf16: the same blocks and fp32 softmax, with every product on bf16 inputs
 // (fp32 accumulation): q, k, v (and dout) rounded once per call, the probabilities (and dS)

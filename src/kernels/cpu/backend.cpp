@@ -52,6 +52,7 @@ const ops::Backend kBackend = {
     .flash_attention_backward = &flash_attention_backward,
     .flash_attention_forward_bf16 = &flash_attention_forward_bf16,
     .flash_attention_backward_bf16 = &flash_attention_backward_bf16,
+    .attention_forward_kv16 = &attention_forward_kv16,
     .fast_gelu_forward = &fast_gelu_forward,
     .fast_gelu_backward = &fast_gelu_backward,
     .softmax_xent = &softmax_xent,

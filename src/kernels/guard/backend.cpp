@@ -210,7 +210,8 @@ template <class T>
 void check_arg(T arg, bool host_by_design) {
   if constexpr (std::is_pointer_v<T>) {
     if (arg && !host_by_design && !owns(arg)) on_host_arg(arg);
-  } else if constexpr (std::is_same_v<T, ops::AttnOperand> || std::is_same_v<T, ops::AttnGrad>) {
+  } else if constexpr (std::is_same_v<T, ops::AttnOperand> || std::is_same_v<T, ops::AttnOperand16> ||
+                       std::is_same_v<T, ops::AttnGrad>) {
     check_arg(arg.p, false);  // the attention views carry their memory inside
   }
 }
@@ -276,6 +277,7 @@ const ops::Backend kBackend = {
     .flash_attention_backward = wrapped<&B::flash_attention_backward>,
     .flash_attention_forward_bf16 = wrapped<&B::flash_attention_forward_bf16>,
     .flash_attention_backward_bf16 = wrapped<&B::flash_attention_backward_bf16>,
+    .attention_forward_kv16 = wrapped<&B::attention_forward_kv16>,
     .fast_gelu_forward = wrapped<&B::fast_gelu_forward>,
     .fast_gelu_backward = wrapped<&B::fast_gelu_backward>,
     .softmax_xent = wrapped<&B::softmax_xent>,

@@ -20,6 +20,9 @@ inline float attn_in(float x) {
   if constexpr (Bf16) return round_bf16(x);
   return x;
 }
+// A key's or value's element: fp32, or bf16 (a bf16 KV cache) widened.
+inline float kv_in(float x) { return x; }
+inline float kv_in(uint16_t h) { return from_bf16(h); }
 template <bool Bf16, class T>
 T attn_computed(const T& x) {
   if constexpr (Bf16) return bf16_rounded(x);
@@ -35,9 +38,9 @@ inline void check_attention(const AttnShape& s) {
 // out[b,i,h] = sum_j P[i,j] v[j,h],  P[i,:] = softmax_j<=p(scale * q[i,h] . k[j,h]); saves
 // probs (attention_forward) or each row's lse = log sum_j<=p exp(scale q.k_j) (the flash
 // variant), whichever pointer is not null.
-template <class T, bool Bf16 = false>
-void attention_rows(float* out, float* probs, float* lse, AttnOperand q, AttnOperand k,
-                    AttnOperand v, AttnShape s, float scale) {
+template <class T, bool Bf16 = false, class KV = AttnOperand>
+void attention_rows(float* out, float* probs, float* lse, AttnOperand q, KV k, KV v, AttnShape s,
+                    float scale) {
   using std::exp;
   using std::log;
   check_attention(s);
@@ -51,9 +54,9 @@ void attention_rows(float* out, float* probs, float* lse, AttnOperand q, AttnOpe
         const int64_t last = off + i;  // the last key this row sees
         T mx = 0;
         for (int64_t j = 0; j <= last; ++j) {
-          const float* kj = k.head(b, h, hd) + j * k.ld;
+          const auto* kj = k.head(b, h, hd) + j * k.ld;
           T dot = 0;
-          for (int64_t c = 0; c < hd; ++c) dot += T(attn_in<Bf16>(qi[c])) * T(attn_in<Bf16>(kj[c]));
+          for (int64_t c = 0; c < hd; ++c) dot += T(attn_in<Bf16>(qi[c])) * T(attn_in<Bf16>(kv_in(kj[c])));
           S[size_t(j)] = T(scale) * dot;
           if (j == 0 || S[size_t(j)] > mx) mx = S[size_t(j)];
         }
@@ -71,7 +74,7 @@ void attention_rows(float* out, float* probs, float* lse, AttnOperand q, AttnOpe
           T o = 0;
           for (int64_t j = 0; j <= last; ++j)
             o += attn_computed<Bf16>(S[size_t(j)]) *
-                 T(attn_in<Bf16>(v.head(b, h, hd)[j * v.ld + c]));
+                 T(attn_in<Bf16>(kv_in(v.head(b, h, hd)[j * v.ld + c])));
           store<T>(out + (b * Tq + i) * d + h * hd + c, o);
         }
       }
@@ -85,6 +88,11 @@ void attention_forward(float* out, float* probs, AttnOperand q, AttnOperand k, A
 template <class T>
 void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand k, AttnOperand v,
                              AttnShape s, float scale) {
+  attention_rows<T>(out, nullptr, lse, q, k, v, s, scale);
+}
+template <class T>
+void attention_forward_kv16(float* out, float* lse, AttnOperand q, AttnOperand16 k, AttnOperand16 v,
+                            AttnShape s, float scale) {
   attention_rows<T>(out, nullptr, lse, q, k, v, s, scale);
 }
 template <class T>

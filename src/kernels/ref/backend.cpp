@@ -216,6 +216,7 @@ const ops::Backend kBackend = {
     .flash_attention_backward = &flash_attention_backward<double>,
     .flash_attention_forward_bf16 = &flash_attention_forward_bf16<double>,
     .flash_attention_backward_bf16 = &flash_attention_backward_bf16<double>,
+    .attention_forward_kv16 = &attention_forward_kv16<double>,
     .fast_gelu_forward = &fast_gelu_forward<double>,
     .fast_gelu_backward = &fast_gelu_backward<double>,
     .softmax_xent = &softmax_xent<double>,

@@ -20,6 +20,7 @@ namespace sigma::ref {
 
 using kernels::AttnGrad;
 using kernels::AttnOperand;
+using kernels::AttnOperand16;
 using kernels::AttnShape;
 using kernels::kLayerNormEps;
 using kernels::Strides;
