@@ -857,11 +857,12 @@ TEST(Attention, HeadStrideViewsGiveTheBitsOfTheRowLayout) {
 }
 
 // A bf16 KV cache (Model::use_kv_cache): attention_forward_kv16 widens each key and value where
-// it reads it and otherwise runs the fp32 forward's rows, so it gives, bit for bit, what that
-// forward gives on the widened values (a decode step's path; the rows path with threads over
-// the heads for a prompt, which the fp32 forward takes under ops::BatchInvariant). Both
-// backends, every row path: 8-key blocks with tails, two rows at once, plain loops (hd not a
-// multiple of 8), a prompt, the spin team's heads (a cache of 256 KiB and more).
+// it reads it and otherwise runs the fp32 forward, so it gives, bit for bit, what that forward
+// gives on the widened values, with and without ops::BatchInvariant. Both backends, every
+// path: decode rows in 8-key blocks with tails, two rows at once, plain loops (hd not a
+// multiple of 8), the spin team's heads (a cache of 256 KiB and more), and a prompt's row
+// blocks (oneDNN's products on each block's widened keys and values; under BatchInvariant the
+// rows with threads over the heads).
 TEST(Attention, Bf16CacheGivesTheBitsOfItsWidenedValues) {
   struct Shape {
     int64_t B, Tq, Tk, H, hd;
@@ -891,19 +892,18 @@ TEST(Attention, Bf16CacheGivesTheBitsOfItsWidenedValues) {
           v32{cache32.data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
       const std::string label = fmt::format("{} B={} Tq={} Tk={} H={} hd={}",
                                             kind == ops::BackendKind::Cpu ? "cpu" : "ref", B, Tq, Tk, H, hd);
-      std::vector<float> o16(size_t(B * Tq * d)), o32(o16.size()), l16(size_t(B * H * Tq)), l32(l16.size());
-      {
+      for (bool invariant : {false, true}) {
+        std::optional<ops::BatchInvariant> rows;
+        if (invariant) rows.emplace();
         const ops::FewRowKernels decode;  // as Model::cached_pass
+        std::vector<float> o16(size_t(B * Tq * d)), o32(o16.size()), l16(size_t(B * H * Tq)), l32(l16.size());
         ops::attention_forward_kv16(o16.data(), l16.data(), qo, k16, v16, s, scale);
-      }
-      {
-        const ops::FewRowKernels decode;
-        const ops::BatchInvariant rows;  // the fp32 forward's rows path at every shape
         ops::flash_attention_forward(o32.data(), l32.data(), qo, k32, v32, s, scale);
+        const std::string where = label + (invariant ? " batch-invariant" : "");
+        EXPECT_EQ(0, std::memcmp(o16.data(), o32.data(), o16.size() * 4)) << "out, " << where;
+        EXPECT_EQ(0, std::memcmp(l16.data(), l32.data(), l16.size() * 4)) << "lse, " << where;
+        EXPECT_TRUE(std::all_of(o16.begin(), o16.end(), [](float x) { return std::isfinite(x); })) << where;
       }
-      EXPECT_EQ(0, std::memcmp(o16.data(), o32.data(), o16.size() * 4)) << "out, " << label;
-      EXPECT_EQ(0, std::memcmp(l16.data(), l32.data(), l16.size() * 4)) << "lse, " << label;
-      EXPECT_TRUE(std::all_of(o16.begin(), o16.end(), [](float x) { return std::isfinite(x); })) << label;
     }
   }
   ops::use_backend(ops::BackendKind::Cpu);

@@ -120,9 +120,8 @@ struct Backend {
                                         const float* out, const float* lse, AttnOperand q,
                                         AttnOperand k, AttnOperand v, AttnShape s, float scale);
   // flash_attention_forward (fp32, whatever the precision) reading keys and values kept in
-  // bf16 (a KV cache of half the bytes: Model::use_kv_cache), each widened exactly where read.
-  // Every query row is computed alone as the fp32 op's decode rows are, so the bits equal
-  // flash_attention_forward's on a decode step (few rows, no threads over them) given the
+  // bf16 (a KV cache of half the bytes: Model::use_kv_cache), widened exactly where read (a
+  // prompt's row blocks: per block, first): on every path the bits of the fp32 op given the
   // widened keys and values.
   void (*attention_forward_kv16)(float* out, float* lse, AttnOperand q, AttnOperand16 k,
                                  AttnOperand16 v, AttnShape s, float scale);

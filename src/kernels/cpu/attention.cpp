@@ -321,8 +321,27 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, K k, K v, Att
 }
 }  // namespace
 
-void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand k, AttnOperand v,
-                             AttnShape s, float scale) {
+namespace {
+// A head's first n keys (or values) as fp32 rows of ld hd: the operand itself, or, for bf16
+// ones, widened (exact) into `scratch`.
+const float* head_rows(AttnOperand k, int64_t b, int64_t h, int64_t, int64_t hd, std::vector<float>&,
+                       int64_t& ld) {
+  ld = k.ld;
+  return k.head(b, h, hd);
+}
+const float* head_rows(AttnOperand16 k, int64_t b, int64_t h, int64_t n, int64_t hd,
+                       std::vector<float>& scratch, int64_t& ld) {
+  scratch.resize(size_t(n * hd));
+  const uint16_t* src = k.head(b, h, hd);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < hd; ++c) scratch[size_t(j * hd + c)] = from_bf16(src[j * k.ld + c]);
+  ld = hd;
+  return scratch.data();
+}
+
+// K: AttnOperand, or AttnOperand16 (each row block's keys and values widened first).
+template <class K>
+void flash_forward(float* out, float* lse, AttnOperand q, K k, K v, AttnShape s, float scale) {
   check_shape(s);
   if (!worth_threads(s)) return attention_rows_forward(out, lse, q, k, v, s, scale, false);
   if (ops::BatchInvariant::on()) return attention_rows_forward(out, lse, q, k, v, s, scale, true);
@@ -330,13 +349,15 @@ void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand 
   const int64_t blocks = (Tq + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel
   {
-    std::vector<float> S(static_cast<size_t>(kRowBlock * Tk));
+    std::vector<float> S(static_cast<size_t>(kRowBlock * Tk)), kw, vw;
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < s.B * s.H * blocks; ++task) {
       const int64_t bh = task / blocks, b = bh / s.H, h = bh % s.H;
       const int64_t i0 = (task % blocks) * kRowBlock, i1 = std::min(Tq, i0 + kRowBlock);
-      block_scores(S.data(), Tk, q.head(b, h, hd), q.ld, k.head(b, h, hd), k.ld, i0, i1, off, hd,
-                   scale);
+      int64_t ldk, ldv;
+      const float* kb = head_rows(k, b, h, off + i1, hd, kw, ldk);
+      const float* vb = head_rows(v, b, h, off + i1, hd, vw, ldv);
+      block_scores(S.data(), Tk, q.head(b, h, hd), q.ld, kb, ldk, i0, i1, off, hd, scale);
       for (int64_t i = i0; i < i1; ++i) {
         float* row = S.data() + (i - i0) * Tk;
         const int64_t n = off + i + 1, keys = off + i1;
@@ -345,16 +366,21 @@ void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand 
         for (int64_t j = n; j < keys; ++j) row[j] = 0.0f;
         lse[bh * Tq + i] = mx + std::log(sum);
       }
-      gemm(false, false, i1 - i0, hd, off + i1, 1.0f, S.data(), Tk, v.head(b, h, hd), v.ld,
-           0.0f, out + (b * Tq + i0) * d + h * hd, d);
+      gemm(false, false, i1 - i0, hd, off + i1, 1.0f, S.data(), Tk, vb, ldv, 0.0f,
+           out + (b * Tq + i0) * d + h * hd, d);
     }
   }
+}
+}  // namespace
+
+void flash_attention_forward(float* out, float* lse, AttnOperand q, AttnOperand k, AttnOperand v,
+                             AttnShape s, float scale) {
+  flash_forward(out, lse, q, k, v, s, scale);
 }
 
 void attention_forward_kv16(float* out, float* lse, AttnOperand q, AttnOperand16 k,
                             AttnOperand16 v, AttnShape s, float scale) {
-  check_shape(s);
-  attention_rows_forward(out, lse, q, k, v, s, scale, worth_threads(s));
+  flash_forward(out, lse, q, k, v, s, scale);
 }
 
 void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout,

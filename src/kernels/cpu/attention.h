@@ -38,7 +38,7 @@ void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float
                               const float* out, const float* lse, AttnOperand q, AttnOperand k,
                               AttnOperand v, AttnShape s, float scale);
 
-// flash_attention_forward's rows on bf16 keys and values (ops.h: attention_forward_kv16).
+// flash_attention_forward on bf16 keys and values, widened where read (ops.h: attention_forward_kv16).
 void attention_forward_kv16(float* out, float* lse, AttnOperand q, AttnOperand16 k,
                             AttnOperand16 v, AttnShape s, float scale);
 
