@@ -8,7 +8,7 @@
 # thread issues, kernels/cpu/spin_team.h's NextJob) and the rest: fractions of all decode threads' CPU time, then of the
 # calling thread's alone (a token's wall time), printed with the machine kind.
 #
-#   bench/decode_breakdown.sh [SIGMA=build/sigma] [CKPT] [PRECISION=int8] [TOKENS=250]
+#   bench/decode_breakdown.sh [SIGMA=build/sigma] [CKPT] [PRECISION=int8] [TOKENS=250] [KV=fp32]
 # CKPT defaults to decode_bench.sh's dense model ($DECODE_BENCH_DIR/dense/checkpoints; run
 # decode_bench.sh once to make it). Needs `perf` (linux-perf).
 set -euo pipefail
@@ -17,13 +17,14 @@ sigma=${1:-build/sigma}
 ckpt=${2:-${DECODE_BENCH_DIR:-/tmp/sigma-decode-bench}/dense/checkpoints}
 precision=${3:-int8}
 tokens=${4:-250}
+kv=${5:-fp32}  # --kv-cache
 command -v perf >/dev/null || { echo "decode_breakdown: needs perf (apt-get install linux-perf)" >&2; exit 2; }
 [ -d "$ckpt" ] || { echo "decode_breakdown: no checkpoint $ckpt (run bench/decode_bench.sh first)" >&2; exit 2; }
 tmp=$(mktemp -d /tmp/sigma-breakdown.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 export OMP_WAIT_POLICY=passive
 perf record -q -F 4000 --call-graph dwarf,16384 -o "$tmp/perf.data" \
-  "$sigma" generate --ckpt "$ckpt" --prompt "1 2 3" --max-new "$tokens" --precision "$precision" \
+  "$sigma" generate --ckpt "$ckpt" --prompt "1 2 3" --max-new "$tokens" --precision "$precision" --kv-cache "$kv" \
   2> "$tmp/stderr" > /dev/null
 perf script -i "$tmp/perf.data" 2>/dev/null | python3 -c '
 import collections, re, sys
@@ -53,5 +54,5 @@ for title, c in (("decode threads", cats), ("the calling thread alone (its wall 
     total = sum(c.values())
     print(f"{title}: {total} samples ({sys.argv[1]}; {sys.argv[2]})")
     for name, n in c.most_common(): print(f"  {100 * n / max(total, 1):5.1f} %  {name}")
-' "$("$here/machine.sh")" "$precision, load $(cut -d' ' -f1-3 /proc/loadavg)"
+' "$("$here/machine.sh")" "$precision, $kv KV cache, load $(cut -d' ' -f1-3 /proc/loadavg)"
 grep -o '([0-9.]* tokens/s[^)]*)' "$tmp/stderr" || true

@@ -32,6 +32,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <memory>
@@ -433,11 +434,13 @@ void add_attention_kv16(std::vector<Case>& cs, int64_t B, int64_t Tq, int64_t Tk
   const AttnShape s{B, Tq, Tk, H, hd};
   const float scale = 1.0f / std::sqrt(float(hd));
   const auto q = std::make_shared<const std::vector<float>>(vec(B * Tq * d, seed, 1.5f));
-  const auto kv = std::make_shared<const std::vector<uint16_t>>(bf16_vec(B * 2 * H * C * hd, seed + 1, 1.5f));
+  const auto kv =
+      std::make_shared<const std::vector<uint16_t>>(bf16_vec(B * 2 * H * C * hd, seed + 1, 1.5f));
   const AttnOperand qo{q->data(), d, Tq * d};
   const ops::AttnOperand16 ko{kv->data(), hd, 2 * H * C * hd, C * hd},
       vo{kv->data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
-  cs.push_back(make_case(OP(attention_forward_kv16), fmt::format("B={} Tq={} Tk={} H={} hd={}", B, Tq, Tk, H, hd),
+  cs.push_back(make_case(OP(attention_forward_kv16),
+                         fmt::format("B={} Tq={} Tk={} H={} hd={}", B, Tq, Tk, H, hd),
                          {{"out", vec(B * Tq * d, seed + 8)}, {"lse", vec(B * H * Tq, seed + 9)}},
                          [=](auto fn, Outs& o) {
                            fn(o[0].data(), o[1].data(), qo, ko, vo, s, scale);
@@ -794,66 +797,81 @@ TEST(Ops, EveryMutationIsCaught) {
 
 }  // namespace
 
+// The attention shapes the KV cache tests run, on both backends: fn(kind label, shape). The ref
+// backend skips the large ones (slow; the same code).
+struct CacheShape {
+  int64_t B, Tq, Tk, H, hd;
+  bool invariant = false;
+};
+template <class Fn>
+void for_each_cache_case(std::initializer_list<CacheShape> shapes, Fn&& fn) {
+  for (const ops::BackendKind kind : {ops::BackendKind::Cpu, ops::BackendKind::Ref}) {
+    ops::use_backend(kind);
+    for (const CacheShape& sh : shapes)
+      if (kind == ops::BackendKind::Cpu || sh.Tk * sh.Tq <= 4000)
+        fn(std::string(kind == ops::BackendKind::Cpu ? "cpu" : "ref"), sh);
+  }
+  ops::use_backend(ops::BackendKind::Cpu);
+}
+
 // The KV cache's layout (model.h KvCache): each head's positions contiguous (ld = hd, head
 // stride hs). A forward kernel given that view must compute exactly what it computes from the
 // same numbers laid out with heads side by side in a row (the layout before issue 40): the
 // same operations in the same order, so cached decode keeps its bits. Every forward, both
 // backends, the decode (one row), few-row, batch-invariant and blocked paths.
 TEST(Attention, HeadStrideViewsGiveTheBitsOfTheRowLayout) {
-  struct Shape {
-    int64_t B, Tq, Tk, H, hd;
-    bool invariant;
-  };
-  const Shape shapes[] = {{1, 1, 300, 4, 16, false}, {1, 1, 77, 2, 64, false},
-                          {2, 3, 40, 3, 8, false},   {1, 1, 520, 8, 64, false},
-                          {3, 2, 90, 2, 32, true},   {2, 150, 150, 2, 32, false},
-                          {1, 130, 200, 2, 24, false}};
-  for (const ops::BackendKind kind : {ops::BackendKind::Cpu, ops::BackendKind::Ref}) {
-    ops::use_backend(kind);
-    for (const Shape& sh : shapes) {
-      if (kind == ops::BackendKind::Ref && sh.Tk * sh.Tq > 4000) continue;  // slow, same code
-      const int64_t B = sh.B, Tq = sh.Tq, Tk = sh.Tk, H = sh.H, hd = sh.hd, d = H * hd;
-      const int64_t C = Tk + 5;  // the cache's context: a head's run is longer than its keys
-      const AttnShape s{B, Tq, Tk, H, hd};
-      const float scale = 1.0f / std::sqrt(float(hd));
-      const auto q = vec(B * Tq * d, 11, 1.5f), rows = vec(B * Tk * 2 * d, 12, 1.5f);
-      // The same keys and values per head: [B, 2, H, C, hd], unused positions NaN (read = fail).
-      std::vector<float> heads(size_t(B * 2 * H * C * hd), NAN);
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t kv = 0; kv < 2; ++kv)
-          for (int64_t h = 0; h < H; ++h)
-            for (int64_t j = 0; j < Tk; ++j)
-              std::memcpy(&heads[size_t((((b * 2 + kv) * H + h) * C + j) * hd)],
-                          &rows[size_t((b * Tk + j) * 2 * d + kv * d + h * hd)], size_t(hd) * 4);
-      const AttnOperand qo{q.data(), d, Tq * d};
-      const AttnOperand k_rows{rows.data(), 2 * d, Tk * 2 * d}, v_rows{rows.data() + d, 2 * d, Tk * 2 * d};
-      const AttnOperand k_heads{heads.data(), hd, 2 * H * C * hd, C * hd},
-          v_heads{heads.data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
-      const std::string label = fmt::format("{} B={} Tq={} Tk={} H={} hd={}{}",
-                                            kind == ops::BackendKind::Cpu ? "cpu" : "ref", B, Tq,
-                                            Tk, H, hd, sh.invariant ? " batch-invariant" : "");
-      std::optional<ops::BatchInvariant> invariant;
-      if (sh.invariant) invariant.emplace();
-      const ops::FewRowKernels decode;  // as Model::cached_pass (the spin team for big caches)
-      using Fwd = void (*)(float*, float*, AttnOperand, AttnOperand, AttnOperand, AttnShape, float);
-      const std::pair<const char*, Fwd> fwds[] = {
-          {"flash", ops::flash_attention_forward},
-          {"flash bf16", ops::flash_attention_forward_bf16},
-          {"probs", ops::attention_forward}};
-      for (const auto& [name, fwd] : fwds) {
-        const bool probs = std::string(name) == "probs";
-        const size_t saved = size_t(B * H * Tq * (probs ? Tk : 1));
-        std::vector<float> o1(size_t(B * Tq * d)), o2(o1.size()), s1(saved), s2(saved);
-        fwd(o1.data(), s1.data(), qo, k_rows, v_rows, s, scale);
-        fwd(o2.data(), s2.data(), qo, k_heads, v_heads, s, scale);
-        EXPECT_EQ(0, std::memcmp(o1.data(), o2.data(), o1.size() * 4)) << name << " out, " << label;
-        EXPECT_EQ(0, std::memcmp(s1.data(), s2.data(), s1.size() * 4)) << name << " saved, " << label;
-        EXPECT_TRUE(std::all_of(o2.begin(), o2.end(), [](float x) { return std::isfinite(x); }))
-            << name << ", " << label;
-      }
-    }
-  }
-  ops::use_backend(ops::BackendKind::Cpu);
+  for_each_cache_case(
+      {{1, 1, 300, 4, 16},
+       {1, 1, 77, 2, 64},
+       {2, 3, 40, 3, 8},
+       {1, 1, 520, 8, 64},
+       {3, 2, 90, 2, 32, true},
+       {2, 150, 150, 2, 32},
+       {1, 130, 200, 2, 24}},
+      [](const std::string& backend, const CacheShape& sh) {
+        const int64_t B = sh.B, Tq = sh.Tq, Tk = sh.Tk, H = sh.H, hd = sh.hd, d = H * hd;
+        const int64_t C = Tk + 5;  // the cache's context: a head's run is longer than its keys
+        const AttnShape s{B, Tq, Tk, H, hd};
+        const float scale = 1.0f / std::sqrt(float(hd));
+        const auto q = vec(B * Tq * d, 11, 1.5f), rows = vec(B * Tk * 2 * d, 12, 1.5f);
+        // The same keys and values per head: [B, 2, H, C, hd], unused positions NaN (read = fail).
+        std::vector<float> heads(size_t(B * 2 * H * C * hd), NAN);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t kv = 0; kv < 2; ++kv)
+            for (int64_t h = 0; h < H; ++h)
+              for (int64_t j = 0; j < Tk; ++j)
+                std::memcpy(&heads[size_t((((b * 2 + kv) * H + h) * C + j) * hd)],
+                            &rows[size_t((b * Tk + j) * 2 * d + kv * d + h * hd)], size_t(hd) * 4);
+        const AttnOperand qo{q.data(), d, Tq * d};
+        const AttnOperand k_rows{rows.data(), 2 * d, Tk * 2 * d},
+            v_rows{rows.data() + d, 2 * d, Tk * 2 * d};
+        const AttnOperand k_heads{heads.data(), hd, 2 * H * C * hd, C * hd},
+            v_heads{heads.data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
+        const std::string label = fmt::format("{} B={} Tq={} Tk={} H={} hd={}{}", backend, B, Tq,
+                                              Tk, H, hd, sh.invariant ? " batch-invariant" : "");
+        std::optional<ops::BatchInvariant> invariant;
+        if (sh.invariant) invariant.emplace();
+        const ops::FewRowKernels decode;  // as Model::cached_pass (the spin team for big caches)
+        using Fwd =
+            void (*)(float*, float*, AttnOperand, AttnOperand, AttnOperand, AttnShape, float);
+        const std::pair<const char*, Fwd> fwds[] = {
+            {"flash", ops::flash_attention_forward},
+            {"flash bf16", ops::flash_attention_forward_bf16},
+            {"probs", ops::attention_forward}};
+        for (const auto& [name, fwd] : fwds) {
+          const bool probs = std::string(name) == "probs";
+          const size_t saved = size_t(B * H * Tq * (probs ? Tk : 1));
+          std::vector<float> o1(size_t(B * Tq * d)), o2(o1.size()), s1(saved), s2(saved);
+          fwd(o1.data(), s1.data(), qo, k_rows, v_rows, s, scale);
+          fwd(o2.data(), s2.data(), qo, k_heads, v_heads, s, scale);
+          EXPECT_EQ(0, std::memcmp(o1.data(), o2.data(), o1.size() * 4))
+              << name << " out, " << label;
+          EXPECT_EQ(0, std::memcmp(s1.data(), s2.data(), s1.size() * 4))
+              << name << " saved, " << label;
+          EXPECT_TRUE(std::all_of(o2.begin(), o2.end(), [](float x) { return std::isfinite(x); }))
+              << name << ", " << label;
+        }
+      });
 }
 
 // A bf16 KV cache (Model::use_kv_cache): attention_forward_kv16 widens each key and value where
@@ -864,49 +882,49 @@ TEST(Attention, HeadStrideViewsGiveTheBitsOfTheRowLayout) {
 // blocks (oneDNN's products on each block's widened keys and values; under BatchInvariant the
 // rows with threads over the heads).
 TEST(Attention, Bf16CacheGivesTheBitsOfItsWidenedValues) {
-  struct Shape {
-    int64_t B, Tq, Tk, H, hd;
-  };
-  const Shape shapes[] = {{1, 1, 300, 4, 16}, {1, 1, 77, 2, 64}, {2, 3, 40, 3, 8}, {1, 1, 520, 8, 64},
-                          {2, 5, 33, 3, 4},   {2, 150, 150, 2, 32}, {1, 130, 200, 2, 24}};
-  for (const ops::BackendKind kind : {ops::BackendKind::Cpu, ops::BackendKind::Ref}) {
-    ops::use_backend(kind);
-    for (const Shape& sh : shapes) {
-      if (kind == ops::BackendKind::Ref && sh.Tk * sh.Tq > 4000) continue;  // slow, same code
-      const int64_t B = sh.B, Tq = sh.Tq, Tk = sh.Tk, H = sh.H, hd = sh.hd, d = H * hd;
-      const int64_t C = Tk + 5;  // the cache's context: a head's run is longer than its keys
-      const AttnShape s{B, Tq, Tk, H, hd};
-      const float scale = 1.0f / std::sqrt(float(hd));
-      const auto q = vec(B * Tq * d, 21, 1.5f);
-      // [B, 2, H, C, hd] in bf16, positions past Tk NaN (read = fail), and its widened copy.
-      std::vector<uint16_t> cache16 = bf16_vec(B * 2 * H * C * hd, 22, 1.5f);
-      for (int64_t run = 0; run < B * 2 * H; ++run)
-        std::fill(cache16.begin() + (run * C + Tk) * hd, cache16.begin() + (run + 1) * C * hd,
-                  uint16_t(0x7FC0));
-      std::vector<float> cache32;
-      for (uint16_t h : cache16) cache32.push_back(from_bf16(h));
-      const AttnOperand qo{q.data(), d, Tq * d};
-      const ops::AttnOperand16 k16{cache16.data(), hd, 2 * H * C * hd, C * hd},
-          v16{cache16.data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
-      const AttnOperand k32{cache32.data(), hd, 2 * H * C * hd, C * hd},
-          v32{cache32.data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
-      const std::string label = fmt::format("{} B={} Tq={} Tk={} H={} hd={}",
-                                            kind == ops::BackendKind::Cpu ? "cpu" : "ref", B, Tq, Tk, H, hd);
-      for (bool invariant : {false, true}) {
-        std::optional<ops::BatchInvariant> rows;
-        if (invariant) rows.emplace();
-        const ops::FewRowKernels decode;  // as Model::cached_pass
-        std::vector<float> o16(size_t(B * Tq * d)), o32(o16.size()), l16(size_t(B * H * Tq)), l32(l16.size());
-        ops::attention_forward_kv16(o16.data(), l16.data(), qo, k16, v16, s, scale);
-        ops::flash_attention_forward(o32.data(), l32.data(), qo, k32, v32, s, scale);
-        const std::string where = label + (invariant ? " batch-invariant" : "");
-        EXPECT_EQ(0, std::memcmp(o16.data(), o32.data(), o16.size() * 4)) << "out, " << where;
-        EXPECT_EQ(0, std::memcmp(l16.data(), l32.data(), l16.size() * 4)) << "lse, " << where;
-        EXPECT_TRUE(std::all_of(o16.begin(), o16.end(), [](float x) { return std::isfinite(x); })) << where;
-      }
-    }
-  }
-  ops::use_backend(ops::BackendKind::Cpu);
+  for_each_cache_case(
+      {{1, 1, 300, 4, 16},
+       {1, 1, 77, 2, 64},
+       {2, 3, 40, 3, 8},
+       {1, 1, 520, 8, 64},
+       {2, 5, 33, 3, 4},
+       {2, 150, 150, 2, 32},
+       {1, 130, 200, 2, 24}},
+      [](const std::string& backend, const CacheShape& sh) {
+        const int64_t B = sh.B, Tq = sh.Tq, Tk = sh.Tk, H = sh.H, hd = sh.hd, d = H * hd;
+        const int64_t C = Tk + 5;  // the cache's context: a head's run is longer than its keys
+        const AttnShape s{B, Tq, Tk, H, hd};
+        const float scale = 1.0f / std::sqrt(float(hd));
+        const auto q = vec(B * Tq * d, 21, 1.5f);
+        // [B, 2, H, C, hd] in bf16, positions past Tk NaN (read = fail), and its widened copy.
+        std::vector<uint16_t> cache16 = bf16_vec(B * 2 * H * C * hd, 22, 1.5f);
+        for (int64_t run = 0; run < B * 2 * H; ++run)
+          std::fill(cache16.begin() + (run * C + Tk) * hd, cache16.begin() + (run + 1) * C * hd,
+                    uint16_t(0x7FC0));
+        std::vector<float> cache32;
+        for (uint16_t h : cache16) cache32.push_back(from_bf16(h));
+        const AttnOperand qo{q.data(), d, Tq * d};
+        const ops::AttnOperand16 k16{cache16.data(), hd, 2 * H * C * hd, C * hd},
+            v16{cache16.data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
+        const AttnOperand k32{cache32.data(), hd, 2 * H * C * hd, C * hd},
+            v32{cache32.data() + H * C * hd, hd, 2 * H * C * hd, C * hd};
+        const std::string label =
+            fmt::format("{} B={} Tq={} Tk={} H={} hd={}", backend, B, Tq, Tk, H, hd);
+        for (bool invariant : {false, true}) {
+          std::optional<ops::BatchInvariant> rows;
+          if (invariant) rows.emplace();
+          const ops::FewRowKernels decode;  // as Model::cached_pass
+          std::vector<float> o16(size_t(B * Tq * d)), o32(o16.size()), l16(size_t(B * H * Tq)),
+              l32(l16.size());
+          ops::attention_forward_kv16(o16.data(), l16.data(), qo, k16, v16, s, scale);
+          ops::flash_attention_forward(o32.data(), l32.data(), qo, k32, v32, s, scale);
+          const std::string where = label + (invariant ? " batch-invariant" : "");
+          EXPECT_EQ(0, std::memcmp(o16.data(), o32.data(), o16.size() * 4)) << "out, " << where;
+          EXPECT_EQ(0, std::memcmp(l16.data(), l32.data(), l16.size() * 4)) << "lse, " << where;
+          EXPECT_TRUE(std::all_of(o16.begin(), o16.end(), [](float x) { return std::isfinite(x); }))
+              << where;
+        }
+      });
 }
 
 // The cpu backward kernels index heads side by side: a head-strided view is refused, not misread.
