@@ -9,6 +9,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -183,6 +184,48 @@ TEST(Int8Gemv, RowsAreBitIdenticalAloneAndAmongFourWhenTheSumsShareTheJob) {
       cpu::gemv_nn(one.data(), x.data() + r * in, qn.q.data(), qn.s.data(), b.data(), 1, in, out,
                    false, {});
       ASSERT_EQ(0, std::memcmp(one.data(), four.data() + r * out, one.size() * 4)) << "row " << r;
+    }
+  }
+}
+
+// On two threads an int8 product's rows are cut into two runs sized to the rates the threads
+// streamed at before (gemv.h): wherever the cut falls -- even, one thread ten or a thousand
+// times the other's rate, runs of one piece or of several (a piece holds at most 512 rows, at
+// full scale too) -- the outputs are those of one thread, bit for bit. The call measures its runs and moves the
+// remembered rates (the sized path ran).
+TEST(Int8Gemv, WhereTheThreadsRunsAreCutChangesNoBit) {
+  struct Shape {
+    int64_t in, out, M;
+    bool full_scale;  // every product +127 * 32767: a piece of more than 516 rows overflows
+  };
+  for (const Shape sh : {Shape{512, 1536, 1, false}, Shape{2048, 512, 1, false},
+                         Shape{1100, 3300, 4, false}, Shape{2048, 64, 1, true}}) {
+    auto w = channel_weights(sh.in, sh.out, 21, false);
+    auto x = randn(4 * sh.in, 22);
+    const auto b = randn(sh.out, 23);
+    if (sh.full_scale)
+      for (int64_t k = 0; k < sh.in; ++k) {
+        x[size_t(k)] = k % 3 ? 2.5f : -2.5f;
+        for (int64_t j = 0; j < sh.out; ++j) w[size_t(k * sh.out + j)] = (k % 3 ? 0.75f : -0.75f) * float(j + 1);
+      }
+    const Quantised qn = quantise(w, sh.in, sh.out, false);
+    omp_set_num_threads(1);
+    std::vector<float> want(size_t(sh.M * sh.out)), got(want.size());
+    cpu::gemv_nn(want.data(), x.data(), qn.q.data(), qn.s.data(), b.data(), sh.M, sh.in, sh.out,
+                 false, {});
+    omp_set_num_threads(2);
+    for (const auto& rates :
+       std::vector<std::array<double, 2>>{{1, 1}, {1, 3}, {3, 1}, {1, 10}, {1000, 1}, {1, 1000}}) {
+      cpu::gemv_i8_set_run_rates(qn.q.data(), rates.data(), 2);
+      cpu::gemv_nn(got.data(), x.data(), qn.q.data(), qn.s.data(), b.data(), sh.M, sh.in, sh.out,
+                   false, {});
+      EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
+          << "in " << sh.in << " out " << sh.out << " rates " << rates[0] << ":" << rates[1];
+      if (sh.full_scale)
+        EXPECT_NEAR(got[0], b[0] + 2.5 * 0.75 * double(sh.in), 1e-5 * 2.5 * 0.75 * double(sh.in));
+      std::array<double, 2> after{};
+      cpu::gemv_i8_run_rates(qn.q.data(), after.data(), 2);
+      EXPECT_NE(after, rates) << "the product did not measure its runs";
     }
   }
 }

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -566,8 +567,55 @@ const float* rows16_as_fp32(const float* x, int64_t ldx, int64_t N, int64_t in) 
 constexpr int64_t kI8ChunkRows = 256;
 static_assert(kI8ChunkRows * 127 * 32767 < (int64_t(1) << 31) && kI8ChunkRows % 2 == 0);
 
+// ---- int8 runs sized to the threads' rates ----
+// Where one thread's rows end and the next's begin changes no bit of an int8 product (its sums
+// are exact), so each product's rows are cut into one run a thread sized to the rates those
+// runs streamed at the last times (per calling thread and product, a moving average), instead
+// of equal runs: on this VM one core streams 10-20 % slower than the other in some processes,
+// and with one run a thread the caller then waited for the helper's run at every product.
+constexpr int kMaxRuns = 16;
+// A run's pieces: as long as an int32 partial allows (|partial| <= 512 * 127 * 32767 < 2^31),
+// so that a split product adds no partials to its sums.
+constexpr int64_t kRunPieceRows = 512;
+static_assert(kRunPieceRows * 127 * 32767 < (int64_t(1) << 31));
+constexpr int64_t kRunAlign = 8;  // rows: whole sweeps of the kernels (4 pairs on AVX2)
+struct RunRates {
+  const void* key = nullptr;
+  int runs = 0;
+  double rate[kMaxRuns];  // rows a microsecond, each run's moving average
+};
+thread_local RunRates t_run_rates[kSuccessorSlots];
+
+// The product's entry (keyed as successor_slot); equal rates for a new product or thread count.
+RunRates& run_rates(const void* key, int runs) {
+  const uint64_t h = uint64_t(reinterpret_cast<uintptr_t>(key) >> 4) * 0x9E3779B97F4A7C15ull;
+  RunRates& r = t_run_rates[h >> 56];
+  if (r.key != key || r.runs != runs) {
+    r.key = key;
+    r.runs = runs;
+    std::fill(r.rate, r.rate + runs, 1.0);
+  }
+  return r;
+}
+
+// Row bounds of `runs` runs over `in` rows in proportion to the rates, in whole kRunAlign rows
+// (the last run takes the rest), each at least kRunAlign.
+void run_bounds(int64_t* bound, const double* rate, int runs, int64_t in) {
+  double total = 0;
+  for (int k = 0; k < runs; ++k) total += rate[k];
+  bound[0] = 0;
+  double at = 0;
+  for (int k = 1; k < runs; ++k) {
+    at += rate[k - 1] / total;
+    const int64_t want = std::llround(at * double(in) / kRunAlign) * kRunAlign;
+    bound[k] = std::clamp(want, bound[k - 1] + kRunAlign, in - (runs - k) * kRunAlign);
+  }
+  bound[runs] = in;
+}
+
 // y = (accumulate ? y : 0) + b + scale * (step * S), S the exact sum of xq q: per chunk of
-// kI8ChunkRows rows (kI8ChunkRows / 2 pairs) an int32 partial, added in int64.
+// kI8ChunkRows rows (with sized runs, per piece of at most kRunPieceRows) an int32 partial,
+// added in int64.
 void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
            int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
@@ -576,12 +624,17 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
   const Rows16& xq = rows16(x, ldx, M, in);
   const int64_t chunks = chunks_of(in, kI8ChunkRows), stride = M * out;
   SIGMA_CHECK(chunks < (int64_t(1) << 20), "gemv: {} input rows (at most 2^28)", in);  // |S| < 2^51
-  thread_local std::vector<int32_t> partial;  // [chunks][M][out]
-  partial.resize(size_t(chunks * stride));
+  const int runs = team_threads();
+  // Rate-sized runs where each thread gets whole rows: one run a thread, no column blocks.
+  const bool sized = runs > 1 && runs <= kMaxRuns && in * out >= kParallelWeights &&
+                     in >= 2 * runs * kRunAlign && chunks >= runs;
+  thread_local std::vector<int32_t> partial;  // [pieces][M][out]
+  partial.resize(size_t((chunks + (sized ? runs : 0)) * stride));
   int32_t* p = partial.data();
   // Then the sums (in the same job where large enough), in column blocks of 256, so that even a
   // 512-column product's sums can be shared by 2 threads.
-  const int64_t sum_chunks = in > 0 ? chunks : 0, sum_blocks = (out + 255) / 256;
+  int64_t sum_chunks = in > 0 ? chunks : 0;
+  const int64_t sum_blocks = (out + 255) / 256;
   auto sums = [&](int64_t blk) {
     const Range c = column_block(out, blk, sum_blocks);
     // Chunk by chunk over contiguous columns into int64 (vectorised; exact, so in any order),
@@ -603,14 +656,33 @@ void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const 
         row[j] = (accumulate ? row[j] : 0.0f) + (bias ? bias[j] : 0.0f) + sc[j] * (xq.step[r] * kernels::exact_to_float(t[j]));
     }
   };
-  for_each_chunk(
-      in, out,
-      [&](int64_t c, int64_t i0, int64_t rows, int64_t reach, Range cols) {
-        with_rows<NNI8::K>(M, p + c * stride, out, xq.q.data() + i0, xq.ld,
-                           q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, (reach + 1) / 2,
-                           cols);
-      },
-      kI8ChunkRows, 1, sum_blocks, sum_chunks * stride, sums, q, ldw, ldw == out);
+  auto piece = [&](int64_t slot, int64_t i0, int64_t rows, int64_t reach, Range cols) {
+    with_rows<NNI8::K>(M, p + slot * stride, out, xq.q.data() + i0, xq.ld,
+                       q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, (reach + 1) / 2, cols);
+  };
+  if (!sized)
+    return for_each_chunk(in, out, piece, kI8ChunkRows, 1, sum_blocks, sum_chunks * stride, sums,
+                          q, ldw, ldw == out);
+  RunRates& rates = run_rates(q, runs);
+  int64_t bound[kMaxRuns + 1], first_slot[kMaxRuns + 1];
+  run_bounds(bound, rates.rate, runs, in);
+  first_slot[0] = 0;
+  for (int k = 0; k < runs; ++k) first_slot[k + 1] = first_slot[k] + chunks_of(bound[k + 1] - bound[k], kRunPieceRows);
+  sum_chunks = first_slot[runs];
+  double micros[kMaxRuns];
+  const NextJob next = next_product(q, {rows_stream(q, 0, bound[1], ldw, ldw == out),
+                                        rows_stream(q, bound[1], bound[2] - bound[1], ldw, ldw == out)});
+  run_items_phased(in * out, runs, sum_blocks, sum_chunks * stride, [&](int64_t it) {
+    if (it >= runs) return sums(it - runs);
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t pieces = first_slot[it + 1] - first_slot[it], len = bound[it + 1] - bound[it];
+    const int64_t rows = ((len + pieces - 1) / pieces + 1) & ~int64_t(1);  // even: whole pairs
+    for (int64_t i0 = bound[it], slot = first_slot[it]; i0 < bound[it + 1]; i0 += rows, ++slot)
+      piece(slot, i0, std::min(rows, bound[it + 1] - i0), bound[it + 1] - i0, {0, out});
+    micros[it] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  }, next);
+  for (int k = 0; k < runs; ++k)  // a quarter of the newest rate: a preempted run moves it little
+    rates.rate[k] = 0.75 * rates.rate[k] + 0.25 * double(bound[k + 1] - bound[k]) / std::max(micros[k], 1e-3);
 }
 
 // y = scale * (step * S) over the head's rows of q[out, in] (a scale per row).
@@ -681,6 +753,17 @@ void nt_panels(float* y, const float* x, const W* w, const float* scale, int64_t
 }
 
 }  // namespace
+
+void gemv_i8_set_run_rates(const int8_t* q, const double* rates, int runs) {
+  SIGMA_CHECK(runs >= 1 && runs <= kMaxRuns, "gemv: {} runs (1 to {})", runs, kMaxRuns);
+  for (int k = 0; k < runs; ++k)
+    SIGMA_CHECK(std::isfinite(rates[k]) && rates[k] > 0, "gemv: run {}'s rate {} is not positive", k, rates[k]);
+  std::copy(rates, rates + runs, run_rates(q, runs).rate);
+}
+void gemv_i8_run_rates(const int8_t* q, double* rates, int runs) {
+  SIGMA_CHECK(runs >= 1 && runs <= kMaxRuns, "gemv: {} runs (1 to {})", runs, kMaxRuns);
+  std::copy_n(run_rates(q, runs).rate, runs, rates);
+}
 
 bool gemv_isa_available(GemvIsa isa) { return isa == GemvIsa::Best || cpu_has(isa); }
 void gemv_use_isa(GemvIsa isa) {

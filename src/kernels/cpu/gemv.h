@@ -44,6 +44,12 @@ void gemv_nn(float* y, const float* x, const int8_t* q, const float* scale, cons
 void gemv_nt(float* y, const float* x, const int8_t* q, const float* scale, int64_t M, int64_t in,
              int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
 
+// An int8 product's rows are cut into one run a thread (where they are enough), sized to the
+// rates those runs streamed at before (rows a microsecond; per calling thread and matrix q);
+// the bits do not depend on the cut (exact sums). Tests set and read the remembered rates.
+void gemv_i8_set_run_rates(const int8_t* q, const double* rates, int runs);
+void gemv_i8_run_rates(const int8_t* q, double* rates, int runs);
+
 // The kernels exist for AVX-512 with VNNI (int8's multiply-adds in one instruction; otherwise
 // AVX-512's), AVX-512, AVX2 (+FMA) and in portable scalar code, each with the same order of
 // operations per element, so the same bits; Best (the default) is the first of kGemvSimdIsas the
