@@ -1,9 +1,11 @@
 // `sigma serve`'s start and end under a live run (issue 39): the checkpoint it loads, with its
 // tokenizer and data registry, comes whole from one checkpoint even when retention prunes the
 // one `latest` named while it reads (retried from the next; anything else fails naming the
-// file); and SIGTERM with a request in flight announces the drain and lets the request finish.
+// file); SIGTERM with a request in flight announces the drain and lets the request finish; and
+// `--kv-cache bf16` reaches the served model.
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -12,13 +14,16 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
 #include "cli_util.h"
 #include "prose_python_run.h"
+#include "infer/batch_decoder.h"
 #include "io/checkpoint_dir.h"
 #include "io/file.h"
 #include "kernels/ops.h"
+#include "run/checkpoint.h"
 #include "run/checkpoint_bundle.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
@@ -220,4 +225,85 @@ TEST(ServeDrain, ARequestInFlightAtSigtermIsAnnouncedAndFinishes) {
   EXPECT_EQ(finish, "length") << body.substr(body.size() > 2000 ? body.size() - 2000 : 0);
   EXPECT_EQ(std::count(text.begin(), text.end(), ' '), 1000) << "tokens streamed";
   EXPECT_NE(body.find("data: [DONE]"), std::string::npos);
+}
+
+// `sigma serve --kv-cache bf16` says so when ready and decodes through a bf16 cache: a greedy
+// completion's log-probabilities are, to the bit, those of a BatchDecoder on the same checkpoint
+// with Model::use_kv_cache(BF16) (prefill, then a step a token, as the engine runs), and not
+// those of an fp32 cache; `sigma generate --kv-cache bf16` decodes the same tokens.
+TEST(ServeKvCache, Bf16ServesWhatADecoderOnABf16CacheComputes) {
+  TempDir tmp("serve-kv");
+  Config cfg;
+  ModelConfig& m = cfg.model;
+  m.vocab = 64;
+  m.d_model = 32;
+  m.heads = 4;
+  m.context = 96;
+  m.layers = 2;
+  m.slots = 1;
+  m.rre_layers = 0;
+  m.groups.clear();
+  m.domains = {{"prose", "prose", 0}};
+  {
+    Model model(m, 9);
+    save_checkpoint(tmp / "ckpt", cfg, model, nullptr, TrainerState{});
+  }
+  const std::string out = tmp / "serve.out", ckpt = tmp / "ckpt";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1), dup2(fd, 2);
+    execl(SIGMA_BINARY, SIGMA_BINARY, "serve", "--ckpt", ckpt.c_str(), "--port", "0", "--kv-cache",
+          "bf16", nullptr);
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  const auto t0 = Clock::now();
+  while (slurp(out).find("sigma serve: ready") == std::string::npos && Clock::now() - t0 < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const std::string log = slurp(out);
+  const size_t at = log.find("listening on http://127.0.0.1:");
+  if (at == std::string::npos) kill(pid, SIGKILL);
+  ASSERT_NE(at, std::string::npos) << log;
+  EXPECT_NE(log.find("bf16 KV cache"), std::string::npos) << log;
+  httplib::Client cli("127.0.0.1", std::stoi(log.substr(at + 30)));
+  cli.set_read_timeout(60, 0);
+  const std::vector<int32_t> prompt = {5, 6, 7};
+  const auto res = cli.Post("/v1/completions",
+                            json{{"prompt", prompt}, {"max_tokens", 40}, {"temperature", 0}, {"logprobs", 0}}.dump(),
+                            "application/json");
+  kill(pid, SIGTERM);
+  int wst = 0;
+  waitpid(pid, &wst, 0);
+  ASSERT_TRUE(res) << slurp(out);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json choice = json::parse(res->body)["choices"][0];
+  const std::string served = choice["text"];
+  std::vector<int32_t> tokens;
+  for (std::istringstream in(served); in;) {
+    int32_t t;
+    if (in >> t) tokens.push_back(t);
+  }
+  const std::vector<double> logprobs = choice["logprobs"]["token_logprobs"];
+  ASSERT_EQ(tokens.size(), 40u) << served;
+  ASSERT_EQ(logprobs.size(), tokens.size());
+  auto decoded = [&](DType kv) {  // the engine's order: the prompt in one prefill, then steps
+    auto model = load_checkpoint_model(ckpt);
+    model->use_kv_cache(kv);
+    BatchDecoder dec(*model, 1);
+    const int slot = 0, domain = 0;
+    const float* logits = dec.prefill(slot, domain, prompt);
+    std::vector<double> lp;
+    for (int32_t t : tokens) {
+      lp.push_back(token_logprob(logits, m.vocab, t));
+      dec.step({&slot, 1}, {&domain, 1}, {&t, 1});
+      logits = dec.logits(0);
+    }
+    return lp;
+  };
+  EXPECT_EQ(decoded(DType::BF16), logprobs);
+  EXPECT_NE(decoded(DType::F32), logprobs) << "an fp32 cache computed the same: nothing rounded";
+  const auto gen = sigma_cmd("generate --ckpt " + ckpt + " --prompt '5 6 7' --max-new 40 --kv-cache bf16");
+  ASSERT_EQ(gen.code, 0) << gen.out;
+  EXPECT_EQ(gen.out.substr(0, gen.out.find('\n')), served.substr(1)) << gen.out;  // served: " ID ID ..."
 }
