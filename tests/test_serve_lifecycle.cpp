@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "cli_util.h"
 #include "prose_python_run.h"
@@ -66,6 +67,59 @@ void expect_same_weights(Model& a, Model& b) {
   ASSERT_EQ(pa.size(), pb.size());
   for (size_t i = 0; i < pa.size(); ++i)
     EXPECT_TRUE(same_bits(ops::to_host(pa[i].value), ops::to_host(pb[i].value))) << pa[i].name;
+}
+
+// A dense checkpoint of random weights with one domain, "prose", at dir; returns the model's config.
+ModelConfig save_prose_checkpoint(const std::string& dir, int64_t vocab, int64_t d, int context,
+                                  int layers, uint64_t seed) {
+  Config cfg;
+  ModelConfig& m = cfg.model;
+  m.vocab = vocab;
+  m.d_model = d;
+  m.heads = 4;
+  m.context = context;
+  m.layers = layers;
+  m.slots = 1;
+  m.rre_layers = 0;
+  m.groups.clear();
+  m.domains = {{"prose", "prose", 0}};
+  Model model(m, seed);
+  save_checkpoint(dir, cfg, model, nullptr, TrainerState{});
+  return m;
+}
+
+// `sigma serve --ckpt ckpt --port 0 ARGS...` with its output in `out` (and OMP_NUM_THREADS=1
+// when one_thread); returns its pid, and its port once it is ready (-1 if it was not within
+// `wait`, the process then killed).
+struct Served {
+  pid_t pid;
+  int port;
+};
+Served start_serve(const std::string& ckpt, const std::string& out, std::vector<std::string> args,
+                   bool one_thread, std::chrono::seconds wait) {
+  args.insert(args.begin(), {SIGMA_BINARY, "serve", "--ckpt", ckpt, "--port", "0"});
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1), dup2(fd, 2);
+    if (one_thread) setenv("OMP_NUM_THREADS", "1", 1);
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(SIGMA_BINARY, argv.data());
+    _exit(127);
+  }
+  const auto t0 = Clock::now();
+  while (pid > 0 && slurp(out).find("sigma serve: ready") == std::string::npos && Clock::now() - t0 < wait)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const std::string log = slurp(out);
+  const size_t at = log.find("listening on http://127.0.0.1:");
+  if (pid > 0 && (at == std::string::npos || log.find("sigma serve: ready") == std::string::npos)) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    return {pid, -1};
+  }
+  return {pid, at == std::string::npos ? -1 : std::stoi(log.substr(at + 30))};
 }
 
 }  // namespace
@@ -148,40 +202,15 @@ TEST_F(ServeLoad, OtherwiseTheLoadFailsNamingWhatIsWrong) {
 // than the signal takes to arrive after the first token.
 TEST(ServeDrain, ARequestInFlightAtSigtermIsAnnouncedAndFinishes) {
   TempDir tmp("serve-drain");
-  Config cfg;
-  ModelConfig& m = cfg.model;
-  m.vocab = 256;
-  m.d_model = 256;
-  m.heads = 4;
-  m.context = 1024;
-  m.layers = 4;
-  m.slots = 1;
-  m.rre_layers = 0;
-  m.groups.clear();
-  m.domains = {{"prose", "prose", 0}};
-  {
-    Model model(m, 7);
-    save_checkpoint(tmp / "ckpt", cfg, model, nullptr, TrainerState{});
-  }
+  save_prose_checkpoint(tmp / "ckpt", 256, 256, 1024, 4, 7);
   const std::string out = tmp / "serve.out";
-  const pid_t pid = fork();
-  if (pid == 0) {
-    const int fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(fd, 1), dup2(fd, 2);
-    setenv("OMP_NUM_THREADS", "1", 1);
-    const std::string c = tmp / "ckpt";
-    execl(SIGMA_BINARY, SIGMA_BINARY, "serve", "--ckpt", c.c_str(), "--port", "0", "--slots", "1",
-          "--drain-timeout", "600", nullptr);
-    _exit(127);
-  }
-  ASSERT_GT(pid, 0);
+  const Served served = start_serve(tmp / "ckpt", out, {"--slots", "1", "--drain-timeout", "600"}, true,
+                                    std::chrono::seconds(120));
+  ASSERT_GT(served.pid, 0);
+  ASSERT_GT(served.port, 0) << slurp(out);
+  const pid_t pid = served.pid;
+  const int port = served.port;
   const auto t0 = Clock::now();
-  while (slurp(out).find("sigma serve: ready") == std::string::npos && Clock::now() - t0 < std::chrono::seconds(120))
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  std::string log = slurp(out);
-  const size_t at = log.find("listening on http://127.0.0.1:");
-  ASSERT_NE(at, std::string::npos) << log;
-  const int port = std::stoi(log.substr(at + 30));
   std::atomic<bool> first{false};
   std::string body;
   int status = 0;
@@ -207,7 +236,7 @@ TEST(ServeDrain, ARequestInFlightAtSigtermIsAnnouncedAndFinishes) {
   client.join();
   int wst = 0;
   waitpid(pid, &wst, 0);
-  log = slurp(out);
+  const std::string log = slurp(out);
   EXPECT_TRUE(WIFEXITED(wst) && WEXITSTATUS(wst) == 0) << log;
   EXPECT_NE(log.find("SIGTERM received: finishing the 1 request in flight; any still running after "
                      "600 s is cut (--drain-timeout)"), std::string::npos) << log;
@@ -233,40 +262,14 @@ TEST(ServeDrain, ARequestInFlightAtSigtermIsAnnouncedAndFinishes) {
 // those of an fp32 cache; `sigma generate --kv-cache bf16` decodes the same tokens.
 TEST(ServeKvCache, Bf16ServesWhatADecoderOnABf16CacheComputes) {
   TempDir tmp("serve-kv");
-  Config cfg;
-  ModelConfig& m = cfg.model;
-  m.vocab = 64;
-  m.d_model = 32;
-  m.heads = 4;
-  m.context = 96;
-  m.layers = 2;
-  m.slots = 1;
-  m.rre_layers = 0;
-  m.groups.clear();
-  m.domains = {{"prose", "prose", 0}};
-  {
-    Model model(m, 9);
-    save_checkpoint(tmp / "ckpt", cfg, model, nullptr, TrainerState{});
-  }
+  const ModelConfig m = save_prose_checkpoint(tmp / "ckpt", 64, 32, 96, 2, 9);
   const std::string out = tmp / "serve.out", ckpt = tmp / "ckpt";
-  const pid_t pid = fork();
-  if (pid == 0) {
-    const int fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(fd, 1), dup2(fd, 2);
-    execl(SIGMA_BINARY, SIGMA_BINARY, "serve", "--ckpt", ckpt.c_str(), "--port", "0", "--kv-cache",
-          "bf16", nullptr);
-    _exit(127);
-  }
-  ASSERT_GT(pid, 0);
-  const auto t0 = Clock::now();
-  while (slurp(out).find("sigma serve: ready") == std::string::npos && Clock::now() - t0 < std::chrono::seconds(60))
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  const std::string log = slurp(out);
-  const size_t at = log.find("listening on http://127.0.0.1:");
-  if (at == std::string::npos) kill(pid, SIGKILL);
-  ASSERT_NE(at, std::string::npos) << log;
-  EXPECT_NE(log.find("bf16 KV cache"), std::string::npos) << log;
-  httplib::Client cli("127.0.0.1", std::stoi(log.substr(at + 30)));
+  const Served server = start_serve(ckpt, out, {"--kv-cache", "bf16"}, false, std::chrono::seconds(60));
+  ASSERT_GT(server.pid, 0);
+  ASSERT_GT(server.port, 0) << slurp(out);
+  const pid_t pid = server.pid;
+  EXPECT_NE(slurp(out).find("bf16 KV cache"), std::string::npos) << slurp(out);
+  httplib::Client cli("127.0.0.1", server.port);
   cli.set_read_timeout(60, 0);
   const std::vector<int32_t> prompt = {5, 6, 7};
   const auto res = cli.Post("/v1/completions",
