@@ -21,6 +21,7 @@
 #include "kernels/ops.h"
 #include "data/tokenizer.h"
 #include "serve/server.h"
+#include "io/checkpoint_dir.h"
 #include "run/checkpoint_bundle.h"
 
 namespace sigma::cli {
@@ -59,7 +60,7 @@ Loaded load(const std::string& ckpt, const ServeArgs& a) {
   std::filesystem::path dir = std::filesystem::absolute(b.info.dir).lexically_normal();
   if (dir.filename().empty()) dir = dir.parent_path();
   if (dir.filename().string().rfind("step-", 0) == 0) dir = dir.parent_path();
-  if (dir.filename() == "checkpoints") dir = dir.parent_path();
+  if (dir.filename() == kRunCheckpointsDir) dir = dir.parent_path();
   l.name = dir.filename().string().empty() ? "sigma" : dir.filename().string();
   return l;
 }

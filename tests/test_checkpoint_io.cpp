@@ -110,6 +110,28 @@ TEST(Checkpoint, CommitWritesEveryFileManifestAndLatest) {
   EXPECT_EQ(model.tensors.at("blocks.0.w").f()[5], 10 + 5 * 0.125f);
 }
 
+// A run's folder (sigma train --out RUN) stands for its newest checkpoint, RUN/checkpoints'
+// `latest`; a folder with neither a checkpoint nor a run's checkpoints is refused by name.
+TEST(Checkpoint, ARunsFolderResolvesToItsLatestCheckpoint) {
+  TempDir t;
+  const fs::path tok = t.path / "tok.json";
+  write_text(tok, "tok");
+  const fs::path run = t.path / "run";
+  save((run / kRunCheckpointsDir).string(), "step-1", 1, tok.string());
+  const std::string two = save((run / kRunCheckpointsDir).string(), "step-2", 2, tok.string());
+  EXPECT_EQ(resolve_checkpoint(run.string()), two);
+  fs::create_directories(t.path / "empty" / kRunCheckpointsDir);
+  fs::create_directories(t.path / "other");
+  for (const char* bad : {"empty", "other"}) {
+    try {
+      resolve_checkpoint((t.path / bad).string());
+      ADD_FAILURE() << bad << " resolved";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is not a checkpoint"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Checkpoint, TempDirExistsOnlyWhileWriting) {
   TempDir t;
   CheckpointWriter w(t.str(), "s1");

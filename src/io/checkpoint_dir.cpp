@@ -246,6 +246,9 @@ std::string resolve_checkpoint(const std::string& path) {
     // A save killed after renaming its directory but before writing `latest` (the first
     // checkpoint of a run) leaves a complete checkpoint that nothing names yet.
     const std::string newest = newest_complete(path);
+    // A run's folder, as `sigma train --out` named it: its checkpoints.
+    if (newest.empty() && fs::is_directory(p / kRunCheckpointsDir, ec))
+      return resolve_checkpoint((p / kRunCheckpointsDir).string());
     SIGMA_CHECK(!newest.empty(),
                 "'{}' is not a checkpoint: it has neither {} nor a '{}' file naming one", path,
                 kManifestFile, kLatestFile);

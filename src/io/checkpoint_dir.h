@@ -24,6 +24,8 @@ inline constexpr const char* kOptimizerFile = "optimizer.safetensors";
 inline constexpr const char* kTrainerFile = "trainer.json";
 inline constexpr const char* kManifestFile = "manifest.json";
 inline constexpr const char* kLatestFile = "latest";
+// A training run's folder (sigma train --out RUN) keeps its checkpoints in RUN/checkpoints.
+inline constexpr const char* kRunCheckpointsDir = "checkpoints";
 
 class CheckpointWriter {
  public:
@@ -84,7 +86,8 @@ class CheckpointWriter {
 
 // `path` itself when it holds manifest.json, else the checkpoint named by `path`/latest, else
 // (a first save killed before it wrote `latest`) the complete checkpoint in `path` whose name
-// sorts last. Throws sigma::Error saying what is wrong.
+// sorts last, else, for a run's folder (`path`/checkpoints exists), the same in that folder.
+// Throws sigma::Error saying what is wrong.
 std::string resolve_checkpoint(const std::string& path);
 
 // Retention (train.keep_checkpoints, train.keep_every): of ROOT's complete checkpoints named

@@ -25,7 +25,7 @@ namespace fs = std::filesystem;
 
 namespace {
 constexpr const char* kLockFile = ".lock";
-constexpr const char* kRunFiles[] = {"metrics.jsonl", "summary.json", "checkpoints"};
+constexpr const char* kRunFiles[] = {"metrics.jsonl", "summary.json", kRunCheckpointsDir};
 constexpr const char* kReplaced = ".replaced-";  // OUT/.replaced-<pid>: an old run set aside
 
 // The pid holding the flock on `fd`'s file, as the kernel records it (/proc/locks lines read

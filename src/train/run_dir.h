@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <string>
 
+#include "io/checkpoint_dir.h"
+
 namespace sigma {
 
 enum class RunDirMode {
@@ -33,7 +35,7 @@ class RunDir {
   RunDir& operator=(const RunDir&) = delete;
 
   const std::string& path() const { return out_; }
-  std::string checkpoints() const { return out_ + "/checkpoints"; }
+  std::string checkpoints() const { return out_ + "/" + kRunCheckpointsDir; }
   std::string metrics() const { return out_ + "/metrics.jsonl"; }
   int stale_removed() const { return stale_removed_; }      // leftover temporary directories
   int metrics_dropped() const { return metrics_dropped_; }  // by drop_metrics_after
