@@ -64,6 +64,10 @@ TEST(ResumeCli, ScheduleChangeNamesWhatChanges) {
   const std::string lr = schedule_change(a, hotter, 10);
   EXPECT_NE(lr.find("optim.lr"), std::string::npos) << lr;
   EXPECT_EQ(lr.find("schedule_steps"), std::string::npos) << lr;
+  // Inside the warmup (3 steps) the next step's lr does not depend on the schedule's length.
+  const std::string warm = schedule_change(tiny_config(4), tiny_config(6), 1);
+  EXPECT_NE(warm.find(fmt::format("step 2 trains at lr {:.4g} as before, later steps differ",
+                                  lr_at(tiny_config(6).optim, 1, 6))), std::string::npos) << warm;
 }
 
 // Extending a finished run: by default the cosine stretches over the new train.steps (and the

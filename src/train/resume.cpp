@@ -98,10 +98,13 @@ std::string schedule_change(const Config& before, const Config& after, int64_t s
     changed.push_back(fmt::format("optim.min_lr_ratio {} -> {}", a.min_lr_ratio, b.min_lr_ratio));
   if (changed.empty()) return "";
   // Step `step` (0-based) is the one metrics.jsonl and the progress line call step + 1.
+  const std::string now = fmt::format("{:.4g}", lr_at(b, step, after.train.steps));
+  const std::string was = fmt::format("{:.4g}", lr_at(a, step, before.train.steps));
+  // Inside the warmup, or where the two cosines cross, the next step's lr is the same.
   std::string s = fmt::format(
-      "resuming after step {}, the learning-rate schedule changes: {}; step {} trains at lr "
-      "{:.4g} instead of {:.4g}", step, fmt::join(changed, ", "), step + 1,
-      lr_at(b, step, after.train.steps), lr_at(a, step, before.train.steps));
+      "resuming after step {}, the learning-rate schedule changes: {}; step {} trains at lr {}{}",
+      step, fmt::join(changed, ", "), step + 1, now,
+      now == was ? " as before, later steps differ" : " instead of " + was);
   if (ta != tb) s += fmt::format(" (to keep the original schedule, add --set optim.schedule_steps={})", ta);
   return s;
 }
