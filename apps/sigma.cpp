@@ -12,6 +12,7 @@
 #include "core/quiet_signals.h"
 #include "core/refusal.h"
 #include "dist/communicator.h"
+#include "sigma_git_version.h"  // generated at build time: SIGMA_GIT_HASH
 
 namespace sigma::cli {
 std::vector<AddCommand>& commands() {
@@ -49,12 +50,15 @@ int main(int argc, char** argv) {
   sigma::route_signals_to_quiet_thread();  // before any thread starts (core/quiet_signals.h)
   CLI::App app{"Sigma: sparse multi-domain language models (PanGu-Sigma)"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", fmt::format("sigma {} ({})", SIGMA_VERSION, SIGMA_GIT_HASH));
   for (auto& add : sigma::cli::commands()) add(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {  // one line, like every other error; once, as a refusal
     fmt::print(stderr, "sigma: error: {}{} (see --help)\n", label_after_rank0(), e.what());

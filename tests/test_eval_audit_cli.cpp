@@ -255,6 +255,14 @@ TEST_F(Audit, JsonResultsDescribeThemselvesAndLimitIsStated) {
   EXPECT_EQ(s["k"], json::array({1}));
   EXPECT_EQ(j["sigma"]["version"], "0.1.0");
   EXPECT_FALSE(j["sigma"]["git"].get<std::string>().empty());
+  // `sigma --version` names the same build, on stdout, exit 0 (with or without a subcommand).
+  const std::string version = fmt::format("sigma {} ({})\n", j["sigma"]["version"].get<std::string>(),
+                                          j["sigma"]["git"].get<std::string>());
+  for (const char* args : {"--version", "--version eval"}) {
+    const auto v = sigma_cmd(args);
+    EXPECT_EQ(v.code, 0) << args << ": " << v.out;
+    EXPECT_EQ(v.out, version) << args;
+  }
   EXPECT_TRUE(std::regex_match(j["date"].get<std::string>(),
                                std::regex(R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)"))) << j["date"];
   std::ifstream in(task, std::ios::binary);
