@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "core/bf16.h"
@@ -159,6 +160,8 @@ SIGMA_SIMD inline ivec widen16_masked(const int8_t* p, int n) {  // n < 32
   return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(__mmask32((1u << n) - 1), p));
 }
 SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm512_loadu_si512(p); }
+template <class W, int M>
+constexpr bool kPairWiden = false;  // avx2 only (below)
 #include "kernels/cpu/gemv_simd.inc"
 #undef SIGMA_SIMD
 }  // namespace avx512
@@ -232,7 +235,49 @@ SIGMA_SIMD inline ivec widen16_masked(const int8_t* p, int n) {  // n < 16: a ze
   return widen16(t);
 }
 SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// bf16 weights at batch 1 (nn_columns2_pairs, after the kernels).
+template <class W, int M>
+constexpr bool kPairWiden = std::is_same_v<W, uint16_t> && M == 1;
+template <int R>
+SIGMA_SIMD inline __attribute__((always_inline)) void nn_columns2_pairs(float* y, const float* x, const uint16_t* w0, int64_t ldw,
+                                  int64_t i, int64_t j, bool prefetch, bool l1,
+                                  std::integral_constant<int, R>);
 #include "kernels/cpu/gemv_simd.inc"
+// One sweep's 16 columns of bf16 weights at j, for one row of x: a bf16 is the top half of an
+// fp32, so two unpacks of 16 weights with zeros widen them (AVX2 has no bf16 instructions),
+// where load_w's zero-extension and shift take four instructions for the same 16. The unpacks
+// work within 128-bit halves: the vectors hold columns {0-3, 8-11} and {4-7, 12-15}, and y's 16
+// columns are permuted to match on load and back on store (two permutes each way, fewer than
+// the shifts saved at one row; at 2-4 rows they would not be). Each element's FMAs and their
+// order are those of nn_columns2, so are the bits.
+template <int R>
+SIGMA_SIMD inline __attribute__((always_inline)) void nn_columns2_pairs(float* y, const float* x, const uint16_t* w0, int64_t ldw,
+                                  int64_t i, int64_t j, bool prefetch, bool l1,
+                                  std::integral_constant<int, R>) {
+  const __m256i z = _mm256_setzero_si256();
+  vec wa[R], wb[R];
+  for (int k = 0; k < R; ++k) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + k * ldw + j));
+    wa[k] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+    wb[k] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+  }
+  if (prefetch)
+    for (int k = R; k < 2 * R; ++k) prefetch_line(reinterpret_cast<const char*>(w0 + k * ldw + j), l1);
+  float* yr = y + j;
+  vec a = zero(), b = zero();
+  if (i > 0) {
+    const vec lo = loadu(yr), hi = loadu(yr + kLanes);
+    a = _mm256_permute2f128_ps(lo, hi, 0x20);
+    b = _mm256_permute2f128_ps(lo, hi, 0x31);
+  }
+  for (int k = 0; k < R; ++k) {
+    const vec xk = set1(x[i + k]);
+    a = fmadd(xk, wa[k], a);
+    b = fmadd(xk, wb[k], b);
+  }
+  storeu(yr, _mm256_permute2f128_ps(a, b, 0x20));
+  storeu(yr + kLanes, _mm256_permute2f128_ps(a, b, 0x31));
+}
 #undef SIGMA_SIMD
 }  // namespace avx2
 
