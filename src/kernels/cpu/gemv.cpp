@@ -160,8 +160,8 @@ SIGMA_SIMD inline ivec widen16_masked(const int8_t* p, int n) {  // n < 32
   return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(__mmask32((1u << n) - 1), p));
 }
 SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm512_loadu_si512(p); }
-template <class W, int M>
-constexpr bool kPairWiden = false;  // avx2 only (below)
+template <class W>
+constexpr bool kUnpackBf16 = false;  // avx2 only (below)
 #include "kernels/cpu/gemv_simd.inc"
 #undef SIGMA_SIMD
 }  // namespace avx512
@@ -235,13 +235,16 @@ SIGMA_SIMD inline ivec widen16_masked(const int8_t* p, int n) {  // n < 16: a ze
   return widen16(t);
 }
 SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-// bf16 weights at batch 1 (nn_columns2_pairs, after the kernels).
-template <class W, int M>
-constexpr bool kPairWiden = std::is_same_v<W, uint16_t> && M == 1;
+// bf16 weights widened by unpacking (nn_columns2_pairs and nt_kernel_pairs, after the kernels).
+template <class W>
+constexpr bool kUnpackBf16 = std::is_same_v<W, uint16_t>;
 template <int R>
 SIGMA_SIMD inline __attribute__((always_inline)) void nn_columns2_pairs(float* y, const float* x, const uint16_t* w0, int64_t ldw,
                                   int64_t i, int64_t j, bool prefetch, bool l1,
                                   std::integral_constant<int, R>);
+template <int M>
+SIGMA_SIMD void nt_kernel_pairs(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* w,
+                                int64_t ldw, int64_t in, Range rows, std::integral_constant<int, M>);
 #include "kernels/cpu/gemv_simd.inc"
 // One sweep's 16 columns of bf16 weights at j, for one row of x: a bf16 is the top half of an
 // fp32, so two unpacks of 16 weights with zeros widen them (AVX2 has no bf16 instructions),
@@ -277,6 +280,77 @@ SIGMA_SIMD inline __attribute__((always_inline)) void nn_columns2_pairs(float* y
   }
   storeu(yr, _mm256_permute2f128_ps(a, b, 0x20));
   storeu(yr + kLanes, _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// The head's rows of bf16 weights (nt_kernel) widened by the same unpacks: x is copied once a
+// call with each 16 inputs in the unpacks' order, so that every lane sums the inputs it summed
+// in nt_group, in the same order, and the lanes are put back in order before the tail block
+// (nt_group's code) and reduce16: the same sums, the same bits. At any row count: the copy's
+// permutes are per call, not per weight.
+template <int M, int Q>
+SIGMA_SIMD inline __attribute__((always_inline)) void nt_group_pairs(float* y, int64_t ldy, const float* x, int64_t ldx,
+                                                                    const float* xs, const uint16_t* w, int64_t ldw,
+                                                                    int64_t in, int64_t j, bool ahead) {
+  constexpr int64_t kLine = 32;  // bf16 weights of a 64-byte line
+  const int64_t full = in / 16 * 16;
+  const __m256i z = _mm256_setzero_si256();
+  vec acc[M][Q][2];
+  for (int r = 0; r < M; ++r)
+    for (int q = 0; q < Q; ++q) acc[r][q][0] = acc[r][q][1] = zero();
+  for (int64_t k = 0; k < full; k += 16) {
+    if (ahead && k % kLine == 0)
+      for (int q = Q; q < 2 * Q; ++q) prefetch_line(reinterpret_cast<const char*>(w + (j + q) * ldw + k), true);
+    vec wlo[Q], whi[Q];
+    for (int q = 0; q < Q; ++q) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (j + q) * ldw + k));
+      wlo[q] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+      whi[q] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+    }
+    for (int r = 0; r < M; ++r) {
+      const vec xlo = loadu(xs + r * full + k), xhi = loadu(xs + r * full + k + kLanes);
+      for (int q = 0; q < Q; ++q) {
+        acc[r][q][0] = fmadd(xlo, wlo[q], acc[r][q][0]);
+        acc[r][q][1] = fmadd(xhi, whi[q], acc[r][q][1]);
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int q = 0; q < Q; ++q) {
+      const vec lo = acc[r][q][0], hi = acc[r][q][1];
+      acc[r][q][0] = _mm256_permute2f128_ps(lo, hi, 0x20);  // inputs 0-7 of every 16
+      acc[r][q][1] = _mm256_permute2f128_ps(lo, hi, 0x31);  // 8-15
+    }
+  if (full < in)  // the last, partial 16 inputs: nt_group's own loads and FMAs
+    for (int s = 0; s < 2; ++s) {
+      const int64_t k0 = full + s * kLanes;
+      const int n = int(std::clamp<int64_t>(in - k0, 0, kLanes));
+      vec wv[Q];
+      for (int q = 0; q < Q; ++q) wv[q] = load_w_masked(w + (j + q) * ldw + k0, n);
+      for (int r = 0; r < M; ++r) {
+        const vec xv = load_masked(x + r * ldx + k0, n);
+        for (int q = 0; q < Q; ++q) acc[r][q][s] = fmadd(xv, wv[q], acc[r][q][s]);
+      }
+    }
+  for (int r = 0; r < M; ++r)
+    for (int q = 0; q < Q; ++q) y[r * ldy + j + q] = reduce16(acc[r][q]);
+}
+
+template <int M>
+SIGMA_SIMD void nt_kernel_pairs(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* w,
+                                int64_t ldw, int64_t in, Range rows, std::integral_constant<int, M>) {
+  const int64_t full = in / 16 * 16;
+  thread_local std::vector<float> copy;  // [M][full]: x's inputs in the unpacks' order
+  copy.resize(size_t(M * full));
+  float* xs = copy.data();
+  for (int r = 0; r < M; ++r)
+    for (int64_t k = 0; k < full; k += 16) {
+      const vec a = loadu(x + r * ldx + k), b = loadu(x + r * ldx + k + kLanes);
+      storeu(xs + r * full + k, _mm256_permute2f128_ps(a, b, 0x20));           // 0-3, 8-11
+      storeu(xs + r * full + k + kLanes, _mm256_permute2f128_ps(a, b, 0x31));  // 4-7, 12-15
+    }
+  int64_t j = rows.lo;
+  for (; j + 4 <= rows.hi; j += 4) nt_group_pairs<M, 4>(y, ldy, x, ldx, xs, w, ldw, in, j, j + 8 <= rows.hi);
+  for (; j < rows.hi; ++j) nt_group_pairs<M, 1>(y, ldy, x, ldx, xs, w, ldw, in, j, false);
 }
 #undef SIGMA_SIMD
 }  // namespace avx2
