@@ -111,7 +111,8 @@ TEST(Checkpoint, CommitWritesEveryFileManifestAndLatest) {
 }
 
 // A run's folder (sigma train --out RUN) stands for its newest checkpoint, RUN/checkpoints'
-// `latest`; a folder with neither a checkpoint nor a run's checkpoints is refused by name.
+// `latest`; a folder with neither a checkpoint nor a run's checkpoints is refused by name, one
+// whose `checkpoints` links back to itself too (one level is looked into, not more).
 TEST(Checkpoint, ARunsFolderResolvesToItsLatestCheckpoint) {
   TempDir t;
   const fs::path tok = t.path / "tok.json";
@@ -122,12 +123,16 @@ TEST(Checkpoint, ARunsFolderResolvesToItsLatestCheckpoint) {
   EXPECT_EQ(resolve_checkpoint(run.string()), two);
   fs::create_directories(t.path / "empty" / kRunCheckpointsDir);
   fs::create_directories(t.path / "other");
-  for (const char* bad : {"empty", "other"}) {
+  fs::create_directories(t.path / "loop");
+  fs::create_directory_symlink(".", t.path / "loop" / kRunCheckpointsDir);  // refused, not recursed
+  for (const char* bad : {"empty", "other", "loop"}) {
     try {
       resolve_checkpoint((t.path / bad).string());
       ADD_FAILURE() << bad << " resolved";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("is not a checkpoint"), std::string::npos) << e.what();
+      if (std::string(bad) == "loop")  // the one level looked into, named
+        EXPECT_NE(std::string(e.what()).find("loop/checkpoints' is not"), std::string::npos) << e.what();
     }
   }
 }

@@ -236,7 +236,10 @@ std::string CheckpointWriter::commit() {
   return dir;
 }
 
-std::string resolve_checkpoint(const std::string& path) {
+namespace {
+// resolve_checkpoint; in_run: whether a run's folder may stand for its checkpoints (one level
+// only: a `checkpoints` that links back to its folder must not recurse).
+std::string resolve_in(const std::string& path, bool in_run) {
   std::error_code ec;
   const fs::path p(path);
   SIGMA_CHECK(fs::is_directory(p, ec), "checkpoint path '{}' is not a directory", path);
@@ -247,8 +250,8 @@ std::string resolve_checkpoint(const std::string& path) {
     // checkpoint of a run) leaves a complete checkpoint that nothing names yet.
     const std::string newest = newest_complete(path);
     // A run's folder, as `sigma train --out` named it: its checkpoints.
-    if (newest.empty() && fs::is_directory(p / kRunCheckpointsDir, ec))
-      return resolve_checkpoint((p / kRunCheckpointsDir).string());
+    if (newest.empty() && in_run && fs::is_directory(p / kRunCheckpointsDir, ec))
+      return resolve_in((p / kRunCheckpointsDir).string(), false);
     SIGMA_CHECK(!newest.empty(),
                 "'{}' is not a checkpoint: it has neither {} nor a '{}' file naming one", path,
                 kManifestFile, kLatestFile);
@@ -270,6 +273,9 @@ std::string resolve_checkpoint(const std::string& path) {
              "using the newest complete one, '{}'\n", latest.string(), name, newest);
   return newest;
 }
+}  // namespace
+
+std::string resolve_checkpoint(const std::string& path) { return resolve_in(path, true); }
 
 int prune_checkpoints(const std::string& root, int64_t keep_last, int64_t keep_every) {
   if (keep_last <= 0) return 0;
