@@ -386,8 +386,7 @@ void run_eval(const EvalArgs& a) {
 const RegisterCommand reg_eval([](CLI::App& root) {
   auto a = std::make_shared<EvalArgs>();
   CLI::App* c = root.add_subcommand("eval", "Held-out loss and perplexity per domain");
-  c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root); required "
-                "except with --score-generations");
+  c->add_option("--ckpt", a->ckpt, fmt::format("Model: {}; required except with --score-generations", kCkptForms));
   c->add_option("--precision", a->precision,
                  "Weights the forward passes read: fp32, bf16 or int8 (per-channel scales), "
                  "converted at load as `sigma serve --precision` does")

@@ -98,7 +98,7 @@ void run_generate(GenerateArgs a) {
 const RegisterCommand reg_generate([](CLI::App& root) {
   auto a = std::make_shared<GenerateArgs>();
   CLI::App* c = root.add_subcommand("generate", "Generate a continuation of a prompt");
-  c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root)")->required();
+  c->add_option("--ckpt", a->ckpt, fmt::format("Model: {}", kCkptForms))->required();
   c->add_option("--prompt", a->prompt, "Prompt text (token ids if the checkpoint has no tokenizer)")
       ->required();
   c->add_option("--domain", a->domain, "Domain of the prompt (default: the first)");

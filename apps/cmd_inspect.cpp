@@ -152,7 +152,7 @@ void run_inspect(const InspectArgs& a) {
 const RegisterCommand reg_inspect([](CLI::App& root) {
   auto a = std::make_shared<InspectArgs>();
   CLI::App* c = root.add_subcommand("inspect", "Describe a checkpoint: parameters, experts, routing");
-  c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root)")->required();
+  c->add_option("--ckpt", a->ckpt, fmt::format("Model: {}", kCkptForms))->required();
   c->add_flag("--json", a->json, "Print JSON instead of text");
   c->add_flag("--tensors", a->tensors,
               "Print every weight and optimizer tensor (name, dtype, shape, xxh3 of its bytes), "

@@ -153,7 +153,7 @@ void run_serve(ServeArgs a) {
 const RegisterCommand reg_serve([](CLI::App& root) {
   auto a = std::make_shared<ServeArgs>();
   CLI::App* c = root.add_subcommand("serve", "Serve a checkpoint over an OpenAI-compatible HTTP API");
-  c->add_option("--ckpt", a->ckpt, "Checkpoint directory (or a checkpoints/ root)")->required();
+  c->add_option("--ckpt", a->ckpt, fmt::format("Model: {}", kCkptForms))->required();
   c->add_option("--host", a->o.host, "Address to listen on");
   c->add_option("--port", a->o.port, "Port (0 = any free port; the bound one is printed)")
       ->check(CLI::Range(0, 65535));

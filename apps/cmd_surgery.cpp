@@ -150,7 +150,7 @@ const RegisterCommand reg_surgery([](CLI::App& root) {
 
   c = root.add_subcommand("extract", "A standalone model of some domains: shared tensors, their "
                                      "slots, experts and routing tables");
-  c->add_option("--ckpt", a->ckpt, "Checkpoint (or a checkpoints/ root)")->required();
+  c->add_option("--ckpt", a->ckpt, fmt::format("Model: {}", kCkptForms))->required();
   c->add_option("--domain", a->domains, "Domain name(s), comma-separated")->required();
   c->add_option("--out", a->out, "Output checkpoint root (new or empty)")->required();
   c->callback([a] { run_extract(*a); });
@@ -158,11 +158,11 @@ const RegisterCommand reg_surgery([](CLI::App& root) {
   CLI::App* dom = root.add_subcommand("domains", "List, add or remove domains of a checkpoint");
   dom->require_subcommand(1);
   c = dom->add_subcommand("list", "Domains, groups, slots, experts and parameter counts");
-  c->add_option("--ckpt", a->ckpt, "Checkpoint (or a checkpoints/ root)")->required();
+  c->add_option("--ckpt", a->ckpt, fmt::format("Model: {}", kCkptForms))->required();
   c->add_flag("--json", a->json, "Print JSON");
   c->callback([a] { run_list(*a); });
   c = dom->add_subcommand("add", "A new domain with its own expert group and embedding slot");
-  c->add_option("--ckpt", a->ckpt, "Checkpoint (or a checkpoints/ root)")->required();
+  c->add_option("--ckpt", a->ckpt, fmt::format("Model: {}", kCkptForms))->required();
   c->add_option("--name", a->name, "New domain (and its group's) name")->required();
   c->add_option("--init-from", a->init_from, "Expert group to copy, 'dense' or 'random'")->required();
   c->add_option("--experts", a->experts, "Experts K of the new group (default: the source's)")
@@ -171,7 +171,7 @@ const RegisterCommand reg_surgery([](CLI::App& root) {
   c->add_option("--out", a->out, "Output checkpoint root (new or empty)")->required();
   c->callback([a] { run_add(*a); });
   c = dom->add_subcommand("remove", "Drop a domain (and its group and slot when no other uses them)");
-  c->add_option("--ckpt", a->ckpt, "Checkpoint (or a checkpoints/ root)")->required();
+  c->add_option("--ckpt", a->ckpt, fmt::format("Model: {}", kCkptForms))->required();
   c->add_option("--name", a->name, "Domain to remove")->required();
   c->add_option("--out", a->out, "Output checkpoint root (new or empty)")->required();
   c->callback([a] { run_remove(*a); });

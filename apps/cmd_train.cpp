@@ -122,7 +122,7 @@ const RegisterCommand reg_train([](CLI::App& root) {
                 "keys over the checkpoint's config)")->check(CLI::ExistingFile);
   c->add_option("--set", args->sets, "Override a config key: key=value (repeatable)");
   c->add_option("--out", args->out, "Output directory: metrics.jsonl, summary.json, checkpoints/");
-  c->add_option("--resume", args->resume, "Continue from a checkpoint (or a checkpoints/ root)");
+  c->add_option("--resume", args->resume, fmt::format("Continue from {}", kCkptForms));
   c->add_option("--stop-at", args->stop_at, "Stop (and checkpoint) after this step");
   c->add_option("--expert-store", args->expert_store,
                 "ECSS: keep experts and their Adam state in this memory-mapped file "

@@ -24,6 +24,9 @@ struct RegisterCommand {
 
 // Options given on the command line that the command's mode ignores are refused, not dropped:
 // the first of `options` that `c` was given is an error naming it and `why` (the mode).
+// What every --ckpt (and train's --resume) takes: resolve_checkpoint (io/checkpoint_dir.h).
+inline constexpr const char* kCkptForms = "a checkpoint, a checkpoints/ root, or a run's folder (train --out)";
+
 inline void refuse_given(const CLI::App& c, std::initializer_list<const char*> options,
                          const std::string& why) {
   for (const char* o : options)
