@@ -8,7 +8,7 @@
 # thread issues, kernels/cpu/spin_team.h's NextJob) and the rest: fractions of all decode threads' CPU time, then of the
 # calling thread's alone (a token's wall time), printed with the machine kind.
 #
-#   bench/decode_breakdown.sh [SIGMA=build/sigma] [CKPT] [PRECISION=int8] [TOKENS=250] [KV=fp32]
+#   [RUNS=4] bench/decode_breakdown.sh [SIGMA=build/sigma] [CKPT] [PRECISION=int8] [TOKENS=250] [KV=fp32]
 # CKPT defaults to decode_bench.sh's dense model ($DECODE_BENCH_DIR/dense/checkpoints; run
 # decode_bench.sh once to make it). Needs `perf` (linux-perf).
 set -euo pipefail
@@ -23,9 +23,14 @@ command -v perf >/dev/null || { echo "decode_breakdown: needs perf (apt-get inst
 tmp=$(mktemp -d /tmp/sigma-breakdown.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 export OMP_WAIT_POLICY=passive
-perf record -q -F 4000 --call-graph dwarf,16384 -o "$tmp/perf.data" \
-  "$sigma" generate --ckpt "$ckpt" --prompt "1 2 3" --max-new "$tokens" --precision "$precision" --kv-cache "$kv" \
-  2> "$tmp/stderr" > /dev/null
+# 1,000 samples a second over RUNS runs: at 4,000 the DWARF stack copies slowed an fp32 decode
+# by a third (171 against 241-255 tok/s) and doubled the waits they caused (hand-offs 12.9 %
+# against 6.2 % at 1,000, which a per-job clock trace confirmed: 4-6 %).
+runs=${RUNS:-4}
+perf record -q -F 1000 --call-graph dwarf,16384 -o "$tmp/perf.data" -- bash -c '
+  for i in $(seq "$1"); do
+    "$2" generate --ckpt "$3" --prompt "1 2 3" --max-new "$4" --precision "$5" --kv-cache "$6" > /dev/null
+  done' _ "$runs" "$sigma" "$ckpt" "$tokens" "$precision" "$kv" 2> "$tmp/stderr"
 perf script -i "$tmp/perf.data" 2>/dev/null | python3 -c '
 import collections, re, sys
 rules = [("products: GEMV kernels", r"nn_i8_kernel|nn_kernel|nt_kernel|nt_i8_group|nt_group"),
