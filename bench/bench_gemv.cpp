@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
       }
       if (kind == 0)
         sigma::cpu::gemv_nn(y.data(), x.data(), w + off, nullptr, 1, s.in, s.out, false, {});
-      if (kind == 1)
+      if (kind == 1)  // (read as panels, kernels::w16_index: the values' order times nothing)
         sigma::cpu::gemv_nn(y.data(), x.data(), w16 + off, nullptr, 1, s.in, s.out, false, {});
       if (kind == 2)
         sigma::cpu::gemm(false, false, 1, s.out, s.in, 1.0f, x.data(), s.in, w + off, s.out,

@@ -16,6 +16,7 @@
 #include "core/rng.h"
 #include "infer/generate.h"
 #include "kernels/cpu/gemv.h"
+#include "kernels/ops.h"
 #include "model/names.h"
 
 using namespace sigma;
@@ -34,6 +35,14 @@ std::vector<float> randn(int64_t n, uint64_t seed) {
   return v;
 }
 
+// w[in, out] rounded to bf16, in panels (kernels::w16_index): as Model::use_weights lays out a
+// linear's copy.
+std::vector<uint16_t> bf16_panels(const std::vector<float>& w, int64_t in, int64_t out) {
+  std::vector<uint16_t> p(w.size());
+  for (int64_t i = 0; i < in; ++i)
+    for (int64_t j = 0; j < out; ++j) p[size_t(kernels::w16_index(i, j, in, out))] = to_bf16(w[size_t(i * out + j)]);
+  return p;
+}
 
 }  // namespace
 
@@ -49,12 +58,12 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Gemv, ::testing::Values(std::pair<int64_t, int6
 TEST_P(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
   const auto [in, out] = GetParam();  // past the threading threshold, odd tails
   const auto x = randn(4 * in, 1), w = randn(in * out, 2), b = randn(out, 3);
-  std::vector<uint16_t> w16;
-  for (float v : w) w16.push_back(to_bf16(v));
+  const std::vector<uint16_t> p16 = bf16_panels(w, in, out);
   const size_t n4 = size_t(4 * out), n1 = size_t(out);
-  std::vector<float> four(n4), one(n1), nt4(n4), nt1(n1);
+  std::vector<float> four(n4), one(n1), nt4(n4), nt1(n1), four16(n4), one16(n1);
   cpu::gemv_nn(four.data(), x.data(), w.data(), b.data(), 4, in, out, false, {});
   cpu::gemv_nt(nt4.data(), x.data(), w.data(), 4, in, out, in, in, out);  // w read as [out, in]
+  cpu::gemv_nn(four16.data(), x.data(), p16.data(), b.data(), 4, in, out, false, {});
   for (int threads : {1, 2}) {
     omp_set_num_threads(threads);
     for (int r = 0; r < 4; ++r) {
@@ -62,16 +71,48 @@ TEST_P(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
       EXPECT_EQ(0, std::memcmp(one.data(), four.data() + r * out, one.size() * 4)) << "row " << r;
       cpu::gemv_nt(nt1.data(), x.data() + r * in, w.data(), 1, in, out, in, in, out);
       EXPECT_EQ(0, std::memcmp(nt1.data(), nt4.data() + r * out, nt1.size() * 4)) << "row " << r;
+      cpu::gemv_nn(one16.data(), x.data() + r * in, p16.data(), b.data(), 1, in, out, false, {});
+      EXPECT_EQ(0, std::memcmp(one16.data(), four16.data() + r * out, one16.size() * 4)) << "bf16 row " << r;
     }
   }
   omp_set_num_threads(2);
-  // And the bf16 kernel is the fp32 kernel on the widened weights, bit for bit.
+  // And the bf16 kernel (weights in panels, kernels::w16_index) is the fp32 kernel on the
+  // widened weights in rows, bit for bit.
   std::vector<float> widened;
-  for (uint16_t h : w16) widened.push_back(from_bf16(h));
-  std::vector<float> a(n4), c(n4);
-  cpu::gemv_nn(a.data(), x.data(), w16.data(), b.data(), 4, in, out, false, {});
-  cpu::gemv_nn(c.data(), x.data(), widened.data(), b.data(), 4, in, out, false, {});
-  EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * 4));
+  for (float v : w) widened.push_back(from_bf16(to_bf16(v)));
+  const auto y0 = randn(4 * out, 8);
+  for (bool acc : {false, true}) {
+    std::vector<float> a = y0, c = y0;
+    cpu::gemv_nn(a.data(), x.data(), p16.data(), acc ? b.data() : nullptr, 4, in, out, acc, {});
+    cpu::gemv_nn(c.data(), x.data(), widened.data(), acc ? b.data() : nullptr, 4, in, out, acc, {});
+    EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * 4)) << "accumulate " << acc;
+  }
+}
+
+// A linear's bf16 copy in panels (kernels::w16_index), from rows with a stride, as each backend
+// lays it out; and a row stride for panels is refused by name.
+TEST(Bf16Panels, EachBackendLaysOutWhatTheKernelsRead) {
+  const int64_t in = 70, out = 150, ld = 160;  // panels of 64, 64, 22 columns
+  const auto w = randn(in * ld, 11);
+  std::vector<uint16_t> want(size_t(in * out));
+  for (int64_t i = 0; i < in; ++i)
+    for (int64_t j = 0; j < out; ++j) {
+      const int64_t p = j / 64, width = std::min<int64_t>(64, out - 64 * p);
+      want[size_t(64 * p * in + i * width + j % 64)] = to_bf16(w[size_t(i * ld + j)]);
+    }
+  for (ops::BackendKind kind : {ops::BackendKind::Cpu, ops::BackendKind::Ref}) {
+    std::vector<uint16_t> got(want.size());
+    ops::backend(kind).convert_bf16_panels(got.data(), w.data(), in, out, ld);
+    EXPECT_EQ(got, want) << ops::backend(kind).name;
+  }
+  std::vector<float> x(size_t(5 * in)), y(size_t(5 * out));
+  for (int64_t N : {1, 5})  // the GEMV, and a prompt's widened panels
+    try {
+      cpu::linear_forward_w16(y.data(), x.data(), want.data(), nullptr, N, in, out, false, {0, ld, 0});
+      ADD_FAILURE() << "a row stride of " << ld << " was taken at N = " << N;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("no row stride"), std::string::npos) << e.what();
+    }
 }
 
 // Every SIMD path the CPU has (AVX-512 with VNNI, AVX-512, AVX2) gives the portable path's bits, fp32 and bf16
@@ -79,13 +120,16 @@ TEST_P(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
 TEST_P(Gemv, EverySimdPathMatchesThePortablePathBitForBit) {
   const auto [in, out] = GetParam();
   const auto x = randn(4 * in, 4), w = randn(in * out, 5), b = randn(out, 6), y0 = randn(4 * out, 7);
-  std::vector<uint16_t> w16;
+  std::vector<uint16_t> w16;  // rows: the head's [out, in]
   for (float v : w) w16.push_back(to_bf16(v));
+  const std::vector<uint16_t> p16 = bf16_panels(w, in, out);
   auto run = [&](cpu::GemvIsa isa, int64_t M) {
     cpu::gemv_use_isa(isa);
-    std::vector<float> a = y0, h = y0, t(size_t(M * out)), t16(size_t(M * out));
+    std::vector<float> a = y0, h = y0, h2 = y0, t(size_t(M * out)), t16(size_t(M * out));
     cpu::gemv_nn(a.data(), x.data(), w.data(), b.data(), M, in, out, true, {});
-    cpu::gemv_nn(h.data(), x.data(), w16.data(), nullptr, M, in, out, false, {});
+    cpu::gemv_nn(h.data(), x.data(), p16.data(), nullptr, M, in, out, false, {});
+    cpu::gemv_nn(h2.data(), x.data(), p16.data(), b.data(), M, in, out, true, {});
+    h.insert(h.end(), h2.begin(), h2.end());
     cpu::gemv_nt(t.data(), x.data(), w.data(), M, in, out, in, in, out);
     cpu::gemv_nt(t16.data(), x.data(), w16.data(), M, in, out, in, in, out);
     cpu::gemv_use_isa(cpu::GemvIsa::Best);

@@ -231,14 +231,15 @@ std::vector<uint16_t> bf16_vec(int64_t n, uint64_t seed, float scale = 1.0f) {
   return h;
 }
 
-// linear_forward on bf16 weights (w16[in,out]); strided as in add_linear.
+// linear_forward on bf16 weights (w16[in,out] in panels, kernels::w16_index: no row stride);
+// x and y strided as in add_linear.
 void add_linear_w16(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, bool bias, bool acc,
                     bool strided, uint64_t seed) {
-  const Strides ld = strided ? Strides{in + 3, 3 * out, 2 * out + 1} : Strides{};
-  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
-  const int64_t woff = strided ? out : 0, yoff = strided ? 1 : 0;
+  const Strides ld = strided ? Strides{in + 3, 0, 2 * out + 1} : Strides{};
+  const int64_t ldx = ld.x ? ld.x : in, ldy = ld.y ? ld.y : out;
+  const int64_t woff = 0, yoff = strided ? 1 : 0;
   const auto x = vec(N * ldx, seed), b = vec(out, seed + 2);
-  const auto w = bf16_vec(in * ldw, seed + 1, 0.5f);
+  const auto w = bf16_vec(in * out, seed + 1, 0.5f);
   const std::string label = fmt::format("N={} in={} out={}{}{}{}", N, in, out, bias ? " bias" : "",
                                         acc ? " accumulate" : "", strided ? " strided" : "");
   const std::vector<Out> outs = {{"y", vec(N * ldy + yoff, seed + 4)}};
@@ -702,6 +703,8 @@ std::vector<Case> all_cases() {
   add_movement(cs, 7, 7, 33, seed += 10);
   add_movement(cs, 131, 131, 1, seed += 10);
   add_movement(cs, 300007, 4099, 67, seed += 10);  // above the cpu's OpenMP thresholds
+  for (bool acc : {false, true})  // bf16 panels of 64, 64 and 22 columns
+    add_linear_w16(cs, 2, 200, 150, true, acc, false, seed += 10);
   return cs;
 }
 

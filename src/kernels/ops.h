@@ -75,7 +75,7 @@ struct Backend {
   void (*column_sum_accumulate)(float* db, const float* dy, int64_t N, int64_t C, int64_t ld);
   // Inference on bf16 weight copies (Model::use_weights; kernels/cpu/gemv.h): the weights
   // are bf16 values, widened exactly; x, b, the products and the sums stay fp32.
-  // linear_forward with w16[in,out]:
+  // linear_forward with w16[in,out] in column panels (kernels::w16_index; ld.w 0):
   void (*linear_forward_w16)(float* y, const float* x, const uint16_t* w16, const float* b,
                              int64_t N, int64_t in, int64_t out, bool accumulate, Strides ld);
   // y[N,out] = x[N,in] @ w16[out,in]^T (the tied head on bf16 embedding rows):
@@ -178,6 +178,9 @@ struct Backend {
   double (*sum_sq)(const float* x, int64_t n);
   // dst[i] = x[i] rounded to bf16 (nearest even; core/bf16.h): the inference weight copies.
   void (*convert_bf16)(uint16_t* dst, const float* x, int64_t n);
+  // A linear's copy: w[in, out] (rows ld apart) rounded as convert_bf16 into dst's column panels
+  // (kernels::w16_index), the layout the *_w16 linears read.
+  void (*convert_bf16_panels)(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld);
   // Symmetric int8 quantisation of w[rows, cols] with one scale per column (per_row false: the
   // output channels of a linear's w[in,out], written in row pairs: q holds
   // kernels::i8_elements(rows, cols)) or per row (the embedding table's rows, q[rows, cols]):
@@ -486,6 +489,9 @@ inline void scatter_rows(float* dst, const float* src, const int32_t* order, int
 inline double sum_sq(const float* x, int64_t n) { return detail::active->sum_sq(x, n); }
 inline void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
   detail::active->convert_bf16(dst, x, n);
+}
+inline void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld) {
+  detail::active->convert_bf16_panels(dst, w, in, out, ld);
 }
 inline int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
                            bool per_row) {

@@ -67,6 +67,21 @@ constexpr float kLayerNormEps = 1e-5f;
 inline int64_t i8_index(int64_t i, int64_t j, int64_t ld) { return (i / 2) * 2 * ld + 2 * j + (i & 1); }
 inline int64_t i8_elements(int64_t rows, int64_t cols) { return (rows + 1) / 2 * 2 * cols; }
 
+// A bf16 linear weight w16[in, out] (Model::use_weights) is stored in column panels of
+// kW16Panel columns (the last one narrower where out is not a multiple), one after another,
+// each panel's rows contiguous: a decode GEMV streams one panel top to bottom as one run of
+// bytes with the panel's 64 sums in registers (kernels/cpu/gemv.cpp), where rows of the whole
+// width made it keep the sums in memory and read 4 rows a sweep from 4 places (bf16 decode
+// streamed 30 % slower than fp32 per byte on Zen 3; issue 40). A slice of columns [c, c + n)
+// used on its own (the query layer's Q and K|V parts) is laid out as a matrix of its own,
+// starting at element c * in (ops::convert_bf16_panels lays out one matrix).
+constexpr int64_t kW16Panel = 64;
+inline int64_t w16_index(int64_t i, int64_t j, int64_t in, int64_t out) {
+  const int64_t p0 = j / kW16Panel * kW16Panel;
+  const int64_t width = out - p0 < kW16Panel ? out - p0 : kW16Panel;
+  return p0 * in + i * width + (j - p0);
+}
+
 // A row of x as the products on int8 weights read it: 16-bit fixed point, xq[k] = x[k] * (1 /
 // step) to nearest, step = max |x| / 32767 (returned); the product is then step * (xq . q). A
 // row of zeros (or whose largest value is below 1e-30) gets step 0 and xq 0; a row holding a

@@ -261,7 +261,22 @@ void Model::use_weights(WeightFormat f) {
       Param& p = *l.p;
       WeightCopy c{base + l.data, l.scale >= 0 ? reinterpret_cast<float*>(base + l.scale) : nullptr};
       if (f == WeightFormat::Bf16) {
-        ops::convert_bf16(reinterpret_cast<uint16_t*>(c.data), p.value.dev_f(), p.value.numel());
+        uint16_t* h = reinterpret_cast<uint16_t*>(c.data);
+        const float* v = p.value.dev_f();
+        if (p.name == names::kTokens) {  // the head reads the table's rows as they are
+          ops::convert_bf16(h, v, p.value.numel());
+        } else {
+          // A linear in panels, each slice (an expert of a stack) a matrix; the query layer's Q
+          // and K|V columns of QKV are used apart (model_passes.cpp), so each is one too.
+          const int64_t r = l.rows / l.slices, cols = l.cols;
+          const bool query_qkv = p.name == names::block(cfg_.layers - 1, "attn.qkv.w");
+          const int64_t first = query_qkv ? cols / 3 : cols;
+          for (int64_t k = 0; k < l.slices; ++k) {
+            ops::convert_bf16_panels(h + k * r * cols, v + k * r * cols, r, first, cols);
+            if (first < cols)
+              ops::convert_bf16_panels(h + k * r * cols + first * r, v + k * r * cols + first, r, cols - first, cols);
+          }
+        }
       } else {
         const bool per_row = p.name == names::kTokens;
         const int64_t r = l.rows / l.slices;

@@ -41,8 +41,8 @@ void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, in
   if (w.q)
     ops::linear_forward_i8(y, x, w.q + ops::i8_index(0, col, ld.w ? ld.w : out), w.s + col, b, N,
                            in, out, accumulate, ld);
-  else if (w.h)
-    ops::linear_forward_w16(y, x, w.h + col, b, N, in, out, accumulate, ld);
+  else if (w.h)  // in panels: a part used on its own starts at element col * in (w16_index)
+    ops::linear_forward_w16(y, x, w.h + col * in, b, N, in, out, accumulate, {ld.x, 0, ld.y});
   else
     ops::linear_forward(y, x, w.v + col, b, N, in, out, accumulate, ld);
 }

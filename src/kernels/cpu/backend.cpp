@@ -73,6 +73,7 @@ const ops::Backend kBackend = {
     .scatter_rows = &scatter_rows,
     .sum_sq = &sum_sq,
     .convert_bf16 = &convert_bf16,
+    .convert_bf16_panels = &convert_bf16_panels,
     .quantize_i8 = &quantize_i8,
     .gate_softmax_topk = &gate_softmax_topk,
     .gate_combine = &gate_combine,

@@ -22,5 +22,7 @@ void gate_backward_dz(float* dx, float* dz, const float* gdx, const float* dgate
 double sum_sq(const float* x, int64_t n);
 // dst[i] = to_bf16(x[i]) (ops::convert_bf16).
 void convert_bf16(uint16_t* dst, const float* x, int64_t n);
+// w[in, out] (rows ld apart) in bf16 column panels (ops::convert_bf16_panels).
+void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld);
 
 }  // namespace sigma::cpu

@@ -23,6 +23,15 @@ namespace {
 // Below this many weights one thread streams them faster than two can start.
 constexpr int64_t kParallelWeights = int64_t(1) << 16;
 
+// The reduction over w's rows is cut into fixed chunks of kChunkRows, each summed into its own
+// partial vector, so that a thread streams whole rows of a contiguous block of w (one stream
+// the prefetchers follow, instead of a column slice of every row; docs/benchmarks.md, issue
+// 12). The chunk bounds do not depend on the thread count, so neither do the bits. bf16
+// weights in panels (kernels::w16_index) keep the same chunks and add each chunk's sums in
+// the same order.
+constexpr int64_t kChunkRows = 64;
+using kernels::kW16Panel;
+
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return from_bf16(w); }
 
@@ -67,6 +76,22 @@ void nn_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, i
       for (int64_t j = c.lo; j < c.hi; ++j)
         y[r * ldy + j] = std::fma(xi, widen(w[i * ldw + j]), i == 0 ? 0.0f : y[r * ldy + j]);
     }
+}
+
+// One panel of bf16 weights t[in, width] (kernels::w16_index) into y's width columns, which hold
+// (accumulate ? y : 0) + b: per chunk of kChunkRows rows the FMAs in row order from zero (nn's
+// partial), then added to y, chunk by chunk (sum_rows' order), so the bits are nn's.
+void panel_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* t,
+                  int64_t width, int64_t in, int64_t M) {
+  for (int64_t i0 = 0; i0 < in; i0 += kChunkRows) {
+    const int64_t rows = std::min(kChunkRows, in - i0);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t j = 0; j < width; ++j) {
+        float s = 0.0f;
+        for (int64_t i = i0; i < i0 + rows; ++i) s = std::fma(x[r * ldx + i], widen(t[i * width + j]), s);
+        y[r * ldy + j] += s;
+      }
+  }
 }
 
 // The SIMD paths' order: 16 lanes, lane l summing k = l, l + 16, ..., then the lanes added
@@ -235,53 +260,94 @@ SIGMA_SIMD inline ivec widen16_masked(const int8_t* p, int n) {  // n < 16: a ze
   return widen16(t);
 }
 SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-// bf16 weights widened by unpacking (nn_columns2_pairs and nt_kernel_pairs, after the kernels).
+// bf16 head weights widened by unpacking (nt_kernel_pairs, after the kernels).
 template <class W>
 constexpr bool kUnpackBf16 = std::is_same_v<W, uint16_t>;
-template <int R>
-SIGMA_SIMD inline __attribute__((always_inline)) void nn_columns2_pairs(float* y, const float* x, const uint16_t* w0, int64_t ldw,
-                                  int64_t i, int64_t j, bool prefetch, bool l1,
-                                  std::integral_constant<int, R>);
 template <int M>
 SIGMA_SIMD void nt_kernel_pairs(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* w,
                                 int64_t ldw, int64_t in, Range rows, std::integral_constant<int, M>);
 #include "kernels/cpu/gemv_simd.inc"
-// One sweep's 16 columns of bf16 weights at j, for one row of x: a bf16 is the top half of an
-// fp32, so two unpacks of 16 weights with zeros widen them (AVX2 has no bf16 instructions),
-// where load_w's zero-extension and shift take four instructions for the same 16. The unpacks
-// work within 128-bit halves: the vectors hold columns {0-3, 8-11} and {4-7, 12-15}, and y's 16
-// columns are permuted to match on load and back on store (two permutes each way, fewer than
-// the shifts saved at one row; at 2-4 rows they would not be). Each element's FMAs and their
-// order are those of nn_columns2, so are the bits.
-template <int R>
-SIGMA_SIMD inline __attribute__((always_inline)) void nn_columns2_pairs(float* y, const float* x, const uint16_t* w0, int64_t ldw,
-                                  int64_t i, int64_t j, bool prefetch, bool l1,
-                                  std::integral_constant<int, R>) {
+// ---- bf16 weights in panels (kernels::w16_index): the panel's sums in registers ----
+// Columns [c, c + 16 G) of a chunk's rows of one panel (t: the chunk's first row, `width`
+// weights a row) for M rows of x, added to y. A bf16 is the top half of an fp32, so two unpacks
+// of 16 weights with zeros widen them (AVX2 has no bf16 instructions; a zero-extension and a
+// shift take four instructions for the same 16); the unpacks work within 128-bit halves, so the
+// sums hold columns {0-3, 8-11} and {4-7, 12-15} of each 16 and are put back in order once, when
+// they are added to y. Each sum's FMAs run in row order from zero, as panel_scalar's. With
+// `prefetch` (the block that starts each row), the lines kPanelAhead bytes past each row are
+// prefetched into L2: a panel is one run of bytes, and 0.5-1 KiB ahead streamed 3-8 % faster
+// than the hardware prefetcher alone, 2 KiB ahead 5-10 % slower (2 threads, from memory, Zen 3;
+// issue 40).
+constexpr int64_t kPanelAhead = 1024;
+template <int M, int G>
+SIGMA_SIMD inline __attribute__((always_inline)) void panel_block(float* y, int64_t ldy, const float* x, int64_t ldx,
+                                                                 const uint16_t* t, int64_t width, int64_t rows,
+                                                                 int64_t c, bool prefetch) {
   const __m256i z = _mm256_setzero_si256();
-  vec wa[R], wb[R];
-  for (int k = 0; k < R; ++k) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + k * ldw + j));
-    wa[k] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
-    wb[k] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+  vec acc[M][G][2];
+  for (int r = 0; r < M; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g][0] = acc[r][g][1] = zero();
+  const int64_t row_bytes = width * 2;
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint16_t* row = t + i * width;
+    if (prefetch)
+      for (int64_t b = 0; b < row_bytes; b += 64)
+        prefetch_line(reinterpret_cast<const char*>(row) + kPanelAhead + b, false);
+    vec xr[M];
+    for (int r = 0; r < M; ++r) xr[r] = set1(x[r * ldx + i]);
+    for (int g = 0; g < G; ++g) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c + 16 * g));
+      const vec lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+      const vec hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+      for (int r = 0; r < M; ++r) {
+        acc[r][g][0] = fmadd(xr[r], lo, acc[r][g][0]);
+        acc[r][g][1] = fmadd(xr[r], hi, acc[r][g][1]);
+      }
+    }
   }
-  if (prefetch)
-    for (int k = R; k < 2 * R; ++k) prefetch_line(reinterpret_cast<const char*>(w0 + k * ldw + j), l1);
-  float* yr = y + j;
-  vec a = zero(), b = zero();
-  if (i > 0) {
-    const vec lo = loadu(yr), hi = loadu(yr + kLanes);
-    a = _mm256_permute2f128_ps(lo, hi, 0x20);
-    b = _mm256_permute2f128_ps(lo, hi, 0x31);
-  }
-  for (int k = 0; k < R; ++k) {
-    const vec xk = set1(x[i + k]);
-    a = fmadd(xk, wa[k], a);
-    b = fmadd(xk, wb[k], b);
-  }
-  storeu(yr, _mm256_permute2f128_ps(a, b, 0x20));
-  storeu(yr + kLanes, _mm256_permute2f128_ps(a, b, 0x31));
+  for (int r = 0; r < M; ++r)
+    for (int g = 0; g < G; ++g) {
+      float* yp = y + r * ldy + c + 16 * g;
+      storeu(yp, _mm256_add_ps(loadu(yp), _mm256_permute2f128_ps(acc[r][g][0], acc[r][g][1], 0x20)));
+      storeu(yp + kLanes, _mm256_add_ps(loadu(yp + kLanes), _mm256_permute2f128_ps(acc[r][g][0], acc[r][g][1], 0x31)));
+    }
 }
 
+// The last n < 16 columns at c of a narrower panel: widened one 8-lane block at a time.
+template <int M>
+SIGMA_SIMD void panel_tail(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* t,
+                           int64_t width, int64_t rows, int64_t c, int n) {
+  for (int s = 0; s * kLanes < n; ++s) {
+    const int k = std::min(kLanes, n - s * kLanes);
+    vec acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = zero();
+    for (int64_t i = 0; i < rows; ++i) {
+      const vec w = load_w_masked(t + i * width + c + s * kLanes, k);
+      for (int r = 0; r < M; ++r) acc[r] = fmadd(set1(x[r * ldx + i]), w, acc[r]);
+    }
+    for (int r = 0; r < M; ++r) {
+      float* yp = y + r * ldy + c + s * kLanes;
+      store_masked(yp, _mm256_add_ps(load_masked(yp, k), acc[r]), k);
+    }
+  }
+}
+
+// One panel t[in, width] into y (panel_scalar's contract), chunk by chunk: 64 columns' sums at
+// one row of x, 32 at two, 16 at three or four (at most 8 registers of sums; a chunk's rows of
+// the panel, 8 KiB, stay in L1 between the blocks).
+template <int M>
+SIGMA_SIMD void panel_kernel(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* t,
+                             int64_t width, int64_t in) {
+  constexpr int G = M == 1 ? 4 : M == 2 ? 2 : 1;
+  for (int64_t i0 = 0; i0 < in; i0 += kChunkRows) {
+    const int64_t rows = std::min(kChunkRows, in - i0);
+    const uint16_t* tc = t + i0 * width;
+    int64_t c = 0;
+    for (; c + 16 * G <= width; c += 16 * G) panel_block<M, G>(y, ldy, x + i0, ldx, tc, width, rows, c, c == 0);
+    for (; c + 16 <= width; c += 16) panel_block<M, 1>(y, ldy, x + i0, ldx, tc, width, rows, c, c == 0);
+    if (c < width) panel_tail<M>(y, ldy, x + i0, ldx, tc, width, rows, c, int(width - c));
+  }
+}
 // The head's rows of bf16 weights (nt_kernel) widened by the same unpacks: x is copied once a
 // call with each 16 inputs in the unpacks' order, so that every lane sums the inputs it summed
 // in nt_group, in the same order, and the lanes are put back in order before the tail block
@@ -425,6 +491,24 @@ struct NT {
     }
   };
 };
+// bf16 panels: the AVX2 kernel on every SIMD machine (AVX-512 machines have AVX2; an AVX-512
+// form of it has not been measured on one).
+struct NP {
+  template <int M>
+  struct K {
+    static void run(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* t,
+                    int64_t width, int64_t in) {
+      switch (resolve(g_isa)) {
+#if SIGMA_GEMV_X86
+        case GemvIsa::Avx512Vnni:
+        case GemvIsa::Avx512:
+        case GemvIsa::Avx2: return avx2::panel_kernel<M>(y, ldy, x, ldx, t, width, in);
+#endif
+        default: return panel_scalar(y, ldy, x, ldx, t, width, in, M);
+      }
+    }
+  };
+};
 struct NNI8 {
   template <int M>
   struct K {
@@ -471,12 +555,6 @@ struct NTI8 {
     }
   };
 };
-
-// The reduction over w's rows is cut into fixed chunks of kChunkRows, each summed into its own
-// partial vector, so that a thread streams whole rows of a contiguous block of w (one stream
-// the prefetchers follow, instead of a column slice of every row; docs/benchmarks.md, issue
-// 12). The chunk bounds do not depend on the thread count, so neither do the bits.
-constexpr int64_t kChunkRows = 64;
 
 // ---- the next product's streams (spin_team.h's NextJob) ----
 // A decode step runs the same products in the same order every token (a served batch's steps
@@ -610,6 +688,42 @@ void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t
         sum_rows(y, ldy, b, M, accumulate, column_block(out, blk, sum_blocks), p, sum_chunks, out);
       },
       w, ldw * int64_t(sizeof(W)), ldw == out);
+}
+
+// y (+)= x @ w16 + b on bf16 weights in panels: each item a run of whole panels (one run of
+// bytes), each panel's sums added to y chunk by chunk as it goes, so no partials and no second
+// phase: the bits of nn's partials and sums.
+void nn_panels(float* y, const float* x, const uint16_t* w, const float* b, int64_t M, int64_t in,
+               int64_t out, bool accumulate, Strides ld) {
+  SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
+  SIGMA_CHECK(ld.w == 0 || ld.w == out, "gemv: bf16 weights in panels have no row stride (got {} for {} columns)",
+              ld.w, out);
+  if (M == 0 || out == 0) return;
+  const int64_t ldx = ld.x ? ld.x : in, ldy = ld.y ? ld.y : out;
+  const int64_t panels = (out + kW16Panel - 1) / kW16Panel;
+  const int64_t runs = std::min<int64_t>(panels, 2 * team_threads());
+  auto panel_range = [&](int64_t run) { return Range{run * panels / runs, (run + 1) * panels / runs}; };
+  NextJob next;
+  if (in * out >= kParallelWeights) {
+    auto stream = [&](int64_t run) -> Stream {
+      if (run >= runs) return {};
+      const Range p = panel_range(run);
+      const int64_t c0 = p.lo * kW16Panel, c1 = std::min(out, p.hi * kW16Panel);
+      return {w + c0 * in, (c1 - c0) * in * 2};
+    };
+    next = next_product(w, {stream(0), stream(1)});
+  }
+  run_items(in * out, runs, [&](int64_t run) {
+    const Range p = panel_range(run);
+    for (int64_t pn = p.lo; pn < p.hi; ++pn) {
+      const int64_t c0 = pn * kW16Panel, width = std::min(kW16Panel, out - c0);
+      for (int64_t r = 0; r < M; ++r) {
+        float* row = y + r * ldy + c0;
+        for (int64_t j = 0; j < width; ++j) row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[c0 + j] : 0.0f);
+      }
+      with_rows<NP::K>(M, y + c0, ldy, x, ldx, w + c0 * in, width, in);
+    }
+  }, next);
 }
 
 constexpr int64_t kGroup = 64;  // rows of the head's w an item streams
@@ -822,12 +936,12 @@ void nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_
 // (a served model keeps only its bf16 or int8 weights). A panel holds about kPanelFloats.
 constexpr int64_t kPanelFloats = int64_t(1) << 17;  // 512 KiB
 
-// Element (i, j) of a linear's w[in, out] (row length ld), widened: bf16, or int8 in row pairs
-// with a scale per column.
-inline float widen_linear(const uint16_t* w, const float*, int64_t i, int64_t j, int64_t ld) {
-  return from_bf16(w[i * ld + j]);
+// Element (i, j) of a linear's w[in, out] (row length ld), widened: bf16 in panels
+// (kernels::w16_index, ld = out), or int8 in row pairs with a scale per column.
+inline float widen_linear(const uint16_t* w, const float*, int64_t i, int64_t j, int64_t in, int64_t ld) {
+  return from_bf16(w[kernels::w16_index(i, j, in, ld)]);
 }
-inline float widen_linear(const int8_t* w, const float* scale, int64_t i, int64_t j, int64_t ld) {
+inline float widen_linear(const int8_t* w, const float* scale, int64_t i, int64_t j, int64_t, int64_t ld) {
   return scale[j] * float(w[kernels::i8_index(i, j, ld)]);
 }
 // Element (j, k) of the head's w[out, in]: bf16, or int8 rows with a scale per row.
@@ -849,7 +963,7 @@ void linear_panels(float* y, const float* x, const W* w, const float* scale, con
   for (int64_t j0 = 0; j0 < out; j0 += cols) {
     const int64_t n = std::min(cols, out - j0);
     for (int64_t i = 0; i < in; ++i)
-      for (int64_t j = 0; j < n; ++j) panel[size_t(i * n + j)] = widen_linear(w, scale, i, j0 + j, ldw);
+      for (int64_t j = 0; j < n; ++j) panel[size_t(i * n + j)] = widen_linear(w, scale, i, j0 + j, in, ldw);
     linear_forward(y + j0, x, panel.data(), b ? b + j0 : nullptr, N, in, n, accumulate,
                    {ld.x, n, ldy});
   }
@@ -907,7 +1021,7 @@ void gemv_nn(float* y, const float* x, const float* w, const float* b, int64_t M
 }
 void gemv_nn(float* y, const float* x, const uint16_t* w, const float* b, int64_t M, int64_t in,
              int64_t out, bool accumulate, Strides ld) {
-  nn(y, x, w, b, M, in, out, accumulate, ld);
+  nn_panels(y, x, w, b, M, in, out, accumulate, ld);
 }
 void gemv_nn(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
              int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld) {
@@ -947,6 +1061,8 @@ void linear_forward_rows(float* y, const float* x, const float* w, const float* 
 void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b, int64_t N,
                         int64_t in, int64_t out, bool accumulate, Strides ld) {
   if (N <= kGemvMaxRows) return gemv_nn(y, x, w16, b, N, in, out, accumulate, ld);
+  SIGMA_CHECK(ld.w == 0 || ld.w == out, "linear_forward_w16: bf16 weights in panels have no row stride (got {} for {} columns)",
+              ld.w, out);
   linear_panels(y, x, w16, nullptr, b, N, in, out, accumulate, ld);
 }
 

@@ -6,7 +6,7 @@
 //
 // Weights are fp32, or bf16 or int8 copies made once at load (Model::use_weights). A bf16
 // weight is widened to fp32 exactly, and the products and sums are fp32, so only the weights
-// round. An int8 matrix (in row pairs, kernels::i8_index) has one fp32 scale per output
+// round; a linear's bf16 copy is in column panels (kernels::w16_index), the head's in rows. An int8 matrix (in row pairs, kernels::i8_index) has one fp32 scale per output
 // channel; each row of x is rounded to 16-bit fixed point (xq = x / step, step = max|x| /
 // 32767), the sum S = xq . q is exact in integers (16-bit multiply-adds, int32 lanes that
 // cannot overflow, int64 totals), and y = scale * (step * S) + b.
@@ -27,7 +27,7 @@ using kernels::Strides;
 constexpr int64_t kGemvMaxRows = 4;
 
 // y[M,out] (+)= x[M,in] @ w[in,out] + b, M <= kGemvMaxRows (b may be null; strides as in
-// linear_forward, 0 = contiguous).
+// linear_forward, 0 = contiguous; bf16 w in panels, ld.w 0).
 void gemv_nn(float* y, const float* x, const float* w, const float* b, int64_t M, int64_t in,
              int64_t out, bool accumulate, Strides ld);
 void gemv_nn(float* y, const float* x, const uint16_t* w, const float* b, int64_t M, int64_t in,

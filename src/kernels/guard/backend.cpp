@@ -298,6 +298,7 @@ const ops::Backend kBackend = {
     .scatter_rows = wrapped<&B::scatter_rows>,
     .sum_sq = wrapped<&B::sum_sq>,
     .convert_bf16 = wrapped<&B::convert_bf16>,
+    .convert_bf16_panels = wrapped<&B::convert_bf16_panels>,
     .quantize_i8 = wrapped<&B::quantize_i8>,
     .gate_softmax_topk = wrapped<&B::gate_softmax_topk>,
     .gate_combine = wrapped<&B::gate_combine>,

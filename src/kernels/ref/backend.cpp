@@ -77,6 +77,10 @@ double sum_sq(const float* x, int64_t n) {  // a plain sum in double (not the cp
 void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(x[i]);
 }
+void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld) {
+  for (int64_t i = 0; i < in; ++i)
+    for (int64_t j = 0; j < out; ++j) dst[kernels::w16_index(i, j, in, out)] = to_bf16(w[i * ld + j]);
+}
 // The quantisation's definition (kernels/ops.h), channel by channel, in fp32 as specified.
 int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
                     bool per_row) {
@@ -237,6 +241,7 @@ const ops::Backend kBackend = {
     .scatter_rows = &scatter_rows,
     .sum_sq = &sum_sq,
     .convert_bf16 = &convert_bf16,
+    .convert_bf16_panels = &convert_bf16_panels,
     .quantize_i8 = &quantize_i8,
     .gate_softmax_topk = &gate_softmax_topk,
     .gate_combine = &gate_combine,

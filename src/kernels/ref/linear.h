@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/bf16.h"
+#include "core/error.h"
 #include "kernels/ref/io.h"
 
 namespace sigma::ref {
@@ -107,7 +108,12 @@ void linear_backward_bf16(float* dx, float* dw, float* db, const float* dy, cons
 template <class T>
 void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b, int64_t N,
                         int64_t in, int64_t out, bool accumulate, Strides ld) {
-  linear_forward<T>(y, x, w16, b, N, in, out, accumulate, ld);
+  SIGMA_CHECK(ld.w == 0 || ld.w == out,
+              "linear_forward_w16: bf16 weights in panels have no row stride (got {} for {} columns)", ld.w, out);
+  std::vector<uint16_t> rows(size_t(in * out));  // w16 out of its panels (kernels::w16_index)
+  for (int64_t k = 0; k < in; ++k)
+    for (int64_t j = 0; j < out; ++j) rows[size_t(k * out + j)] = w16[kernels::w16_index(k, j, in, out)];
+  linear_forward<T>(y, x, rows.data(), b, N, in, out, accumulate, {ld.x, 0, ld.y});
 }
 // y[N,out] = x[N,in] w16[out,in]^T (the head).
 template <class T>
