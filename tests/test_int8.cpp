@@ -63,10 +63,10 @@ struct Quantised {
 Quantised quantise(const std::vector<float>& w, int64_t rows, int64_t cols, bool per_row,
                    ops::BackendKind b = ops::BackendKind::Cpu) {
   Quantised r;
-  r.q.resize(per_row ? w.size() : size_t(ops::i8_elements(rows, cols)));  // per column: row pairs
+  r.q.resize(per_row ? w.size() : size_t(ops::i8_elements(rows, cols)));  // per column: panels
   r.s.resize(size_t(per_row ? rows : cols));
   ops::use_backend(b);
-  r.bad = ops::quantize_i8(r.q.data(), r.s.data(), w.data(), rows, cols, per_row);
+  r.bad = ops::quantize_i8(r.q.data(), r.s.data(), w.data(), rows, cols, cols, per_row);
   ops::use_backend(ops::BackendKind::Cpu);
   return r;
 }
@@ -88,7 +88,7 @@ TEST(Int8Quantise, RoundTripsWithinHalfAStep) {
     const int64_t channels = per_row ? rows : cols, n = per_row ? cols : rows;
     for (int64_t c = 0; c < channels; ++c) {
       auto at = [&](int64_t i) { return size_t(per_row ? c * cols + i : i * cols + c); };
-      auto qat = [&](int64_t i) { return size_t(per_row ? c * cols + i : ops::i8_index(i, c, cols)); };
+      auto qat = [&](int64_t i) { return size_t(per_row ? c * cols + i : ops::i8_index(i, c, rows, cols)); };
       int most = 0;
       for (int64_t i = 0; i < n; ++i) {
         const float s = a.s[size_t(c)];
@@ -110,7 +110,7 @@ TEST(Int8Quantise, RoundTripsWithinHalfAStep) {
     for (int64_t c = 0; c < channels; ++c)
       for (int64_t i = 0; i < n; ++i) {
         const size_t k = size_t(per_row ? c * cols + i : i * cols + c);
-        back[k] = a.s[size_t(c)] * float(a.q[size_t(per_row ? k : ops::i8_index(i, c, cols))]);
+        back[k] = a.s[size_t(c)] * float(a.q[size_t(per_row ? k : ops::i8_index(i, c, rows, cols))]);
       }
     const Quantised b = quantise(back, rows, cols, per_row);
     EXPECT_EQ(a.q, b.q);
@@ -168,11 +168,9 @@ TEST(Int8Gemv, EverySimdPathMatchesThePortablePathBitForBit) {
   });
 }
 
-// A row gives the same bits alone as among four, on two threads: four rows of this shape have
-// partials enough for their sums to share the product's spin-team job (a sum item waits for
-// the chunk items other threads run), one row's sums run on the caller after the job.
-TEST(Int8Gemv, RowsAreBitIdenticalAloneAndAmongFourWhenTheSumsShareTheJob) {
-  const int64_t in = 1100, out = 3300;  // 5 chunks x 4 rows x 3300 partials: past kParallelWeights
+// A row gives the same bits alone as among four, on two threads.
+TEST(Int8Gemv, RowsAreBitIdenticalAloneAndAmongFour) {
+  const int64_t in = 1100, out = 3300;  // past kParallelWeights, a narrower last panel
   const auto w = channel_weights(in, out, 11, false);
   const Quantised qn = quantise(w, in, out, false);
   const auto x = randn(4 * in, 12), b = randn(out, 13);
@@ -188,24 +186,23 @@ TEST(Int8Gemv, RowsAreBitIdenticalAloneAndAmongFourWhenTheSumsShareTheJob) {
   }
 }
 
-// On two threads an int8 product's rows are cut into two runs sized to the rates the threads
-// streamed at before (gemv.h): wherever the cut falls -- even, one thread ten or a thousand
-// times the other's rate, runs of one piece or of several (a piece holds at most 512 rows, at
-// full scale too) -- the outputs are those of one thread, bit for bit. The call measures its runs and moves the
-// remembered rates (the sized path ran).
-TEST(Int8Gemv, WhereTheThreadsRunsAreCutChangesNoBit) {
+// An int8 product's panels are shared by the threads as they claim them: with one thread or two,
+// over several calls, the outputs are the same bits; at full scale (every product +127 * 32767)
+// a panel's 2,048 rows sum in pieces whose int32 lanes do not overflow (a piece of more than
+// 516 rows would).
+TEST(Int8Gemv, HowThePanelsAreSharedChangesNoBit) {
   struct Shape {
     int64_t in, out, M;
-    bool full_scale;  // every product +127 * 32767: a piece of more than 516 rows overflows
+    bool full_scale;
   };
   for (const Shape sh : {Shape{512, 1536, 1, false}, Shape{2048, 512, 1, false},
-                         Shape{1100, 3300, 4, false}, Shape{2048, 64, 1, true}}) {
+                         Shape{1100, 3300, 4, false}, Shape{2048, 64, 1, true}, Shape{2048, 70, 3, true}}) {
     auto w = channel_weights(sh.in, sh.out, 21, false);
     auto x = randn(4 * sh.in, 22);
     const auto b = randn(sh.out, 23);
     if (sh.full_scale)
       for (int64_t k = 0; k < sh.in; ++k) {
-        x[size_t(k)] = k % 3 ? 2.5f : -2.5f;
+        for (int64_t r = 0; r < sh.M; ++r) x[size_t(r * sh.in + k)] = k % 3 ? 2.5f : -2.5f;
         for (int64_t j = 0; j < sh.out; ++j) w[size_t(k * sh.out + j)] = (k % 3 ? 0.75f : -0.75f) * float(j + 1);
       }
     const Quantised qn = quantise(w, sh.in, sh.out, false);
@@ -214,19 +211,18 @@ TEST(Int8Gemv, WhereTheThreadsRunsAreCutChangesNoBit) {
     cpu::gemv_nn(want.data(), x.data(), qn.q.data(), qn.s.data(), b.data(), sh.M, sh.in, sh.out,
                  false, {});
     omp_set_num_threads(2);
-    for (const auto& rates :
-       std::vector<std::array<double, 2>>{{1, 1}, {1, 3}, {3, 1}, {1, 10}, {1000, 1}, {1, 1000}}) {
-      cpu::gemv_i8_set_run_rates(qn.q.data(), rates.data(), 2);
+    for (int call = 0; call < 4; ++call) {
       cpu::gemv_nn(got.data(), x.data(), qn.q.data(), qn.s.data(), b.data(), sh.M, sh.in, sh.out,
                    false, {});
       EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
-          << "in " << sh.in << " out " << sh.out << " rates " << rates[0] << ":" << rates[1];
-      if (sh.full_scale)
-        EXPECT_NEAR(got[0], b[0] + 2.5 * 0.75 * double(sh.in), 1e-5 * 2.5 * 0.75 * double(sh.in));
-      std::array<double, 2> after{};
-      cpu::gemv_i8_run_rates(qn.q.data(), after.data(), 2);
-      EXPECT_NE(after, rates) << "the product did not measure its runs";
+          << "in " << sh.in << " out " << sh.out << " call " << call;
     }
+    if (sh.full_scale)
+      for (int64_t r = 0; r < sh.M; ++r)
+        for (int64_t j : {int64_t(0), sh.out - 1}) {
+          const double exact = b[size_t(j)] + 2.5 * 0.75 * double(j + 1) * double(sh.in);
+          EXPECT_NEAR(got[size_t(r * sh.out + j)], exact, 1e-5 * std::fabs(exact)) << "row " << r << " column " << j;
+        }
   }
 }
 
@@ -253,7 +249,7 @@ TEST(Int8Gemv, StaysWithinTheRoundingBoundOfTheDequantisedProduct) {
         double exact_t = 0, mass_t = 0, wsum = 0, wsum_t = 0, amax = 0;
         for (int64_t k = 0; k < in; ++k) {
           const double xk = x[size_t(r * in + k)];
-          const double wn = double(qn.s[size_t(j)]) * qn.q[size_t(ops::i8_index(k, j, out))];
+          const double wn = double(qn.s[size_t(j)]) * qn.q[size_t(ops::i8_index(k, j, in, out))];
           const double wt = double(qt.s[size_t(j)]) * qt.q[size_t(j * in + k)];
           exact += xk * wn, mass += std::fabs(xk * wn);
           exact_t += xk * wt, mass_t += std::fabs(xk * wt);

@@ -275,20 +275,21 @@ std::vector<float> scales(int64_t n, uint64_t seed) {
   return s;
 }
 
-// linear_forward on int8 weights (in row pairs) with a scale per column; strided as in add_linear.
+// linear_forward on int8 weights (in panels of row pairs, kernels::i8_index: no row stride) with
+// a scale per column; x and y strided as in add_linear.
 void add_linear_i8(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, bool bias, bool acc,
                    bool strided, uint64_t seed) {
-  const Strides ld = strided ? Strides{in + 3, 3 * out, 2 * out + 1} : Strides{};
-  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
-  const int64_t woff = strided ? out : 0, yoff = strided ? 1 : 0;
+  const Strides ld = strided ? Strides{in + 3, 0, 2 * out + 1} : Strides{};
+  const int64_t ldx = ld.x ? ld.x : in, ldy = ld.y ? ld.y : out;
+  const int64_t woff = strided ? out : 0, yoff = strided ? 1 : 0;  // woff: the scales' offset
   const auto x = vec(N * ldx, seed), b = vec(out, seed + 2);
-  const auto q = i8_vec(ops::i8_elements(in, ldw), seed + 1);
+  const auto q = i8_vec(ops::i8_elements(in, out), seed + 1);
   const auto sc = scales(woff + out, seed + 3);
   const std::string label = fmt::format("N={} in={} out={}{}{}{}", N, in, out, bias ? " bias" : "",
                                         acc ? " accumulate" : "", strided ? " strided" : "");
   const std::vector<Out> outs = {{"y", vec(N * ldy + yoff, seed + 4)}};
   cs.push_back(make_case(OP(linear_forward_i8), label, outs, [=](auto fn, Outs& o) {
-    fn(o[0].data() + yoff, x.data(), q.data() + ops::i8_index(0, woff, ldw), sc.data() + woff,
+    fn(o[0].data() + yoff, x.data(), q.data(), sc.data() + woff,
        bias ? b.data() : nullptr,
        N, in, out, acc, ld);
   }));

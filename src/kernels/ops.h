@@ -86,7 +86,7 @@ struct Backend {
   // the bias. The cpu backend first rounds each row of x to 16-bit fixed point (step max|x| /
   // 32767: an error of at most half a step per element); a few rows (decoding) then sum
   // exactly in integers, more rows (a prompt) in fp32 (kernels/cpu/gemv.h).
-  // linear_forward with q[in,out] in row pairs (kernels::i8_index) and scale[out]:
+  // linear_forward with q[in,out] in panels of row pairs (kernels::i8_index; ld.w 0) and scale[out]:
   void (*linear_forward_i8)(float* y, const float* x, const int8_t* q, const float* scale,
                             const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
                             Strides ld);
@@ -181,13 +181,14 @@ struct Backend {
   // A linear's copy: w[in, out] (rows ld apart) rounded as convert_bf16 into dst's column panels
   // (kernels::w16_index), the layout the *_w16 linears read.
   void (*convert_bf16_panels)(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld);
-  // Symmetric int8 quantisation of w[rows, cols] with one scale per column (per_row false: the
-  // output channels of a linear's w[in,out], written in row pairs: q holds
-  // kernels::i8_elements(rows, cols)) or per row (the embedding table's rows, q[rows, cols]):
+  // Symmetric int8 quantisation of w[rows, cols] (rows ld apart) with one scale per column
+  // (per_row false: the output channels of a linear's w[in,out], written in panels of row pairs,
+  // kernels::i8_index: q holds kernels::i8_elements(rows, cols)) or per row (the embedding
+  // table's rows, q[rows, cols]):
   // scale = max |w| / 127 over the channel, q = w / scale rounded to nearest even (a channel of
   // zeros: scale 0, q 0). Returns the number of non-finite weights (their channels get scale 0).
   int64_t (*quantize_i8)(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
-                         bool per_row);
+                         int64_t ld, bool per_row);
 
   // ---- the learned gate (model/gate.h states the maths; kernels/cpu/gate.h) ----
   // Per row r of group width K = width[r] (<= Kmax): probs[r] = softmax(z[r, :K]) (fp32), then
@@ -494,8 +495,8 @@ inline void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64
   detail::active->convert_bf16_panels(dst, w, in, out, ld);
 }
 inline int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
-                           bool per_row) {
-  return detail::active->quantize_i8(q, scale, w, rows, cols, per_row);
+                           int64_t ld, bool per_row) {
+  return detail::active->quantize_i8(q, scale, w, rows, cols, ld, per_row);
 }
 inline void gate_softmax_topk(float* probs, int32_t* choice, float* gate, const float* z,
                               const int32_t* width, const int32_t* base, int k, int64_t N,

@@ -58,28 +58,32 @@ enum class Precision : uint8_t { Fp32, Bf16 };
 // LayerNorm's epsilon (inside the square root), the same for every backend.
 constexpr float kLayerNormEps = 1e-5f;
 
-// An int8 linear weight q[in, out] (one scale per output column; ops::quantize_i8) is stored in
-// row pairs: rows 2p and 2p + 1 interleaved column by column, so that the two weights one
-// 32-bit lane of an integer multiply-add needs (x[2p] q[2p, j] + x[2p+1] q[2p+1, j]) are
-// adjacent (kernels/cpu/gemv.h). An odd last row is paired with a row of zeros. ld is the
-// matrix's row length in elements (its columns, or more for a slice); a slice starting at
-// column c starts at element i8_index(0, c, ld).
-inline int64_t i8_index(int64_t i, int64_t j, int64_t ld) { return (i / 2) * 2 * ld + 2 * j + (i & 1); }
-inline int64_t i8_elements(int64_t rows, int64_t cols) { return (rows + 1) / 2 * 2 * cols; }
-
-// A bf16 linear weight w16[in, out] (Model::use_weights) is stored in column panels of
-// kW16Panel columns (the last one narrower where out is not a multiple), one after another,
+// A linear's bf16 or int8 copy (Model::use_weights) is stored in column panels of
+// kPanelColumns columns (the last one narrower where out is not a multiple), one after another,
 // each panel's rows contiguous: a decode GEMV streams one panel top to bottom as one run of
-// bytes with the panel's 64 sums in registers (kernels/cpu/gemv.cpp), where rows of the whole
-// width made it keep the sums in memory and read 4 rows a sweep from 4 places (bf16 decode
-// streamed 30 % slower than fp32 per byte on Zen 3; issue 40). A slice of columns [c, c + n)
-// used on its own (the query layer's Q and K|V parts) is laid out as a matrix of its own,
-// starting at element c * in (ops::convert_bf16_panels lays out one matrix).
-constexpr int64_t kW16Panel = 64;
+// bytes with the panel's sums in registers (kernels/cpu/gemv.cpp), where rows of the whole width
+// made it keep the sums in memory and read 4 rows a sweep from 4 places (on Zen 3 bf16 streamed
+// at 66-70 % of the read that way, at 85-90 % in panels; issue 40). A part of the columns used
+// on its own (the query layer's Q and K|V parts of QKV) is laid out as a matrix of its own:
+// the part from column c starts at element w16_index(0, c, in, out) or i8_elements(in, c).
+constexpr int64_t kPanelColumns = 64;
+
+// bf16, w16[in, out]: a panel's rows of its width one after another.
 inline int64_t w16_index(int64_t i, int64_t j, int64_t in, int64_t out) {
-  const int64_t p0 = j / kW16Panel * kW16Panel;
-  const int64_t width = out - p0 < kW16Panel ? out - p0 : kW16Panel;
+  const int64_t p0 = j / kPanelColumns * kPanelColumns;
+  const int64_t width = out - p0 < kPanelColumns ? out - p0 : kPanelColumns;
   return p0 * in + i * width + (j - p0);
+}
+
+// int8, q[in, out] (one scale per output column; ops::quantize_i8): a panel's rows in pairs,
+// rows 2p and 2p + 1 interleaved column by column, so that the two weights one 32-bit lane of
+// an integer multiply-add needs (x[2p] q[2p, j] + x[2p+1] q[2p+1, j]) are adjacent
+// (kernels/cpu/gemv.h); an odd last row is paired with a row of zeros.
+inline int64_t i8_elements(int64_t rows, int64_t cols) { return (rows + 1) / 2 * 2 * cols; }
+inline int64_t i8_index(int64_t i, int64_t j, int64_t in, int64_t out) {
+  const int64_t p0 = j / kPanelColumns * kPanelColumns;
+  const int64_t width = out - p0 < kPanelColumns ? out - p0 : kPanelColumns;
+  return i8_elements(in, p0) + (i / 2) * 2 * width + 2 * (j - p0) + (i & 1);
 }
 
 // A row of x as the products on int8 weights read it: 16-bit fixed point, xq[k] = x[k] * (1 /

@@ -240,7 +240,7 @@ void Model::use_weights(WeightFormat f) {
       Layout l{&p, 0, p.value.shape().back(), 1, 0, 0, -1};
       l.rows = p.value.numel() / std::max<int64_t>(l.cols, 1);
       // A [K, rows', cols] stack of experts: each expert its own columns' scales. A linear's
-      // matrix is stored in row pairs (ops::i8_elements), the embedding's rows as they are.
+      // int8 matrix is stored in row pairs (ops::i8_elements), the embedding's rows as they are.
       const bool per_row = p.name == names::kTokens;
       if (p.value.shape().size() == 3) l.slices = p.value.dim(0);
       const int64_t r = l.rows / l.slices;
@@ -260,33 +260,33 @@ void Model::use_weights(WeightFormat f) {
     for (const Layout& l : layout) {
       Param& p = *l.p;
       WeightCopy c{base + l.data, l.scale >= 0 ? reinterpret_cast<float*>(base + l.scale) : nullptr};
-      if (f == WeightFormat::Bf16) {
-        uint16_t* h = reinterpret_cast<uint16_t*>(c.data);
-        const float* v = p.value.dev_f();
-        if (p.name == names::kTokens) {  // the head reads the table's rows as they are
-          ops::convert_bf16(h, v, p.value.numel());
+      const float* v = p.value.dev_f();
+      const int64_t r = l.rows / l.slices, cols = l.cols;
+      if (p.name == names::kTokens) {  // the head and the lookup read the table's rows as they are
+        if (f == WeightFormat::Bf16) {
+          ops::convert_bf16(reinterpret_cast<uint16_t*>(c.data), v, p.value.numel());
         } else {
-          // A linear in panels, each slice (an expert of a stack) a matrix; the query layer's Q
-          // and K|V columns of QKV are used apart (model_passes.cpp), so each is one too.
-          const int64_t r = l.rows / l.slices, cols = l.cols;
-          const bool query_qkv = p.name == names::block(cfg_.layers - 1, "attn.qkv.w");
-          const int64_t first = query_qkv ? cols / 3 : cols;
-          for (int64_t k = 0; k < l.slices; ++k) {
-            ops::convert_bf16_panels(h + k * r * cols, v + k * r * cols, r, first, cols);
-            if (first < cols)
-              ops::convert_bf16_panels(h + k * r * cols + first * r, v + k * r * cols + first, r, cols - first, cols);
-          }
+          const int64_t bad = ops::quantize_i8(reinterpret_cast<int8_t*>(c.data), c.scale, v, r, cols, cols, true);
+          SIGMA_CHECK(bad == 0, "int8 weights: parameter '{}' holds {} non-finite values", p.name, bad);
         }
       } else {
-        const bool per_row = p.name == names::kTokens;
-        const int64_t r = l.rows / l.slices;
+        // A linear in panels (kernels::w16_index, i8_index), each slice (an expert of a stack) a
+        // matrix; the query layer's Q and K|V columns of QKV are used apart (model_passes.cpp),
+        // so each is one too.
+        const bool query_qkv = p.name == names::block(cfg_.layers - 1, "attn.qkv.w");
+        const int64_t first = query_qkv ? cols / 3 : cols;
         int64_t bad = 0;
         for (int64_t k = 0; k < l.slices; ++k)
-          bad += ops::quantize_i8(reinterpret_cast<int8_t*>(c.data) + k * l.slice,
-                                  c.scale + (per_row ? k * r : k * l.cols),
-                                  p.value.dev_f() + k * r * l.cols, r, l.cols, per_row);
-        SIGMA_CHECK(bad == 0, "int8 weights: parameter '{}' holds {} non-finite values",
-                    p.name, bad);
+          for (const auto [c0, n] : {std::pair{int64_t(0), first}, std::pair{first, cols - first}}) {
+            if (n == 0) continue;
+            const float* src = v + k * r * cols + c0;
+            if (f == WeightFormat::Bf16)
+              ops::convert_bf16_panels(reinterpret_cast<uint16_t*>(c.data) + k * r * cols + c0 * r, src, r, n, cols);
+            else
+              bad += ops::quantize_i8(reinterpret_cast<int8_t*>(c.data) + k * l.slice + ops::i8_elements(r, c0),
+                                      c.scale + k * cols + c0, src, r, n, cols, false);
+          }
+        SIGMA_CHECK(bad == 0, "int8 weights: parameter '{}' holds {} non-finite values", p.name, bad);
       }
       copies_.emplace(p.name, c);
       p.value = Tensor();  // the fp32 matrix is gone

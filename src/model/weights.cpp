@@ -38,10 +38,11 @@ WeightFormat weight_format_from_name(std::string_view s) {
 
 void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, int64_t in,
             int64_t out, bool accumulate, kernels::Strides ld, int64_t col) {
+  // A copy is in panels (kernels/types.h): a part used on its own is a matrix of its own.
   if (w.q)
-    ops::linear_forward_i8(y, x, w.q + ops::i8_index(0, col, ld.w ? ld.w : out), w.s + col, b, N,
-                           in, out, accumulate, ld);
-  else if (w.h)  // in panels: a part used on its own starts at element col * in (w16_index)
+    ops::linear_forward_i8(y, x, w.q + ops::i8_elements(in, col), w.s + col, b, N, in, out, accumulate,
+                           {ld.x, 0, ld.y});
+  else if (w.h)
     ops::linear_forward_w16(y, x, w.h + col * in, b, N, in, out, accumulate, {ld.x, 0, ld.y});
   else
     ops::linear_forward(y, x, w.v + col, b, N, in, out, accumulate, ld);

@@ -62,8 +62,8 @@ struct ModelWeights {
 
 // y[N,out] (+)= x[N,in] @ w[:, col .. col+out) + b through the ops front: on w's bf16 or int8
 // copy when it has one (PV::h, PV::q), else on its fp32 values. Strides as in
-// ops::linear_forward. A bf16 copy is in panels: columns [col, col + out) must be a part that
-// Model::use_weights laid out on its own (the whole matrix, or the query layer's Q or K|V).
+// ops::linear_forward. A bf16 or int8 copy is in panels: columns [col, col + out) must be a part
+// that Model::use_weights laid out on its own (the whole matrix, or the query layer's Q or K|V).
 void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, int64_t in,
             int64_t out, bool accumulate = false, kernels::Strides ld = {}, int64_t col = 0);
 

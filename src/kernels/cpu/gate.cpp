@@ -147,10 +147,10 @@ void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
 }
 
 void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld) {
-  const int64_t panels = (out + kernels::kW16Panel - 1) / kernels::kW16Panel;
+  const int64_t panels = (out + kernels::kPanelColumns - 1) / kernels::kPanelColumns;
 #pragma omp parallel for schedule(static) if (in * out > (1 << 16))
   for (int64_t p = 0; p < panels; ++p) {
-    const int64_t c0 = p * kernels::kW16Panel, width = std::min(kernels::kW16Panel, out - c0);
+    const int64_t c0 = p * kernels::kPanelColumns, width = std::min(kernels::kPanelColumns, out - c0);
     uint16_t* d = dst + c0 * in;  // the panel's rows, `width` weights each
     for (int64_t i = 0; i < in; ++i)
       for (int64_t j = 0; j < width; ++j) d[i * width + j] = sigma::to_bf16(w[i * ld + c0 + j]);

@@ -30,7 +30,7 @@ constexpr int64_t kParallelWeights = int64_t(1) << 16;
 // weights in panels (kernels::w16_index) keep the same chunks and add each chunk's sums in
 // the same order.
 constexpr int64_t kChunkRows = 64;
-using kernels::kW16Panel;
+using kernels::kPanelColumns;
 
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return from_bf16(w); }
@@ -110,16 +110,17 @@ void nt_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, i
     }
 }
 
-// The int8 products' integer sums (exact: any order gives the SIMD paths' values).
-void nn_i8_scalar(int32_t* p, int64_t ldp, const int16_t* xq, int64_t ldq, const int8_t* w,
-                  int64_t ldw, int64_t M, int64_t pairs, Range c) {
-  for (int64_t k = 0; k < pairs; ++k)
-    for (int64_t r = 0; r < M; ++r) {
-      const int32_t x0 = xq[r * ldq + 2 * k], x1 = xq[r * ldq + 2 * k + 1];
-      for (int64_t j = c.lo; j < c.hi; ++j) {
-        const int8_t* q = w + k * 2 * ldw + 2 * j;
-        p[r * ldp + j] = (k == 0 ? 0 : p[r * ldp + j]) + x0 * q[0] + x1 * q[1];
-      }
+// One panel of int8 weights t (kernels::i8_index: `pairs` row pairs of `width` columns) for M
+// rows of 16-bit x: total[r * kPanelColumns + j] = the exact sum of xq q (any order gives the
+// SIMD paths' values).
+void panel_i8_scalar(int64_t* total, const int16_t* xq, int64_t ldq, const int8_t* t, int64_t width,
+                     int64_t pairs, int64_t M) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t j = 0; j < width; ++j) {
+      int64_t s = 0;
+      for (int64_t k = 0; k < pairs; ++k)
+        s += int32_t(xq[r * ldq + 2 * k]) * t[k * 2 * width + 2 * j] + int32_t(xq[r * ldq + 2 * k + 1]) * t[k * 2 * width + 2 * j + 1];
+      total[r * kPanelColumns + j] = s;
     }
 }
 void nt_i8_scalar(int64_t* s, const int16_t* xq, int64_t ldq, const int8_t* w, int64_t ldw,
@@ -348,6 +349,66 @@ SIGMA_SIMD void panel_kernel(float* y, int64_t ldy, const float* x, int64_t ldx,
     if (c < width) panel_tail<M>(y, ldy, x + i0, ldx, tc, width, rows, c, int(width - c));
   }
 }
+// ---- int8 weights in panels (kernels::i8_index): the panel's sums in registers ----
+// A panel's pair rows are read in pieces of at most kPiecePairs, whose int32 lanes cannot
+// overflow (|sum| <= 2 * 256 * 127 * 32767 < 2^31), each piece's lanes then added into int64.
+constexpr int64_t kPiecePairs = 256;
+static_assert(2 * kPiecePairs * 127 * 32767 < (int64_t(1) << 31));
+
+// Columns [c, c + 8 C) of a piece's pairs of one panel (t: its first pair row, 2 `width` bytes a
+// pair row) for M rows of x (xp: the rows' pairs as 32-bit words, `ldp` apart), added into the
+// int64 totals; with Tail, only the first n < 8 C of the columns are in the panel (without, the
+// loops are fixed and the sums stay in registers). Prefetches as panel_block.
+template <int M, int C, bool Tail>
+SIGMA_SIMD inline __attribute__((always_inline)) void panel_i8_block(int64_t* total, const int32_t* xp, int64_t ldp,
+                                                                    const int8_t* t, int64_t width, int64_t pairs,
+                                                                    int64_t c, int n, bool prefetch) {
+  ivec acc[M][C];
+  for (int r = 0; r < M; ++r)
+    for (int q = 0; q < C; ++q) acc[r][q] = izero();
+  const int64_t row_bytes = 2 * width;
+  for (int64_t k = 0; k < pairs; ++k) {
+    const int8_t* row = t + k * row_bytes;
+    if (prefetch)
+      for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line(reinterpret_cast<const char*>(row) + kPanelAhead + b, false);
+    ivec x[M];
+    for (int r = 0; r < M; ++r) x[r] = iset1(xp[r * ldp + k]);
+    for (int q = 0; q < C && (!Tail || kLanes * q < n); ++q) {
+      const int m = Tail ? n - kLanes * q : kLanes;  // columns of this block in the panel
+      const ivec w = m >= kLanes ? widen16(row + 2 * (c + kLanes * q)) : widen16_masked(row + 2 * (c + kLanes * q), 2 * m);
+      for (int r = 0; r < M; ++r) acc[r][q] = dpadd(acc[r][q], w, x[r]);
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int q = 0; q < C && (!Tail || kLanes * q < n); ++q) {
+      alignas(32) int32_t lane[kLanes];
+      istore(lane, acc[r][q]);
+      const int m = std::min(kLanes, n - kLanes * q);
+      for (int l = 0; l < m; ++l) total[r * kPanelColumns + c + kLanes * q + l] += lane[l];
+    }
+}
+
+// One panel of `pairs` pair rows into the totals (panel_i8_scalar's contract), piece by piece:
+// 64 columns' sums at one row of x, 32 at two, 16 at three or four (at most 8 registers; a
+// piece's pairs of a panel stay in L1/L2 between the blocks).
+template <int M>
+SIGMA_SIMD void panel_i8_kernel(int64_t* total, const int16_t* xq, int64_t ldq, const int8_t* t,
+                                int64_t width, int64_t pairs) {
+  constexpr int C = M == 1 ? 8 : M == 2 ? 4 : 2;  // 8-column blocks a sweep
+  int32_t xp[M * kPiecePairs];  // x's pairs as 32-bit words, a piece at a time
+  for (int r = 0; r < M; ++r)
+    for (int64_t j = 0; j < width; ++j) total[r * kPanelColumns + j] = 0;
+  for (int64_t k0 = 0; k0 < pairs; k0 += kPiecePairs) {
+    const int64_t kp = std::min(kPiecePairs, pairs - k0);
+    for (int r = 0; r < M; ++r) std::memcpy(xp + r * kPiecePairs, xq + r * ldq + 2 * k0, size_t(kp) * 4);
+    const int8_t* tp = t + k0 * 2 * width;
+    int64_t c = 0;
+    for (; c + kLanes * C <= width; c += kLanes * C)
+      panel_i8_block<M, C, false>(total, xp, kPiecePairs, tp, width, kp, c, kLanes * C, c == 0);
+    if (c < width) panel_i8_block<M, C, true>(total, xp, kPiecePairs, tp, width, kp, c, int(width - c), c == 0);
+  }
+}
+
 // The head's rows of bf16 weights (nt_kernel) widened by the same unpacks: x is copied once a
 // call with each 16 inputs in the unpacks' order, so that every lane sums the inputs it summed
 // in nt_group, in the same order, and the lanes are put back in order before the tail block
@@ -509,18 +570,19 @@ struct NP {
     }
   };
 };
-struct NNI8 {
+// int8 panels: the AVX2 kernel on every SIMD machine, as NP.
+struct NPI8 {
   template <int M>
   struct K {
-    static void run(int32_t* p, int64_t ldp, const int16_t* xq, int64_t ldq, const int8_t* w,
-                    int64_t ldw, int64_t pairs, int64_t reach, Range c) {
+    static void run(int64_t* total, const int16_t* xq, int64_t ldq, const int8_t* t, int64_t width,
+                    int64_t pairs) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
-        case GemvIsa::Avx512Vnni: return avx512vnni::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, reach, c);
-        case GemvIsa::Avx512: return avx512::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, reach, c);
-        case GemvIsa::Avx2: return avx2::nn_i8_kernel<M>(p, ldp, xq, ldq, w, ldw, pairs, reach, c);
+        case GemvIsa::Avx512Vnni:
+        case GemvIsa::Avx512:
+        case GemvIsa::Avx2: return avx2::panel_i8_kernel<M>(total, xq, ldq, t, width, pairs);
 #endif
-        default: return nn_i8_scalar(p, ldp, xq, ldq, w, ldw, M, pairs, c);
+        default: return panel_i8_scalar(total, xq, ldq, t, width, pairs, M);
       }
     }
   };
@@ -690,40 +752,51 @@ void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t
       w, ldw * int64_t(sizeof(W)), ldw == out);
 }
 
-// y (+)= x @ w16 + b on bf16 weights in panels: each item a run of whole panels (one run of
-// bytes), each panel's sums added to y chunk by chunk as it goes, so no partials and no second
-// phase: the bits of nn's partials and sums.
-void nn_panels(float* y, const float* x, const uint16_t* w, const float* b, int64_t M, int64_t in,
-               int64_t out, bool accumulate, Strides ld) {
-  SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
-  SIGMA_CHECK(ld.w == 0 || ld.w == out, "gemv: bf16 weights in panels have no row stride (got {} for {} columns)",
-              ld.w, out);
-  if (M == 0 || out == 0) return;
-  const int64_t ldx = ld.x ? ld.x : in, ldy = ld.y ? ld.y : out;
-  const int64_t panels = (out + kW16Panel - 1) / kW16Panel;
+// fn(c0, width) for each panel of a product on weights in panels (kernels/types.h) of
+// `column_bytes` bytes a column: each item a run of whole panels (one run of bytes, two runs a
+// thread), prefetched for as next_product's streams.
+template <class Fn>
+void for_each_panel(const void* w, int64_t in, int64_t out, int64_t column_bytes, Fn&& fn) {
+  const int64_t panels = (out + kPanelColumns - 1) / kPanelColumns;
   const int64_t runs = std::min<int64_t>(panels, 2 * team_threads());
-  auto panel_range = [&](int64_t run) { return Range{run * panels / runs, (run + 1) * panels / runs}; };
+  auto columns = [&](int64_t run) {
+    return Range{run * panels / runs * kPanelColumns, std::min(out, (run + 1) * panels / runs * kPanelColumns)};
+  };
   NextJob next;
   if (in * out >= kParallelWeights) {
     auto stream = [&](int64_t run) -> Stream {
       if (run >= runs) return {};
-      const Range p = panel_range(run);
-      const int64_t c0 = p.lo * kW16Panel, c1 = std::min(out, p.hi * kW16Panel);
-      return {w + c0 * in, (c1 - c0) * in * 2};
+      const Range c = columns(run);
+      return {static_cast<const char*>(w) + c.lo * column_bytes, (c.hi - c.lo) * column_bytes};
     };
     next = next_product(w, {stream(0), stream(1)});
   }
   run_items(in * out, runs, [&](int64_t run) {
-    const Range p = panel_range(run);
-    for (int64_t pn = p.lo; pn < p.hi; ++pn) {
-      const int64_t c0 = pn * kW16Panel, width = std::min(kW16Panel, out - c0);
-      for (int64_t r = 0; r < M; ++r) {
-        float* row = y + r * ldy + c0;
-        for (int64_t j = 0; j < width; ++j) row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[c0 + j] : 0.0f);
-      }
-      with_rows<NP::K>(M, y + c0, ldy, x, ldx, w + c0 * in, width, in);
-    }
+    const Range c = columns(run);
+    for (int64_t c0 = c.lo; c0 < c.hi; c0 += kPanelColumns) fn(c0, std::min(kPanelColumns, out - c0));
   }, next);
+}
+
+void check_panels(int64_t out, Strides ld) {
+  SIGMA_CHECK(ld.w == 0 || ld.w == out, "bf16 or int8 weights in panels have no row stride (got {} for {} columns)",
+              ld.w, out);
+}
+
+// y (+)= x @ w16 + b on bf16 weights in panels, each panel's sums added to y chunk by chunk as
+// it goes, so no partials and no second phase: the bits of nn's partials and sums.
+void nn_panels(float* y, const float* x, const uint16_t* w, const float* b, int64_t M, int64_t in,
+               int64_t out, bool accumulate, Strides ld) {
+  SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
+  check_panels(out, ld);
+  if (M == 0 || out == 0) return;
+  const int64_t ldx = ld.x ? ld.x : in, ldy = ld.y ? ld.y : out;
+  for_each_panel(w, in, out, 2 * in, [&](int64_t c0, int64_t width) {
+    for (int64_t r = 0; r < M; ++r) {
+      float* row = y + r * ldy + c0;
+      for (int64_t j = 0; j < width; ++j) row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[c0 + j] : 0.0f);
+    }
+    with_rows<NP::K>(M, y + c0, ldy, x, ldx, w + c0 * in, width, in);
+  });
 }
 
 constexpr int64_t kGroup = 64;  // rows of the head's w an item streams
@@ -792,130 +865,27 @@ const float* rows16_as_fp32(const float* x, int64_t ldx, int64_t N, int64_t in) 
   return out.data();
 }
 
-// The int8 products' chunks: their sums are exact, so unlike fp32's the chunk size does not
-// change the bits, and larger chunks write and read fewer partials (at 64 rows the int32
-// partials were 1/8 of the int8 weights' bytes, written and read again; issue 40).
-// |partial| <= 256 * 127 * 32767 < 2^31. One item a thread where the chunks are few: splitting
-// a 512-row product's 2 chunks into column blocks too streamed 15-25 % slower (2 threads, Zen 5).
-constexpr int64_t kI8ChunkRows = 256;
-static_assert(kI8ChunkRows * 127 * 32767 < (int64_t(1) << 31) && kI8ChunkRows % 2 == 0);
-
-// ---- int8 runs sized to the threads' rates ----
-// Where one thread's rows end and the next's begin changes no bit of an int8 product (its sums
-// are exact), so each product's rows are cut into one run a thread sized to the rates those
-// runs streamed at the last times (per calling thread and product, a moving average), instead
-// of equal runs: on this VM one core streams 10-20 % slower than the other in some processes,
-// and with one run a thread the caller then waited for the helper's run at every product.
-constexpr int kMaxRuns = 16;
-// A run's pieces: as long as an int32 partial allows (|partial| <= 512 * 127 * 32767 < 2^31),
-// so that a split product adds no partials to its sums.
-constexpr int64_t kRunPieceRows = 512;
-static_assert(kRunPieceRows * 127 * 32767 < (int64_t(1) << 31));
-constexpr int64_t kRunAlign = 8;  // rows: whole sweeps of the kernels (4 pairs on AVX2)
-struct RunRates {
-  const void* key = nullptr;
-  int runs = 0;
-  double rate[kMaxRuns];  // rows a microsecond, each run's moving average
-};
-thread_local RunRates t_run_rates[kSuccessorSlots];
-
-// The product's entry (keyed as successor_slot); equal rates for a new product or thread count.
-RunRates& run_rates(const void* key, int runs) {
-  const uint64_t h = uint64_t(reinterpret_cast<uintptr_t>(key) >> 4) * 0x9E3779B97F4A7C15ull;
-  RunRates& r = t_run_rates[h >> 56];
-  if (r.key != key || r.runs != runs) {
-    r.key = key;
-    r.runs = runs;
-    std::fill(r.rate, r.rate + runs, 1.0);
-  }
-  return r;
-}
-
-// Row bounds of `runs` runs over `in` rows in proportion to the rates, in whole kRunAlign rows
-// (the last run takes the rest), each at least kRunAlign.
-void run_bounds(int64_t* bound, const double* rate, int runs, int64_t in) {
-  double total = 0;
-  for (int k = 0; k < runs; ++k) total += rate[k];
-  bound[0] = 0;
-  double at = 0;
-  for (int k = 1; k < runs; ++k) {
-    at += rate[k - 1] / total;
-    const int64_t want = std::llround(at * double(in) / kRunAlign) * kRunAlign;
-    bound[k] = std::clamp(want, bound[k - 1] + kRunAlign, in - (runs - k) * kRunAlign);
-  }
-  bound[runs] = in;
-}
-
-// y = (accumulate ? y : 0) + b + scale * (step * S), S the exact sum of xq q: per chunk of
-// kI8ChunkRows rows (with sized runs, per piece of at most kRunPieceRows) an int32 partial,
-// added in int64.
+// y = (accumulate ? y : 0) + b + scale * (step * S) on int8 weights in panels, S the exact sum
+// of xq q, computed per panel: no partials, no second phase, and the bits do not depend on how
+// the panels are shared.
 void nn_i8(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
            int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
+  check_panels(out, ld);
   if (M == 0 || out == 0) return;
-  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
+  SIGMA_CHECK(in < (int64_t(1) << 28), "gemv: {} inputs (at most 2^28)", in);  // |S| < 2^51
+  const int64_t ldx = ld.x ? ld.x : in, ldy = ld.y ? ld.y : out, pairs = (in + 1) / 2;
   const Rows16& xq = rows16(x, ldx, M, in);
-  const int64_t chunks = chunks_of(in, kI8ChunkRows), stride = M * out;
-  SIGMA_CHECK(chunks < (int64_t(1) << 20), "gemv: {} input rows (at most 2^28)", in);  // |S| < 2^51
-  const int runs = team_threads();
-  // Rate-sized runs where each thread gets whole rows: one run a thread, no column blocks.
-  const bool sized = runs > 1 && runs <= kMaxRuns && in * out >= kParallelWeights &&
-                     in >= 2 * runs * kRunAlign && chunks >= runs;
-  thread_local std::vector<int32_t> partial;  // [pieces][M][out]
-  partial.resize(size_t((chunks + (sized ? runs : 0)) * stride));
-  int32_t* p = partial.data();
-  // Then the sums (in the same job where large enough), in column blocks of 256, so that even a
-  // 512-column product's sums can be shared by 2 threads.
-  int64_t sum_chunks = in > 0 ? chunks : 0;
-  const int64_t sum_blocks = (out + 255) / 256;
-  auto sums = [&](int64_t blk) {
-    const Range c = column_block(out, blk, sum_blocks);
-    // Chunk by chunk over contiguous columns into int64 (vectorised; exact, so in any order),
-    // then each column's one rounding.
-    const int64_t n = c.hi - c.lo;
-    thread_local std::vector<int64_t> total;
-    total.resize(size_t(n));
-    int64_t* t = total.data();
+  for_each_panel(q, in, out, 2 * pairs, [&](int64_t c0, int64_t width) {
+    int64_t total[kGemvMaxRows * kPanelColumns];
+    with_rows<NPI8::K>(M, total, xq.q.data(), xq.ld, q + kernels::i8_elements(in, c0), width, pairs);
     for (int64_t r = 0; r < M; ++r) {
-      std::fill(t, t + n, int64_t(0));
-      for (int64_t k = 0; k < sum_chunks; ++k) {
-        const int32_t* pr = p + (k * M + r) * out + c.lo;
-        for (int64_t j = 0; j < n; ++j) t[j] += pr[j];
-      }
-      float* row = y + r * ldy + c.lo;
-      const float* sc = scale + c.lo;
-      const float* bias = b ? b + c.lo : nullptr;
-      for (int64_t j = 0; j < n; ++j)
-        row[j] = (accumulate ? row[j] : 0.0f) + (bias ? bias[j] : 0.0f) + sc[j] * (xq.step[r] * kernels::exact_to_float(t[j]));
+      float* row = y + r * ldy + c0;
+      for (int64_t j = 0; j < width; ++j)
+        row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[c0 + j] : 0.0f) +
+                 scale[c0 + j] * (xq.step[r] * kernels::exact_to_float(total[r * kPanelColumns + j]));
     }
-  };
-  auto piece = [&](int64_t slot, int64_t i0, int64_t rows, int64_t reach, Range cols) {
-    with_rows<NNI8::K>(M, p + slot * stride, out, xq.q.data() + i0, xq.ld,
-                       q + kernels::i8_index(i0, 0, ldw), ldw, (rows + 1) / 2, (reach + 1) / 2, cols);
-  };
-  if (!sized)
-    return for_each_chunk(in, out, piece, kI8ChunkRows, 1, sum_blocks, sum_chunks * stride, sums,
-                          q, ldw, ldw == out);
-  RunRates& rates = run_rates(q, runs);
-  int64_t bound[kMaxRuns + 1], first_slot[kMaxRuns + 1];
-  run_bounds(bound, rates.rate, runs, in);
-  first_slot[0] = 0;
-  for (int k = 0; k < runs; ++k) first_slot[k + 1] = first_slot[k] + chunks_of(bound[k + 1] - bound[k], kRunPieceRows);
-  sum_chunks = first_slot[runs];
-  double micros[kMaxRuns];
-  const NextJob next = next_product(q, {rows_stream(q, 0, bound[1], ldw, ldw == out),
-                                        rows_stream(q, bound[1], bound[2] - bound[1], ldw, ldw == out)});
-  run_items_phased(in * out, runs, sum_blocks, sum_chunks * stride, [&](int64_t it) {
-    if (it >= runs) return sums(it - runs);
-    const auto t0 = std::chrono::steady_clock::now();
-    const int64_t pieces = first_slot[it + 1] - first_slot[it], len = bound[it + 1] - bound[it];
-    const int64_t rows = ((len + pieces - 1) / pieces + 1) & ~int64_t(1);  // even: whole pairs
-    for (int64_t i0 = bound[it], slot = first_slot[it]; i0 < bound[it + 1]; i0 += rows, ++slot)
-      piece(slot, i0, std::min(rows, bound[it + 1] - i0), bound[it + 1] - i0, {0, out});
-    micros[it] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-  }, next);
-  for (int k = 0; k < runs; ++k)  // a quarter of the newest rate: a preempted run moves it little
-    rates.rate[k] = 0.75 * rates.rate[k] + 0.25 * double(bound[k + 1] - bound[k]) / std::max(micros[k], 1e-3);
+  });
 }
 
 // y = scale * (step * S) over the head's rows of q[out, in] (a scale per row).
@@ -936,13 +906,13 @@ void nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_
 // (a served model keeps only its bf16 or int8 weights). A panel holds about kPanelFloats.
 constexpr int64_t kPanelFloats = int64_t(1) << 17;  // 512 KiB
 
-// Element (i, j) of a linear's w[in, out] (row length ld), widened: bf16 in panels
-// (kernels::w16_index, ld = out), or int8 in row pairs with a scale per column.
+// Element (i, j) of a linear's w[in, out] in panels (kernels/types.h; ld = out), widened: bf16,
+// or int8 with a scale per column.
 inline float widen_linear(const uint16_t* w, const float*, int64_t i, int64_t j, int64_t in, int64_t ld) {
   return from_bf16(w[kernels::w16_index(i, j, in, ld)]);
 }
-inline float widen_linear(const int8_t* w, const float* scale, int64_t i, int64_t j, int64_t, int64_t ld) {
-  return scale[j] * float(w[kernels::i8_index(i, j, ld)]);
+inline float widen_linear(const int8_t* w, const float* scale, int64_t i, int64_t j, int64_t in, int64_t ld) {
+  return scale[j] * float(w[kernels::i8_index(i, j, in, ld)]);
 }
 // Element (j, k) of the head's w[out, in]: bf16, or int8 rows with a scale per row.
 inline float widen_head(const uint16_t* w, const float*, int64_t j, int64_t k, int64_t ld) {
@@ -986,17 +956,6 @@ void nt_panels(float* y, const float* x, const W* w, const float* scale, int64_t
 }
 
 }  // namespace
-
-void gemv_i8_set_run_rates(const int8_t* q, const double* rates, int runs) {
-  SIGMA_CHECK(runs >= 1 && runs <= kMaxRuns, "gemv: {} runs (1 to {})", runs, kMaxRuns);
-  for (int k = 0; k < runs; ++k)
-    SIGMA_CHECK(std::isfinite(rates[k]) && rates[k] > 0, "gemv: run {}'s rate {} is not positive", k, rates[k]);
-  std::copy(rates, rates + runs, run_rates(q, runs).rate);
-}
-void gemv_i8_run_rates(const int8_t* q, double* rates, int runs) {
-  SIGMA_CHECK(runs >= 1 && runs <= kMaxRuns, "gemv: {} runs (1 to {})", runs, kMaxRuns);
-  std::copy_n(run_rates(q, runs).rate, runs, rates);
-}
 
 bool gemv_isa_available(GemvIsa isa) { return isa == GemvIsa::Best || cpu_has(isa); }
 void gemv_use_isa(GemvIsa isa) {
@@ -1061,8 +1020,7 @@ void linear_forward_rows(float* y, const float* x, const float* w, const float* 
 void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b, int64_t N,
                         int64_t in, int64_t out, bool accumulate, Strides ld) {
   if (N <= kGemvMaxRows) return gemv_nn(y, x, w16, b, N, in, out, accumulate, ld);
-  SIGMA_CHECK(ld.w == 0 || ld.w == out, "linear_forward_w16: bf16 weights in panels have no row stride (got {} for {} columns)",
-              ld.w, out);
+  check_panels(out, ld);
   linear_panels(y, x, w16, nullptr, b, N, in, out, accumulate, ld);
 }
 
@@ -1077,6 +1035,7 @@ void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* s
                        const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
                        Strides ld) {
   if (N <= kGemvMaxRows) return gemv_nn(y, x, q, scale, b, N, in, out, accumulate, ld);
+  check_panels(out, ld);
   linear_panels(y, rows16_as_fp32(x, ld.x ? ld.x : in, N, in), q, scale, b, N, in, out, accumulate,
                 {in, ld.w, ld.y});
 }

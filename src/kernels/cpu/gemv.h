@@ -6,8 +6,8 @@
 //
 // Weights are fp32, or bf16 or int8 copies made once at load (Model::use_weights). A bf16
 // weight is widened to fp32 exactly, and the products and sums are fp32, so only the weights
-// round; a linear's bf16 copy is in column panels (kernels::w16_index), the head's in rows. An int8 matrix (in row pairs, kernels::i8_index) has one fp32 scale per output
-// channel; each row of x is rounded to 16-bit fixed point (xq = x / step, step = max|x| /
+// round. A linear's bf16 and int8 copies are in column panels (kernels/types.h), the head's in
+// rows. An int8 matrix has one fp32 scale per output channel; each row of x is rounded to 16-bit fixed point (xq = x / step, step = max|x| /
 // 32767), the sum S = xq . q is exact in integers (16-bit multiply-adds, int32 lanes that
 // cannot overflow, int64 totals), and y = scale * (step * S) + b.
 //
@@ -38,17 +38,11 @@ void gemv_nt(float* y, const float* x, const float* w, int64_t M, int64_t in, in
 void gemv_nt(float* y, const float* x, const uint16_t* w, int64_t M, int64_t in, int64_t out,
              int64_t ldx, int64_t ldw, int64_t ldy);
 // The same on int8 weights q with per-output scales: scale[out] (nn: one per column of q[in,out],
-// stored in row pairs; nt: one per row of q[out,in], plain rows), strides of q as those of w.
+// in panels of row pairs, ld.w 0; nt: one per row of q[out,in], plain rows).
 void gemv_nn(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
              int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld);
 void gemv_nt(float* y, const float* x, const int8_t* q, const float* scale, int64_t M, int64_t in,
              int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
-
-// An int8 product's rows are cut into one run a thread (where they are enough), sized to the
-// rates those runs streamed at before (rows a microsecond; per calling thread and matrix q);
-// the bits do not depend on the cut (exact sums). Tests set and read the remembered rates.
-void gemv_i8_set_run_rates(const int8_t* q, const double* rates, int runs);
-void gemv_i8_run_rates(const int8_t* q, double* rates, int runs);
 
 // The kernels exist for AVX-512 with VNNI (int8's multiply-adds in one instruction; otherwise
 // AVX-512's), AVX-512, AVX2 (+FMA) and in portable scalar code, each with the same order of

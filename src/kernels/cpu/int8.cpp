@@ -33,19 +33,19 @@ int64_t quantize_channel(int8_t* q, At at, float* scale, const float* w, int64_t
 }  // namespace
 
 int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
-                    bool per_row) {
+                    int64_t ld, bool per_row) {
   int64_t bad = 0;
   if (per_row) {
 #pragma omp parallel for schedule(static) reduction(+ : bad) if (rows * cols > kParallelFloats)
     for (int64_t r = 0; r < rows; ++r)
-      bad += quantize_channel(q, [&](int64_t i) { return r * cols + i; }, scale + r, w + r * cols, cols, 1);
+      bad += quantize_channel(q, [&](int64_t i) { return r * cols + i; }, scale + r, w + r * ld, cols, 1);
   } else {
 #pragma omp parallel for schedule(static) reduction(+ : bad) if (rows * cols > kParallelFloats)
     for (int64_t c = 0; c < cols; ++c)
-      bad += quantize_channel(q, [&](int64_t i) { return i8_index(i, c, cols); }, scale + c, w + c,
-                              rows, cols);
+      bad += quantize_channel(q, [&](int64_t i) { return i8_index(i, c, rows, cols); }, scale + c, w + c,
+                              rows, ld);
     if (rows % 2)  // the odd last row's partner: zeros
-      for (int64_t c = 0; c < cols; ++c) q[i8_index(rows, c, cols)] = 0;
+      for (int64_t c = 0; c < cols; ++c) q[i8_index(rows, c, rows, cols)] = 0;
   }
   return bad;
 }

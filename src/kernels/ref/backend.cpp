@@ -83,12 +83,12 @@ void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64_t out,
 }
 // The quantisation's definition (kernels/ops.h), channel by channel, in fp32 as specified.
 int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
-                    bool per_row) {
+                    int64_t ld, bool per_row) {
   const int64_t channels = per_row ? rows : cols, n = per_row ? cols : rows;
   int64_t bad = 0;
   for (int64_t c = 0; c < channels; ++c) {
-    auto src = [&](int64_t i) { return per_row ? c * cols + i : i * cols + c; };
-    auto dst = [&](int64_t i) { return per_row ? c * cols + i : kernels::i8_index(i, c, cols); };
+    auto src = [&](int64_t i) { return per_row ? c * ld + i : i * ld + c; };
+    auto dst = [&](int64_t i) { return per_row ? c * cols + i : kernels::i8_index(i, c, rows, cols); };
     float amax = 0;
     bool finite = true;
     for (int64_t i = 0; i < n; ++i) {
@@ -100,7 +100,7 @@ int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64
       const float r = scale[c] > 0 ? std::nearbyint(w[src(i)] / scale[c]) : 0.0f;
       q[dst(i)] = int8_t(std::clamp(r, -127.0f, 127.0f));
     }
-    if (!per_row && rows % 2) q[kernels::i8_index(rows, c, cols)] = 0;  // the odd row's partner
+    if (!per_row && rows % 2) q[kernels::i8_index(rows, c, rows, cols)] = 0;  // the odd row's partner
   }
   return bad;
 }

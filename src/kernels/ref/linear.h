@@ -129,14 +129,16 @@ template <class T>
 void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* scale,
                        const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
                        Strides ld) {
-  const int64_t ldx = ld.x ? ld.x : in, ldw = ld.w ? ld.w : out, ldy = ld.y ? ld.y : out;
+  SIGMA_CHECK(ld.w == 0 || ld.w == out,
+              "linear_forward_i8: int8 weights in panels have no row stride (got {} for {} columns)", ld.w, out);
+  const int64_t ldx = ld.x ? ld.x : in, ldy = ld.y ? ld.y : out;
   std::vector<int16_t> xq(static_cast<size_t>(in));
   for (int64_t i = 0; i < N; ++i) {
     const float step = kernels::round_row16(xq.data(), x + i * ldx, in);
     for (int64_t j = 0; j < out; ++j) {
       T dot = 0;
       for (int64_t k = 0; k < in; ++k)
-        dot += T(step) * T(float(xq[size_t(k)])) * T(float(q[kernels::i8_index(k, j, ldw)]));
+        dot += T(step) * T(float(xq[size_t(k)])) * T(float(q[kernels::i8_index(k, j, in, out)]));
       T s = accumulate ? T(y[i * ldy + j]) : T(0);
       if (b) s += T(b[j]);
       s += T(scale[j]) * dot;
