@@ -240,7 +240,7 @@ void Model::use_weights(WeightFormat f) {
       Layout l{&p, 0, p.value.shape().back(), 1, 0, 0, -1};
       l.rows = p.value.numel() / std::max<int64_t>(l.cols, 1);
       // A [K, rows', cols] stack of experts: each expert its own columns' scales. A linear's
-      // int8 matrix is stored in row pairs (ops::i8_elements), the embedding's rows as they are.
+      // int8 matrix is stored in panels of row pairs (ops::i8_elements), the embedding's rows as they are.
       const bool per_row = p.name == names::kTokens;
       if (p.value.shape().size() == 3) l.slices = p.value.dim(0);
       const int64_t r = l.rows / l.slices;

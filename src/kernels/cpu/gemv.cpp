@@ -333,11 +333,12 @@ SIGMA_SIMD void panel_tail(float* y, int64_t ldy, const float* x, int64_t ldx, c
   }
 }
 
-// One panel t[in, width] into y (panel_scalar's contract), chunk by chunk: 64 columns' sums at
+// One panel t[in, width] into y (panel_scalar's contract), chunk by chunk (not inlined: a call a
+// panel costs nothing, and profiles see the kernel apart, bench/decode_breakdown.sh): 64 columns' sums at
 // one row of x, 32 at two, 16 at three or four (at most 8 registers of sums; a chunk's rows of
 // the panel, 8 KiB, stay in L1 between the blocks).
 template <int M>
-SIGMA_SIMD void panel_kernel(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* t,
+SIGMA_SIMD __attribute__((noinline)) void panel_kernel(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* t,
                              int64_t width, int64_t in) {
   constexpr int G = M == 1 ? 4 : M == 2 ? 2 : 1;
   for (int64_t i0 = 0; i0 < in; i0 += kChunkRows) {
@@ -392,7 +393,7 @@ SIGMA_SIMD inline __attribute__((always_inline)) void panel_i8_block(int64_t* to
 // 64 columns' sums at one row of x, 32 at two, 16 at three or four (at most 8 registers; a
 // piece's pairs of a panel stay in L1/L2 between the blocks).
 template <int M>
-SIGMA_SIMD void panel_i8_kernel(int64_t* total, const int16_t* xq, int64_t ldq, const int8_t* t,
+SIGMA_SIMD __attribute__((noinline)) void panel_i8_kernel(int64_t* total, const int16_t* xq, int64_t ldq, const int8_t* t,
                                 int64_t width, int64_t pairs) {
   constexpr int C = M == 1 ? 8 : M == 2 ? 4 : 2;  // 8-column blocks a sweep
   int32_t xp[M * kPiecePairs];  // x's pairs as 32-bit words, a piece at a time
