@@ -128,6 +128,29 @@ TEST(Int8Quantise, RoundTripsWithinHalfAStep) {
   EXPECT_GT(n.s[1], 0.0f);
 }
 
+// A part of the columns quantised in place of the wider matrix it sits in (rows ld apart; the
+// query layer's K|V part of QKV, Model::use_weights) is the part copied out and quantised, on
+// each backend; a per-row table's rows likewise.
+TEST(Int8Quantise, APartOfTheColumnsIsQuantisedAsAMatrixOfItsOwn) {
+  const int64_t rows = 67, cols = 150, c0 = 45, n = 100;  // panels of 64 and 36 columns
+  const std::vector<float> w = channel_weights(rows, cols, 9, false);
+  std::vector<float> part;
+  for (int64_t i = 0; i < rows; ++i) part.insert(part.end(), w.begin() + i * cols + c0, w.begin() + i * cols + c0 + n);
+  for (bool per_row : {false, true}) {
+    const Quantised want = quantise(part, rows, n, per_row);
+    for (ops::BackendKind kind : {ops::BackendKind::Cpu, ops::BackendKind::Ref}) {
+      Quantised got;
+      got.q.resize(want.q.size());
+      got.s.resize(want.s.size());
+      ops::use_backend(kind);
+      got.bad = ops::quantize_i8(got.q.data(), got.s.data(), w.data() + c0, rows, n, cols, per_row);
+      ops::use_backend(ops::BackendKind::Cpu);
+      EXPECT_EQ(got.q, want.q) << ops::backend(kind).name << (per_row ? " per row" : " per column");
+      EXPECT_EQ(0, std::memcmp(got.s.data(), want.s.data(), got.s.size() * 4)) << ops::backend(kind).name;
+    }
+  }
+}
+
 // The SIMD kernels (AVX-512 with VNNI, AVX-512 and AVX2, each where the CPU has it) and the portable scalar path
 // run the same operations per element, so they agree bit for bit: 1 to 4 rows, column and row
 // tails, bias and accumulation, past the size where the spin team splits the work.

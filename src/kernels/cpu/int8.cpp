@@ -40,12 +40,33 @@ int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64
     for (int64_t r = 0; r < rows; ++r)
       bad += quantize_channel(q, [&](int64_t i) { return r * cols + i; }, scale + r, w + r * ld, cols, 1);
   } else {
+    // Panel by panel, row by row (a column at a time read each weight a row apart), the
+    // channel's definition unchanged.
+    const int64_t panels = (cols + kernels::kPanelColumns - 1) / kernels::kPanelColumns;
 #pragma omp parallel for schedule(static) reduction(+ : bad) if (rows * cols > kParallelFloats)
-    for (int64_t c = 0; c < cols; ++c)
-      bad += quantize_channel(q, [&](int64_t i) { return i8_index(i, c, rows, cols); }, scale + c, w + c,
-                              rows, ld);
-    if (rows % 2)  // the odd last row's partner: zeros
-      for (int64_t c = 0; c < cols; ++c) q[i8_index(rows, c, rows, cols)] = 0;
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t c0 = p * kernels::kPanelColumns, width = std::min(kernels::kPanelColumns, cols - c0);
+      float amax[kernels::kPanelColumns] = {}, sc[kernels::kPanelColumns];
+      int64_t nonfinite[kernels::kPanelColumns] = {};
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < width; ++j) {
+          const float a = std::fabs(w[i * ld + c0 + j]);
+          if (!std::isfinite(a)) ++nonfinite[j];
+          else amax[j] = std::max(amax[j], a);
+        }
+      for (int64_t j = 0; j < width; ++j) {
+        bad += nonfinite[j];
+        scale[c0 + j] = nonfinite[j] ? 0.0f : amax[j] / 127.0f;
+        sc[j] = scale[c0 + j];
+      }
+      int8_t* panel = q + kernels::i8_elements(rows, c0);  // pair rows of 2 width bytes
+      for (int64_t i = 0; i < rows + rows % 2; ++i)
+        for (int64_t j = 0; j < width; ++j) {
+          const float s = sc[j];
+          panel[(i / 2) * 2 * width + 2 * j + (i & 1)] =
+              i < rows && s > 0 ? int8_t(std::clamp(std::nearbyint(w[i * ld + c0 + j] / s), -127.0f, 127.0f)) : 0;
+        }
+    }
   }
   return bad;
 }
