@@ -237,15 +237,14 @@ void add_linear_w16(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, b
                     bool strided, uint64_t seed) {
   const Strides ld = strided ? Strides{in + 3, 0, 2 * out + 1} : Strides{};
   const int64_t ldx = ld.x ? ld.x : in, ldy = ld.y ? ld.y : out;
-  const int64_t woff = 0, yoff = strided ? 1 : 0;
+  const int64_t yoff = strided ? 1 : 0;
   const auto x = vec(N * ldx, seed), b = vec(out, seed + 2);
   const auto w = bf16_vec(in * out, seed + 1, 0.5f);
   const std::string label = fmt::format("N={} in={} out={}{}{}{}", N, in, out, bias ? " bias" : "",
                                         acc ? " accumulate" : "", strided ? " strided" : "");
   const std::vector<Out> outs = {{"y", vec(N * ldy + yoff, seed + 4)}};
   cs.push_back(make_case(OP(linear_forward_w16), label, outs, [=](auto fn, Outs& o) {
-    fn(o[0].data() + yoff, x.data(), w.data() + woff, bias ? b.data() : nullptr, N, in, out, acc,
-       ld);
+    fn(o[0].data() + yoff, x.data(), w.data(), bias ? b.data() : nullptr, N, in, out, acc, ld);
   }));
 }
 

@@ -696,7 +696,7 @@ int64_t chunks_of(int64_t in, int64_t rows = kChunkRows) {
 // (bench_gemv, Zen 5; issue 40). Partials stay per chunk, so the bits do not change.
 // Then then_fn(b) for b in [0, then) once every chunk has run (the sums, reading then_weights
 // values; run_items_phased).
-// w: the weights (row_bytes a row of w, in row pairs for int8; contiguous: rows of exactly the
+// w: the weights (row_bytes a row of w; contiguous: rows of exactly the
 // out columns), for the prefetch of the next product (next_product).
 template <class Fn, class Then>
 void for_each_chunk(int64_t in, int64_t out, Fn&& fn, int64_t chunk_rows, int64_t per_thread,
