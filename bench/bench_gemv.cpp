@@ -155,12 +155,13 @@ int main(int argc, char** argv) {
     w16[i] = sigma::to_bf16(w[i]);
     w8[i] = int8_t(i % 97 - 48);
   }
-  auto token = [&](int kind) {  // 0: gemv fp32, 1: gemv bf16, 2: oneDNN fp32, 3: read, 4: int8
+  // 0: gemv fp32 (panels), 1: gemv bf16, 2: oneDNN fp32, 3: read, 4: int8, 5: gemv fp32 in rows
+  auto token = [&](int kind) {
     if (kind == 3) return read_all(w, total);
     int64_t off = 0, col = 0;
     for (Shape s : shapes) {
       if (s.head) {  // y[out] = w[out, in] x
-        if (kind == 0) sigma::cpu::gemv_nt(y.data(), x.data(), w + off, 1, s.in, s.out, s.in, s.in, s.out);
+        if (kind == 0 || kind == 5) sigma::cpu::gemv_nt(y.data(), x.data(), w + off, 1, s.in, s.out, s.in, s.in, s.out);
         if (kind == 1) sigma::cpu::gemv_nt(y.data(), x.data(), w16 + off, 1, s.in, s.out, s.in, s.in, s.out);
         if (kind == 2)
           sigma::cpu::gemm(false, true, 1, s.out, s.in, 1.0f, x.data(), s.in, w + off, s.in,
@@ -172,9 +173,12 @@ int main(int argc, char** argv) {
         col += s.out;
         continue;
       }
+      // (fp32 and bf16 read as panels, kernels::panel_index: the values' order times nothing)
       if (kind == 0)
+        sigma::cpu::gemv_nn_panels(y.data(), x.data(), w + off, nullptr, 1, s.in, s.out, false, {});
+      if (kind == 5)
         sigma::cpu::gemv_nn(y.data(), x.data(), w + off, nullptr, 1, s.in, s.out, false, {});
-      if (kind == 1)  // (read as panels, kernels::w16_index: the values' order times nothing)
+      if (kind == 1)
         sigma::cpu::gemv_nn(y.data(), x.data(), w16 + off, nullptr, 1, s.in, s.out, false, {});
       if (kind == 2)
         sigma::cpu::gemm(false, false, 1, s.out, s.in, 1.0f, x.data(), s.in, w + off, s.out,
@@ -186,9 +190,9 @@ int main(int argc, char** argv) {
       col += s.out;
     }
   };
-  std::vector<std::vector<double>> gbs(5);
+  std::vector<std::vector<double>> gbs(6);
   for (int s = 0; s < samples + 1; ++s)
-    for (int kind = 0; kind < 5; ++kind) {  // alternating, the first sample warms up
+    for (int kind = 0; kind < 6; ++kind) {  // alternating, the first sample warms up
       const double t0 = now();
       token(kind);
       const double dt = now() - t0;
@@ -198,8 +202,8 @@ int main(int argc, char** argv) {
     }
   std::printf("{\"isa\":\"%s\",\"stat\":\"%s\",\"clock\":\"%s\",\"hugepages\":%d,\"d\":%ld,\"layers\":%ld,\"threads\":%d,\"weights\":%ld,\"gemv_fp32_gbs\":%.2f,"
               "\"gemv_bf16_gbs\":%.2f,\"gemv_int8_gbs\":%.2f,\"onednn_fp32_gbs\":%.2f,"
-              "\"read_gbs\":%.2f}\n",
+              "\"read_gbs\":%.2f,\"gemv_fp32_rows_gbs\":%.2f}\n",
               sigma::cpu::gemv_isa_name(sigma::cpu::gemv_isa()), g_best ? "best" : "median", g_cpu_clock ? "cpu" : "wall", int(huge), long(d), long(layers), omp_get_max_threads(), long(total), median(gbs[0]),
-              median(gbs[1]), median(gbs[4]), median(gbs[2]), median(gbs[3]));
+              median(gbs[1]), median(gbs[4]), median(gbs[2]), median(gbs[3]), median(gbs[5]));
   return 0;
 }

@@ -35,12 +35,17 @@ std::vector<float> randn(int64_t n, uint64_t seed) {
   return v;
 }
 
-// w[in, out] rounded to bf16, in panels (kernels::w16_index): as Model::use_weights lays out a
-// linear's copy.
-std::vector<uint16_t> bf16_panels(const std::vector<float>& w, int64_t in, int64_t out) {
-  std::vector<uint16_t> p(w.size());
+// w[in, out] in panels (kernels::panel_index), as Model::use_weights lays out a linear's copy:
+// fp32, or rounded to bf16.
+std::vector<float> f32_panels(const std::vector<float>& w, int64_t in, int64_t out) {
+  std::vector<float> p(w.size());
   for (int64_t i = 0; i < in; ++i)
-    for (int64_t j = 0; j < out; ++j) p[size_t(kernels::w16_index(i, j, in, out))] = to_bf16(w[size_t(i * out + j)]);
+    for (int64_t j = 0; j < out; ++j) p[size_t(kernels::panel_index(i, j, in, out))] = w[size_t(i * out + j)];
+  return p;
+}
+std::vector<uint16_t> bf16_panels(const std::vector<float>& w, int64_t in, int64_t out) {
+  std::vector<uint16_t> p;
+  for (float v : f32_panels(w, in, out)) p.push_back(to_bf16(v));
   return p;
 }
 
@@ -59,11 +64,13 @@ TEST_P(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
   const auto [in, out] = GetParam();  // past the threading threshold, odd tails
   const auto x = randn(4 * in, 1), w = randn(in * out, 2), b = randn(out, 3);
   const std::vector<uint16_t> p16 = bf16_panels(w, in, out);
+  const std::vector<float> p32 = f32_panels(w, in, out);
   const size_t n4 = size_t(4 * out), n1 = size_t(out);
-  std::vector<float> four(n4), one(n1), nt4(n4), nt1(n1), four16(n4), one16(n1);
+  std::vector<float> four(n4), one(n1), nt4(n4), nt1(n1), four16(n4), one16(n1), four32(n4), one32(n1);
   cpu::gemv_nn(four.data(), x.data(), w.data(), b.data(), 4, in, out, false, {});
   cpu::gemv_nt(nt4.data(), x.data(), w.data(), 4, in, out, in, in, out);  // w read as [out, in]
   cpu::gemv_nn(four16.data(), x.data(), p16.data(), b.data(), 4, in, out, false, {});
+  cpu::gemv_nn_panels(four32.data(), x.data(), p32.data(), b.data(), 4, in, out, false, {});
   for (int threads : {1, 2}) {
     omp_set_num_threads(threads);
     for (int r = 0; r < 4; ++r) {
@@ -73,46 +80,65 @@ TEST_P(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
       EXPECT_EQ(0, std::memcmp(nt1.data(), nt4.data() + r * out, nt1.size() * 4)) << "row " << r;
       cpu::gemv_nn(one16.data(), x.data() + r * in, p16.data(), b.data(), 1, in, out, false, {});
       EXPECT_EQ(0, std::memcmp(one16.data(), four16.data() + r * out, one16.size() * 4)) << "bf16 row " << r;
+      cpu::gemv_nn_panels(one32.data(), x.data() + r * in, p32.data(), b.data(), 1, in, out, false, {});
+      EXPECT_EQ(0, std::memcmp(one32.data(), four32.data() + r * out, one32.size() * 4)) << "fp32 panels row " << r;
     }
   }
   omp_set_num_threads(2);
-  // And the bf16 kernel (weights in panels, kernels::w16_index) is the fp32 kernel on the
-  // widened weights in rows, bit for bit.
+  // And the kernels on panels (kernels::panel_index) are the fp32 kernel on the same (for bf16,
+  // widened) weights in rows, bit for bit.
   std::vector<float> widened;
   for (float v : w) widened.push_back(from_bf16(to_bf16(v)));
   const auto y0 = randn(4 * out, 8);
   for (bool acc : {false, true}) {
-    std::vector<float> a = y0, c = y0;
+    std::vector<float> a = y0, c = y0, a32 = y0, c32 = y0;
     cpu::gemv_nn(a.data(), x.data(), p16.data(), acc ? b.data() : nullptr, 4, in, out, acc, {});
     cpu::gemv_nn(c.data(), x.data(), widened.data(), acc ? b.data() : nullptr, 4, in, out, acc, {});
-    EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * 4)) << "accumulate " << acc;
+    EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * 4)) << "bf16, accumulate " << acc;
+    cpu::gemv_nn_panels(a32.data(), x.data(), p32.data(), acc ? b.data() : nullptr, 4, in, out, acc, {});
+    cpu::gemv_nn(c32.data(), x.data(), w.data(), acc ? b.data() : nullptr, 4, in, out, acc, {});
+    EXPECT_EQ(0, std::memcmp(a32.data(), c32.data(), a32.size() * 4)) << "fp32, accumulate " << acc;
   }
 }
 
-// A linear's bf16 copy in panels (kernels::w16_index), from rows with a stride, as each backend
-// lays it out; and a row stride for panels is refused by name.
-TEST(Bf16Panels, EachBackendLaysOutWhatTheKernelsRead) {
+// A linear's fp32 and bf16 copies in panels (kernels::panel_index), from rows with a stride, as
+// each backend lays them out; and a row stride for panels is refused by name.
+TEST(Panels, EachBackendLaysOutWhatTheKernelsRead) {
   const int64_t in = 70, out = 150, ld = 160;  // panels of 64, 64, 22 columns
   const auto w = randn(in * ld, 11);
-  std::vector<uint16_t> want(size_t(in * out));
+  std::vector<float> want(size_t(in * out));
+  std::vector<uint16_t> want16(want.size());
   for (int64_t i = 0; i < in; ++i)
     for (int64_t j = 0; j < out; ++j) {
       const int64_t p = j / 64, width = std::min<int64_t>(64, out - 64 * p);
-      want[size_t(64 * p * in + i * width + j % 64)] = to_bf16(w[size_t(i * ld + j)]);
+      want[size_t(64 * p * in + i * width + j % 64)] = w[size_t(i * ld + j)];
+      want16[size_t(64 * p * in + i * width + j % 64)] = to_bf16(w[size_t(i * ld + j)]);
     }
   for (ops::BackendKind kind : {ops::BackendKind::Cpu, ops::BackendKind::Ref}) {
-    std::vector<uint16_t> got(want.size());
-    ops::backend(kind).convert_bf16_panels(got.data(), w.data(), in, out, ld);
+    std::vector<float> got(want.size());
+    ops::backend(kind).convert_f32_panels(got.data(), w.data(), in, out, ld);
     EXPECT_EQ(got, want) << ops::backend(kind).name;
+    std::vector<uint16_t> got16(want.size());
+    ops::backend(kind).convert_bf16_panels(got16.data(), w.data(), in, out, ld);
+    EXPECT_EQ(got16, want16) << ops::backend(kind).name;
   }
   std::vector<float> x(size_t(5 * in)), y(size_t(5 * out));
-  for (int64_t N : {1, 5})  // the GEMV, and a prompt's widened panels
-    try {
-      cpu::linear_forward_w16(y.data(), x.data(), want.data(), nullptr, N, in, out, false, {0, ld, 0});
-      ADD_FAILURE() << "a row stride of " << ld << " was taken at N = " << N;
-    } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find("no row stride"), std::string::npos) << e.what();
-    }
+  auto refused = [&](const char* what, auto&& run) {
+    for (int64_t N : {1, 5})  // the GEMV (a decode step's), and a prompt's panels in rows
+      try {
+        const ops::FewRowKernels decode;
+        run(N);
+        ADD_FAILURE() << what << ": a row stride of " << ld << " was taken at N = " << N;
+      } catch (const std::exception& e) {
+        EXPECT_NE(std::string(e.what()).find("no row stride"), std::string::npos) << what << ": " << e.what();
+      }
+  };
+  refused("bf16", [&](int64_t N) {
+    cpu::linear_forward_w16(y.data(), x.data(), want16.data(), nullptr, N, in, out, false, {0, ld, 0});
+  });
+  refused("fp32", [&](int64_t N) {
+    cpu::linear_forward_f32_panels(y.data(), x.data(), want.data(), nullptr, N, in, out, false, {0, ld, 0});
+  });
 }
 
 // Every SIMD path the CPU has (AVX-512 with VNNI, AVX-512, AVX2) gives the portable path's bits, fp32 and bf16
@@ -123,13 +149,16 @@ TEST_P(Gemv, EverySimdPathMatchesThePortablePathBitForBit) {
   std::vector<uint16_t> w16;  // rows: the head's [out, in]
   for (float v : w) w16.push_back(to_bf16(v));
   const std::vector<uint16_t> p16 = bf16_panels(w, in, out);
+  const std::vector<float> p32 = f32_panels(w, in, out);
   auto run = [&](cpu::GemvIsa isa, int64_t M) {
     cpu::gemv_use_isa(isa);
-    std::vector<float> a = y0, h = y0, h2 = y0, t(size_t(M * out)), t16(size_t(M * out));
+    std::vector<float> a = y0, h = y0, h2 = y0, f = y0, f2 = y0, t(size_t(M * out)), t16(size_t(M * out));
     cpu::gemv_nn(a.data(), x.data(), w.data(), b.data(), M, in, out, true, {});
     cpu::gemv_nn(h.data(), x.data(), p16.data(), nullptr, M, in, out, false, {});
     cpu::gemv_nn(h2.data(), x.data(), p16.data(), b.data(), M, in, out, true, {});
-    h.insert(h.end(), h2.begin(), h2.end());
+    cpu::gemv_nn_panels(f.data(), x.data(), p32.data(), nullptr, M, in, out, false, {});
+    cpu::gemv_nn_panels(f2.data(), x.data(), p32.data(), b.data(), M, in, out, true, {});
+    for (const auto* v : {&h2, &f, &f2}) h.insert(h.end(), v->begin(), v->end());
     cpu::gemv_nt(t.data(), x.data(), w.data(), M, in, out, in, in, out);
     cpu::gemv_nt(t16.data(), x.data(), w16.data(), M, in, out, in, in, out);
     cpu::gemv_use_isa(cpu::GemvIsa::Best);
@@ -202,6 +231,35 @@ TEST(Bf16Weights, DecodeReadsOnlyTheCopies) {
   const std::vector<int32_t> tokens = {3, 4, 5, 6, 7, 8};
   const auto logits = cached_logits(m, 1, tokens);
   for (float l : logits) ASSERT_TRUE(std::isfinite(l));
+}
+
+// fp32 inference weights: the linears move into panels (Model::use_weights), whose GEMVs give
+// the kernels' bits on rows, so a decode gives the training model's logits bit for bit; a
+// prompt's rows (panels put back in rows, oneDNN) stay within fp32 rounding of them; only the
+// copies are read (the rows are freed; the embedding table stays).
+TEST(Fp32Weights, DecodeOnPanelsIsTheModelInRowsBitForBit) {
+  const ModelConfig c = decode_config();
+  Model rows(c, 9), panels(c, 9);
+  panels.use_weights(WeightFormat::F32);
+  for (const Param& p : panels.params().all())
+    EXPECT_EQ(p.value.empty(), is_matrix(p.name) && p.name != names::kTokens) << p.name;
+  const auto tokens = some_tokens(c, c.context);
+  for (int domain : {0, 1}) {
+    const auto want = cached_logits(rows, domain, tokens), got = cached_logits(panels, domain, tokens);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4)) << "domain " << domain;
+    Batch b;
+    b.resize(1, c.context);
+    b.tokens = tokens;
+    b.domain[0] = domain;
+    std::vector<float> loss(size_t(c.context));
+    rows.forward(b, loss.data());
+    const std::vector<float> full = rows.logits();
+    panels.forward(b, loss.data());
+    const std::vector<float> prompt = panels.logits();
+    for (size_t i = 0; i < full.size(); ++i)
+      ASSERT_NEAR(prompt[i], full[i], 1e-5 * (1 + std::fabs(full[i]))) << "domain " << domain << " at " << i;
+  }
 }
 
 // The KV cache on bf16 weights (GEMV kernels, one row) computes the full forward pass's logits

@@ -379,7 +379,9 @@ TEST(Int8Weights, HeldBytesAreTheFormatsBytes) {
     EXPECT_EQ(m.held_bytes(), want) << weight_format_name(fmt);
     for (const Param& p : m.params().all()) {
       EXPECT_TRUE(p.grad.empty()) << p.name;
-      EXPECT_EQ(p.value.empty(), fmt != WeightFormat::F32 && streamed(p)) << p.name;
+      // Every streamed matrix is replaced by its copy (fp32: the linears' panels), but fp32's
+      // embedding table, read in place.
+      EXPECT_EQ(p.value.empty(), streamed(p) && !(fmt == WeightFormat::F32 && p.name == names::kTokens)) << p.name;
     }
   }
   // The benchmark's dense model, by the same formula (no model built: 100 MB).

@@ -231,7 +231,7 @@ std::vector<uint16_t> bf16_vec(int64_t n, uint64_t seed, float scale = 1.0f) {
   return h;
 }
 
-// linear_forward on bf16 weights (w16[in,out] in panels, kernels::w16_index: no row stride);
+// linear_forward on bf16 weights (w16[in,out] in panels, kernels::panel_index: no row stride);
 // x and y strided as in add_linear.
 void add_linear_w16(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, bool bias, bool acc,
                     bool strided, uint64_t seed) {
@@ -244,6 +244,22 @@ void add_linear_w16(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, b
                                         acc ? " accumulate" : "", strided ? " strided" : "");
   const std::vector<Out> outs = {{"y", vec(N * ldy + yoff, seed + 4)}};
   cs.push_back(make_case(OP(linear_forward_w16), label, outs, [=](auto fn, Outs& o) {
+    fn(o[0].data() + yoff, x.data(), w.data(), bias ? b.data() : nullptr, N, in, out, acc, ld);
+  }));
+}
+
+// linear_forward on fp32 weights in panels (kernels::panel_index: no row stride); x and y
+// strided as in add_linear.
+void add_linear_f32_panels(std::vector<Case>& cs, int64_t N, int64_t in, int64_t out, bool bias, bool acc,
+                           bool strided, uint64_t seed) {
+  const Strides ld = strided ? Strides{in + 3, 0, 2 * out + 1} : Strides{};
+  const int64_t ldx = ld.x ? ld.x : in, ldy = ld.y ? ld.y : out;
+  const int64_t yoff = strided ? 1 : 0;
+  const auto x = vec(N * ldx, seed), w = vec(in * out, seed + 1, 0.5f), b = vec(out, seed + 2);
+  const std::string label = fmt::format("N={} in={} out={}{}{}{}", N, in, out, bias ? " bias" : "",
+                                        acc ? " accumulate" : "", strided ? " strided" : "");
+  const std::vector<Out> outs = {{"y", vec(N * ldy + yoff, seed + 4)}};
+  cs.push_back(make_case(OP(linear_forward_f32_panels), label, outs, [=](auto fn, Outs& o) {
     fn(o[0].data() + yoff, x.data(), w.data(), bias ? b.data() : nullptr, N, in, out, acc, ld);
   }));
 }
@@ -705,6 +721,12 @@ std::vector<Case> all_cases() {
   add_movement(cs, 300007, 4099, 67, seed += 10);  // above the cpu's OpenMP thresholds
   for (bool acc : {false, true})  // bf16 panels of 64, 64 and 22 columns
     add_linear_w16(cs, 2, 200, 150, true, acc, false, seed += 10);
+  // fp32 panels: a GEMV's rows, a prompt's (panels put back in rows, oneDNN), strided x and y
+  for (bool acc : {false, true}) {
+    add_linear_f32_panels(cs, 1, 33, 131, true, acc, false, seed += 10);
+    add_linear_f32_panels(cs, 3, 131, 7, !acc, acc, true, seed += 10);
+    add_linear_f32_panels(cs, 7, 200, 150, true, acc, true, seed += 10);
+  }
   return cs;
 }
 
@@ -729,7 +751,7 @@ TEST(Ops, EveryOpOfTheFrontHasACase) {
   for (const Case& c : cases()) seen.insert(c.op);
   for (const char* op :
        {"gemm", "linear_forward", "linear_backward", "gemm_bf16", "linear_forward_bf16",
-        "linear_backward_bf16", "column_sum_accumulate", "linear_forward_w16", "gemm_nt_w16",
+        "linear_backward_bf16", "column_sum_accumulate", "linear_forward_f32_panels", "linear_forward_w16", "gemm_nt_w16",
         "linear_forward_i8", "gemm_nt_i8", "embedding_forward_w16", "embedding_forward_i8",
         "layernorm_forward",
         "layernorm_backward", "attention_forward", "attention_backward",
@@ -739,25 +761,29 @@ TEST(Ops, EveryOpOfTheFrontHasACase) {
         "embedding_forward", "embedding_backward",
         "adam_step", "copy", "fill", "add_into", "gather_rows", "scatter_rows"})
     EXPECT_TRUE(seen.count(op)) << op;
-  EXPECT_EQ(seen.size(), 35u);
+  EXPECT_EQ(seen.size(), 36u);
 }
 
-// cpu vs ref, element by element. Prints, per op, how far below its tolerance the worst
-// element sits (worst |cpu - ref| / tol).
+// cpu vs ref, element by element, as everywhere and inside a decode step (ops::FewRowKernels:
+// a few rows take the GEMVs). Prints, per op, how far below its tolerance the worst element
+// sits (worst |cpu - ref| / tol).
 TEST(Ops, CpuMatchesRefWithinTheRoundingBound) {
   std::map<std::string, double> worst_per_op;
-  for (size_t ci = 0; ci < cases().size(); ++ci) {
-    const Case& c = cases()[ci];
-    const Reference& r = references()[ci];
-    const Outs got = run_front(c, ops::backend(ops::BackendKind::Cpu));
-    for (size_t k = 0; k < c.outs.size(); ++k) {
-      const Verdict v = compare(got[k], r.val[k], r.tol[k]);
-      EXPECT_EQ(v.bad, 0) << c.title() << " " << c.outs[k].name << ": " << v.bad
-                          << " elements differ, first " << v.first;
-      double& w = worst_per_op[c.op];
-      w = std::max(w, v.worst);
+  for (bool decode : {false, true})
+    for (size_t ci = 0; ci < cases().size(); ++ci) {
+      const Case& c = cases()[ci];
+      const Reference& r = references()[ci];
+      std::optional<ops::FewRowKernels> few;
+      if (decode) few.emplace();
+      const Outs got = run_front(c, ops::backend(ops::BackendKind::Cpu));
+      for (size_t k = 0; k < c.outs.size(); ++k) {
+        const Verdict v = compare(got[k], r.val[k], r.tol[k]);
+        EXPECT_EQ(v.bad, 0) << c.title() << (decode ? " (decode)" : "") << " " << c.outs[k].name << ": "
+                            << v.bad << " elements differ, first " << v.first;
+        double& w = worst_per_op[c.op];
+        w = std::max(w, v.worst);
+      }
     }
-  }
   for (const auto& [op, w] : worst_per_op)
     std::printf("  %-22s worst |cpu - ref| / tol = %s\n", op.c_str(),
                 w == 0 ? "0 (bit-identical)" : fmt::format("{:.2e}", w).c_str());

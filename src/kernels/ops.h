@@ -73,9 +73,13 @@ struct Backend {
                                const float* w, int64_t N, int64_t in, int64_t out, Strides ld);
   // db[C] += column sums of dy[N,C] with row stride ld (0 = C).
   void (*column_sum_accumulate)(float* db, const float* dy, int64_t N, int64_t C, int64_t ld);
+  // Inference on an fp32 copy (Model::use_weights): linear_forward with w[in,out] in column
+  // panels (kernels::panel_index; ld.w 0), the same values as linear_forward's:
+  void (*linear_forward_f32_panels)(float* y, const float* x, const float* w, const float* b,
+                                    int64_t N, int64_t in, int64_t out, bool accumulate, Strides ld);
   // Inference on bf16 weight copies (Model::use_weights; kernels/cpu/gemv.h): the weights
   // are bf16 values, widened exactly; x, b, the products and the sums stay fp32.
-  // linear_forward with w16[in,out] in column panels (kernels::w16_index; ld.w 0):
+  // linear_forward with w16[in,out] in column panels (kernels::panel_index; ld.w 0):
   void (*linear_forward_w16)(float* y, const float* x, const uint16_t* w16, const float* b,
                              int64_t N, int64_t in, int64_t out, bool accumulate, Strides ld);
   // y[N,out] = x[N,in] @ w16[out,in]^T (the tied head on bf16 embedding rows):
@@ -179,8 +183,10 @@ struct Backend {
   // dst[i] = x[i] rounded to bf16 (nearest even; core/bf16.h): the inference weight copies.
   void (*convert_bf16)(uint16_t* dst, const float* x, int64_t n);
   // A linear's copy: w[in, out] (rows ld apart) rounded as convert_bf16 into dst's column panels
-  // (kernels::w16_index), the layout the *_w16 linears read.
+  // (kernels::panel_index), the layout the *_w16 linears read.
   void (*convert_bf16_panels)(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld);
+  // The same without rounding: w's fp32 values in dst's column panels (linear_forward_f32_panels).
+  void (*convert_f32_panels)(float* dst, const float* w, int64_t in, int64_t out, int64_t ld);
   // Symmetric int8 quantisation of w[rows, cols] (rows ld apart) with one scale per column
   // (per_row false: the output channels of a linear's w[in,out], written in panels of row pairs,
   // kernels::i8_index: q holds kernels::i8_elements(rows, cols)) or per row (the embedding
@@ -360,6 +366,11 @@ inline void column_sum_accumulate(float* db, const float* dy, int64_t N, int64_t
                                   int64_t ld = 0) {
   detail::active->column_sum_accumulate(db, dy, N, C, ld);
 }
+inline void linear_forward_f32_panels(float* y, const float* x, const float* w, const float* b,
+                                      int64_t N, int64_t in, int64_t out, bool accumulate = false,
+                                      Strides ld = {}) {
+  detail::active->linear_forward_f32_panels(y, x, w, b, N, in, out, accumulate, ld);
+}
 inline void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b,
                                int64_t N, int64_t in, int64_t out, bool accumulate = false,
                                Strides ld = {}) {
@@ -493,6 +504,9 @@ inline void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
 }
 inline void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld) {
   detail::active->convert_bf16_panels(dst, w, in, out, ld);
+}
+inline void convert_f32_panels(float* dst, const float* w, int64_t in, int64_t out, int64_t ld) {
+  detail::active->convert_f32_panels(dst, w, in, out, ld);
 }
 inline int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
                            int64_t ld, bool per_row) {

@@ -58,18 +58,18 @@ enum class Precision : uint8_t { Fp32, Bf16 };
 // LayerNorm's epsilon (inside the square root), the same for every backend.
 constexpr float kLayerNormEps = 1e-5f;
 
-// A linear's bf16 or int8 copy (Model::use_weights) is stored in column panels of
+// A linear's inference copy (fp32, bf16 or int8; Model::use_weights) is stored in column panels of
 // kPanelColumns columns (the last one narrower where out is not a multiple), one after another,
 // each panel's rows contiguous: a decode GEMV streams one panel top to bottom as one run of
 // bytes with the panel's sums in registers (kernels/cpu/gemv.cpp), where rows of the whole width
 // made it keep the sums in memory and read 4 rows a sweep from 4 places (on Zen 3 bf16 streamed
 // at 66-70 % of the read that way, at 85-90 % in panels; issue 40). A part of the columns used
 // on its own (the query layer's Q and K|V parts of QKV) is laid out as a matrix of its own:
-// the part from column c starts at element w16_index(0, c, in, out) or i8_elements(in, c).
+// the part from column c starts at element panel_index(0, c, in, out) or i8_elements(in, c).
 constexpr int64_t kPanelColumns = 64;
 
-// bf16, w16[in, out]: a panel's rows of its width one after another.
-inline int64_t w16_index(int64_t i, int64_t j, int64_t in, int64_t out) {
+// fp32 and bf16, w[in, out]: a panel's rows of its width one after another.
+inline int64_t panel_index(int64_t i, int64_t j, int64_t in, int64_t out) {
   const int64_t p0 = j / kPanelColumns * kPanelColumns;
   const int64_t width = out - p0 < kPanelColumns ? out - p0 : kPanelColumns;
   return p0 * in + i * width + (j - p0);

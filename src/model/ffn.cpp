@@ -12,6 +12,8 @@ void ffn_forward(float* y, float* pre, float* act, const float* x, const FfnWeig
     ops::linear_forward_i8(pre, x, w.w_in8, w.s_in, w.b_in, N, d, f);
   else if (w.w_in16)
     ops::linear_forward_w16(pre, x, w.w_in16, w.b_in, N, d, f);
+  else if (w.w_in_panels)
+    ops::linear_forward_f32_panels(pre, x, w.w_in_panels, w.b_in, N, d, f);
   else
     ops::linear_forward(pre, x, w.w_in, w.b_in, N, d, f);
   ops::fast_gelu_forward(act, pre, N * f);
@@ -19,6 +21,8 @@ void ffn_forward(float* y, float* pre, float* act, const float* x, const FfnWeig
     ops::linear_forward_i8(y, act, w.w_out8, w.s_out, w.b_out, N, f, d, /*accumulate=*/true);
   else if (w.w_out16)
     ops::linear_forward_w16(y, act, w.w_out16, w.b_out, N, f, d, /*accumulate=*/true);
+  else if (w.w_out_panels)
+    ops::linear_forward_f32_panels(y, act, w.w_out_panels, w.b_out, N, f, d, /*accumulate=*/true);
   else
     ops::linear_forward(y, act, w.w_out, w.b_out, N, f, d, /*accumulate=*/true);
 }

@@ -206,6 +206,28 @@ namespace {
 bool streamed_matrix(const Param& p) {
   return p.name == names::kTokens || (p.decay && !names::is_gate(p.name));
 }
+
+// A streamed matrix as use_weights lays it out: `slices` matrices of rows x cols (a [K, rows,
+// cols] stack of experts: K slices; else one).
+struct MatrixShape {
+  int64_t slices, rows, cols;
+};
+MatrixShape matrix_shape(const Param& p) {
+  const int64_t cols = p.value.shape().back(), slices = p.value.shape().size() == 3 ? p.value.dim(0) : 1;
+  return {slices, p.value.numel() / std::max<int64_t>(cols, 1) / slices, cols};
+}
+
+// fn(slice, first column, columns) for each part of a linear laid out in panels as a matrix of
+// its own (kernels::panel_index, i8_index): each slice, and in the query layer's QKV its Q and
+// K|V columns, which are used apart (model_passes.cpp).
+template <class Fn>
+void for_each_part(const MatrixShape& s, bool query_qkv, Fn&& fn) {
+  const int64_t first = query_qkv ? s.cols / 3 : s.cols;
+  for (int64_t k = 0; k < s.slices; ++k) {
+    fn(k, int64_t(0), first);
+    if (first < s.cols) fn(k, first, s.cols - first);
+  }
+}
 }  // namespace
 
 void Model::use_weights(WeightFormat f) {
@@ -218,10 +240,33 @@ void Model::use_weights(WeightFormat f) {
   inference_ = true;
   format_ = f;
   for (Param& p : params_.all()) p.grad = Tensor();  // inference reads no gradient
+  auto is_query_qkv = [&](const Param& p) { return p.name == names::block(cfg_.layers - 1, "attn.qkv.w"); };
   if (f == WeightFormat::F32) {
-    // The fp32 matrices stay where they are: huge pages for their whole 2 MiB ranges (a hint).
-    for (Param& p : params_.all())
-      if (streamed_matrix(p)) ops::advise_huge_pages(p.value);
+    // The linears' fp32 values move into panels as bf16's are (the decode GEMVs stream a panel
+    // as one run of bytes, ~10 % faster than rows; issue 40), one matrix at a time: each
+    // copy is made and the rows freed before the next, so a load holds at most one matrix more
+    // than the model. The embedding table stays where it is (the head and the lookup read its
+    // rows). Huge pages for the whole 2 MiB ranges of each (a hint).
+    for (Param& p : params_.all()) {
+      if (!streamed_matrix(p)) continue;
+      if (p.name == names::kTokens) {
+        ops::advise_huge_pages(p.value);
+        continue;
+      }
+      const MatrixShape m = matrix_shape(p);
+      WeightCopy c;
+      c.owned = ops::empty(DType::F32, p.value.shape());
+      ops::advise_huge_pages(c.owned);
+      c.data = c.owned.dev_bytes();
+      const float* v = p.value.dev_f();
+      for_each_part(m, is_query_qkv(p), [&](int64_t k, int64_t c0, int64_t n) {
+        const int64_t at = k * m.rows * m.cols;
+        ops::convert_f32_panels(c.owned.dev_f() + at + c0 * m.rows, v + at + c0, m.rows, n, m.cols);
+      });
+      copy_bytes_ += int64_t(p.value.nbytes());
+      copies_.emplace(p.name, std::move(c));
+      p.value = Tensor();  // the rows are gone
+    }
   } else {
     // Every copy in one arena of huge pages (ops::advise_huge_pages): with 4 KiB pages the
     // decode GEMVs streamed bf16 and int8 weights ~15 % slower (one thread, Zen 5; issue 40).
@@ -231,22 +276,21 @@ void Model::use_weights(WeightFormat f) {
     auto round64 = [](int64_t n) { return (n + 63) / 64 * 64; };
     struct Layout {
       Param* p;
-      int64_t rows, cols, slices, slice, data, scale;  // data, scale: byte offsets
+      MatrixShape m;
+      int64_t slice, data, scale;  // slice: elements; data, scale: byte offsets
     };
     std::vector<Layout> layout;
     int64_t bytes = 0;
     for (Param& p : params_.all()) {
       if (!streamed_matrix(p)) continue;
-      Layout l{&p, 0, p.value.shape().back(), 1, 0, 0, -1};
-      l.rows = p.value.numel() / std::max<int64_t>(l.cols, 1);
-      // A [K, rows', cols] stack of experts: each expert its own columns' scales. A linear's
-      // int8 matrix is stored in panels of row pairs (ops::i8_elements), the embedding's rows as they are.
+      Layout l{&p, matrix_shape(p), 0, 0, -1};
+      // Each expert of a stack has its own columns' scales. A linear's int8 matrix is stored in
+      // panels of row pairs (ops::i8_elements), the embedding's rows as they are.
       const bool per_row = p.name == names::kTokens;
-      if (p.value.shape().size() == 3) l.slices = p.value.dim(0);
-      const int64_t r = l.rows / l.slices;
-      l.slice = f == WeightFormat::Bf16 || per_row ? r * l.cols : ops::i8_elements(r, l.cols);
-      const int64_t data = f == WeightFormat::Bf16 ? 2 * l.rows * l.cols : l.slices * l.slice;
-      const int64_t scale = f == WeightFormat::Int8 ? 4 * (per_row ? l.rows : l.slices * l.cols) : 0;
+      const int64_t rows = l.m.slices * l.m.rows;
+      l.slice = f == WeightFormat::Bf16 || per_row ? l.m.rows * l.m.cols : ops::i8_elements(l.m.rows, l.m.cols);
+      const int64_t data = f == WeightFormat::Bf16 ? 2 * rows * l.m.cols : l.m.slices * l.slice;
+      const int64_t scale = f == WeightFormat::Int8 ? 4 * (per_row ? rows : l.m.slices * l.m.cols) : 0;
       l.data = bytes;
       l.scale = scale > 0 ? bytes + round64(data) : -1;
       bytes += round64(data) + round64(scale);
@@ -259,36 +303,29 @@ void Model::use_weights(WeightFormat f) {
     ops::advise_huge_pages(arena_);
     for (const Layout& l : layout) {
       Param& p = *l.p;
-      WeightCopy c{base + l.data, l.scale >= 0 ? reinterpret_cast<float*>(base + l.scale) : nullptr};
+      WeightCopy c;
+      c.data = base + l.data;
+      c.scale = l.scale >= 0 ? reinterpret_cast<float*>(base + l.scale) : nullptr;
       const float* v = p.value.dev_f();
-      const int64_t r = l.rows / l.slices, cols = l.cols;
+      const int64_t r = l.m.rows, cols = l.m.cols;
+      int64_t bad = 0;
       if (p.name == names::kTokens) {  // the head and the lookup read the table's rows as they are
-        if (f == WeightFormat::Bf16) {
+        if (f == WeightFormat::Bf16)
           ops::convert_bf16(reinterpret_cast<uint16_t*>(c.data), v, p.value.numel());
-        } else {
-          const int64_t bad = ops::quantize_i8(reinterpret_cast<int8_t*>(c.data), c.scale, v, r, cols, cols, true);
-          SIGMA_CHECK(bad == 0, "int8 weights: parameter '{}' holds {} non-finite values", p.name, bad);
-        }
+        else
+          bad = ops::quantize_i8(reinterpret_cast<int8_t*>(c.data), c.scale, v, r, cols, cols, true);
       } else {
-        // A linear in panels (kernels::w16_index, i8_index), each slice (an expert of a stack) a
-        // matrix; the query layer's Q and K|V columns of QKV are used apart (model_passes.cpp),
-        // so each is one too.
-        const bool query_qkv = p.name == names::block(cfg_.layers - 1, "attn.qkv.w");
-        const int64_t first = query_qkv ? cols / 3 : cols;
-        int64_t bad = 0;
-        for (int64_t k = 0; k < l.slices; ++k)
-          for (const auto [c0, n] : {std::pair{int64_t(0), first}, std::pair{first, cols - first}}) {
-            if (n == 0) continue;
-            const float* src = v + k * r * cols + c0;
-            if (f == WeightFormat::Bf16)
-              ops::convert_bf16_panels(reinterpret_cast<uint16_t*>(c.data) + k * r * cols + c0 * r, src, r, n, cols);
-            else
-              bad += ops::quantize_i8(reinterpret_cast<int8_t*>(c.data) + k * l.slice + ops::i8_elements(r, c0),
-                                      c.scale + k * cols + c0, src, r, n, cols, false);
-          }
-        SIGMA_CHECK(bad == 0, "int8 weights: parameter '{}' holds {} non-finite values", p.name, bad);
+        for_each_part(l.m, is_query_qkv(p), [&](int64_t k, int64_t c0, int64_t n) {
+          const float* src = v + k * r * cols + c0;
+          if (f == WeightFormat::Bf16)
+            ops::convert_bf16_panels(reinterpret_cast<uint16_t*>(c.data) + k * r * cols + c0 * r, src, r, n, cols);
+          else
+            bad += ops::quantize_i8(reinterpret_cast<int8_t*>(c.data) + k * l.slice + ops::i8_elements(r, c0),
+                                    c.scale + k * cols + c0, src, r, n, cols, false);
+        });
       }
-      copies_.emplace(p.name, c);
+      SIGMA_CHECK(bad == 0, "int8 weights: parameter '{}' holds {} non-finite values", p.name, bad);
+      copies_.emplace(p.name, std::move(c));
       p.value = Tensor();  // the fp32 matrix is gone
     }
   }
@@ -305,10 +342,11 @@ void Model::attach_copies() {
   const int64_t d = cfg_.d_model, f = cfg_.ffn();
   auto set = [&](PV& pv, const std::string& name) {
     const WeightCopy& c = copies_.at(name);
-    if (format_ == WeightFormat::Bf16) pv.h = reinterpret_cast<const uint16_t*>(c.data);
+    if (format_ == WeightFormat::F32) pv.p = reinterpret_cast<const float*>(c.data);
+    else if (format_ == WeightFormat::Bf16) pv.h = reinterpret_cast<const uint16_t*>(c.data);
     else pv.q = reinterpret_cast<const int8_t*>(c.data), pv.s = c.scale;
   };
-  set(w_->tokens, names::kTokens);
+  if (format_ != WeightFormat::F32) set(w_->tokens, names::kTokens);  // fp32: the table in place
   for (int l = 0; l < cfg_.layers; ++l) {
     BlockWeights& b = w_->blocks[size_t(l)];
     set(b.qkv_w, names::block(l, "attn.qkv.w"));
@@ -325,6 +363,7 @@ void Model::attach_copies() {
       for (int e = 0; e < cfg_.groups[g].experts; ++e) {
         FfnWeights& x = b.rre.expert[size_t(b.rre.offset[g] + e)];
         x.w_in = x.w_out = nullptr;
+        if (wi.p) x.w_in_panels = wi.p + e * d * f, x.w_out_panels = wo.p + e * f * d;
         if (wi.h) x.w_in16 = wi.h + e * d * f, x.w_out16 = wo.h + e * f * d;
         if (wi.q) {
           x.w_in8 = wi.q + e * ops::i8_elements(d, f), x.s_in = wi.s + e * f;
@@ -340,7 +379,6 @@ int64_t Model::held_bytes() const {
   for (const Param& p : params_.all()) n += int64_t(p.value.nbytes() + p.grad.nbytes());
   for (const Buffer& b : buffers_.all()) n += int64_t(b.value.nbytes());
   return n + copy_bytes_;
-  return n;
 }
 
 void Model::init_expert(int block, int g, int k, float* out) const {

@@ -277,11 +277,13 @@ class Model {
   double aux_loss_ = 0;
   Remat remat_ = Remat::None;
   std::unique_ptr<ModelWeights> w_;
-  // use_weights: the copies by parameter name (device): values, and int8 scales.
-  // Each copy lies in arena_ (one tensor, its copies' start 2 MiB-aligned: huge pages).
+  // use_weights: the copies by parameter name (device): values, and int8 scales. A bf16 or
+  // int8 copy lies in arena_ (one tensor, its copies' start 2 MiB-aligned: huge pages); an fp32
+  // one in its own tensor.
   struct WeightCopy {
     std::byte* data = nullptr;
     float* scale = nullptr;  // int8 only
+    Tensor owned;            // fp32 only
   };
   std::map<std::string, WeightCopy> copies_;
   Tensor arena_;

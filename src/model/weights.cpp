@@ -44,6 +44,8 @@ void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, in
                            {ld.x, 0, ld.y});
   else if (w.h)
     ops::linear_forward_w16(y, x, w.h + col * in, b, N, in, out, accumulate, {ld.x, 0, ld.y});
+  else if (w.p)
+    ops::linear_forward_f32_panels(y, x, w.p + col * in, b, N, in, out, accumulate, {ld.x, 0, ld.y});
   else
     ops::linear_forward(y, x, w.v + col, b, N, in, out, accumulate, ld);
 }

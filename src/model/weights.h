@@ -18,11 +18,13 @@ const char* weight_format_name(WeightFormat f);            // "fp32", "bf16", "i
 WeightFormat weight_format_from_name(std::string_view s);  // throws naming the known ones
 
 // Value and gradient pointers of one parameter (tensor buffers never move); for the matrices
-// Model::use_weights converts, the copy inference reads instead of v (v is then null): h, bf16;
-// or q, int8, with s its scales (one per column; per row for the embedding table).
+// Model::use_weights converts, the copy inference reads instead of v (v is then null): p, fp32
+// in panels; h, bf16; or q, int8, with s its scales (one per column; per row for the embedding
+// table).
 struct PV {
   float* v = nullptr;
   float* g = nullptr;
+  const float* p = nullptr;
   const uint16_t* h = nullptr;
   const int8_t* q = nullptr;
   const float* s = nullptr;
@@ -49,7 +51,7 @@ struct BlockWeights {
   std::vector<PV> gate;         // learned-gate baseline: per group, W_g [d, K_g]
   bool is_rre() const { return !rre.expert.empty(); }
   FfnWeights ffn() const {
-    return {w_in.v, b_in.v, w_out.v, b_out.v, w_in.h, w_out.h, w_in.q, w_in.s, w_out.q, w_out.s};
+    return {w_in.v, b_in.v, w_out.v, b_out.v, w_in.h, w_out.h, w_in.q, w_in.s, w_out.q, w_out.s, w_in.p, w_out.p};
   }
   FfnGrads ffn_grad() const { return {w_in.g, b_in.g, w_out.g, b_out.g}; }
 };
@@ -61,8 +63,8 @@ struct ModelWeights {
 };
 
 // y[N,out] (+)= x[N,in] @ w[:, col .. col+out) + b through the ops front: on w's bf16 or int8
-// copy when it has one (PV::h, PV::q), else on its fp32 values. Strides as in
-// ops::linear_forward. A bf16 or int8 copy is in panels: columns [col, col + out) must be a part
+// copy when it has one (PV::p, PV::h, PV::q), else on its fp32 values. Strides as in
+// ops::linear_forward. An inference copy is in panels: columns [col, col + out) must be a part
 // that Model::use_weights laid out on its own (the whole matrix, or the query layer's Q or K|V).
 void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, int64_t in,
             int64_t out, bool accumulate = false, kernels::Strides ld = {}, int64_t col = 0);

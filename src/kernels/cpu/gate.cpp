@@ -146,15 +146,25 @@ void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = sigma::to_bf16(x[i]);
 }
 
-void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld) {
+namespace {
+template <class T, class Convert>
+void to_panels(T* dst, const float* w, int64_t in, int64_t out, int64_t ld, Convert convert) {
   const int64_t panels = (out + kernels::kPanelColumns - 1) / kernels::kPanelColumns;
 #pragma omp parallel for schedule(static) if (in * out > (1 << 16))
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t c0 = p * kernels::kPanelColumns, width = std::min(kernels::kPanelColumns, out - c0);
-    uint16_t* d = dst + c0 * in;  // the panel's rows, `width` weights each
+    T* d = dst + c0 * in;  // the panel's rows, `width` weights each
     for (int64_t i = 0; i < in; ++i)
-      for (int64_t j = 0; j < width; ++j) d[i * width + j] = sigma::to_bf16(w[i * ld + c0 + j]);
+      for (int64_t j = 0; j < width; ++j) d[i * width + j] = convert(w[i * ld + c0 + j]);
   }
+}
+}  // namespace
+
+void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld) {
+  to_panels(dst, w, in, out, ld, [](float v) { return sigma::to_bf16(v); });
+}
+void convert_f32_panels(float* dst, const float* w, int64_t in, int64_t out, int64_t ld) {
+  to_panels(dst, w, in, out, ld, [](float v) { return v; });
 }
 
 }  // namespace sigma::cpu

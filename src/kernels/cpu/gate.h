@@ -24,5 +24,7 @@ double sum_sq(const float* x, int64_t n);
 void convert_bf16(uint16_t* dst, const float* x, int64_t n);
 // w[in, out] (rows ld apart) in bf16 column panels (ops::convert_bf16_panels).
 void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld);
+// The same as fp32 (ops::convert_f32_panels).
+void convert_f32_panels(float* dst, const float* w, int64_t in, int64_t out, int64_t ld);
 
 }  // namespace sigma::cpu

@@ -27,7 +27,7 @@ constexpr int64_t kParallelWeights = int64_t(1) << 16;
 // partial vector, so that a thread streams whole rows of a contiguous block of w (one stream
 // the prefetchers follow, instead of a column slice of every row; docs/benchmarks.md, issue
 // 12). The chunk bounds do not depend on the thread count, so neither do the bits. bf16
-// weights in panels (kernels::w16_index) keep the same chunks and add each chunk's sums in
+// weights in panels (kernels::panel_index) keep the same chunks and add each chunk's sums in
 // the same order.
 constexpr int64_t kChunkRows = 64;
 using kernels::kPanelColumns;
@@ -78,10 +78,11 @@ void nn_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* w, i
     }
 }
 
-// One panel of bf16 weights t[in, width] (kernels::w16_index) into y's width columns, which hold
-// (accumulate ? y : 0) + b: per chunk of kChunkRows rows the FMAs in row order from zero (nn's
-// partial), then added to y, chunk by chunk (sum_rows' order), so the bits are nn's.
-void panel_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* t,
+// One panel of fp32 or bf16 weights t[in, width] (kernels::panel_index) into y's width columns,
+// which hold (accumulate ? y : 0) + b: per chunk of kChunkRows rows the FMAs in row order from
+// zero (nn's partial), then added to y, chunk by chunk (sum_rows' order), so the bits are nn's.
+template <class W>
+void panel_scalar(float* y, int64_t ldy, const float* x, int64_t ldx, const W* t,
                   int64_t width, int64_t in, int64_t M) {
   for (int64_t i0 = 0; i0 < in; i0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, in - i0);
@@ -268,38 +269,45 @@ template <int M>
 SIGMA_SIMD void nt_kernel_pairs(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* w,
                                 int64_t ldw, int64_t in, Range rows, std::integral_constant<int, M>);
 #include "kernels/cpu/gemv_simd.inc"
-// ---- bf16 weights in panels (kernels::w16_index): the panel's sums in registers ----
+// ---- fp32 and bf16 weights in panels (kernels::panel_index): the panel's sums in registers ----
 // Columns [c, c + 16 G) of a chunk's rows of one panel (t: the chunk's first row, `width`
-// weights a row) for M rows of x, added to y. A bf16 is the top half of an fp32, so two unpacks
-// of 16 weights with zeros widen them (AVX2 has no bf16 instructions; a zero-extension and a
-// shift take four instructions for the same 16); the unpacks work within 128-bit halves, so the
-// sums hold columns {0-3, 8-11} and {4-7, 12-15} of each 16 and are put back in order once, when
-// they are added to y. Each sum's FMAs run in row order from zero, as panel_scalar's. With
-// `prefetch` (the block that starts each row), the lines kPanelAhead bytes past each row are
-// prefetched into L2: a panel is one run of bytes, and 0.5-1 KiB ahead streamed 3-8 % faster
-// than the hardware prefetcher alone, 2 KiB ahead 5-10 % slower (2 threads, from memory, Zen 3;
-// issue 40).
+// weights a row) for M rows of x, added to y. fp32 weights are loaded as they are. A bf16 is the
+// top half of an fp32, so two unpacks of 16 weights with zeros widen them (AVX2 has no bf16
+// instructions; a zero-extension and a shift take four instructions for the same 16); the
+// unpacks work within 128-bit halves, so the sums hold columns {0-3, 8-11} and {4-7, 12-15} of
+// each 16 and are put back in order once, when they are added to y. Each sum's FMAs run in row
+// order from zero, as panel_scalar's. With `prefetch` (the block that starts each row), the
+// lines kPanelAhead bytes past each row are prefetched into L2: a panel is one run of bytes, and
+// for bf16 0.5-1 KiB ahead streamed 3-8 % faster than the hardware prefetcher alone, 2 KiB ahead
+// 5-10 % slower (2 threads, from memory, Zen 3; issue 40).
 constexpr int64_t kPanelAhead = 1024;
-template <int M, int G>
+template <class W, int M, int G>
 SIGMA_SIMD inline __attribute__((always_inline)) void panel_block(float* y, int64_t ldy, const float* x, int64_t ldx,
-                                                                 const uint16_t* t, int64_t width, int64_t rows,
+                                                                 const W* t, int64_t width, int64_t rows,
                                                                  int64_t c, bool prefetch) {
+  constexpr bool kBf16 = std::is_same_v<W, uint16_t>;
   const __m256i z = _mm256_setzero_si256();
   vec acc[M][G][2];
   for (int r = 0; r < M; ++r)
     for (int g = 0; g < G; ++g) acc[r][g][0] = acc[r][g][1] = zero();
-  const int64_t row_bytes = width * 2;
+  const int64_t row_bytes = width * int64_t(sizeof(W));
   for (int64_t i = 0; i < rows; ++i) {
-    const uint16_t* row = t + i * width;
+    const W* row = t + i * width;
     if (prefetch)
       for (int64_t b = 0; b < row_bytes; b += 64)
         prefetch_line(reinterpret_cast<const char*>(row) + kPanelAhead + b, false);
     vec xr[M];
     for (int r = 0; r < M; ++r) xr[r] = set1(x[r * ldx + i]);
     for (int g = 0; g < G; ++g) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c + 16 * g));
-      const vec lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
-      const vec hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+      vec lo, hi;
+      if constexpr (kBf16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c + 16 * g));
+        lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+        hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+      } else {
+        lo = loadu(row + c + 16 * g);
+        hi = loadu(row + c + 16 * g + kLanes);
+      }
       for (int r = 0; r < M; ++r) {
         acc[r][g][0] = fmadd(xr[r], lo, acc[r][g][0]);
         acc[r][g][1] = fmadd(xr[r], hi, acc[r][g][1]);
@@ -309,14 +317,19 @@ SIGMA_SIMD inline __attribute__((always_inline)) void panel_block(float* y, int6
   for (int r = 0; r < M; ++r)
     for (int g = 0; g < G; ++g) {
       float* yp = y + r * ldy + c + 16 * g;
-      storeu(yp, _mm256_add_ps(loadu(yp), _mm256_permute2f128_ps(acc[r][g][0], acc[r][g][1], 0x20)));
-      storeu(yp + kLanes, _mm256_add_ps(loadu(yp + kLanes), _mm256_permute2f128_ps(acc[r][g][0], acc[r][g][1], 0x31)));
+      vec lo = acc[r][g][0], hi = acc[r][g][1];
+      if constexpr (kBf16) {
+        lo = _mm256_permute2f128_ps(acc[r][g][0], acc[r][g][1], 0x20);
+        hi = _mm256_permute2f128_ps(acc[r][g][0], acc[r][g][1], 0x31);
+      }
+      storeu(yp, _mm256_add_ps(loadu(yp), lo));
+      storeu(yp + kLanes, _mm256_add_ps(loadu(yp + kLanes), hi));
     }
 }
 
-// The last n < 16 columns at c of a narrower panel: widened one 8-lane block at a time.
-template <int M>
-SIGMA_SIMD void panel_tail(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* t,
+// The last n < 16 columns at c of a narrower panel: one 8-lane block at a time.
+template <class W, int M>
+SIGMA_SIMD void panel_tail(float* y, int64_t ldy, const float* x, int64_t ldx, const W* t,
                            int64_t width, int64_t rows, int64_t c, int n) {
   for (int s = 0; s * kLanes < n; ++s) {
     const int k = std::min(kLanes, n - s * kLanes);
@@ -336,18 +349,18 @@ SIGMA_SIMD void panel_tail(float* y, int64_t ldy, const float* x, int64_t ldx, c
 // One panel t[in, width] into y (panel_scalar's contract), chunk by chunk (not inlined: a call a
 // panel costs nothing, and profiles see the kernel apart, bench/decode_breakdown.sh): 64 columns' sums at
 // one row of x, 32 at two, 16 at three or four (at most 8 registers of sums; a chunk's rows of
-// the panel, 8 KiB, stay in L1 between the blocks).
-template <int M>
-SIGMA_SIMD __attribute__((noinline)) void panel_kernel(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* t,
+// the panel, 8 or 16 KiB, stay in L1 between the blocks).
+template <class W, int M>
+SIGMA_SIMD __attribute__((noinline)) void panel_kernel(float* y, int64_t ldy, const float* x, int64_t ldx, const W* t,
                              int64_t width, int64_t in) {
   constexpr int G = M == 1 ? 4 : M == 2 ? 2 : 1;
   for (int64_t i0 = 0; i0 < in; i0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, in - i0);
-    const uint16_t* tc = t + i0 * width;
+    const W* tc = t + i0 * width;
     int64_t c = 0;
-    for (; c + 16 * G <= width; c += 16 * G) panel_block<M, G>(y, ldy, x + i0, ldx, tc, width, rows, c, c == 0);
-    for (; c + 16 <= width; c += 16) panel_block<M, 1>(y, ldy, x + i0, ldx, tc, width, rows, c, c == 0);
-    if (c < width) panel_tail<M>(y, ldy, x + i0, ldx, tc, width, rows, c, int(width - c));
+    for (; c + 16 * G <= width; c += 16 * G) panel_block<W, M, G>(y, ldy, x + i0, ldx, tc, width, rows, c, c == 0);
+    for (; c + 16 <= width; c += 16) panel_block<W, M, 1>(y, ldy, x + i0, ldx, tc, width, rows, c, c == 0);
+    if (c < width) panel_tail<W, M>(y, ldy, x + i0, ldx, tc, width, rows, c, int(width - c));
   }
 }
 // ---- int8 weights in panels (kernels::i8_index): the panel's sums in registers ----
@@ -553,18 +566,19 @@ struct NT {
     }
   };
 };
-// bf16 panels: the AVX2 kernel on every SIMD machine (AVX-512 machines have AVX2; an AVX-512
-// form of it has not been measured on one).
+// fp32 and bf16 panels: the AVX2 kernel on every SIMD machine (AVX-512 machines have AVX2; an
+// AVX-512 form of it has not been measured on one).
+template <class W>
 struct NP {
   template <int M>
   struct K {
-    static void run(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* t,
+    static void run(float* y, int64_t ldy, const float* x, int64_t ldx, const W* t,
                     int64_t width, int64_t in) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
         case GemvIsa::Avx512Vnni:
         case GemvIsa::Avx512:
-        case GemvIsa::Avx2: return avx2::panel_kernel<M>(y, ldy, x, ldx, t, width, in);
+        case GemvIsa::Avx2: return avx2::panel_kernel<W, M>(y, ldy, x, ldx, t, width, in);
 #endif
         default: return panel_scalar(y, ldy, x, ldx, t, width, in, M);
       }
@@ -779,24 +793,25 @@ void for_each_panel(const void* w, int64_t in, int64_t out, int64_t column_bytes
 }
 
 void check_panels(int64_t out, Strides ld) {
-  SIGMA_CHECK(ld.w == 0 || ld.w == out, "bf16 or int8 weights in panels have no row stride (got {} for {} columns)",
+  SIGMA_CHECK(ld.w == 0 || ld.w == out, "weights in panels have no row stride (got {} for {} columns)",
               ld.w, out);
 }
 
-// y (+)= x @ w16 + b on bf16 weights in panels, each panel's sums added to y chunk by chunk as
-// it goes, so no partials and no second phase: the bits of nn's partials and sums.
-void nn_panels(float* y, const float* x, const uint16_t* w, const float* b, int64_t M, int64_t in,
+// y (+)= x @ w + b on fp32 or bf16 weights in panels, each panel's sums added to y chunk by chunk
+// as it goes, so no partials and no second phase: the bits of nn's partials and sums.
+template <class W>
+void nn_panels(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t in,
                int64_t out, bool accumulate, Strides ld) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
   check_panels(out, ld);
   if (M == 0 || out == 0) return;
   const int64_t ldx = ld.x ? ld.x : in, ldy = ld.y ? ld.y : out;
-  for_each_panel(w, in, out, 2 * in, [&](int64_t c0, int64_t width) {
+  for_each_panel(w, in, out, int64_t(sizeof(W)) * in, [&](int64_t c0, int64_t width) {
     for (int64_t r = 0; r < M; ++r) {
       float* row = y + r * ldy + c0;
       for (int64_t j = 0; j < width; ++j) row[j] = (accumulate ? row[j] : 0.0f) + (b ? b[c0 + j] : 0.0f);
     }
-    with_rows<NP::K>(M, y + c0, ldy, x, ldx, w + c0 * in, width, in);
+    with_rows<NP<W>::template K>(M, y + c0, ldy, x, ldx, w + c0 * in, width, in);
   });
 }
 
@@ -907,10 +922,13 @@ void nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_
 // (a served model keeps only its bf16 or int8 weights). A panel holds about kPanelFloats.
 constexpr int64_t kPanelFloats = int64_t(1) << 17;  // 512 KiB
 
-// Element (i, j) of a linear's w[in, out] in panels (kernels/types.h; ld = out), widened: bf16,
-// or int8 with a scale per column.
+// Element (i, j) of a linear's w[in, out] in panels (kernels/types.h; ld = out), as fp32: fp32,
+// bf16, or int8 with a scale per column.
+inline float widen_linear(const float* w, const float*, int64_t i, int64_t j, int64_t in, int64_t ld) {
+  return w[kernels::panel_index(i, j, in, ld)];
+}
 inline float widen_linear(const uint16_t* w, const float*, int64_t i, int64_t j, int64_t in, int64_t ld) {
-  return from_bf16(w[kernels::w16_index(i, j, in, ld)]);
+  return from_bf16(w[kernels::panel_index(i, j, in, ld)]);
 }
 inline float widen_linear(const int8_t* w, const float* scale, int64_t i, int64_t j, int64_t in, int64_t ld) {
   return scale[j] * float(w[kernels::i8_index(i, j, in, ld)]);
@@ -983,6 +1001,10 @@ void gemv_nn(float* y, const float* x, const uint16_t* w, const float* b, int64_
              int64_t out, bool accumulate, Strides ld) {
   nn_panels(y, x, w, b, M, in, out, accumulate, ld);
 }
+void gemv_nn_panels(float* y, const float* x, const float* w, const float* b, int64_t M, int64_t in,
+                    int64_t out, bool accumulate, Strides ld) {
+  nn_panels(y, x, w, b, M, in, out, accumulate, ld);
+}
 void gemv_nn(float* y, const float* x, const int8_t* q, const float* scale, const float* b,
              int64_t M, int64_t in, int64_t out, bool accumulate, Strides ld) {
   nn_i8(y, x, q, scale, b, M, in, out, accumulate, ld);
@@ -1018,16 +1040,31 @@ void linear_forward_rows(float* y, const float* x, const float* w, const float* 
   gemv_nn(y, x, w, b, N, in, out, accumulate, ld);
 }
 
+// The products on inference copies take the GEMVs where gemm_rows and linear_forward_rows do: a
+// decode step's few rows (ops::FewRowKernels); elsewhere (eval, a prompt) every row runs on
+// the copy widened (a linear's put back in rows) for oneDNN, so that a row's bits do not depend
+// on the rows beside it.
+namespace {
+bool few_rows(int64_t N) { return N <= kGemvMaxRows && ops::FewRowKernels::on(); }
+}  // namespace
+
 void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b, int64_t N,
                         int64_t in, int64_t out, bool accumulate, Strides ld) {
-  if (N <= kGemvMaxRows) return gemv_nn(y, x, w16, b, N, in, out, accumulate, ld);
+  if (few_rows(N)) return gemv_nn(y, x, w16, b, N, in, out, accumulate, ld);
   check_panels(out, ld);
   linear_panels(y, x, w16, nullptr, b, N, in, out, accumulate, ld);
 }
 
+void linear_forward_f32_panels(float* y, const float* x, const float* w, const float* b, int64_t N,
+                               int64_t in, int64_t out, bool accumulate, Strides ld) {
+  if (few_rows(N)) return gemv_nn_panels(y, x, w, b, N, in, out, accumulate, ld);
+  check_panels(out, ld);
+  linear_panels(y, x, w, nullptr, b, N, in, out, accumulate, ld);
+}
+
 void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
                  int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
-  if (N <= kGemvMaxRows) return gemv_nt(y, x, w16, N, in, out, ldx, ldw, ldy);
+  if (few_rows(N)) return gemv_nt(y, x, w16, N, in, out, ldx, ldw, ldy);
   if (N == 0 || out == 0) return;
   nt_panels(y, x, w16, nullptr, N, in, out, ldx, ldw, ldy);
 }
@@ -1035,7 +1072,7 @@ void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64
 void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* scale,
                        const float* b, int64_t N, int64_t in, int64_t out, bool accumulate,
                        Strides ld) {
-  if (N <= kGemvMaxRows) return gemv_nn(y, x, q, scale, b, N, in, out, accumulate, ld);
+  if (few_rows(N)) return gemv_nn(y, x, q, scale, b, N, in, out, accumulate, ld);
   check_panels(out, ld);
   linear_panels(y, rows16_as_fp32(x, ld.x ? ld.x : in, N, in), q, scale, b, N, in, out, accumulate,
                 {in, ld.w, ld.y});
@@ -1043,7 +1080,7 @@ void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* s
 
 void gemm_nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_t N,
                 int64_t in, int64_t out, int64_t ldx, int64_t ldw, int64_t ldy) {
-  if (N <= kGemvMaxRows) return gemv_nt(y, x, q, scale, N, in, out, ldx, ldw, ldy);
+  if (few_rows(N)) return gemv_nt(y, x, q, scale, N, in, out, ldx, ldw, ldy);
   if (N == 0 || out == 0) return;
   nt_panels(y, rows16_as_fp32(x, ldx, N, in), q, scale, N, in, out, in, ldw, ldy);
 }

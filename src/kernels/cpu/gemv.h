@@ -6,10 +6,11 @@
 //
 // Weights are fp32, or bf16 or int8 copies made once at load (Model::use_weights). A bf16
 // weight is widened to fp32 exactly, and the products and sums are fp32, so only the weights
-// round. A linear's bf16 and int8 copies are in column panels (kernels/types.h), the head's in
-// rows. An int8 matrix has one fp32 scale per output channel; each row of x is rounded to 16-bit fixed point (xq = x / step, step = max|x| /
-// 32767), the sum S = xq . q is exact in integers (16-bit multiply-adds, int32 lanes that
-// cannot overflow, int64 totals), and y = scale * (step * S) + b.
+// round. A linear's inference weights (fp32, bf16 or int8) are in column panels
+// (kernels/types.h), the head's in rows. An int8 matrix has one fp32 scale per output channel;
+// each row of x is rounded to 16-bit fixed point (xq = x / step, step = max|x| / 32767), the
+// sum S = xq . q is exact in integers (16-bit multiply-adds, int32 lanes that cannot overflow,
+// int64 totals), and y = scale * (step * S) + b.
 //
 // Each output element is one fixed sequence of fp32 operations whatever the number of rows and
 // threads (FMAs over fixed chunks of k, the chunk sums added in order; int8's sums exact): a
@@ -32,6 +33,10 @@ void gemv_nn(float* y, const float* x, const float* w, const float* b, int64_t M
              int64_t out, bool accumulate, Strides ld);
 void gemv_nn(float* y, const float* x, const uint16_t* w, const float* b, int64_t M, int64_t in,
              int64_t out, bool accumulate, Strides ld);
+// The same on fp32 weights in panels (kernels::panel_index; ld.w 0): the bits of gemv_nn on the
+// same weights in rows.
+void gemv_nn_panels(float* y, const float* x, const float* w, const float* b, int64_t M, int64_t in,
+                    int64_t out, bool accumulate, Strides ld);
 // y[M,out] = x[M,in] @ w[out,in]^T (each output a dot product with a row of w: the tied head).
 void gemv_nt(float* y, const float* x, const float* w, int64_t M, int64_t in, int64_t out,
              int64_t ldx, int64_t ldw, int64_t ldy);
@@ -72,6 +77,10 @@ void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const flo
                         int64_t in, int64_t out, bool accumulate, Strides ld);
 void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
                  int64_t out, int64_t ldx, int64_t ldw, int64_t ldy);
+// linear_forward on an fp32 inference copy in panels (ops::linear_forward_f32_panels): a prompt's
+// rows run as bf16's do, on panels of the weights put back in rows.
+void linear_forward_f32_panels(float* y, const float* x, const float* w, const float* b, int64_t N,
+                               int64_t in, int64_t out, bool accumulate, Strides ld);
 // The same two on int8 weights (ops::linear_forward_i8, ops::gemm_nt_i8); a prompt's panels hold
 // scale * q, and its rows of x are rounded to 16-bit fixed point first, as the GEMVs round them.
 void linear_forward_i8(float* y, const float* x, const int8_t* q, const float* scale,

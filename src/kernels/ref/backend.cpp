@@ -79,7 +79,11 @@ void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
 }
 void convert_bf16_panels(uint16_t* dst, const float* w, int64_t in, int64_t out, int64_t ld) {
   for (int64_t i = 0; i < in; ++i)
-    for (int64_t j = 0; j < out; ++j) dst[kernels::w16_index(i, j, in, out)] = to_bf16(w[i * ld + j]);
+    for (int64_t j = 0; j < out; ++j) dst[kernels::panel_index(i, j, in, out)] = to_bf16(w[i * ld + j]);
+}
+void convert_f32_panels(float* dst, const float* w, int64_t in, int64_t out, int64_t ld) {
+  for (int64_t i = 0; i < in; ++i)
+    for (int64_t j = 0; j < out; ++j) dst[kernels::panel_index(i, j, in, out)] = w[i * ld + j];
 }
 // The quantisation's definition (kernels/ops.h), channel by channel, in fp32 as specified.
 int64_t quantize_i8(int8_t* q, float* scale, const float* w, int64_t rows, int64_t cols,
@@ -208,6 +212,7 @@ const ops::Backend kBackend = {
     .linear_forward_bf16 = &linear_forward_bf16<double>,
     .linear_backward_bf16 = &linear_backward_bf16<double>,
     .column_sum_accumulate = &column_sum_accumulate<double>,
+    .linear_forward_f32_panels = &linear_forward_f32_panels<double>,
     .linear_forward_w16 = &linear_forward_w16<double>,
     .gemm_nt_w16 = &gemm_nt_w16<double>,
     .linear_forward_i8 = &linear_forward_i8<double>,
@@ -242,6 +247,7 @@ const ops::Backend kBackend = {
     .sum_sq = &sum_sq,
     .convert_bf16 = &convert_bf16,
     .convert_bf16_panels = &convert_bf16_panels,
+    .convert_f32_panels = &convert_f32_panels,
     .quantize_i8 = &quantize_i8,
     .gate_softmax_topk = &gate_softmax_topk,
     .gate_combine = &gate_combine,

@@ -104,16 +104,27 @@ void linear_backward_bf16(float* dx, float* dw, float* db, const float* dy, cons
   linear_backward<T, true>(dx, dw, db, dy, x, w, N, in, out, ld);
 }
 
-// The ops on bf16 weight copies: the fp32 formulas over the widened weights.
+// The ops on fp32 and bf16 weights in panels: the fp32 formulas over the weights put back in
+// rows (and widened).
+template <class T, class W>
+void linear_forward_panels(const char* op, float* y, const float* x, const W* w, const float* b,
+                           int64_t N, int64_t in, int64_t out, bool accumulate, Strides ld) {
+  SIGMA_CHECK(ld.w == 0 || ld.w == out, "{}: weights in panels have no row stride (got {} for {} columns)",
+              op, ld.w, out);
+  std::vector<W> rows(size_t(in * out));  // w out of its panels (kernels::panel_index)
+  for (int64_t k = 0; k < in; ++k)
+    for (int64_t j = 0; j < out; ++j) rows[size_t(k * out + j)] = w[kernels::panel_index(k, j, in, out)];
+  linear_forward<T>(y, x, rows.data(), b, N, in, out, accumulate, {ld.x, 0, ld.y});
+}
+template <class T>
+void linear_forward_f32_panels(float* y, const float* x, const float* w, const float* b, int64_t N,
+                               int64_t in, int64_t out, bool accumulate, Strides ld) {
+  linear_forward_panels<T>("linear_forward_f32_panels", y, x, w, b, N, in, out, accumulate, ld);
+}
 template <class T>
 void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b, int64_t N,
                         int64_t in, int64_t out, bool accumulate, Strides ld) {
-  SIGMA_CHECK(ld.w == 0 || ld.w == out,
-              "linear_forward_w16: bf16 weights in panels have no row stride (got {} for {} columns)", ld.w, out);
-  std::vector<uint16_t> rows(size_t(in * out));  // w16 out of its panels (kernels::w16_index)
-  for (int64_t k = 0; k < in; ++k)
-    for (int64_t j = 0; j < out; ++j) rows[size_t(k * out + j)] = w16[kernels::w16_index(k, j, in, out)];
-  linear_forward<T>(y, x, rows.data(), b, N, in, out, accumulate, {ld.x, 0, ld.y});
+  linear_forward_panels<T>("linear_forward_w16", y, x, w16, b, N, in, out, accumulate, ld);
 }
 // y[N,out] = x[N,in] w16[out,in]^T (the head).
 template <class T>
