@@ -27,7 +27,7 @@ namespace {
 
 struct EvalArgs {
   std::string ckpt, data, domains, k = "1", log_samples, score_generations,
-      precision = "fp32", backend = "cpu", kv_cache = "fp32";
+      precision = "fp32", backend = "cpu", kv_cache = "auto";
   int rows = 256, batch = 8;
   bool rows_given = false, batch_given = false, json = false;
   std::vector<std::string> tasks;  // --task, repeatable
@@ -281,6 +281,7 @@ void run_task(EvalArgs a) {
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
   model->use_weights(weight_format_from_name(a.precision));
+  a.kv_cache = kv_cache_type(a.kv_cache, a.precision);
   model->use_kv_cache(kv_cache_dtype(a.kv_cache));
   const std::string tok_path = checkpoint_tokenizer_path(info.dir);
   SIGMA_CHECK(!tok_path.empty(), "{} has no tokenizer (it was trained on token ids, e.g. the "

@@ -16,7 +16,7 @@ namespace sigma::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string ckpt, prompt, domain, precision = "fp32", backend = "cpu", kv_cache = "fp32";
+  std::string ckpt, prompt, domain, precision = "fp32", backend = "cpu", kv_cache = "auto";
   SamplingConfig s;
   bool no_cache = false;
 };
@@ -56,6 +56,7 @@ void run_generate(GenerateArgs a) {
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
   model->use_weights(weight_format_from_name(a.precision));
+  a.kv_cache = kv_cache_type(a.kv_cache, a.precision);
   model->use_kv_cache(kv_cache_dtype(a.kv_cache));
   const ModelConfig& c = model->config();
   const int domain = a.domain.empty() ? 0 : c.domain_index(a.domain);

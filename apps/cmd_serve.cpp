@@ -37,7 +37,7 @@ extern "C" void on_serve_signal(int sig) {
 void wake_waiter() { on_serve_signal(0); }
 
 struct ServeArgs {
-  std::string ckpt, name, precision = "fp32", backend = "cpu", kv_cache = "fp32";
+  std::string ckpt, name, precision = "fp32", backend = "cpu", kv_cache = "auto";
   std::vector<std::string> extra;  // NAME=CKPT
   serve::ServerOptions o;
 };
@@ -84,6 +84,7 @@ void fit_descriptor_limit(serve::ServerOptions& o) {
 }
 
 void run_serve(ServeArgs a) {
+  a.kv_cache = kv_cache_type(a.kv_cache, a.precision);
   SIGMA_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC) == 0, "sigma serve: a pipe for signals: {}",
               std::strerror(errno));
   struct sigaction sa {};

@@ -44,13 +44,21 @@ inline void add_backend_option(CLI::App& c, std::string& backend) {
 }
 
 // --kv-cache for the commands that generate or score through a KV cache (eval, generate, serve):
-// the type of its keys and values (Model::use_kv_cache).
+// the type of its keys and values (Model::use_kv_cache). auto, the default, follows the
+// weights, as serving systems' automatic cache type does: fp32 weights keep an fp32 cache, bf16
+// and int8 weights (which already round what they multiply) get a bf16 cache, half the bytes a
+// step's attention reads (docs/usage.md `generate`).
 inline void add_kv_cache_option(CLI::App& c, std::string& kv_cache) {
   c.add_option("--kv-cache", kv_cache,
-               "Type of the KV cache's keys and values: fp32 (default), or bf16: half the bytes "
-               "a decode step's attention reads and a cache holds, each key and value rounded "
-               "once to bf16 as it is cached (attention itself stays fp32)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+               "Type of the KV cache's keys and values: auto (default: fp32 with fp32 weights, "
+               "bf16 with bf16 or int8 weights), fp32, or bf16: half the bytes a decode step's "
+               "attention reads and a cache holds, each key and value rounded once to bf16 as it "
+               "is cached (attention itself stays fp32)")
+      ->check(CLI::IsMember({"auto", "fp32", "bf16"}));
+}
+// The cache type --kv-cache names with weights of `precision` (--precision): auto resolved.
+inline std::string kv_cache_type(const std::string& kv_cache, const std::string& precision) {
+  return kv_cache != "auto" ? kv_cache : precision == "fp32" ? "fp32" : "bf16";
 }
 inline DType kv_cache_dtype(const std::string& name) { return name == "bf16" ? DType::BF16 : DType::F32; }
 

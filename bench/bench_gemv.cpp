@@ -1,12 +1,14 @@
 // bench_gemv: the batch-1 decode's weight stream alone (bench/decode_bench.sh runs it): per
 // "token", the matrix-vector products of a d-wide, L-block decoder (QKV [d,3d], output [d,d],
 // FFN [d,4d] and [4d,d] per block) through the cpu backend's GEMV kernels (kernels/cpu/gemv.h),
-// on fp32 weights, on bf16 copies and on int8 weights with a scale per column, against oneDNN's sgemm at M = 1 (what the backend ran
-// before), alternating with a read of the same number of bytes (the bandwidth bound, measured
-// the same way as bench/stream_probe.cpp). Medians of --samples tokens of each.
+// on fp32 weights, on bf16 copies and on int8 weights with a scale per column, each in the
+// column panels inference lays them out in (Model::use_weights), the fp32 weights also in rows
+// (the training model's layout, gemv_fp32_rows), against oneDNN's sgemm at M = 1 (what the
+// backend ran before), alternating with a read of the same number of bytes (the bandwidth
+// bound, measured the same way as bench/stream_probe.cpp). Medians of --samples tokens of each.
 // Prints one JSON line: {"isa":..,"gemv_fp32_gbs":..,"gemv_bf16_gbs":..,"gemv_int8_gbs":..,
-// "onednn_fp32_gbs":..,"read_gbs":..} where X_gbs = bytes of weights (and int8 scales) per
-// token / time per token.
+// "onednn_fp32_gbs":..,"read_gbs":..,"gemv_fp32_rows_gbs":..} where X_gbs = bytes of weights
+// (and int8 scales) per token / time per token.
 //
 //   bench_gemv [--d 512] [--layers 8] [--samples 15] [--isa best|avx512vnni|avx512|avx2|portable]
 //              [--vocab V]  (V > 0: also the tied head's [V, d] product, gemv_nt, per token)

@@ -11,8 +11,10 @@
 # of a sparse model with the same trunk and 4 RRE blocks (groups of 2, 3 and 4 experts); both
 # trained for 2 steps on the synthetic data (speed does not depend on the weights).
 #
-# Each run decodes TOKENS greedy tokens after a 3-token prompt; tokens/s counts the decode steps
-# after the first token. The bound: bytes of weights one token reads (every matrix, one expert
+# Each run decodes TOKENS greedy tokens after a 3-token prompt, with the defaults (`--kv-cache
+# auto`: an fp32 cache with fp32 weights, a bf16 one with bf16 and int8, as the peer caches in
+# its weights' type; the table names it); tokens/s counts the decode steps after the first
+# token. The bound: bytes of weights one token reads (every matrix, one expert
 # per RRE block, the tied head, biases; `sigma generate` prints its count, the peer its own) /
 # the read bandwidth, median over the rounds of the best of four reads: 1 and 2 threads, a
 # plain loop and one with software prefetch into L2 as the GEMV kernel streams (on this
@@ -78,10 +80,11 @@ run_sigma() {  # model precision
   echo "$err" | "$python" -c '
 import json, re, sys
 m = re.search(r"\(([\d.]+) tokens/s, \w+ weights: ([\d.]+) MB a token.*?([\d.]+) MB of weights "
-              r"held, .*?([\d.]+) MB resident", sys.stdin.read())
+              r"held, (\w+) KV cache.*?([\d.]+) MB resident", sys.stdin.read())
 print(json.dumps({"impl": "sigma", "model": sys.argv[1], "precision": sys.argv[2], "round": int(sys.argv[3]),
                   "tokens_per_s": float(m.group(1)), "weight_bytes_per_token": float(m.group(2)) * 1e6,
-                  "held_bytes": float(m.group(3)) * 1e6, "resident_bytes": float(m.group(4)) * 1e6}))
+                  "held_bytes": float(m.group(3)) * 1e6, "kv_cache": m.group(4),
+                  "resident_bytes": float(m.group(5)) * 1e6}))
 ' "$1" "$2" "$r" >> "$results"
 }
 
@@ -149,7 +152,7 @@ if kern:
           f"bf16 / read {med['gemv_bf16_gbs'] / med['read_gbs']:.0%}, "
           f"int8 / read {med['gemv_int8_gbs'] / med['read_gbs']:.0%}, "
           f"oneDNN M=1 / read {med['onednn_fp32_gbs'] / med['read_gbs']:.0%} {tag}")
-print(f"{'model':8} {'impl':8} {'precision':9} {'tokens/s':>9} {'rounds':28} {'MB/token':>9} "
+print(f"{'model':8} {'impl':8} {'precision':9} {'KV cache':8} {'tokens/s':>9} {'rounds':28} {'MB/token':>9} "
       f"{'bound t/s':>9} {'of bound':>8} {'of near':>8}  machine")
 summary = {}
 for model in ("dense", "extract"):
@@ -164,7 +167,8 @@ for model in ("dense", "extract"):
             # "of near": each round's tokens/s against the bound read around it, then the median.
             nears = [r["tokens_per_s"] * b / near_bound(r) for r in rs if near_bound(r)]
             of_near = f"{statistics.median(nears):8.1%}" if nears else f"{'-':>8}"
-            print(f"{model:8} {impl:8} {prec:9} {tps:9.1f} {str([round(r['tokens_per_s'], 1) for r in rs]):28} "
+            kv = rs[0].get("kv_cache", prec)  # the peer caches in its weights' type
+            print(f"{model:8} {impl:8} {prec:9} {kv:8} {tps:9.1f} {str([round(r['tokens_per_s'], 1) for r in rs]):28} "
                   f"{b * 1e-6:9.1f} {bw / b:9.1f} {tps * b / bw:8.1%} {of_near}  {tag}")
 for model in ("dense", "extract"):
     for prec in ("fp32", "bf16"):

@@ -8,7 +8,7 @@
 # thread issues, kernels/cpu/spin_team.h's NextJob) and the rest: fractions of all decode threads' CPU time, then of the
 # calling thread's alone (a token's wall time), printed with the machine kind.
 #
-#   [RUNS=4] bench/decode_breakdown.sh [SIGMA=build/sigma] [CKPT] [PRECISION=int8] [TOKENS=250] [KV=fp32]
+#   [RUNS=4] bench/decode_breakdown.sh [SIGMA=build/sigma] [CKPT] [PRECISION=int8] [TOKENS=250] [KV=auto]
 # CKPT defaults to decode_bench.sh's dense model ($DECODE_BENCH_DIR/dense/checkpoints; run
 # decode_bench.sh once to make it). Needs `perf` (linux-perf).
 set -euo pipefail
@@ -17,7 +17,7 @@ sigma=${1:-build/sigma}
 ckpt=${2:-${DECODE_BENCH_DIR:-/tmp/sigma-decode-bench}/dense/checkpoints}
 precision=${3:-int8}
 tokens=${4:-250}
-kv=${5:-fp32}  # --kv-cache
+kv=${5:-auto}  # --kv-cache (auto: as `sigma generate` with the defaults)
 command -v perf >/dev/null || { echo "decode_breakdown: needs perf (apt-get install linux-perf)" >&2; exit 2; }
 [ -d "$ckpt" ] || { echo "decode_breakdown: no checkpoint $ckpt (run bench/decode_bench.sh first)" >&2; exit 2; }
 tmp=$(mktemp -d /tmp/sigma-breakdown.XXXXXX)

@@ -325,8 +325,10 @@ TEST(GenerateCli, PrecisionFlag) {
   EXPECT_NE(bad.out.find("--precision"), std::string::npos) << bad.out;
 }
 
-// --kv-cache bf16 decodes through a cache of half the bytes (reported on stderr); a wrong value
-// is refused before anything loads (with --no-cache: RefusedOptions).
+// --kv-cache bf16 decodes through a cache of half the bytes (reported on stderr); the default,
+// auto, follows the weights (fp32 with fp32, bf16 with bf16 and int8), and --kv-cache fp32 keeps
+// an fp32 cache on int8 weights; a wrong value is refused before anything loads (with
+// --no-cache: RefusedOptions).
 TEST(GenerateCli, KvCacheFlag) {
   TempDir dir("genkv");
   const auto train = sigma_cmd("train --quiet --set train.steps=2 --set train.eval_rows=2 --out " +
@@ -342,6 +344,12 @@ TEST(GenerateCli, KvCacheFlag) {
   };
   EXPECT_GT(cache_mb(f32.out, "fp32"), 0.0) << f32.out;
   EXPECT_NEAR(cache_mb(bf16.out, "bf16"), cache_mb(f32.out, "fp32") / 2, 1e-3) << bf16.out;
+  for (const char* precision : {"bf16", "int8"}) {
+    const auto automatic = sigma_cmd(gen + " --precision " + precision);
+    EXPECT_NEAR(cache_mb(automatic.out, "bf16"), cache_mb(f32.out, "fp32") / 2, 1e-3) << automatic.out;
+    const auto wide = sigma_cmd(gen + " --kv-cache fp32 --precision " + precision);
+    EXPECT_EQ(cache_mb(wide.out, "fp32"), cache_mb(f32.out, "fp32")) << wide.out;
+  }
   const auto bad = sigma_cmd(gen + " --kv-cache fp16");
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.out.find("--kv-cache"), std::string::npos) << bad.out;
