@@ -70,9 +70,10 @@ void linear_forward_rows(float* y, const float* x, const float* w, const float* 
                          int64_t in, int64_t out, bool accumulate, Strides ld);
 
 // The ops with bf16 weight copies (kernels/ops.h): linear_forward with w16[in,out], and the
-// head's y[N,out] = x[N,in] @ w16[out,in]^T. More than kGemvMaxRows rows (a prompt) widen the
-// weights, one panel of about 512 KiB at a time, into per-thread fp32 scratch and run oneDNN's
-// sgemm on each panel: the same values, and never an fp32 copy of a whole matrix.
+// head's y[N,out] = x[N,in] @ w16[out,in]^T. More than kGemvMaxRows rows (a prompt), or rows
+// outside a decode step, widen the weights a block of about 4 MiB at a time into per-thread
+// fp32 scratch and run oneDNN's sgemm on each block: the same values, and never an fp32 copy of
+// a large matrix.
 void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const float* b, int64_t N,
                         int64_t in, int64_t out, bool accumulate, Strides ld);
 void gemm_nt_w16(float* y, const float* x, const uint16_t* w16, int64_t N, int64_t in,
