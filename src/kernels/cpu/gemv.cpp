@@ -26,9 +26,9 @@ constexpr int64_t kParallelWeights = int64_t(1) << 16;
 // The reduction over w's rows is cut into fixed chunks of kChunkRows, each summed into its own
 // partial vector, so that a thread streams whole rows of a contiguous block of w (one stream
 // the prefetchers follow, instead of a column slice of every row; docs/benchmarks.md, issue
-// 12). The chunk bounds do not depend on the thread count, so neither do the bits. bf16
-// weights in panels (kernels::panel_index) keep the same chunks and add each chunk's sums in
-// the same order.
+// 12). The chunk bounds do not depend on the thread count, so neither do the bits. fp32 and
+// bf16 weights in panels (kernels::panel_index) keep the same chunks and add each chunk's sums
+// in the same order.
 constexpr int64_t kChunkRows = 64;
 using kernels::kPanelColumns;
 
