@@ -8,6 +8,7 @@ pkgs=(g++ cmake ninja-build pkg-config libdnnl-dev libomp-dev nlohmann-json3-dev
       libfmt-dev libxxhash-dev ocl-icd-opencl-dev libgtest-dev libgmock-dev libbenchmark-dev python3-numpy
       libopenmpi-dev openmpi-bin gnuplot-nox python3 libcpp-httplib-dev iproute2
       default-jdk-headless  # Java code tasks: the JDK compiles samples (docs/dependencies.md)
+      libsimde-dev  # tests: the AVX-512 GEMV kernels emulated where the CPU lacks AVX-512
       ccache)  # CMakeLists.txt compiles through it: rebuilds and CI's clean clones reuse objects
 # sigma serve's end-to-end test runs the openai npm client: Debian's node and npm, unless a node
 # with its own npm (e.g. NodeSource's package) is already there.

@@ -26,7 +26,12 @@ void for_each_simd_isa(Check&& check) {
     list += std::string(list.empty() ? "" : ", ") + cpu::gemv_isa_name(isa);
     if (cpu::gemv_isa_available(isa)) check(isa);
   }
-  std::printf("SIMD paths compared with the portable path: %s; skipped (not on this CPU): %s\n",
+#if defined(SIGMA_AVX512_EMULATED)  // the *_avx512_emulated tests (CMakeLists.txt)
+  const char* how = " (AVX-512 on SIMDe's emulation)";
+#else
+  const char* how = "";
+#endif
+  std::printf("SIMD paths compared with the portable path%s: %s; skipped (not on this CPU): %s\n", how,
               ran.empty() ? "none" : ran.c_str(), skipped.empty() ? "none" : skipped.c_str());
   ::testing::Test::RecordProperty("simd_paths_run", ran);
   ::testing::Test::RecordProperty("simd_paths_skipped", skipped);

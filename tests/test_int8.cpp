@@ -487,7 +487,9 @@ TEST(Int8Weights, CopiesLieInOneAlignedArena) {
     EXPECT_EQ(spans.front().first % (uintptr_t(2) << 20), 0u) << weight_format_name(fmt);
     for (size_t i = 0; i < spans.size(); ++i) {
       EXPECT_EQ(spans[i].first % 64, 0u) << weight_format_name(fmt) << " copy " << i;
-      if (i > 0) EXPECT_LE(spans[i - 1].second, spans[i].first) << weight_format_name(fmt);
+      if (i > 0) {
+        EXPECT_LE(spans[i - 1].second, spans[i].first) << weight_format_name(fmt);
+      }
     }
   }
 }

@@ -32,6 +32,15 @@ constexpr int64_t kParallelWeights = int64_t(1) << 16;
 constexpr int64_t kChunkRows = 64;
 using kernels::kPanelColumns;
 
+// The panel kernels (gemv_simd.inc) prefetch the lines kPanelAhead bytes past each row into L2:
+// a panel is one run of bytes, and for bf16 0.5-1 KiB ahead streamed 3-8 % faster than the
+// hardware prefetcher alone, 2 KiB ahead 5-10 % slower (2 threads, from memory, Zen 3; issue 40).
+constexpr int64_t kPanelAhead = 1024;
+// A panel's int8 pair rows are read in pieces of at most kPiecePairs, whose int32 lanes cannot
+// overflow (|sum| <= 2 * 256 * 127 * 32767 < 2^31), each piece's lanes then added into int64.
+constexpr int64_t kPiecePairs = 256;
+static_assert(2 * kPiecePairs * 127 * 32767 < (int64_t(1) << 31));
+
 inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return from_bf16(w); }
 
@@ -144,8 +153,18 @@ void nt_i8_scalar(int64_t* s, const int16_t* xq, int64_t ldq, const int8_t* w, i
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// The tests compile this file a second time with its AVX-512 code on SIMDe's portable AVX-512
+// (tests/avx512_emulation.h defines SIGMA_GEMV_EMULATED_AVX512), so that the AVX-512 kernels are
+// checked bit for bit on machines without AVX-512 too: there, no AVX-512 target attribute.
+#if defined(SIGMA_GEMV_EMULATED_AVX512)
+#define SIGMA_AVX512_TARGET
+#define SIGMA_AVX512VNNI_TARGET
+#else
+#define SIGMA_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define SIGMA_AVX512VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#endif
 namespace avx512 {
-#define SIGMA_SIMD __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define SIGMA_SIMD SIGMA_AVX512_TARGET
 using vec = __m512;
 constexpr int kLanes = 16;
 SIGMA_SIMD inline __mmask16 mask(int n) { return __mmask16((1u << n) - 1); }
@@ -156,6 +175,24 @@ SIGMA_SIMD inline vec load_masked(const float* p, int n) { return _mm512_maskz_l
 SIGMA_SIMD inline void storeu(float* p, vec v) { _mm512_storeu_ps(p, v); }
 SIGMA_SIMD inline void store_masked(float* p, vec v, int n) { _mm512_mask_storeu_ps(p, mask(n), v); }
 SIGMA_SIMD inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+SIGMA_SIMD inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+SIGMA_SIMD inline void load_w_pair(const float* p, vec& lo, vec& hi) {
+  lo = loadu(p);
+  hi = loadu(p + kLanes);
+}
+// 32 bf16 weights: lo gets columns {0-3, 8-11, 16-19, 24-27}, hi {4-7, 12-15, 20-23, 28-31}.
+SIGMA_SIMD inline void load_w_pair(const uint16_t* p, vec& lo, vec& hi) {
+  const __m512i h = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
+  lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, h));
+  hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, h));
+}
+SIGMA_SIMD inline void pair_in_order(vec& lo, vec& hi) {  // columns 0-15 into lo, 16-31 into hi
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const vec a = _mm512_permutex2var_ps(lo, first, hi);
+  hi = _mm512_permutex2var_ps(lo, second, hi);
+  lo = a;
+}
 SIGMA_SIMD inline vec widen_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -198,7 +235,7 @@ constexpr bool kUnpackBf16 = false;  // avx2 only (below)
 // (gemv.h), so the bits are the same; the fp32 and bf16 kernels are avx512's.
 namespace avx512vnni {
 using namespace avx512;
-#define SIGMA_SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#define SIGMA_SIMD SIGMA_AVX512VNNI_TARGET
 SIGMA_SIMD inline ivec dpadd(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
 #include "kernels/cpu/gemv_simd.inc"
 #undef SIGMA_SIMD
@@ -219,6 +256,23 @@ SIGMA_SIMD inline vec load_masked(const float* p, int n) { return _mm256_maskloa
 SIGMA_SIMD inline void storeu(float* p, vec v) { _mm256_storeu_ps(p, v); }
 SIGMA_SIMD inline void store_masked(float* p, vec v, int n) { _mm256_maskstore_ps(p, mask(n), v); }
 SIGMA_SIMD inline vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+SIGMA_SIMD inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+SIGMA_SIMD inline void load_w_pair(const float* p, vec& lo, vec& hi) {
+  lo = loadu(p);
+  hi = loadu(p + kLanes);
+}
+// 16 bf16 weights: lo gets columns {0-3, 8-11}, hi {4-7, 12-15} (AVX2 has no bf16 instructions;
+// a zero-extension and a shift take four instructions for the same 16).
+SIGMA_SIMD inline void load_w_pair(const uint16_t* p, vec& lo, vec& hi) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), z = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+}
+SIGMA_SIMD inline void pair_in_order(vec& lo, vec& hi) {  // columns 0-7 into lo, 8-15 into hi
+  const vec a = _mm256_permute2f128_ps(lo, hi, 0x20);
+  hi = _mm256_permute2f128_ps(lo, hi, 0x31);
+  lo = a;
+}
 SIGMA_SIMD inline vec widen_bf16(__m128i h) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
@@ -269,160 +323,6 @@ template <int M>
 SIGMA_SIMD void nt_kernel_pairs(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* w,
                                 int64_t ldw, int64_t in, Range rows, std::integral_constant<int, M>);
 #include "kernels/cpu/gemv_simd.inc"
-// ---- fp32 and bf16 weights in panels (kernels::panel_index): the panel's sums in registers ----
-// Columns [c, c + 16 G) of a chunk's rows of one panel (t: the chunk's first row, `width`
-// weights a row) for M rows of x, added to y. fp32 weights are loaded as they are. A bf16 is the
-// top half of an fp32, so two unpacks of 16 weights with zeros widen them (AVX2 has no bf16
-// instructions; a zero-extension and a shift take four instructions for the same 16); the
-// unpacks work within 128-bit halves, so the sums hold columns {0-3, 8-11} and {4-7, 12-15} of
-// each 16 and are put back in order once, when they are added to y. Each sum's FMAs run in row
-// order from zero, as panel_scalar's. With `prefetch` (the block that starts each row), the
-// lines kPanelAhead bytes past each row are prefetched into L2: a panel is one run of bytes, and
-// for bf16 0.5-1 KiB ahead streamed 3-8 % faster than the hardware prefetcher alone, 2 KiB ahead
-// 5-10 % slower (2 threads, from memory, Zen 3; issue 40).
-constexpr int64_t kPanelAhead = 1024;
-template <class W, int M, int G>
-SIGMA_SIMD inline __attribute__((always_inline)) void panel_block(float* y, int64_t ldy, const float* x, int64_t ldx,
-                                                                 const W* t, int64_t width, int64_t rows,
-                                                                 int64_t c, bool prefetch) {
-  constexpr bool kBf16 = std::is_same_v<W, uint16_t>;
-  const __m256i z = _mm256_setzero_si256();
-  vec acc[M][G][2];
-  for (int r = 0; r < M; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g][0] = acc[r][g][1] = zero();
-  const int64_t row_bytes = width * int64_t(sizeof(W));
-  for (int64_t i = 0; i < rows; ++i) {
-    const W* row = t + i * width;
-    if (prefetch)
-      for (int64_t b = 0; b < row_bytes; b += 64)
-        prefetch_line(reinterpret_cast<const char*>(row) + kPanelAhead + b, false);
-    vec xr[M];
-    for (int r = 0; r < M; ++r) xr[r] = set1(x[r * ldx + i]);
-    for (int g = 0; g < G; ++g) {
-      vec lo, hi;
-      if constexpr (kBf16) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c + 16 * g));
-        lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
-        hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
-      } else {
-        lo = loadu(row + c + 16 * g);
-        hi = loadu(row + c + 16 * g + kLanes);
-      }
-      for (int r = 0; r < M; ++r) {
-        acc[r][g][0] = fmadd(xr[r], lo, acc[r][g][0]);
-        acc[r][g][1] = fmadd(xr[r], hi, acc[r][g][1]);
-      }
-    }
-  }
-  for (int r = 0; r < M; ++r)
-    for (int g = 0; g < G; ++g) {
-      float* yp = y + r * ldy + c + 16 * g;
-      vec lo = acc[r][g][0], hi = acc[r][g][1];
-      if constexpr (kBf16) {
-        lo = _mm256_permute2f128_ps(acc[r][g][0], acc[r][g][1], 0x20);
-        hi = _mm256_permute2f128_ps(acc[r][g][0], acc[r][g][1], 0x31);
-      }
-      storeu(yp, _mm256_add_ps(loadu(yp), lo));
-      storeu(yp + kLanes, _mm256_add_ps(loadu(yp + kLanes), hi));
-    }
-}
-
-// The last n < 16 columns at c of a narrower panel: one 8-lane block at a time.
-template <class W, int M>
-SIGMA_SIMD void panel_tail(float* y, int64_t ldy, const float* x, int64_t ldx, const W* t,
-                           int64_t width, int64_t rows, int64_t c, int n) {
-  for (int s = 0; s * kLanes < n; ++s) {
-    const int k = std::min(kLanes, n - s * kLanes);
-    vec acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = zero();
-    for (int64_t i = 0; i < rows; ++i) {
-      const vec w = load_w_masked(t + i * width + c + s * kLanes, k);
-      for (int r = 0; r < M; ++r) acc[r] = fmadd(set1(x[r * ldx + i]), w, acc[r]);
-    }
-    for (int r = 0; r < M; ++r) {
-      float* yp = y + r * ldy + c + s * kLanes;
-      store_masked(yp, _mm256_add_ps(load_masked(yp, k), acc[r]), k);
-    }
-  }
-}
-
-// One panel t[in, width] into y (panel_scalar's contract), chunk by chunk (not inlined: a call a
-// panel costs nothing, and profiles see the kernel apart, bench/decode_breakdown.sh): 64 columns' sums at
-// one row of x, 32 at two, 16 at three or four (at most 8 registers of sums; a chunk's rows of
-// the panel, 8 or 16 KiB, stay in L1 between the blocks).
-template <class W, int M>
-SIGMA_SIMD __attribute__((noinline)) void panel_kernel(float* y, int64_t ldy, const float* x, int64_t ldx, const W* t,
-                             int64_t width, int64_t in) {
-  constexpr int G = M == 1 ? 4 : M == 2 ? 2 : 1;
-  for (int64_t i0 = 0; i0 < in; i0 += kChunkRows) {
-    const int64_t rows = std::min(kChunkRows, in - i0);
-    const W* tc = t + i0 * width;
-    int64_t c = 0;
-    for (; c + 16 * G <= width; c += 16 * G) panel_block<W, M, G>(y, ldy, x + i0, ldx, tc, width, rows, c, c == 0);
-    for (; c + 16 <= width; c += 16) panel_block<W, M, 1>(y, ldy, x + i0, ldx, tc, width, rows, c, c == 0);
-    if (c < width) panel_tail<W, M>(y, ldy, x + i0, ldx, tc, width, rows, c, int(width - c));
-  }
-}
-// ---- int8 weights in panels (kernels::i8_index): the panel's sums in registers ----
-// A panel's pair rows are read in pieces of at most kPiecePairs, whose int32 lanes cannot
-// overflow (|sum| <= 2 * 256 * 127 * 32767 < 2^31), each piece's lanes then added into int64.
-constexpr int64_t kPiecePairs = 256;
-static_assert(2 * kPiecePairs * 127 * 32767 < (int64_t(1) << 31));
-
-// Columns [c, c + 8 C) of a piece's pairs of one panel (t: its first pair row, 2 `width` bytes a
-// pair row) for M rows of x (xp: the rows' pairs as 32-bit words, `ldp` apart), added into the
-// int64 totals; with Tail, only the first n < 8 C of the columns are in the panel (without, the
-// loops are fixed and the sums stay in registers). Prefetches as panel_block.
-template <int M, int C, bool Tail>
-SIGMA_SIMD inline __attribute__((always_inline)) void panel_i8_block(int64_t* total, const int32_t* xp, int64_t ldp,
-                                                                    const int8_t* t, int64_t width, int64_t pairs,
-                                                                    int64_t c, int n, bool prefetch) {
-  ivec acc[M][C];
-  for (int r = 0; r < M; ++r)
-    for (int q = 0; q < C; ++q) acc[r][q] = izero();
-  const int64_t row_bytes = 2 * width;
-  for (int64_t k = 0; k < pairs; ++k) {
-    const int8_t* row = t + k * row_bytes;
-    if (prefetch)
-      for (int64_t b = 0; b < row_bytes; b += 64) prefetch_line(reinterpret_cast<const char*>(row) + kPanelAhead + b, false);
-    ivec x[M];
-    for (int r = 0; r < M; ++r) x[r] = iset1(xp[r * ldp + k]);
-    for (int q = 0; q < C && (!Tail || kLanes * q < n); ++q) {
-      const int m = Tail ? n - kLanes * q : kLanes;  // columns of this block in the panel
-      const ivec w = m >= kLanes ? widen16(row + 2 * (c + kLanes * q)) : widen16_masked(row + 2 * (c + kLanes * q), 2 * m);
-      for (int r = 0; r < M; ++r) acc[r][q] = dpadd(acc[r][q], w, x[r]);
-    }
-  }
-  for (int r = 0; r < M; ++r)
-    for (int q = 0; q < C && (!Tail || kLanes * q < n); ++q) {
-      alignas(32) int32_t lane[kLanes];
-      istore(lane, acc[r][q]);
-      const int m = std::min(kLanes, n - kLanes * q);
-      for (int l = 0; l < m; ++l) total[r * kPanelColumns + c + kLanes * q + l] += lane[l];
-    }
-}
-
-// One panel of `pairs` pair rows into the totals (panel_i8_scalar's contract), piece by piece:
-// 64 columns' sums at one row of x, 32 at two, 16 at three or four (at most 8 registers; a
-// piece's pairs of a panel stay in L1/L2 between the blocks).
-template <int M>
-SIGMA_SIMD __attribute__((noinline)) void panel_i8_kernel(int64_t* total, const int16_t* xq, int64_t ldq, const int8_t* t,
-                                int64_t width, int64_t pairs) {
-  constexpr int C = M == 1 ? 8 : M == 2 ? 4 : 2;  // 8-column blocks a sweep
-  int32_t xp[M * kPiecePairs];  // x's pairs as 32-bit words, a piece at a time
-  for (int r = 0; r < M; ++r)
-    for (int64_t j = 0; j < width; ++j) total[r * kPanelColumns + j] = 0;
-  for (int64_t k0 = 0; k0 < pairs; k0 += kPiecePairs) {
-    const int64_t kp = std::min(kPiecePairs, pairs - k0);
-    for (int r = 0; r < M; ++r) std::memcpy(xp + r * kPiecePairs, xq + r * ldq + 2 * k0, size_t(kp) * 4);
-    const int8_t* tp = t + k0 * 2 * width;
-    int64_t c = 0;
-    for (; c + kLanes * C <= width; c += kLanes * C)
-      panel_i8_block<M, C, false>(total, xp, kPiecePairs, tp, width, kp, c, kLanes * C, c == 0);
-    if (c < width) panel_i8_block<M, C, true>(total, xp, kPiecePairs, tp, width, kp, c, int(width - c), c == 0);
-  }
-}
-
 // The head's rows of bf16 weights (nt_kernel) widened by the same unpacks: x is copied once a
 // call with each 16 inputs in the unpacks' order, so that every lane sums the inputs it summed
 // in nt_group, in the same order, and the lanes are put back in order before the tail block
@@ -434,7 +334,6 @@ SIGMA_SIMD inline __attribute__((always_inline)) void nt_group_pairs(float* y, i
                                                                     int64_t in, int64_t j, bool ahead) {
   constexpr int64_t kLine = 32;  // bf16 weights of a 64-byte line
   const int64_t full = in / 16 * 16;
-  const __m256i z = _mm256_setzero_si256();
   vec acc[M][Q][2];
   for (int r = 0; r < M; ++r)
     for (int q = 0; q < Q; ++q) acc[r][q][0] = acc[r][q][1] = zero();
@@ -442,11 +341,7 @@ SIGMA_SIMD inline __attribute__((always_inline)) void nt_group_pairs(float* y, i
     if (ahead && k % kLine == 0)
       for (int q = Q; q < 2 * Q; ++q) prefetch_line(reinterpret_cast<const char*>(w + (j + q) * ldw + k), true);
     vec wlo[Q], whi[Q];
-    for (int q = 0; q < Q; ++q) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (j + q) * ldw + k));
-      wlo[q] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
-      whi[q] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
-    }
+    for (int q = 0; q < Q; ++q) load_w_pair(w + (j + q) * ldw + k, wlo[q], whi[q]);
     for (int r = 0; r < M; ++r) {
       const vec xlo = loadu(xs + r * full + k), xhi = loadu(xs + r * full + k + kLanes);
       for (int q = 0; q < Q; ++q) {
@@ -456,11 +351,7 @@ SIGMA_SIMD inline __attribute__((always_inline)) void nt_group_pairs(float* y, i
     }
   }
   for (int r = 0; r < M; ++r)
-    for (int q = 0; q < Q; ++q) {
-      const vec lo = acc[r][q][0], hi = acc[r][q][1];
-      acc[r][q][0] = _mm256_permute2f128_ps(lo, hi, 0x20);  // inputs 0-7 of every 16
-      acc[r][q][1] = _mm256_permute2f128_ps(lo, hi, 0x31);  // 8-15
-    }
+    for (int q = 0; q < Q; ++q) pair_in_order(acc[r][q][0], acc[r][q][1]);  // inputs 0-7, 8-15 of every 16
   if (full < in)  // the last, partial 16 inputs: nt_group's own loads and FMAs
     for (int s = 0; s < 2; ++s) {
       const int64_t k0 = full + s * kLanes;
@@ -511,6 +402,9 @@ void with_rows(int64_t M, A&&... a) {
 }
 
 bool cpu_has(GemvIsa isa) {
+#if defined(SIGMA_GEMV_EMULATED_AVX512)
+  if (isa == GemvIsa::Avx512Vnni || isa == GemvIsa::Avx512) return true;
+#endif
 #if SIGMA_GEMV_X86
   static const bool avx512 = __builtin_cpu_supports("avx512f") &&
                              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
@@ -566,8 +460,6 @@ struct NT {
     }
   };
 };
-// fp32 and bf16 panels: the AVX2 kernel on every SIMD machine (AVX-512 machines have AVX2; an
-// AVX-512 form of it has not been measured on one).
 template <class W>
 struct NP {
   template <int M>
@@ -577,7 +469,7 @@ struct NP {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
         case GemvIsa::Avx512Vnni:
-        case GemvIsa::Avx512:
+        case GemvIsa::Avx512: return avx512::panel_kernel<W, M>(y, ldy, x, ldx, t, width, in);
         case GemvIsa::Avx2: return avx2::panel_kernel<W, M>(y, ldy, x, ldx, t, width, in);
 #endif
         default: return panel_scalar(y, ldy, x, ldx, t, width, in, M);
@@ -585,7 +477,6 @@ struct NP {
     }
   };
 };
-// int8 panels: the AVX2 kernel on every SIMD machine, as NP.
 struct NPI8 {
   template <int M>
   struct K {
@@ -593,8 +484,8 @@ struct NPI8 {
                     int64_t pairs) {
       switch (resolve(g_isa)) {
 #if SIGMA_GEMV_X86
-        case GemvIsa::Avx512Vnni:
-        case GemvIsa::Avx512:
+        case GemvIsa::Avx512Vnni: return avx512vnni::panel_i8_kernel<M>(total, xq, ldq, t, width, pairs);
+        case GemvIsa::Avx512: return avx512::panel_i8_kernel<M>(total, xq, ldq, t, width, pairs);
         case GemvIsa::Avx2: return avx2::panel_i8_kernel<M>(total, xq, ldq, t, width, pairs);
 #endif
         default: return panel_i8_scalar(total, xq, ldq, t, width, pairs, M);
