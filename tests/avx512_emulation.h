@@ -29,60 +29,54 @@
 
 namespace sigma_avx512_emulation {
 
+template <class T, int N>
+struct Lanes {
+  T v[N];
+};
 template <class T, int N, class Mask>
-inline void masked_load(T (&lanes)[N], Mask k, const void* p) {
-  for (int i = 0; i < N; ++i) {
-    lanes[i] = T(0);
-    if ((k >> i) & 1) std::memcpy(&lanes[i], static_cast<const char*>(p) + i * sizeof(T), sizeof(T));
-  }
+inline Lanes<T, N> masked_load(Mask k, const void* p) {
+  Lanes<T, N> l{};
+  for (int i = 0; i < N; ++i)
+    if ((k >> i) & 1) std::memcpy(&l.v[i], static_cast<const char*>(p) + i * sizeof(T), sizeof(T));
+  return l;
 }
 template <class T, int N, class Mask>
-inline void masked_store(void* p, Mask k, const T (&lanes)[N]) {
+inline void masked_store(void* p, Mask k, const Lanes<T, N>& l) {
   for (int i = 0; i < N; ++i)
-    if ((k >> i) & 1) std::memcpy(static_cast<char*>(p) + i * sizeof(T), &lanes[i], sizeof(T));
+    if ((k >> i) & 1) std::memcpy(static_cast<char*>(p) + i * sizeof(T), &l.v[i], sizeof(T));
+}
+template <class T, int N, class V>
+inline Lanes<T, N> lanes(V a) {
+  static_assert(sizeof(V) == sizeof(Lanes<T, N>));
+  Lanes<T, N> l;
+  std::memcpy(l.v, &a, sizeof(a));
+  return l;
 }
 
 inline simde__m512 maskz_loadu_ps(__mmask16 k, const void* p) {
-  float v[16];
-  masked_load(v, k, p);
-  return simde_mm512_loadu_ps(v);
-}
-inline void mask_storeu_ps(void* p, __mmask16 k, simde__m512 a) {
-  float v[16];
-  simde_mm512_storeu_ps(v, a);
-  masked_store(p, k, v);
+  return simde_mm512_loadu_ps(masked_load<float, 16>(k, p).v);
 }
 inline simde__m512i maskz_loadu_epi32(__mmask16 k, const void* p) {
-  int32_t v[16];
-  masked_load(v, k, p);
-  return simde_mm512_loadu_si512(v);
-}
-inline void mask_storeu_epi32(void* p, __mmask16 k, simde__m512i a) {
-  int32_t v[16];
-  simde_mm512_storeu_si512(v, a);
-  masked_store(p, k, v);
+  return simde_mm512_loadu_si512(masked_load<int32_t, 16>(k, p).v);
 }
 inline __m256i maskz_loadu_epi16(__mmask16 k, const void* p) {
-  int16_t v[16];
-  masked_load(v, k, p);
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(masked_load<int16_t, 16>(k, p).v));
 }
 inline __m256i maskz_loadu_epi8(__mmask32 k, const void* p) {
-  int8_t v[32];
-  masked_load(v, k, p);
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(masked_load<int8_t, 32>(k, p).v));
 }
+inline void mask_storeu_ps(void* p, __mmask16 k, simde__m512 a) { masked_store(p, k, lanes<float, 16>(a)); }
+inline void mask_storeu_epi32(void* p, __mmask16 k, simde__m512i a) { masked_store(p, k, lanes<int32_t, 16>(a)); }
 inline simde__m512i cvtepu16_epi32(__m256i a) {
-  uint16_t h[16];
+  const Lanes<uint16_t, 16> h = lanes<uint16_t, 16>(a);
   int32_t v[16];
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), a);
-  for (int i = 0; i < 16; ++i) v[i] = int32_t(h[i]);
+  for (int i = 0; i < 16; ++i) v[i] = int32_t(h.v[i]);
   return simde_mm512_loadu_si512(v);
 }
 inline float reduce_add_ps(simde__m512 a) {
-  float v[16], h[8], q[4];
-  simde_mm512_storeu_ps(v, a);
-  for (int i = 0; i < 8; ++i) h[i] = v[i + 8] + v[i];
+  const Lanes<float, 16> v = lanes<float, 16>(a);
+  float h[8], q[4];
+  for (int i = 0; i < 8; ++i) h[i] = v.v[i + 8] + v.v[i];
   for (int i = 0; i < 4; ++i) q[i] = h[i + 4] + h[i];
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
