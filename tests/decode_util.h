@@ -26,7 +26,7 @@ void for_each_simd_isa(Check&& check) {
     list += std::string(list.empty() ? "" : ", ") + cpu::gemv_isa_name(isa);
     if (cpu::gemv_isa_available(isa)) check(isa);
   }
-#if defined(SIGMA_AVX512_EMULATED)  // the *_avx512_emulated tests (CMakeLists.txt)
+#if defined(SIGMA_EMULATED_AVX512)  // the *_avx512_emulated tests (tests/avx512_emulation.h)
   const char* how = " (AVX-512 on SIMDe's emulation)";
 #else
   const char* how = "";

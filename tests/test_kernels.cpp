@@ -208,6 +208,12 @@ TEST(Embedding, ForwardAndGradient) {
 }
 
 TEST(VectorExp, MatchesStdExpAcrossTheRangeIncludingTails) {
+#if defined(SIGMA_EMULATED_AVX512)  // the *_avx512_emulated tests (tests/avx512_emulation.h)
+  std::printf("vector exp, max and sum loops: %s (SIMDe's emulation)\n", cpu::kVectorExpPath);
+#else
+  std::printf("vector exp, max and sum loops: %s\n", cpu::kVectorExpPath);
+#endif
+  ::testing::Test::RecordProperty("vector_exp_path", cpu::kVectorExpPath);
   // 1003 values (not a multiple of 16) from deep underflow to e^80 (so the sum fits in fp32).
   const int64_t n = 1003;
   std::vector<float> x(n);
@@ -222,6 +228,13 @@ TEST(VectorExp, MatchesStdExpAcrossTheRangeIncludingTails) {
   }
   EXPECT_NEAR(sum, ref_sum, 1e-5 * ref_sum);
   EXPECT_EQ(cpu::max_of(x.data(), n), x[n - 1]);
+  // The largest value in every lane of the vector loop and in the tail.
+  std::vector<float> m(40);
+  for (size_t p = 0; p < m.size(); ++p) {
+    for (size_t i = 0; i < m.size(); ++i) m[i] = -1.0f - float((i * 7) % 13);
+    m[p] = 3.0f;
+    EXPECT_EQ(cpu::max_of(m.data(), int64_t(m.size())), 3.0f) << "largest at " << p;
+  }
   std::vector<float> s(n);
   cpu::sigmoid_scaled(s.data(), x.data(), n, 0.05f);
   for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(s[i], 1.0 / (1.0 + std::exp(-0.05 * x[i])), 1e-6);

@@ -687,6 +687,10 @@ std::vector<Case> all_cases() {
   add_attention(cs, 2, 5, 33, 3, 4, false, seed += 10);     // queries behind an offset
   add_attention(cs, 1, 1, 33, 2, 7, false, seed += 10);     // one decoding step
   add_attention(cs, 1, 130, 131, 1, 3, false, seed += 10);  // offset 1, two row blocks
+  // Rows whose hd the 8-key path does not take: AVX-512 builds' 16-column output blocks, then
+  // a tail (hd 20) or none (hd 80, past the 8-key path's 64).
+  add_attention(cs, 2, 3, 9, 2, 20, false, seed += 10);
+  add_attention_kv16(cs, 1, 2, 9, 1, 80, seed += 10);
   // Past kParallelMacs: the threaded oneDNN path (the cases above run on the calling thread).
   add_attention(cs, 2, 131, 131, 4, 16, false, seed += 10);
   add_attention_bf16(cs, 2, 7, 7, 3, 5, false, seed += 10);

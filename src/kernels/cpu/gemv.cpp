@@ -154,9 +154,9 @@ void nt_i8_scalar(int64_t* s, const int16_t* xq, int64_t ldq, const int8_t* w, i
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // The tests compile this file a second time with its AVX-512 code on SIMDe's portable AVX-512
-// (tests/avx512_emulation.h defines SIGMA_GEMV_EMULATED_AVX512), so that the AVX-512 kernels are
+// (tests/avx512_emulation.h defines SIGMA_EMULATED_AVX512), so that the AVX-512 kernels are
 // checked bit for bit on machines without AVX-512 too: there, no AVX-512 target attribute.
-#if defined(SIGMA_GEMV_EMULATED_AVX512)
+#if defined(SIGMA_EMULATED_AVX512)
 #define SIGMA_AVX512_TARGET
 #define SIGMA_AVX512VNNI_TARGET
 #else
@@ -402,7 +402,7 @@ void with_rows(int64_t M, A&&... a) {
 }
 
 bool cpu_has(GemvIsa isa) {
-#if defined(SIGMA_GEMV_EMULATED_AVX512)
+#if defined(SIGMA_EMULATED_AVX512)
   if (isa == GemvIsa::Avx512Vnni || isa == GemvIsa::Avx512) return true;
 #endif
 #if SIGMA_GEMV_X86

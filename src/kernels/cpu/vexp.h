@@ -18,6 +18,15 @@
 
 namespace sigma::cpu {
 
+// Which of the loops below this build has (the tests print it).
+#if defined(__AVX512F__)
+constexpr const char* kVectorExpPath = "avx512";
+#elif defined(SIGMA_VEXP_AVX2)
+constexpr const char* kVectorExpPath = "avx2";
+#else
+constexpr const char* kVectorExpPath = "scalar";
+#endif
+
 #if defined(__AVX512F__)
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-103.9f));
