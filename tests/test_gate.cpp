@@ -102,8 +102,8 @@ TEST(Gate, AuxLossAndCapacityDropsOnAHandWorkedCase) {
   w.offset = {0, 2};
   w.table = {nullptr};
   for (int e = 0; e < 2; ++e) {
-    w.expert.push_back({w_in.data() + e * d * f, b_in.data() + e * f, w_out.data() + e * f * d,
-                        b_out.data() + e * d});
+    w.expert.push_back({{.v = w_in.data() + e * d * f}, b_in.data() + e * f,
+                        {.v = w_out.data() + e * f * d}, b_out.data() + e * d});
     w.expert_grad.push_back({nullptr, nullptr, nullptr, nullptr});
   }
   const std::vector<PV> gate = {{gw.data(), gw_grad.data()}};

@@ -3,21 +3,35 @@
 #pragma once
 #include <cstdint>
 
+#include "kernels/types.h"
+
 namespace sigma {
 
+// One weight matrix [in, out] as the forward reads it: its fp32 values (v), or the inference
+// copy Model::use_weights made of it (`--precision`), v then null: fp32 in panels (p,
+// kernels::panel_index), bf16 (h), or int8 (q) with one scale per output column (s).
+struct WeightView {
+  const float* v = nullptr;
+  const float* p = nullptr;
+  const uint16_t* h = nullptr;
+  const int8_t* q = nullptr;
+  const float* s = nullptr;
+  bool bound() const { return v || p || h || q; }
+};
+
+// y[N,out] (+)= x[N,in] @ w[:, col .. col+out) + b through the ops front, on whichever form w
+// has. Strides as in ops::linear_forward. An inference copy is in panels: columns [col, col +
+// out) must be a part that Model::use_weights laid out on its own (the whole matrix, or the
+// query layer's Q or K|V).
+void linear(float* y, const float* x, const WeightView& w, const float* b, int64_t N, int64_t in,
+            int64_t out, bool accumulate = false, kernels::Strides ld = {}, int64_t col = 0);
+
 struct FfnWeights {
-  const float *w_in, *b_in, *w_out, *b_out;  // [d,f], [f], [f,d], [d]
-  // Inference copies of w_in and w_out (Model::use_weights), or null: bf16, int8 with one
-  // scale per output channel (s_in [f], s_out [d]), or fp32 in panels (kernels::panel_index).
-  const uint16_t* w_in16 = nullptr;
-  const uint16_t* w_out16 = nullptr;
-  const int8_t* w_in8 = nullptr;
-  const float* s_in = nullptr;
-  const int8_t* w_out8 = nullptr;
-  const float* s_out = nullptr;
-  const float* w_in_panels = nullptr;
-  const float* w_out_panels = nullptr;
-  bool bound() const { return w_in || w_in16 || w_in8 || w_in_panels; }  // an expert in a store may be unbound
+  WeightView w_in;  // [d,f]
+  const float* b_in = nullptr;  // [f]
+  WeightView w_out;  // [f,d]
+  const float* b_out = nullptr;  // [d]
+  bool bound() const { return w_in.bound(); }  // an expert in a store may be unbound
 };
 struct FfnGrads {
   float *w_in, *b_in, *w_out, *b_out;

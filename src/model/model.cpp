@@ -195,7 +195,7 @@ void Model::bind_expert(int block, int e, const float* weights, float* grads) {
     r.expert_grad[size_t(e)] = {};
     return;
   }
-  r.expert[size_t(e)] = {weights, weights + d * f, weights + d * f + f, weights + 2 * d * f + f};
+  r.expert[size_t(e)] = {{.v = weights}, weights + d * f, {.v = weights + d * f + f}, weights + 2 * d * f + f};
   r.expert_grad[size_t(e)] = grads ? FfnGrads{grads, grads + d * f, grads + d * f + f, grads + 2 * d * f + f}
                                     : FfnGrads{};
 }
@@ -346,6 +346,14 @@ void Model::attach_copies() {
     else if (format_ == WeightFormat::Bf16) pv.h = reinterpret_cast<const uint16_t*>(c.data);
     else pv.q = reinterpret_cast<const int8_t*>(c.data), pv.s = c.scale;
   };
+  // Expert e's [in, out] matrix of a group's stack of copies.
+  auto expert_copy = [](const PV& stack, int64_t e, int64_t in, int64_t out) {
+    WeightView w;
+    if (stack.p) w.p = stack.p + e * in * out;
+    if (stack.h) w.h = stack.h + e * in * out;
+    if (stack.q) w.q = stack.q + e * ops::i8_elements(in, out), w.s = stack.s + e * out;
+    return w;
+  };
   if (format_ != WeightFormat::F32) set(w_->tokens, names::kTokens);  // fp32: the table in place
   for (int l = 0; l < cfg_.layers; ++l) {
     BlockWeights& b = w_->blocks[size_t(l)];
@@ -362,13 +370,8 @@ void Model::attach_copies() {
       set(wo, names::expert(l, cfg_.groups[g].name, names::kWOut));
       for (int e = 0; e < cfg_.groups[g].experts; ++e) {
         FfnWeights& x = b.rre.expert[size_t(b.rre.offset[g] + e)];
-        x.w_in = x.w_out = nullptr;
-        if (wi.p) x.w_in_panels = wi.p + e * d * f, x.w_out_panels = wo.p + e * f * d;
-        if (wi.h) x.w_in16 = wi.h + e * d * f, x.w_out16 = wo.h + e * f * d;
-        if (wi.q) {
-          x.w_in8 = wi.q + e * ops::i8_elements(d, f), x.s_in = wi.s + e * f;
-          x.w_out8 = wo.q + e * ops::i8_elements(f, d), x.s_out = wo.s + e * d;
-        }
+        x.w_in = expert_copy(wi, e, d, f);
+        x.w_out = expert_copy(wo, e, f, d);
       }
     }
   }

@@ -382,24 +382,24 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   ops::AttnOperand q;
   // QKV column-parallel: this rank's heads of each of Q, K, V (dl columns each).
   if (!query_layer) {
-    linear(k.qkv.dev_f(), k.a1.dev_f(), w.qkv_w, w.qkv_b.v, N, d, 3 * dl);
+    linear(k.qkv.dev_f(), k.a1.dev_f(), w.qkv_w.view(), w.qkv_b.v, N, d, 3 * dl);
     if (kv_only) return append_kv(l, batch, acts, *cache, cache_rows);
     q = {k.qkv.dev_f(), 3 * dl, T * 3 * dl};
   } else {
     // Keys and values from LN1(h): the K|V column slice of the QKV weight.
-    linear(k.qkv.dev_f() + dl, k.a1.dev_f(), w.qkv_w, w.qkv_b.v + dl, N, d, 2 * dl, false,
+    linear(k.qkv.dev_f() + dl, k.a1.dev_f(), w.qkv_w.view(), w.qkv_b.v + dl, N, d, 2 * dl, false,
            {d, 3 * dl, 3 * dl}, dl);
     // Queries from the learned position table (not normalised): shared by every row in
     // training; from each row's own positions with a cache.
     if (kv_only) return append_kv(l, batch, acts, *cache, cache_rows);
     if (!cache) {
-      linear(k.qtop.dev_f(), w.query.v, w.qkv_w, w.qkv_b.v, T, d, dl, false, {d, 3 * dl, dl});
+      linear(k.qtop.dev_f(), w.query.v, w.qkv_w.view(), w.qkv_b.v, T, d, dl, false, {d, 3 * dl, dl});
       q = {k.qtop.dev_f(), dl, 0};
     } else {
       if (k.qtop.numel() < N * d) k.qtop = ops::empty(DType::F32, {N, d});
       for (int b = 0; b < B; ++b)
         linear(k.qtop.dev_f() + int64_t(b) * T * d,
-               w.query.v + int64_t(cache->length[size_t(cache_rows[b])]) * d, w.qkv_w,
+               w.query.v + int64_t(cache->length[size_t(cache_rows[b])]) * d, w.qkv_w.view(),
                w.qkv_b.v, T, d, d, false, {d, 3 * d, d});
       q = {k.qtop.dev_f(), d, T * d};
     }
@@ -416,7 +416,7 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   ops::copy(k.mid.dev_f(), x, N * d);
   // Attention output row-parallel: mid = x + the group's sum of att_r @ W_r (+ b once).
   add_tp_sum(tp_, k.mid.dev_f(), acts.tp_sum.dev_f(), N * d, [&](float* y) {
-    linear(y, att, w.out_w, tp_.row_bias(w.out_b.v), N, dl, d, true);
+    linear(y, att, w.out_w.view(), tp_.row_bias(w.out_b.v), N, dl, d, true);
   });
   ops::layernorm_forward(k.a2.dev_f(), k.mean2.dev_f(), k.rstd2.dev_f(), k.mid.dev_f(), w.ln2_w.v, w.ln2_b.v, N,
                          d);

@@ -36,20 +36,6 @@ WeightFormat weight_format_from_name(std::string_view s) {
   fail("unknown weight precision '{}' (known: fp32, bf16, int8)", s);
 }
 
-void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, int64_t in,
-            int64_t out, bool accumulate, kernels::Strides ld, int64_t col) {
-  // A copy is in panels (kernels/types.h): a part used on its own is a matrix of its own.
-  if (w.q)
-    ops::linear_forward_i8(y, x, w.q + ops::i8_elements(in, col), w.s + col, b, N, in, out, accumulate,
-                           {ld.x, 0, ld.y});
-  else if (w.h)
-    ops::linear_forward_w16(y, x, w.h + col * in, b, N, in, out, accumulate, {ld.x, 0, ld.y});
-  else if (w.p)
-    ops::linear_forward_f32_panels(y, x, w.p + col * in, b, N, in, out, accumulate, {ld.x, 0, ld.y});
-  else
-    ops::linear_forward(y, x, w.v + col, b, N, in, out, accumulate, ld);
-}
-
 void register_params(ParamSet& ps, const ModelConfig& cfg, bool experts, int tp) {
   struct Local {  // registers the shape this rank holds of a tensor split over tp ranks
     ParamSet& ps;
@@ -124,7 +110,7 @@ RreWeights bind_rre(ParamSet& ps, const BufferSet& bs, const ModelConfig& cfg, i
       // w_in's shape: an inference model has freed its fp32 matrices, Model::use_weights.)
       const int64_t f = ps.at(names::expert(l, g.name, names::kBIn)).value.dim(1);
       for (int64_t e = 0; e < g.experts; ++e) {
-        r.expert.push_back({wi.v + e * d * f, bi.v + e * f, wo.v + e * f * d, bo.v + e * d});
+        r.expert.push_back({{.v = wi.v + e * d * f}, bi.v + e * f, {.v = wo.v + e * f * d}, bo.v + e * d});
         r.expert_grad.push_back({wi.g + e * d * f, bi.g + e * f, wo.g + e * f * d, bo.g + e * d});
       }
     }

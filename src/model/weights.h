@@ -28,6 +28,7 @@ struct PV {
   const uint16_t* h = nullptr;
   const int8_t* q = nullptr;
   const float* s = nullptr;
+  WeightView view() const { return {v, p, h, q, s}; }  // what the forward reads (ffn.h)
 };
 
 // The RRE FFN of one block: the experts of every group, concatenated in group order, so group
@@ -51,7 +52,7 @@ struct BlockWeights {
   std::vector<PV> gate;         // learned-gate baseline: per group, W_g [d, K_g]
   bool is_rre() const { return !rre.expert.empty(); }
   FfnWeights ffn() const {
-    return {w_in.v, b_in.v, w_out.v, b_out.v, w_in.h, w_out.h, w_in.q, w_in.s, w_out.q, w_out.s, w_in.p, w_out.p};
+    return {w_in.view(), b_in.v, w_out.view(), b_out.v};
   }
   FfnGrads ffn_grad() const { return {w_in.g, b_in.g, w_out.g, b_out.g}; }
 };
@@ -62,12 +63,6 @@ struct ModelWeights {
   static ModelWeights bind(ParamSet& ps, const BufferSet& bs, const ModelConfig& cfg);
 };
 
-// y[N,out] (+)= x[N,in] @ w[:, col .. col+out) + b through the ops front: on w's bf16 or int8
-// copy when it has one (PV::p, PV::h, PV::q), else on its fp32 values. Strides as in
-// ops::linear_forward. An inference copy is in panels: columns [col, col + out) must be a part
-// that Model::use_weights laid out on its own (the whole matrix, or the query layer's Q or K|V).
-void linear(float* y, const float* x, const PV& w, const float* b, int64_t N, int64_t in,
-            int64_t out, bool accumulate = false, kernels::Strides ld = {}, int64_t col = 0);
 
 // Adds every parameter of the model to `ps` (zero-initialised), in a fixed order (names from
 // model/names.h):
