@@ -41,8 +41,6 @@ class ServePrefix : public ::testing::Test {
 };
 TempDir* ServePrefix::dir = nullptr;
 
-json last_json(const CmdResult& r) { return json::parse(r.out.substr(r.out.rfind("\n{") + 1)); }
-
 }  // namespace
 
 TEST_F(ServePrefix, ATextPromptGetsItsDomainsPrefixAndEvalsLogProbabilities) {

@@ -167,7 +167,7 @@ TEST(ShardedCheckpoint, ReshardsToOtherLayoutsLikeTheWholeCheckpoint) {
     ASSERT_EQ(r.code, 0) << r.out;
     ASSERT_TRUE(is_sharded_checkpoint(ck(sharded, 4)));
     EXPECT_TRUE(bytes_of(read_model_tensors(ck(sharded, 4))) == bytes_of(read_model_tensors(ck(whole, 4)))) << model;
-    for (const std::string cmd : {"eval --ckpt " + ck(sharded, 4), "inspect --ckpt " + ck(sharded, 4),
+    for (const std::string& cmd : {"eval --ckpt " + ck(sharded, 4), "inspect --ckpt " + ck(sharded, 4),
                                   "generate --ckpt " + ck(sharded, 4) + " --prompt '1 2 3' --max-new 4"}) {
       const CmdResult c = sigma_cmd(cmd);
       EXPECT_EQ(c.code, 0) << cmd << ": " << c.out;

@@ -168,7 +168,7 @@ TEST(TensorParallel, TheShardTableSplitsByHeadsAndRows) {
   // The embedding: each of its 3 slots by token id.
   EXPECT_EQ(tp_split(c, names::kTokens).dim, 0);
   EXPECT_EQ(tp_split(c, names::kTokens).parts, 3);
-  for (const std::string n : {names::block(0, "attn.out.b"), names::ffn(1, names::kBOut),
+  for (const std::string& n : {names::block(0, "attn.out.b"), names::ffn(1, names::kBOut),
                               names::block(0, "ln1.w"), std::string(names::kPositions),
                               names::block(2, "attn.query_table"), names::expert(2, "a", names::kBOut),
                               names::gate(2, "a")})
@@ -553,7 +553,7 @@ TEST(TensorParallelRuns, ACheckpointAtTp2Dp2ResumesAtTp1Dp4AndTp4Dp1) {
     r = on_ranks(4, tp_args(model, 12, 2) + " --out " + split + " --stop-at 6");
     ASSERT_EQ(r.code, 0) << r.out;
     const std::string ck = split + "/checkpoints/step-00000006";
-    for (const std::string cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
+    for (const std::string& cmd : {"eval --ckpt " + ck, "inspect --ckpt " + ck,
                                   "generate --ckpt " + ck + " --prompt '1 2 3' --max-new 4"}) {
       const CmdResult c = sigma_cmd(cmd);
       EXPECT_EQ(c.code, 0) << cmd << ": " << c.out;

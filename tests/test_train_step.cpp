@@ -319,7 +319,9 @@ TEST(TrainStep, ZeroStage2IsBitIdenticalToStage1) {
       EXPECT_EQ(one.losses, two.losses) << what;
       EXPECT_EQ(one.norms, two.norms) << what;
       EXPECT_GT(one.others_nonzero, 0) << what;  // ZeRO-1 holds every gradient: the check can fail
-      if (l.micro == l.ranks) EXPECT_EQ(two.others_nonzero, 0) << what << ": not released";
+      if (l.micro == l.ranks) {
+        EXPECT_EQ(two.others_nonzero, 0) << what << ": not released";
+      }
     }
   const RunResult one = run_steps(2, 2, 3, 2, true), two = run_steps(2, 2, 3, 2, true, 2);
   EXPECT_TRUE(same_bits(one.weights, two.weights)) << "lazy embedding rows";
