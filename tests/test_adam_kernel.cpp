@@ -89,9 +89,18 @@ const AdamStepArgs kSteps[] = {
     {2e-4f, 0.8f, 0.999f, 1e-6f, 0.01f, 1.0f, 37},  // other betas, a late step
 };
 
+// The paths this CPU runs; says which ran and which it skipped.
 std::vector<AdamPath> paths() {
   std::vector<AdamPath> p{AdamPath::Scalar};
-  if (adam_path_available(AdamPath::Avx512)) p.push_back(AdamPath::Avx512);
+  const bool avx512 = adam_path_available(AdamPath::Avx512);
+  if (avx512) p.push_back(AdamPath::Avx512);
+#if defined(SIGMA_EMULATED_AVX512)  // the *_avx512_emulated tests (tests/avx512_emulation.h)
+  const char* how = " (on SIMDe's emulation)";
+#else
+  const char* how = "";
+#endif
+  std::printf("Adam paths compared: scalar%s%s; skipped (not on this CPU): %s\n", avx512 ? ", avx512" : "",
+              avx512 ? how : "", avx512 ? "none" : "avx512");
   return p;
 }
 
@@ -114,9 +123,10 @@ class AdamKernel : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(AdamKernel, MatchesDoubleReferenceOnBothPathsAndDtypes) {
   const int64_t n = GetParam();
+  const std::vector<AdamPath> run = paths();
   for (bool bf16 : {false, true}) {
     std::vector<State> results;
-    for (AdamPath p : paths()) {
+    for (AdamPath p : run) {
       State s = make_state(n, 42);
       run_and_check(s, p, bf16,
                     std::string(adam_path_name(p)) + (bf16 ? " bf16" : " f32") + " n=" +
