@@ -16,31 +16,24 @@ constexpr int64_t kSigmoidChunk = 4096;  // sigmoid scratch per chunk stays in L
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 void fast_gelu_forward(float* y, const float* x, int64_t n) {
-  auto chunk = [&](int64_t c) {
-    const int64_t m = std::min(kSigmoidChunk, n - c);
+  parallel_for((n + kSigmoidChunk - 1) / kSigmoidChunk, n * kExpMacs > kParallelMacs, [&](int64_t k) {
+    const int64_t c = k * kSigmoidChunk, m = std::min(kSigmoidChunk, n - c);
     float s[kSigmoidChunk];
     sigmoid_scaled(s, x + c, m, kGeluAlpha);
     for (int64_t i = 0; i < m; ++i) y[c + i] = x[c + i] * s[i];
-  };
-  if (n * kExpMacs <= kParallelMacs) {  // no OpenMP region at all for a decode step's rows
-    for (int64_t c = 0; c < n; c += kSigmoidChunk) chunk(c);
-    return;
-  }
-#pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < n; c += kSigmoidChunk) chunk(c);
+  });
 }
 
 void fast_gelu_backward(float* dx, const float* dy, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static) if (n * kExpMacs > kParallelMacs)
-  for (int64_t c = 0; c < n; c += kSigmoidChunk) {
-    const int64_t m = std::min(kSigmoidChunk, n - c);
+  parallel_for((n + kSigmoidChunk - 1) / kSigmoidChunk, n * kExpMacs > kParallelMacs, [&](int64_t k) {
+    const int64_t c = k * kSigmoidChunk, m = std::min(kSigmoidChunk, n - c);
     float s[kSigmoidChunk];
     sigmoid_scaled(s, x + c, m, kGeluAlpha);
     for (int64_t i = 0; i < m; ++i) {
       const float xi = x[c + i];
       dx[c + i] = dy[c + i] * (s[i] + kGeluAlpha * xi * s[i] * (1.0f - s[i]));
     }
-  }
+  });
 }
 
 #pragma GCC diagnostic pop

@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "kernels/cpu/bf16_vec.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/parallel.h"
 
 namespace sigma::cpu {
 
@@ -166,8 +167,8 @@ void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
 
 void to_bf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows,
              int64_t cols) {
-#pragma omp parallel for schedule(static) if (rows * cols > (1 << 16) && !omp_in_parallel())
-  for (int64_t i = 0; i < rows; ++i) row_to_bf16_impl(dst + i * ldd, src + i * lds, cols);
+  parallel_for(rows, rows * cols > (1 << 16) && !omp_in_parallel(),
+               [&](int64_t i) { row_to_bf16_impl(dst + i * ldd, src + i * lds, cols); });
 }
 
 Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
@@ -206,8 +207,7 @@ Bf16View bf16_operand_column_sums(const float* src, int64_t rows, int64_t cols, 
   partial.assign(size_t(blocks * cols), 0.0f);
   uint16_t* dst = buf.data();
   float* part = partial.data();
-#pragma omp parallel for schedule(static) if (!omp_in_parallel() && rows * cols > (1 << 16))
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+  parallel_for(blocks, !omp_in_parallel() && rows * cols > (1 << 16), [&](int64_t blk) {
     float* ps = part + blk * cols;
     for (int64_t i = blk * kRows; i < std::min(rows, (blk + 1) * kRows); ++i) {
       const float* row = src + i * ld;
@@ -215,7 +215,7 @@ Bf16View bf16_operand_column_sums(const float* src, int64_t rows, int64_t cols, 
 #pragma omp simd
       for (int64_t j = 0; j < cols; ++j) ps[j] += row[j];
     }
-  }
+  });
   for (int64_t blk = 0; blk < blocks; ++blk)
 #pragma omp simd
     for (int64_t j = 0; j < cols; ++j) db[j] += part[blk * cols + j];

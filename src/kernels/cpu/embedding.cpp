@@ -6,20 +6,19 @@ namespace sigma::cpu {
 
 void embedding_forward(float* out, const int32_t* rows, const float* table, const float* pos,
                        int64_t B, int64_t T, int64_t d) {
-#pragma omp parallel for schedule(static) if (B * T * d > kParallelFloats)
-  for (int64_t i = 0; i < B * T; ++i) {
+  parallel_for(B * T, B * T * d > kParallelFloats, [&](int64_t i) {
     float* o = out + i * d;
     const float* p = pos ? pos + (i % T) * d : nullptr;
     if (rows[i] < 0) {  // a row another rank holds
       for (int64_t c = 0; c < d; ++c) o[c] = p ? p[c] : 0.0f;
-      continue;
+      return;
     }
     const float* e = table + static_cast<int64_t>(rows[i]) * d;
     if (p)
       for (int64_t c = 0; c < d; ++c) o[c] = e[c] + p[c];
     else
       for (int64_t c = 0; c < d; ++c) o[c] = e[c];
-  }
+  });
 }
 
 void embedding_backward(float* dtable, float* dpos, const float* dout, const int32_t* rows,

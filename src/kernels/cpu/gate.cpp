@@ -18,10 +18,10 @@ namespace {
 // parallel (each call touches only its own row's outputs).
 template <class Fn>
 void for_each_kept(const int32_t* pos, int64_t N, int64_t d, Fn&& fn) {
-#pragma omp parallel for schedule(static) if (N * d > kParallelFloats)
-  for (int64_t r = 0; r < N; ++r)
+  parallel_for(N, N * d > kParallelFloats, [&](int64_t r) {
     for (int slot = 0; slot < 2; ++slot)
       if (const int32_t j = pos[r * 2 + slot]; j >= 0) fn(r, slot, int64_t(j));
+  });
 }
 
 }  // namespace
@@ -29,8 +29,7 @@ void for_each_kept(const int32_t* pos, int64_t N, int64_t d, Fn&& fn) {
 void gate_softmax_topk(float* probs, int32_t* choice, float* gate, const float* z,
                        const int32_t* width, const int32_t* base, int k, int64_t N,
                        int64_t Kmax) {
-#pragma omp parallel for schedule(static) if (N * Kmax * kExpMacs > kParallelMacs)
-  for (int64_t r = 0; r < N; ++r) {
+  parallel_for(N, N * Kmax * kExpMacs > kParallelMacs, [&](int64_t r) {
     const int K = width[r];
     const float* zr = z + r * Kmax;
     float* pr = probs + r * Kmax;
@@ -47,7 +46,7 @@ void gate_softmax_topk(float* probs, int32_t* choice, float* gate, const float* 
     gate[r * 2 + 1] = 0.0f;
     if (k == 1 || K == 1) {
       gate[r * 2] = k == 1 ? pr[e1] : 1.0f;
-      continue;
+      return;
     }
     int e2 = e1 == 0 ? 1 : 0;
     for (int e = 0; e < K; ++e)
@@ -56,7 +55,7 @@ void gate_softmax_topk(float* probs, int32_t* choice, float* gate, const float* 
     choice[r * 2 + 1] = base[r] + e2;
     gate[r * 2] = pr[e1] / s;
     gate[r * 2 + 1] = pr[e2] / s;
-  }
+  });
 }
 
 void gate_combine(float* y, const float* yg, const float* gate, const int32_t* pos, int64_t N,
@@ -89,8 +88,7 @@ void gate_backward_dz(float* dx, float* dz, const float* gdx, const float* dgate
     for (int64_t c = 0; c < d; ++c) dx[r * d + c] += gdx[j * d + c];
   });
   // d(loss)/dp: the combine weights, plus the load-balancing term; then through the softmax.
-#pragma omp parallel for schedule(static) if (N * Kmax * 8 > kParallelMacs)
-  for (int64_t r = 0; r < N; ++r) {
+  parallel_for(N, N * Kmax * 8 > kParallelMacs, [&](int64_t r) {
     const int o = base[r], K = width[r];
     const float* pr = probs + r * Kmax;
     float* dp = dz + r * Kmax;  // dp first, turned into dz in place below
@@ -110,7 +108,7 @@ void gate_backward_dz(float* dx, float* dz, const float* gdx, const float* dgate
     float dot = 0;
     for (int e = 0; e < K; ++e) dot += pr[e] * dp[e];
     for (int e = 0; e < K; ++e) dp[e] = pr[e] * (dp[e] - dot);
-  }
+  });
 }
 
 namespace {
@@ -133,30 +131,28 @@ double sum_sq(const float* x, int64_t n) {
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   if (chunks <= 1) return chunk_sq(x, n);
   std::vector<double> part(size_t(chunks), 0.0);
-#pragma omp parallel for schedule(static) if (!omp_in_parallel())
-  for (int64_t c = 0; c < chunks; ++c)
+  parallel_for(chunks, !omp_in_parallel(), [&](int64_t c) {
     part[size_t(c)] = chunk_sq(x + c * kChunk, std::min(kChunk, n - c * kChunk));
+  });
   double s = 0;
   for (double v : part) s += v;
   return s;
 }
 
 void convert_bf16(uint16_t* dst, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-  for (int64_t i = 0; i < n; ++i) dst[i] = sigma::to_bf16(x[i]);
+  parallel_for(n, n > (1 << 16), [&](int64_t i) { dst[i] = sigma::to_bf16(x[i]); });
 }
 
 namespace {
 template <class T, class Convert>
 void to_panels(T* dst, const float* w, int64_t in, int64_t out, int64_t ld, Convert convert) {
   const int64_t panels = (out + kernels::kPanelColumns - 1) / kernels::kPanelColumns;
-#pragma omp parallel for schedule(static) if (in * out > (1 << 16))
-  for (int64_t p = 0; p < panels; ++p) {
+  parallel_for(panels, in * out > (1 << 16), [&](int64_t p) {
     const int64_t c0 = p * kernels::kPanelColumns, width = std::min(kernels::kPanelColumns, out - c0);
     T* d = dst + c0 * in;  // the panel's rows, `width` weights each
     for (int64_t i = 0; i < in; ++i)
       for (int64_t j = 0; j < width; ++j) d[i * width + j] = convert(w[i * ld + c0 + j]);
-  }
+  });
 }
 }  // namespace
 

@@ -36,22 +36,14 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* x, con
     mean[i] = m;
     rstd[i] = r;
   };
-  // A decode step's few rows skip OpenMP altogether: a region whose `if` is false still sets
-  // up a team of one per call, 17 calls a token (issue 40).
-  if (N * C <= kParallelFloats) {
-    for (int64_t i = 0; i < N; ++i) row(i);
-    return;
-  }
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < N; ++i) row(i);
+  parallel_for(N, N * C > kParallelFloats, row);
 }
 
 // With n = (x-mean)*rstd and g = dout*w:  dx = rstd * (g - mean(g) - n * mean(g*n)).
 void layernorm_backward(float* dx, float* dw, float* db, const float* dout, const float* x,
                         const float* mean, const float* rstd, const float* w, int64_t N,
                         int64_t C) {
-#pragma omp parallel for schedule(static) if (N * C > kParallelFloats)
-  for (int64_t i = 0; i < N; ++i) {
+  parallel_for(N, N * C > kParallelFloats, [&](int64_t i) {
     const float* xi = x + i * C;
     const float* di = dout + i * C;
     const float m = mean[i], r = rstd[i];
@@ -68,12 +60,11 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
       const float n = (xi[j] - m) * r;
       dxi[j] += r * (di[j] * w[j] - mg - n * mgn);
     }
-  }
+  });
   // Parameter gradients: each thread owns a column range, rows summed in order.
   constexpr int64_t kChunk = 64;
   const int64_t chunks = (C + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) if (N * C > kParallelFloats)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for(chunks, N * C > kParallelFloats, [&](int64_t c) {
     const int64_t j0 = c * kChunk, j1 = std::min(C, j0 + kChunk);
     float aw[kChunk] = {}, ab[kChunk] = {};
     for (int64_t i = 0; i < N; ++i) {
@@ -89,7 +80,7 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dout, cons
       dw[j] += aw[j - j0];
       db[j] += ab[j - j0];
     }
-  }
+  });
 }
 
 }  // namespace sigma::cpu

@@ -10,8 +10,7 @@ namespace sigma::cpu {
 
 void softmax_xent(float* logits, float* loss, const int32_t* targets, const float* grad_scale,
                   int64_t N, int64_t V) {
-#pragma omp parallel for schedule(static) if (N * V > kParallelFloats)
-  for (int64_t i = 0; i < N; ++i) {
+  parallel_for(N, N * V > kParallelFloats, [&](int64_t i) {
     float* row = logits + i * V;
     const float target_logit = row[targets[i]];
     const float mx = max_of(row, V);
@@ -19,14 +18,14 @@ void softmax_xent(float* logits, float* loss, const int32_t* targets, const floa
       double sum = 0.0;
       for (int64_t j = 0; j < V; ++j) sum += double(std::exp(row[j] - mx));
       loss[i] = float(double(mx) + std::log(sum) - double(target_logit));
-      continue;
+      return;
     }
     const float sum = exp_shift_sum(row, V, mx);  // row now holds exp(logit - max)
     loss[i] = mx + std::log(sum) - target_logit;
     const float g = grad_scale[i];
     scale_into(row, row, V, g / sum);  // softmax * g; zero rows when g = 0
     row[targets[i]] -= g;
-  }
+  });
 }
 
 namespace {
@@ -49,8 +48,7 @@ RowStats combine_row(const float* stats, int64_t i, int64_t P, int64_t N) {
 
 void xent_partial(float* stats, const float* logits, const int32_t* targets, int64_t v0,
                   int64_t N, int64_t V) {
-#pragma omp parallel for schedule(static) if (N * V > kParallelFloats)
-  for (int64_t i = 0; i < N; ++i) {
+  parallel_for(N, N * V > kParallelFloats, [&](int64_t i) {
     const float* row = logits + i * V;
     const float mx = max_of(row, V);
     double sum = 0.0;
@@ -59,23 +57,22 @@ void xent_partial(float* stats, const float* logits, const int32_t* targets, int
     stats[i * 3] = mx;
     stats[i * 3 + 1] = float(sum);
     stats[i * 3 + 2] = t >= 0 && t < V ? row[t] : 0.0f;
-  }
+  });
 }
 
 void xent_combine(float* logits, float* loss, const float* stats, const int32_t* targets,
                   const float* grad_scale, int64_t v0, int64_t P, int64_t N, int64_t V) {
-#pragma omp parallel for schedule(static) if (N * V > kParallelFloats)
-  for (int64_t i = 0; i < N; ++i) {
+  parallel_for(N, N * V > kParallelFloats, [&](int64_t i) {
     const RowStats s = combine_row(stats, i, P, N);
     loss[i] = float(s.max + std::log(s.sum) - s.target);
-    if (!grad_scale) continue;
+    if (!grad_scale) return;
     float* row = logits + i * V;
     const float g = grad_scale[i];
     const float M = float(s.max), f = float(double(g) / s.sum);
     for (int64_t j = 0; j < V; ++j) row[j] = std::exp(row[j] - M) * f;
     const int64_t t = int64_t(targets[i]) - v0;
     if (t >= 0 && t < V) row[t] -= g;
-  }
+  });
 }
 
 }  // namespace sigma::cpu
