@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "avx512_where.h"
 #include "infer/generate.h"
 #include "kernels/cpu/gemv.h"
 #include "model/model.h"
@@ -26,12 +27,8 @@ void for_each_simd_isa(Check&& check) {
     list += std::string(list.empty() ? "" : ", ") + cpu::gemv_isa_name(isa);
     if (cpu::gemv_isa_available(isa)) check(isa);
   }
-#if defined(SIGMA_EMULATED_AVX512)  // the *_avx512_emulated tests (tests/avx512_emulation.h)
-  const char* how = " (AVX-512 on SIMDe's emulation)";
-#else
-  const char* how = "";
-#endif
-  std::printf("SIMD paths compared with the portable path%s: %s; skipped (not on this CPU): %s\n", how,
+  std::printf("SIMD paths compared with the portable path%s: %s; skipped (not on this CPU): %s\n",
+              sigma::testing::kAvx512Where,
               ran.empty() ? "none" : ran.c_str(), skipped.empty() ? "none" : skipped.c_str());
   ::testing::Test::RecordProperty("simd_paths_run", ran);
   ::testing::Test::RecordProperty("simd_paths_skipped", skipped);

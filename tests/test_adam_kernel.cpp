@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "avx512_where.h"
 #include "device_access.h"
 #include "core/bf16.h"
 #include "core/rng.h"
@@ -94,13 +95,8 @@ std::vector<AdamPath> paths() {
   std::vector<AdamPath> p{AdamPath::Scalar};
   const bool avx512 = adam_path_available(AdamPath::Avx512);
   if (avx512) p.push_back(AdamPath::Avx512);
-#if defined(SIGMA_EMULATED_AVX512)  // the *_avx512_emulated tests (tests/avx512_emulation.h)
-  const char* how = " (on SIMDe's emulation)";
-#else
-  const char* how = "";
-#endif
   std::printf("Adam paths compared: scalar%s%s; skipped (not on this CPU): %s\n", avx512 ? ", avx512" : "",
-              avx512 ? how : "", avx512 ? "none" : "avx512");
+              avx512 ? sigma::testing::kAvx512Where : "", avx512 ? "none" : "avx512");
   return p;
 }
 

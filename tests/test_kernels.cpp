@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "avx512_where.h"
 #include "gradcheck.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
@@ -208,11 +209,8 @@ TEST(Embedding, ForwardAndGradient) {
 }
 
 TEST(VectorExp, MatchesStdExpAcrossTheRangeIncludingTails) {
-#if defined(SIGMA_EMULATED_AVX512)  // the *_avx512_emulated tests (tests/avx512_emulation.h)
-  std::printf("vector exp, max and sum loops: %s (SIMDe's emulation)\n", cpu::kVectorExpPath);
-#else
-  std::printf("vector exp, max and sum loops: %s\n", cpu::kVectorExpPath);
-#endif
+  std::printf("vector exp, max and sum loops: %s%s\n", cpu::kVectorExpPath,
+              std::string_view(cpu::kVectorExpPath) == "avx512" ? sigma::testing::kAvx512Where : "");
   ::testing::Test::RecordProperty("vector_exp_path", cpu::kVectorExpPath);
   // 1003 values (not a multiple of 16) from deep underflow to e^80 (so the sum fits in fp32).
   const int64_t n = 1003;
