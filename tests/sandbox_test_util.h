@@ -132,9 +132,11 @@ inline Outcome run_as(uid_t uid, const std::string& program, const SandboxLimits
 // The sandbox refused the sample because this user gets no namespaces here (a chroot, or a
 // container that forbids user namespaces): refused with the reason, nothing run or left. The
 // tests accept that, and only that, in place of the protection they check.
+inline bool is_refusal(const SandboxResult& r) {
+  return r.outcome == "error" && r.why.find("no mount, PID and network namespace") != std::string::npos;
+}
 inline bool refused_here(uid_t uid, const Outcome& o) {
-  const bool refused = o.evaluator_ok && o.r.outcome == "error" &&
-                       o.r.why.find("no mount, PID and network namespace") != std::string::npos;
+  const bool refused = o.evaluator_ok && is_refusal(o.r);
   if (refused) {
     EXPECT_EQ(o.leftover_dirs, 0) << "uid " << uid;
     std::printf("uid %u: no namespaces here, the sample was refused: %s\n", uid, o.r.why.c_str());
