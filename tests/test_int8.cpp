@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -305,6 +306,62 @@ TEST(Int8Gemv, SumsConvertToFloatAsTheConversionRounds) {
     }
   for (const int64_t x : v) {
     ASSERT_EQ(std::bit_cast<uint32_t>(kernels::exact_to_float(x)), std::bit_cast<uint32_t>(float(x))) << x;
+  }
+}
+
+// x's 16-bit rounding (kernels::round_row16, which finds max |x| on the bits) against its plain
+// definition: step = max |x| / 32767 over a row of finite values (0 below 1e-30), NaN for a row
+// holding a NaN or an infinity of either sign, xq 0 there; signed zeros, subnormals, the
+// largest finite value, the specials at every position of rows of every length up to 40 (the
+// vector loops' bodies and tails), and random rows.
+TEST(Int8Quantise, XRoundsToSixteenBitsAsItsPlainDefinition) {
+  auto plain_step = [](const std::vector<float>& x) {
+    float amax = 0;
+    for (float v : x) {
+      if (!std::isfinite(v)) return NAN;
+      amax = std::max(amax, std::fabs(v));
+    }
+    return amax >= 1e-30f ? amax / 32767.0f : 0.0f;
+  };
+  auto check = [&](const std::vector<float>& x) {
+    std::vector<int16_t> q(x.size(), 77);
+    const float step = kernels::round_row16(q.data(), x.data(), int64_t(x.size()));
+    const float want = plain_step(x);
+    ASSERT_EQ(std::isnan(step), std::isnan(want)) << "a row of " << x.size();
+    if (std::isnan(want)) {
+      for (int16_t v : q) ASSERT_EQ(v, 0);
+      return;
+    }
+    ASSERT_EQ(std::bit_cast<uint32_t>(step), std::bit_cast<uint32_t>(want)) << "a row of " << x.size();
+    const float inv = step > 0 ? 1.0f / step : 0.0f;
+    for (size_t k = 0; k < x.size(); ++k)
+      ASSERT_EQ(q[k], int16_t(std::clamp(std::nearbyint(x[k] * inv), -32767.0f, 32767.0f))) << k;
+  };
+  const float specials[] = {NAN, -NAN, INFINITY, -INFINITY};
+  const float values[] = {0.0f, -0.0f, 1e-40f, -1e-38f, 1e-31f, 2e-30f, -3.5f, 7.25f, FLT_MAX, -FLT_MAX};
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (int n = 1; n <= 40; ++n) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float v : values) {  // one value everywhere, then at each position among small ones
+      std::fill(x.begin(), x.end(), v);
+      check(x);
+      for (int at = 0; at < n; ++at) {
+        for (int k = 0; k < n; ++k) x[size_t(k)] = 1e-3f * float(k % 5) * (k % 2 ? -1.0f : 1.0f);
+        x[size_t(at)] = v;
+        check(x);
+      }
+    }
+    for (float v : specials)
+      for (int at = 0; at < n; ++at) {
+        for (float& e : x) e = normal(rng);
+        x[size_t(at)] = v;
+        check(x);
+      }
+    for (int k = 0; k < 20; ++k) {
+      for (float& e : x) e = normal(rng) * std::ldexp(1.0f, int(rng() % 60) - 30);
+      check(x);
+    }
   }
 }
 

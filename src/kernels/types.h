@@ -90,18 +90,21 @@ inline int64_t i8_index(int64_t i, int64_t j, int64_t in, int64_t out) {
 // step) to nearest, step = max |x| / 32767 (returned); the product is then step * (xq . q). A
 // row of zeros (or whose largest value is below 1e-30) gets step 0 and xq 0; a row holding a
 // NaN or an infinity gets step NaN (its products come out NaN, as fp32's would) and xq 0.
-// Every backend rounds with this one function. Plain comparisons, not fmax (a libm call per
-// element: the rounding took longer than a 1024-input product), so that it vectorises.
+// Every backend rounds with this one function. The largest |x| is found on the bits: |x|'s bits
+// (the sign cleared) order as the values do, and an infinity or a NaN is exactly a value whose
+// bits are >= 0x7f800000, so one unsigned max does both jobs and vectorises (a float max with a
+// flag for the specials compiled to a scalar loop: ~3 ns an input, 5 % of an int8 decode token).
 inline float round_row16(int16_t* xq, const float* x, int64_t n) {
-  float amax = 0;
-  uint32_t special = 0;  // an exponent of all ones: an infinity or a NaN
+  uint32_t amax_bits = 0;
   for (int64_t k = 0; k < n; ++k) {
     uint32_t bits;
     std::memcpy(&bits, x + k, 4);
-    special |= (bits & 0x7f800000u) == 0x7f800000u;
-    const float a = std::fabs(x[k]);
-    amax = a > amax ? a : amax;
+    bits &= 0x7fffffffu;
+    amax_bits = bits > amax_bits ? bits : amax_bits;
   }
+  const bool special = amax_bits >= 0x7f800000u;
+  float amax;
+  std::memcpy(&amax, &amax_bits, 4);
   const float step = special ? NAN : amax >= 1e-30f ? amax / 32767.0f : 0.0f;
   const float inv = step > 0 ? 1.0f / step : 0.0f;
   for (int64_t k = 0; k < n; ++k) {  // |x / step| <= 32767 up to its rounding: clamped
