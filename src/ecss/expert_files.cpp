@@ -123,11 +123,11 @@ std::string expert_group_file(int32_t block, const std::string& group, bool adam
 std::pair<TensorSource, TensorSource> expert_group_paths(const std::string& dir, bool per_group,
                                                          int32_t block, const std::string& group) {
   if (per_group)
-    return {TensorSource{dir + "/" + expert_group_file(block, group, false)},
-            TensorSource{dir + "/" + expert_group_file(block, group, true)}};
+    return {TensorSource{.path = dir + "/" + expert_group_file(block, group, false)},
+            TensorSource{.path = dir + "/" + expert_group_file(block, group, true)}};
   if (is_sharded_checkpoint(dir))
-    return {TensorSource{"", dir, false}, TensorSource{"", dir, true}};
-  return {TensorSource{dir + "/" + kModelFile}, TensorSource{dir + "/" + kOptimizerFile}};
+    return {TensorSource{.sharded_dir = dir, .adam = false}, TensorSource{.sharded_dir = dir, .adam = true}};
+  return {TensorSource{.path = dir + "/" + kModelFile}, TensorSource{.path = dir + "/" + kOptimizerFile}};
 }
 
 namespace {

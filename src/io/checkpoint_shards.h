@@ -61,8 +61,8 @@ Safetensors read_sharded(const std::string& dir, bool adam,
 // Where a reader takes tensors from: one file (`path`), or a sharded checkpoint's weights or
 // Adam shards assembled (`sharded_dir`). The expert loaders read either.
 struct TensorSource {
-  std::string path;         // a file; or
-  std::string sharded_dir;  // a sharded checkpoint
+  std::string path{};         // a file; or
+  std::string sharded_dir{};  // a sharded checkpoint
   bool adam = false;
   std::string label() const;  // for messages: the file, or "DIR/shard-*.{model,adam}.safetensors"
   bool exists() const;        // the file exists, or the checkpoint has such shards
