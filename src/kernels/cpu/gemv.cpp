@@ -32,9 +32,10 @@ constexpr int64_t kParallelWeights = int64_t(1) << 16;
 constexpr int64_t kChunkRows = 64;
 using kernels::kPanelColumns;
 
-// The panel kernels (gemv_simd.inc) prefetch the lines kPanelAhead bytes past each row into L2:
-// a panel is one run of bytes, and for bf16 0.5-1 KiB ahead streamed 3-8 % faster than the
-// hardware prefetcher alone, 2 KiB ahead 5-10 % slower (2 threads, from memory, Zen 3; issue 40).
+// The panel kernels (gemv_simd.inc) prefetch the lines kPanelAhead bytes past each row into L2
+// (fp32 only where the ISA's kPrefetchPanel says): a panel is one run of bytes, and for bf16
+// 0.5-1 KiB ahead streamed 3-8 % faster than the hardware prefetcher alone, 2 KiB ahead 5-10 %
+// slower (2 threads, from memory, Zen 3; issue 40).
 constexpr int64_t kPanelAhead = 1024;
 // A panel's int8 pair rows are read in pieces of at most kPiecePairs, whose int32 lanes cannot
 // overflow (|sum| <= 2 * 256 * 127 * 32767 < 2^31), each piece's lanes then added into int64.
@@ -226,6 +227,10 @@ SIGMA_SIMD inline ivec widen16_masked(const int8_t* p, int n) {  // n < 32
 SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm512_loadu_si512(p); }
 template <class W>
 constexpr bool kUnpackBf16 = false;  // avx2 only (below)
+// Whether the panel kernels prefetch kPanelAhead past each row (gemv_simd.inc). Never measured
+// on AVX-512 machines with panels: kept as first written (issue 40).
+template <class W>
+constexpr bool kPrefetchPanel = true;
 #include "kernels/cpu/gemv_simd.inc"
 #undef SIGMA_SIMD
 }  // namespace avx512
@@ -319,6 +324,11 @@ SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm256_loadu_si256(rein
 // bf16 head weights widened by unpacking (nt_kernel_pairs, after the kernels).
 template <class W>
 constexpr bool kUnpackBf16 = std::is_same_v<W, uint16_t>;
+// fp32 panels stream 4 lines a row and the hardware prefetcher alone keeps up: with the software
+// prefetches fp32 decode ran 12-15 % slower (Zen 3, alternating runs), bf16 and int8 ~10 % and
+// ~25 % faster (their widening leaves the stream room to fall behind).
+template <class W>
+constexpr bool kPrefetchPanel = !std::is_same_v<W, float>;
 template <int M>
 SIGMA_SIMD void nt_kernel_pairs(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* w,
                                 int64_t ldw, int64_t in, Range rows, std::integral_constant<int, M>);
