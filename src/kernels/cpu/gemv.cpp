@@ -225,6 +225,13 @@ SIGMA_SIMD inline ivec widen16_masked(const int8_t* p, int n) {  // n < 32
   return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(__mmask32((1u << n) - 1), p));
 }
 SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm512_loadu_si512(p); }
+// The lanes' int32 sum (the caller keeps it from overflowing: nt_i8_group's blocks).
+SIGMA_SIMD inline int32_t ireduce(ivec v) {
+  const __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1)));
+}
 template <class W>
 constexpr bool kUnpackBf16 = false;  // avx2 only (below)
 // Whether the panel kernels prefetch kPanelAhead past each row (gemv_simd.inc). Never measured
@@ -321,6 +328,11 @@ SIGMA_SIMD inline ivec widen16_masked(const int8_t* p, int n) {  // n < 16: a ze
   return widen16(t);
 }
 SIGMA_SIMD inline ivec load16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+SIGMA_SIMD inline int32_t ireduce(ivec v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1)));
+}
 // bf16 head weights widened by unpacking (nt_kernel_pairs, after the kernels).
 template <class W>
 constexpr bool kUnpackBf16 = std::is_same_v<W, uint16_t>;
@@ -716,15 +728,27 @@ void nn_panels(float* y, const float* x, const W* w, const float* b, int64_t M, 
   });
 }
 
-constexpr int64_t kGroup = 64;  // rows of the head's w an item streams
-
-// The head's items' streams (groups of kGroup rows of w[out, in]) for next_product.
-NextJob head_next(const void* w, int64_t in, int64_t out, int64_t ldw, int64_t elem_bytes) {
-  if (in * out < kParallelWeights) return {};
-  auto group = [&](int64_t g) {
-    return rows_stream(w, g * kGroup, std::min(out, (g + 1) * kGroup) - g * kGroup, ldw * elem_bytes, ldw == in);
+// fn(rows) for each item of a product on the head's w[out, in] (rows ldw apart; elem_bytes a
+// weight): runs of rows in multiples of 4 (the kernels' groups), two a thread, prefetched for as
+// next_product's streams. Groups of 64 rows (what the items were) were 8 KiB at d = 128 in int8:
+// 256 claims a call cost more than the imbalance of 4 runs (Zen 3, issue 40).
+template <class Fn>
+void for_each_head_run(const void* w, int64_t in, int64_t out, int64_t ldw, int64_t elem_bytes, Fn&& fn) {
+  const int64_t groups = (out + 3) / 4;
+  const int64_t runs = std::min<int64_t>(groups, 2 * team_threads());
+  auto rows = [&](int64_t run) {
+    return Range{run * groups / runs * 4, std::min(out, (run + 1) * groups / runs * 4)};
   };
-  return next_product(w, {group(0), group(1)});
+  NextJob next;
+  if (in * out >= kParallelWeights) {
+    auto stream = [&](int64_t run) -> Stream {
+      if (run >= runs) return {};
+      const Range r = rows(run);
+      return rows_stream(w, r.lo, r.hi - r.lo, ldw * elem_bytes, ldw == in);
+    };
+    next = next_product(w, {stream(0), stream(1)});
+  }
+  run_items(in * out, runs, [&](int64_t run) { fn(rows(run)); }, next);
 }
 
 template <class W>
@@ -732,10 +756,9 @@ void nt(float* y, const float* x, const W* w, int64_t M, int64_t in, int64_t out
         int64_t ldw, int64_t ldy) {
   SIGMA_CHECK(M >= 0 && M <= kGemvMaxRows, "gemv: {} rows (at most {})", M, kGemvMaxRows);
   if (M == 0 || out == 0) return;
-  run_items(in * out, (out + kGroup - 1) / kGroup, [&](int64_t g) {
-    const Range rows{g * kGroup, std::min(out, (g + 1) * kGroup)};
+  for_each_head_run(w, in, out, ldw, int64_t(sizeof(W)), [&](Range rows) {
     with_rows<NT<W>::template K>(M, y, ldy, x, ldx, w, ldw, in, rows);
-  }, head_next(w, in, out, ldw, int64_t(sizeof(W))));
+  });
 }
 
 // ---- int8 weights: x as 16-bit fixed point, exact integer sums ----
@@ -812,10 +835,9 @@ void nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_
   if (M == 0 || out == 0) return;
   SIGMA_CHECK(in < (int64_t(1) << 28), "gemv: {} inputs (at most 2^28)", in);  // |S| < 2^51
   const Rows16& xq = rows16(x, ldx, M, in);
-  run_items(in * out, (out + kGroup - 1) / kGroup, [&](int64_t g) {
-    const Range rows{g * kGroup, std::min(out, (g + 1) * kGroup)};
+  for_each_head_run(q, in, out, ldw, 1, [&](Range rows) {
     with_rows<NTI8::K>(M, y, ldy, xq.q.data(), xq.ld, xq.step, q, ldw, scale, in, rows);
-  }, head_next(q, in, out, ldw, 1));
+  });
 }
 
 // Prompts (more than kGemvMaxRows rows, or any rows outside a decode step) on inference copies:
