@@ -37,6 +37,12 @@ using kernels::kPanelColumns;
 // 0.5-1 KiB ahead streamed 3-8 % faster than the hardware prefetcher alone, 2 KiB ahead 5-10 %
 // slower (2 threads, from memory, Zen 3; issue 40).
 constexpr int64_t kPanelAhead = 1024;
+// The bf16 and int8 heads read a row at a time from this many inputs on (else 4 rows at once):
+// one stream the hardware prefetcher follows, where 4 rows are 4 short ones. A 16k x 512 head
+// (2 threads, from memory, Zen 3, 4 alternating pairs) streamed 10-60 % faster in bf16 and int8,
+// fp32 no faster (it keeps 4); at d = 128 (128-byte int8 rows) the per-row sums cost more and
+// int8 ran ~30 % slower a row at a time.
+constexpr int64_t kHeadRowAlone = 512;
 // A panel's int8 pair rows are read in pieces of at most kPiecePairs, whose int32 lanes cannot
 // overflow (|sum| <= 2 * 256 * 127 * 32767 < 2^31), each piece's lanes then added into int64.
 constexpr int64_t kPiecePairs = 256;
@@ -403,7 +409,8 @@ SIGMA_SIMD void nt_kernel_pairs(float* y, int64_t ldy, const float* x, int64_t l
       storeu(xs + r * full + k + kLanes, _mm256_permute2f128_ps(a, b, 0x31));  // 4-7, 12-15
     }
   int64_t j = rows.lo;
-  for (; j + 4 <= rows.hi; j += 4) nt_group_pairs<M, 4>(y, ldy, x, ldx, xs, w, ldw, in, j, j + 8 <= rows.hi);
+  if (in < kHeadRowAlone)
+    for (; j + 4 <= rows.hi; j += 4) nt_group_pairs<M, 4>(y, ldy, x, ldx, xs, w, ldw, in, j, j + 8 <= rows.hi);
   for (; j < rows.hi; ++j) nt_group_pairs<M, 1>(y, ldy, x, ldx, xs, w, ldw, in, j, false);
 }
 #undef SIGMA_SIMD
@@ -535,7 +542,7 @@ struct NTI8 {
                     const int8_t* w, int64_t ldw, const float* scale, int64_t in, Range rows) {
       int64_t s[M * 4];
       for (int64_t j = rows.lo; j < rows.hi;) {
-        const int Q = j + 4 <= rows.hi ? 4 : 1;
+        const int Q = j + 4 <= rows.hi && in < kHeadRowAlone ? 4 : 1;
         if (Q == 4) group<4>(s, xq, ldq, w, ldw, in, j, j + 8 <= rows.hi);
         else group<1>(s, xq, ldq, w, ldw, in, j, false);
         for (int r = 0; r < M; ++r)
