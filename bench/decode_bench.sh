@@ -9,7 +9,10 @@
 #
 # Models: a dense d=512, 8-block model, and an extracted sub-model (`sigma extract --domain copy`)
 # of a sparse model with the same trunk and 4 RRE blocks (groups of 2, 3 and 4 experts); both
-# trained for 2 steps on the synthetic data (speed does not depend on the weights).
+# trained for 2 steps on the synthetic data (speed does not depend on the weights), whose
+# vocabulary is 32 tokens. A third, dense16k, is the dense model with the vocabulary of the
+# tokenizer trained on ../shared/data (16,384; docs/data.md): its tied head is a quarter of a
+# token's weights, read row by row (the head's kernels), as on a model of real text.
 #
 # Each run decodes TOKENS greedy tokens after a 3-token prompt, with the defaults (`--kv-cache
 # auto`: an fp32 cache with fp32 weights, a bf16 one with bf16 and int8, as the peer caches in
@@ -63,6 +66,10 @@ trunk=(--set model.d_model=512 --set model.heads=8 --set model.layers=8 --set mo
 if [ ! -d "$work/dense/checkpoints" ]; then
   "$sigma" train --quiet "${trunk[@]}" --set model.rre_layers=0 --out "$work/dense" >/dev/null
 fi
+if [ ! -d "$work/dense16k/checkpoints" ]; then
+  "$sigma" train --quiet "${trunk[@]}" --set model.rre_layers=0 --set model.vocab=16384 \
+      --out "$work/dense16k" >/dev/null
+fi
 if [ ! -d "$work/extract" ]; then
   "$sigma" train --quiet "${trunk[@]}" --set model.rre_layers=4 --out "$work/sparse" >/dev/null
   "$sigma" extract --ckpt "$work/sparse/checkpoints" --domain copy --out "$work/extract" >/dev/null
@@ -70,9 +77,11 @@ fi
 # The peer's shapes: vocabulary 32 (the synthetic data's), the extract's group has 3 experts.
 peer_dense=(--d 512 --heads 8 --layers 8 --vocab 32 --context 256)
 peer_extract=("${peer_dense[@]}" --rre-layers 4 --experts 3)
+peer_dense16k=(--d 512 --heads 8 --layers 8 --vocab 16384 --context 256)
+models=(dense extract dense16k)
 
 run_sigma() {  # model precision
-  local ckpt="$work/dense/checkpoints"
+  local ckpt="$work/$1/checkpoints"
   [ "$1" = extract ] && ckpt="$work/extract"
   local err
   err=$($NICE "$sigma" generate --ckpt "$ckpt" --prompt "1 2 3" --max-new "$tokens" \
@@ -100,6 +109,7 @@ r["round"] = int(sys.argv[2]); print(json.dumps(r))' "$1" "$r" >> "$results"
 run_torch() {  # model precision
   local shape=("${peer_dense[@]}")
   [ "$1" = extract ] && shape=("${peer_extract[@]}")
+  [ "$1" = dense16k ] && shape=("${peer_dense16k[@]}")
   $NICE "$python" "$here/torch_decode.py" "${shape[@]}" --precision "$2" --tokens "$tokens" \
       --rounds 1 | "$python" -c '
 import json, sys
@@ -112,7 +122,7 @@ for r in $(seq 1 "$rounds"); do
 import json, sys; r = json.loads(sys.stdin.read()); r["impl"] = "stream"; print(json.dumps(r))' >> "$results"
   $NICE "$kernel" --samples 9 --hugepages 1 | "$python" -c '
 import json, sys; r = json.loads(sys.stdin.read()); r["impl"] = "kernel"; print(json.dumps(r))' >> "$results"
-  for model in dense extract; do
+  for model in "${models[@]}"; do
     # Alternate the order between rounds so that neither side always runs first.
     if [ $((r % 2)) = 1 ]; then order="sigma torch"; else order="torch sigma"; fi
     for impl in $order; do
@@ -155,7 +165,7 @@ if kern:
 print(f"{'model':8} {'impl':8} {'precision':9} {'KV cache':8} {'tokens/s':>9} {'rounds':28} {'MB/token':>9} "
       f"{'bound t/s':>9} {'of bound':>8} {'of near':>8}  machine")
 summary = {}
-for model in ("dense", "extract"):
+for model in ("dense", "extract", "dense16k"):
     for impl in ("sigma", "pytorch"):
         for prec in ("fp32", "bf16", "int8"):
             rs = [r for r in rows if r.get("model") == model and r["impl"] == impl and r["precision"] == prec]
@@ -170,13 +180,13 @@ for model in ("dense", "extract"):
             kv = rs[0].get("kv_cache", prec)  # the peer caches in its weights' type
             print(f"{model:8} {impl:8} {prec:9} {kv:8} {tps:9.1f} {str([round(r['tokens_per_s'], 1) for r in rs]):28} "
                   f"{b * 1e-6:9.1f} {bw / b:9.1f} {tps * b / bw:8.1%} {of_near}  {tag}")
-for model in ("dense", "extract"):
+for model in ("dense", "extract", "dense16k"):
     for prec in ("fp32", "bf16"):
         s, t = summary.get((model, "sigma", prec)), summary.get((model, "pytorch", prec))
         if s and t:
             print(f"{model} {prec}: sigma / pytorch = {s / t:.2f}x {tag}")
 # int8 against bf16 and fp32, within each round (the two ran back to back), then the median.
-for model in ("dense", "extract"):
+for model in ("dense", "extract", "dense16k"):
     def per_round(prec):
         return [r for r in rows if r.get("model") == model and r["impl"] == "sigma" and r["precision"] == prec]
     f32, b16, i8 = per_round("fp32"), per_round("bf16"), per_round("int8")
