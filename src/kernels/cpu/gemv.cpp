@@ -39,9 +39,10 @@ using kernels::kPanelColumns;
 constexpr int64_t kPanelAhead = 1024;
 // The bf16 and int8 heads read a row at a time from this many inputs on (else 4 rows at once):
 // one stream the hardware prefetcher follows, where 4 rows are 4 short ones. A 16k x 512 head
-// (2 threads, from memory, Zen 3, 4 alternating pairs) streamed 10-60 % faster in bf16 and int8,
-// fp32 no faster (it keeps 4); at d = 128 (128-byte int8 rows) the per-row sums cost more and
-// int8 ran ~30 % slower a row at a time.
+// (2 threads, from memory, Zen 3, medians of 5 alternating pairs) streamed bf16 13.4 -> 18.3
+// GB/s, int8 11.2 -> 14.6, fp32 no faster (it keeps 4); at d = 128 (128-byte int8 rows) the
+// per-row sums cost more and int8 ran ~30 % slower a row at a time. Prefetching the next row
+// as well made int8 slower again (15-19 -> 10-17 GB/s).
 constexpr int64_t kHeadRowAlone = 512;
 // A panel's int8 pair rows are read in pieces of at most kPiecePairs, whose int32 lanes cannot
 // overflow (|sum| <= 2 * 256 * 127 * 32767 < 2^31), each piece's lanes then added into int64.
