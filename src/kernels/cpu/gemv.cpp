@@ -688,29 +688,36 @@ void nn(float* y, const float* x, const W* w, const float* b, int64_t M, int64_t
       w, ldw * int64_t(sizeof(W)), ldw == out);
 }
 
-// fn(c0, width) for each panel of a product on weights in panels (kernels/types.h) of
-// `column_bytes` bytes a column: each item a run of whole panels (one run of bytes, two runs a
-// thread), prefetched for as next_product's streams.
+// fn(range) for each item of a product of in * out weights over `total` columns (panels) or
+// rows (the head): runs of whole units of `unit`, two a thread, each one run of bytes where
+// `contiguous` (unit_bytes a column or row from w), prefetched for as next_product's streams.
 template <class Fn>
-void for_each_panel(const void* w, int64_t in, int64_t out, int64_t column_bytes, Fn&& fn) {
-  const int64_t panels = (out + kPanelColumns - 1) / kPanelColumns;
-  const int64_t runs = std::min<int64_t>(panels, 2 * team_threads());
-  auto columns = [&](int64_t run) {
-    return Range{run * panels / runs * kPanelColumns, std::min(out, (run + 1) * panels / runs * kPanelColumns)};
+void for_each_run(const void* w, int64_t in, int64_t out, int64_t total, int64_t unit,
+                  int64_t unit_bytes, bool contiguous, Fn&& fn) {
+  const int64_t units = (total + unit - 1) / unit;
+  const int64_t runs = std::min<int64_t>(units, 2 * team_threads());
+  auto range = [&](int64_t run) {
+    return Range{run * units / runs * unit, std::min(total, (run + 1) * units / runs * unit)};
   };
   NextJob next;
   if (in * out >= kParallelWeights) {
     auto stream = [&](int64_t run) -> Stream {
       if (run >= runs) return {};
-      const Range c = columns(run);
-      return {static_cast<const char*>(w) + c.lo * column_bytes, (c.hi - c.lo) * column_bytes};
+      const Range r = range(run);
+      return rows_stream(w, r.lo, r.hi - r.lo, unit_bytes, contiguous);
     };
     next = next_product(w, {stream(0), stream(1)});
   }
-  run_items(in * out, runs, [&](int64_t run) {
-    const Range c = columns(run);
+  run_items(in * out, runs, [&](int64_t run) { fn(range(run)); }, next);
+}
+
+// fn(c0, width) for each panel of a product on weights in panels (kernels/types.h) of
+// `column_bytes` bytes a column, an item a run of whole panels.
+template <class Fn>
+void for_each_panel(const void* w, int64_t in, int64_t out, int64_t column_bytes, Fn&& fn) {
+  for_each_run(w, in, out, out, kPanelColumns, column_bytes, true, [&](Range c) {
     for (int64_t c0 = c.lo; c0 < c.hi; c0 += kPanelColumns) fn(c0, std::min(kPanelColumns, out - c0));
-  }, next);
+  });
 }
 
 void check_panels(int64_t out, Strides ld) {
@@ -737,26 +744,12 @@ void nn_panels(float* y, const float* x, const W* w, const float* b, int64_t M, 
 }
 
 // fn(rows) for each item of a product on the head's w[out, in] (rows ldw apart; elem_bytes a
-// weight): runs of rows in multiples of 4 (the kernels' groups), two a thread, prefetched for as
-// next_product's streams. Groups of 64 rows (what the items were) were 8 KiB at d = 128 in int8:
-// 256 claims a call cost more than the imbalance of 4 runs (Zen 3, issue 40).
+// weight): runs of rows in multiples of 4 (the kernels' groups). Groups of 64 rows (what the
+// items were) were 8 KiB at d = 128 in int8: 256 claims a call cost more than the imbalance of
+// 4 runs (Zen 3, issue 40).
 template <class Fn>
 void for_each_head_run(const void* w, int64_t in, int64_t out, int64_t ldw, int64_t elem_bytes, Fn&& fn) {
-  const int64_t groups = (out + 3) / 4;
-  const int64_t runs = std::min<int64_t>(groups, 2 * team_threads());
-  auto rows = [&](int64_t run) {
-    return Range{run * groups / runs * 4, std::min(out, (run + 1) * groups / runs * 4)};
-  };
-  NextJob next;
-  if (in * out >= kParallelWeights) {
-    auto stream = [&](int64_t run) -> Stream {
-      if (run >= runs) return {};
-      const Range r = rows(run);
-      return rows_stream(w, r.lo, r.hi - r.lo, ldw * elem_bytes, ldw == in);
-    };
-    next = next_product(w, {stream(0), stream(1)});
-  }
-  run_items(in * out, runs, [&](int64_t run) { fn(rows(run)); }, next);
+  for_each_run(w, in, out, out, 4, ldw * elem_bytes, ldw == in, fn);
 }
 
 template <class W>
