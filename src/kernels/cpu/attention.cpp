@@ -148,15 +148,27 @@ inline __m256 load8(const uint16_t* p) {
 // (int8 weights, one thread; bench/decode_breakdown.sh).
 constexpr int64_t kMaxAvx2Hd = 64;
 
+// With vb (a row's first pass over its keys: a decode step's only one), the values of each 8
+// keys are prefetched into L1 as the keys are read, and the keys 16 ahead: a head's keys and
+// values are two short streams from memory (the weights of a token pass through the caches
+// between two steps), which the hardware prefetcher starts late. The scores' jobs of a bf16
+// decode at d = 512 ran ~25 % faster (Zen 3, 4 alternating runs; issue 40).
 template <class E>
 void row_scores_avx2(float* S, const float* qi, const E* kb, int64_t ldk, int64_t n,
-                     int64_t hd, float scale) {
+                     int64_t hd, float scale, const E* vb = nullptr, int64_t ldv = 0) {
+  const int64_t row_bytes = hd * int64_t(sizeof(E));
   __m256 qv[kMaxAvx2Hd / 8];
   const int64_t nc = hd / 8;
   for (int64_t c = 0; c < nc; ++c) qv[c] = _mm256_loadu_ps(qi + 8 * c);
   const __m256 sc = _mm256_set1_ps(scale);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t j = 0; j < n; j += 8) {
+    if (vb)
+      for (int64_t t = j; t < std::min(n, j + 8); ++t)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(vb + t * ldv) + b, _MM_HINT_T0);
+          if (t + 16 < n) _mm_prefetch(reinterpret_cast<const char*>(kb + (t + 16) * ldk) + b, _MM_HINT_T0);
+        }
     __m256 a[8];
     for (int64_t t = 0; t < 8; ++t) {
       const E* kj = kb + std::min(j + t, n - 1) * ldk;  // past n: a repeat, not stored
@@ -258,7 +270,7 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, K k, K v, Att
       float* S1 = scores.data() + Tk;  // the second row's probabilities
       auto probabilities = [&](float* P, int64_t i) {  // row i's, into P; returns its keys
         const int64_t n = off + i + 1;
-        row_scores_avx2(P, qb + i * q.ld, kb, k.ld, n, hd, scale);
+        row_scores_avx2(P, qb + i * q.ld, kb, k.ld, n, hd, scale, i == 0 ? vb : nullptr, v.ld);
         const float mx = max_of(P, n), sum = exp_shift_sum(P, n, mx);
         lse[bh * Tq + i] = mx + std::log(sum);
         scale_into(P, P, n, 1.0f / sum);
