@@ -52,7 +52,7 @@ const float* BatchDecoder::prefill(int slot, int domain, std::span<const int32_t
     if (at + len < T && !prompt_logprobs)  // no output of this chunk is read
       model_.fill_cache(batch_, cache_, prefill_acts_, &slot);
     else
-      model_.forward_cached(batch_, cache_, prefill_acts_, loss_.data() + at, &slot);
+      model_.forward_cached(batch_, cache_, prefill_acts_, prompt_logprobs ? loss_.data() + at : nullptr, &slot);
   }
   last_ = &prefill_acts_;
   if (prompt_logprobs)
@@ -87,9 +87,8 @@ void BatchDecoder::step(std::span<const int> slots, std::span<const int> domains
   batch_.resize(B, 1);
   std::copy(tokens.begin(), tokens.end(), batch_.tokens.begin());
   std::copy(domains.begin(), domains.end(), batch_.domain.begin());
-  loss_.resize(size_t(B));
   Activations& acts = step_acts_[size_t(B) - 1];
-  model_.forward_cached(batch_, cache_, acts, loss_.data(), slots.data());
+  model_.forward_cached(batch_, cache_, acts, nullptr, slots.data());  // the logits alone
   last_ = &acts;
   logits_.resize(size_t(B) * size_t(model_.config().vocab));  // every row's, to the host
   ops::download(logits_.data(), acts.logits, logits_.size() * sizeof(float));
