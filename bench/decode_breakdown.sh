@@ -33,8 +33,8 @@ perf record -q -F 1000 --call-graph dwarf,16384 -o "$tmp/perf.data" -- bash -c '
   done' _ "$runs" "$sigma" "$ckpt" "$tokens" "$precision" "$kv" 2> "$tmp/stderr"
 perf script -i "$tmp/perf.data" 2>/dev/null | python3 -c '
 import collections, re, sys
-# (nt_i8_group, the int8 head kernel, inlines into its item: for_each_head_run<...nt_i8...>)
-rules = [("products: GEMV kernels", r"nn_kernel|nt_kernel|nt_i8_group|nt_group|panel_|for_each_head_run<.*nt_i8"),
+# (nt_i8_group, the int8 head kernel, inlines into its item: for_each_item<for_each_run<...nt_i8...>>)
+rules = [("products: GEMV kernels", r"nn_kernel|nt_kernel|nt_i8_group|nt_group|panel_|for_each_run<.*nt_i8"),
          ("products: x rounding, partial sums", r"nn_i8|::nn<|::nt<|nt_i8|sum_rows|rows16|quantize_rows16|round_row16"),
          ("attention", r"attention|row_scores|row_output"),
          ("layernorm / activation", r"layernorm|gelu|activation"),
