@@ -450,6 +450,44 @@ TEST(Decode, APassWithoutALossComputesTheLogitsAlone) {
   for (float v : sigma::testing::host_floats(a2.loss_d)) ASSERT_EQ(v, -1.0f) << "a loss was computed";
 }
 
+// forward_cached_last (a prompt's last chunk) appends the cache forward_cached appends and gives
+// each row's last position's logits, in row b: inside ops::BatchInvariant (no product's bits
+// depend on its row count) the same bits as forward_cached's row b T + T - 1.
+TEST(Decode, TheLastPositionsLogitsAloneAreTheFullPassesLastRows) {
+  const ModelConfig c = decode_config();
+  Model m(c, 23);
+  Batch b;
+  b.resize(3, 6);
+  for (size_t i = 0; i < b.tokens.size(); ++i) b.tokens[i] = int32_t((11 * i + 4) % size_t(c.vocab));
+  b.domain = {1, 0, 1};
+  const int64_t V = c.vocab;
+  for (bool invariant : {true, false}) {
+    SCOPED_TRACE(invariant ? "BatchInvariant" : "default kernels");
+    std::unique_ptr<ops::BatchInvariant> scope(invariant ? new ops::BatchInvariant : nullptr);
+    KvCache all, last;
+    Activations a1, a2;
+    const int rows[3] = {1, 2, 0};
+    all.reset(c, 3);
+    last.reset(c, 3);
+    m.forward_cached(b, all, a1, nullptr, rows);
+    m.forward_cached_last(b, last, a2, rows);
+    EXPECT_EQ(all.length, last.length);
+    for (int l = 0; l < c.layers; ++l)
+      EXPECT_EQ(sigma::testing::host_bytes(all.kv[size_t(l)]), sigma::testing::host_bytes(last.kv[size_t(l)]));
+    const std::vector<float> l1 = sigma::testing::host_floats(a1.logits), l2 = sigma::testing::host_floats(a2.logits);
+    for (int r = 0; r < b.B; ++r) {
+      const float* want = l1.data() + (int64_t(r) * b.T + b.T - 1) * V;
+      const float* got = l2.data() + r * V;
+      for (int64_t j = 0; j < V; ++j) {
+        if (invariant)
+          ASSERT_EQ(0, std::memcmp(want + j, got + j, 4)) << "row " << r << " id " << j;
+        else
+          ASSERT_NEAR(want[j], got[j], 1e-4f * (1.0f + std::fabs(want[j]))) << "row " << r << " id " << j;
+      }
+    }
+  }
+}
+
 // A bf16 KV cache (Model::use_kv_cache) holds half the bytes of an fp32 one, and decoding through
 // it stays near the fp32 cache's logits (keys and values rounded once to bf16: a relative
 // 2^-9 each) on fp32 and int8 weights, without being the same computation (the rounding is

@@ -49,10 +49,12 @@ const float* BatchDecoder::prefill(int slot, int domain, std::span<const int32_t
     for (int t = 0; t < len; ++t)  // the position after the prompt has no target
       batch_.targets[size_t(t)] = at + t + 1 < T ? tokens[size_t(at + t + 1)] : 0;
     batch_.domain[0] = domain;
-    if (at + len < T && !prompt_logprobs)  // no output of this chunk is read
+    if (prompt_logprobs)
+      model_.forward_cached(batch_, cache_, prefill_acts_, loss_.data() + at, &slot);
+    else if (at + len < T)  // no output of this chunk is read
       model_.fill_cache(batch_, cache_, prefill_acts_, &slot);
-    else
-      model_.forward_cached(batch_, cache_, prefill_acts_, prompt_logprobs ? loss_.data() + at : nullptr, &slot);
+    else  // the last position's logits alone
+      model_.forward_cached_last(batch_, cache_, prefill_acts_, &slot);
   }
   last_ = &prefill_acts_;
   if (prompt_logprobs)
@@ -61,7 +63,7 @@ const float* BatchDecoder::prefill(int slot, int domain, std::span<const int32_t
   const int64_t V = c.vocab;
   logits_.resize(size_t(V));
   ops::download(logits_.data(), prefill_acts_.logits, size_t(V) * sizeof(float),
-                size_t(len - 1) * size_t(V) * sizeof(float));
+                prompt_logprobs ? size_t(len - 1) * size_t(V) * sizeof(float) : 0);
   return logits_.data();
 }
 

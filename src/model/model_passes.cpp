@@ -220,15 +220,19 @@ void Model::use_kv_cache(DType t) {
 
 void Model::forward_cached(const Batch& batch, KvCache& cache, Activations& a, float* token_loss,
                            const int* cache_rows) {
-  cached_pass(batch, cache, a, token_loss, cache_rows, true);
+  cached_pass(batch, cache, a, token_loss, cache_rows, Outputs::All);
+}
+
+void Model::forward_cached_last(const Batch& batch, KvCache& cache, Activations& a, const int* cache_rows) {
+  cached_pass(batch, cache, a, nullptr, cache_rows, Outputs::Last);
 }
 
 void Model::fill_cache(const Batch& batch, KvCache& cache, Activations& a, const int* cache_rows) {
-  cached_pass(batch, cache, a, nullptr, cache_rows, false);
+  cached_pass(batch, cache, a, nullptr, cache_rows, Outputs::None);
 }
 
 void Model::cached_pass(const Batch& batch, KvCache& cache, Activations& a, float* token_loss,
-                        const int* cache_rows, bool outputs) {
+                        const int* cache_rows, Outputs outputs) {
   const ops::FewRowKernels decode;  // a decode step's few rows may take the GEMVs (kernels/ops.h)
   const int B = batch.B, T = batch.T;
   check_batch(batch);
@@ -253,9 +257,19 @@ void Model::cached_pass(const Batch& batch, KvCache& cache, Activations& a, floa
   embed(batch, a, start.data());
   a.weight_sum = 0;
   for (int l = 0; l < cfg_.layers; ++l)
-    block_forward(l, batch, a, &cache, false, rows.data(), !outputs && l == cfg_.layers - 1);
+    block_forward(l, batch, a, &cache, false, rows.data(), outputs == Outputs::None && l == cfg_.layers - 1);
   for (int r : rows) cache.length[size_t(r)] += T;
-  if (outputs) head(batch, a, token_loss, nullptr);
+  if (outputs == Outputs::All) head(batch, a, token_loss, nullptr);
+  if (outputs == Outputs::Last) {  // row b's last position moves to row b: a batch of T = 1
+    const int64_t d = cfg_.d_model;
+    if (T > 1)  // in order: b < bT + T - 1, and every later row's source lies past b
+      for (int b = 0; b < B; ++b)
+        ops::copy(a.h_final.dev_f() + b * d, a.h_final.dev_f() + (int64_t(b) * T + T - 1) * d, d);
+    Batch last;
+    last.resize(B, 1);
+    last.domain = batch.domain;
+    head(last, a, nullptr, nullptr);
+  }
 }
 
 // Batch row b's new keys and values join cache row cache_rows[b] after its cached positions:
