@@ -49,6 +49,16 @@ std::vector<uint16_t> bf16_panels(const std::vector<float>& w, int64_t in, int64
   return p;
 }
 
+// B rows of T tokens for a model of config c: id i of the batch is (mul i + add) mod vocab, row b
+// in domain domains[b].
+Batch token_batch(const ModelConfig& c, int T, const std::vector<int32_t>& domains, size_t mul, size_t add) {
+  Batch b;
+  b.resize(int(domains.size()), T);
+  for (size_t i = 0; i < b.tokens.size(); ++i) b.tokens[i] = int32_t((mul * i + add) % size_t(c.vocab));
+  b.domain = domains;
+  return b;
+}
+
 }  // namespace
 
 // Each output element is one fixed sequence of FMAs and chunk sums: a row gives the same bits
@@ -433,10 +443,7 @@ TEST(Decode, FillCacheWritesTheCacheForwardCachedWrites) {
 TEST(Decode, APassWithoutALossComputesTheLogitsAlone) {
   const ModelConfig c = decode_config();
   Model m(c, 22);
-  Batch b;
-  b.resize(2, 3);
-  for (size_t i = 0; i < b.tokens.size(); ++i) b.tokens[i] = int32_t((5 * i + 1) % size_t(c.vocab));
-  b.domain = {1, 0};
+  const Batch b = token_batch(c, 3, {1, 0}, 5, 1);
   KvCache with_loss, without;
   Activations a1, a2;
   std::vector<float> loss(b.tokens.size());
@@ -456,10 +463,7 @@ TEST(Decode, APassWithoutALossComputesTheLogitsAlone) {
 TEST(Decode, TheLastPositionsLogitsAloneAreTheFullPassesLastRows) {
   const ModelConfig c = decode_config();
   Model m(c, 23);
-  Batch b;
-  b.resize(3, 6);
-  for (size_t i = 0; i < b.tokens.size(); ++i) b.tokens[i] = int32_t((11 * i + 4) % size_t(c.vocab));
-  b.domain = {1, 0, 1};
+  const Batch b = token_batch(c, 6, {1, 0, 1}, 11, 4);
   const int64_t V = c.vocab;
   for (bool invariant : {true, false}) {
     SCOPED_TRACE(invariant ? "BatchInvariant" : "default kernels");
