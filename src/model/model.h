@@ -162,7 +162,8 @@ class Model {
   // length+T-1 attend to every cached position of that row and to themselves); appends their
   // keys and values. Batch row b uses cache row cache_rows[b] (distinct rows), or row b when
   // cache_rows is null. Logits of the new positions in acts.logits; token_loss (null: no
-  // cross-entropy is computed) against batch.targets. A row's results do not depend on the other rows' lengths or tokens.
+  // cross-entropy is computed) against batch.targets. A row's results do not depend on the
+  // other rows' lengths or tokens.
   // Counts no expert load and no auxiliary loss and writes nothing in the model, so passes on
   // distinct caches and activations may run concurrently when the expert executor allows it
   // (ExpertExecutor::concurrent_forward).
