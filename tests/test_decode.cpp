@@ -458,21 +458,24 @@ TEST(Decode, APassWithoutALossComputesTheLogitsAlone) {
 }
 
 // forward_cached_last (a prompt's last chunk) appends the cache forward_cached appends and gives
-// each row's last position's logits, in row b: inside ops::BatchInvariant (no product's bits
-// depend on its row count) the same bits as forward_cached's row b T + T - 1.
+// each row's last position's logits, in row b, its top block's rest and the head run on those
+// positions alone: inside ops::BatchInvariant (no product's bits depend on its row count) the
+// same bits as forward_cached's row b T + T - 1. The top block is an RRE block: the rows' experts
+// follow their last tokens and their domains' groups; the cache rows are not the batch rows.
 TEST(Decode, TheLastPositionsLogitsAloneAreTheFullPassesLastRows) {
   const ModelConfig c = decode_config();
   Model m(c, 23);
   const Batch b = token_batch(c, 6, {1, 0, 1}, 11, 4);
   const int64_t V = c.vocab;
-  for (bool invariant : {true, false}) {
-    SCOPED_TRACE(invariant ? "BatchInvariant" : "default kernels");
+  for (auto [invariant, kv] : {std::pair{true, DType::F32}, {false, DType::F32}, {true, DType::BF16}}) {
+    SCOPED_TRACE(std::string(invariant ? "BatchInvariant" : "default kernels") + ", cache " + dtype_name(kv));
+    m.use_kv_cache(kv);
     std::unique_ptr<ops::BatchInvariant> scope(invariant ? new ops::BatchInvariant : nullptr);
     KvCache all, last;
     Activations a1, a2;
     const int rows[3] = {1, 2, 0};
-    all.reset(c, 3);
-    last.reset(c, 3);
+    all.reset(c, 3, kv);
+    last.reset(c, 3, kv);
     m.forward_cached(b, all, a1, nullptr, rows);
     m.forward_cached_last(b, last, a2, rows);
     EXPECT_EQ(all.length, last.length);

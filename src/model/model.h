@@ -176,8 +176,9 @@ class Model {
   void fill_cache(const Batch& batch, KvCache& cache, Activations& acts, const int* cache_rows = nullptr);
   // forward_cached without a loss, and with the logits of each row's last new position only, in
   // the first B rows of acts.logits ([B, V]): a prompt's last chunk, whose other positions'
-  // logits nobody reads (at 16,384 ids and d = 128 the head of every position was ~70 % of a
-  // prompt's products).
+  // outputs nobody reads. The top block's attention, FFN and the head run on those B
+  // positions alone (at 16,384 ids and d = 128 the head of every position was ~70 % of a
+  // prompt's products; the top block's rest is 10 of a block's 12 d² a position).
   void forward_cached_last(const Batch& batch, KvCache& cache, Activations& acts,
                            const int* cache_rows = nullptr);
   // The same on the model's own activations (evaluation, tests, generation).
@@ -252,17 +253,22 @@ class Model {
   void mirror(const Activations& a, float* p, int64_t n) const;
   // recompute: a rerun under Remat::Blocks (load and auxiliary loss are not counted again).
   // With a cache, cache_rows[b] is batch row b's cache row (see forward_cached).
-  // kv_only (with a cache): appends the block's keys and values and stops.
+  // With a cache, a block may run in two parts: its keys and values alone (appended to the
+  // cache), then, for the query layer only, the rest (its attention over the cache, output,
+  // FFN) on rows of its own: a prompt's last chunk runs the rest on each row's last position.
+  enum class BlockPart { All, KeysValues, Rest };
   void block_forward(int l, const Batch& b, Activations& a, KvCache* cache,
-                     bool recompute = false, const int* cache_rows = nullptr, bool kv_only = false);
+                     bool recompute = false, const int* cache_rows = nullptr,
+                     BlockPart part = BlockPart::All);
   // What a cached pass computes after the keys and values: nothing (fill_cache), every new
   // position's logits (forward_cached), or each row's last position's (forward_cached_last).
   enum class Outputs { None, All, Last };
   void cached_pass(const Batch& batch, KvCache& cache, Activations& acts, float* token_loss,
                    const int* cache_rows, Outputs outputs);
   void append_kv(int l, const Batch& b, Activations& a, KvCache& cache, const int* cache_rows);
+  // append: the batch's keys and values join the cache first (not when BlockPart::Rest).
   void cached_attention(int l, const Batch& b, Activations& a, KvCache& cache,
-                        const int* cache_rows, kernels::AttnOperand q, float* att);
+                        const int* cache_rows, kernels::AttnOperand q, float* att, bool append);
   void expert_forward(int l, const Batch& b, Activations& a, float* out, bool recompute);
   void head(const Batch& b, Activations& a, float* token_loss, const float* loss_weight);
   void head_backward(const Batch& b, Activations& a);

@@ -256,20 +256,40 @@ void Model::cached_pass(const Batch& batch, KvCache& cache, Activations& a, floa
   if (mirrored_) mirrored_ = false;  // written only when set: concurrent passes write nothing
   embed(batch, a, start.data());
   a.weight_sum = 0;
+  const int top = cfg_.layers - 1;
+  const bool last_only = outputs == Outputs::Last && T > 1;
   for (int l = 0; l < cfg_.layers; ++l)
-    block_forward(l, batch, a, &cache, false, rows.data(), outputs == Outputs::None && l == cfg_.layers - 1);
-  for (int r : rows) cache.length[size_t(r)] += T;
-  if (outputs == Outputs::All) head(batch, a, token_loss, nullptr);
-  if (outputs == Outputs::Last) {  // row b's last position moves to row b: a batch of T = 1
-    const int64_t d = cfg_.d_model;
-    if (T > 1)  // in order: b < bT + T - 1, and every later row's source lies past b
-      for (int b = 0; b < B; ++b)
-        ops::copy(a.h_final.dev_f() + b * d, a.h_final.dev_f() + (int64_t(b) * T + T - 1) * d, d);
-    Batch last;
-    last.resize(B, 1);
-    last.domain = batch.domain;
-    head(last, a, nullptr, nullptr);
+    block_forward(l, batch, a, &cache, false, rows.data(),
+                  l == top && (outputs == Outputs::None || last_only) ? BlockPart::KeysValues
+                                                                      : BlockPart::All);
+  if (!last_only) {
+    for (int r : rows) cache.length[size_t(r)] += T;
+    if (outputs != Outputs::None) head(batch, a, token_loss, nullptr);
+    return;
   }
+  // The top block's rest and the head on each row's last position, moved to row b: a batch
+  // of T = 1 whose cache rows hold the chunk's other positions already. In order: b < bT + T - 1,
+  // and every later row's source lies past b.
+  const int64_t d = cfg_.d_model;
+  Batch last;
+  last.resize(B, 1);
+  last.domain = batch.domain;
+  float* x = a.blocks[size_t(top)].x.dev_f();
+  for (int b = 0; b < B; ++b) {
+    const int64_t src = int64_t(b) * T + T - 1;
+    last.tokens[size_t(b)] = batch.tokens[size_t(src)];  // level 2 of the routing: the token's id
+    a.row_group[size_t(b)] = a.row_group[size_t(src)];
+    ops::copy(x + b * d, x + src * d, d);
+  }
+  for (int r : rows) cache.length[size_t(r)] += T - 1;
+  try {
+    block_forward(top, last, a, &cache, false, rows.data(), BlockPart::Rest);
+  } catch (...) {  // as after any failed pass: the cache's lengths without the chunk
+    for (int r : rows) cache.length[size_t(r)] -= T - 1;
+    throw;
+  }
+  for (int r : rows) cache.length[size_t(r)] += 1;
+  head(last, a, nullptr, nullptr);
 }
 
 // Batch row b's new keys and values join cache row cache_rows[b] after its cached positions:
@@ -299,12 +319,12 @@ void Model::append_kv(int l, const Batch& batch, Activations& acts, KvCache& cac
 // Batch row b's new keys and values join its cache row, and its queries attend over them: one
 // attention call per row, since rows differ in length.
 void Model::cached_attention(int l, const Batch& batch, Activations& acts, KvCache& cache,
-                             const int* cache_rows, ops::AttnOperand q, float* att) {
+                             const int* cache_rows, ops::AttnOperand q, float* att, bool append) {
   const int B = batch.B, T = batch.T;
   const int64_t d = cfg_.d_model, H = cache.heads, hd = cache.head_dim, C = cache.context;
   const int64_t bs = 2 * H * C * hd;  // one cache row
   BlockActs& k = acts.block(l);
-  append_kv(l, batch, acts, cache, cache_rows);
+  if (append) append_kv(l, batch, acts, cache, cache_rows);
   // Scoring (ops::BatchInvariant, where a row's bits do not depend on the call's shape): rows
   // at the same position in consecutive cache rows share one call.
   bool one_call = ops::BatchInvariant::on();
@@ -380,7 +400,7 @@ void Model::mirror(const Activations& a, float* p, int64_t n) const {
 
 // With a cache, batch row b's T positions follow its cache row's cached ones (cached_attention).
 void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache* cache,
-                          bool recompute, const int* cache_rows, bool kv_only) {
+                          bool recompute, const int* cache_rows, BlockPart part) {
   const int B = batch.B, T = batch.T;
   const int64_t N = int64_t(B) * T, d = cfg_.d_model, hd = cfg_.head_dim();
   // This rank's share of the heads and of the dense FFN's width (all of them at tp = 1).
@@ -390,8 +410,13 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   BlockActs& k = acts.block(l);
   const float* x = acts.blocks[size_t(l)].x.dev_f();
   SIGMA_CHECK(!cache || !tp_.split(), "a tensor-parallel model has no KV cache (training only)");
+  SIGMA_CHECK(part == BlockPart::All || (cache && (part == BlockPart::KeysValues || query_layer)),
+              "block {}: only the query layer's rest runs apart from its keys and values", l);
+  const bool kv_only = part == BlockPart::KeysValues;
 
-  ops::layernorm_forward(k.a1.dev_f(), k.mean1.dev_f(), k.rstd1.dev_f(), x, w.ln1_w.v, w.ln1_b.v, N, d);
+  // The query layer's LN1 feeds its keys and values alone: its rest starts at the queries.
+  if (part != BlockPart::Rest)
+    ops::layernorm_forward(k.a1.dev_f(), k.mean1.dev_f(), k.rstd1.dev_f(), x, w.ln1_w.v, w.ln1_b.v, N, d);
   if (!cache && !recompute) mirror(acts, k.a1.dev_f(), N * d);
   ops::AttnOperand q;
   // QKV column-parallel: this rank's heads of each of Q, K, V (dl columns each).
@@ -401,8 +426,9 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
     q = {k.qkv.dev_f(), 3 * dl, T * 3 * dl};
   } else {
     // Keys and values from LN1(h): the K|V column slice of the QKV weight.
-    linear(k.qkv.dev_f() + dl, k.a1.dev_f(), w.qkv_w.view(), w.qkv_b.v + dl, N, d, 2 * dl, false,
-           {d, 3 * dl, 3 * dl}, dl);
+    if (part != BlockPart::Rest)
+      linear(k.qkv.dev_f() + dl, k.a1.dev_f(), w.qkv_w.view(), w.qkv_b.v + dl, N, d, 2 * dl, false,
+             {d, 3 * dl, 3 * dl}, dl);
     // Queries from the learned position table (not normalised): shared by every row in
     // training; from each row's own positions with a cache.
     if (kv_only) return append_kv(l, batch, acts, *cache, cache_rows);
@@ -420,7 +446,7 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   }
   float* att = acts.att(l);
   if (cache) {
-    cached_attention(l, batch, acts, *cache, cache_rows, q, att);
+    cached_attention(l, batch, acts, *cache, cache_rows, q, att, part != BlockPart::Rest);
   } else {
     ops::flash_attention_forward(att, k.lse.dev_f(), q, {k.qkv.dev_f() + dl, 3 * dl, T * 3 * dl},
                                  {k.qkv.dev_f() + 2 * dl, 3 * dl, T * 3 * dl}, {B, T, T, Hl, hd},
