@@ -21,7 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/gemm.h"
 
 #include <algorithm>
@@ -201,7 +201,7 @@ int main(int argc, char** argv) {
     if (r.median > peak) peak = r.median, peak_at = s.name;
   }
   // Without oneDNN's bf16 products (an AVX2-only CPU such as Zen 3) Sigma's bf16 products widen
-  // their operands to fp32 and run sgemm (kernels/cpu/bf16_matmul.h): their limit is sgemm's.
+  // their operands to fp32 and run sgemm (kernels/cpu/matmul.h): their limit is sgemm's.
   const bool bf16_native = sigma::cpu::native_bf16();
   if (bf16) {
     dnnl::engine eng(dnnl::engine::kind::cpu, 0);

@@ -8,7 +8,7 @@
 // bugs are. Two kinds of AVX-512 code take it: the run-time dispatched kernels (gemv.cpp,
 // adam.cpp: SIGMA_EMULATED_AVX512 drops their target attributes and makes the CPU "have" the
 // ISA), and the code an AVX-512 build compiles in place of the AVX2 code (attention.cpp, vexp.h,
-// bf16_vec.h, bf16_matmul.cpp), for which this header defines the compiler's AVX-512 macros once
+// bf16_vec.h, matmul.cpp), for which this header defines the compiler's AVX-512 macros once
 // SIMDe has read them.
 #pragma once
 #if defined(__AVX512F__)

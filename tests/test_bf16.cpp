@@ -16,7 +16,7 @@
 #include "device_access.h"
 #include "core/error.h"
 #include "core/rng.h"
-#include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/ops.h"
 #include "model/model.h"
 #include "optim/adamw.h"

@@ -111,6 +111,51 @@ TEST_P(Gemv, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
   }
 }
 
+// A prompt's chunk (more rows than the GEMVs take, inside a decode step) multiplies fp32 panels
+// in place and bf16 ones widened as panels on oneDNN's matmul; eval (outside) puts them back in
+// rows for sgemm. Each within the rounding bound of the exact product, |y - exact| <=
+// (in + 2) u (sum_k |x_k w_k| + |b| + |y0|) (Higham (3.5); bf16: the exact product of the rounded
+// weights): panels of 64, 64 and 22 columns, row strides on x and y, bias and accumulation. A
+// wrong panel's offset, width or column slice of y breaks it by orders of magnitude; the columns
+// between out and y's row stride stay untouched.
+TEST(Panels, APromptsProductsStayWithinTheRoundingBound) {
+  constexpr double kU = 1.0 / 16777216.0;
+  const int64_t in = 70, out = 150, ldx = 75, ldy = 160, rows = 64;
+  const auto w = randn(in * out, 21), x = randn(rows * ldx, 22), b = randn(out, 23), y0 = randn(rows * ldy, 24);
+  const std::vector<float> p32 = f32_panels(w, in, out);
+  const std::vector<uint16_t> p16 = bf16_panels(w, in, out);
+  for (int64_t N : {5, 33, 64})
+    for (bool prompt : {true, false})
+      for (bool bf16 : {false, true})
+        for (bool acc : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "N " << N << (prompt ? ", prompt" : ", eval") << (bf16 ? ", bf16" : ", fp32")
+                                            << (acc ? ", accumulate" : ""));
+          std::vector<float> y = y0;
+          {
+            std::unique_ptr<ops::FewRowKernels> scope(prompt ? new ops::FewRowKernels : nullptr);
+            if (bf16)
+              cpu::linear_forward_w16(y.data(), x.data(), p16.data(), b.data(), N, in, out, acc, {ldx, 0, ldy});
+            else
+              cpu::linear_forward_f32_panels(y.data(), x.data(), p32.data(), b.data(), N, in, out, acc, {ldx, 0, ldy});
+          }
+          for (int64_t r = 0; r < N; ++r) {
+            for (int64_t j = 0; j < out; ++j) {
+              const double start = acc ? y0[size_t(r * ldy + j)] : 0.0;
+              double exact = start + b[size_t(j)], mass = std::fabs(start) + std::fabs(b[size_t(j)]);
+              for (int64_t k = 0; k < in; ++k) {
+                const double wk = bf16 ? double(round_bf16(w[size_t(k * out + j)])) : double(w[size_t(k * out + j)]);
+                exact += double(x[size_t(r * ldx + k)]) * wk;
+                mass += std::fabs(double(x[size_t(r * ldx + k)]) * wk);
+              }
+              ASSERT_LE(std::fabs(double(y[size_t(r * ldy + j)]) - exact), double(in + 2) * kU * mass)
+                  << "row " << r << " column " << j;
+            }
+            for (int64_t j = out; j < ldy; ++j) ASSERT_EQ(y[size_t(r * ldy + j)], y0[size_t(r * ldy + j)]) << "row " << r << " gap " << j;
+          }
+          EXPECT_TRUE(std::equal(y.begin() + N * ldy, y.end(), y0.begin() + N * ldy)) << "rows past N written";
+        }
+}
+
 // A linear's fp32 and bf16 copies in panels (kernels::panel_index), from rows with a stride, as
 // each backend lays them out; and a row stride for panels is refused by name.
 TEST(Panels, EachBackendLaysOutWhatTheKernelsRead) {

@@ -13,6 +13,7 @@
 #include <bit>
 #include <cfloat>
 #include <cmath>
+#include <memory>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -252,19 +253,22 @@ TEST(Int8Gemv, HowThePanelsAreSharedChangesNoBit) {
 
 // Against the exact product of the dequantised weights (double). Each x_k first moves by at most
 // h = 0.505 max|x| / 32767 (16-bit fixed point), which adds at most h sum_k |s q_k|; the decode
-// path (1 to 4 rows) then sums exactly, the prompt path (7 rows: dequantised panels, oneDNN)
-// sums `in` fp32 products rounded at most once each, then one product with the scale and one
-// addition: |y - exact| <= (in + 2) u (sum_k |x_k s q_k| + |b|) (Higham (3.5)). A wrong
-// scale, a wrong channel's scale, a wrong pair of rows or truncation in the product breaks it by
-// orders of magnitude.
+// path (1 to 4 rows) then sums exactly, the prompt and eval paths (7 or 33 rows: dequantised
+// panels, oneDNN's matmul on them inside a decode step, sgemm on rows outside) sum `in` fp32
+// products rounded at most once each, then one product with the scale and one addition:
+// |y - exact| <= (in + 2) u (sum_k |x_k s q_k| + |b|) (Higham (3.5)). A wrong scale, a wrong
+// channel's scale, a wrong pair of rows or truncation in the product breaks it by orders of
+// magnitude.
 TEST(Int8Gemv, StaysWithinTheRoundingBoundOfTheDequantisedProduct) {
   const int64_t in = 300, out = 170;
   const auto w = channel_weights(in, out, 7, false);
   const Quantised qn = quantise(w, in, out, false);
   const Quantised qt = quantise(w, out, in, true);
-  const auto x = randn(7 * in, 8), b = randn(out, 9);
-  for (int64_t N : {1, 3, 7}) {
+  const auto x = randn(33 * in, 8), b = randn(out, 9);
+  for (auto [N, prompt] : {std::pair<int64_t, bool>{1, false}, {3, false}, {7, false}, {7, true}, {33, true}}) {
+    SCOPED_TRACE(prompt ? "inside a decode step" : "outside");
     std::vector<float> y(size_t(N * out)), t(size_t(N * out));
+    std::unique_ptr<ops::FewRowKernels> scope(prompt ? new ops::FewRowKernels : nullptr);
     ops::linear_forward_i8(y.data(), x.data(), qn.q.data(), qn.s.data(), b.data(), N, in, out);
     ops::gemm_nt_i8(t.data(), x.data(), qt.q.data(), qt.s.data(), N, in, out, in, in, out);
     for (int64_t r = 0; r < N; ++r)

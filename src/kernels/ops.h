@@ -158,7 +158,7 @@ struct Backend {
 
   // ---- bf16 weight copies (null in a backend that converts nothing ahead) ----
   // Registers [p, p + n) as unchanged until the next clear: the *_bf16 ops may convert it to
-  // bf16 once and reuse the copy (kernels/cpu/bf16_matmul.h).
+  // bf16 once and reuse the copy (kernels/cpu/matmul.h).
   void (*bf16_mirror_add)(const float* p, int64_t n);
   void (*bf16_mirror_clear)();
   // Ends the promise for the range registered at p before the clear: its last read is done

@@ -9,7 +9,7 @@
 
 #include "core/bf16.h"
 #include "core/error.h"
-#include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/bf16_vec.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/parallel.h"

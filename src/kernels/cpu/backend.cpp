@@ -3,7 +3,7 @@
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/adam.h"
 #include "kernels/cpu/attention.h"
-#include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gate.h"
 #include "kernels/cpu/gemm.h"

@@ -1,5 +1,5 @@
 // fp32 -> bf16 on 16 AVX-512 lanes with sigma::to_bf16's bits (core/bf16.h): for the row
-// conversions of bf16_matmul.cpp and the fused softmax rows of attention.cpp.
+// conversions of matmul.cpp and the fused softmax rows of attention.cpp.
 #pragma once
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // GCC 12 reports its own _mm512_undefined_*() in the intrinsic headers as maybe-uninitialized

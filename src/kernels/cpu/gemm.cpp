@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/ops.h"
 
@@ -165,6 +165,14 @@ void linear_forward(float* y, const float* x, const float* w, const float* b, in
 void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
                      const float* w, int64_t N, int64_t in, int64_t out, Strides ld) {
   linear_backward_with(&gemm, dx, dw, db, dy, x, w, N, in, out, ld);
+}
+void linear_forward_panels(float* y, const float* x, const float* w, const float* b, int64_t N,
+                           int64_t in, int64_t out, bool accumulate, Strides ld) {
+  auto on_panels = [](bool, bool, int64_t M, int64_t N, int64_t K, float, const float* A, int64_t lda,
+                      const float* B, int64_t, float beta, float* C, int64_t ldc) {
+    matmul_f32_panels(M, N, K, A, lda, B, beta, C, ldc);
+  };
+  linear_forward_with(on_panels, y, x, w, b, N, in, out, accumulate, {ld.x, out, ld.y});
 }
 // The bias rides in the product (no separate pass over y): y = x w + b (+ y).
 void linear_forward_bf16(float* y, const float* x, const float* w, const float* b, int64_t N,

@@ -21,13 +21,18 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 void linear_forward(float* y, const float* x, const float* w, const float* b, int64_t N,
                     int64_t in, int64_t out, bool accumulate = false, Strides ld = {});
 
+// linear_forward with w[in, out] in column panels (kernels::panel_index; no row stride), read
+// in place by oneDNN's matmul (matmul.h: a row's bits are not promised to be sgemm's).
+void linear_forward_panels(float* y, const float* x, const float* w, const float* b, int64_t N,
+                           int64_t in, int64_t out, bool accumulate = false, Strides ld = {});
+
 // Gradients of linear_forward, all accumulated (+=): dx (may be null), dw, db (may be null).
 // dx has x's stride, dw has w's, dy has y's.
 void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
                      const float* w, int64_t N, int64_t in, int64_t out, Strides ld = {});
 
 // The bf16 variants (kernels/ops.h): both GEMM inputs rounded to bf16, fp32 accumulation, on
-// oneDNN's bf16 matmul (kernels/cpu/bf16_matmul.h). An operand inside a registered bf16 mirror
+// oneDNN's bf16 matmul (kernels/cpu/matmul.h). An operand inside a registered bf16 mirror
 // (the model's weights during a training step) is read from its copy; any other is converted
 // into per-thread scratch per call (linear_backward_bf16 converts dy once for both products).
 void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,

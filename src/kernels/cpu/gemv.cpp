@@ -1,6 +1,7 @@
 #include "kernels/cpu/gemv.h"
 
 #include <immintrin.h>
+#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include "core/bf16.h"
 #include "core/error.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/spin_team.h"
 #include "kernels/ops.h"
 
@@ -841,11 +843,11 @@ void nt_i8(float* y, const float* x, const int8_t* q, const float* scale, int64_
   });
 }
 
-// Prompts (more than kGemvMaxRows rows, or any rows outside a decode step) on inference copies:
-// oneDNN's sgemm on the weights put back in rows (widened) a block of about kPanelFloats at a
-// time, so that no fp32 copy of a large matrix is ever held (a served model keeps only its
-// inference weights). 4 MiB blocks (a whole matrix at d = 512) made a 12-token prompt's first
-// token 1.5-1.7x as fast as 512 KiB ones (fewer oneDNN calls; Zen 3); the head's blocks too.
+// Prompts (more than kGemvMaxRows rows, or any rows outside a decode step) on bf16 and int8
+// copies: oneDNN on the weights widened a block of about kPanelFloats at a time (linear_panels),
+// so that no fp32 copy of a large matrix is ever held (a served model keeps only its inference
+// weights). 4 MiB blocks (a whole matrix at d = 512) made a 12-token prompt's first token
+// 1.5-1.7x as fast as 512 KiB ones (fewer oneDNN calls; Zen 3); the head's blocks too.
 constexpr int64_t kPanelFloats = int64_t(1) << 20;
 
 // The panel of a linear's w[in, out] in panels (kernels/types.h) whose first column is c0
@@ -877,19 +879,32 @@ inline float widen_head(const int8_t* w, const float* scale, int64_t j, int64_t 
 }
 
 // y[N, out] (+)= x @ w[in, out] + b on weights in panels (ld.w 0 or out): blocks of whole
-// panels, about kPanelFloats weights, each put back in rows and a whole reduction over in.
+// panels, about kPanelFloats weights, each widened to fp32 and a whole reduction over in. A
+// prompt's chunk (inside a decode step) widens them as panels, which oneDNN reads in place
+// (linear_forward_panels); elsewhere (eval) they go back in rows, for sgemm's row invariance.
 template <class W>
 void linear_panels(float* y, const float* x, const W* w, const float* scale, const float* b,
                    int64_t N, int64_t in, int64_t out, bool accumulate, Strides ld) {
   const int64_t ldy = ld.y ? ld.y : out;
   const int64_t cols = std::max(kPanelColumns, kPanelFloats / std::max<int64_t>(in, 1) / kPanelColumns * kPanelColumns);
-  thread_local std::vector<float> rows;
-  rows.resize(size_t(in * std::min(cols, out)));
+  const bool as_panels = ops::FewRowKernels::on();
+  thread_local std::vector<float> block;
+  block.resize(size_t(in * std::min(cols, out)));
   for (int64_t j0 = 0; j0 < out; j0 += cols) {
     const int64_t n = std::min(cols, out - j0);
-    for (int64_t c0 = j0; c0 < j0 + n; c0 += kPanelColumns)
-      unpack_panel(rows.data() + (c0 - j0), n, w, scale, c0, std::min(kPanelColumns, out - c0), in);
-    linear_forward(y + j0, x, rows.data(), b ? b + j0 : nullptr, N, in, n, accumulate, {ld.x, n, ldy});
+    float* dst = block.data();  // the calling thread's (thread_local) block, widened by the team
+    const int64_t panels = (n + kPanelColumns - 1) / kPanelColumns;
+    parallel_for(panels, !omp_in_parallel() && n * in >= kParallelFloats, [&](int64_t p) {
+      const int64_t c0 = j0 + p * kPanelColumns, width = std::min(kPanelColumns, out - c0);
+      if (as_panels)
+        unpack_panel(dst + (c0 - j0) * in, width, w, scale, c0, width, in);
+      else
+        unpack_panel(dst + (c0 - j0), n, w, scale, c0, width, in);
+    });
+    if (as_panels)
+      linear_forward_panels(y + j0, x, block.data(), b ? b + j0 : nullptr, N, in, n, accumulate, {ld.x, 0, ldy});
+    else
+      linear_forward(y + j0, x, block.data(), b ? b + j0 : nullptr, N, in, n, accumulate, {ld.x, n, ldy});
   }
 }
 
@@ -976,9 +991,9 @@ void linear_forward_rows(float* y, const float* x, const float* w, const float* 
 }
 
 // The products on inference copies take the GEMVs where gemm_rows and linear_forward_rows do: a
-// decode step's few rows (ops::FewRowKernels); elsewhere (eval, a prompt) every row runs on
-// the copy widened (a linear's put back in rows) for oneDNN, so that a row's bits do not depend
-// on the rows beside it.
+// decode step's few rows (ops::FewRowKernels); elsewhere oneDNN: a prompt's chunk on the panels
+// (fp32 in place, bf16 and int8 widened as panels), eval on the copy put back in rows, so that a
+// row's bits do not depend on the rows beside it (sgemm's row invariance).
 namespace {
 bool few_rows(int64_t N) { return N <= kGemvMaxRows && ops::FewRowKernels::on(); }
 }  // namespace
@@ -990,10 +1005,14 @@ void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const flo
   linear_panels(y, x, w16, nullptr, b, N, in, out, accumulate, ld);
 }
 
+// A prompt's chunk (inside a decode step) reads the panels in place: putting them back in rows
+// took longer than its product at 64 rows (matmul.h). Elsewhere (eval) they go back in rows, for
+// sgemm's row invariance.
 void linear_forward_f32_panels(float* y, const float* x, const float* w, const float* b, int64_t N,
                                int64_t in, int64_t out, bool accumulate, Strides ld) {
   if (few_rows(N)) return gemv_nn_panels(y, x, w, b, N, in, out, accumulate, ld);
   check_panels(out, ld);
+  if (ops::FewRowKernels::on()) return linear_forward_panels(y, x, w, b, N, in, out, accumulate, ld);
   linear_panels(y, x, w, nullptr, b, N, in, out, accumulate, ld);
 }
 

@@ -1,8 +1,10 @@
-// bf16 products on oneDNN's matmul primitive (avx512_bf16 dot products where the CPU has them;
-// on a CPU where oneDNN has no bf16 product, AVX2 only, the operands widened to fp32 and
-// oneDNN's sgemm: the same numerics, no speed-up):
-// bf16 operands given as strided views, fp32 result and accumulation. The *_bf16 ops of the
-// front (gemm.h, attention.h) convert their fp32 operands with bf16_operand and multiply here.
+// oneDNN's matmul primitive, created once per shape and cached per thread:
+// - bf16 products (avx512_bf16 dot products where the CPU has them; on a CPU where oneDNN has
+//   no bf16 product, AVX2 only, the operands widened to fp32 and oneDNN's sgemm: the same
+//   numerics, no speed-up): bf16 operands given as strided views, fp32 result and accumulation.
+//   The *_bf16 ops of the front (gemm.h, attention.h) convert their fp32 operands with
+//   bf16_operand and multiply here.
+// - fp32 products on weights in column panels (a prompt's products on decode's fp32 copies).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -21,6 +23,16 @@ struct Bf16View {
 // parallel region the product runs on the calling thread only.
 void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16View A,
                  Bf16View B, float beta, float* C, int64_t ldc, const float* bias = nullptr);
+
+// C[M, N] = A[M, K] @ B + beta * C, B the [K, N] matrix in column panels (kernels::panel_index:
+// the columns 64 p.. lie at B + 64 p K, [K, width] row-major) read in place: one batched
+// product over the whole panels, each writing its column slice of C, and a plain one for a
+// narrower last panel. Putting the panels back in rows for sgemm cost more than the product
+// at a prompt chunk's 64 rows; on Zen 3 (oneDNN 2.6) each row's bits are sgemm's on the rows
+// up to 256 rows (from 512 sgemm itself changes a row's bits with the row count), but oneDNN
+// promises neither: gemv.cpp uses it inside a decode step only (ops::FewRowKernels).
+void matmul_f32_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                       const float* B, float beta, float* C, int64_t ldc);
 
 // Whether oneDNN multiplies bf16 on this CPU (AVX-512 or AMX); false on an AVX2-only CPU, where
 // matmul_bf16 widens its operands to fp32 and runs sgemm.

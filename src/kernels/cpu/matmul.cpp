@@ -1,4 +1,4 @@
-#include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/matmul.h"
 
 #include <omp.h>
 
@@ -24,11 +24,14 @@ namespace {
 // oneDNN matmul primitives by shape and strides: creating one costs far more than a small
 // product, and a training step repeats the same few dozen shapes. One cache per thread
 // (primitives may run concurrently, but the map must not be shared).
+// panels > 0: the fp32 product on that many column panels of B (matmul_f32_panels), N their
+// columns; else a bf16 product.
 struct MatmulKey {
   bool ta, tb, bias;
   int64_t M, N, K, lda, ldb, ldc;
   float alpha, beta;
-  auto tie() const { return std::tie(ta, tb, bias, M, N, K, lda, ldb, ldc, alpha, beta); }
+  int64_t panels = 0;
+  auto tie() const { return std::tie(ta, tb, bias, M, N, K, lda, ldb, ldc, alpha, beta, panels); }
   bool operator<(const MatmulKey& o) const { return tie() < o.tie(); }
 };
 
@@ -42,13 +45,30 @@ struct Matmul {
   dnnl::matmul prim;
 };
 
-Matmul make_matmul(const MatmulKey& k) {
+// bf16 A[M, K] times B[K, N] (a transposed operand stored the other way round), fp32 C.
+dnnl::matmul::desc bf16_desc(const MatmulKey& k) {
   using dt = dnnl::memory::data_type;
   using dims = dnnl::memory::dims;
-  // Logical A[M,K], B[K,N]; a transposed operand is stored the other way round.
   const dnnl::memory::desc a({k.M, k.K}, dt::bf16, k.ta ? dims{1, k.lda} : dims{k.lda, 1});
   const dnnl::memory::desc b({k.K, k.N}, dt::bf16, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1});
   const dnnl::memory::desc c({k.M, k.N}, dt::f32, dims{k.ldc, 1});
+  if (!k.bias) return dnnl::matmul::desc(a, b, c);
+  return dnnl::matmul::desc(a, b, dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1}), c);
+}
+
+// fp32: a batch of one A[M, K] (broadcast) times `panels` [K, 64] panels, each product written
+// as columns 64 p.. of C: C's rows stay ldc apart, the panels 64 columns.
+dnnl::matmul::desc panels_desc(const MatmulKey& k) {
+  using dt = dnnl::memory::data_type;
+  using dims = dnnl::memory::dims;
+  const int64_t P = k.panels, W = kernels::kPanelColumns;
+  const dnnl::memory::desc a({1, k.M, k.K}, dt::f32, dims{k.M * k.lda, k.lda, 1});
+  const dnnl::memory::desc b({P, k.K, W}, dt::f32, dims{k.K * W, W, 1});
+  const dnnl::memory::desc c({P, k.M, W}, dt::f32, dims{W, k.ldc, 1});
+  return dnnl::matmul::desc(a, b, c);
+}
+
+Matmul make_matmul(const MatmulKey& k) {
   dnnl::primitive_attr attr;
   if (k.alpha != 1.0f) attr.set_output_scales(0, {k.alpha});
   if (k.beta != 0.0f) {
@@ -56,13 +76,9 @@ Matmul make_matmul(const MatmulKey& k) {
     po.append_sum(k.beta);
     attr.set_post_ops(po);
   }
-  const dnnl::matmul::desc desc =
-      k.bias ? dnnl::matmul::desc(a, b, dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1}), c)
-             : dnnl::matmul::desc(a, b, c);
-  dnnl::matmul::primitive_desc pd(desc, attr, engine());
+  dnnl::matmul::primitive_desc pd(k.panels ? panels_desc(k) : bf16_desc(k), attr, engine());
   return {pd, dnnl::matmul(pd)};
 }
-
 
 // Without native bf16 products: the same product in fp32 on the widened operands (a product of
 // two bf16 values is exact in fp32, the sums are fp32 as oneDNN's bf16 path accumulates), so the
@@ -89,6 +105,33 @@ struct ThreadMatmuls {
   dnnl::stream stream{engine()};
 };
 thread_local ThreadMatmuls t_matmuls;
+
+// Runs the cached primitive for `key` (created on first use) on A, B and C (and bias).
+// A training step repeats a few dozen shapes, but prompts of every length reach the panels'
+// products: past kMaxCached shapes a thread's cache starts again.
+constexpr size_t kMaxCached = 512;
+void run_matmul(const MatmulKey& key, const void* A, const void* B, float* C, const float* bias) {
+  ThreadMatmuls& t = t_matmuls;
+  auto it = t.cache.find(key);
+  if (it == t.cache.end()) {
+    if (t.cache.size() >= kMaxCached) t.cache.clear();
+    try {
+      it = t.cache.emplace(key, make_matmul(key)).first;
+    } catch (const dnnl::error& e) {
+      fail("oneDNN matmul {}x{}x{} (row strides {}, {}, {}; {} panels): {}", key.M, key.N, key.K,
+                 key.lda, key.ldb, key.ldc, key.panels, e.what());
+    }
+  }
+  const dnnl::matmul::primitive_desc& pd = it->second.pd;
+  dnnl::memory am(pd.src_desc(), engine(), const_cast<void*>(A)),
+      bm(pd.weights_desc(), engine(), const_cast<void*>(B)), cm(pd.dst_desc(), engine(), C);
+  std::unordered_map<int, dnnl::memory> args{
+      {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
+  if (bias)
+    args[DNNL_ARG_BIAS] = dnnl::memory(pd.bias_desc(), engine(), const_cast<float*>(bias));
+  it->second.prim.execute(t.stream, args);
+  t.stream.wait();
+}
 
 // One row: sigma::to_bf16's bits, 16 lanes at a time (kernels/cpu/bf16_vec.h).
 void row_to_bf16_impl(uint16_t* d, const float* s, int64_t n) {
@@ -150,19 +193,18 @@ void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_c(M, N, beta, C, ldc);
   if (!native_bf16()) return matmul_widened(ta, tb, M, N, K, alpha, A, B, beta, C, ldc, bias);
-  ThreadMatmuls& t = t_matmuls;
-  const MatmulKey key{ta, tb, bias != nullptr, M, N, K, A.ld, B.ld, ldc, alpha, beta};
-  auto it = t.cache.find(key);
-  if (it == t.cache.end()) it = t.cache.emplace(key, make_matmul(key)).first;
-  const dnnl::matmul::primitive_desc& pd = it->second.pd;
-  dnnl::memory am(pd.src_desc(), engine(), const_cast<uint16_t*>(A.p)),
-      bm(pd.weights_desc(), engine(), const_cast<uint16_t*>(B.p)), cm(pd.dst_desc(), engine(), C);
-  std::unordered_map<int, dnnl::memory> args{
-      {DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
-  if (bias)
-    args[DNNL_ARG_BIAS] = dnnl::memory(pd.bias_desc(), engine(), const_cast<float*>(bias));
-  it->second.prim.execute(t.stream, args);
-  t.stream.wait();
+  run_matmul({ta, tb, bias != nullptr, M, N, K, A.ld, B.ld, ldc, alpha, beta}, A.p, B.p, C, bias);
+}
+
+void matmul_f32_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                       const float* B, float beta, float* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) return scale_c(M, N, beta, C, ldc);
+  const int64_t W = kernels::kPanelColumns, whole = N / W * W;
+  if (whole > 0)
+    run_matmul({false, false, false, M, whole, K, lda, W, ldc, 1.0f, beta, whole / W}, A, B, C, nullptr);
+  if (whole < N)  // the last panel, [K, N - whole] row-major
+    gemm(false, false, M, N - whole, K, 1.0f, A, lda, B + whole * K, N - whole, beta, C + whole, ldc);
 }
 
 void to_bf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t rows,
