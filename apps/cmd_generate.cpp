@@ -53,6 +53,7 @@ double resident_bytes() {
 
 void run_generate(GenerateArgs a) {
   ops::use_backend(a.backend);
+  std::jthread warm_up = ops::warm_up_in_background();  // beside the load
   CheckpointInfo info;
   auto model = load_checkpoint_model(a.ckpt, &info);
   model->use_weights(weight_format_from_name(a.precision));
@@ -72,6 +73,7 @@ void run_generate(GenerateArgs a) {
   }
   SIGMA_CHECK(!prompt.empty(), "--prompt is empty");
   GenerateStats st;
+  if (warm_up.joinable()) warm_up.join();
   const auto out = generate(*model, domain, prompt, a.s, !a.no_cache, &st);
   // generate() also ends when the sequence fills the context (there is no sliding window).
   const bool stop_token = !out.empty() && out.back() == a.s.stop_token;

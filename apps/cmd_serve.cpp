@@ -93,6 +93,7 @@ void run_serve(ServeArgs a) {
   sa.sa_flags = SA_RESTART;
   for (int s : {SIGTERM, SIGINT}) ::sigaction(s, &sa, nullptr);
   ops::use_backend(a.backend);
+  std::jthread warm_up = ops::warm_up_in_background();  // beside the loads
   fit_descriptor_limit(a.o);
   serve::Server server(a.o);
   const int port = server.start();
@@ -131,6 +132,7 @@ void run_serve(ServeArgs a) {
     waiter.join();
     throw;
   }
+  if (warm_up.joinable()) warm_up.join();
   std::string listed;
   for (Loaded& m : models) {
     server.serve_model(*m.model, m.tok ? &*m.tok : nullptr, m.name, &m == &models.back(),

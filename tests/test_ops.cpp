@@ -27,6 +27,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -38,6 +39,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -766,6 +768,28 @@ TEST(Ops, EveryOpOfTheFrontHasACase) {
         "adam_step", "copy", "fill", "add_into", "gather_rows", "scatter_rows"})
     EXPECT_TRUE(seen.count(op)) << op;
   EXPECT_EQ(seen.size(), 36u);
+}
+
+// warm_up_in_background runs the active backend's warm_up on a thread of its own (generate and
+// serve overlap it with loading a checkpoint) and nothing where the backend has none; the cpu
+// backend has one (oneDNN's first product generates its code).
+std::atomic<std::thread::id> g_warmed_on{};
+TEST(Ops, WarmUpRunsTheActiveBackendsSetUpOnAThreadOfItsOwn) {
+  EXPECT_NE(ops::backend(ops::BackendKind::Cpu).warm_up, nullptr);
+  ops::Backend b = ops::backend(ops::BackendKind::Cpu);
+  b.warm_up = [] { g_warmed_on = std::this_thread::get_id(); };
+  ops::use_backend(b);
+  {
+    std::jthread t = ops::warm_up_in_background();
+    EXPECT_TRUE(t.joinable());
+  }
+  EXPECT_NE(g_warmed_on.load(), std::thread::id{});
+  EXPECT_NE(g_warmed_on.load(), std::this_thread::get_id());
+  b.warm_up = nullptr;
+  ops::use_backend(b);
+  EXPECT_FALSE(ops::warm_up_in_background().joinable());
+  ops::use_backend(ops::BackendKind::Cpu);
+  std::jthread real = ops::warm_up_in_background();  // the cpu backend's own: a product that runs
 }
 
 // cpu vs ref, element by element, as everywhere and inside a decode step (ops::FewRowKernels:

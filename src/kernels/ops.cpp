@@ -91,6 +91,12 @@ void use_backend(const Backend& b) {
 
 void use_backend(BackendKind kind) { use_backend(backend(resolve(kind))); }
 
+std::jthread warm_up_in_background() {
+  void (*warm_up)() = detail::active->warm_up;
+  if (!warm_up) return {};
+  return std::jthread(warm_up);
+}
+
 void use_backend(std::string_view name) {
   for (BackendKind k : kKinds)
     if (name == backend(k).name) return use_backend(k);

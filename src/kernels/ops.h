@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "core/tensor.h"
@@ -49,6 +50,10 @@ struct Backend {
   // True for an address in this device's memory, which host code may not dereference (not an
   // op: no device work). Null in a host backend, whose device memory is host memory.
   bool (*owns)(const void* p) = nullptr;
+  // Readies the kernels' one-time set-up (cpu: oneDNN generates its sgemm code on the first
+  // product, ~25-30 ms on Zen 3) so that a command can overlap it with loading a checkpoint
+  // (warm_up_in_background below). Null where there is none.
+  void (*warm_up)() = nullptr;
 
   // ---- dense algebra (kernels/cpu/gemm.h) ----
   // C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C (row-major; beta = 0 ignores C).
@@ -238,6 +243,12 @@ void use_backend(BackendKind kind);
 void use_backend(std::string_view name);
 // Installs any table (tests: a cpu backend with one op perturbed). `b` must outlive its use.
 void use_backend(const Backend& b);
+
+// Runs the active backend's warm_up on a thread of its own; joining the thread (its destructor
+// does) waits for it. generate and serve start it before loading the checkpoint: a fresh
+// process's first prompt of more than a few tokens had paid oneDNN's set-up inside its first
+// token's time.
+std::jthread warm_up_in_background();
 
 // The precision of gemm, linear_forward, linear_backward and the flash attention pair below
 // (train.precision): Bf16 sends them to the backend's *_bf16 ops. Softmax, LayerNorm, the loss

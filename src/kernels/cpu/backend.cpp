@@ -33,6 +33,7 @@ const ops::Backend kBackend = {
     .upload = &copy_bytes,
     .download = &copy_bytes,
     .copy_bytes = &copy_bytes,
+    .warm_up = &warm_up_gemm,
     .gemm = &gemm_rows,  // a few rows: the GEMV kernels (gemv.h); more: oneDNN
     .linear_forward = &linear_forward_rows,
     .linear_backward = &linear_backward,

@@ -90,6 +90,11 @@ void gemm_row_tiles(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const
 }
 }  // namespace
 
+void warm_up_gemm() {
+  float a[64] = {}, b[64] = {}, c[64];
+  sgemm_checked(false, 8, 8, 8, 1.0f, a, 8, b, 8, 0.0f, c, 8);
+}
+
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
           int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (M == 0 || N == 0) return;

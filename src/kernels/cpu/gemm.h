@@ -15,6 +15,10 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
           int64_t ldc);
 
+// One small product: oneDNN generates its sgemm code for this CPU on a process's first product
+// (~25-30 ms on Zen 3), once for every thread (ops::warm_up_in_background).
+void warm_up_gemm();
+
 // y[N,out] (+)= x[N,in] @ w[in,out] + b   (b may be null; accumulate adds to y instead of
 // overwriting it). Row strides (Strides, kernels/types.h) default to the logical widths; a
 // column slice of a wider weight (the query layer's K/V part of QKV) passes its own ldw/ldy.
