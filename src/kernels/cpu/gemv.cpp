@@ -881,7 +881,8 @@ inline float widen_head(const int8_t* w, const float* scale, int64_t j, int64_t 
 // y[N, out] (+)= x @ w[in, out] + b on weights in panels (ld.w 0 or out): blocks of whole
 // panels, about kPanelFloats weights, each widened to fp32 and a whole reduction over in. A
 // prompt's chunk (inside a decode step) widens them as panels, which oneDNN reads in place
-// (linear_forward_panels); elsewhere (eval) they go back in rows, for sgemm's row invariance.
+// (linear_forward_panels); elsewhere (eval) they go back in rows for gemm (cpu/gemm.cpp), whose
+// row tiles inside ops::BatchInvariant keep a row's bits whatever the rows beside it.
 template <class W>
 void linear_panels(float* y, const float* x, const W* w, const float* scale, const float* b,
                    int64_t N, int64_t in, int64_t out, bool accumulate, Strides ld) {
@@ -992,8 +993,8 @@ void linear_forward_rows(float* y, const float* x, const float* w, const float* 
 
 // The products on inference copies take the GEMVs where gemm_rows and linear_forward_rows do: a
 // decode step's few rows (ops::FewRowKernels); elsewhere oneDNN: a prompt's chunk on the panels
-// (fp32 in place, bf16 and int8 widened as panels), eval on the copy put back in rows, so that a
-// row's bits do not depend on the rows beside it (sgemm's row invariance).
+// (fp32 in place, bf16 and int8 widened as panels), eval on the copy put back in rows for gemm,
+// so that a row's bits do not depend on the rows beside it (gemm's row tiles).
 namespace {
 bool few_rows(int64_t N) { return N <= kGemvMaxRows && ops::FewRowKernels::on(); }
 }  // namespace
@@ -1006,8 +1007,8 @@ void linear_forward_w16(float* y, const float* x, const uint16_t* w16, const flo
 }
 
 // A prompt's chunk (inside a decode step) reads the panels in place: putting them back in rows
-// took longer than its product at 64 rows (matmul.h). Elsewhere (eval) they go back in rows, for
-// sgemm's row invariance.
+// took longer than its product at 64 rows (matmul.h). Elsewhere (eval) they go back in rows for
+// gemm's row tiles (linear_panels).
 void linear_forward_f32_panels(float* y, const float* x, const float* w, const float* b, int64_t N,
                                int64_t in, int64_t out, bool accumulate, Strides ld) {
   if (few_rows(N)) return gemv_nn_panels(y, x, w, b, N, in, out, accumulate, ld);
