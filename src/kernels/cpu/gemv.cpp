@@ -903,9 +903,9 @@ void linear_panels(float* y, const float* x, const W* w, const float* scale, con
         unpack_panel(dst + (c0 - j0), n, w, scale, c0, width, in);
     });
     if (as_panels)
-      linear_forward_panels(y + j0, x, block.data(), b ? b + j0 : nullptr, N, in, n, accumulate, {ld.x, 0, ldy});
+      linear_forward_panels(y + j0, x, dst, b ? b + j0 : nullptr, N, in, n, accumulate, {ld.x, 0, ldy});
     else
-      linear_forward(y + j0, x, block.data(), b ? b + j0 : nullptr, N, in, n, accumulate, {ld.x, n, ldy});
+      linear_forward(y + j0, x, dst, b ? b + j0 : nullptr, N, in, n, accumulate, {ld.x, n, ldy});
   }
 }
 
