@@ -124,6 +124,22 @@ namespace {
 // A key's or value's element: fp32, or bf16 (a bf16 KV cache) widened exactly.
 inline float kv_at(const float* p, int64_t i) { return p[i]; }
 inline float kv_at(const uint16_t* p, int64_t i) { return from_bf16(p[i]); }
+
+// <q, k> over hd elements in an order written out: 16 lane sums (element c into lane c % 16),
+// then a fixed tree. An `omp simd` reduction leaves the order to the compiler, which chose
+// differently for fp32 and bf16 keys on Zen 5 (-march=znver5), so a bf16 cache no longer gave
+// the bits of its widened values (Attention.Bf16CacheGivesTheBitsOfItsWidenedValues, hd = 4).
+template <class E>
+inline float dot_fixed_order(const float* q, const E* k, int64_t hd) {
+  float lane[16] = {};
+  int64_t c = 0;
+  for (; c + 16 <= hd; c += 16)
+    for (int l = 0; l < 16; ++l) lane[l] += q[c + l] * kv_at(k, c + l);
+  for (int l = 0; c + l < hd; ++l) lane[l] += q[c + l] * kv_at(k, c + l);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
+}
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
@@ -291,13 +307,7 @@ void attention_rows_forward(float* out, float* lse, AttnOperand q, K k, K v, Att
     for (int64_t i = 0; i < Tq; ++i) {
       const float* qi = qb + i * q.ld;
       const int64_t n = off + i + 1;  // keys this row sees
-      for (int64_t j = 0; j < n; ++j) {
-        const E* kj = kb + j * k.ld;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t c = 0; c < hd; ++c) dot += qi[c] * kv_at(kj, c);
-        S[j] = scale * dot;
-      }
+      for (int64_t j = 0; j < n; ++j) S[j] = scale * dot_fixed_order(qi, kb + j * k.ld, hd);
       const float mx = max_of(S, n), sum = exp_shift_sum(S, n, mx);
       lse[bh * Tq + i] = mx + std::log(sum);
       scale_into(S, S, n, 1.0f / sum);
