@@ -2,6 +2,7 @@
 // and bf16 products, forward and backward: milliseconds per call (median of --reps) and the
 // GFLOP/s they execute (the causal half of the key blocks, as run_train_bench.sh counts them).
 //   bench_attention [--B 8] [--T 512] [--H 8] [--hd 64] [--reps 9] [--threads 2]
+//                   [--precision fp32|bf16] (default: both, fp32 first)
 // With --decode L: a batch-1 generation of T positions over L layers' KV caches instead (one
 // query row a layer a step, the calling thread as Model::cached_pass runs it, a layer's weights
 // read between two layers), CPU microseconds a
@@ -75,8 +76,14 @@ int decode_bench(int64_t L, int64_t C, int64_t H, int64_t hd, int reps) {
 int main(int argc, char** argv) {
   int64_t B = 8, T = 512, H = 8, hd = 64;
   int reps = 9, threads = 2, decode = 0;
+  std::string only;  // one precision, or both
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
+    if (k == "--precision") {
+      only = argv[i + 1];
+      if (only != "fp32" && only != "bf16") return fmt::print(stderr, "--precision: fp32 or bf16\n"), 2;
+      continue;
+    }
     const int v = std::stoi(argv[i + 1]);
     if (k == "--B") B = v;
     else if (k == "--T") T = v;
@@ -116,6 +123,7 @@ int main(int argc, char** argv) {
     return ms[ms.size() / 2];
   };
   for (const char* p : {"fp32", "bf16"}) {
+    if (!only.empty() && only != p) continue;
     ops::use_precision(p);
     const double f = time([&] { ops::flash_attention_forward(out.data(), lse.data(), q, k, v, s, scale); });
     const double b = time([&] {
