@@ -144,7 +144,11 @@ cleanup() {
   local rc=$?
   trap - EXIT INT TERM HUP
   sweep_run "$run"
-  kill "$watchdog" 2>/dev/null || true
+  # Swept already, so the watchdog has nothing left to do: killed and reaped before the exit,
+  # so that no process of the run outlives the script (a TERM alone left it alive for a moment
+  # under load, and a caller that looks right after the exit found it).
+  kill -KILL "$watchdog" 2>/dev/null || true
+  wait "$watchdog" 2>/dev/null || true
   exit "$rc"
 }
 trap cleanup EXIT

@@ -63,6 +63,7 @@ for fault in cut kill; do
   # Open MPI's mpirun may wait longer for the daemon it cannot reach: not a rank; ended here.
   kill -TERM "$sim_pid" 2>/dev/null || true
   wait "$sim_pid" 2>/dev/null || true
+  run="sigma-sim-$sim_pid"  # this fault's run: another test's cluster may be up beside it
   sim_pid=""
   grep -v '^\[h0' "$tmp/$fault.log" | head -40
   [[ -z "$left" ]] || fail "$fault: ranks still running 30 s after the fault: $left"
@@ -83,7 +84,7 @@ for fault in cut kill; do
     { cat "$tmp/resume.log"; fail "$fault: resuming $latest on the remaining host's 2 ranks"; }
   [[ -e "$out/checkpoints/step-$(printf %08d $((step + 5)))/manifest.json" ]] ||
     fail "$fault: the resumed run wrote no checkpoint of step $((step + 5))"
-  ip netns list | grep -q "^sigma-sim-" && fail "$fault: namespaces left: $(ip netns list | grep '^sigma-sim-')"
+  ip netns list | grep -q "^$run-" && fail "$fault: namespaces left: $(ip netns list | grep "^$run-")"
   echo "ok: $fault: every rank ended $took s after the fault (dist.timeout_s = $timeout_s); $latest verified and resumed on 2 ranks to step $((step + 5))"
 done
 echo "passed in $(($(date +%s) - start)) s"
