@@ -16,6 +16,7 @@
 #include "device_access.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "kernels/cpu/activation.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/ops.h"
 #include "model/model.h"
@@ -258,6 +259,33 @@ TEST(Bf16Mirror, CopiesGiveTheConversionsBitsAndFollowEachRegistration) {
   product(plain, false);
   EXPECT_EQ(std::memcmp(plain.data(), after.data(), plain.size() * 4), 0)
       << "the product read a stale bf16 copy";
+}
+
+// GELU's output, registered in the mirror (an FFN's hidden activations in bf16 training), gets
+// its bf16 copy written by the GELU pass itself: the bits a conversion would give, and no
+// conversion when a product reads it. Only a live, unconverted mirror of exactly the output
+// range is claimed.
+TEST(Bf16Mirror, GeluWritesTheCopyOfItsRegisteredOutput) {
+  const int64_t n = 2 * 4096 + 77;  // two whole chunks of the kernel and a tail
+  std::vector<float> x(static_cast<size_t>(n)), y(static_cast<size_t>(n), 0.0f);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 3.0f * rng_normal(7, 1, i);
+  cpu::bf16_mirror_add(y.data(), n);
+  const int64_t before = cpu::bf16_mirror_conversions();
+  cpu::fast_gelu_forward(y.data(), x.data(), n);
+  std::vector<uint16_t> scratch;
+  const cpu::Bf16View copy = cpu::bf16_operand(y.data(), 1, n, n, scratch);
+  EXPECT_EQ(cpu::bf16_mirror_conversions(), before) << "the product converted the output again";
+  EXPECT_TRUE(scratch.empty()) << "the product did not read the mirror";
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) wrong += copy.p[i] != to_bf16(y[size_t(i)]);
+  EXPECT_EQ(wrong, 0) << "elements of the copy that are not to_bf16 of the output";
+  cpu::bf16_mirror_clear();
+  cpu::bf16_mirror_add(y.data(), n);
+  EXPECT_EQ(cpu::bf16_mirror_claim(y.data(), n - 1), nullptr) << "a part of the range";
+  EXPECT_EQ(cpu::bf16_mirror_claim(x.data(), n), nullptr) << "an unregistered range";
+  cpu::bf16_operand(y.data(), 1, n, n, scratch);  // converted by a product first
+  EXPECT_EQ(cpu::bf16_mirror_claim(y.data(), n), nullptr) << "an already converted copy";
+  cpu::bf16_mirror_clear();
 }
 
 // linear_backward_bf16 sums dy's columns into db while converting dy (blocks of 256 rows, the

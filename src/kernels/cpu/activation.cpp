@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/vexp.h"
 
@@ -15,12 +16,16 @@ constexpr int64_t kSigmoidChunk = 4096;  // sigmoid scratch per chunk stays in L
 // AVX-512 intrinsics' _mm512_undefined_* merge sources: GCC bug 105593, as in adam.cpp).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// In bf16 training y is registered in the bf16 mirror (Model::mirror): its copy is written here,
+// each chunk while it is in L1, instead of by the next product re-reading y from memory.
 void fast_gelu_forward(float* y, const float* x, int64_t n) {
+  uint16_t* copy = bf16_mirror_claim(y, n);
   parallel_for((n + kSigmoidChunk - 1) / kSigmoidChunk, n * kExpMacs > kParallelMacs, [&](int64_t k) {
     const int64_t c = k * kSigmoidChunk, m = std::min(kSigmoidChunk, n - c);
     float s[kSigmoidChunk];
     sigmoid_scaled(s, x + c, m, kGeluAlpha);
     for (int64_t i = 0; i < m; ++i) y[c + i] = x[c + i] * s[i];
+    if (copy) row_to_bf16(copy + c, y + c, m);
   });
 }
 

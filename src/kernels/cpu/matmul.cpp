@@ -303,6 +303,14 @@ void bf16_mirror_drop(const float* p) {
   ms.live.erase(at);
 }
 
+uint16_t* bf16_mirror_claim(const float* p, int64_t n) {
+  Mirror* m = n > 0 ? find_mirror(p, n) : nullptr;
+  if (!m || m->p != p || m->n != n) return nullptr;
+  bool claimed = false;  // call_once runs the lambda only where no product converted it yet
+  std::call_once(m->converted, [&] { claimed = true; });
+  return claimed ? m->data.data() : nullptr;
+}
+
 void row_to_bf16(uint16_t* dst, const float* src, int64_t n) { row_to_bf16_impl(dst, src, n); }
 
 int64_t bf16_mirror_conversions() { return mirrors().conversions.load(); }

@@ -69,6 +69,12 @@ void bf16_mirror_clear();
 // Drops the range registered at p (its copy kept as a spare): the caller is done reading it
 // and writes it next, so later products must not read the old copy. Unregistered p: no-op.
 void bf16_mirror_drop(const float* p);
+// The copy of the live mirror that is exactly [p, p + n), if it has not been converted yet,
+// marked converted; null otherwise. The caller is about to write [p, p + n) and writes the bf16
+// rounding of each value (to_bf16's bits, row_to_bf16) there too, before any product reads it:
+// the conversion then rides in the producer's own pass instead of reading the fp32 values back
+// (fast_gelu_forward: an FFN's hidden activations in bf16 training). Outside parallel regions.
+uint16_t* bf16_mirror_claim(const float* p, int64_t n);
 // Conversions done since the start (tests: a mirrored weight converts once per registration).
 int64_t bf16_mirror_conversions();
 
