@@ -17,7 +17,9 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "kernels/cpu/activation.h"
+#include "kernels/cpu/layernorm.h"
 #include "kernels/cpu/matmul.h"
+#include "kernels/cpu/xent.h"
 #include "kernels/ops.h"
 #include "model/model.h"
 #include "optim/adamw.h"
@@ -241,12 +243,15 @@ TEST(Bf16Mirror, CopiesGiveTheConversionsBitsAndFollowEachRegistration) {
   std::vector<float> plain, plain_t, mirrored, mirrored_t;
   product(plain, false);
   product(plain_t, true);
-  const int64_t before = cpu::bf16_mirror_conversions();
+  const int64_t before = cpu::bf16_mirror_conversions(), packs = cpu::bf16_mirror_packs();
   ops::bf16_mirror_add(W.data(), int64_t(W.size()));
   product(mirrored, false);
   product(mirrored_t, true);
   product(mirrored, false);
   EXPECT_EQ(cpu::bf16_mirror_conversions() - before, 1) << "three products, one conversion";
+  // As B the copy is packed once per layout (W, and W read transposed) where oneDNN multiplies
+  // bf16; the widened fp32 products of an AVX2-only CPU read it plain.
+  EXPECT_EQ(cpu::bf16_mirror_packs() - packs, cpu::native_bf16() ? 2 : 0);
   EXPECT_EQ(std::memcmp(plain.data(), mirrored.data(), plain.size() * 4), 0);
   EXPECT_EQ(std::memcmp(plain_t.data(), mirrored_t.data(), plain.size() * 4), 0);
   // The weights change (an optimizer step), the owner clears and registers again.
@@ -255,6 +260,7 @@ TEST(Bf16Mirror, CopiesGiveTheConversionsBitsAndFollowEachRegistration) {
   ops::bf16_mirror_add(W.data(), int64_t(W.size()));
   std::vector<float> after;
   product(after, false);
+  EXPECT_EQ(cpu::bf16_mirror_packs() - packs, cpu::native_bf16() ? 3 : 0) << "packed again";
   ops::bf16_mirror_clear();
   product(plain, false);
   EXPECT_EQ(std::memcmp(plain.data(), after.data(), plain.size() * 4), 0)
@@ -285,6 +291,50 @@ TEST(Bf16Mirror, GeluWritesTheCopyOfItsRegisteredOutput) {
   EXPECT_EQ(cpu::bf16_mirror_claim(x.data(), n), nullptr) << "an unregistered range";
   cpu::bf16_operand(y.data(), 1, n, n, scratch);  // converted by a product first
   EXPECT_EQ(cpu::bf16_mirror_claim(y.data(), n), nullptr) << "an already converted copy";
+  cpu::bf16_mirror_clear();
+}
+
+// LayerNorm's output and the loss's dL/dlogits, registered in the mirror (bf16 training: a
+// block's a1 and a2, the final LayerNorm's output, the head's gradient) get their copies from
+// the kernels that write them, as GELU's: to_bf16 of what they wrote, and no conversion when a
+// product reads them. Unregistered, they write no copy and change no bits.
+TEST(Bf16Mirror, LayerNormAndTheLossWriteTheCopiesOfTheirRegisteredOutputs) {
+  const int64_t N = 37, C = 200, V = 1000;
+  std::vector<float> x(static_cast<size_t>(N * C)), w(static_cast<size_t>(C)), b(w.size()),
+      y(x.size()), plain(x.size()), mean(static_cast<size_t>(N)), rstd(mean.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 2.0f * rng_normal(8, 1, i) + 0.5f;
+  for (size_t i = 0; i < w.size(); ++i) {
+    w[i] = 1.0f + 0.1f * rng_normal(8, 2, i);
+    b[i] = 0.1f * rng_normal(8, 3, i);
+  }
+  std::vector<float> logits(static_cast<size_t>(N * V)), grads(logits.size()), loss(mean.size()),
+      scale(mean.size(), 0.25f);
+  std::vector<int32_t> targets(mean.size());
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = 3.0f * rng_normal(8, 4, i);
+  for (size_t i = 0; i < targets.size(); ++i) targets[i] = int32_t((i * 389) % V);
+  cpu::layernorm_forward(plain.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+  std::vector<float> plain_grads = logits;
+  cpu::softmax_xent(plain_grads.data(), loss.data(), targets.data(), scale.data(), N, V);
+
+  grads = logits;
+  cpu::bf16_mirror_add(y.data(), N * C);
+  cpu::bf16_mirror_add(grads.data(), N * V);
+  const int64_t before = cpu::bf16_mirror_conversions();
+  cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+  cpu::softmax_xent(grads.data(), loss.data(), targets.data(), scale.data(), N, V);
+  std::vector<uint16_t> scratch;
+  const cpu::Bf16View y16 = cpu::bf16_operand(y.data(), N, C, C, scratch);
+  const cpu::Bf16View g16 = cpu::bf16_operand(grads.data(), N, V, V, scratch);
+  EXPECT_EQ(cpu::bf16_mirror_conversions(), before) << "a product converted an output again";
+  EXPECT_TRUE(scratch.empty()) << "a product did not read the mirror";
+  EXPECT_EQ(std::memcmp(y.data(), plain.data(), y.size() * 4), 0) << "LayerNorm's output changed";
+  EXPECT_EQ(std::memcmp(grads.data(), plain_grads.data(), grads.size() * 4), 0)
+      << "the loss's gradient changed";
+  int64_t wrong_y = 0, wrong_g = 0;
+  for (int64_t i = 0; i < N * C; ++i) wrong_y += y16.p[i] != to_bf16(y[size_t(i)]);
+  for (int64_t i = 0; i < N * V; ++i) wrong_g += g16.p[i] != to_bf16(grads[size_t(i)]);
+  EXPECT_EQ(wrong_y, 0) << "elements of LayerNorm's copy that are not to_bf16 of its output";
+  EXPECT_EQ(wrong_g, 0) << "elements of the loss's copy that are not to_bf16 of its gradient";
   cpu::bf16_mirror_clear();
 }
 

@@ -414,10 +414,14 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
               "block {}: only the query layer's rest runs apart from its keys and values", l);
   const bool kv_only = part == BlockPart::KeysValues;
 
+  // Registered before LayerNorm writes them: it writes their bf16 copies in its own pass.
+  if (!cache && !recompute) {
+    mirror(acts, k.a1.dev_f(), N * d);
+    mirror(acts, k.a2.dev_f(), N * d);
+  }
   // The query layer's LN1 feeds its keys and values alone: its rest starts at the queries.
   if (part != BlockPart::Rest)
     ops::layernorm_forward(k.a1.dev_f(), k.mean1.dev_f(), k.rstd1.dev_f(), x, w.ln1_w.v, w.ln1_b.v, N, d);
-  if (!cache && !recompute) mirror(acts, k.a1.dev_f(), N * d);
   ops::AttnOperand q;
   // QKV column-parallel: this rank's heads of each of Q, K, V (dl columns each).
   if (!query_layer) {
@@ -460,10 +464,8 @@ void Model::block_forward(int l, const Batch& batch, Activations& acts, KvCache*
   });
   ops::layernorm_forward(k.a2.dev_f(), k.mean2.dev_f(), k.rstd2.dev_f(), k.mid.dev_f(), w.ln2_w.v, w.ln2_b.v, N,
                          d);
-  if (!cache && !recompute) {
-    mirror(acts, k.a2.dev_f(), N * d);
-    if (!w.is_rre()) mirror(acts, k.act.dev_f(), N * fl);  // written whole by FastGelu, then read
-  }
+  if (!cache && !recompute && !w.is_rre())
+    mirror(acts, k.act.dev_f(), N * fl);  // written whole by FastGelu, then read
   float* out = (l + 1 < cfg_.layers) ? acts.blocks[size_t(l) + 1].x.dev_f() : acts.h_final.dev_f();
   ops::copy(out, k.mid.dev_f(), N * d);
   // A cached (inference) pass keeps no books, so concurrent ones share the model (forward_cached).
@@ -557,6 +559,8 @@ static void for_each_slot_run(const ModelConfig& cfg, const Batch& batch, int64_
 void Model::head(const Batch& batch, Activations& a, float* token_loss,
                  const float* loss_weight) {
   const int64_t N = int64_t(batch.B) * batch.T, d = cfg_.d_model, V = cfg_.vocab / tp_.size;
+  // Read by the logits' product and the table's gradient: converted once, by LayerNorm.
+  if (loss_weight) mirror(a, a.hf.dev_f(), N * d);
   ops::layernorm_forward(a.hf.dev_f(), a.meanf.dev_f(), a.rstdf.dev_f(), a.h_final.dev_f(), w_->lnf_w.v,
                          w_->lnf_b.v, N, d);
   for_each_slot_run(cfg_, batch, V, [&](int64_t r0, int64_t rows, int64_t e0) {
@@ -575,6 +579,10 @@ void Model::head(const Batch& batch, Activations& a, float* token_loss,
   if (loss_weight) ops::upload(a.weight_d, loss_weight, size_t(N) * sizeof(float));
   const float* grad_scale = loss_weight ? a.weight_d.dev_f() : nullptr;
   const int32_t* targets = a.targets_d.dev<int32_t>();
+  // dL/dlogits feeds both products of head_backward: in bf16, converted once for the two (by
+  // softmax_xent, as it writes each row; registered before it).
+  if (a.has_grad && ops::precision() == ops::Precision::Bf16)
+    ops::bf16_mirror_add(a.logits.dev_f(), N * V);
   if (!tp_.split()) {
     ops::softmax_xent(a.logits.dev_f(), a.loss_d.dev_f(), targets, grad_scale, N, V);
   } else {  // each rank fills its [N, 3] of the stats, the others stay zero: an exact gather
@@ -586,9 +594,6 @@ void Model::head(const Batch& batch, Activations& a, float* token_loss,
                       tp_.size, N, V);
   }
   if (token_loss) ops::download(token_loss, a.loss_d, size_t(N) * sizeof(float));
-  // dL/dlogits feeds both products of head_backward: in bf16, converted once for the two.
-  if (a.has_grad && ops::precision() == ops::Precision::Bf16)
-    ops::bf16_mirror_add(a.logits.dev_f(), N * V);
 }
 
 // From dL/dlogits to dL/dh of the last block's output, in a.dh. Vocabulary-parallel: dL/d hf

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/parallel.h"
 
 namespace sigma::cpu {
@@ -25,14 +26,19 @@ float row_sq_dev(const float* x, float m, int64_t C) {
 }
 }  // namespace
 
+// In bf16 training the outputs are registered in the bf16 mirror (Model::block_forward, head):
+// each row's copy is written while the row is in L1, instead of by the next product re-reading
+// the output from memory.
 void layernorm_forward(float* out, float* mean, float* rstd, const float* x, const float* w,
                        const float* b, int64_t N, int64_t C) {
+  uint16_t* copy = bf16_mirror_claim(out, N * C);
   auto row = [&](int64_t i) {
     const float* xi = x + i * C;
     const float m = row_sum(xi, C) / C;
     const float r = 1.0f / std::sqrt(row_sq_dev(xi, m, C) / C + kLayerNormEps);
     float* oi = out + i * C;
     for (int64_t j = 0; j < C; ++j) oi[j] = (xi[j] - m) * r * w[j] + b[j];
+    if (copy) row_to_bf16(copy + i * C, oi, C);
     mean[i] = m;
     rstd[i] = r;
   };

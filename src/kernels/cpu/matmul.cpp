@@ -31,7 +31,10 @@ struct MatmulKey {
   int64_t M, N, K, lda, ldb, ldc;
   float alpha, beta;
   int64_t panels = 0;
-  auto tie() const { return std::tie(ta, tb, bias, M, N, K, lda, ldb, ldc, alpha, beta, panels); }
+  bool packed_b = false;  // B in the primitive's own layout (a packed copy of a mirror's B)
+  auto tie() const {
+    return std::tie(ta, tb, bias, M, N, K, lda, ldb, ldc, alpha, beta, panels, packed_b);
+  }
   bool operator<(const MatmulKey& o) const { return tie() < o.tie(); }
 };
 
@@ -43,14 +46,23 @@ dnnl::engine& engine() {
 struct Matmul {
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul prim;
+  dnnl::reorder pack;  // packed_b: B from its plain layout into pd.weights_desc()
 };
+
+// B[K, N] as stored (transposed: [N, K]).
+dnnl::memory::desc plain_b_desc(const MatmulKey& k) {
+  using dims = dnnl::memory::dims;
+  return {{k.K, k.N}, dnnl::memory::data_type::bf16, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1}};
+}
 
 // bf16 A[M, K] times B[K, N] (a transposed operand stored the other way round), fp32 C.
 dnnl::matmul::desc bf16_desc(const MatmulKey& k) {
   using dt = dnnl::memory::data_type;
   using dims = dnnl::memory::dims;
   const dnnl::memory::desc a({k.M, k.K}, dt::bf16, k.ta ? dims{1, k.lda} : dims{k.lda, 1});
-  const dnnl::memory::desc b({k.K, k.N}, dt::bf16, k.tb ? dims{1, k.ldb} : dims{k.ldb, 1});
+  const dnnl::memory::desc b = k.packed_b
+                                   ? dnnl::memory::desc({k.K, k.N}, dt::bf16, dnnl::memory::format_tag::any)
+                                   : plain_b_desc(k);
   const dnnl::memory::desc c({k.M, k.N}, dt::f32, dims{k.ldc, 1});
   if (!k.bias) return dnnl::matmul::desc(a, b, c);
   return dnnl::matmul::desc(a, b, dnnl::memory::desc({1, k.N}, dt::f32, dims{k.N, 1}), c);
@@ -77,7 +89,10 @@ Matmul make_matmul(const MatmulKey& k) {
     attr.set_post_ops(po);
   }
   dnnl::matmul::primitive_desc pd(k.panels ? panels_desc(k) : bf16_desc(k), attr, engine());
-  return {pd, dnnl::matmul(pd)};
+  Matmul m{pd, dnnl::matmul(pd), {}};
+  if (k.packed_b)
+    m.pack = dnnl::reorder(dnnl::reorder::primitive_desc(engine(), plain_b_desc(k), engine(), pd.weights_desc()));
+  return m;
 }
 
 // Without native bf16 products: the same product in fp32 on the widened operands (a product of
@@ -106,11 +121,17 @@ struct ThreadMatmuls {
 };
 thread_local ThreadMatmuls t_matmuls;
 
-// Runs the cached primitive for `key` (created on first use) on A, B and C (and bias).
+struct Mirror;
+const void* packed_b(Mirror* m, const MatmulKey& key, Matmul& mm, const uint16_t* b,
+                     dnnl::stream& stream);
+
+// Runs the cached primitive for `key` (created on first use) on A, B and C (and bias); with
+// key.packed_b, B is a view of mirror `from`, read through its packed copy (packed_b).
 // A training step repeats a few dozen shapes, but prompts of every length reach the panels'
 // products: past kMaxCached shapes a thread's cache starts again.
 constexpr size_t kMaxCached = 512;
-void run_matmul(const MatmulKey& key, const void* A, const void* B, float* C, const float* bias) {
+void run_matmul(const MatmulKey& key, const void* A, const void* B, float* C, const float* bias,
+                Mirror* from = nullptr) {
   ThreadMatmuls& t = t_matmuls;
   auto it = t.cache.find(key);
   if (it == t.cache.end()) {
@@ -123,6 +144,7 @@ void run_matmul(const MatmulKey& key, const void* A, const void* B, float* C, co
     }
   }
   const dnnl::matmul::primitive_desc& pd = it->second.pd;
+  if (key.packed_b) B = packed_b(from, key, it->second, static_cast<const uint16_t*>(B), t.stream);
   dnnl::memory am(pd.src_desc(), engine(), const_cast<void*>(A)),
       bm(pd.weights_desc(), engine(), const_cast<void*>(B)), cm(pd.dst_desc(), engine(), C);
   std::unordered_map<int, dnnl::memory> args{
@@ -144,20 +166,57 @@ void row_to_bf16_impl(uint16_t* d, const float* s, int64_t n) {
 }
 
 // ---- the mirror ----
+// A packed B: the bytes of pd.weights_desc() (64-byte aligned inside), valid while `fresh`.
+struct PackedB {
+  std::vector<uint8_t> bytes;
+  bool fresh = false;
+};
+// A mirror's memory, kept as a spare for the next registration of the same range: its bf16
+// copy and its packed copies by (offset of B in the copy, product).
+struct MirrorBuffers {
+  std::vector<uint16_t> data;
+  std::map<std::pair<int64_t, MatmulKey>, PackedB> packed;
+};
 struct Mirror {
   const float* p;
   int64_t n;
-  std::vector<uint16_t> data;
+  MirrorBuffers buf;
   std::once_flag converted;
+  std::mutex pack_mutex;
 };
 struct MirrorSet {
   std::vector<std::unique_ptr<Mirror>> live;   // sorted by p
-  std::map<std::pair<const float*, int64_t>, std::vector<uint16_t>> spare;  // buffers to reuse
+  std::map<std::pair<const float*, int64_t>, MirrorBuffers> spare;  // buffers to reuse
   std::atomic<int64_t> conversions{0};
+  std::atomic<int64_t> packs{0};
 };
+
 MirrorSet& mirrors() {
   static MirrorSet m;
   return m;
+}
+
+void* align64(std::vector<uint8_t>& v) {
+  return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
+
+// B (a view of m's converted copy) in the layout of key's primitive: reordered on the first
+// product of this registration that reads it so, then reused by every later one (a weight's
+// forward products, or its data gradients' with the transposed layout).
+const void* packed_b(Mirror* m, const MatmulKey& key, Matmul& mm, const uint16_t* b,
+                     dnnl::stream& stream) {
+  std::lock_guard<std::mutex> lock(m->pack_mutex);
+  PackedB& pk = m->buf.packed[{b - m->buf.data.data(), key}];
+  if (!pk.fresh) {
+    pk.bytes.resize(mm.pd.weights_desc().get_size() + 64);
+    dnnl::memory src(plain_b_desc(key), engine(), const_cast<uint16_t*>(b)),
+        dst(mm.pd.weights_desc(), engine(), align64(pk.bytes));
+    mm.pack.execute(stream, src, dst);
+    stream.wait();
+    pk.fresh = true;
+    mirrors().packs.fetch_add(1);
+  }
+  return align64(pk.bytes);
 }
 
 // The live mirror holding [src, src + extent), or null.
@@ -193,7 +252,9 @@ void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_c(M, N, beta, C, ldc);
   if (!native_bf16()) return matmul_widened(ta, tb, M, N, K, alpha, A, B, beta, C, ldc, bias);
-  run_matmul({ta, tb, bias != nullptr, M, N, K, A.ld, B.ld, ldc, alpha, beta}, A.p, B.p, C, bias);
+  MatmulKey key{ta, tb, bias != nullptr, M, N, K, A.ld, B.ld, ldc, alpha, beta};
+  key.packed_b = B.mirror != nullptr;
+  run_matmul(key, A.p, B.p, C, bias, static_cast<Mirror*>(const_cast<void*>(B.mirror)));
 }
 
 void matmul_f32_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
@@ -222,11 +283,11 @@ Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
         // whole range ran on one thread (dL/dlogits: 67 M elements).
         constexpr int64_t kRow = int64_t(1) << 14;
         const int64_t whole = m->n / kRow * kRow;
-        to_bf16(m->data.data(), kRow, m->p, kRow, whole / kRow, kRow);
-        to_bf16(m->data.data() + whole, 0, m->p + whole, 0, 1, m->n - whole);
+        to_bf16(m->buf.data.data(), kRow, m->p, kRow, whole / kRow, kRow);
+        to_bf16(m->buf.data.data() + whole, 0, m->p + whole, 0, 1, m->n - whole);
         mirrors().conversions.fetch_add(1);
       });
-      return {m->data.data() + (src - m->p), ld};
+      return {m->buf.data.data() + (src - m->p), ld, m};
     }
   }
   buf.resize(size_t(rows * cols));
@@ -272,10 +333,11 @@ void bf16_mirror_add(const float* p, int64_t n) {
   m->n = n;
   auto sp = ms.spare.find({p, n});
   if (sp != ms.spare.end()) {
-    m->data = std::move(sp->second);
+    m->buf = std::move(sp->second);
     ms.spare.erase(sp);
+    for (auto& [at, pk] : m->buf.packed) pk.fresh = false;  // the values change: pack again
   } else {
-    m->data.resize(size_t(n));
+    m->buf.data.resize(size_t(n));
   }
   auto at = std::lower_bound(ms.live.begin(), ms.live.end(), p,
                              [](const std::unique_ptr<Mirror>& x, const float* q) { return x->p < q; });
@@ -290,7 +352,7 @@ void bf16_mirror_clear() {
   if (ms.live.empty()) return;  // nothing registered since the last clear: keep the spares
   // Buffers of this registration become the spares of the next (unused spares are freed).
   ms.spare.clear();
-  for (auto& m : ms.live) ms.spare[{m->p, m->n}] = std::move(m->data);
+  for (auto& m : ms.live) ms.spare[{m->p, m->n}] = std::move(m->buf);
   ms.live.clear();
 }
 
@@ -299,7 +361,7 @@ void bf16_mirror_drop(const float* p) {
   auto at = std::lower_bound(ms.live.begin(), ms.live.end(), p,
                              [](const std::unique_ptr<Mirror>& x, const float* q) { return x->p < q; });
   if (at == ms.live.end() || (*at)->p != p) return;
-  ms.spare[{(*at)->p, (*at)->n}] = std::move((*at)->data);
+  ms.spare[{(*at)->p, (*at)->n}] = std::move((*at)->buf);
   ms.live.erase(at);
 }
 
@@ -308,11 +370,12 @@ uint16_t* bf16_mirror_claim(const float* p, int64_t n) {
   if (!m || m->p != p || m->n != n) return nullptr;
   bool claimed = false;  // call_once runs the lambda only where no product converted it yet
   std::call_once(m->converted, [&] { claimed = true; });
-  return claimed ? m->data.data() : nullptr;
+  return claimed ? m->buf.data.data() : nullptr;
 }
 
 void row_to_bf16(uint16_t* dst, const float* src, int64_t n) { row_to_bf16_impl(dst, src, n); }
 
 int64_t bf16_mirror_conversions() { return mirrors().conversions.load(); }
+int64_t bf16_mirror_packs() { return mirrors().packs.load(); }
 
 }  // namespace sigma::cpu

@@ -11,16 +11,21 @@
 
 namespace sigma::cpu {
 
-// A row-major bf16 matrix: element (r, c) at p[r * ld + c].
+// A row-major bf16 matrix: element (r, c) at p[r * ld + c]. `mirror`: set by bf16_operand when
+// the view lies in a live mirror (its values fixed until the mirror is dropped), which lets
+// matmul_bf16 keep the product's own packed layout of it as B (see there).
 struct Bf16View {
   const uint16_t* p;
   int64_t ld;
+  const void* mirror = nullptr;
 };
 
 // C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] (+ bias[N] on every row) + beta * C (row-major;
 // op = transpose when t* is set, i.e. A is stored [K,M] when ta; bias fp32, may be null).
 // K = 0 scales C by beta (and adds no bias: callers with a bias have K > 0). Inside an OpenMP
-// parallel region the product runs on the calling thread only.
+// parallel region the product runs on the calling thread only. A B from the mirror (a weight in
+// bf16 training) is reordered once per registration into the layout oneDNN's kernels read and
+// kept beside the mirror's copy: with a plain B every call repacks it, per block of rows.
 void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16View A,
                  Bf16View B, float beta, float* C, int64_t ldc, const float* bias = nullptr);
 
@@ -77,5 +82,7 @@ void bf16_mirror_drop(const float* p);
 uint16_t* bf16_mirror_claim(const float* p, int64_t n);
 // Conversions done since the start (tests: a mirrored weight converts once per registration).
 int64_t bf16_mirror_conversions();
+// Packed copies of mirrored B operands made since the start (matmul_bf16; 0 without native bf16).
+int64_t bf16_mirror_packs();
 
 }  // namespace sigma::cpu

@@ -3,13 +3,17 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/vexp.h"
 
 namespace sigma::cpu {
 
+// In bf16 training dL/dlogits is registered in the bf16 mirror (Model::head): each row's copy
+// is written here while the row is in L2, instead of by the next product reading it back.
 void softmax_xent(float* logits, float* loss, const int32_t* targets, const float* grad_scale,
                   int64_t N, int64_t V) {
+  uint16_t* copy = grad_scale ? bf16_mirror_claim(logits, N * V) : nullptr;
   parallel_for(N, N * V > kParallelFloats, [&](int64_t i) {
     float* row = logits + i * V;
     const float target_logit = row[targets[i]];
@@ -25,6 +29,7 @@ void softmax_xent(float* logits, float* loss, const int32_t* targets, const floa
     const float g = grad_scale[i];
     scale_into(row, row, V, g / sum);  // softmax * g; zero rows when g = 0
     row[targets[i]] -= g;
+    if (copy) row_to_bf16(copy + i * V, row, V);
   });
 }
 
