@@ -166,16 +166,21 @@ void row_to_bf16_impl(uint16_t* d, const float* s, int64_t n) {
 }
 
 // ---- the mirror ----
-// A packed B: the bytes of pd.weights_desc() (64-byte aligned inside), valid while `fresh`.
+// A packed B: the view at `offset` in the mirror's copy, stored as `plain`, reordered into
+// `packed` (a primitive's weights_desc()); its bytes 64-byte aligned inside, valid while fresh.
+// Products of any row count that read the same view in the same layout share it, so a mirror
+// holds one per layout whatever shapes train (a weight: its forward's and its data gradient's).
 struct PackedB {
+  int64_t offset;
+  dnnl::memory::desc plain, packed;
   std::vector<uint8_t> bytes;
   bool fresh = false;
 };
 // A mirror's memory, kept as a spare for the next registration of the same range: its bf16
-// copy and its packed copies by (offset of B in the copy, product).
+// copy and its packed copies.
 struct MirrorBuffers {
   std::vector<uint16_t> data;
-  std::map<std::pair<int64_t, MatmulKey>, PackedB> packed;
+  std::vector<PackedB> packed;
 };
 struct Mirror {
   const float* p;
@@ -206,11 +211,15 @@ void* align64(std::vector<uint8_t>& v) {
 const void* packed_b(Mirror* m, const MatmulKey& key, Matmul& mm, const uint16_t* b,
                      dnnl::stream& stream) {
   std::lock_guard<std::mutex> lock(m->pack_mutex);
-  PackedB& pk = m->buf.packed[{b - m->buf.data.data(), key}];
+  const int64_t offset = b - m->buf.data.data();
+  const dnnl::memory::desc plain = plain_b_desc(key), packed = mm.pd.weights_desc();
+  auto same = [&](const PackedB& p) { return p.offset == offset && p.plain == plain && p.packed == packed; };
+  auto at = std::find_if(m->buf.packed.begin(), m->buf.packed.end(), same);
+  if (at == m->buf.packed.end()) at = m->buf.packed.insert(at, PackedB{offset, plain, packed, {}, false});
+  PackedB& pk = *at;
   if (!pk.fresh) {
-    pk.bytes.resize(mm.pd.weights_desc().get_size() + 64);
-    dnnl::memory src(plain_b_desc(key), engine(), const_cast<uint16_t*>(b)),
-        dst(mm.pd.weights_desc(), engine(), align64(pk.bytes));
+    pk.bytes.resize(packed.get_size() + 64);
+    dnnl::memory src(plain, engine(), const_cast<uint16_t*>(b)), dst(packed, engine(), align64(pk.bytes));
     mm.pack.execute(stream, src, dst);
     stream.wait();
     pk.fresh = true;
@@ -335,7 +344,7 @@ void bf16_mirror_add(const float* p, int64_t n) {
   if (sp != ms.spare.end()) {
     m->buf = std::move(sp->second);
     ms.spare.erase(sp);
-    for (auto& [at, pk] : m->buf.packed) pk.fresh = false;  // the values change: pack again
+    for (PackedB& pk : m->buf.packed) pk.fresh = false;  // the values change: pack again
   } else {
     m->buf.data.resize(size_t(n));
   }
