@@ -83,7 +83,7 @@ void attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float* dout
 #pragma omp parallel
   {
     std::vector<float> dS(static_cast<size_t>(kRowBlock * Tk));
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)  // as flash_attention_backward
     for (int64_t bh = 0; bh < s.B * s.H; ++bh) {
       const int64_t b = bh / s.H, h = bh % s.H;
       const float* qb = q.p + b * q.bs + h * hd;
@@ -416,7 +416,9 @@ void flash_attention_backward(AttnGrad dq, AttnGrad dk, AttnGrad dv, const float
 #pragma omp parallel
   {
     std::vector<float> P(static_cast<size_t>(kRowBlock * Tk)), dS(P.size());
-#pragma omp for schedule(static)
+    // dynamic: (b, h) pairs cost alike, but a VM's two vCPUs need not run at one speed (Zen 5:
+    // a one-thread product ran 333 and 378 GFLOP/s on its two); any thread gives the same bits.
+#pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < s.B * s.H; ++bh) {  // dk, dv of one (b, h): one thread's
       const int64_t b = bh / s.H, h = bh % s.H;
       const float* qb = q.p + b * q.bs + h * hd;
@@ -593,7 +595,7 @@ void flash_attention_backward_bf16(AttnGrad dq, AttnGrad dk, AttnGrad dv, const 
   {
     AttnBf16Scratch& t = t_attn;
     ensure_tiles(t, Tk);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)  // as flash_attention_backward
     for (int64_t bh = 0; bh < s.B * H; ++bh) {  // dk, dv of one (b, h): one thread's
       const int64_t b = bh / H, h = bh % H;
       const Bf16View qh = qb.head(b, h, H, hd), kh = kb.head(b, h, H, hd),
