@@ -267,6 +267,58 @@ TEST(Bf16Mirror, CopiesGiveTheConversionsBitsAndFollowEachRegistration) {
       << "the product read a stale bf16 copy";
 }
 
+// A range registered every step, dropped or live at the step's clear, keeps its buffer: a fresh
+// one is zeroed and faulted in (a step's activations: ~100 MB a step, on one thread).
+TEST(Bf16Mirror, RangesRegisteredAgainReuseTheirBuffers) {
+  std::vector<float> a(5000, 1.0f), b(7000, 2.0f);
+  ops::bf16_mirror_clear();
+  for (int step = 0; step < 3; ++step) {
+    const int64_t before = cpu::bf16_mirror_allocations();
+    cpu::bf16_mirror_add(a.data(), int64_t(a.size()));
+    cpu::bf16_mirror_add(b.data(), int64_t(b.size()));
+    cpu::bf16_mirror_drop(b.data());  // as the FFN drops its hidden activations in backward
+    cpu::bf16_mirror_clear();
+    EXPECT_EQ(cpu::bf16_mirror_allocations() - before, step == 0 ? 2 : 0) << "step " << step;
+  }
+  cpu::bf16_mirror_clear();  // nothing registered: the spares stay
+  const int64_t before = cpu::bf16_mirror_allocations();
+  cpu::bf16_mirror_add(b.data(), int64_t(b.size()));
+  EXPECT_EQ(cpu::bf16_mirror_allocations(), before);
+  cpu::bf16_mirror_clear();
+}
+
+// Weight gradients (A transposed, up to 2048 rows, a long reduction) run as blocks of rows, one
+// product a thread: the bits must not depend on the thread count, and the product must be the
+// product (blocks that miss rows or overlap would fail both).
+TEST(Bf16Matmul, WeightGradientsInBlocksGiveTheSameBitsOnAnyTeam) {
+  const int64_t tokens = 1024, in = 576, out = 320;  // rows not a multiple of the 64-row blocks' half
+  std::vector<float> x(size_t(tokens * in)), dy(size_t(tokens * out));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = rng_normal(21, 1, i);
+  for (size_t i = 0; i < dy.size(); ++i) dy[i] = rng_normal(21, 2, i);
+  auto dw_with = [&](int threads) {
+    std::vector<float> dw(size_t(in * out), 0.25f);  // accumulated into, as a step's gradients
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    ops::gemm_bf16(true, false, in, out, tokens, 1.0f, x.data(), in, dy.data(), out, 1.0f, dw.data(), out);
+    omp_set_num_threads(saved);
+    return dw;
+  };
+  const std::vector<float> one = dw_with(1), two = dw_with(2);
+  EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * 4), 0) << "bits depend on the team";
+  int64_t far = 0;
+  for (int64_t i = 0; i < in; ++i)
+    for (int64_t j = 0; j < out; ++j) {
+      double ref = 0.25, mag = 0.0;
+      for (int64_t t = 0; t < tokens; ++t) {
+        const double p = double(round_bf16(x[size_t(t * in + i)])) * round_bf16(dy[size_t(t * out + j)]);
+        ref += p;
+        mag += std::abs(p);
+      }
+      far += std::abs(two[size_t(i * out + j)] - ref) > 1e-5 * mag + 1e-6;
+    }
+  EXPECT_EQ(far, 0) << "elements off the exact product of the bf16 operands";
+}
+
 // GELU's output, registered in the mirror (an FFN's hidden activations in bf16 training), gets
 // its bf16 copy written by the GELU pass itself: the bits a conversion would give, and no
 // conversion when a product reads it. Only a live, unconverted mirror of exactly the output

@@ -180,8 +180,11 @@ size_t advise_huge_pages(Tensor& t) {
   return madvise(p, he - hb, kCollapse) == 0 ? size_t(he - hb) : 0;
 }
 
+// Host tensors too through their owner's fill: the CPU backend's runs a large fill (a step's
+// gradients, hundreds of MB) on its threads.
 void zero(Tensor& t) {
-  if (t.device() == Device::Host) return t.zero();
+  const bool host = t.device() == Device::Host;
+  if (host && uintptr_t(t.bytes()) % alignof(float) != 0) return t.zero();
   // Bytes of zero are 0.0f, 0 and +0 bf16 alike: fill as floats, then the odd tail bytes.
   const Backend& b = owner(t.device());
   const size_t n = t.nbytes();

@@ -482,7 +482,7 @@ Bf16Operand convert(AttnOperand x, int64_t B, int64_t rows, int64_t H, int64_t h
                     std::vector<uint16_t>& buf) {
   const int64_t bs = x.bs;
   const int64_t nb = bs == 0 ? 1 : B;
-  buf.resize(size_t(nb * H * rows * hd));
+  grow(buf, size_t(nb * H * rows * hd));
 #pragma omp parallel for collapse(2) schedule(static) if (nb * H * rows * hd > kParallelFloats)
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t h = 0; h < H; ++h)

@@ -191,9 +191,13 @@ struct Mirror {
 };
 struct MirrorSet {
   std::vector<std::unique_ptr<Mirror>> live;   // sorted by p
-  std::map<std::pair<const float*, int64_t>, MirrorBuffers> spare;  // buffers to reuse
+  // Buffers to reuse: those of the last registration (live at its clear, or dropped during it).
+  // A fresh one costs a zeroing pass and page faults (a step's activations: ~100 MB).
+  std::map<std::pair<const float*, int64_t>, MirrorBuffers> spare;
+  std::map<std::pair<const float*, int64_t>, MirrorBuffers> dropped;  // since the last clear
   std::atomic<int64_t> conversions{0};
   std::atomic<int64_t> packs{0};
+  std::atomic<int64_t> allocations{0};
 };
 
 MirrorSet& mirrors() {
@@ -256,14 +260,43 @@ bool native_bf16() {
   return ok;
 }
 
+namespace {
+// A weight gradient (A transposed: X^T dY, the reduction over a step's thousands of tokens)
+// of up to 2048 rows, outside a parallel region, as two blocks of rows, each one product on one
+// thread: oneDNN's team product on the whole (brgemm) splits it by columns, and each thread then
+// copies all of X^T for itself; a block (oneDNN picks its older gemm kernels there) reads only
+// its half. In the benchmark's step (Zen 5, DNNL_VERBOSE): the blocks 620-740 GFLOP/s against
+// 550-625 whole; the tied head's 16 Ki rows gained nothing so, and stay whole. By shape only,
+// and a block's product is one thread's whatever the team, so the bits do not depend on the
+// thread count (they differ from the whole product's in the last place).
+int64_t weight_gradient_parts(bool ta, int64_t M, int64_t K) {
+  return ta && M >= 512 && M <= 2048 && K >= 1024 && !omp_in_parallel() ? 2 : 1;
+}
+}  // namespace
+
 void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, Bf16View A,
                  Bf16View B, float beta, float* C, int64_t ldc, const float* bias) {
   if (M == 0 || N == 0) return;
   if (K == 0) return scale_c(M, N, beta, C, ldc);
   if (!native_bf16()) return matmul_widened(ta, tb, M, N, K, alpha, A, B, beta, C, ldc, bias);
+  Mirror* from = static_cast<Mirror*>(const_cast<void*>(B.mirror));
+  const int64_t parts = weight_gradient_parts(ta, M, K);
+  if (parts > 1) {
+    // Blocks of rows (multiples of 64), each one product on one thread, handed out in turn.
+    const int64_t rows = (M / parts + 63) / 64 * 64;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t m0 = p * rows, m = std::min(M, m0 + rows) - m0;
+      if (m <= 0) continue;
+      MatmulKey key{ta, tb, bias != nullptr, m, N, K, A.ld, B.ld, ldc, alpha, beta};
+      key.packed_b = from != nullptr;
+      run_matmul(key, A.p + m0, B.p, C + m0 * ldc, bias, from);  // A stored [K, M]: columns m0..
+    }
+    return;
+  }
   MatmulKey key{ta, tb, bias != nullptr, M, N, K, A.ld, B.ld, ldc, alpha, beta};
-  key.packed_b = B.mirror != nullptr;
-  run_matmul(key, A.p, B.p, C, bias, static_cast<Mirror*>(const_cast<void*>(B.mirror)));
+  key.packed_b = from != nullptr;
+  run_matmul(key, A.p, B.p, C, bias, from);
 }
 
 void matmul_f32_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
@@ -299,7 +332,7 @@ Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
       return {m->buf.data.data() + (src - m->p), ld, m};
     }
   }
-  buf.resize(size_t(rows * cols));
+  grow(buf, size_t(rows * cols));
   to_bf16(buf.data(), cols, src, ld, rows, cols);
   return {buf.data(), cols};
 }
@@ -314,7 +347,7 @@ Bf16View bf16_operand_column_sums(const float* src, int64_t rows, int64_t cols, 
   // while they are in L1, then the blocks' sums are added in block order.
   constexpr int64_t kRows = 256;
   const int64_t blocks = (rows + kRows - 1) / kRows;
-  buf.resize(size_t(rows * cols));
+  grow(buf, size_t(rows * cols));
   thread_local std::vector<float> partial;
   partial.assign(size_t(blocks * cols), 0.0f);
   uint16_t* dst = buf.data();
@@ -340,13 +373,17 @@ void bf16_mirror_add(const float* p, int64_t n) {
   auto m = std::make_unique<Mirror>();
   m->p = p;
   m->n = n;
-  auto sp = ms.spare.find({p, n});
-  if (sp != ms.spare.end()) {
+  auto reuse = [&](auto& pool) {
+    auto sp = pool.find({p, n});
+    if (sp == pool.end()) return false;
     m->buf = std::move(sp->second);
-    ms.spare.erase(sp);
+    pool.erase(sp);
     for (PackedB& pk : m->buf.packed) pk.fresh = false;  // the values change: pack again
-  } else {
+    return true;
+  };
+  if (!reuse(ms.spare) && !reuse(ms.dropped)) {
     m->buf.data.resize(size_t(n));
+    ms.allocations.fetch_add(1);
   }
   auto at = std::lower_bound(ms.live.begin(), ms.live.end(), p,
                              [](const std::unique_ptr<Mirror>& x, const float* q) { return x->p < q; });
@@ -358,9 +395,11 @@ void bf16_mirror_add(const float* p, int64_t n) {
 
 void bf16_mirror_clear() {
   MirrorSet& ms = mirrors();
-  if (ms.live.empty()) return;  // nothing registered since the last clear: keep the spares
+  // nothing registered since the last clear: keep the spares
+  if (ms.live.empty() && ms.dropped.empty()) return;
   // Buffers of this registration become the spares of the next (unused spares are freed).
-  ms.spare.clear();
+  ms.spare = std::move(ms.dropped);
+  ms.dropped.clear();
   for (auto& m : ms.live) ms.spare[{m->p, m->n}] = std::move(m->buf);
   ms.live.clear();
 }
@@ -370,7 +409,7 @@ void bf16_mirror_drop(const float* p) {
   auto at = std::lower_bound(ms.live.begin(), ms.live.end(), p,
                              [](const std::unique_ptr<Mirror>& x, const float* q) { return x->p < q; });
   if (at == ms.live.end() || (*at)->p != p) return;
-  ms.spare[{(*at)->p, (*at)->n}] = std::move((*at)->buf);
+  ms.dropped[{(*at)->p, (*at)->n}] = std::move((*at)->buf);
   ms.live.erase(at);
 }
 
@@ -386,5 +425,6 @@ void row_to_bf16(uint16_t* dst, const float* src, int64_t n) { row_to_bf16_impl(
 
 int64_t bf16_mirror_conversions() { return mirrors().conversions.load(); }
 int64_t bf16_mirror_packs() { return mirrors().packs.load(); }
+int64_t bf16_mirror_allocations() { return mirrors().allocations.load(); }
 
 }  // namespace sigma::cpu

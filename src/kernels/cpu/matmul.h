@@ -6,6 +6,7 @@
 //   bf16_operand and multiply here.
 // - fp32 products on weights in column panels (a prompt's products on decode's fp32 copies).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -51,6 +52,12 @@ void to_bf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t 
 // One row of to_bf16, on the calling thread.
 void row_to_bf16(uint16_t* dst, const float* src, int64_t n);
 
+// Scratch that only grows: a vector resized down and up again zero-fills each growth, and a
+// step's operands alternate sizes (2 M and 8 M elements), a serial pass over megabytes a call.
+inline void grow(std::vector<uint16_t>& v, std::size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
 // A bf16 view of the fp32 matrix src[rows, cols] (row stride ld): the elements of a registered
 // mirror when src lies in one (bf16_mirror_add), else a conversion into buf (resized).
 Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
@@ -84,5 +91,8 @@ uint16_t* bf16_mirror_claim(const float* p, int64_t n);
 int64_t bf16_mirror_conversions();
 // Packed copies of mirrored B operands made since the start (matmul_bf16; 0 without native bf16).
 int64_t bf16_mirror_packs();
+// Copies allocated since the start: a range registered again after a clear, dropped or not,
+// reuses its buffer from the registration before (tests).
+int64_t bf16_mirror_allocations();
 
 }  // namespace sigma::cpu

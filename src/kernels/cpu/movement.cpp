@@ -1,5 +1,7 @@
 #include "kernels/cpu/movement.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -15,8 +17,14 @@ void copy_bytes(void* dst, const void* src, size_t bytes) {
   if (bytes) std::memcpy(dst, src, bytes);
 }
 
+// Large fills (a step's gradients and accumulators: hundreds of MB) on the team: one thread's
+// stores do not reach the memory's write bandwidth, and the other thread would wait idle.
 void fill(float* dst, float value, int64_t n) {
-  if (n > 0) std::fill(dst, dst + n, value);
+  constexpr int64_t kChunk = int64_t(1) << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  parallel_for(chunks, n > kParallelFloats && !omp_in_parallel(), [&](int64_t c) {
+    std::fill(dst + c * kChunk, dst + std::min(n, (c + 1) * kChunk), value);
+  });
 }
 
 void add_into(float* dst, const float* src, int64_t n) {
