@@ -280,23 +280,18 @@ void matmul_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
   if (K == 0) return scale_c(M, N, beta, C, ldc);
   if (!native_bf16()) return matmul_widened(ta, tb, M, N, K, alpha, A, B, beta, C, ldc, bias);
   Mirror* from = static_cast<Mirror*>(const_cast<void*>(B.mirror));
+  auto rows = [&](int64_t m0, int64_t m) {  // rows [m0, m0 + m) of C; A stored [K, M] when ta
+    MatmulKey key{ta, tb, bias != nullptr, m, N, K, A.ld, B.ld, ldc, alpha, beta};
+    key.packed_b = from != nullptr;
+    run_matmul(key, A.p + (ta ? m0 : m0 * A.ld), B.p, C + m0 * ldc, bias, from);
+  };
   const int64_t parts = weight_gradient_parts(ta, M, K);
-  if (parts > 1) {
-    // Blocks of rows (multiples of 64), each one product on one thread, handed out in turn.
-    const int64_t rows = (M / parts + 63) / 64 * 64;
+  if (parts == 1) return rows(0, M);
+  // Blocks of rows (multiples of 64), each one product on one thread, handed out in turn.
+  const int64_t block = (M / parts + 63) / 64 * 64;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t p = 0; p < parts; ++p) {
-      const int64_t m0 = p * rows, m = std::min(M, m0 + rows) - m0;
-      if (m <= 0) continue;
-      MatmulKey key{ta, tb, bias != nullptr, m, N, K, A.ld, B.ld, ldc, alpha, beta};
-      key.packed_b = from != nullptr;
-      run_matmul(key, A.p + m0, B.p, C + m0 * ldc, bias, from);  // A stored [K, M]: columns m0..
-    }
-    return;
-  }
-  MatmulKey key{ta, tb, bias != nullptr, M, N, K, A.ld, B.ld, ldc, alpha, beta};
-  key.packed_b = from != nullptr;
-  run_matmul(key, A.p, B.p, C, bias, from);
+  for (int64_t p = 0; p < parts; ++p)
+    if (p * block < M) rows(p * block, std::min(M, (p + 1) * block) - p * block);
 }
 
 void matmul_f32_panels(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,

@@ -59,7 +59,7 @@ inline void grow(std::vector<uint16_t>& v, std::size_t n) {
 }
 
 // A bf16 view of the fp32 matrix src[rows, cols] (row stride ld): the elements of a registered
-// mirror when src lies in one (bf16_mirror_add), else a conversion into buf (resized).
+// mirror when src lies in one (bf16_mirror_add), else a conversion into buf (grown to fit).
 Bf16View bf16_operand(const float* src, int64_t rows, int64_t cols, int64_t ld,
                       std::vector<uint16_t>& buf);
 
